@@ -1,0 +1,71 @@
+"""Source -> cached module -> kernel handle.
+
+``generated_path`` names the file a variant's source lives in: a content-hash directory
+(``<cache>/generated/<sha256 of the source>/<variant id>.py``), so a given source text
+is written once and two versions of a template never collide.  ``write_source`` writes
+it atomically (temp file + rename, write-if-different), which is safe when several
+processes compile at once.  ``load`` imports the module and is memoized per process:
+each variant is compiled (by Triton, on first launch) once per process; Triton's own
+on-disk cache keeps the binary across processes.
+
+The cache directory is ``$FLASHGEN_CACHE_DIR`` or ``~/.cache/flashgen``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from . import render
+from .spec import Variant
+
+_lock = threading.Lock()
+_modules: dict[str, ModuleType] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLASHGEN_CACHE_DIR") or Path.home() / ".cache" / "flashgen")
+
+
+def generated_path(variant: Variant, source: str) -> Path:
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    return cache_dir() / "generated" / digest / f"{variant.id}.py"
+
+
+def write_source(path: Path, source: str) -> None:
+    """Write ``source`` to ``path`` unless it already holds exactly that text."""
+    if path.exists() and path.read_text() == source:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+
+
+def load(variant: Variant) -> ModuleType:
+    """The imported module of ``variant`` (rendered and written on first use)."""
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    cache_key = f"{variant.id}@{render.template_hash(variant.spec.kernel)}@{int(interp)}"
+    mod = _modules.get(cache_key)
+    if mod is not None:
+        return mod
+    with _lock:
+        mod = _modules.get(cache_key)
+        if mod is None:
+            source = render.render(variant)
+            path = generated_path(variant, source)
+            write_source(path, source)
+            name = f"flashgen_generated.{path.parent.name}.{variant.id}{'_interp' if interp else ''}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+            _modules[cache_key] = mod
+    return mod

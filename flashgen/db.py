@@ -1,0 +1,261 @@
+"""The tuning database: one SQLite table of measurements (the only sqlite_utils user).
+
+Each row is one (ProblemKey, exact shape, Variant) measured in one environment
+(:class:`flashgen.env.Environment`), with its status (``spec.STATUSES``), median time
+(ms), achieved TFLOP/s, error vs the reference, the modelled and compiled shared memory
+(bytes) and the environment columns.  Rows are only ever appended: nothing here updates
+or deletes a row.  Two processes may write one file at once: the database runs in WAL
+mode with a busy timeout, and each ``record`` is one transaction.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sqlite3
+import urllib.parse
+from pathlib import Path
+
+import sqlite_utils
+
+from .env import MATCH_COLUMNS, Environment
+from .spec import KERNELS, Measurement, ProblemKey, Shape, TileConfig, Variant, attention_flops
+
+TABLE = "measurements"
+BUSY_TIMEOUT_S = 60.0
+
+COLUMNS: dict[str, type] = {
+    "id": int, "created_at": str,
+    # ProblemKey.as_row()
+    "key": str, "kernel": str, "dtype": str, "head_dim": int, "head_dim_v": int, "mask": str,
+    "group_size": int, "seqlen_q_bucket": int, "seqlen_k_bucket": int, "batch_heads_bucket": int,
+    # Variant
+    "variant_id": str, "BLOCK_M": int, "BLOCK_N": int, "num_warps": int, "num_stages": int,
+    # the exact shape measured
+    "batch": int, "num_heads": int, "num_kv_heads": int, "seqlen_q": int, "seqlen_k": int,
+    # Measurement
+    "status": str, "median_ms": float, "tflops": float, "max_abs_err": float,
+    "smem_bytes_model": int, "smem_bytes_compiled": int, "n_spills": int, "n_regs": int,
+    "error": str,
+    # Environment
+    "gpu_name": str, "compute_capability": str, "sm_count": int, "triton_version": str,
+    "torch_version": str, "flashgen_version": str, "template_hash": str,
+}
+ENV_COLUMNS = ("gpu_name", "compute_capability", "sm_count", "triton_version", "torch_version",
+               "flashgen_version", "template_hash")
+#: A row's identity across databases (``merge_from`` skips rows already present).
+IDENTITY = ("key", "variant_id", *ENV_COLUMNS, "created_at")
+#: The columns that group rows into one environment (what ``Environment.matches`` checks).
+_ENV_GROUP = (*MATCH_COLUMNS, "template_hash")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+def _key_id(key: ProblemKey | str) -> str:
+    return key if isinstance(key, str) else key.id
+
+
+def _connect_readonly(path: Path) -> sqlite3.Connection:
+    """A read-only connection; falls back to ``immutable=1`` for a WAL-mode file in a
+    directory where SQLite cannot create the -shm file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no tuning database at {path}")
+    uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
+    try:
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        return conn
+    except sqlite3.OperationalError:
+        conn.close()
+        return sqlite3.connect(uri + "&immutable=1", uri=True)
+
+
+def _env_where(env: Environment) -> tuple[str, list]:
+    """SQL condition (and its parameters) selecting the rows that ``env`` matches."""
+    params: list = [getattr(env, c) for c in MATCH_COLUMNS]
+    cond = " AND ".join(f"[{c}] = ?" for c in MATCH_COLUMNS)
+    per_kernel = []
+    for k in KERNELS:
+        per_kernel.append("([kernel] = ? AND [template_hash] = ?)")
+        params += [k, env.template_hash(k)]
+    return f"({cond} AND ({' OR '.join(per_kernel)}))", params
+
+
+class TuningDB:
+    """Append-only store of measurements at ``path``.
+
+    Writable (the default when possible): the file and its parent directories are
+    created if missing.  ``readonly=True``, or None with a file that exists but is not
+    writable (a DB shipped inside an installed package), opens it for reading only.
+    """
+
+    def __init__(self, path: str | Path, readonly: bool | None = None):
+        self.path = Path(path)
+        if readonly is None:
+            readonly = self.path.exists() and not (
+                os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
+        self.readonly = readonly
+        if readonly:
+            self._conn = _connect_readonly(self.path)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
+        self.db = sqlite_utils.Database(self._conn)
+        self._t = self.db.table(TABLE)
+        if not readonly:
+            self.db.enable_wal()
+            self._t.create(COLUMNS, pk="id", if_not_exists=True)
+            self._t.create_index(["key"], if_not_exists=True)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "TuningDB":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- writing ----------------------------------------------------------------------
+
+    def record(self, key: ProblemKey, shape: Shape, variant: Variant, measurement: Measurement,
+               env: Environment, smem_bytes_model: int) -> int:
+        """Append one measurement (one transaction) and return its row id.
+
+        ``tflops`` is derived from ``shape`` and ``measurement.median_ms`` (ok rows only)
+        with :func:`flashgen.spec.attention_flops` for ``key.spec.kernel``.
+        """
+        if variant.spec != key.spec:
+            raise ValueError(f"variant {variant.id} does not belong to key {key.id}")
+        s, m = key.spec, measurement
+        tflops = None
+        if m.status == "ok" and m.median_ms:
+            flops = attention_flops(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k,
+                                    s.head_dim, s.head_dim_v, causal=s.mask == "causal",
+                                    kernel=s.kernel)
+            tflops = flops / (m.median_ms * 1e-3) / 1e12
+        row = {
+            "created_at": _now(), **key.as_row(), "variant_id": variant.id,
+            **variant.config.as_dict(),
+            "batch": shape.batch, "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
+            "seqlen_q": shape.seqlen_q, "seqlen_k": shape.seqlen_k,
+            "status": m.status, "median_ms": m.median_ms, "tflops": tflops,
+            "max_abs_err": m.max_abs_err, "smem_bytes_model": int(smem_bytes_model),
+            "smem_bytes_compiled": m.smem_bytes_compiled, "n_spills": m.n_spills,
+            "n_regs": m.n_regs, "error": m.error, **env.as_row(s.kernel),
+        }
+        return self._t.insert(row).last_rowid
+
+    def merge_from(self, other_path: str | Path) -> int:
+        """Append the rows of another tuning DB that this one lacks (identity:
+        :data:`IDENTITY`); returns how many were added.  ``other_path`` is opened
+        read-only and left unchanged."""
+        cols = [c for c in COLUMNS if c != "id"]
+        have = {tuple(r) for r in self._conn.execute(
+            f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
+        src = _connect_readonly(Path(other_path))
+        src.row_factory = sqlite3.Row
+        try:
+            new = []
+            for r in src.execute(f"SELECT * FROM {TABLE} ORDER BY id"):
+                r = dict(r)
+                ident = tuple(r.get(c) for c in IDENTITY)
+                if ident not in have:
+                    have.add(ident)
+                    new.append({c: r.get(c) for c in cols})
+        finally:
+            src.close()
+        with self._conn:
+            self._conn.executemany(
+                f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
+                f"VALUES ({', '.join('?' * len(cols))})",
+                [tuple(r[c] for c in cols) for r in new])
+        return len(new)
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _select(self, where: list[str], params: list, order_by: str = "id",
+                limit: int | None = None) -> list[dict]:
+        return list(self._t.rows_where(" AND ".join(where) or None, params, order_by=order_by,
+                                       limit=limit))
+
+    def get(self, row_id: int) -> dict:
+        return self._t.get(row_id)
+
+    @staticmethod
+    def _filters(key: ProblemKey | str | None = None, key_contains: str | None = None,
+                 status: str | None = None, variant_id: str | None = None,
+                 env: Environment | None = None) -> tuple[list[str], list]:
+        where, params = [], []
+        for col, val in (("key", key and _key_id(key)), ("status", status),
+                         ("variant_id", variant_id)):
+            if val is not None:
+                where.append(f"[{col}] = ?")
+                params.append(val)
+        if key_contains:
+            where.append("instr([key], ?) > 0")
+            params.append(key_contains)
+        if env is not None:
+            cond, p = _env_where(env)
+            where.append(cond)
+            params += p
+        return where, params
+
+    def rows(self, *, key: ProblemKey | str | None = None, key_contains: str | None = None,
+             status: str | None = None, variant_id: str | None = None,
+             env: Environment | None = None) -> list[dict]:
+        """Rows matching every given filter (``env``: :meth:`Environment.matches`), oldest
+        first."""
+        return self._select(*self._filters(key, key_contains, status, variant_id, env))
+
+    def best(self, key: ProblemKey | str, env: Environment | None = None) -> dict | None:
+        """The ok row of ``key`` with the lowest median_ms, among rows matching ``env``
+        (any environment when None); None when there is none."""
+        where, params = self._filters(key=key, status="ok", env=env)
+        where.append("[median_ms] IS NOT NULL")
+        rows = self._select(where, params, order_by="median_ms, id", limit=1)
+        return rows[0] if rows else None
+
+    def best_rows(self, env: Environment | None = None,
+                  key_contains: str | None = None) -> list[dict]:
+        """The best ok row per key (per key and environment when ``env`` is None), by key,
+        in one query."""
+        where, params = self._filters(key_contains=key_contains, status="ok", env=env)
+        where.append("[median_ms] IS NOT NULL")
+        part = ", ".join(f"[{c}]" for c in ("key", *_ENV_GROUP))
+        sql = (f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY {part} "
+               f"ORDER BY [median_ms], [id]) AS _rank FROM {TABLE} WHERE {' AND '.join(where)}) "
+               f"WHERE _rank = 1 ORDER BY [key], [gpu_name], [id]")
+        out = []
+        for r in self.db.query(sql, params):
+            r.pop("_rank")
+            out.append(r)
+        return out
+
+    def best_configs(self, env: Environment) -> dict[str, tuple[TileConfig, dict]]:
+        """key id -> (best TileConfig, its row) for every key with an ok row in ``env``
+        (one query; what the dispatcher loads)."""
+        return {r["key"]: (TileConfig.from_dict(r), r) for r in self.best_rows(env)}
+
+    def lookup(self, key: ProblemKey | str, variant_id: str, env: Environment) -> dict | None:
+        """An existing measurement of ``variant_id`` for ``key`` in ``env`` (an ok row if
+        there is one, else the latest), or None: the tuner reuses it instead of measuring
+        again."""
+        rows = self._select(*self._filters(key=key, variant_id=variant_id, env=env),
+                            order_by="[status] = 'ok' DESC, id DESC", limit=1)
+        return rows[0] if rows else None
+
+    def count_ok(self, env: Environment | None = None) -> int:
+        """Number of ok rows (in ``env``, or in any environment)."""
+        return self.status_counts(env=env).get("ok", 0)
+
+    def status_counts(self, env: Environment | None = None,
+                      key_contains: str | None = None) -> dict[str, int]:
+        """status -> number of rows (optionally filtered like :meth:`rows`)."""
+        where, params = self._filters(key_contains=key_contains, env=env)
+        sql = f"SELECT [status], COUNT(*) AS n FROM {TABLE}"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return {r["status"]: r["n"] for r in self.db.query(sql + " GROUP BY [status]", params)}

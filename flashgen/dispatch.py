@@ -1,0 +1,175 @@
+"""ProblemKey -> TileConfig, memoized: in-memory cache <- tuning databases <- nearest
+tuned bucket <- heuristic default.
+
+Databases: every ``*.sqlite`` shipped in ``tuning_db/`` (package data), plus the user's
+database named by ``$FLASHGEN_DB`` or :func:`add_database`.  Rows count only when their
+environment (GPU name, compute capability, Triton version, template hash) matches this
+process; the others are ignored, with one warning per database.  A database is read
+once and read again when its file changes (checked on a cache miss only, so the hot
+path is one dict lookup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import heuristics, resources
+from .spec import ProblemKey, TileConfig, Variant
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the dispatcher picked for a key, and why."""
+
+    key: ProblemKey
+    config: TileConfig
+    source: str  # "tuned" | "nearest" | "default"
+    tuned_key: str | None = None  # the key of the row used (nearest bucket)
+    median_ms: float | None = None
+    tflops: float | None = None
+    database: str | None = None
+    smem_bytes: int = 0
+    smem_breakdown: str = ""
+
+
+def shipped_databases() -> list[Path]:
+    """The tuning databases shipped with flashgen (``tuning_db/*.sqlite``)."""
+    try:
+        d = Path(str(importlib.resources.files("flashgen.tuning_db")))
+    except ModuleNotFoundError:
+        d = Path(__file__).resolve().parent.parent / "tuning_db"
+    if not d.is_dir():
+        d = Path(__file__).resolve().parent.parent / "tuning_db"
+    return sorted(d.glob("*.sqlite")) if d.is_dir() else []
+
+
+class Dispatcher:
+    def __init__(self, databases: list[Path] | None = None, env=None, arch=None):
+        self._explicit = None if databases is None else [Path(p) for p in databases]
+        self._env = env
+        self._arch = arch
+        self._cache: dict[ProblemKey, Choice] = {}
+        self._tables: dict[Path, tuple[float, dict]] = {}  # path -> (mtime, {key_id: (cfg, row)})
+        self._warned: set[Path] = set()
+        self._lock = threading.Lock()
+
+    # -- environment -------------------------------------------------------------
+    @property
+    def env(self):
+        if self._env is None:
+            from .env import Environment
+
+            self._env = Environment.current()
+        return self._env
+
+    @property
+    def arch(self):
+        if self._arch is None:
+            from .arch import current
+
+            self._arch = current()
+        return self._arch
+
+    def databases(self) -> list[Path]:
+        if self._explicit is not None:
+            return self._explicit
+        dbs = shipped_databases()
+        user = os.environ.get("FLASHGEN_DB")
+        if user:
+            dbs = [Path(user)] + dbs  # the user's rows win ties
+        return dbs
+
+    def add_database(self, path) -> None:
+        """Also read ``path`` (first: its rows win over the shipped ones)."""
+        self._explicit = [Path(path)] + self.databases()
+        self.clear()
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._tables.clear()
+
+    # -- database reading --------------------------------------------------------
+    def _table(self, path: Path) -> dict:
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            return {}
+        hit = self._tables.get(path)
+        if hit is not None and hit[0] == mtime:
+            return hit[1]
+        from .db import TuningDB
+
+        db = TuningDB(path)
+        table = db.best_configs(self.env)
+        if not table and path not in self._warned and db.count_ok() > 0:
+            self._warned.add(path)
+            warnings.warn(f"flashgen: tuning database {path} has no rows for this environment "
+                          f"({self.env.gpu_name}, cc {self.env.compute_capability}, triton "
+                          f"{self.env.triton_version}); its rows are ignored", stacklevel=3)
+        self._tables[path] = (mtime, table)
+        return table
+
+    def _lookup(self, key: ProblemKey) -> Choice | None:
+        tables = [(p, self._table(p)) for p in self.databases()]
+        best = None
+        for path, table in tables:
+            hit = table.get(key.id)
+            if hit is not None:
+                cfg, row = hit
+                if best is None or row["median_ms"] < best.median_ms:
+                    best = Choice(key, cfg, "tuned", key.id, row["median_ms"], row.get("tflops"), str(path))
+        if best is not None:
+            return best
+        # Nearest tuned bucket of the same kernel spec and GQA group (log2 distance).
+        near, near_d = None, math.inf
+        for path, table in tables:
+            for key_id, (cfg, row) in table.items():
+                other = ProblemKey.from_row(row)
+                if other.spec != key.spec or other.group != key.group:
+                    continue
+                d = (abs(math.log2(other.seqlen_q / key.seqlen_q)) + abs(math.log2(other.seqlen_k / key.seqlen_k))
+                     + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)))
+                if d < near_d:
+                    near, near_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
+        return near
+
+    # -- the hot path ------------------------------------------------------------
+    def choose(self, key: ProblemKey) -> Choice:
+        """The Choice for ``key`` (memoized)."""
+        choice = self._cache.get(key)
+        if choice is not None:
+            return choice
+        with self._lock:
+            choice = self._lookup(key)
+            if choice is None:
+                choice = Choice(key, heuristics.default_config(key.spec, self.arch), "default")
+            est = resources.estimate(Variant(key.spec, choice.config), self.arch)
+            choice = dataclasses.replace(choice, smem_bytes=est.total_bytes, smem_breakdown=est.breakdown())
+            self._cache[key] = choice
+        return choice
+
+    def config_for(self, key: ProblemKey) -> TileConfig:
+        return self.choose(key).config
+
+
+_default: Dispatcher | None = None
+
+
+def default_dispatcher() -> Dispatcher:
+    global _default
+    if _default is None:
+        _default = Dispatcher()
+    return _default
+
+
+def set_default_dispatcher(d: Dispatcher | None) -> None:
+    """Replace the process-wide dispatcher (None: a fresh one on next use)."""
+    global _default
+    _default = d

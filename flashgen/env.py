@@ -1,0 +1,58 @@
+"""The environment a measurement was taken in (FlashInfer's tuning-file header).
+
+Every tuning-database row carries one; a row is reused only when the GPU, its compute
+capability, the Triton version and the kernel's template hash all match the current
+ones.  Rows from another environment are ignored, never silently reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from . import render
+
+#: Row columns that must equal the current environment for a row to be reused
+#: (besides ``template_hash``, which is per kernel).
+MATCH_COLUMNS = ("gpu_name", "compute_capability", "triton_version")
+
+
+@dataclass(frozen=True)
+class Environment:
+    gpu_name: str  # e.g. "NVIDIA H200"
+    compute_capability: str  # e.g. "9.0"
+    sm_count: int
+    triton_version: str
+    torch_version: str
+    flashgen_version: str
+
+    @classmethod
+    def current(cls) -> "Environment":
+        """The live device (:func:`flashgen.arch.current`) and installed versions."""
+        import torch
+        import triton
+
+        from . import __version__
+        from .arch import current
+
+        a = current()
+        return cls(a.name, "%d.%d" % a.compute_capability, a.sm_count, triton.__version__,
+                   torch.__version__, __version__)
+
+    def template_hash(self, kernel: str) -> str:
+        """The current hash of ``kernel``'s template (read at record time)."""
+        return render.template_hash(kernel)
+
+    def match_fields(self, kernel: str) -> dict[str, str]:
+        """Column -> value that a row of ``kernel`` must have to match this environment."""
+        d = {c: getattr(self, c) for c in MATCH_COLUMNS}
+        d["template_hash"] = self.template_hash(kernel)
+        return d
+
+    def matches(self, row: dict) -> bool:
+        """Whether a tuning-DB row was measured in this environment."""
+        return all(row.get(c) == v for c, v in self.match_fields(row["kernel"]).items())
+
+    def as_row(self, kernel: str) -> dict:
+        """The environment columns of a DB row for ``kernel``."""
+        return {**dataclasses.asdict(self), "template_hash": self.template_hash(kernel)}

@@ -1,0 +1,127 @@
+"""Kernel launchers: tensors in, tensors out, one TileConfig per kernel.
+
+No dispatching, no autograd, no input validation beyond what the launch itself needs
+(that is :mod:`flashgen.api`'s job).  Tensors are (batch, heads, seqlen, head_dim) with
+any strides whose last is 1; LSE and delta are float32 (batch, heads, seqlen_q),
+contiguous.  The optional ``out``/``lse``/``dq``... arguments let tests pass buffers
+poisoned with NaN, to prove every element is written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import compile as _compile
+from .spec import KernelSpec, TileConfig, Variant
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+LOG2E = 1.4426950408889634
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
+        config: TileConfig, out=None, lse=None):
+    """O (batch, heads, seqlen_q, head_dim_v) in q's dtype and LSE (batch, heads,
+    seqlen_q) float32, natural log."""
+    b, h, sq, d = q.shape
+    hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    spec = KernelSpec("fwd", dtype_name(q.dtype), d, dv, mask)
+    mod = _compile.load(Variant(spec, config))
+    if out is None:
+        out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    num_m_blocks = _cdiv(sq, config.BLOCK_M)
+    grid = (num_m_blocks * b * h,)
+    _record(mod, mod.attn_fwd[grid](
+        q, k, v, out, lse, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
+        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
+    ))
+    return out, lse
+
+
+def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
+           config: TileConfig, dq=None, delta=None):
+    """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
+    b, h, sq, d = q.shape
+    hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
+    mod = _compile.load(Variant(KernelSpec("bwd_dq", dtype_name(q.dtype), d, dvd, mask), config))
+    dq = torch.empty_like(q) if dq is None else dq
+    delta = torch.empty_like(lse) if delta is None else delta
+    num_m_blocks = _cdiv(sq, config.BLOCK_M)
+    _record(mod, mod.attn_bwd_dq[(num_m_blocks * b * h,)](
+        q, k, v, o, do, dq, lse, delta, softmax_scale * LOG2E, softmax_scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
+        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
+    ))
+    return dq, delta
+
+
+def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
+             config: TileConfig, dk=None, dv=None):
+    """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
+    b, h, sq, d = q.shape
+    hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
+    mod = _compile.load(Variant(KernelSpec("bwd_dkdv", dtype_name(q.dtype), d, dvd, mask), config))
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    num_n_blocks = _cdiv(sk, config.BLOCK_N)
+    _record(mod, mod.attn_bwd_dkdv[(num_n_blocks * b * hk,)](
+        q, k, v, do, dk, dv, lse, delta, softmax_scale * LOG2E, softmax_scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        h, h // hk, sq, sk, num_n_blocks, diag_lo, diag_hi,
+        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
+    ))
+    return dk, dv
+
+
+def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
+        config_dq: TileConfig, config_dkdv: TileConfig, dq=None, dk=None, dv=None, delta=None):
+    """dQ, dK, dV (shapes of q, k, v; dK and dV summed over each GQA group).
+
+    Two launches: ``bwd_dq`` (also writes delta = rowsum(dO * O), float32) and then
+    ``bwd_dkdv``, which reads delta.  Both recompute P from Q, K and the LSE.
+    """
+    kw = dict(softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi)
+    dq, delta = bwd_dq(do, q, k, v, o, lse, config=config_dq, dq=dq, delta=delta, **kw)
+    dk, dv = bwd_dkdv(do, q, k, v, lse, delta, config=config_dkdv, dk=dk, dv=dv, **kw)
+    return dq, dk, dv
+
+
+#: The compiled kernel of each loaded module, set at its first launch (for the
+#: compiler's report: shared memory, registers, spills).
+compiled: dict[str, object] = {}
+
+
+def _record(mod, kernel) -> None:
+    if mod.VARIANT_ID not in compiled and kernel is not None:
+        compiled[mod.VARIANT_ID] = kernel
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,66 @@
+"""Reference attention with flashgen's conventions, in any precision (float64 for the
+exactness checks, the input dtype for the error baseline).
+
+Explicit formulas, forward and backward (FlashAttention-2, Dao 2023, Section 2.2 and
+Appendix B.2): S = scale·QK^T, masked entries -inf, LSE = logsumexp(S) per row (natural
+log; -inf for a row that sees no key), P = exp(S - LSE) (0 on such rows), O = PV,
+delta = rowsum(dO∘O), dS = P∘(dO V^T - delta), dQ = scale·dS K, dK = scale·dS^T Q,
+dV = P^T dO; with GQA, dK and dV are summed over each group of query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masks import mask_bounds
+
+
+def _visible(seqlen_q, seqlen_k, causal, window, align, device):
+    mode, lo, hi = mask_bounds(seqlen_q, seqlen_k, causal=causal, window=window, align=align)
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    rel = j - i
+    return (rel >= lo) & (rel <= hi)
+
+
+def _expand_kv(x, group):
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def forward(q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align="bottom_right",
+            dtype=torch.float64):
+    """(O, LSE, P): O in ``dtype``, LSE float in ``dtype`` (natural log), P the
+    probabilities (kept for the backward)."""
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    k, v = _expand_kv(k, group), _expand_kv(v, group)
+    s = (q @ k.transpose(-1, -2)) * scale
+    vis = _visible(q.shape[2], k.shape[2], causal, window, align, q.device)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - lse_safe[..., None])
+    p = torch.where(vis, p, torch.zeros_like(p))
+    return p @ v, lse, p
+
+
+def backward(do, q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align="bottom_right",
+             dtype=torch.float64):
+    """(dQ, dK, dV) in ``dtype``."""
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    o, _, p = forward(q, k, v, causal=causal, window=window, softmax_scale=scale, align=align, dtype=dtype)
+    q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
+    ke, ve = _expand_kv(k, group), _expand_kv(v, group)
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ ve.transpose(-1, -2)
+    delta = (do * o).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = (ds @ ke) * scale
+    dk = (ds.transpose(-1, -2) @ q) * scale
+    if group > 1:
+        b, hk = k.shape[0], k.shape[1]
+        dk = dk.reshape(b, hk, group, *dk.shape[2:]).sum(2)
+        dv = dv.reshape(b, hk, group, *dv.shape[2:]).sum(2)
+    return dq, dk, dv

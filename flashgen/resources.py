@@ -1,0 +1,77 @@
+"""Shared-memory estimate of a variant, as a sum of named buffers.
+
+Pure arithmetic, no compiler: the tuner calls it on every candidate before anything is
+compiled, and a config whose estimate exceeds the architecture's per-block limit is
+recorded as ``infeasible`` and never compiled (FlashAttention's sm90 tile search does
+the same with its own kernels).
+
+The model follows what Triton's software pipeliner allocates for these kernels: each
+tile that is streamed through the loop gets ``num_stages`` buffers (``max(1, ...)``);
+tiles that stay resident for the whole program and feed a ``tl.dot`` from shared memory
+get one; operands that ``tl.dot`` reads from registers (P in P·V, dS in dS·K) get none.  It is checked against the shared memory Triton
+reports for compiled kernels (``kernel.metadata.shared``) in tests/test_resources.py
+and on the GPU (docs/notes.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arch import Arch
+from .spec import Variant
+
+
+@dataclass(frozen=True)
+class SmemEstimate:
+    buffers: dict[str, int]  # name -> bytes
+    limit_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.buffers.values())
+
+    @property
+    def feasible(self) -> bool:
+        return self.total_bytes <= self.limit_bytes
+
+    def breakdown(self) -> str:
+        parts = " + ".join(f"{k} {v}" for k, v in self.buffers.items())
+        verdict = "<=" if self.feasible else ">"
+        return f"{parts} = {self.total_bytes} B {verdict} limit {self.limit_bytes} B"
+
+
+def smem_buffers(variant: Variant) -> dict[str, int]:
+    """Named shared-memory buffers (bytes) of a variant."""
+    s, c = variant.spec, variant.config
+    b = s.dtype_bytes
+    d, dv = s.head_dim_pad, s.head_dim_v_pad
+    stages = max(1, c.num_stages)
+    if s.kernel == "fwd":
+        # Q resident (A operand of Q·K^T); K and V streamed; P·V takes P from registers.
+        return {
+            "q_tile": c.BLOCK_M * d * b,
+            "k_tiles": c.BLOCK_N * d * b * stages,
+            "v_tiles": c.BLOCK_N * dv * b * stages,
+        }
+    if s.kernel == "bwd_dkdv":
+        # K, V resident; Q, dO (and their LSE/delta rows) streamed; P^T and dS^T feed
+        # the dots from registers.
+        return {
+            "k_tile": c.BLOCK_N * d * b,
+            "v_tile": c.BLOCK_N * dv * b,
+            "q_tiles": c.BLOCK_M * d * b * stages,
+            "do_tiles": c.BLOCK_M * dv * b * stages,
+            "lse_delta_rows": 2 * c.BLOCK_M * 4 * stages,
+        }
+    # bwd_dq: Q, dO resident; K, V streamed; dS feeds dS·K from registers.
+    return {
+        "q_tile": c.BLOCK_M * d * b,
+        "do_tile": c.BLOCK_M * dv * b,
+        "k_tiles": c.BLOCK_N * d * b * stages,
+        "v_tiles": c.BLOCK_N * dv * b * stages,
+    }
+
+
+def estimate(variant: Variant, arch: Arch) -> SmemEstimate:
+    """The shared-memory estimate of ``variant`` against ``arch``'s per-block limit."""
+    return SmemEstimate(smem_buffers(variant), arch.smem_per_block_optin)

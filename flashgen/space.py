@@ -1,0 +1,64 @@
+"""The tuning search space: knob domains per kernel, and the validity rules.
+
+Readable on one screen.  ``DOMAINS`` lists the values each knob may take;
+``RULES`` are predicates that exclude combinations the kernels cannot run (or that
+cannot be fast), each with the reason.  The shared-memory limit is not a rule here: it
+depends on the GPU and is checked by :mod:`flashgen.resources` (a config that fails it
+is *infeasible*, a different status from *invalid*).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+from .spec import KernelSpec, TileConfig, Variant
+
+DOMAINS: dict[str, dict[str, tuple[int, ...]]] = {
+    "fwd": {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128),
+            "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},
+    "bwd_dkdv": {"BLOCK_M": (32, 64, 128), "BLOCK_N": (64, 128),
+                 "num_warps": (4, 8), "num_stages": (1, 2, 3)},
+    "bwd_dq": {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128),
+               "num_warps": (4, 8), "num_stages": (1, 2, 3)},
+}
+
+
+def _acc_regs_per_thread(v: Variant) -> float:
+    """float32 accumulator elements each thread holds for the whole program."""
+    s, c = v.spec, v.config
+    threads = 32 * c.num_warps
+    if s.kernel == "fwd":
+        return c.BLOCK_M * s.head_dim_v_pad / threads
+    if s.kernel == "bwd_dkdv":
+        return c.BLOCK_N * (s.head_dim_pad + s.head_dim_v_pad) / threads
+    return c.BLOCK_M * s.head_dim_pad / threads
+
+
+#: (name, predicate that must hold, why).
+RULES: list[tuple[str, Callable[[Variant], bool], str]] = [
+    ("acc_regs", lambda v: _acc_regs_per_thread(v) <= 128,
+     "the float32 accumulators alone would take more than 128 of a thread's 255 "
+     "registers, so the kernel spills"),
+    ("tile_per_warp", lambda v: v.config.BLOCK_M * v.config.BLOCK_N >= 32 * 16 * v.config.num_warps,
+     "each warp needs at least a 16x32 slab of the score tile"),
+]
+
+
+def violated_rules(v: Variant) -> list[str]:
+    """Names and reasons of the rules ``v`` breaks (empty when valid)."""
+    return [f"{name}: {why}" for name, ok, why in RULES if not ok(v)]
+
+
+def configs(kernel: str) -> Iterator[TileConfig]:
+    """Every TileConfig in the kernel's domain (valid or not)."""
+    dom = DOMAINS[kernel]
+    names = list(dom)
+    for values in itertools.product(*(dom[n] for n in names)):
+        yield TileConfig(**dict(zip(names, values)))
+
+
+def valid_configs(spec: KernelSpec) -> list[TileConfig]:
+    """The configs of spec's domain that satisfy every rule (not yet checked for
+    shared memory)."""
+    return [c for c in configs(spec.kernel) if not violated_rules(Variant(spec, c))]

@@ -1,0 +1,237 @@
+"""The value types everything else passes around.
+
+A *variant* is what flashgen compiles: a :class:`KernelSpec` (what is compiled in:
+kernel, dtype, head dims, mask mode) plus a :class:`TileConfig` (what is tuned:
+BLOCK_M, BLOCK_N, num_warps, num_stages).  ``Variant.id`` is the one identity string
+that names the generated source file, the compiled-module cache entry, the tuning
+database row and the log line (FlashInfer's "URI").
+
+A :class:`ProblemKey` is what a call *is*: the spec plus bucketed sizes.  The tuner runs
+one Optuna study per (GPU, ProblemKey); the dispatcher maps a ProblemKey to a
+TileConfig.
+
+This module imports neither torch nor triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+#: The kernels flashgen generates.  ``fwd`` is the forward pass (O and LSE).  The
+#: backward is two kernels with their own tile sizes, tuned independently:
+#: ``bwd_dkdv`` (one program per key block, loops over query blocks, writes dK and dV)
+#: and ``bwd_dq`` (one program per query block, loops over key blocks, writes dQ).
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+
+#: Mask modes compiled into a kernel.  ``none``: every query sees every key.
+#: ``causal``: query i sees key j iff j - i <= diag, where diag is a runtime value
+#: (seqlen_k - seqlen_q for FlashAttention's bottom-right alignment, 0 for torch SDPA's
+#: top-left alignment).  ``window``: query i sees key j iff lo <= j - i <= hi, both
+#: runtime values (a sliding window, optionally causal).
+MASKS = ("none", "causal", "window")
+
+DTYPES = ("float16", "bfloat16", "float32")
+_DTYPE_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (1 for x <= 1)."""
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What is compiled into a kernel (a change here is a different program).
+
+    head_dim is the query/key head dim, head_dim_v the value (and output) head dim;
+    both are padded to a power of two inside the kernel (``head_dim_pad``).
+    """
+
+    kernel: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    mask: str
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.mask not in MASKS:
+            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        for name in ("head_dim", "head_dim_v"):
+            d = getattr(self, name)
+            if not (isinstance(d, int) and 8 <= d <= 256 and d % 8 == 0):
+                raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {d!r}")
+
+    @property
+    def head_dim_pad(self) -> int:
+        return max(16, next_pow2(self.head_dim))
+
+    @property
+    def head_dim_v_pad(self) -> int:
+        return max(16, next_pow2(self.head_dim_v))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def id(self) -> str:
+        d = f"d{self.head_dim}" if self.head_dim == self.head_dim_v else f"d{self.head_dim}v{self.head_dim_v}"
+        return f"attn_{self.kernel}_{d}_{_DTYPE_SHORT[self.dtype]}_{self.mask}"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """What the tuner searches: tile sizes, warps per program, software-pipeline depth.
+
+    For ``fwd`` and ``bwd_dq`` BLOCK_M is the query tile each program owns and BLOCK_N
+    the key tile streamed through it; for ``bwd_dkdv`` BLOCK_N is the key tile each
+    program owns and BLOCK_M the query tile streamed through it.
+    """
+
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def id(self) -> str:
+        return f"m{self.BLOCK_M}_n{self.BLOCK_N}_w{self.num_warps}_s{self.num_stages}"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TileConfig":
+        return cls(**{f.name: int(d[f.name]) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class Variant:
+    spec: KernelSpec
+    config: TileConfig
+
+    @property
+    def id(self) -> str:
+        """e.g. ``attn_fwd_d128_bf16_causal_m128_n64_w8_s3``."""
+        return f"{self.spec.id}_{self.config.id}"
+
+
+# ---------------------------------------------------------------------------------
+# Problem keys and bucketing
+
+def seqlen_bucket(n: int) -> int:
+    """Bucket a sequence length: the next power of two, at least 16."""
+    return max(16, next_pow2(n))
+
+
+def batch_heads_bucket(n: int) -> int:
+    """Bucket batch * num_heads: the next power of two, at least 1."""
+    return next_pow2(max(1, n))
+
+
+@dataclass(frozen=True)
+class ProblemKey:
+    """What a call is, for tuning and dispatch.
+
+    ``group`` is the GQA group size num_heads // num_kv_heads (1 for MHA).  The sizes
+    are buckets (:func:`seqlen_bucket`, :func:`batch_heads_bucket`), not exact sizes.
+    """
+
+    spec: KernelSpec
+    group: int
+    seqlen_q: int
+    seqlen_k: int
+    batch_heads: int
+
+    @classmethod
+    def from_sizes(cls, spec: KernelSpec, *, batch: int, num_heads: int, num_kv_heads: int,
+                   seqlen_q: int, seqlen_k: int) -> "ProblemKey":
+        return cls(spec, num_heads // num_kv_heads, seqlen_bucket(seqlen_q),
+                   seqlen_bucket(seqlen_k), batch_heads_bucket(batch * num_heads))
+
+    @property
+    def id(self) -> str:
+        return f"{self.spec.id}_g{self.group}_q{self.seqlen_q}_k{self.seqlen_k}_bh{self.batch_heads}"
+
+    def as_row(self) -> dict:
+        """Flat columns for the tuning database."""
+        return {
+            "key": self.id, "kernel": self.spec.kernel, "dtype": self.spec.dtype,
+            "head_dim": self.spec.head_dim, "head_dim_v": self.spec.head_dim_v,
+            "mask": self.spec.mask, "group_size": self.group,
+            "seqlen_q_bucket": self.seqlen_q, "seqlen_k_bucket": self.seqlen_k,
+            "batch_heads_bucket": self.batch_heads,
+        }
+
+    @classmethod
+    def from_row(cls, row: dict) -> "ProblemKey":
+        spec = KernelSpec(row["kernel"], row["dtype"], int(row["head_dim"]),
+                          int(row["head_dim_v"]), row["mask"])
+        return cls(spec, int(row["group_size"]), int(row["seqlen_q_bucket"]),
+                   int(row["seqlen_k_bucket"]), int(row["batch_heads_bucket"]))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A concrete problem size that a tuner measures (and the flop count it implies)."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+
+    def key(self, spec: KernelSpec) -> ProblemKey:
+        return ProblemKey.from_sizes(spec, batch=self.batch, num_heads=self.num_heads,
+                                     num_kv_heads=self.num_kv_heads, seqlen_q=self.seqlen_q,
+                                     seqlen_k=self.seqlen_k)
+
+
+def attention_flops(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                    head_dim_v: int | None = None, *, causal: bool = False,
+                    kernel: str = "fwd") -> float:
+    """FLOPs by the FlashAttention papers' convention.
+
+    ``fwd``: 2·b·h·sq·sk·(d + dv) (= 4·b·h·sq·sk·d when d == dv), halved for causal
+    (exact counts for windows are the benchmark's business).  ``bwd`` (the whole
+    backward) is 2.5x the forward: five matmuls, the recomputation of S not counted.
+    For the two backward kernels separately we count the matmuls each executes:
+    ``bwd_dkdv`` four (S^T, dV, dP^T, dK: 2.0x fwd), ``bwd_dq`` three (S, dP, dQ: 1.5x).
+    """
+    dv = head_dim if head_dim_v is None else head_dim_v
+    f = 2.0 * batch * num_heads * seqlen_q * seqlen_k * (head_dim + dv)
+    if causal:
+        f /= 2
+    return f * {"fwd": 1.0, "bwd": 2.5, "bwd_dkdv": 2.0, "bwd_dq": 1.5}[kernel]
+
+
+#: Outcomes of one measurement (KernelTuner's "failures are values").
+STATUSES = ("ok", "invalid", "infeasible", "compile_failed", "launch_failed", "wrong_result", "timeout")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a benchmarker returns for one (variant, shape).
+
+    median_ms is the median of CUDA-event timings after warm-up (None unless ok);
+    max_abs_err is the worst error against the float64 reference (when checked);
+    smem_bytes_compiled / n_spills are what the compiler reported (None if unknown).
+    """
+
+    status: str
+    median_ms: float | None = None
+    max_abs_err: float | None = None
+    smem_bytes_compiled: int | None = None
+    n_spills: int | None = None
+    n_regs: int | None = None
+    error: str | None = None
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")

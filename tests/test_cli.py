@@ -1,0 +1,109 @@
+"""The command line, through typer's CliRunner (fake benchmarker; no GPU)."""
+
+import json
+import sqlite3
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from flashgen import presets, render, space
+from flashgen.cli import app
+from flashgen.spec import Variant
+
+runner = CliRunner(env={"COLUMNS": "250"})
+
+
+@pytest.fixture(autouse=True)
+def template_hashes(monkeypatch):
+    monkeypatch.setattr(render, "template_hash", lambda k: f"tmpl-{k}")
+
+
+@pytest.fixture
+def timings(tmp_path):
+    """Fake timings (ms) for every variant of the ``small`` preset's keys."""
+    t = {}
+    for key, _ in presets.expand(["small"]):
+        for i, cfg in enumerate(space.configs(key.spec.kernel)):
+            t[Variant(key.spec, cfg).id] = 1.0 + (i * 7919 % 97) / 10
+    p = tmp_path / "timings.json"
+    p.write_text(json.dumps(t))
+    return p
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def n_rows(path):
+    return sqlite3.connect(path).execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+
+
+def test_tune_fake_then_show(tmp_path, timings):
+    db = tmp_path / "user.sqlite"
+    r = invoke("tune", "--preset", "small", "--fake", timings, "--db", db, "--trials", 5)
+    assert r.exit_code == 0, r.output
+    keys = [k.id for k, _ in presets.expand(["small"])]
+    assert all(k in r.output for k in keys) and "speedup" in r.output
+    assert n_rows(db) >= len(keys)
+
+    r = invoke("show", "--db", db)
+    assert r.exit_code == 0, r.output
+    assert all(k in r.output for k in keys)
+    assert "(fake)" in r.output  # replayed timings never pose as the real GPU's
+    assert "rows per status: " in r.output and "ok " in r.output
+
+    r = invoke("show", "--db", db, "--key", "bwd_dq", "--all")
+    assert r.exit_code == 0, r.output
+    shown = [k for k in keys if k in r.output]
+    assert shown and all("bwd_dq" in k for k in shown)
+
+
+def test_tune_only_the_named_kernels(tmp_path, timings):
+    db = tmp_path / "user.sqlite"
+    r = invoke("tune", "--preset", "small", "--fake", timings, "--db", db, "--trials", 2,
+               "--kernels", "bwd_dkdv")
+    assert r.exit_code == 0, r.output
+    kernels = {k for (k,) in sqlite3.connect(db).execute("SELECT DISTINCT kernel FROM measurements")}
+    assert kernels == {"bwd_dkdv"}
+
+
+def test_merge(tmp_path, timings):
+    a, out = tmp_path / "a.sqlite", tmp_path / "out.sqlite"
+    assert invoke("tune", "--preset", "small", "--fake", timings, "--db", a, "--trials", 3,
+                  "--kernels", "fwd").exit_code == 0
+    r = invoke("merge", out, a)
+    assert r.exit_code == 0, r.output
+    assert f"{n_rows(a)} rows added" in r.output and n_rows(out) == n_rows(a)
+    assert "0 rows added" in invoke("merge", out, a).output
+
+
+@pytest.mark.parametrize("args, name", [
+    (["tune", "--preset", "nope"], "--preset"),
+    (["tune", "--kernels", "fwd,bwd"], "--kernels"),
+    (["tune", "--dtype", "int8"], "--dtype"),
+    (["tune", "--trials", "0"], "--trials"),
+    (["tune", "--fake", "missing.json"], "--fake"),
+    (["show", "--db", "missing.sqlite"], "--db"),
+    (["merge", "out.sqlite", "missing.sqlite"], "'inputs'"),
+])
+def test_bad_arguments_are_named(tmp_path, monkeypatch, args, name):
+    monkeypatch.chdir(tmp_path)
+    r = invoke(*args)
+    assert r.exit_code == 2 and name in r.output, r.output
+    assert not (tmp_path / "flashgen_tuning.sqlite").exists()
+
+
+def test_bad_fake_file_is_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    r = invoke("tune", "--preset", "small", "--fake", bad, "--db", tmp_path / "x.sqlite")
+    assert r.exit_code == 2 and "--fake" in r.output, r.output
+
+
+def test_real_benchmarker_refused_without_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = invoke("tune", "--preset", "small", "--db", tmp_path / "x.sqlite")
+    assert r.exit_code == 2 and "no CUDA device" in r.output
+    assert not (tmp_path / "x.sqlite").exists()

@@ -1,0 +1,194 @@
+"""TuningDB: recording, env filtering, best / lookup, merge, concurrent writers."""
+
+import multiprocessing
+import sqlite3
+
+import pytest
+
+from flashgen import render
+from flashgen.db import TuningDB
+from flashgen.env import Environment
+from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant, attention_flops
+
+ENV = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+OTHER_GPU = Environment("NVIDIA A100", "8.0", 108, "3.6.0", "2.11.0", "0.1.0")
+SPEC = KernelSpec("fwd", "bfloat16", 64, 64, "none")
+SHAPE = Shape(2, 4, 4, 256, 256)
+KEY = SHAPE.key(SPEC)
+C1, C2, C3 = TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 2)
+
+
+def _fake_hashes(kernel):
+    return f"tmpl-{kernel}"
+
+
+@pytest.fixture(autouse=True)
+def template_hashes(monkeypatch):
+    monkeypatch.setattr(render, "template_hash", _fake_hashes)
+
+
+@pytest.fixture
+def db(tmp_path):
+    with TuningDB(tmp_path / "sub" / "t.sqlite") as d:
+        yield d
+
+
+def rec(db, cfg, ms=None, status="ok", env=ENV, key=KEY, shape=SHAPE, **kw):
+    m = Measurement(status, median_ms=ms, **kw)
+    return db.record(key, shape, Variant(key.spec, cfg), m, env, smem_bytes_model=1234)
+
+
+def test_record_round_trip_and_tflops(db):
+    rid = rec(db, C1, 0.5, max_abs_err=1e-3, smem_bytes_compiled=1000, n_regs=128, n_spills=0)
+    r = db.get(rid)
+    assert r["key"] == KEY.id and r["variant_id"] == Variant(SPEC, C1).id
+    assert {k: r[k] for k in ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k")} == \
+        {"batch": 2, "num_heads": 4, "num_kv_heads": 4, "seqlen_q": 256, "seqlen_k": 256}
+    assert TileConfig.from_dict(r) == C1
+    assert _key_cols(r) == KEY.as_row()
+    assert r["median_ms"] == 0.5 and r["smem_bytes_model"] == 1234 and r["n_regs"] == 128
+    assert r["template_hash"] == "tmpl-fwd" and r["gpu_name"] == "NVIDIA H200"
+    assert r["created_at"].endswith("+00:00")
+    flops = 2.0 * 2 * 4 * 256 * 256 * (64 + 64)
+    assert r["tflops"] == pytest.approx(flops / 0.5e-3 / 1e12)
+    # causal halves the work; bwd_dq counts 1.5x the forward
+    cspec = KernelSpec("bwd_dq", "bfloat16", 64, 64, "causal")
+    ckey = SHAPE.key(cspec)
+    r2 = db.get(rec(db, C2, 0.5, key=ckey))
+    assert r2["tflops"] == pytest.approx(r["tflops"] / 2 * 1.5)
+    assert r2["tflops"] == pytest.approx(
+        attention_flops(2, 4, 256, 256, 64, causal=True, kernel="bwd_dq") / 0.5e-3 / 1e12)
+    # failures carry no time and no tflops
+    r3 = db.get(rec(db, C3, status="compile_failed", error="boom"))
+    assert r3["median_ms"] is None and r3["tflops"] is None and r3["error"] == "boom"
+
+
+def _key_cols(r):
+    return {k: r[k] for k in KEY.as_row()}
+
+
+def test_record_rejects_variant_of_another_spec(db):
+    other = Variant(KernelSpec("fwd", "bfloat16", 128, 128, "none"), C1)
+    with pytest.raises(ValueError, match="does not belong"):
+        db.record(KEY, SHAPE, other, Measurement("ok", median_ms=1.0), ENV, 0)
+
+
+def test_best_filters_status_and_env(db, monkeypatch):
+    rec(db, C1, 2.0)
+    rec(db, C2, 1.0)
+    rec(db, C3, status="launch_failed", error="x")
+    rec(db, C3, 0.1, env=OTHER_GPU)  # faster, but on another GPU
+    assert db.best(KEY, ENV)["variant_id"] == Variant(SPEC, C2).id
+    assert db.best(KEY)["gpu_name"] == "NVIDIA A100"  # env None: any environment
+    assert db.best(KEY.id, ENV)["median_ms"] == 1.0
+    assert db.best("attn_fwd_nothing", ENV) is None
+    assert all(ENV.matches(r) for r in db.rows(env=ENV))
+    assert len(db.rows(env=ENV)) == 3 and len(db.rows()) == 4
+    assert [r["status"] for r in db.rows(status="launch_failed")] == ["launch_failed"]
+    # another Triton version, or a changed template, matches nothing
+    assert db.best(KEY, Environment("NVIDIA H200", "9.0", 132, "3.5.1", "2.11.0", "0.1.0")) is None
+    monkeypatch.setattr(render, "template_hash", lambda k: "edited")
+    assert db.best(KEY, ENV) is None and not ENV.matches(db.get(1))
+    assert db.best(KEY)["median_ms"] == 0.1
+
+
+def test_best_configs_one_per_key(db):
+    key2 = Shape(2, 4, 4, 1024, 1024).key(SPEC)
+    rec(db, C1, 3.0)
+    rec(db, C2, 2.0)
+    rec(db, C3, 5.0)
+    rec(db, C1, 7.0, key=key2, shape=Shape(2, 4, 4, 1024, 1024))
+    rec(db, C2, 6.0, key=key2, shape=Shape(2, 4, 4, 1024, 1024))
+    rec(db, C3, 0.5, env=OTHER_GPU)
+    best = db.best_configs(ENV)
+    assert set(best) == {KEY.id, key2.id}
+    assert best[KEY.id][0] == C2 and best[KEY.id][1]["median_ms"] == 2.0
+    assert best[key2.id][0] == C2 and best[key2.id][1]["median_ms"] == 6.0
+    assert db.best_configs(OTHER_GPU) == {KEY.id: (C3, db.get(6))}
+    # without env: best per key and environment
+    assert sorted((r["key"], r["gpu_name"]) for r in db.best_rows()) == sorted(
+        [(KEY.id, "NVIDIA H200"), (key2.id, "NVIDIA H200"), (KEY.id, "NVIDIA A100")])
+    assert [r["key"] for r in db.best_rows(key_contains="q1024")] == [key2.id]
+
+
+def test_lookup_prefers_ok_and_respects_env(db):
+    vid = Variant(SPEC, C1).id
+    assert db.lookup(KEY, vid, ENV) is None
+    rec(db, C1, 1.5)
+    rec(db, C1, status="launch_failed")
+    assert db.lookup(KEY, vid, ENV)["status"] == "ok"
+    assert db.lookup(KEY, vid, OTHER_GPU) is None
+    rec(db, C2, status="wrong_result", max_abs_err=0.5)
+    assert db.lookup(KEY, Variant(SPEC, C2).id, ENV)["status"] == "wrong_result"
+
+
+def test_status_counts(db):
+    rec(db, C1, 1.0)
+    rec(db, C2, 2.0)
+    rec(db, C3, status="infeasible")
+    rec(db, C3, status="infeasible", env=OTHER_GPU)
+    assert db.status_counts() == {"ok": 2, "infeasible": 2}
+    assert db.status_counts(env=ENV) == {"ok": 2, "infeasible": 1}
+    assert db.status_counts(key_contains="bwd") == {}
+
+
+def test_merge_copies_missing_rows_only(tmp_path):
+    a, b = TuningDB(tmp_path / "a.sqlite"), TuningDB(tmp_path / "b.sqlite")
+    rec(a, C1, 1.0)
+    rec(b, C2, 2.0)
+    rec(b, C3, status="infeasible", env=OTHER_GPU)
+    assert a.merge_from(b.path) == 2
+    assert a.merge_from(b.path) == 0  # idempotent
+    rows = a.rows()
+    assert [r["variant_id"] for r in rows] == [Variant(SPEC, c).id for c in (C1, C2, C3)]
+    src = {r["variant_id"]: r for r in b.rows()}
+    for r in rows[1:]:  # copied verbatim apart from the id
+        assert {k: v for k, v in r.items() if k != "id"} == \
+            {k: v for k, v in src[r["variant_id"]].items() if k != "id"}
+    assert len(b.rows()) == 2  # the input is untouched
+    # merging back the other way brings a's original row (and nothing twice)
+    assert b.merge_from(a.path) == 1 and len(b.rows()) == 3
+    with pytest.raises(FileNotFoundError):
+        a.merge_from(tmp_path / "missing.sqlite")
+
+
+def test_journal_mode_is_wal(db):
+    assert db.db.journal_mode == "wal"
+
+
+def _writer(path, tag, n):
+    render.template_hash = _fake_hashes  # the child may be spawned: patch again
+    with TuningDB(path) as d:
+        for i in range(n):
+            rec(d, (C1, C2, C3)[i % 3], 1.0 + i, error=f"{tag}-{i}")
+
+
+def test_two_processes_writing_lose_nothing(tmp_path):
+    path = tmp_path / "shared.sqlite"
+    ctx = multiprocessing.get_context("spawn")
+    n = 150
+    procs = [ctx.Process(target=_writer, args=(path, tag, n)) for tag in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with TuningDB(path) as d:
+        errors = [r["error"] for r in d.rows()]
+    assert sorted(errors) == sorted(f"{t}-{i}" for t in "ab" for i in range(n))
+    assert sqlite3.connect(path).execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_readonly_reads_and_refuses_writes(tmp_path):
+    path = tmp_path / "odd dir #1?" / "shipped.sqlite"
+    with TuningDB(path) as w:
+        rec(w, C1, 1.0)
+        rec(w, C2, status="infeasible")
+    with TuningDB(path, readonly=True) as ro:
+        assert ro.readonly and ro.count_ok(ENV) == 1 and ro.count_ok(OTHER_GPU) == 0
+        assert ro.best_configs(ENV)[KEY.id][0] == C1
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            rec(ro, C3, 0.5)
+    assert len(TuningDB(path).rows()) == 2
+    with pytest.raises(FileNotFoundError):
+        TuningDB(tmp_path / "absent.sqlite", readonly=True)

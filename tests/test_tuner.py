@@ -1,0 +1,226 @@
+"""The tuner against a FakeBenchmarker: no GPU, no Triton kernels."""
+
+import random
+
+import optuna
+import pytest
+
+from flashgen import heuristics, presets, render, resources, space, tuner
+from flashgen.arch import Arch
+from flashgen.db import TuningDB
+from flashgen.env import Environment
+from flashgen.spec import KERNELS, KernelSpec, Measurement, Shape, TileConfig, Variant
+
+ENV = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+SPEC = KernelSpec("fwd", "bfloat16", 64, 64, "none")
+SHAPE = Shape(2, 4, 4, 256, 256)
+KEY = SHAPE.key(SPEC)
+# fwd d64 bf16 needs q 128*M + (k + v) 256*N*stages bytes: the default (128, 64, 8, 3)
+# needs 65536; any BLOCK_N 128 / 3-stage config (>= 106496) exceeds this arch's limit.
+ARCH = Arch("test-gpu", (9, 0), 132, 70000)
+SMALL = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "num_warps": (4, 8), "num_stages": (1, 3)}
+
+
+@pytest.fixture(autouse=True)
+def template_hashes(monkeypatch):
+    monkeypatch.setattr(render, "template_hash", lambda k: f"tmpl-{k}")
+
+
+@pytest.fixture
+def db(tmp_path):
+    with TuningDB(tmp_path / "t.sqlite") as d:
+        yield d
+
+
+def vid(cfg, spec=SPEC):
+    return Variant(spec, cfg).id
+
+
+def random_timings(spec=SPEC, seed=1):
+    rng = random.Random(seed)
+    return {vid(c, spec): rng.uniform(1.0, 10.0) for c in space.configs(spec.kernel)}
+
+
+def runnable(spec, arch):
+    """Variant ids that are valid and fit ``arch``: the only ones a benchmarker may see."""
+    return {vid(c, spec) for c in space.configs(spec.kernel)
+            if not space.violated_rules(Variant(spec, c))
+            and resources.estimate(Variant(spec, c), arch).feasible}
+
+
+def run(db, bench, n_trials, key=KEY, shape=SHAPE, arch=ARCH, **kw):
+    return tuner.tune_key(key, shape, benchmarker=bench, db=db, env=ENV, arch=arch,
+                          n_trials=n_trials, **kw)
+
+
+def load_study(db, key=KEY):
+    return optuna.load_study(study_name=tuner.study_name(ENV, key),
+                             storage=tuner.open_storage(None, db))
+
+
+def test_default_config_is_measured_first_and_enqueued(db):
+    default = heuristics.default_config(SPEC, ARCH)
+    timings = random_timings()
+    bench = tuner.FakeBenchmarker(timings)
+    res = run(db, bench, 5)
+    assert bench.calls[0] == vid(default)
+    assert db.rows()[0]["variant_id"] == vid(default)
+    assert load_study(db).trials[0].params == default.as_dict()
+    assert res.default_config == default and res.default_median_ms == timings[vid(default)]
+    assert res.n_trials == 5
+    ok = [r for r in db.rows() if r["status"] == "ok"]
+    assert res.best_median_ms == min(r["median_ms"] for r in ok)
+    assert res.speedup == pytest.approx(res.default_median_ms / res.best_median_ms)
+    assert res.tflops == pytest.approx(db.best(KEY, ENV)["tflops"]) and res.tflops > 0
+
+
+def test_invalid_and_infeasible_are_recorded_but_never_benchmarked(db):
+    # d128 on a 101 KB GPU: the full fwd domain holds invalid and infeasible configs
+    spec = KernelSpec("fwd", "bfloat16", 128, 128, "causal")
+    key, arch = SHAPE.key(spec), Arch("small-smem", (8, 6), 82, 101376)
+    bench = tuner.FakeBenchmarker(random_timings(spec))
+    res = run(db, bench, 120, key=key, arch=arch)
+    rows = db.rows(key=key)
+    by_status = {s: {r["variant_id"] for r in rows if r["status"] == s}
+                 for s in ("ok", "invalid", "infeasible")}
+    assert by_status["invalid"] and by_status["infeasible"] and by_status["ok"]
+    assert set(bench.calls) == by_status["ok"] <= runnable(spec, arch)
+    for r in rows:
+        v = Variant(spec, TileConfig.from_dict(r))
+        if r["status"] == "invalid":
+            assert space.violated_rules(v) and r["error"]
+        elif r["status"] == "infeasible":
+            assert not resources.estimate(v, arch).feasible
+            assert r["smem_bytes_model"] > arch.smem_per_block_optin and "limit" in r["error"]
+    # one row per variant: repeats of a config reuse the stored row
+    assert len({r["variant_id"] for r in rows}) == len(rows)
+    # Optuna saw the violations as constraints and a penalty value
+    trials = load_study(db, key).trials
+    bad = [t for t in trials if t.user_attrs["status"] in ("invalid", "infeasible")]
+    assert bad and all(max(t.constraints.values()) > 0 and t.value == tuner.PENALTY_MS
+                       for t in bad)
+    assert all(max(t.constraints.values()) == 0 for t in trials if t.user_attrs["status"] == "ok")
+    assert res.best_config is not None and vid(res.best_config, spec) in by_status["ok"]
+
+
+def test_best_is_the_argmin_when_the_budget_covers_the_space(db, monkeypatch):
+    monkeypatch.setitem(space.DOMAINS, "fwd", SMALL)
+    timings = random_timings(seed=7)
+    candidates = runnable(SPEC, ARCH)
+    assert len(candidates) == 12  # 16 minus the 4 BLOCK_N 128, 3-stage configs
+    bench = tuner.FakeBenchmarker(timings)
+    res = run(db, bench, 80)
+    assert set(bench.calls) == candidates  # covered, and each measured once
+    assert len(bench.calls) == len(candidates)
+    best = min(candidates, key=timings.get)
+    assert vid(res.best_config) == best and res.best_median_ms == timings[best]
+    assert len(db.rows(status="infeasible")) == 4
+
+
+def test_resume_continues_without_remeasuring(db, monkeypatch):
+    monkeypatch.setitem(space.DOMAINS, "fwd", SMALL)
+    bench = tuner.FakeBenchmarker(random_timings())
+    first = run(db, bench, 6)
+    calls, n_rows = list(bench.calls), len(db.rows())
+    assert first.n_trials == 6 and calls
+    again = run(db, bench, 6)  # budget already spent: nothing runs
+    assert again.n_trials == 6 and bench.calls == calls and len(db.rows()) == n_rows
+    assert again.best_config == first.best_config
+    more = run(db, bench, 40)
+    assert more.n_trials == 40
+    assert bench.calls[:len(calls)] == calls
+    assert len(bench.calls) == len(set(bench.calls))  # nothing measured twice
+    trials = load_study(db).trials
+    assert trials[0].params == heuristics.default_config(SPEC, ARCH).as_dict()
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 40
+    assert more.best_median_ms <= first.best_median_ms
+
+
+def test_failures_become_rows_and_the_study_continues(db, monkeypatch):
+    monkeypatch.setitem(space.DOMAINS, "fwd", SMALL)
+    default = heuristics.default_config(SPEC, ARCH)
+    timings = random_timings()
+    wrong = TileConfig(64, 64, 4, 1)
+    timings[vid(wrong)] = Measurement("wrong_result", max_abs_err=0.25)
+    fake = tuner.FakeBenchmarker(timings)
+
+    def bench(variant, shape):
+        if variant.id == vid(default):
+            raise RuntimeError("out of resources")
+        return fake(variant, shape)
+
+    res = run(db, bench, 40)
+    failed = db.rows(status="launch_failed")
+    assert [r["variant_id"] for r in failed] == [vid(default)]
+    assert failed[0]["error"] == "RuntimeError: out of resources"
+    assert db.rows(status="wrong_result")[0]["max_abs_err"] == 0.25
+    assert res.n_trials == 40 and res.default_median_ms is None and res.speedup is None
+    ok = {r["variant_id"]: r["median_ms"] for r in db.rows(status="ok")}
+    assert vid(res.best_config) == min(ok, key=ok.get)
+    values = {t.user_attrs["variant_id"]: t.value for t in load_study(db).trials}
+    assert values[vid(default)] == tuner.PENALTY_MS == values[vid(wrong)]
+
+
+def test_fake_benchmarker_without_a_timing_fails_that_variant_only(db, monkeypatch):
+    monkeypatch.setitem(space.DOMAINS, "fwd", SMALL)
+    default = heuristics.default_config(SPEC, ARCH)
+    timings = random_timings()
+    del timings[vid(default)]
+    res = run(db, tuner.FakeBenchmarker(timings), 30)
+    (failed,) = db.rows(status="launch_failed")
+    assert failed["variant_id"] == vid(default) and "KeyError" in failed["error"]
+    assert res.best_config is not None
+    assert tuner.FakeBenchmarker({}, default=2.5)(Variant(SPEC, default), SHAPE).median_ms == 2.5
+
+
+def test_another_environment_measures_again(db, monkeypatch):
+    monkeypatch.setitem(space.DOMAINS, "fwd", SMALL)
+    bench = tuner.FakeBenchmarker(random_timings())
+    run(db, bench, 10)
+    n = len(bench.calls)
+    other = Environment("NVIDIA H100", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    tuner.tune_key(KEY, SHAPE, benchmarker=bench, db=db, env=other, arch=ARCH, n_trials=10)
+    assert bench.calls[n] == vid(heuristics.default_config(SPEC, ARCH))
+    assert len(db.rows(env=other)) > 0 and len(db.rows(env=ENV)) == len(db.rows()) - len(db.rows(env=other))
+
+
+def test_tune_loops_over_keys_with_callbacks(db):
+    items = presets.expand(["small"])
+    seen_keys, trial_counts = [], {}
+    timings = {}
+    for key, _ in items:
+        timings.update(random_timings(key.spec))
+
+    def on_trial(key, n_done, n_total, row):
+        assert row["key"] == key.id and n_total == 4
+        trial_counts[key.id] = n_done
+
+    results = tuner.tune(items, benchmarker=tuner.FakeBenchmarker(timings), db=db, env=ENV,
+                         arch=ARCH, n_trials=4, on_key=lambda i, n, k: seen_keys.append((i, n, k)),
+                         on_trial=on_trial)
+    assert [r.key for r in results] == [k for k, _ in items]
+    assert seen_keys == [(i, len(items), k) for i, (k, _) in enumerate(items)]
+    assert trial_counts == {k.id: 4 for k, _ in items}
+    assert {r["key"] for r in db.rows()} == {k.id for k, _ in items}
+
+
+def test_feasible_variants_for_precompile():
+    keys = [KEY, Shape(1, 4, 4, 4096, 4096).key(SPEC)]  # same spec twice
+    vs = tuner.feasible_variants(keys, ARCH)
+    assert {v.id for v in vs} == runnable(SPEC, ARCH) and len(vs) == len(runnable(SPEC, ARCH))
+
+
+def test_presets():
+    grid = presets.expand(["fa-grid"])
+    assert len(grid) == 2 * 2 * 6 * len(KERNELS)
+    for key, shape in grid:
+        assert shape.batch * shape.seqlen_q == 16384
+        assert shape.num_heads * key.spec.head_dim == 2048 and shape.num_kv_heads == shape.num_heads
+        assert key.spec.dtype == "bfloat16" and key == shape.key(key.spec)
+    llama = presets.expand(["llama3-8b"], dtype="float16", kernels=["fwd"])
+    assert len(llama) == 16 and all(k.group == 4 and k.spec.mask == "causal" for k, _ in llama)
+    # keys in one bucket are kept once, with the first shape
+    both = presets.expand(["small", "small"], kernels=["fwd"])
+    assert both == presets.expand(["small"], kernels=["fwd"])
+    with pytest.raises(KeyError, match="fa-grid"):
+        presets.expand(["nope"])
