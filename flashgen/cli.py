@@ -31,6 +31,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Generate, tune and inspect flashgen's Triton attention kernels.")
 
 
+def _console() -> Console:
+    """A console that does not squeeze tables to 80 columns when output is piped."""
+    import sys
+
+    return Console() if sys.stdout.isatty() else Console(width=220)
+
+
 def _fmt(x: float | None, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -91,7 +98,7 @@ def tune(
     from .db import TuningDB
     from .env import Environment
 
-    console = Console()
+    console = _console()
     items = presets.expand(preset, dtype, kernels.split(","))
     env = Environment.current()
     arch = arch_mod.current()
@@ -170,7 +177,7 @@ def show(
     status."""
     from .db import TuningDB
 
-    console = Console()
+    console = _console()
     with TuningDB(db, readonly=True) as tdb:
         if all_:
             rows = tdb.rows(key_contains=key)
@@ -235,7 +242,7 @@ def bench(
     if not torch.cuda.is_available():
         Console().print("[red]error:[/] flashgen bench needs a CUDA GPU")
         raise typer.Exit(2)
-    console = Console()
+    console = _console()
     entries = compare.entries_from_presets(preset)
     # Compile every variant the run will launch, in parallel, before timing anything.
     variants = []

@@ -61,7 +61,9 @@ def smem_buffers(variant: Variant) -> dict[str, int]:
             "v_tile": c.BLOCK_N * dv * b,
             "q_tiles": c.BLOCK_M * d * b * stages,
             "do_tiles": c.BLOCK_M * dv * b * stages,
-            "lse_delta_rows": 2 * c.BLOCK_M * 4 * stages,
+            # LSE and delta rows of the tiles in flight, in 1 KiB-aligned buffers
+            # (none when the loop is not pipelined).
+            "lse_delta_rows": -(-2 * c.BLOCK_M * 4 * (stages - 1) // 1024) * 1024,
         }
     # bwd_dq: Q, dO resident; K, V streamed; dS feeds dS·K from registers.
     return {
