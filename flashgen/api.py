@@ -71,19 +71,26 @@ def _key(kernel, q, k, v, mask) -> ProblemKey:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, mask, lo, hi):
+        # The kernels scale the masked (-inf) scores too, so they need scale > 0:
+        # softmax(scale * q k^T) is computed as softmax(|scale| * (sign * q) k^T), and
+        # scale 0 (uniform attention) as scale 1 with q = 0; dQ is sign * dQ'.
+        sign = -1 if scale < 0 else 0 if scale == 0 else 1  # NaN stays NaN
+        if sign != 1:
+            q = q.neg() if sign < 0 else torch.zeros_like(q)
+            scale = -scale if sign else 1.0
         disp = default_dispatcher()
         cfg = disp.config_for(_key("fwd", q, k, v, mask))
         with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
             o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (scale, mask, lo, hi)
+        ctx.args = (scale, mask, lo, hi, sign)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        scale, mask, lo, hi = ctx.args
+        scale, mask, lo, hi, sign = ctx.args
         do = _last_dim_contiguous(do)
         disp = default_dispatcher()
         cfg_dq = disp.config_for(_key("bwd_dq", q, k, v, mask))
@@ -91,6 +98,8 @@ class _Attention(torch.autograd.Function):
         with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
             dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
                                  config_dq=cfg_dq, config_dkdv=cfg_kv)
+        if sign != 1:
+            dq = dq.neg() if sign < 0 else torch.zeros_like(dq)
         return dq, dk, dv, None, None, None, None
 
 

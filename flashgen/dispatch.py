@@ -56,7 +56,7 @@ class Dispatcher:
         self._env = env
         self._arch = arch
         self._cache: dict[ProblemKey, Choice] = {}
-        self._tables: dict[Path, tuple[float, dict]] = {}  # path -> (mtime, {key_id: (cfg, row)})
+        self._tables: dict[Path, tuple[tuple, dict]] = {}  # path -> (file state, {key_id: (cfg, row)})
         self._warned: set[Path] = set()
         self._lock = threading.Lock()
 
@@ -96,9 +96,22 @@ class Dispatcher:
         self._tables.clear()
 
     # -- database reading --------------------------------------------------------
+    @staticmethod
+    def _file_state(path: Path):
+        """(mtime, size) of the database file and of its -wal file: a writer that keeps
+        the database open (WAL mode) appends to the -wal file and leaves the main file
+        untouched until a checkpoint."""
+        st = path.stat()
+        try:
+            wal = Path(f"{path}-wal").stat()
+            wal_state = (wal.st_mtime_ns, wal.st_size)
+        except FileNotFoundError:
+            wal_state = None
+        return (st.st_mtime_ns, st.st_size, wal_state)
+
     def _table(self, path: Path) -> dict:
         try:
-            mtime = path.stat().st_mtime
+            mtime = self._file_state(path)
         except FileNotFoundError:
             return {}
         hit = self._tables.get(path)
@@ -106,9 +119,10 @@ class Dispatcher:
             return hit[1]
         from .db import TuningDB
 
-        db = TuningDB(path)
-        table = db.best_configs(self.env)
-        if not table and path not in self._warned and db.count_ok() > 0:
+        with TuningDB(path, readonly=True) as db:  # never writes to a shipped file
+            table = db.best_configs(self.env)
+            n_ok = db.count_ok() if not table else 0
+        if not table and path not in self._warned and n_ok > 0:
             self._warned.add(path)
             warnings.warn(f"flashgen: tuning database {path} has no rows for this environment "
                           f"({self.env.gpu_name}, cc {self.env.compute_capability}, triton "

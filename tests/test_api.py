@@ -1,0 +1,224 @@
+"""flashgen.attention on CPU: input errors, empty inputs, the interpreter path against the
+float64 reference (GQA, causal with seqlen_q > seqlen_k, odd strides, scale 0), the
+reference path without the interpreter, and determinism."""
+
+import os
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import InputError, arch, dispatch, ops, reference
+from flashgen.dispatch import Dispatcher
+from flashgen.env import Environment
+
+F16 = torch.float16
+
+
+@pytest.fixture(autouse=True)
+def hermetic_dispatcher():
+    """Heuristic configs only (no shipped or user database), restored afterwards."""
+    dispatch.set_default_dispatcher(Dispatcher([], env=Environment.current(), arch=arch.current()))
+    yield
+    dispatch.set_default_dispatcher(None)
+
+
+def _err(a, b):
+    a, b = a.double(), b.double()
+    fin = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), fin) or not torch.equal(a[~fin], b[~fin]):
+        return float("inf")
+    return (a[fin] - b[fin]).abs().max().item() if fin.any() else 0.0
+
+
+def _close(name, got, ref64, base, floor=2e-3):
+    """FlashAttention's rule: err <= 2 * err(torch at the input dtype) + floor."""
+    assert got.shape == ref64.shape, (name, got.shape, ref64.shape)
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    err, base_err = _err(got, ref64), _err(base, ref64)
+    assert err <= 2 * base_err + floor, f"{name}: err {err:.3g} > 2 x {base_err:.3g} + {floor}"
+
+
+def _run(q, k, v, do, **kw):
+    """O, LSE and (dQ, dK, dV) from flashgen.attention."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o, lse = flashgen.attention(q, k, v, return_lse=True, **kw)
+    o.backward(do)
+    return o.detach(), lse, (q.grad, k.grad, v.grad)
+
+
+def _check_against_reference(q, k, v, do, o, lse, grads, *, causal=False, window=(-1, -1), softmax_scale=None):
+    rkw = dict(causal=causal, window=window, softmax_scale=softmax_scale)
+    ro, rlse, _ = reference.forward(q, k, v, **rkw)
+    bo, blse, _ = reference.forward(q, k, v, dtype=q.dtype, **rkw)
+    _close("O", o, ro, bo)
+    assert o.dtype == q.dtype and lse.dtype == torch.float32
+    _close("LSE", lse, rlse, blse.float())
+    rg = reference.backward(do, q, k, v, **rkw)
+    bg = reference.backward(do, q, k, v, dtype=q.dtype, **rkw)
+    for name, g, r, b in zip(("dQ", "dK", "dV"), grads, rg, bg):
+        assert g.dtype == q.dtype
+        _close(name, g, r, b)
+
+
+def _rand(*shape, dtype=F16):
+    return torch.randn(*shape, dtype=dtype)
+
+
+# -- errors -------------------------------------------------------------------------
+
+def _qkv(b=1, h=2, hk=2, sq=8, sk=8, d=16, dv=None, dtype=F16):
+    return _rand(b, h, sq, d, dtype=dtype), _rand(b, hk, sk, d, dtype=dtype), _rand(b, hk, sk, dv or d, dtype=dtype)
+
+
+@pytest.mark.parametrize("make, kw, pattern", [
+    (lambda: (_rand(2, 8, 16), *_qkv()[1:]), {}, r"^q must have 4 dims"),
+    (lambda: (_qkv()[0], _rand(1, 2, 8, 16, dtype=torch.float32), _qkv()[2]), {}, r"k\.dtype"),
+    (lambda: (*_qkv()[:2], _rand(1, 2, 8, 16, dtype=torch.bfloat16)), {}, r"v\.dtype"),
+    (lambda: _qkv(h=6, hk=4), {}, r"num_heads.*\b6\b.*num_kv_heads.*\b4\b"),
+    (lambda: _qkv(d=12), {}, r"multiple of 8"),
+    (lambda: _qkv(dv=300), {}, r"v head_dim.*multiple of 8.*300"),
+    (lambda: _qkv(), {"window": (-2, 0)}, r"window"),
+    (lambda: _qkv(), {"window": (1, 2, 3)}, r"window"),
+    (lambda: _qkv(), {"softmax_scale": "0.1"}, r"softmax_scale"),
+    (lambda: (_qkv()[0].int(), *_qkv()[1:]), {}, r"q\.dtype"),
+    (lambda: (_qkv()[0], "k", _qkv()[2]), {}, r"^k must be a torch\.Tensor"),
+], ids=["q_rank", "k_dtype", "v_dtype", "gqa_heads", "head_dim_12", "head_dim_v_300", "window_neg",
+        "window_triple", "scale_str", "q_int", "k_not_tensor"])
+def test_errors_name_the_argument(make, kw, pattern):
+    q, k, v = make()
+    with pytest.raises(InputError, match=pattern) as exc:
+        flashgen.attention(q, k, v, **kw)
+    assert isinstance(exc.value, ValueError) and isinstance(exc.value, flashgen.FlashgenError)
+
+
+def test_valid_inputs_raise_nothing(monkeypatch):
+    # the same inputs as above with the offending argument fixed (reference path: fast)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for q, k, v in (_qkv(h=6, hk=3), _qkv(d=24), _qkv(dv=32)):
+        assert flashgen.attention(q, k, v, window=(0, 0)).shape == (*q.shape[:3], v.shape[3])
+
+
+# -- empty inputs ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("b, h, sq, sk", [(0, 2, 8, 8), (1, 2, 0, 8), (1, 2, 8, 0), (2, 0, 8, 8)])
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_empty_inputs(b, h, sq, sk, interpret, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(ops, "fwd", lambda *a, **k: pytest.fail("launched a kernel on an empty input"))
+    hk = h // 2 if h else 1
+    q = _rand(b, h, sq, 16).requires_grad_()
+    k = _rand(b, hk, sk, 16).requires_grad_()
+    v = _rand(b, hk, sk, 24).requires_grad_()
+    o, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    assert o.shape == (b, h, sq, 24) and o.dtype == F16 and lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(o, torch.zeros_like(o))
+    assert torch.equal(lse, torch.full_like(lse, float("-inf")))
+    assert flashgen.attention(q, k, v).shape == o.shape  # without return_lse: O only
+    (o.float().sum() + 1.0).backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+# -- the interpreter path (TRITON_INTERPRET=1, set by conftest) -----------------------
+
+def test_interpreter_is_on():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_gqa_matches_reference():
+    torch.manual_seed(1)
+    b, h, hk, sq, sk, d = 1, 4, 2, 29, 37, 32
+    q, k, v, do = _rand(b, h, sq, d), _rand(b, hk, sk, d), _rand(b, hk, sk, d), _rand(b, h, sq, d)
+    o, lse, grads = _run(q, k, v, do)
+    assert grads[1].shape == k.shape and grads[2].shape == v.shape
+    _check_against_reference(q, k, v, do, o, lse, grads)
+
+
+def test_causal_seqlen_q_longer_than_seqlen_k():
+    torch.manual_seed(2)
+    b, h, sq, sk, d = 1, 2, 45, 21, 32
+    q, k, v, do = _rand(b, h, sq, d), _rand(b, h, sk, d), _rand(b, h, sk, d), _rand(b, h, sq, d)
+    o, lse, grads = _run(q, k, v, do, causal=True)
+    blind = sq - sk  # rows 0..23 see no key (bottom-right alignment)
+    assert torch.equal(o[:, :, :blind], torch.zeros_like(o[:, :, :blind]))
+    assert torch.isneginf(lse[:, :, :blind]).all() and torch.isfinite(lse[:, :, blind:]).all()
+    for g in grads:
+        assert torch.isfinite(g).all()
+    assert torch.equal(grads[0][:, :, :blind], torch.zeros_like(grads[0][:, :, :blind]))
+    _check_against_reference(q, k, v, do, o, lse, grads, causal=True)
+
+
+def test_transposed_view_input():
+    torch.manual_seed(3)
+    b, h, s, d = 2, 2, 23, 40  # (b, s, h, d) storage; head_dim 40 is padded to 64
+    q, k, v = (_rand(b, s, h, d).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    do = _rand(b, h, s, d)
+    o, lse, grads = _run(q, k, v, do, window=(5, 3))
+    _check_against_reference(q, k, v, do, o, lse, grads, window=(5, 3))
+    o2 = flashgen.attention(q.contiguous(), k.contiguous(), v.contiguous(), window=(5, 3))
+    assert torch.equal(o, o2)
+
+
+def test_last_dim_strided_input():
+    torch.manual_seed(4)
+    b, h, sq, sk, d = 1, 2, 19, 27, 16
+    q, k, v = _rand(b, h, sq, 2 * d)[..., ::2], _rand(b, h, sk, 2 * d)[..., ::2], _rand(b, h, sk, 2 * d)[..., ::2]
+    assert q.stride(-1) == 2
+    do = _rand(b, h, sq, 2 * d)[..., ::2]  # the incoming gradient strided as well
+    o, lse, grads = _run(q, k, v, do, causal=True)
+    _check_against_reference(q, k, v, do, o, lse, grads, causal=True)
+
+
+def test_softmax_scale_zero_is_uniform():
+    torch.manual_seed(5)
+    b, h, s, d = 1, 2, 24, 16
+    q, k, v, do = _rand(b, h, s, d), _rand(b, h, s, d), _rand(b, h, s, d), _rand(b, h, s, d)
+    o, lse, grads = _run(q, k, v, do, causal=True, softmax_scale=0.0)
+    # row i averages the first i + 1 values; its LSE is log(i + 1)
+    avg = v.double().cumsum(2) / torch.arange(1, s + 1, dtype=torch.float64)[:, None]
+    assert (o.double() - avg).abs().max().item() < 2e-3
+    assert torch.allclose(lse.double(), torch.log(torch.arange(1, s + 1, dtype=torch.float64)).expand(b, h, s),
+                          atol=1e-5)
+    assert torch.equal(grads[0], torch.zeros_like(grads[0]))  # dQ = 0 * dS K
+    _check_against_reference(q, k, v, do, o, lse, grads, causal=True, softmax_scale=0.0)
+
+
+def test_negative_softmax_scale():
+    torch.manual_seed(8)
+    b, h, sq, sk, d = 1, 2, 21, 30, 16
+    q, k, v, do = _rand(b, h, sq, d), _rand(b, h, sk, d), _rand(b, h, sk, d), _rand(b, h, sq, d)
+    o, lse, grads = _run(q, k, v, do, window=(4, 1), softmax_scale=-0.4)
+    _check_against_reference(q, k, v, do, o, lse, grads, window=(4, 1), softmax_scale=-0.4)
+
+
+def test_deterministic():
+    torch.manual_seed(6)
+    b, h, hk, s, d = 1, 4, 1, 33, 16
+    q, k, v, do = _rand(b, h, s, d), _rand(b, hk, s, d), _rand(b, hk, s, d), _rand(b, h, s, d)
+    runs = [_run(q, k, v, do, causal=True) for _ in range(2)]
+    (o1, l1, g1), (o2, l2, g2) = runs
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    for a, b_ in zip(g1, g2):
+        assert torch.equal(a, b_)
+
+
+# -- the reference path (no interpreter) ----------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_reference_path_without_interpreter(monkeypatch, dtype):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(ops, "fwd", lambda *a, **k: pytest.fail("kernel launched without the interpreter"))
+    monkeypatch.setattr(ops, "bwd", lambda *a, **k: pytest.fail("kernel launched without the interpreter"))
+    torch.manual_seed(7)
+    b, h, hk, sq, sk, d, dv = 2, 4, 2, 45, 21, 24, 40
+    q, k, v, do = (_rand(b, h, sq, d, dtype=dtype), _rand(b, hk, sk, d, dtype=dtype),
+                   _rand(b, hk, sk, dv, dtype=dtype), _rand(b, h, sq, dv, dtype=dtype))
+    for kw in (dict(causal=True), dict(window=(6, 2)), dict(softmax_scale=0.3)):
+        o, lse, grads = _run(q, k, v, do, **kw)
+        _check_against_reference(q, k, v, do, o, lse, grads, **kw)
+        o2, lse2, grads2 = _run(q, k, v, do, **kw)
+        assert torch.equal(o, o2) and all(torch.equal(x, y) for x, y in zip(grads, grads2))

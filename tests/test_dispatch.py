@@ -1,0 +1,242 @@
+"""The dispatcher: default / tuned / nearest, environment filtering, reloading, and the
+end-to-end path from a tuning-DB row to the kernel flashgen.attention launches."""
+
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import arch as farch
+from flashgen import compile as fcompile
+from flashgen import dispatch, heuristics, ops, reference, resources
+from flashgen.db import TuningDB
+from flashgen.dispatch import Dispatcher
+from flashgen.env import Environment
+from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant
+
+ENV = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.13.0", "0.1.0")
+ARCH = farch.TABLE["sm_90"]
+SPEC = KernelSpec("fwd", "bfloat16", 64, 64, "causal")
+SHAPE = Shape(2, 8, 8, 1024, 1024)
+KEY = SHAPE.key(SPEC)
+OTHER_BUCKET = Shape(2, 8, 8, 4096, 4096).key(SPEC)
+FAR_BUCKET = Shape(2, 8, 8, 16384, 16384).key(SPEC)
+C1, C2, C3 = TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 2), TileConfig(64, 32, 4, 1)
+
+
+def rec(db, cfg, ms, key=KEY, env=ENV, status="ok"):
+    return db.record(key, SHAPE, Variant(key.spec, cfg), Measurement(status, median_ms=ms), env,
+                     smem_bytes_model=resources.estimate(Variant(key.spec, cfg), ARCH).total_bytes)
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return tmp_path / "tune.sqlite"
+
+
+def disp(*paths, env=ENV, arch=ARCH):
+    return Dispatcher(list(paths), env=env, arch=arch)
+
+
+def test_no_database_gives_the_heuristic_default(db_path):
+    for d in (disp(), disp(db_path)):  # no databases / a path that does not exist
+        ch = d.choose(KEY)
+        assert ch.source == "default" and ch.tuned_key is None and ch.median_ms is None
+        assert ch.config == heuristics.default_config(SPEC, ARCH)
+        est = resources.estimate(Variant(SPEC, ch.config), ARCH)
+        assert ch.smem_bytes == est.total_bytes and ch.smem_breakdown == est.breakdown()
+        assert d.config_for(KEY) == ch.config
+    # the default depends on the architecture
+    big = KernelSpec("fwd", "bfloat16", 128, 128, "none")
+    k = SHAPE.key(big)
+    assert disp(arch=farch.TABLE["sm_86"]).config_for(k) != disp().config_for(k)
+    assert not db_path.exists()  # a missing database is not created
+
+
+def test_tuned_row_for_the_exact_key(db_path):
+    with TuningDB(db_path) as db:
+        rec(db, C1, 2.0)
+        rec(db, C2, 0.5)  # the fastest ok row wins
+        rec(db, C3, 0.1, status="wrong_result")  # not ok: ignored
+        rec(db, C3, 0.2, key=OTHER_BUCKET)  # another key: not used for KEY
+    ch = disp(db_path).choose(KEY)
+    assert ch.source == "tuned" and ch.config == C2 and ch.config != heuristics.default_config(SPEC, ARCH)
+    assert ch.tuned_key == KEY.id and ch.median_ms == 0.5 and ch.database == str(db_path)
+    assert ch.tflops == pytest.approx(
+        flashgen.spec.attention_flops(2, 8, 1024, 1024, 64, causal=True) / 0.5e-3 / 1e12)
+    assert ch.smem_bytes == resources.estimate(Variant(SPEC, C2), ARCH).total_bytes
+
+
+def test_fastest_row_across_databases(tmp_path):
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    with TuningDB(a) as da, TuningDB(b) as dbb:
+        rec(da, C1, 1.0)
+        rec(dbb, C2, 0.7)
+    for order in ((a, b), (b, a)):
+        ch = disp(*order).choose(KEY)
+        assert (ch.source, ch.config, ch.database) == ("tuned", C2, str(b))
+
+
+def test_nearest_bucket_of_the_same_spec(db_path):
+    other_spec = dataclasses.replace(SPEC, mask="none")
+    with TuningDB(db_path) as db:
+        rec(db, C1, 1.0, key=OTHER_BUCKET)  # q/k 4096 vs 1024: distance 4
+        rec(db, C2, 0.1, key=FAR_BUCKET)  # 16384: distance 8, faster but farther
+        rec(db, C3, 0.1, key=SHAPE.key(other_spec))  # exact sizes, another spec: never used
+    ch = disp(db_path).choose(KEY)
+    assert ch.source == "nearest" and ch.config == C1 and ch.tuned_key == OTHER_BUCKET.id
+    assert ch.median_ms == 1.0
+    # another GQA group is another family: no nearest row, the default
+    gqa = Shape(2, 8, 2, 1024, 1024).key(SPEC)
+    assert gqa.group == 4
+    ch = disp(db_path).choose(gqa)
+    assert ch.source == "default" and ch.config == heuristics.default_config(SPEC, ARCH)
+
+
+@pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("triton_version", "3.5.0"),
+                                          ("compute_capability", "8.0")])
+def test_rows_of_another_environment_are_ignored_with_a_warning(db_path, field, value):
+    other = dataclasses.replace(ENV, **{field: value})
+    with TuningDB(db_path) as db:
+        rec(db, C2, 0.1, env=other)
+        rec(db, C3, 0.1, env=other, key=OTHER_BUCKET)
+    d = disp(db_path)
+    with pytest.warns(UserWarning, match="no rows for this environment"):
+        ch = d.choose(KEY)
+    assert ch.source == "default" and ch.config == heuristics.default_config(SPEC, ARCH)
+    # one warning per database, not per call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d.clear()
+        assert d.choose(OTHER_BUCKET).source == "default"
+    # once a matching row exists, it is used and the faster foreign row still is not
+    with TuningDB(db_path) as db:
+        rec(db, C1, 5.0)
+    d.clear()
+    ch = d.choose(KEY)
+    assert (ch.source, ch.config, ch.median_ms) == ("tuned", C1, 5.0)
+
+
+def test_rows_of_another_template_hash_are_ignored(db_path, monkeypatch):
+    with TuningDB(db_path) as db:
+        rec(db, C2, 0.5)
+    assert disp(db_path).choose(KEY).source == "tuned"
+    from flashgen import render
+
+    real = render.template_hash
+    monkeypatch.setattr(render, "template_hash", lambda k: "0" * 16 if k == "fwd" else real(k))
+    with pytest.warns(UserWarning, match="no rows for this environment"):
+        assert disp(db_path).choose(KEY).source == "default"
+
+
+def test_database_changes_are_picked_up(db_path):
+    with TuningDB(db_path) as db:
+        rec(db, C1, 2.0)
+    d = disp(db_path)
+    assert (d.choose(KEY).source, d.config_for(KEY)) == ("tuned", C1)
+    assert d.choose(OTHER_BUCKET).config == C1  # nearest, from the same table
+    with TuningDB(db_path) as db:
+        rec(db, C2, 1.0)  # faster
+    # choices are memoized: still C1 until cleared ...
+    assert d.config_for(KEY) == C1
+    d.clear()
+    assert d.choose(KEY).config == C2 and d.choose(KEY).median_ms == 1.0
+
+    # ... and a cache miss re-reads a database whose file changed on disk
+    with TuningDB(db_path) as db:
+        rec(db, C3, 0.5)
+    st = db_path.stat()
+    os.utime(db_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a distinct mtime
+    ch = d.choose(FAR_BUCKET)  # not memoized: nearest bucket, from the re-read table
+    assert (ch.source, ch.config, ch.median_ms) == ("nearest", C3, 0.5)
+
+
+def test_rows_written_by_an_open_writer_are_picked_up(db_path):
+    """A tuner in another process keeps its database open (WAL mode): new rows are in
+    the -wal file while the main file is unchanged; a cache miss must still see them."""
+    with TuningDB(db_path) as writer:
+        rec(writer, C1, 2.0)
+        d = disp(db_path)
+        assert d.choose(KEY).config == C1
+        rec(writer, C2, 1.0)
+        ch = d.choose(OTHER_BUCKET)
+        assert (ch.source, ch.config) == ("nearest", C2)
+        rec(writer, C3, 3.0, key=OTHER_BUCKET)
+        assert (d.choose(FAR_BUCKET).source, d.choose(FAR_BUCKET).config) == ("nearest", C3)
+
+
+def test_add_database_and_flashgen_db(db_path, monkeypatch):
+    with TuningDB(db_path) as db:
+        rec(db, C2, 0.5)
+    d = disp()
+    assert d.choose(KEY).source == "default"
+    d.add_database(db_path)
+    assert d.databases()[0] == db_path and d.choose(KEY).config == C2
+    # without explicit databases: the shipped ones, and $FLASHGEN_DB first
+    monkeypatch.setenv("FLASHGEN_DB", str(db_path))
+    d2 = Dispatcher(env=ENV, arch=ARCH)
+    assert d2.databases() == [db_path] + dispatch.shipped_databases()
+    assert d2.choose(KEY).config == C2
+    monkeypatch.delenv("FLASHGEN_DB")
+    assert Dispatcher(env=ENV, arch=ARCH).databases() == dispatch.shipped_databases()
+
+
+def test_environment_current_on_cpu():
+    env = Environment.current()
+    if not torch.cuda.is_available():
+        assert farch.current() is farch.INTERPRETER
+        assert env.gpu_name == farch.INTERPRETER.name and env.compute_capability == "9.0"
+    import triton
+
+    assert env.triton_version == triton.__version__ and env.flashgen_version == flashgen.__version__
+
+
+# -- end to end --------------------------------------------------------------------
+
+TUNED = TileConfig(16, 16, 4, 1)
+
+
+@pytest.fixture
+def restore_default_dispatcher():
+    yield
+    dispatch.set_default_dispatcher(None)
+
+
+def test_attention_launches_the_tuned_config(db_path, monkeypatch, restore_default_dispatcher):
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.manual_seed(0)
+    b, h, s, d = 1, 2, 40, 32
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float16) for _ in range(3))
+    env, arch = Environment.current(), farch.current()
+    spec = KernelSpec("fwd", "float16", d, d, "causal")
+    key = Shape(b, h, h, s, s).key(spec)
+    default = heuristics.default_config(spec, arch)
+    assert default != TUNED
+    with TuningDB(db_path) as db:
+        db.record(key, Shape(b, h, h, s, s), Variant(spec, TUNED), Measurement("ok", median_ms=0.01), env, 0)
+        db.record(key, Shape(b, h, h, s, s), Variant(spec, default), Measurement("ok", median_ms=0.02), env, 0)
+    dispatch.set_default_dispatcher(Dispatcher([db_path], env=env, arch=arch))
+    assert dispatch.default_dispatcher().choose(key).source == "tuned"
+
+    launched = []
+    real_fwd = ops.fwd
+
+    def spy_fwd(*args, config, **kw):
+        launched.append(config)
+        return real_fwd(*args, config=config, **kw)
+
+    monkeypatch.setattr(ops, "fwd", spy_fwd)
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    assert launched == [TUNED]
+    # the module of that variant was loaded (the interpreter returns no compiled
+    # kernel, so ops.compiled stays empty on CPU)
+    vid = Variant(spec, TUNED).id
+    assert any(k.startswith(vid + "@") for k in fcompile._modules)
+    ro, rlse, _ = reference.forward(q, k, v, causal=True)
+    bo, _, _ = reference.forward(q, k, v, causal=True, dtype=torch.float16)
+    err, base = (out.double() - ro).abs().max().item(), (bo.double() - ro).abs().max().item()
+    assert err <= 2 * base + 2e-3, (err, base)
+    assert (lse.double() - rlse).abs().max().item() <= 1e-3
