@@ -64,3 +64,13 @@ def backward(do, q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, 
         dk = dk.reshape(b, hk, group, *dk.shape[2:]).sum(2)
         dv = dv.reshape(b, hk, group, *dv.shape[2:]).sum(2)
     return dq, dk, dv
+
+
+def max_error(got, ref) -> float:
+    """max |got - ref| over the finite entries of ``ref``; inf when the non-finite
+    entries differ (a NaN where ref is finite, or -inf where ref is not, fails)."""
+    got, ref = got.double(), ref.double()
+    fin = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(got), fin) or not torch.equal(got[~fin], ref[~fin]):
+        return float("inf")
+    return (got[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
