@@ -9,6 +9,7 @@ from the saved log-sum-exp.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -80,7 +81,7 @@ class _Attention(torch.autograd.Function):
             scale = -scale if sign else 1.0
         disp = default_dispatcher()
         cfg = disp.config_for(_key("fwd", q, k, v, mask))
-        with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (scale, mask, lo, hi, sign)
@@ -95,7 +96,7 @@ class _Attention(torch.autograd.Function):
         disp = default_dispatcher()
         cfg_dq = disp.config_for(_key("bwd_dq", q, k, v, mask))
         cfg_kv = disp.config_for(_key("bwd_dkdv", q, k, v, mask))
-        with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
                                  config_dq=cfg_dq, config_dkdv=cfg_kv)
         if sign != 1:
@@ -141,18 +142,10 @@ class _Empty(torch.autograd.Function):
         return tuple(torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in ctx.meta)
 
 
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
     _check(q, k, v, softmax_scale)
     b, h, sq, d = q.shape
-    sk, dv = k.shape[2], v.shape[3]
+    sk = k.shape[2]
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
     if b == 0 or h == 0 or sq == 0 or sk == 0:

@@ -232,7 +232,7 @@ def bench(
     from . import compare
     from .bench import KernelBenchmarker
     from .dispatch import Dispatcher, default_dispatcher
-    from .spec import KernelSpec, ProblemKey, Variant
+    from .spec import KernelSpec, Variant
 
     names = [b.strip() for b in backends.split(",") if b.strip()]
     unknown = sorted(set(names) - set(compare.BACKENDS))
