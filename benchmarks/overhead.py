@@ -1,50 +1,137 @@
 """Host time per call that flashgen adds on top of launching the same Triton kernel
-directly, next to torch SDPA's call, on small decode-like shapes.  Where the kernel's
-GPU time (last column, do_bench) is below the per-call time, calls are host-bound and
-the difference between the first two columns is flashgen's added host time.  Time =
-wall time of N back-to-back calls / N, synchronized once at the end.
+directly, next to torch SDPA's call, on decode-like shapes (seqlen_q 1, 4, 16 against a
+short KV cache, so calls are host-bound; one long-KV row for contrast).
 
-    PYTHONPATH=. python3 benchmarks/overhead.py
+Columns (microseconds per call, forward, no autograd, bf16, causal, GQA 32/8, d 128):
+
+* ``flashgen.attention``: the public call (checks, fast path, dispatch, allocation, launch);
+* ``flashgen sdpa``: ``flashgen.scaled_dot_product_attention`` (top-left causal);
+* ``ops.fwd``: ``flashgen.ops.fwd`` with preallocated outputs (the launcher API);
+* ``raw launch``: ``kernel[grid](...)`` of the same compiled kernel with preallocated
+  outputs: the floor;
+* ``raw+alloc``: the raw launch plus allocating O and LSE, as any op returning fresh
+  tensors must;
+* ``added``: flashgen.attention - raw launch (the number the op-users issue bounds by 5 us);
+* ``torch sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (enable_gqa);
+* ``kernel (GPU)``: the kernel's own GPU time (triton.testing.do_bench, median).
+
+Per-call time = wall time of N back-to-back calls / N, synchronized once at the end
+(best of R repeats); where it exceeds the kernel's GPU time, the call is host-bound.
+
+    PYTHONPATH=. python3 benchmarks/overhead.py            # on a GPU
+    PYTHONPATH=. python3 benchmarks/overhead.py --mock     # on CPU: launches replaced by a no-op
+
+``--mock`` measures the Python side only: CPU tensors, TRITON_INTERPRET=1 so the kernel
+path is taken, and each kernel handle replaced by one whose launch does nothing (the raw
+launch column then times the argument passing alone; GPU time and torch SDPA are not
+measured).
 """
 
+from __future__ import annotations
+
+import argparse
+import os
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
-import triton.testing
 
-from flashgen import attention, ops
-from flashgen.api import _key
-from flashgen.dispatch import default_dispatcher
-from flashgen.masks import mask_bounds
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="flashgen host overhead per call")
+    p.add_argument("--mock", action="store_true", help="CPU, kernel launches replaced by a no-op")
+    p.add_argument("-n", type=int, default=2000, help="calls per timing")
+    p.add_argument("-r", type=int, default=5, help="repeats (best is reported)")
+    p.add_argument("--shapes", default="1x128,4x128,16x128,1x4096", help="seqlen_q x seqlen_k, comma-separated")
+    args = p.parse_args(argv)
+    if args.mock:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+    import torch
+    import torch.nn.functional as F
+
+    import flashgen
+    from flashgen import library, ops
+    from flashgen.masks import mask_bounds
+
+    if not args.mock and not torch.cuda.is_available():
+        print("no CUDA device: run with --mock for the CPU-side numbers")
+        return 2
+    device = "cpu" if args.mock else "cuda"
+    sync = (lambda: None) if args.mock else torch.cuda.synchronize
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    def per_call_us(fn):
+        for _ in range(20):
+            fn()
+        best = float("inf")
+        for _ in range(args.r):
+            sync()
+            t = time.perf_counter()
+            for _ in range(args.n):
+                fn()
+            sync()
+            best = min(best, (time.perf_counter() - t) / args.n * 1e6)
+        return best
+
+    cols = ("flashgen.attention", "flashgen sdpa", "ops.fwd", "raw launch", "raw+alloc", "added", "torch sdpa",
+            "kernel (GPU)")
+    print(f"device: {'CPU, launches mocked' if args.mock else torch.cuda.get_device_name()}; torch "
+          f"{torch.__version__}; us per call (best of {args.r} x {args.n})")
+    print(f"{'shape (bf16, causal)':28}" + "".join(f"{c:>19}" for c in cols))
+    results = []
+    for spec in args.shapes.split(","):
+        sq, sk = (int(x) for x in spec.split("x"))
+        b, h, hk, d = 1, 32, 8, 128
+        q = torch.randn(b, h, sq, d, device=device, dtype=torch.bfloat16)
+        k = torch.randn(b, hk, sk, d, device=device, dtype=torch.bfloat16)
+        v = torch.randn(b, hk, sk, d, device=device, dtype=torch.bfloat16)
+        mode, lo, hi = mask_bounds(sq, sk, causal=True, window=(-1, -1))
+        cfg, mod = library.kernel_for("fwd", q, k, v, mode)
+        if args.mock:
+            mod.attn_fwd = NoLaunch()
+        scale = d ** -0.5
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], device=device, dtype=torch.float32)
+        nm = -(-sq // cfg.BLOCK_M)
+        grid = (nm * b * h,)
+        kern = mod.attn_fwd
+
+        def raw(out=out, lse=lse):
+            kern[grid](q, k, v, out, lse, scale * ops.LOG2E,
+                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                       h, h // hk, sq, sk, nm, lo, hi, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+
+        def raw_alloc():
+            o_ = torch.empty((b, h, sq, d), device=device, dtype=q.dtype)
+            l_ = torch.empty((b, h, sq), device=device, dtype=torch.float32)
+            raw(o_, l_)
+
+        with torch.no_grad():
+            t = {
+                "flashgen.attention": per_call_us(lambda: flashgen.attention(q, k, v, causal=True)),
+                "flashgen sdpa": per_call_us(lambda: flashgen.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=True)),
+                "ops.fwd": per_call_us(lambda: ops.fwd(q, k, v, softmax_scale=scale, mask=mode, diag_lo=lo,
+                                                       diag_hi=hi, config=cfg, out=out, lse=lse)),
+                "raw launch": per_call_us(raw),
+                "raw+alloc": per_call_us(raw_alloc),
+            }
+            t["added"] = t["flashgen.attention"] - t["raw launch"]
+            if args.mock:
+                t["torch sdpa"] = t["kernel (GPU)"] = float("nan")
+            else:
+                import triton.testing
+
+                t["torch sdpa"] = per_call_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+                t["kernel (GPU)"] = triton.testing.do_bench(raw, return_mode="median") * 1e3
+        name = f"b{b} h{h}/{hk} sq{sq} sk{sk} d{d}"
+        print(f"{name:28}" + "".join(f"{t[c]:19.1f}" for c in cols))
+        results.append((name, t))
+    return 0
 
 
-def per_call_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
-
-
-print(f"{'shape':32} {'flashgen.attention':>18} {'ops.fwd direct':>15} {'added':>8} {'sdpa':>8} {'kernel (GPU)':>12}  (us per call)")
-for sq, sk in ((1, 128), (4, 128), (16, 128), (1, 4096)):
-    b, h, hk, d = 1, 32, 8, 128
-    q = torch.randn(b, h, sq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
-    mode, lo, hi = mask_bounds(sq, sk, causal=True, window=(-1, -1))
-    cfg = default_dispatcher().config_for(_key("fwd", q, k, v, mode))
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    t_op = per_call_us(lambda: attention(q, k, v, causal=True))
-    t_direct = per_call_us(lambda: ops.fwd(q, k, v, softmax_scale=d ** -0.5, mask=mode, diag_lo=lo, diag_hi=hi,
-                                           config=cfg, out=out, lse=lse))
-    t_sdpa = per_call_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-    t_gpu = triton.testing.do_bench(lambda: ops.fwd(q, k, v, softmax_scale=d ** -0.5, mask=mode, diag_lo=lo,
-                                                    diag_hi=hi, config=cfg, out=out, lse=lse),
-                                    return_mode="median") * 1e3
-    print(f"{f'b{b} h{h}/{hk} sq{sq} sk{sk} d{d} causal':32} {t_op:18.1f} {t_direct:15.1f} {t_op - t_direct:8.1f} {t_sdpa:8.1f} {t_gpu:12.1f}")
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The public op: input checks, dispatch, autograd.
+"""The public ops: input checks, the per-call fast path, torch's SDPA signature, explain.
 
 ``attention`` computes exact softmax attention with FlashAttention's algorithm (Dao et
 al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with
@@ -9,22 +9,16 @@ from the saved log-sum-exp.
 
 from __future__ import annotations
 
-import contextlib
-import os
+from dataclasses import dataclass
 
 import torch
 
-from . import ops, reference
-from .dispatch import default_dispatcher
+from . import dispatch, library, ops
 from .errors import InputError
 from .masks import mask_bounds
 from .spec import KernelSpec, ProblemKey
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check(q, k, v, softmax_scale):
@@ -63,100 +57,101 @@ def _last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _key(kernel, q, k, v, mask) -> ProblemKey:
-    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask)
-    return ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
-                                 seqlen_q=q.shape[2], seqlen_k=k.shape[2])
+# -- the per-call path -----------------------------------------------------------------
+#
+# A call is checked once per distinct (shapes, dtypes, devices, mask arguments): the
+# rules of ``_check`` depend on nothing else, so a later call with the same tuple only
+# re-checks what can differ (the tensors' exact type and softmax_scale's type) and
+# reuses the mask bounds and, for CUDA tensors, the forward kernel's TileConfig and
+# loaded module.  These entries live in the dispatcher's ``fast`` table, so clearing or
+# replacing the dispatcher drops them; an entry made during a CUDA graph capture is not
+# kept (its config may be the capture-time default).  Plain tensors that need no
+# autograd, outside torch.compile and TorchDispatchModes, are launched directly (the
+# dispatcher of a torch.library op costs tens of microseconds per call); everything
+# else goes through ``torch.ops.flashgen.fwd``, which carries the autograd formula and
+# the fake kernel.  Both run the same implementation, :func:`flashgen.library.forward`.
+
+_Tensor = torch.Tensor
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, scale, mask, lo, hi):
-        # The kernels scale the masked (-inf) scores too, so they need scale > 0:
-        # softmax(scale * q k^T) is computed as softmax(|scale| * (sign * q) k^T), and
-        # scale 0 (uniform attention) as scale 1 with q = 0; dQ is sign * dQ'.
-        sign = -1 if scale < 0 else 0 if scale == 0 else 1  # NaN stays NaN
-        if sign != 1:
-            q = q.neg() if sign < 0 else torch.zeros_like(q)
-            scale = -scale if sign else 1.0
-        disp = default_dispatcher()
-        cfg = disp.config_for(_key("fwd", q, k, v, mask))
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (scale, mask, lo, hi, sign)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        scale, mask, lo, hi, sign = ctx.args
-        do = _last_dim_contiguous(do)
-        disp = default_dispatcher()
-        cfg_dq = disp.config_for(_key("bwd_dq", q, k, v, mask))
-        cfg_kv = disp.config_for(_key("bwd_dkdv", q, k, v, mask))
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
-                                 config_dq=cfg_dq, config_dkdv=cfg_kv)
-        if sign != 1:
-            dq = dq.neg() if sign < 0 else torch.zeros_like(dq)
-        return dq, dk, dv, None, None, None, None
+def _prepare(q, k, v, causal, window, softmax_scale, align):
+    """Checked call: (q, k, v with last-dim stride 1, scale, mask, lo, hi)."""
+    _check(q, k, v, softmax_scale)
+    sq, d, sk = q.shape[2], q.shape[3], k.shape[2]
+    mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return q, k, v, scale, mask, lo, hi
 
 
-class _Reference(torch.autograd.Function):
-    """CPU path without the Triton interpreter: float32 math with the same conventions."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window, align):
-        o, lse, _ = reference.forward(q, k, v, causal=causal, window=window, softmax_scale=scale, align=align,
-                                      dtype=torch.float32)
-        ctx.save_for_backward(q, k, v)
-        ctx.args = (scale, causal, window, align)
-        ctx.mark_non_differentiable(lse)
-        return o.to(q.dtype), lse.float()
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v = ctx.saved_tensors
-        scale, causal, window, align = ctx.args
-        dq, dk, dv = reference.backward(do, q, k, v, causal=causal, window=window, softmax_scale=scale,
-                                        align=align, dtype=torch.float32)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
-
-
-class _Empty(torch.autograd.Function):
-    """batch, heads, seqlen_q or seqlen_k of 0: zeros and -inf, no launch; zero grads."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        b, h, sq, _ = q.shape
-        ctx.meta = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
-        o = q.new_zeros((b, h, sq, v.shape[3]))
-        lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        return tuple(torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in ctx.meta)
+def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
+    """The fast-path entry of a checked call: (mask, lo, hi, default scale, config,
+    module, CUDA device index); config and module only where kernels run."""
+    cfg = mod = dev = None
+    capturing = False
+    if kernel_path and not library.is_empty(q, k):
+        if q.is_cuda:
+            dev = q.device.index
+            with torch.cuda.device(dev):
+                capturing = dispatch.graph_capturing()
+                cfg, mod = library.kernel_for("fwd", q, k, v, mask)
+        else:
+            capturing = dispatch.graph_capturing()
+            cfg, mod = library.kernel_for("fwd", q, k, v, mask)
+    entry = (mask, lo, hi, q.shape[3] ** -0.5, cfg, mod, dev)
+    if not capturing:
+        if len(disp.fast) >= library.FAST_TABLE_MAX:
+            disp.fast.clear()
+        disp.fast[ekey] = entry
+    return entry
 
 
 def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
-    _check(q, k, v, softmax_scale)
-    b, h, sq, d = q.shape
-    sk = k.shape[2]
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
-    if b == 0 or h == 0 or sq == 0 or sk == 0:
-        # Nothing to launch: every row sees no key (O = 0, LSE = -inf); gradients are 0.
-        o, lse = _Empty.apply(q, k, v)
+    if torch.compiler.is_compiling():
+        # Traced by dynamo: the checks run at trace time, the op is one graph node.
+        q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
+        o, lse = library.FWD(q, k, v, scale, mask, lo, hi)
         return (o, lse) if return_lse else o
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    if q.is_cuda or _interpreting():
-        o, lse = _Attention.apply(q, k, v, scale, mask, lo, hi)
+    disp = dispatch._default or dispatch.default_dispatcher()
+    entry = ekey = None
+    plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+    if plain:
+        kernel_path = q.is_cuda or library.interpreting()
+        try:
+            ekey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                    causal, window, align, kernel_path)
+            entry = disp.fast.get(ekey)
+        except TypeError:  # an unhashable window (a list): the checked path
+            ekey = None
+    if entry is not None and (softmax_scale is None or type(softmax_scale) is float):
+        mask, lo, hi, default, cfg, mod, dev = entry
+        scale = default if softmax_scale is None else softmax_scale
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v.stride(-1) != 1:
+            v = v.contiguous()
     else:
-        o, lse = _Reference.apply(q, k, v, scale, causal, tuple(window), align)
+        q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
+        cfg = mod = dev = None
+        if ekey is not None:
+            _, _, _, _, cfg, mod, dev = _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path)
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
+            or not plain or _dispatch_modes():
+        o, lse = library.FWD(q, k, v, scale, mask, lo, hi)
+    elif mod is not None and scale > 0:
+        # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
+        if dev is None or dev == torch.cuda.current_device():
+            o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
+                             module=mod)
+        else:
+            with torch.cuda.device(dev):
+                o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
+                                 module=mod)
+    else:
+        o, lse = library.forward(q, k, v, scale, mask, lo, hi)
     return (o, lse) if return_lse else o
 
 
@@ -200,10 +195,234 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     accumulation; float32 inputs in IEEE float32 (no tf32).
 
     CPU tensors run through flashgen's reference implementation (float32 math), or
-    through the Triton interpreter when ``TRITON_INTERPRET=1``.
+    through the Triton interpreter when ``TRITON_INTERPRET=1``.  CUDA tensors run on
+    their own device (cuda:1 inputs on cuda:1, whatever the current device).
+
+    The op is ``torch.ops.flashgen.fwd`` (with a fake kernel and autograd), so
+    ``torch.compile(fullgraph=True)`` traces it without a graph break and CUDA graphs
+    capture it; inside a capture the dispatcher reads no database.
 
     Raises:
         InputError (a ValueError): an argument breaks a rule; the message names it.
     """
     return _attention(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                       return_lse=return_lse, align="bottom_right")
+
+
+# -- torch's SDPA signature ------------------------------------------------------------
+
+_sdpa_reasons: dict = {}
+
+
+def _sdpa_shape_reason(query, key, value, enable_gqa) -> str | None:
+    """Why flashgen cannot serve these tensors under SDPA's semantics (None: it can)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a torch.Tensor"
+        if t.dim() != 4:
+            return f"{name} has {t.dim()} dims; flashgen takes (batch, heads, seqlen, head_dim)"
+    if query.dtype not in _DTYPES:
+        return f"dtype {query.dtype} (flashgen: float16, bfloat16, float32)"
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"dtypes differ (query {query.dtype}, key {key.dtype}, value {value.dtype})"
+    if key.device != query.device or value.device != query.device:
+        return f"devices differ (query {query.device}, key {key.device}, value {value.device})"
+    b, hq, _, d = query.shape
+    if key.shape[0] != b or value.shape[0] != b:
+        return f"batch sizes differ (query {b}, key {key.shape[0]}, value {value.shape[0]})"
+    hk = key.shape[1]
+    if value.shape[1] != hk:
+        return f"key and value head counts differ ({hk}, {value.shape[1]})"
+    if hq != hk:
+        if not enable_gqa:
+            return f"query has {hq} heads and key/value {hk}, and enable_gqa=False (torch raises)"
+        if hk == 0 or hq % hk:
+            return f"query heads ({hq}) are not a multiple of key/value heads ({hk})"
+    if key.shape[2] != value.shape[2]:
+        return f"key and value seqlens differ ({key.shape[2]}, {value.shape[2]})"
+    if key.shape[3] != d:
+        return f"query and key head dims differ ({d}, {key.shape[3]})"
+    for name, dd in (("head_dim", d), ("value head_dim", value.shape[3])):
+        if not (8 <= dd <= 256 and dd % 8 == 0):
+            return f"{name} {dd} (flashgen: a multiple of 8 in [8, 256])"
+    if b == 0 or hq == 0 or query.shape[2] == 0 or key.shape[2] == 0:
+        return "an empty input (batch, heads or a seqlen of 0)"
+    return None
+
+
+def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False) -> str | None:
+    """Why :func:`scaled_dot_product_attention` hands these arguments to torch's SDPA,
+    or None when flashgen runs them."""
+    if attn_mask is not None:
+        return "attn_mask is given (flashgen has no dense mask)"
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
+        return f"dropout_p = {dropout_p!r} (flashgen has no dropout)"
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
+        return f"scale of type {type(scale).__name__}"
+    if not isinstance(is_causal, bool):
+        return f"is_causal of type {type(is_causal).__name__}"
+    if torch.compiler.is_compiling() or not (type(query) is _Tensor and type(key) is _Tensor
+                                             and type(value) is _Tensor):
+        return _sdpa_shape_reason(query, key, value, enable_gqa)
+    rkey = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
+            key.device, value.device, bool(enable_gqa))
+    try:
+        return _sdpa_reasons[rkey]
+    except KeyError:
+        reason = _sdpa_reasons[rkey] = _sdpa_shape_reason(query, key, value, enable_gqa)
+        if len(_sdpa_reasons) >= library.FAST_TABLE_MAX:
+            _sdpa_reasons.clear()
+        return reason
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics,
+    run by flashgen's kernels where it can: swap the import, keep the call.
+
+    query (batch, heads, seqlen_q, head_dim); key, value (batch, kv_heads, seqlen_k,
+    head_dim / head_dim_v).  ``is_causal`` is torch's top-left alignment (query i sees
+    key j iff j <= i), not :func:`attention`'s bottom-right one.  ``scale`` None means
+    1 / sqrt(head_dim).  Different head counts need ``enable_gqa=True`` (as in torch).
+
+    Everything flashgen cannot serve goes to torch's own SDPA with the same arguments
+    (so torch's errors are raised unchanged): an ``attn_mask``, ``dropout_p > 0``, other
+    ranks or dtypes, head dims that are not a multiple of 8 in [8, 256], mismatched
+    head counts without ``enable_gqa``, empty inputs.  :func:`explain` with
+    ``sdpa=True`` says which path a call takes and why.
+    """
+    if sdpa_fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) is not None:
+        kw = {"enable_gqa": True} if enable_gqa else {}  # (torch < 2.5 has no enable_gqa)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    return _attention(query, key, value, causal=is_causal, window=(-1, -1), softmax_scale=scale,
+                      return_lse=False, align="top_left")
+
+
+# -- explain ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One kernel's dispatch: its ProblemKey, the TileConfig and where it came from."""
+
+    kernel: str  # fwd | bwd_dq | bwd_dkdv
+    key: str  # ProblemKey.id
+    config: str  # TileConfig.id
+    source: str  # tuned | nearest | default
+    tuned_key: str | None  # the key of the database row used (nearest: another bucket)
+    database: str | None
+    median_ms: float | None  # of that row, as measured by the tuner
+    tflops: float | None
+    smem_bytes: int
+    smem_breakdown: str
+
+    def __str__(self) -> str:
+        row = "no tuned row" if self.tuned_key is None else (
+            f"row {self.tuned_key} in {self.database}: median {self.median_ms:.4f} ms"
+            + ("" if self.tflops is None else f", {self.tflops:.1f} TFLOP/s"))
+        return (f"{self.kernel}: key {self.key}\n    config {self.config} ({self.source}; {row})\n"
+                f"    shared memory (model): {self.smem_breakdown}")
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a call would run (see :func:`explain`)."""
+
+    backend: str  # "flashgen" | "torch-sdpa-fallback"
+    path: str  # e.g. "triton kernels on cuda:0", "reference (CPU, float32 math)"
+    reason: str | None  # why torch's SDPA runs it (backend torch-sdpa-fallback)
+    mask: str | None  # none | causal | window
+    diag_lo: int | None  # query i sees key j iff diag_lo <= j - i <= diag_hi
+    diag_hi: int | None
+    softmax_scale: float | None
+    kernels: tuple[KernelChoice, ...]
+
+    def __str__(self) -> str:
+        if self.backend != "flashgen":
+            return f"{self.backend}: {self.reason}"
+        lines = [f"flashgen: {self.path}; mask {self.mask} ({self.diag_lo} <= j - i <= {self.diag_hi}), "
+                 f"softmax_scale {self.softmax_scale:.6g}"]
+        lines += [str(c) for c in self.kernels]
+        return "\n".join(lines)
+
+
+def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
+            softmax_scale: float | None = None, sdpa: bool = False, attn_mask=None, dropout_p: float = 0.0,
+            enable_gqa: bool = False, dispatcher: "dispatch.Dispatcher | None" = None) -> Explanation:
+    """What ``attention(q, k, v, causal=..., window=..., softmax_scale=...)`` runs, per
+    kernel (fwd, bwd_dq, bwd_dkdv): the ProblemKey, the TileConfig, its source (a tuned
+    row, the nearest tuned bucket, or the heuristic default), the row's measured median
+    time and TFLOP/s, and the modelled shared memory by buffer.  ``str()`` of the result
+    is a readable report.
+
+    With ``sdpa=True`` it explains ``scaled_dot_product_attention(q, k, v,
+    attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
+    enable_gqa=enable_gqa)`` instead (top-left causal), including why a call goes to
+    torch's SDPA.  Meta tensors explain by sizes alone (no device needed).  Reads the
+    tuning databases of ``dispatcher`` (default: the process-wide one).
+
+    Raises InputError for arguments :func:`attention` rejects (``sdpa=False``).
+    """
+    if not sdpa and (attn_mask is not None or dropout_p != 0.0 or enable_gqa):
+        raise InputError("attn_mask, dropout_p and enable_gqa are scaled_dot_product_attention's "
+                         "arguments: pass sdpa=True with them")
+    if sdpa:
+        reason = sdpa_fallback_reason(q, k, v, attn_mask, dropout_p, causal, softmax_scale, enable_gqa)
+        if reason is None and window != (-1, -1):
+            raise InputError("window is not an argument of scaled_dot_product_attention")
+        if reason is not None:
+            return Explanation("torch-sdpa-fallback", "torch.nn.functional.scaled_dot_product_attention", reason,
+                               None, None, None, None, ())
+    _check(q, k, v, softmax_scale)
+    b, h, sq, d = q.shape
+    hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align="top_left" if sdpa else "bottom_right")
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if library.is_empty(q, k):
+        path = "no launch (an empty input: O = 0, LSE = -inf)"
+    elif q.is_cuda:
+        path = f"triton kernels on {q.device}"
+    elif q.is_meta:
+        path = "sizes only (meta tensors): the kernels a GPU run would launch"
+    elif library.interpreting():
+        path = f"triton interpreter on {q.device} (TRITON_INTERPRET=1)"
+    else:
+        path = f"reference (no kernel: {q.device} tensors, float32 math)"
+    kernels: tuple[KernelChoice, ...] = ()
+    if not library.is_empty(q, k) and not path.startswith("reference"):
+        disp = dispatcher or dispatch.default_dispatcher()
+        dtype = ops.dtype_name(q.dtype)
+        choices = []
+        for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+            key = ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask), batch=b, num_heads=h,
+                                        num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk)
+            c = disp.choose(key, capturing=False)
+            choices.append(KernelChoice(kernel, key.id, c.config.id, c.source, c.tuned_key, c.database,
+                                        c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown))
+        kernels = tuple(choices)
+    return Explanation("flashgen", path, None, mask, lo, hi, scale, kernels)
+
+
+def explain_sizes(*, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                  head_dim_v: int | None = None, dtype: str = "bfloat16", causal: bool = False,
+                  window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                  dispatcher: "dispatch.Dispatcher | None" = None) -> Explanation:
+    """:func:`explain` from sizes alone (meta tensors; what ``flashgen explain`` prints)."""
+    try:
+        tdtype = getattr(torch, dtype)
+    except AttributeError:
+        raise InputError(f"dtype must be one of float16, bfloat16, float32; got {dtype!r}") from None
+    if not isinstance(tdtype, torch.dtype):
+        raise InputError(f"dtype must be one of float16, bfloat16, float32; got {dtype!r}")
+    for name, n in (("batch", batch), ("heads", heads), ("kv_heads", kv_heads), ("seqlen_q", seqlen_q),
+                    ("seqlen_k", seqlen_k)):
+        if n < 0:
+            raise InputError(f"{name} must be >= 0, got {n}")
+    meta = dict(device="meta", dtype=tdtype)
+    q = torch.empty(batch, heads, seqlen_q, head_dim, **meta)
+    k = torch.empty(batch, kv_heads, seqlen_k, head_dim, **meta)
+    v = torch.empty(batch, kv_heads, seqlen_k, head_dim if head_dim_v is None else head_dim_v, **meta)
+    return explain(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale, dispatcher=dispatcher)

@@ -4,7 +4,9 @@
                    [--timeout-per-key S] [--fake TIMINGS.json]
     flashgen show  [--db PATH] [--key SUBSTR] [--all]
     flashgen merge OUT IN...
-    flashgen bench [--preset NAME]... [--dtype D] [--backends B,...] [--json PATH]
+    flashgen bench [--preset NAME]... [--shape B,H,HKV,SQ,SK,D[,causal]]... [--dtype D]
+                   [--backends B,...] [--out DIR] [--json PATH]
+    flashgen iomodel [--seqlen N,...] [--head-dim D] [--block-m M] [--block-n N] [--dtype D]
 """
 
 from __future__ import annotations
@@ -218,78 +220,274 @@ def merge(
 @app.command()
 def bench(
     preset: Annotated[list[str], typer.Option(callback=_check_presets,
-                                              help="Preset(s) of shapes: fa-grid, llama3-8b, small.")] = ["fa-grid"],
+                                              help="Preset(s) of shapes: fa-grid, llama3-8b, small "
+                                                   "(fa-grid when neither --preset nor --shape is given).")] = [],
+    shape: Annotated[list[str], typer.Option(help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
+                                                  "(repeatable).")] = [],
     dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
-    backends: Annotated[str, typer.Option(help="Comma-separated: flashgen, flashgen-default, "
-                                          "sdpa-flash, sdpa-cudnn.")] = "flashgen,flashgen-default,sdpa-flash,sdpa-cudnn",
-    json_out: Annotated[Path | None, typer.Option("--json", dir_okay=False, help="Write all numbers here.")] = None,
+    backends: Annotated[str, typer.Option(help="Comma-separated subset of flashgen, flashgen-default, sdpa-flash, "
+                                          "sdpa-cudnn, sdpa-efficient, sdpa-math, flex, naive.")] = "all",
+    out: Annotated[Path, typer.Option(file_okay=False, help="Directory for bench.json, bench.csv and the "
+                                      "plots.")] = Path("bench_out"),
+    json_out: Annotated[Path | None, typer.Option("--json", dir_okay=False,
+                                                  help="Also write the JSON here.")] = None,
+    plots: Annotated[bool, typer.Option(help="Save matplotlib plots (PNG) in --out.")] = True,
     check: Annotated[bool, typer.Option(help="Check flashgen against the float64 reference.")] = True,
-    rep_ms: Annotated[int, typer.Option(min=1, help="Timing repetitions, in ms of GPU time.")] = 50,
+    rep_ms: Annotated[int, typer.Option(min=1, help="Timing repetitions, in ms of GPU time.")] = 25,
+    warmup_ms: Annotated[int, typer.Option(min=1, help="Warm-up, in ms of GPU time.")] = 5,
+    max_matrix_gb: Annotated[float, typer.Option(min=0, help="Skip naive / sdpa-math where their seqlen_q x "
+                                                 "seqlen_k matrices would need more than this.")] = 40.0,
 ) -> None:
-    """flashgen (tuned and default config) against torch SDPA's backends, side by side."""
+    """flashgen (tuned and default config) against torch SDPA's backends, FlexAttention and
+    naive attention: forward, backward, forward+backward, peak memory; table, JSON, CSV,
+    plots."""
     import torch
 
     from . import compare
+
+    names = list(compare.BACKENDS) if backends.strip() == "all" else [b.strip() for b in backends.split(",")
+                                                                       if b.strip()]
+    unknown = sorted(set(names) - set(compare.BACKENDS))
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown backend(s) {unknown}; known: {list(compare.BACKENDS)}",
+                                 param_hint="'--backends'")
+    cases = []
+    for s in shape:
+        try:
+            cases.append(compare.parse_shape(s))
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="'--shape'") from None
+    if preset or not shape:
+        cases = compare.cases_from_presets(preset or ["fa-grid"]) + cases
+    if not torch.cuda.is_available():
+        Console().print("[red]error:[/] flashgen bench needs a CUDA GPU (torch.cuda.is_available() is False)")
+        raise typer.Exit(2)
+    console = _console()
+    if any(n.startswith("flashgen") for n in names):
+        _precompile_for(cases, dtype, names)
+    tdtype = getattr(torch, dtype)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("cells", total=len(cases) * len(names))
+
+        def on_cell(case, name, cell):
+            progress.update(task, advance=1, description=f"{case.label} d{case.head_dim} {case.mask} {name}")
+        rows = compare.run(cases, dtype=tdtype, backends=names, warmup_ms=warmup_ms, rep_ms=rep_ms, check=check,
+                           max_matrix_gb=max_matrix_gb, progress=on_cell)
+    device = torch.cuda.get_device_name()
+    meta = {"device": device, "torch": torch.__version__, "dtype": dtype, "rep_ms": rep_ms,
+            "warmup_ms": warmup_ms, "max_matrix_gb": max_matrix_gb, "backends": names}
+    out.mkdir(parents=True, exist_ok=True)
+    text = compare.to_json(rows, meta)
+    (out / "bench.json").write_text(text)
+    (out / "bench.csv").write_text(compare.to_csv(rows))
+    if json_out:
+        json_out.write_text(text)
+    _print_bench(console, rows, names, check, f"{dtype}, {device}")
+    written = [out / "bench.json", out / "bench.csv"]
+    if plots:
+        try:
+            written += compare.plots(rows, out, title=f"{dtype}, {device}")
+        except ImportError as e:
+            console.print(f"plots skipped ({e}): pip install 'flashgen[bench]' (matplotlib)", markup=False)
+    console.print("wrote " + ", ".join(map(str, written)), markup=False)
+
+
+def _precompile_for(cases, dtype: str, names: list[str]) -> None:
+    """Compile every flashgen variant the run will launch, in parallel, before timing."""
     from .bench import KernelBenchmarker
     from .dispatch import Dispatcher, default_dispatcher
     from .spec import KernelSpec, Variant
 
-    names = [b.strip() for b in backends.split(",") if b.strip()]
-    unknown = sorted(set(names) - set(compare.BACKENDS))
-    if unknown:
-        raise typer.BadParameter(f"unknown backend(s) {unknown}; known: {list(compare.BACKENDS)}",
-                                 param_hint="'--backends'")
-    if not torch.cuda.is_available():
-        Console().print("[red]error:[/] flashgen bench needs a CUDA GPU")
-        raise typer.Exit(2)
-    console = _console()
-    entries = compare.entries_from_presets(preset)
-    # Compile every variant the run will launch, in parallel, before timing anything.
+    disps = ([default_dispatcher()] if "flashgen" in names else []) + \
+        ([Dispatcher(databases=[])] if "flashgen-default" in names else [])
     variants = []
-    for disp in (default_dispatcher(), Dispatcher(databases=[])):
-        for d, causal, shape in entries:
+    for disp in disps:
+        for c in cases:
+            if c.window != (-1, -1):
+                continue  # the precompile check has no window sizes; these compile on first call
             for kernel in KERNELS:
-                spec = KernelSpec(kernel, dtype, d, d, "causal" if causal else "none")
-                variants.append(Variant(spec, disp.config_for(shape.key(spec))))
+                spec = KernelSpec(kernel, dtype, c.head_dim, c.head_dim, "causal" if c.causal else "none")
+                variants.append(Variant(spec, disp.config_for(c.shape.key(spec))))
     KernelBenchmarker().precompile(list(dict.fromkeys(variants)))
-    tdtype = getattr(torch, dtype)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        task = progress.add_task("shapes", total=len(entries))
-        rows = compare.run(entries, dtype=tdtype, backends=names, rep_ms=rep_ms, check=check,
-                           progress=lambda row: progress.advance(task))
-    if json_out:
-        json_out.write_text(compare.to_json(rows))
-    table = Table(title=Text(f"TFLOP/s forward / backward, {dtype}, {torch.cuda.get_device_name()}"))
-    table.add_column("d")
-    table.add_column("causal")
-    table.add_column("batch x heads x seqlen")
-    for n in names:
-        table.add_column(n)
-    if check:
-        table.add_column("max err ratio")
+
+
+def _short_error(err: str) -> str:
+    """A table cell's few words; the full reason is printed under the table."""
+    if err.startswith("skipped"):
+        return "skipped (memory)"
+    if "OOM" in err:
+        return "OOM"
+    if err.startswith("unsupported"):
+        return "unsupported"
+    if "no kernel" in err:
+        return "no kernel"
+    return ": ".join(err.split(": ")[:2])[:28]
+
+
+def _print_bench(console: Console, rows, names: list[str], check: bool, title: str) -> None:
+    from . import compare
+
+    def cells_table(heading, fmt_cell, extra=None):
+        table = Table(title=Text(heading))
+        for col in ("d", "mask", "batch x heads/kv x seqlen"):
+            table.add_column(col, no_wrap=True)
+        for n in names:
+            table.add_column(n)
+        if extra:
+            table.add_column(extra[0])
+        for r in rows:
+            c = r.c
+            cells = [fmt_cell(r.cells[n]) if r.cells[n]["error"] is None or r.cells[n]["fwd_ms"]
+                     else _short_error(r.cells[n]["error"]) for n in names]
+            table.add_row(str(c.head_dim), c.mask, c.label, *cells, *([extra[1](r)] if extra else []))
+        console.print(table)
+
+    def tflops(cell):
+        s = " / ".join("-" if cell[f"{d}_tflops"] is None else f"{cell[f'{d}_tflops']:.0f}"
+                       for d in compare.DIRECTIONS)
+        return s + (" *" if cell["error"] else "")
+
+    def mem(cell):
+        return "-" if cell["peak_mem_bytes"] is None else f"{cell['peak_mem_bytes'] / 2**20:.0f}"
+
+    def ratio(r):
+        m = compare.max_check(r)
+        return "-" if m is None else f"{m:.2f}"
+
+    cells_table(f"TFLOP/s fwd / bwd / fwd+bwd, {title}", tflops,
+                ("flashgen max err ratio", ratio) if check else None)
+    cells_table(f"peak memory of one fwd+bwd beyond the inputs (MiB), {title}", mem)
+    notes: dict[tuple[str, str], list[str]] = {}
     for r in rows:
-        sh = r.shape
-        cells = []
         for n in names:
-            c = r.cells[n]
-            cells.append(f"{c['fwd_tflops']:.0f} / {c['bwd_tflops']:.0f}" if c["error"] is None
-                         else c["error"][:40])
-        extra = [f"{max(r.check.values()):.2f}"] if check else []
-        table.add_row(str(r.head_dim), "y" if r.causal else "n",
-                      f"{sh['batch']}x{sh['num_heads']}/{sh['num_kv_heads']}x{sh['seqlen_q']}", *cells, *extra)
-    console.print(table)
+            if r.cells[n]["error"]:
+                notes.setdefault((n, r.cells[n]["error"]), []).append(f"{r.c.label} d{r.c.head_dim} {r.c.mask}")
+    for (n, err), where in notes.items():
+        more = f" (+{len(where) - 3} more)" if len(where) > 3 else ""
+        console.print(f"{n}: {err} [{', '.join(where[:3])}{more}]", markup=False)
+    if any(r.cells[n]["error"] and r.cells[n]["fwd_ms"] for r in rows for n in names):
+        console.print("* a later stage failed; see the note for that backend", markup=False)
     ref = "sdpa-cudnn" if "sdpa-cudnn" in names else None
-    if ref:
-        for n in names:
-            if n == ref:
-                continue
-            for dirn in ("fwd", "bwd"):
-                ratios = [r.cells[n][f"{dirn}_tflops"] / r.cells[ref][f"{dirn}_tflops"] for r in rows
-                          if r.cells[n][f"{dirn}_tflops"] and r.cells[ref][f"{dirn}_tflops"]]
-                if ratios:
-                    console.print(f"{n} / {ref} {dirn}: geomean {compare.geomean(ratios):.3f}x, "
-                                  f"min {min(ratios):.3f}x over {len(ratios)} shapes", markup=False)
+    for n in names:
+        if ref is None or n == ref:
+            continue
+        for d in compare.DIRECTIONS:
+            ratios = [r.cells[n][f"{d}_tflops"] / r.cells[ref][f"{d}_tflops"] for r in rows
+                      if r.cells[n][f"{d}_tflops"] and r.cells[ref][f"{d}_tflops"]]
+            if ratios:
+                console.print(f"{n} / {ref} {d}: geomean {compare.geomean(ratios):.3f}x, "
+                              f"min {min(ratios):.3f}x over {len(ratios)} shapes", markup=False)
+
+@app.command()
+def iomodel(
+    seqlen: Annotated[str, typer.Option(help="Comma-separated N (seqlen_q = seqlen_k).")] = "1024,4096,16384",
+    head_dim: Annotated[int, typer.Option(min=1)] = 64,
+    block_m: Annotated[int, typer.Option("--block-m", min=1, help="Query tile (forward, dQ); key tile "
+                                         "(dK/dV).")] = 128,
+    block_n: Annotated[int, typer.Option("--block-n", min=1, help="The tile streamed through each program.")] = 64,
+    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "float16",
+    batch: Annotated[int, typer.Option(min=1)] = 1,
+    heads: Annotated[int, typer.Option(min=1)] = 1,
+    causal: bool = False,
+    tradeoff_n: Annotated[int | None, typer.Option(help="N of the tile-size table (default: the largest N).")] = None,
+    tradeoff_block_m: Annotated[str, typer.Option(help="BLOCK_M values of the tile-size table.")] = "16,32,64,128,256",
+) -> None:
+    """HBM bytes moved by naive vs tiled (FlashAttention) attention, forward and backward,
+    as a model (flashgen/iomodel.py), and the tile-size trade-off."""
+    from . import iomodel as io
+    from .spec import DTYPE_BYTES
+
+    def ints(text, name):
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"{text!r}: comma-separated integers", param_hint=name) from None
+        if not vals or min(vals) < 1:
+            raise typer.BadParameter(f"{text!r}: give positive integers", param_hint=name)
+        return vals
+
+    ns = ints(seqlen, "'--seqlen'")
+    bms = ints(tradeoff_block_m, "'--tradeoff-block-m'")
+    e = DTYPE_BYTES[dtype]
+    console = _console()
+    kw = dict(batch=batch, num_heads=heads, causal=causal)
+    table = Table(title=Text(f"HBM bytes, model: batch {batch}, heads {heads}, d {head_dim}, {dtype}, "
+                             f"{'causal' if causal else 'no mask'}, BLOCK_M {block_m}, BLOCK_N {block_n}"))
+    for col in ("N", "fwd naive", "fwd tiled", "fwd naive/tiled", "bwd naive", "bwd tiled", "bwd naive/tiled"):
+        table.add_column(col, justify="right")
+    for r in io.forward_table(ns, head_dim, block_m, block_n, e, **kw):
+        table.add_row(f"{r['N']:,}", io.fmt_bytes(r["naive_fwd_bytes"]), io.fmt_bytes(r["tiled_fwd_bytes"]),
+                      f"{r['naive_fwd_bytes'] / r['tiled_fwd_bytes']:.1f}x",
+                      io.fmt_bytes(r["naive_bwd_bytes"]), io.fmt_bytes(r["tiled_bwd_bytes"]),
+                      f"{r['naive_bwd_bytes'] / r['tiled_bwd_bytes']:.1f}x")
+    console.print(table)
+    n = tradeoff_n or max(ns)
+    table = Table(title=Text(f"forward bytes as BLOCK_M varies: N {n:,}, d {head_dim}, BLOCK_N {block_n}"))
+    for col in ("BLOCK_M", "fwd tiled", "vs naive", "Q + K + V tiles in SRAM"):
+        table.add_column(col, justify="right")
+    for r in io.block_m_tradeoff(n, head_dim, bms, block_n, e, **kw):
+        table.add_row(str(r["BLOCK_M"]), io.fmt_bytes(r["tiled_fwd_bytes"]),
+                      f"{r['tiled_fwd_bytes'] / r['naive_fwd_bytes']:.2f}x", io.fmt_bytes(r["tile_smem_bytes"]))
+    console.print(table)
+
+@app.command()
+def explain(
+    batch: Annotated[int, typer.Option(min=0)],
+    heads: Annotated[int, typer.Option(min=1, help="Query heads.")],
+    kv_heads: Annotated[int, typer.Option(min=1, help="Key/value heads (GQA when fewer than --heads).")],
+    seqlen_q: Annotated[int, typer.Option(min=0)],
+    seqlen_k: Annotated[int, typer.Option(min=0)],
+    head_dim: Annotated[int, typer.Option()],
+    head_dim_v: Annotated[int | None, typer.Option(help="Value head dim (default: --head-dim).")] = None,
+    causal: Annotated[bool, typer.Option("--causal", help="Bottom-right causal mask.")] = False,
+    window: Annotated[str, typer.Option(help="Sliding window LEFT,RIGHT (-1 = unbounded).")] = "-1,-1",
+    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
+    db: Annotated[Path | None, typer.Option(dir_okay=False,
+                                            help="Also read this tuning DB (first, before the shipped ones).")] = None,
+    arch: Annotated[str | None, typer.Option(help="Explain for this architecture (e.g. sm_90) instead of "
+                                             "this machine's device.")] = None,
+    gpu: Annotated[str | None, typer.Option(help="Match tuning rows of this GPU name (e.g. 'NVIDIA H200') "
+                                            "instead of this machine's.")] = None,
+) -> None:
+    """Which kernels and tile configs flashgen.attention would run for these sizes, where
+    each config came from (tuned row, nearest bucket, default), its measured TFLOP/s and
+    its shared-memory budget.  Needs no GPU (sizes only)."""
+    from . import arch as arch_mod
+    from .api import explain_sizes
+    from .dispatch import Dispatcher
+    from .env import Environment
+    from .errors import InputError
+
+    try:
+        left, right = (int(x) for x in window.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{window!r}: give LEFT,RIGHT, e.g. 128,0", param_hint="'--window'") from None
+    env, a = Environment.current(), arch_mod.current()
+    if arch is not None:
+        try:
+            a = arch_mod.by_sm(arch)
+        except KeyError as e:
+            raise typer.BadParameter(str(e.args[0]), param_hint="'--arch'") from None
+        env = dataclasses.replace(env, gpu_name=a.name, compute_capability="%d.%d" % a.compute_capability,
+                                  sm_count=a.sm_count)
+    if gpu is not None:
+        env = dataclasses.replace(env, gpu_name=gpu)
+    disp = Dispatcher(env=env, arch=a)
+    if db is not None:
+        if not db.exists():
+            raise typer.BadParameter(f"{db} does not exist", param_hint="'--db'")
+        disp.add_database(db)
+    try:
+        report = explain_sizes(batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                               head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
+                               window=(left, right), dispatcher=disp)
+    except InputError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{env.gpu_name} (cc {env.compute_capability}, triton {env.triton_version}); databases: "
+               + (", ".join(str(p) for p in disp.databases()) or "none"))
+    typer.echo(str(report))
 
 
 def main() -> None:

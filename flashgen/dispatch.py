@@ -7,6 +7,11 @@ environment (GPU name, compute capability, Triton version, template hash) matche
 process; the others are ignored, with one warning per database.  A database is read
 once and read again when its file changes (checked on a cache miss only, so the hot
 path is one dict lookup).
+
+Inside a CUDA graph capture (:func:`graph_capturing`) the dispatcher never tunes, never reads
+a database and never synchronizes: it answers from its memory cache, else with the
+heuristic default, which it does not memoize (so the first call outside a capture still
+reads the databases).
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ class Choice:
     smem_breakdown: str = ""
 
 
+def graph_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph (False without CUDA)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def shipped_databases() -> list[Path]:
     """The tuning databases shipped with flashgen (``tuning_db/*.sqlite``)."""
     try:
@@ -56,6 +68,10 @@ class Dispatcher:
         self._env = env
         self._arch = arch
         self._cache: dict[ProblemKey, Choice] = {}
+        self._capture_defaults: dict[ProblemKey, Choice] = {}
+        #: Per-call memo of the op's hot path (exact sizes -> launch facts), owned by
+        #: :mod:`flashgen.library` and :mod:`flashgen.api`; cleared with the rest.
+        self.fast: dict = {}
         self._tables: dict[Path, tuple[tuple, dict]] = {}  # path -> (file state, {key_id: (cfg, row)})
         self._warned: set[Path] = set()
         self._lock = threading.Lock()
@@ -93,7 +109,9 @@ class Dispatcher:
 
     def clear(self) -> None:
         self._cache.clear()
+        self._capture_defaults.clear()
         self._tables.clear()
+        self.fast.clear()
 
     # -- database reading --------------------------------------------------------
     @staticmethod
@@ -155,22 +173,35 @@ class Dispatcher:
         return near
 
     # -- the hot path ------------------------------------------------------------
-    def choose(self, key: ProblemKey) -> Choice:
-        """The Choice for ``key`` (memoized)."""
+    def _with_smem(self, choice: Choice) -> Choice:
+        est = resources.estimate(Variant(choice.key.spec, choice.config), self.arch)
+        return dataclasses.replace(choice, smem_bytes=est.total_bytes, smem_breakdown=est.breakdown())
+
+    def choose(self, key: ProblemKey, *, capturing: bool | None = None) -> Choice:
+        """The Choice for ``key`` (memoized).  ``capturing`` (default: ask CUDA whether
+        the current stream is capturing a graph) makes a cache miss answer with the
+        heuristic default without touching any database."""
         choice = self._cache.get(key)
         if choice is not None:
             return choice
+        if capturing is None:
+            capturing = graph_capturing()
         with self._lock:
+            if capturing:
+                choice = self._capture_defaults.get(key)
+                if choice is None:
+                    choice = self._with_smem(Choice(key, heuristics.default_config(key.spec, self.arch), "default"))
+                    self._capture_defaults[key] = choice
+                return choice
             choice = self._lookup(key)
             if choice is None:
                 choice = Choice(key, heuristics.default_config(key.spec, self.arch), "default")
-            est = resources.estimate(Variant(key.spec, choice.config), self.arch)
-            choice = dataclasses.replace(choice, smem_bytes=est.total_bytes, smem_breakdown=est.breakdown())
+            choice = self._with_smem(choice)
             self._cache[key] = choice
         return choice
 
-    def config_for(self, key: ProblemKey) -> TileConfig:
-        return self.choose(key).config
+    def config_for(self, key: ProblemKey, *, capturing: bool | None = None) -> TileConfig:
+        return self.choose(key, capturing=capturing).config
 
 
 _default: Dispatcher | None = None

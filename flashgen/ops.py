@@ -29,13 +29,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-        config: TileConfig, out=None, lse=None):
+        config: TileConfig, out=None, lse=None, module=None):
     """O (batch, heads, seqlen_q, head_dim_v) in q's dtype and LSE (batch, heads,
-    seqlen_q) float32, natural log."""
+    seqlen_q) float32, natural log.  ``module``: the loaded module of this variant, when
+    the caller already holds it (skips building the Variant and the load lookup)."""
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    spec = KernelSpec("fwd", dtype_name(q.dtype), d, dv, mask)
-    mod = _compile.load(Variant(spec, config))
+    mod = module or _compile.load(Variant(KernelSpec("fwd", dtype_name(q.dtype), d, dv, mask), config))
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -55,11 +55,11 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
 
 
 def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-           config: TileConfig, dq=None, delta=None):
+           config: TileConfig, dq=None, delta=None, module=None):
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
-    mod = _compile.load(Variant(KernelSpec("bwd_dq", dtype_name(q.dtype), d, dvd, mask), config))
+    mod = module or _compile.load(Variant(KernelSpec("bwd_dq", dtype_name(q.dtype), d, dvd, mask), config))
     dq = torch.empty_like(q) if dq is None else dq
     delta = torch.empty_like(lse) if delta is None else delta
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
@@ -78,11 +78,11 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-             config: TileConfig, dk=None, dv=None):
+             config: TileConfig, dk=None, dv=None, module=None):
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
-    mod = _compile.load(Variant(KernelSpec("bwd_dkdv", dtype_name(q.dtype), d, dvd, mask), config))
+    mod = module or _compile.load(Variant(KernelSpec("bwd_dkdv", dtype_name(q.dtype), d, dvd, mask), config))
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     num_n_blocks = _cdiv(sk, config.BLOCK_N)
@@ -101,15 +101,16 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-        config_dq: TileConfig, config_dkdv: TileConfig, dq=None, dk=None, dv=None, delta=None):
+        config_dq: TileConfig, config_dkdv: TileConfig, dq=None, dk=None, dv=None, delta=None,
+        module_dq=None, module_dkdv=None):
     """dQ, dK, dV (shapes of q, k, v; dK and dV summed over each GQA group).
 
     Two launches: ``bwd_dq`` (also writes delta = rowsum(dO * O), float32) and then
     ``bwd_dkdv``, which reads delta.  Both recompute P from Q, K and the LSE.
     """
     kw = dict(softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi)
-    dq, delta = bwd_dq(do, q, k, v, o, lse, config=config_dq, dq=dq, delta=delta, **kw)
-    dk, dv = bwd_dkdv(do, q, k, v, lse, delta, config=config_dkdv, dk=dk, dv=dv, **kw)
+    dq, delta = bwd_dq(do, q, k, v, o, lse, config=config_dq, dq=dq, delta=delta, module=module_dq, **kw)
+    dk, dv = bwd_dkdv(do, q, k, v, lse, delta, config=config_dkdv, dk=dk, dv=dv, module=module_dkdv, **kw)
     return dq, dk, dv
 
 

@@ -1,0 +1,321 @@
+"""The op as deployments use it, checked on the GPU (about a minute on an H200):
+
+* torch.compile(model, fullgraph=True) of a tiny attention block calling
+  flashgen.attention, forward and backward, equals eager (and the op is in the graph);
+* capture and replay of forward + backward in a torch.cuda.CUDAGraph gives the eager
+  result on new inputs, and the capture read no tuning database; a shape first seen
+  inside a capture gets the default config with no database read;
+* inputs on cuda:1 (while cuda:0 is current) run on cuda:1 and equal the cuda:0 result
+  (skipped with a message when there is one GPU);
+* flashgen.scaled_dot_product_attention matches torch's SDPA (is_causal with
+  seqlen_q <, =, > seqlen_k, enable_gqa, scale, head_dim_v != head_dim), forward and
+  gradients, both measured against a float64 SDPA: flashgen's error is at most 2x
+  torch's own at the input dtype plus a small floor; the fallbacks (attn_mask, dropout)
+  are torch's result exactly.
+
+Prints a PASS/FAIL/SKIP table; exit status 1 if anything failed.
+
+    PYTHONPATH=. python3 benchmarks/gpu_op_checks.py [--dtype bfloat16] [--backend inductor]
+
+``run_checks(torch.device("cpu"), dtype=torch.float32, backend="aot_eager")`` runs the
+same logic on CPU (flashgen's reference path; CUDA-only rows are SKIP): tests/test_library.py
+does that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import flashgen
+from flashgen import dispatch
+
+
+@dataclass
+class Row:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    detail: str
+
+
+def _err(got, want) -> float:
+    got, want = got.double(), want.double()
+    if not torch.equal(torch.isfinite(got), torch.isfinite(want)):
+        return float("inf")
+    fin = torch.isfinite(want)
+    return (got[fin] - want[fin]).abs().max().item() if fin.any() else 0.0
+
+
+def compare(name, got, want, *, atol) -> Row:
+    """PASS when max |got - want| <= atol (and the non-finite entries agree)."""
+    e = _err(got, want)
+    return Row(name, "PASS" if e <= atol else "FAIL", f"max err {e:.3g} (allowed {atol:.3g})")
+
+
+def _tol(dtype, scale=1.0) -> float:
+    return {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype] * max(scale, 1.0)
+
+
+class Tiny(torch.nn.Module):
+    """Projections around flashgen.attention (GQA, causal, strided q/k/v views)."""
+
+    def __init__(self, d=64, h=4, hk=2):
+        super().__init__()
+        self.h, self.hk, self.d = h, hk, d
+        self.wq = torch.nn.Linear(d * h, d * h, bias=False)
+        self.wkv = torch.nn.Linear(d * h, 2 * d * hk, bias=False)
+        self.wo = torch.nn.Linear(d * h, d * h, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.h, self.d).transpose(1, 2)
+        k, v = self.wkv(x).view(b, s, 2, self.hk, self.d).permute(2, 0, 3, 1, 4)
+        o = flashgen.attention(q, k, v, causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def _fwd_bwd(f, model, x, w):
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    out = f(x)
+    (out.float() * w).sum().backward()
+    return [out.detach(), x.grad, model.wq.weight.grad.clone(), model.wkv.weight.grad.clone()]
+
+
+def check_compile(device, dtype, backend) -> list[Row]:
+    torch.manual_seed(0)
+    model = Tiny().to(device=device, dtype=dtype)
+    x = torch.randn(2, 77, 256, device=device, dtype=dtype)
+    w = torch.randn(2, 77, 256, device=device)
+    targets = []
+
+    def recording(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    compiled = torch.compile(model, fullgraph=True, backend=recording)
+    try:
+        got = _fwd_bwd(compiled, model, x, w)
+        got = _fwd_bwd(compiled, model, x, w)  # second call: the compiled graph, no retrace
+    except Exception as e:  # a graph break raises under fullgraph=True
+        return [Row(f"torch.compile fwd+bwd [{backend}]", "FAIL", f"{type(e).__name__}: {str(e)[:200]}")]
+    t_compile = time.perf_counter() - t0
+    want = _fwd_bwd(model, model, x, w)
+    rows = []
+    if torch.ops.flashgen.fwd.default not in targets:
+        rows.append(Row(f"torch.compile fwd+bwd [{backend}]", "FAIL", "flashgen::fwd is not in the graph"))
+    for name, a, b in zip(("out", "dx", "dWq", "dWkv"), got, want):
+        r = compare(f"torch.compile fwd+bwd [{backend}] {name}", a, b, atol=_tol(dtype, b.abs().max().item()))
+        r.detail += f"; compile + 2 calls {t_compile:.1f} s"
+        rows.append(r)
+    return rows
+
+
+def check_cuda_graph(device, dtype) -> list[Row]:
+    name = "CUDA graph fwd+bwd"
+    if device.type != "cuda":
+        return [Row(name, "SKIP", "needs CUDA")]
+    torch.manual_seed(1)
+    b, h, hk, s, d = 2, 8, 2, 300, 128
+
+    def make():
+        return [torch.randn(b, n, s, d, device=device, dtype=dtype) for n in (h, hk, hk)] + \
+            [torch.randn(b, h, s, d, device=device, dtype=dtype)]
+
+    static = [t.requires_grad_(i < 3) for i, t in enumerate(make())]
+
+    def step():
+        q, k, v, do = static
+        o = flashgen.attention(q, k, v, causal=True)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: compile, memoize
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    reads = []
+    real_table = dispatch.Dispatcher._table
+    dispatch.Dispatcher._table = lambda self, p: reads.append(p) or real_table(self, p)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = step()
+    except Exception as e:
+        return [Row(name, "FAIL", f"capture: {type(e).__name__}: {str(e)[:200]}")]
+    finally:
+        dispatch.Dispatcher._table = real_table
+    rows = []
+    for trial in range(2):
+        new = make()
+        with torch.no_grad():
+            for st, t in zip(static, new):
+                st.copy_(t)
+        g.replay()
+        torch.cuda.synchronize(device)
+        q, k, v, do = (t.detach().clone().requires_grad_(i < 3) for i, t in enumerate(new))
+        o = flashgen.attention(q, k, v, causal=True)
+        want = (o, *torch.autograd.grad(o, (q, k, v), do))
+        errs = [_err(a, w_) for a, w_ in zip(outs, want)]
+        ok = all(e == 0.0 for e in errs)  # the same kernels on the same inputs: bitwise equal
+        rows.append(Row(f"{name} replay {trial}", "PASS" if ok else "FAIL",
+                        "O, dQ, dK, dV max err " + ", ".join(f"{e:.3g}" for e in errs)))
+    rows.append(Row(f"{name}: no DB read in capture", "PASS" if not reads else "FAIL",
+                    f"{len(reads)} database reads during the capture"))
+    return rows
+
+
+def check_capture_cold(device, dtype) -> list[Row]:
+    """A shape first seen inside a capture: the dispatcher must answer with the default
+    config without reading a database, and must not memoize it (the next eager call of
+    that shape reads the databases).  The default variant is compiled beforehand (a
+    Triton compile inside a capture is not what this checks)."""
+    name = "CUDA graph, shape first seen in the capture"
+    if device.type != "cuda":
+        return [Row(name, "SKIP", "needs CUDA")]
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, n, 1024, 128, device=device, dtype=dtype) for n in (32, 8, 8))
+    saved = dispatch.default_dispatcher()
+    dispatch.set_default_dispatcher(dispatch.Dispatcher(databases=[]))
+    with torch.no_grad():
+        want = flashgen.attention(q, k, v, causal=True)  # compiles the default variant
+    dispatch.set_default_dispatcher(dispatch.Dispatcher())  # cold: nothing cached
+    reads = []
+    real_table = dispatch.Dispatcher._table
+    dispatch.Dispatcher._table = lambda self, p: reads.append(p) or real_table(self, p)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g):
+            out = flashgen.attention(q, k, v, causal=True)
+    except Exception as e:
+        return [Row(name, "FAIL", f"capture: {type(e).__name__}: {str(e)[:200]}")]
+    finally:
+        dispatch.Dispatcher._table = real_table
+    n_reads = len(reads)
+    g.replay()
+    torch.cuda.synchronize(device)
+    e = _err(out, want)
+    rep = flashgen.explain(q, k, v, causal=True)
+    after = rep.kernels[0].source
+    dispatch.set_default_dispatcher(saved)
+    ok = n_reads == 0 and e == 0.0
+    return [Row(name, "PASS" if ok else "FAIL",
+                f"{n_reads} database reads in the capture; replay vs default config max err {e:.3g}; "
+                f"after the capture the fwd config comes from: {after}")]
+
+
+def check_device1(dtype) -> list[Row]:
+    name = "inputs on cuda:1"
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return [Row(name, "SKIP", f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s); "
+                                  "needs 2")]
+    torch.cuda.set_device(0)
+    torch.manual_seed(2)
+    ts = [torch.randn(1, 4, 200, 64, dtype=dtype) for _ in range(4)]
+    res = {}
+    for dev in ("cuda:0", "cuda:1"):
+        q, k, v, do = (t.to(dev).requires_grad_(i < 3) for i, t in enumerate(ts))
+        o = flashgen.attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+        with torch.no_grad():
+            o_nograd = flashgen.attention(q, k, v, causal=True)
+        res[dev] = [t.cpu() for t in (o, o_nograd, *grads)]
+        devices = {t.device for t in (o, o_nograd, *grads)}
+        if devices != {torch.device(dev)}:
+            return [Row(name, "FAIL", f"outputs on {devices}, inputs on {dev}")]
+    assert torch.cuda.current_device() == 0
+    errs = [_err(a, b) for a, b in zip(res["cuda:1"], res["cuda:0"])]
+    return [Row(name, "PASS" if all(e == 0 for e in errs) else "FAIL",
+                "cuda:1 vs cuda:0 (O, O no-grad, dQ, dK, dV) max err " + ", ".join(f"{e:.3g}" for e in errs))]
+
+
+SDPA_CASES = [
+    # (b, hq, hk, sq, sk, d, dv, is_causal, scale, enable_gqa)
+    (2, 4, 4, 128, 128, 64, 64, True, None, False),
+    (1, 4, 4, 40, 200, 64, 64, True, None, False),  # seqlen_q < seqlen_k: top-left
+    (1, 4, 4, 200, 40, 128, 128, True, None, False),  # seqlen_q > seqlen_k: every row sees key 0
+    (2, 8, 2, 97, 131, 128, 128, True, None, True),  # GQA
+    (1, 4, 1, 64, 300, 64, 64, False, 0.3, True),  # MQA, explicit scale
+    (1, 2, 2, 33, 77, 64, 32, False, None, False),  # head_dim_v != head_dim
+]
+
+
+def check_sdpa(device, dtype) -> list[Row]:
+    rows = []
+    for case in SDPA_CASES:
+        b, hq, hk, sq, sk, d, dv, causal, scale, gqa = case
+        name = f"sdpa vs torch [b{b} h{hq}/{hk} sq{sq} sk{sk} d{d}/{dv} causal={causal} scale={scale}]"
+        g = torch.Generator().manual_seed(sq * 1000 + sk)
+        # rounded to the dtype first: the float64 reference sees the same values
+        ts = [torch.randn(*shape, generator=g).to(dtype) for shape in
+              ((b, hq, sq, d), (b, hk, sk, d), (b, hk, sk, dv), (b, hq, sq, dv))]
+        kw = dict(is_causal=causal, scale=scale, enable_gqa=gqa)
+
+        def run(fn, dt, dev):
+            q, k, v, do = (t.to(device=dev, dtype=dt).requires_grad_(i < 3) for i, t in enumerate(ts))
+            o = fn(q, k, v, **kw)
+            return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
+
+        ref = run(F.scaled_dot_product_attention, torch.float64, "cpu")
+        base = run(F.scaled_dot_product_attention, dtype, device)
+        got = run(flashgen.scaled_dot_product_attention, dtype, device)
+        worst, detail = 0.0, []
+        for n, a, bb, r in zip(("O", "dQ", "dK", "dV"), got, base, ref):
+            e, eb = _err(a.cpu(), r), _err(bb.cpu(), r)
+            ratio = e / (2 * eb + 1e-6 * max(1.0, r.abs().max().item()) + (1e-3 if dtype != torch.float32 else 0))
+            worst = max(worst, ratio)
+            detail.append(f"{n} {e:.2g}/{eb:.2g}")
+        rows.append(Row(name, "PASS" if worst <= 1 else "FAIL",
+                        f"err flashgen/torch vs fp64: {', '.join(detail)}; worst ratio {worst:.2f} (<= 1)"))
+    # fallbacks are torch's own result
+    q, k, v = (torch.randn(1, 2, 16, 64, device=device, dtype=dtype) for _ in range(3))
+    mask = torch.rand(16, 16, device=device) > 0.3
+    mask[:, 0] = True
+    a = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    bb = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    why = flashgen.explain(q, k, v, sdpa=True, attn_mask=mask)
+    rows.append(Row("sdpa fallback: attn_mask", "PASS" if torch.equal(a, bb) and why.backend ==
+                    "torch-sdpa-fallback" else "FAIL", str(why)))
+    return rows
+
+
+def run_checks(device, *, dtype=torch.bfloat16, backend="inductor") -> list[Row]:
+    rows = check_compile(device, dtype, backend)
+    rows += check_cuda_graph(device, dtype)
+    rows += check_capture_cold(device, dtype)
+    rows += check_device1(dtype)
+    rows += check_sdpa(device, dtype)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--backend", default="inductor")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: these checks are for the GPU (tests/test_library.py runs their logic on CPU)")
+        return 2
+    t0 = time.perf_counter()
+    rows = run_checks(torch.device("cuda:0"), dtype=getattr(torch, args.dtype), backend=args.backend)
+    w = max(len(r.name) for r in rows)
+    print(f"{'check':{w}}  result  detail   ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.dtype})")
+    for r in rows:
+        print(f"{r.name:{w}}  {r.status:6}  {r.detail}")
+    n_fail = sum(r.status == "FAIL" for r in rows)
+    print(f"{len(rows)} checks: {sum(r.status == 'PASS' for r in rows)} PASS, {n_fail} FAIL, "
+          f"{sum(r.status == 'SKIP' for r in rows)} SKIP in {time.perf_counter() - t0:.0f} s")
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

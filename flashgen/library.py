@@ -1,0 +1,264 @@
+"""flashgen's attention as torch.library custom ops, and their real implementations.
+
+Two ops (namespace ``flashgen``), so that ``torch.compile(fullgraph=True)`` sees one
+opaque node per direction and never breaks the graph:
+
+``torch.ops.flashgen.fwd(q, k, v, scale, mask, lo, hi) -> (O, LSE)``
+    q (b, h, sq, d), k (b, hk, sk, d), v (b, hk, sk, dv), last-dim stride 1 (the caller
+    makes it so); ``mask``/``lo``/``hi`` from :func:`flashgen.masks.mask_bounds` (query
+    i sees key j iff lo <= j - i <= hi).  O is (b, h, sq, dv) in q's dtype and LSE
+    (b, h, sq) float32, both freshly allocated and contiguous: the fake (meta)
+    implementation returns exactly those shapes and strides.
+``torch.ops.flashgen.bwd(do, q, k, v, o, lse, scale, mask, lo, hi) -> (dQ, dK, dV)``
+    ``torch.empty_like`` of q, k and v (their strides where dense, as the fake says).
+
+Autograd is wired with ``torch.library.register_autograd``: the forward saves q, k, v,
+O and LSE; LSE is not differentiable.
+
+What the real implementation runs, by input:
+
+* batch, heads, seqlen_q or seqlen_k of 0: nothing is launched; O = 0, LSE = -inf and
+  the gradients are 0.
+* CUDA tensors (or any tensors with ``TRITON_INTERPRET=1``): the generated Triton
+  kernels, with the dispatcher's TileConfig, on the inputs' device (cuda:1 inputs run
+  on cuda:1 whatever the current device is).
+* CPU tensors otherwise: the reference path, float32 math with the same mask and LSE
+  conventions (:func:`reference_forward`), outputs cast to the input dtype.
+
+The kernels scale the masked (-inf) scores too, so they are launched with scale > 0: a
+negative scale runs as ``|scale|`` with q negated (dQ negated back), scale 0 (uniform
+attention) as scale 1 with q = 0 (dQ = 0).
+"""
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from . import compile as _compile
+from . import dispatch, ops
+from .spec import KernelSpec, ProblemKey, Variant
+
+
+#: Entries of a per-call memo table before it is emptied and refilled.
+FAST_TABLE_MAX = 4096
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET`` set, not 0)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_empty(q: Tensor, k: Tensor) -> bool:
+    return q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[2] == 0
+
+
+# -- kernel selection (memoized per exact problem size) --------------------------------
+
+def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str):
+    """(TileConfig, loaded module) of ``kernel`` for these inputs, from the default
+    dispatcher.  Memoized per exact sizes in the dispatcher's ``fast`` table (cleared
+    with it); inside a CUDA graph capture a miss takes the dispatcher's capture-safe
+    answer (cache or default) and is not memoized."""
+    disp = dispatch.default_dispatcher()
+    interp = not q.is_cuda and interpreting()
+    fk = (kernel, mask, q.dtype, q.shape, k.shape, v.shape[3], interp)
+    hit = disp.fast.get(fk)
+    if hit is not None:
+        return hit
+    capturing = dispatch.graph_capturing()
+    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask)
+    key = ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
+                                seqlen_q=q.shape[2], seqlen_k=k.shape[2])
+    cfg = disp.choose(key, capturing=capturing).config
+    hit = (cfg, _compile.load(Variant(spec, cfg)))
+    if not capturing:
+        if len(disp.fast) >= FAST_TABLE_MAX:  # e.g. a decode loop with a growing seqlen_k
+            disp.fast.clear()
+        disp.fast[fk] = hit
+    return hit
+
+
+class _on_device:
+    """``torch.cuda.device(index)`` only when it is not already the current device
+    (Triton launches on the current device's current stream)."""
+
+    __slots__ = ("index", "prev")
+
+    def __init__(self, t: Tensor):
+        self.index = t.device.index if t.is_cuda else None
+        self.prev = None
+
+    def __enter__(self):
+        if self.index is not None:
+            cur = torch.cuda.current_device()
+            if cur != self.index:
+                self.prev = cur
+                torch.cuda.set_device(self.index)
+        return self
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            torch.cuda.set_device(self.prev)
+
+
+def _signed_q(q: Tensor, scale: float):
+    """(q', scale', sign) with scale' > 0 such that scale'·q'kᵀ = scale·qkᵀ (scale 0:
+    q' = 0, scale' = 1).  NaN stays NaN."""
+    if scale > 0 or scale != scale:
+        return q, scale, 1
+    if scale < 0:
+        return q.neg(), -scale, -1
+    return torch.zeros_like(q), 1.0, 0
+
+
+# -- the reference path (CPU without the interpreter) -----------------------------------
+
+def _ref_probs(q, k, scale, lo, hi):
+    group = q.shape[1] // k.shape[1]
+    qf, kf = q.float(), k.float()
+    if group > 1:
+        kf = kf.repeat_interleave(group, dim=1)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    i = torch.arange(q.shape[2], device=q.device)[:, None]
+    j = torch.arange(k.shape[2], device=q.device)[None, :]
+    vis = ((j - i) >= lo) & ((j - i) <= hi)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    return torch.where(vis, p, torch.zeros_like(p)), lse, group
+
+
+def reference_forward(q, k, v, scale, lo, hi):
+    """O (q's dtype, contiguous) and LSE (float32) in float32 math: S = scale·QKᵀ,
+    masked entries -inf, LSE = logsumexp(S), O = softmax(S)·V (0 where a row sees no
+    key)."""
+    p, lse, group = _ref_probs(q, k, scale, lo, hi)
+    vf = v.float()
+    if group > 1:
+        vf = vf.repeat_interleave(group, dim=1)
+    return (p @ vf).to(q.dtype).contiguous(), lse.contiguous()
+
+
+def reference_backward(do, q, k, v, scale, lo, hi):
+    """dQ, dK, dV (float32) by FlashAttention-2's formulas (dK, dV summed over each
+    GQA group)."""
+    p, _, group = _ref_probs(q, k, scale, lo, hi)
+    kf, vf, qf, dof = k.float(), v.float(), q.float(), do.float()
+    if group > 1:
+        kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    o = p @ vf
+    dv = p.transpose(-1, -2) @ dof
+    ds = p * (dof @ vf.transpose(-1, -2) - (dof * o).sum(-1, keepdim=True))
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ qf) * scale
+    if group > 1:
+        b, hk = k.shape[0], k.shape[1]
+        dk = dk.reshape(b, hk, group, *dk.shape[2:]).sum(2)
+        dv = dv.reshape(b, hk, group, *dv.shape[2:]).sum(2)
+    return dq, dk, dv
+
+
+def _zeros_like(t: Tensor) -> Tensor:
+    """Zeros laid out as the fake's ``torch.empty_like(t)``: a tensor with no elements
+    gets contiguous strides (the real ``empty_like`` would keep a view's strides)."""
+    return torch.zeros_like(t) if t.numel() else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _into(like: Tensor, value: Tensor) -> Tensor:
+    """``value`` in a tensor laid out like ``torch.empty_like(like)`` (what the fake says)."""
+    out = torch.empty_like(like)
+    out.copy_(value)
+    return out
+
+
+# -- real implementations -----------------------------------------------------------
+
+def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int):
+    """(O, LSE): the forward op's real implementation (see the module docstring)."""
+    b, h, sq, _ = q.shape
+    if is_empty(q, k):
+        return (q.new_zeros((b, h, sq, v.shape[3])),
+                torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
+    if not q.is_cuda and not interpreting():
+        return reference_forward(q, k, v, scale, lo, hi)
+    q, scale, _ = _signed_q(q, scale)
+    with _on_device(q):
+        cfg, mod = kernel_for("fwd", q, k, v, mask)
+        return ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod)
+
+
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
+             lo: int, hi: int):
+    """(dQ, dK, dV): the backward op's real implementation."""
+    if is_empty(q, k):
+        return _zeros_like(q), _zeros_like(k), _zeros_like(v)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if not q.is_cuda and not interpreting():
+        dq, dk, dv = reference_backward(do, q, k, v, scale, lo, hi)
+        return _into(q, dq), _into(k, dk), _into(v, dv)
+    q, scale, sign = _signed_q(q, scale)
+    with _on_device(q):
+        cfg_dq, mod_dq = kernel_for("bwd_dq", q, k, v, mask)
+        cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask)
+        dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
+                             config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv)
+    if sign == -1:
+        dq = dq.neg_()
+    elif sign == 0:
+        dq = dq.zero_()
+    return dq, dk, dv
+
+
+# -- the ops --------------------------------------------------------------------------
+# (No ``from __future__ import annotations`` in this module: custom_op reads the
+# annotations to infer the schema.)
+
+@torch.library.custom_op("flashgen::fwd", mutates_args=())
+def fwd_op(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    return forward(q, k, v, scale, mask, lo, hi)
+
+
+@fwd_op.register_fake
+def _fwd_fake(q, k, v, scale, mask, lo, hi):
+    b, h, sq, _ = q.shape
+    return q.new_empty((b, h, sq, v.shape[3])), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::bwd", mutates_args=())
+def bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
+           lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor]:
+    return backward(do, q, k, v, o, lse, scale, mask, lo, hi)
+
+
+@bwd_op.register_fake
+def _bwd_fake(do, q, k, v, o, lse, scale, mask, lo, hi):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, mask, lo, hi = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (scale, mask, lo, hi)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    scale, mask, lo, hi = ctx.args
+    dq, dk, dv = torch.ops.flashgen.bwd(do, q, k, v, o, lse, scale, mask, lo, hi)
+    return dq, dk, dv, None, None, None, None
+
+
+fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+#: The op overloads, resolved once (calling the overload skips a lookup).
+FWD = torch.ops.flashgen.fwd.default
+BWD = torch.ops.flashgen.bwd.default
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,122 @@
+"""flashgen.explain and `flashgen explain`: the key, config, source (tuned / nearest /
+default), measured time and TFLOP/s, shared-memory budget, per kernel; the path a call
+takes (kernels, interpreter, reference, empty)."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import flashgen
+from flashgen import arch, heuristics, resources
+from flashgen.cli import app
+from flashgen.db import TuningDB
+from flashgen.dispatch import Dispatcher
+from flashgen.env import Environment
+from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant, attention_flops
+
+SHAPE = Shape(2, 8, 2, 1024, 1024)  # GQA group 4
+TUNED_FWD = TileConfig(64, 64, 4, 2)
+NEAR_DQ = TileConfig(64, 32, 4, 1)
+
+
+@pytest.fixture
+def tuned_db(tmp_path):
+    """fwd tuned for SHAPE's bucket; bwd_dq only for another bucket (nearest); bwd_dkdv
+    not at all (default).  Rows in this process's environment."""
+    env, a = Environment.current(), arch.current()
+    path = tmp_path / "tuned.sqlite"
+    fwd = KernelSpec("fwd", "bfloat16", 64, 64, "causal")
+    dq = KernelSpec("bwd_dq", "bfloat16", 64, 64, "causal")
+    other = Shape(2, 8, 2, 4096, 4096)
+    with TuningDB(path) as db:
+        for spec, shape, cfg, ms in ((fwd, SHAPE, TUNED_FWD, 0.25), (fwd, SHAPE, TileConfig(32, 32, 4, 1), 0.5),
+                                     (dq, other, NEAR_DQ, 2.0)):
+            db.record(shape.key(spec), shape, Variant(spec, cfg), Measurement("ok", median_ms=ms), env,
+                      resources.estimate(Variant(spec, cfg), a).total_bytes)
+    return path
+
+
+def _meta(shape=SHAPE, d=64, dtype=torch.bfloat16):
+    q = torch.empty(shape.batch, shape.num_heads, shape.seqlen_q, d, device="meta", dtype=dtype)
+    k = torch.empty(shape.batch, shape.num_kv_heads, shape.seqlen_k, d, device="meta", dtype=dtype)
+    return q, k, k.clone()
+
+
+def test_explain_sources_per_kernel(tuned_db):
+    env, a = Environment.current(), arch.current()
+    disp = Dispatcher([tuned_db], env=env, arch=a)
+    rep = flashgen.explain(*_meta(), causal=True, dispatcher=disp)
+    assert rep.backend == "flashgen" and rep.path.startswith("sizes only") and rep.mask == "causal"
+    assert (rep.diag_lo, rep.diag_hi) == (-1024, 0) and rep.softmax_scale == pytest.approx(64 ** -0.5)
+    fwd, dq, dkdv = rep.kernels
+    assert [c.kernel for c in rep.kernels] == ["fwd", "bwd_dq", "bwd_dkdv"]
+    fwd_spec = KernelSpec("fwd", "bfloat16", 64, 64, "causal")
+    assert fwd.key == SHAPE.key(fwd_spec).id == "attn_fwd_d64_bf16_causal_g4_q1024_k1024_bh16"
+    assert (fwd.source, fwd.config, fwd.median_ms) == ("tuned", TUNED_FWD.id, 0.25)
+    assert fwd.tflops == pytest.approx(attention_flops(2, 8, 1024, 1024, 64, causal=True) / 0.25e-3 / 1e12)
+    assert fwd.database == str(tuned_db) and fwd.tuned_key == fwd.key
+    est = resources.estimate(Variant(fwd_spec, TUNED_FWD), a)
+    assert (fwd.smem_bytes, fwd.smem_breakdown) == (est.total_bytes, est.breakdown())
+    assert (dq.source, dq.config, dq.median_ms) == ("nearest", NEAR_DQ.id, 2.0)
+    assert dq.tuned_key == "attn_bwd_dq_d64_bf16_causal_g4_q4096_k4096_bh16" != dq.key
+    dkdv_spec = KernelSpec("bwd_dkdv", "bfloat16", 64, 64, "causal")
+    assert (dkdv.source, dkdv.config, dkdv.median_ms, dkdv.tflops) == (
+        "default", heuristics.default_config(dkdv_spec, a).id, None, None)
+    text = str(rep)
+    for s in (fwd.key, TUNED_FWD.id, "tuned", "nearest", "default", "0.2500 ms", f"{fwd.tflops:.1f} TFLOP/s",
+              est.breakdown(), "no tuned row"):
+        assert s in text, s
+
+
+def test_explain_paths(monkeypatch):
+    disp = Dispatcher([], env=Environment.current(), arch=arch.current())
+    q = torch.randn(1, 2, 8, 16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rep = flashgen.explain(q, q, q, dispatcher=disp)
+    assert rep.path.startswith("reference") and rep.kernels == ()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rep = flashgen.explain(q, q, q, window=(2, 1), dispatcher=disp)
+    assert rep.path.startswith("triton interpreter") and len(rep.kernels) == 3 and rep.mask == "window"
+    assert all(c.source == "default" for c in rep.kernels)
+    e = torch.randn(1, 2, 0, 16)
+    rep = flashgen.explain(q, e, e, dispatcher=disp)
+    assert rep.path.startswith("no launch") and rep.kernels == ()
+    with pytest.raises(flashgen.InputError, match="multiple of 8"):
+        flashgen.explain(torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 12))
+
+
+def test_explain_reads_no_tensor_data():
+    """Meta tensors (and the CLI) need no device and no data."""
+    rep = flashgen.api.explain_sizes(batch=1, heads=32, kv_heads=8, seqlen_q=1, seqlen_k=4096, head_dim=128,
+                                     dispatcher=Dispatcher([], env=Environment.current(), arch=arch.current()))
+    assert rep.kernels[0].key == "attn_fwd_d128_bf16_none_g4_q16_k4096_bh32"
+
+
+runner = CliRunner(env={"COLUMNS": "250"})
+
+
+def test_cli_explain(tuned_db):
+    args = ["explain", "--batch", "2", "--heads", "8", "--kv-heads", "2", "--seqlen-q", "1024", "--seqlen-k",
+            "1024", "--head-dim", "64", "--causal", "--db", str(tuned_db)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "attn_fwd_d64_bf16_causal_g4_q1024_k1024_bh16" in r.output
+    assert f"config {TUNED_FWD.id} (tuned;" in r.output and "(nearest;" in r.output and "(default;" in r.output
+    assert str(tuned_db) in r.output and "shared memory" in r.output
+    # the same sizes for another GPU: its rows are not this environment's
+    r = runner.invoke(app, args + ["--arch", "sm_80", "--gpu", "NVIDIA A100"])
+    assert r.exit_code == 0, r.output
+    assert "NVIDIA A100 (cc 8.0" in r.output and "(tuned;" not in r.output and "(default;" in r.output
+    assert "limit 166912 B" in r.output  # the A100's shared memory
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--head-dim", "12"], "multiple of 8"),
+    (["--head-dim", "64", "--window", "x"], "LEFT,RIGHT"),
+    (["--head-dim", "64", "--arch", "sm_1"], "unknown architecture"),
+    (["--head-dim", "64", "--dtype", "int8"], "is not one of"),
+])
+def test_cli_explain_errors(extra, message):
+    r = runner.invoke(app, ["explain", "--batch", "1", "--heads", "4", "--kv-heads", "2", "--seqlen-q", "8",
+                            "--seqlen-k", "8", *extra])
+    assert r.exit_code == 2 and message in r.output, r.output

@@ -1,0 +1,333 @@
+"""The torch.library ops: schema, fake (meta) kernels whose shapes and strides match the
+real outputs, autograd, torch.compile(fullgraph=True) on CPU (reference path and the
+interpreter), the per-call fast path (checks kept, memo dropped with the dispatcher),
+the dispatcher inside a CUDA graph capture, and the wheel's package data."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import InputError, arch, dispatch, heuristics, library, ops, resources
+from flashgen.db import TuningDB
+from flashgen.dispatch import Dispatcher
+from flashgen.env import Environment
+from flashgen.masks import mask_bounds
+from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant
+
+ROOT = Path(__file__).resolve().parent.parent
+F16 = torch.float16
+
+
+@pytest.fixture(autouse=True)
+def hermetic_dispatcher():
+    dispatch.set_default_dispatcher(Dispatcher([], env=Environment.current(), arch=arch.current()))
+    yield
+    dispatch.set_default_dispatcher(None)
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _qkv(b=1, h=4, hk=2, sq=9, sk=13, d=16, dv=24, dtype=torch.float32, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(b, h, sq, d, generator=g, dtype=dtype), torch.randn(b, hk, sk, d, generator=g, dtype=dtype),
+          torch.randn(b, hk, sk, dv, generator=g, dtype=dtype)]
+    return [t.requires_grad_(grad) for t in ts]
+
+
+# -- registration, fake kernels ------------------------------------------------------
+
+def test_ops_are_registered():
+    assert torch.ops.flashgen.fwd.default is library.FWD and torch.ops.flashgen.bwd.default is library.BWD
+    schema = str(library.FWD._schema)
+    assert schema.startswith("flashgen::fwd(Tensor q, Tensor k, Tensor v, float scale, str mask, SymInt lo, SymInt hi)")
+    assert str(library.BWD._schema).endswith("-> (Tensor, Tensor, Tensor)")
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_opcheck(interpret, monkeypatch):
+    """torch's own checker: schema, fake kernel vs real outputs, autograd registration,
+    AOT dispatch with dynamic shapes."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q, k, v = _qkv(dtype=F16, grad=True)
+    mask, lo, hi = mask_bounds(9, 13, causal=True, window=(-1, -1))
+    res = torch.library.opcheck(library.FWD, (q, k, v, 0.3, mask, lo, hi))
+    assert set(res.values()) == {"SUCCESS"}, res
+    o, lse = library.FWD(q, k, v, 0.3, mask, lo, hi)
+    do = torch.randn_like(o)
+    res = torch.library.opcheck(library.BWD, (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, 0.3,
+                                              mask, lo, hi))
+    assert set(res.values()) == {"SUCCESS"}, res
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+@pytest.mark.parametrize("sizes", [(1, 4, 2, 9, 13, 16, 24), (2, 2, 2, 0, 5, 8, 8), (1, 2, 1, 7, 0, 16, 16)])
+def test_fake_shapes_and_strides_match_the_real_outputs(sizes, interpret, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    b, h, hk, sq, sk, d, dv = sizes
+    # q as a transposed view of (b, s, h, d) storage: dense but not contiguous
+    q = torch.randn(b, sq, h, d, dtype=F16).transpose(1, 2)
+    k, v = torch.randn(b, hk, sk, d, dtype=F16), torch.randn(b, hk, sk, dv, dtype=F16)
+    mask, lo, hi = mask_bounds(sq, sk, causal=False, window=(3, 2))
+    real = library.FWD(q, k, v, 0.5, mask, lo, hi)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake = library.FWD(fq, fk, fv, 0.5, mask, lo, hi)
+        do = torch.empty(b, h, sq, dv, dtype=F16)
+        fake_g = library.BWD(do, fq, fk, fv, fake[0], fake[1], 0.5, mask, lo, hi)
+    assert real[0].shape == (b, h, sq, dv) and real[0].is_contiguous() and real[0].dtype == F16
+    assert real[1].shape == (b, h, sq) and real[1].is_contiguous() and real[1].dtype == torch.float32
+    for r, f in zip(real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+    real_g = library.BWD(torch.randn(b, h, sq, dv, dtype=F16), q, k, v, *real, 0.5, mask, lo, hi)
+    for r, f, t in zip(real_g, fake_g, (q, k, v)):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+        assert (r.shape, r.dtype) == (t.shape, t.dtype)
+        if t.numel():
+            assert r.stride() == t.stride()
+
+
+def test_lse_is_not_differentiable():
+    q, k, v = _qkv(grad=True)
+    o, lse = flashgen.attention(q, k, v, return_lse=True)
+    assert o.requires_grad and not lse.requires_grad
+
+
+# -- torch.compile -----------------------------------------------------------------
+
+class _Block(torch.nn.Module):
+    """A tiny attention block: projections around flashgen.attention."""
+
+    def __init__(self, d=16, h=4, hk=2):
+        super().__init__()
+        self.h, self.hk, self.d = h, hk, d
+        self.wq = torch.nn.Linear(d * h, d * h, bias=False)
+        self.wkv = torch.nn.Linear(d * h, 2 * d * hk, bias=False)
+
+    def forward(self, x, fn):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.h, self.d).transpose(1, 2)  # strided views, last dim 1
+        k, v = self.wkv(x).view(b, s, 2, self.hk, self.d).permute(2, 0, 3, 1, 4)
+        return fn(q, k, v).transpose(1, 2).reshape(b, s, -1)
+
+
+def _compiled_vs_eager(fn, backend="aot_eager", dtype=torch.float32):
+    torch.manual_seed(0)
+    m = _Block().to(dtype)
+    x = torch.randn(2, 11, 64, dtype=dtype)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: m(x, fn), fullgraph=True, backend=recording)
+    results = []
+    for f in (compiled, lambda x: m(x, fn)):
+        m.zero_grad()
+        xx = x.clone().requires_grad_()
+        out = f(xx)
+        (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), xx.grad, m.wq.weight.grad.clone(), m.wkv.weight.grad.clone()))
+    targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    return results, targets
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_torch_compile_fullgraph_equals_eager(interpret, monkeypatch):
+    """fullgraph=True raises on any graph break; the op is one node of the graph, and
+    the compiled forward and backward give the eager result."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    (got, want), targets = _compiled_vs_eager(
+        lambda q, k, v: flashgen.attention(q, k, v, causal=True, window=(4, -1)))
+    assert targets.count(torch.ops.flashgen.fwd.default) == 1, targets
+    for a, b in zip(got, want):
+        assert a is not None and torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    assert want[1].abs().sum() > 0  # gradients actually flowed back through the op
+
+
+def test_torch_compile_sdpa_fullgraph(no_interpreter):
+    (got, want), targets = _compiled_vs_eager(
+        lambda q, k, v: flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert torch.ops.flashgen.fwd.default in targets
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    # and it is torch's SDPA
+    (ref, _), _ = _compiled_vs_eager(
+        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+
+
+def test_torch_compile_rejects_invalid_inputs_at_trace_time(no_interpreter):
+    q, k, v = _qkv(d=12, dv=12)
+    f = torch.compile(lambda q, k, v: flashgen.attention(q, k, v), fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="multiple of 8"):
+        f(q, k, v)
+
+
+# -- the per-call fast path ------------------------------------------------------------
+
+def test_fast_path_keeps_every_check(no_interpreter):
+    q, k, v = _qkv()
+    flashgen.attention(q, k, v)  # memoizes this call's tuple
+    with pytest.raises(InputError, match="softmax_scale"):
+        flashgen.attention(q, k, v, softmax_scale="0.1")
+    with pytest.raises(InputError, match=r"k\.dtype"):
+        flashgen.attention(q, k.double(), v)
+    with pytest.raises(InputError, match=r"window"):
+        flashgen.attention(q, k, v, window=(-3, 0))
+    with pytest.raises(InputError, match=r"^v must be a torch\.Tensor"):
+        flashgen.attention(q, k, v.numpy())
+    with pytest.raises(InputError, match=r"num_heads"):
+        flashgen.attention(q[:, :3], k, v)
+    # an int scale and a list window take the checked path and still work
+    assert torch.equal(flashgen.attention(q, k, v, softmax_scale=1), flashgen.attention(q, k, v, softmax_scale=1.0))
+    assert torch.equal(flashgen.attention(q, k, v, window=[2, 1]), flashgen.attention(q, k, v, window=(2, 1)))
+
+
+def test_fast_path_results_equal_the_op(no_interpreter):
+    q, k, v = _qkv(grad=True)
+    for kw in (dict(), dict(causal=True), dict(window=(3, 0), softmax_scale=-0.7)):
+        with torch.no_grad():
+            direct = [flashgen.attention(q, k, v, return_lse=True, **kw) for _ in range(2)]  # miss, then hit
+        through_op = flashgen.attention(q, k, v, return_lse=True, **kw)
+        assert through_op[0].grad_fn is not None and direct[1][0].grad_fn is None
+        for a, b, c in zip(direct[0], direct[1], through_op):
+            assert torch.equal(a, b) and torch.equal(a, c.detach())
+
+
+def test_memo_is_dropped_with_the_dispatcher(monkeypatch):
+    """A memoized call follows the dispatcher: clearing it (or a new default) drops the
+    launch facts, so a new tuning row changes the launched config."""
+    q, k, v = _qkv(b=1, h=2, hk=2, sq=20, sk=20, d=16, dv=16, dtype=F16)
+    launched = []
+    real_fwd = ops.fwd
+    monkeypatch.setattr(ops, "fwd", lambda *a, config, **kw: launched.append(config) or real_fwd(*a, config=config, **kw))
+    with torch.no_grad():
+        flashgen.attention(q, k, v)
+        flashgen.attention(q, k, v)
+    disp = dispatch.default_dispatcher()
+    default = heuristics.default_config(KernelSpec("fwd", "float16", 16, 16, "none"), disp.arch)
+    assert launched == [default, default] and disp.fast
+    tuned = TileConfig(16, 16, 4, 1)
+    assert tuned != default
+    key = Shape(1, 2, 2, 20, 20).key(KernelSpec("fwd", "float16", 16, 16, "none"))
+    disp.choose(key)  # cached default ...
+    disp._cache[key] = dispatch.Choice(key, tuned, "tuned")  # ... replaced as a re-read DB would
+    with torch.no_grad():
+        flashgen.attention(q, k, v)
+    assert launched[-1] == default  # the memo still holds the old launch facts
+    disp.fast.clear()
+    with torch.no_grad():
+        flashgen.attention(q, k, v)
+    assert launched[-1] == tuned
+    disp.clear()
+    assert not disp.fast
+
+
+def test_fast_table_is_bounded(no_interpreter, monkeypatch):
+    monkeypatch.setattr(library, "FAST_TABLE_MAX", 8)
+    disp = dispatch.default_dispatcher()
+    for sk in range(1, 30):
+        flashgen.attention(*_qkv(sk=sk))
+        assert 0 < len(disp.fast) <= 8
+
+
+# -- CUDA graph capture: the dispatcher reads no database -----------------------------
+
+def test_dispatcher_inside_a_capture_reads_no_database(tmp_path, monkeypatch):
+    env, a = Environment.current(), arch.current()
+    spec = KernelSpec("fwd", "bfloat16", 64, 64, "causal")
+    key, other = Shape(2, 8, 8, 1024, 1024).key(spec), Shape(2, 8, 8, 64, 64).key(spec)
+    tuned = TileConfig(64, 64, 4, 2)
+    db_path = tmp_path / "t.sqlite"
+    with TuningDB(db_path) as db:
+        for kk in (key, other):
+            db.record(kk, Shape(2, 8, 8, 1024, 1024), Variant(spec, tuned), Measurement("ok", median_ms=0.1), env,
+                      resources.estimate(Variant(spec, tuned), a).total_bytes)
+    d = Dispatcher([db_path], env=env, arch=a)
+    assert d.choose(other).source == "tuned"  # cached before the capture
+
+    reads = []
+    real_table = Dispatcher._table
+    monkeypatch.setattr(Dispatcher, "_table", lambda self, p: reads.append(p) or real_table(self, p))
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: True)
+    ch = d.choose(key)  # a miss during the capture: the default, no read
+    assert (ch.source, ch.config) == ("default", heuristics.default_config(spec, a)) and reads == []
+    assert ch.smem_bytes == resources.estimate(Variant(spec, ch.config), a).total_bytes
+    assert d.choose(other).source == "tuned" and reads == []  # a hit is served from memory
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: False)
+    ch = d.choose(key)  # after the capture: the default was not memoized, the DB is read
+    assert (ch.source, ch.config) == ("tuned", tuned) and reads == [db_path]
+
+
+def test_launch_facts_made_during_a_capture_are_not_memoized(monkeypatch):
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: True)
+    q, k, v = _qkv(dtype=F16)
+    with torch.no_grad():
+        flashgen.attention(q, k, v)
+    disp = dispatch.default_dispatcher()
+    assert not disp.fast and not disp._cache and disp._capture_defaults
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: False)
+    with torch.no_grad():
+        flashgen.attention(q, k, v)
+    assert disp.fast and disp._cache
+
+
+def test_graph_capturing_is_false_without_a_capture():
+    assert dispatch.graph_capturing() is False
+
+
+# -- the GPU check script's logic, on CPU -------------------------------------------------
+
+def test_gpu_op_checks_logic_on_cpu(no_interpreter):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_op_checks
+    finally:
+        sys.path.pop(0)
+    rows = gpu_op_checks.run_checks(torch.device("cpu"), dtype=torch.float32, backend="aot_eager")
+    names = [r.name for r in rows]
+    assert {"torch.compile fwd+bwd", "sdpa vs torch"} <= {n.split(" [")[0] for n in names}, names
+    bad = [r for r in rows if r.status == "FAIL"]
+    assert not bad, bad
+    assert any(r.status == "PASS" for r in rows)
+    # and a wrong result is reported as FAIL, not hidden
+    row = gpu_op_checks.compare("planted", torch.zeros(3), torch.ones(3), atol=0.1)
+    assert row.status == "FAIL" and "1" in row.detail
+
+
+# -- the wheel -------------------------------------------------------------------------
+
+def test_wheel_contains_tuning_db_and_templates(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("flashgen", "templates", "tuning_db"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    out = tmp_path / "wheels"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (whl,) = out.glob("flashgen-*.whl")
+    names = set(zipfile.ZipFile(whl).namelist())
+    assert "flashgen/tuning_db/h200.sqlite" in names
+    for t in ("_common.j2", "attn_fwd.py.j2", "attn_bwd_dq.py.j2", "attn_bwd_dkdv.py.j2"):
+        assert f"flashgen/templates/{t}" in names
+    assert "flashgen/library.py" in names and "flashgen/api.py" in names
+    with zipfile.ZipFile(whl) as z:
+        assert z.read("flashgen/tuning_db/h200.sqlite") == (ROOT / "tuning_db" / "h200.sqlite").read_bytes()

@@ -1,0 +1,150 @@
+"""flashgen.scaled_dot_product_attention: torch's signature and semantics (top-left
+causal, enable_gqa, scale), on the reference path and the interpreter, and the
+fallbacks to torch's SDPA (with torch's errors)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashgen
+from flashgen import arch, dispatch, library, ops
+from flashgen.dispatch import Dispatcher
+from flashgen.env import Environment
+
+
+@pytest.fixture(autouse=True)
+def hermetic_dispatcher():
+    dispatch.set_default_dispatcher(Dispatcher([], env=Environment.current(), arch=arch.current()))
+    yield
+    dispatch.set_default_dispatcher(None)
+
+
+def _inputs(b, hq, hk, sq, sk, d, dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).to(dtype) for s in
+            ((b, hq, sq, d), (b, hk, sk, d), (b, hk, sk, dv), (b, hq, sq, dv))]
+
+
+def _run(fn, ts, dtype, **kw):
+    q, k, v, do = (t.to(dtype).requires_grad_(i < 3) for i, t in enumerate(ts))
+    o = fn(q, k, v, **kw)
+    return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
+
+
+CASES = [
+    # b, hq, hk, sq, sk, d, dv, kwargs
+    (1, 2, 2, 13, 29, 16, 16, dict(is_causal=True)),  # sq < sk: top-left, row i sees keys 0..i
+    (1, 2, 2, 29, 13, 16, 16, dict(is_causal=True)),  # sq > sk: no row is blind (unlike bottom-right)
+    (2, 4, 2, 17, 17, 32, 32, dict(is_causal=True, enable_gqa=True)),
+    (1, 4, 1, 9, 21, 16, 24, dict(scale=0.37, enable_gqa=True)),
+    (1, 2, 2, 11, 19, 24, 16, dict(scale=0.0)),
+]
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c[-1].items()) + f"-sq{c[3]}sk{c[4]}")
+def test_matches_torch_sdpa(case, interpret, monkeypatch):
+    """Against torch's SDPA in float64 on the same (fp16-rounded) inputs: flashgen's
+    error at most 2x torch's own fp16 error plus a floor."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    b, hq, hk, sq, sk, d, dv, kw = case
+    dtype = torch.float16 if interpret == "1" else torch.float32
+    ts = _inputs(b, hq, hk, sq, sk, d, dv, dtype)
+    ref = _run(F.scaled_dot_product_attention, ts, torch.float64, **kw)
+    base = _run(F.scaled_dot_product_attention, ts, dtype if dtype != torch.float16 else torch.float32, **kw)
+    got = _run(flashgen.scaled_dot_product_attention, ts, dtype, **kw)
+    floor = 2e-3 if dtype == torch.float16 else 1e-5
+    for name, a, bb, r in zip(("O", "dQ", "dK", "dV"), got, base, ref):
+        assert a.dtype == dtype and a.shape == r.shape
+        e = (a.double() - r).abs().max().item()
+        eb = (bb.double() - r).abs().max().item()
+        assert e <= 2 * eb + floor, f"{name}: {e:.3g} vs torch {eb:.3g}"
+    explained = flashgen.explain(*ts[:3], causal=kw.get("is_causal", False), softmax_scale=kw.get("scale"),
+                                 sdpa=True, enable_gqa=kw.get("enable_gqa", False))
+    assert explained.backend == "flashgen" and explained.diag_lo == -sq  # top-left: j - i >= -sq (unbounded)
+    assert explained.diag_hi == (0 if kw.get("is_causal") else sk)
+
+
+def test_top_left_differs_from_attention_bottom_right(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, _ = _inputs(1, 2, 2, 5, 9, 16, 16, torch.float32)
+    top_left = flashgen.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(top_left[:, :, 0], v[:, :, 0])  # query 0 sees key 0 only
+    bottom_right = flashgen.attention(q, k, v, causal=True)
+    assert not torch.allclose(top_left, bottom_right, atol=1e-3)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_flashgen_runs_it(interpret, monkeypatch):
+    """A supported call runs flashgen's implementation, not torch's SDPA."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: pytest.fail("fell back to torch"))
+    calls = []
+    real_forward, real_fwd = library.forward, ops.fwd
+    monkeypatch.setattr(library, "forward", lambda *a: calls.append(a[3:]) or real_forward(*a))
+    monkeypatch.setattr(ops, "fwd", lambda *a, **kw: calls.append(
+        tuple(kw[n] for n in ("softmax_scale", "mask", "diag_lo", "diag_hi"))) or real_fwd(*a, **kw))
+    q, k, v, _ = _inputs(1, 4, 2, 6, 10, 16, 16, torch.float16)
+    flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.5)
+    assert calls == [(0.5, "causal", -6, 0)]  # the interpreter launches the kernel directly
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(attn_mask="mask"), "attn_mask"),
+    (dict(dropout_p=0.2), "dropout_p"),
+])
+def test_fallbacks_are_torch_sdpa(kw, reason, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, _ = _inputs(1, 2, 2, 8, 8, 16, 16, torch.float32)
+    if kw.get("attn_mask") == "mask":
+        kw = dict(attn_mask=torch.rand(8, 8) > 0.5)
+        kw["attn_mask"][:, 0] = True
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k_: calls.append(k_) or real(*a, **k_))
+    monkeypatch.setattr(library, "forward", lambda *a: pytest.fail("flashgen ran a call it cannot serve"))
+    torch.manual_seed(0)
+    got = flashgen.scaled_dot_product_attention(q, k, v, **kw)
+    assert len(calls) == 1 and all(calls[0][n] is kw[n] or calls[0][n] == kw[n] for n in kw)
+    if "attn_mask" in kw:
+        assert torch.equal(got, real(q, k, v, **kw))
+    why = flashgen.explain(q, k, v, sdpa=True, **({"attn_mask": kw["attn_mask"]} if "attn_mask" in kw else
+                                                  {"dropout_p": kw["dropout_p"]}))
+    assert why.backend == "torch-sdpa-fallback" and reason in why.reason and not why.kernels
+    assert str(why).startswith("torch-sdpa-fallback: ") and reason in str(why)
+
+
+@pytest.mark.parametrize("shapes, kw, reason", [
+    (((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), {}, "enable_gqa=False"),
+    (((1, 4, 8, 16), (1, 3, 8, 16), (1, 3, 8, 16)), dict(enable_gqa=True), "not a multiple"),
+    (((1, 2, 8, 12), (1, 2, 8, 12), (1, 2, 8, 12)), {}, "head_dim 12"),
+    (((2, 8, 16), (2, 8, 16), (2, 8, 16)), {}, "3 dims"),
+    (((1, 2, 0, 16), (1, 2, 8, 16), (1, 2, 8, 16)), {}, "empty"),
+])
+def test_unsupported_shapes_go_to_torch(shapes, kw, reason, monkeypatch):
+    """Mismatched head counts without enable_gqa raise torch's own error; other
+    shapes flashgen cannot serve give torch's result."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = (torch.randn(*s) for s in shapes)
+    why = flashgen.explain(q, k, v, sdpa=True, **kw)
+    assert why.backend == "torch-sdpa-fallback" and reason in why.reason, why.reason
+    try:
+        want = F.scaled_dot_product_attention(q, k, v, **kw)
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError) as got:
+            flashgen.scaled_dot_product_attention(q, k, v, **kw)
+        assert str(got.value) == str(e)
+    else:
+        assert torch.equal(flashgen.scaled_dot_product_attention(q, k, v, **kw), want)
+
+
+def test_float64_goes_to_torch():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    assert "dtype torch.float64" in flashgen.explain(q, q, q, sdpa=True).reason
+    assert torch.equal(flashgen.scaled_dot_product_attention(q, q, q), F.scaled_dot_product_attention(q, q, q))
+
+
+def test_explain_rejects_sdpa_arguments_without_sdpa():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(flashgen.InputError, match="sdpa=True"):
+        flashgen.explain(q, q, q, dropout_p=0.1)
