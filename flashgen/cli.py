@@ -94,8 +94,17 @@ def tune(
     fake: Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
                                              help="Replay timings from JSON {variant_id: ms}.")] = None,
     seed: int = 0,
+    workers: Annotated[int, typer.Option(min=1, help="Worker processes sharing the studies; "
+                                         "one per GPU (round-robin over the visible GPUs).")] = 1,
+    storage: Annotated[str | None, typer.Option(
+        help="Optuna storage shared by the workers: a journal file path (default: DB path + "
+             ".optuna.journal) or an RDB URL (e.g. postgresql://...) that workers on several "
+             "machines join.")] = None,
+    sampler: Annotated[str, typer.Option(help="tpe (Optuna's TPE) or grid (every config once).")] = "tpe",
 ) -> None:
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
+    if sampler not in ("tpe", "grid"):
+        raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
     from . import arch as arch_mod, presets, tuner
     from .db import TuningDB
     from .env import Environment
@@ -136,8 +145,15 @@ def tune(
                               f"float64; worst error ratio {ratios[worst]:.3f} ({worst}; <= 1 passes)",
                               markup=False)
 
-    console.print(f"tuning {len(items)} keys, {trials} trials each, on {env.gpu_name} -> {db}",
-                  markup=False)
+    console.print(f"tuning {len(items)} keys, {trials} trials each, on {env.gpu_name} -> {db}"
+                  f"{f' with {workers} workers' if workers > 1 else ''}", markup=False)
+    if workers > 1:
+        results = _tune_with_workers(items, console, db=db, env=env, arch=arch, trials=trials,
+                                     timeout_per_key=timeout_per_key, seed=seed, workers=workers,
+                                     storage=storage, sampler=sampler,
+                                     fake_timings=_read_timings(fake) if fake is not None else None)
+        _print_results(console, env, results)
+        return
     with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),
                                         MofNCompleteColumn(), TimeElapsedColumn(),
                                         console=console) as progress:
@@ -154,9 +170,46 @@ def tune(
 
         results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
                              timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
-                             on_trial=on_trial)
+                             on_trial=on_trial, storage=storage, sampler=sampler)
         progress.update(keys_task, completed=len(items))
+    _print_results(console, env, results)
 
+
+def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key, seed, workers,
+                       storage, sampler, fake_timings):
+    """``workers`` processes over the same keys, sharing each key's study (Optuna's
+    distributed optimization); then the results read back from the DB and studies."""
+    import time
+
+    from . import tuner
+    from .db import TuningDB
+
+    gpus = 0
+    if fake_timings is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < workers:
+            console.print(f"warning: {workers} workers share {gpus} GPU(s); their timings "
+                          "interfere", markup=False)
+    storage = storage or f"{db}.optuna.journal"
+    configs = [tuner.WorkerConfig(i, str(db), storage, env, arch, trials, timeout_per_key, seed, sampler,
+                                  gpu=i % gpus if gpus else None, fake_timings=fake_timings)
+               for i in range(workers)]
+    t0 = time.perf_counter()
+
+    def on_exit(name, code, n_failed):
+        note = f"; {n_failed} running trial(s) marked FAIL" if n_failed else ""
+        console.print(f"worker {name} exited with {code}{note}", markup=False)
+
+    codes = tuner.tune_parallel(items, configs, on_exit=on_exit)
+    console.print(f"{workers} workers done in {time.perf_counter() - t0:.1f} s "
+                  f"(exit codes {sorted(codes.values())})", markup=False)
+    with TuningDB(db) as tdb:
+        return tuner.summarize(items, db=tdb, env=env, arch=arch, storage=storage)
+
+
+def _print_results(console, env, results) -> None:
     table = Table(title=Text(f"best configs on {env.gpu_name}"))
     for col in ("key", "best config", "median ms", "TFLOP/s", "default config", "default ms",
                 "speedup", "trials"):

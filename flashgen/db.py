@@ -121,8 +121,14 @@ class TuningDB:
     # -- writing ----------------------------------------------------------------------
 
     def record(self, key: ProblemKey, shape: Shape, variant: Variant, measurement: Measurement,
-               env: Environment, smem_bytes_model: int) -> int:
+               env: Environment, smem_bytes_model: int, *, dedupe: bool = False) -> int:
         """Append one measurement (one transaction) and return its row id.
+
+        With ``dedupe`` (what the tuner uses), a measurement of the same variant for the
+        same key in the same environment that another process recorded first wins: the
+        check and the insert are one ``BEGIN IMMEDIATE`` transaction, so concurrent
+        tuning workers never store a (key, variant, environment) twice; the existing
+        row's id is returned.
 
         ``tflops`` is derived from ``shape`` and ``measurement.median_ms`` (ok rows only)
         with :func:`flashgen.spec.attention_flops` for ``key.spec.kernel``.
@@ -146,7 +152,25 @@ class TuningDB:
             "smem_bytes_compiled": m.smem_bytes_compiled, "n_spills": m.n_spills,
             "n_regs": m.n_regs, "error": m.error, **env.as_row(s.kernel),
         }
-        return self._t.insert(row).last_rowid
+        if not dedupe:
+            return self._t.insert(row).last_rowid
+        where, params = self._filters(key=key, variant_id=variant.id, env=env)
+        if self._conn.in_transaction:  # an implicit one left open by a read
+            self._conn.commit()
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            hit = self._conn.execute(f"SELECT id FROM {TABLE} WHERE {' AND '.join(where)} "
+                                     "ORDER BY [status] = 'ok' DESC, id LIMIT 1", params).fetchone()
+            if hit is not None:
+                self._conn.execute("COMMIT")
+                return hit[0]
+            rowid = self._t.insert(row).last_rowid
+            self._conn.execute("COMMIT")  # sqlite-utils leaves an outer transaction open
+            return rowid
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
 
     def merge_from(self, other_path: str | Path) -> int:
         """Append the rows of another tuning DB that this one lacks (identity:

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import optuna
 from optuna.storages.journal import JournalFileBackend, JournalStorage
+from optuna.study import MaxTrialsCallback
 from optuna.trial import TrialState
 
 from . import heuristics, resources, space
@@ -31,6 +32,8 @@ from .spec import Measurement, ProblemKey, Shape, TileConfig, Variant
 
 #: Objective value (ms) reported to Optuna for anything that is not an ok measurement.
 PENALTY_MS = 1e6
+#: Heartbeat period (s) of trials in an RDB storage (``--storage URL``).
+HEARTBEAT_S = 30
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -89,16 +92,48 @@ def study_name(env: Environment, key: ProblemKey) -> str:
 
 
 def open_storage(storage: str | Path | optuna.storages.BaseStorage | None,
-                 db: TuningDB) -> optuna.storages.BaseStorage | str:
+                 db: TuningDB | None) -> optuna.storages.BaseStorage | str:
     """None: a journal file at ``<db path>.optuna.journal``; a path: a journal file
     there; a URL (``sqlite:///...``) or a storage object: passed to Optuna as is."""
     if storage is None:
         storage = f"{db.path}.optuna.journal"
     if isinstance(storage, (str, Path)):
         if "://" in str(storage):
-            return str(storage)
+            # A database shared by workers on several machines: a worker that dies
+            # mid-trial stops sending heartbeats; Optuna then fails its trial and the
+            # callback enqueues it again (retried, not lost).
+            return _rdb_storage(str(storage))
         return JournalStorage(JournalFileBackend(str(storage)))
     return storage
+
+
+def _rdb_storage(url: str) -> optuna.storages.RDBStorage:
+    import warnings
+
+    kw = dict(heartbeat_interval=HEARTBEAT_S, grace_period=3 * HEARTBEAT_S)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+        try:  # Optuna >= 4.9 names the callback for stale heartbeats
+            return optuna.storages.RDBStorage(url, **kw, heartbeat_stale_trial_callback=retry(max_retry=1))
+        except TypeError:
+            return optuna.storages.RDBStorage(
+                url, **kw, failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+
+
+def _sampler(name: str, kernel: str, seed: int) -> optuna.samplers.BaseSampler:
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if name == "grid":
+        # Every config once.  BruteForceSampler decides what is left from the trials'
+        # params, which stays right with several workers (GridSampler's grid ids can
+        # be claimed by a trial that then runs other params).
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.BruteForceSampler(seed=seed)
+    raise ValueError(f"sampler must be 'tpe' or 'grid', got {name!r}")
 
 
 def feasible_variants(keys: Iterable[ProblemKey], arch: Arch) -> list[Variant]:
@@ -132,15 +167,19 @@ def _measure(key: ProblemKey, shape: Shape, cfg: TileConfig, *, benchmarker: Ben
             m = benchmarker(v, shape)
         except Exception as e:  # a crash in one candidate never ends the run
             m = Measurement("launch_failed", error=f"{type(e).__name__}: {e}")
-    return db.get(db.record(key, shape, v, m, env, est.total_bytes))
+    return db.get(db.record(key, shape, v, m, env, est.total_bytes, dedupe=True))
 
 
 def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: TuningDB,
              env: Environment, arch: Arch, n_trials: int, timeout_s: float | None = None,
              storage: str | Path | optuna.storages.BaseStorage | None = None, seed: int = 0,
-             on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None) -> TuneResult:
+             on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None,
+             sampler: str = "tpe", worker: str | None = None) -> TuneResult:
     """Tune ``key`` by measuring ``shape`` until the study has ``n_trials`` completed
-    trials (earlier runs count) or ``timeout_s`` seconds have passed.
+    trials (earlier runs and other workers sharing the storage count) or ``timeout_s``
+    seconds have passed.  ``sampler``: ``tpe`` (Optuna's TPE) or ``grid`` (every config
+    of the domain once: the exhaustive baseline).  ``worker`` names this process in each
+    trial's user attrs, so a supervisor can fail the trials of a worker that died.
 
     The heuristic default config is measured first and enqueued as the study's first
     trial.  ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its
@@ -150,13 +189,15 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     dom = space.DOMAINS[key.spec.kernel]
     kw = dict(benchmarker=benchmarker, db=db, env=env, arch=arch)
     study = optuna.create_study(storage=open_storage(storage, db),
-                                sampler=optuna.samplers.TPESampler(seed=seed),
+                                sampler=_sampler(sampler, key.spec.kernel, seed),
                                 study_name=study_name(env, key), direction="minimize",
                                 load_if_exists=True)
 
     default = heuristics.default_config(key.spec, arch)
     default_row = _measure(key, shape, default, **kw)
-    if not study.trials and all(getattr(default, n) in vals for n, vals in dom.items()):
+    # The grid sampler visits the default anyway (and an enqueued trial would take a
+    # grid point it does not evaluate).
+    if sampler != "grid" and not study.trials and all(getattr(default, n) in vals for n, vals in dom.items()):
         study.enqueue_trial(default.as_dict())
 
     def n_complete() -> int:
@@ -166,6 +207,8 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
 
     def objective(trial: optuna.Trial) -> float:
         nonlocal done
+        if worker is not None:
+            trial.set_user_attr("worker", worker)
         cfg = TileConfig(**{n: trial.suggest_categorical(n, list(vals)) for n, vals in dom.items()})
         v = Variant(key.spec, cfg)
         row = _measure(key, shape, cfg, **kw)
@@ -183,7 +226,10 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         return row["median_ms"] if row["status"] == "ok" else PENALTY_MS
 
     if n_trials > done:
-        study.optimize(objective, n_trials=n_trials - done, timeout=timeout_s)
+        # Other workers may be filling the same study: stop when it holds n_trials
+        # completed trials, whoever ran them.
+        study.optimize(objective, n_trials=n_trials - done, timeout=timeout_s,
+                       callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,))])
 
     best = db.best(key, env)
     best_ms = best["median_ms"] if best else None
@@ -200,7 +246,8 @@ def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker,
          env: Environment, arch: Arch, n_trials: int, timeout_per_key_s: float | None = None,
          storage: str | Path | optuna.storages.BaseStorage | None = None, seed: int = 0,
          on_key: Callable[[int, int, ProblemKey], None] | None = None,
-         on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None) -> list[TuneResult]:
+         on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None,
+         sampler: str = "tpe", worker: str | None = None) -> list[TuneResult]:
     """:func:`tune_key` for each (key, shape) in order, sharing one storage.
     ``on_key(index, n_keys, key)`` is called before each key (e.g. to drive a progress
     bar)."""
@@ -212,5 +259,148 @@ def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker,
             on_key(i, len(items), key)
         results.append(tune_key(key, shape, benchmarker=benchmarker, db=db, env=env, arch=arch,
                                 n_trials=n_trials, timeout_s=timeout_per_key_s, storage=st,
-                                seed=seed, on_trial=on_trial))
+                                seed=seed, on_trial=on_trial, sampler=sampler, worker=worker))
     return results
+
+
+# -- several worker processes sharing the studies (Optuna's distributed optimization) --
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one tuning worker process needs (picklable: workers are spawned).
+
+    ``storage`` is a journal-file path or an RDB URL shared by all workers; each worker
+    opens ``db_path`` itself (SQLite in WAL mode, one transaction per record).
+    ``fake_timings`` replaces the GPU benchmarker with a FakeBenchmarker; ``gpu`` pins
+    the worker to one CUDA device (CUDA_VISIBLE_DEVICES) when not None.
+    """
+
+    index: int
+    db_path: str
+    storage: str
+    env: Environment
+    arch: Arch
+    n_trials: int
+    timeout_per_key_s: float | None = None
+    seed: int = 0
+    sampler: str = "tpe"
+    gpu: int | None = None
+    fake_timings: dict | None = None
+    fake_delay_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"w{self.index}"
+
+
+class _SlowFake(FakeBenchmarker):
+    """A FakeBenchmarker whose measurements take ``delay_s`` (as a GPU's would)."""
+
+    def __init__(self, timings, delay_s: float):
+        super().__init__(timings)
+        self.delay_s = delay_s
+
+    def __call__(self, variant: Variant, shape: Shape) -> Measurement:
+        time.sleep(self.delay_s)
+        return super().__call__(variant, shape)
+
+
+def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> None:
+    import os
+
+    if cfg.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
+    if cfg.fake_timings is not None:
+        bench: Benchmarker = _SlowFake(cfg.fake_timings, cfg.fake_delay_s)
+    else:
+        from .bench import KernelBenchmarker
+
+        bench = KernelBenchmarker(workers=1)
+    with TuningDB(cfg.db_path) as db:
+        # Workers start their keys in different orders, so they spread over the keys
+        # at first instead of all joining the first study.
+        k = cfg.index
+        order = items[k % len(items):] + items[:k % len(items)] if items else items
+        tune(order, benchmarker=bench, db=db, env=cfg.env, arch=cfg.arch, n_trials=cfg.n_trials,
+             timeout_per_key_s=cfg.timeout_per_key_s, storage=cfg.storage, seed=cfg.seed + k,
+             sampler=cfg.sampler, worker=cfg.name)
+
+
+def fail_trials_of(storage: str | optuna.storages.BaseStorage, worker: str) -> int:
+    """Mark FAIL every RUNNING trial that ``worker`` started (it died mid-trial);
+    returns how many.  Its study budget counts completed trials only, so the other
+    workers run the trial again."""
+    st = open_storage(storage, None) if isinstance(storage, str) else storage
+    n = 0
+    for study in st.get_all_studies():
+        for t in st.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.user_attrs.get("worker") == worker:
+                st.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                n += 1
+    return n
+
+
+def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[WorkerConfig],
+                  on_exit: Callable[[str, int, int], None] | None = None,
+                  on_start: Callable[[dict[str, int]], None] | None = None) -> dict[str, int]:
+    """Run one spawned process per WorkerConfig over the same (key, shape) list, all
+    sharing each key's study through the configs' storage, and wait for them.
+
+    A worker that exits abnormally has its RUNNING trials failed (:func:`fail_trials_of`).
+    ``on_start({name: pid})`` is called once all are started; ``on_exit(name,
+    exitcode, n_failed_trials)`` as each worker ends.
+    Returns {worker name: exit code}.
+    """
+    import multiprocessing as mp
+
+    items = list(items)
+    for storage in {c.storage for c in configs}:
+        open_storage(storage, None)  # create the schema once, before workers race to
+    ctx = mp.get_context("spawn")
+    procs = {c.name: (ctx.Process(target=_worker_main, args=(items, c), name=c.name), c) for c in configs}
+    for p, _ in procs.values():
+        p.start()
+    if on_start is not None:
+        on_start({name: p.pid for name, (p, _) in procs.items()})
+    from multiprocessing.connection import wait
+
+    codes: dict[str, int] = {}
+    running = {p.sentinel: (name, p, c) for name, (p, c) in procs.items()}
+    while running:
+        # Handle each worker as it ends, so a dead worker's trial is failed (and so
+        # offered to the others again) while they still run.
+        for sentinel in wait(list(running)):
+            name, p, c = running.pop(sentinel)
+            p.join()
+            codes[name] = p.exitcode
+            n_failed = fail_trials_of(c.storage, name) if p.exitcode != 0 else 0
+            if on_exit is not None:
+                on_exit(name, p.exitcode, n_failed)
+    return codes
+
+
+def summarize(items: Iterable[tuple[ProblemKey, Shape]], *, db: TuningDB, env: Environment,
+              arch: Arch, storage: str | Path | optuna.storages.BaseStorage | None = None
+              ) -> list[TuneResult]:
+    """TuneResults of keys already tuned (by any number of workers), from the DB and the
+    studies, without measuring anything."""
+    st = open_storage(storage, db)
+    out = []
+    for key, _ in items:
+        default = heuristics.default_config(key.spec, arch)
+        drow = db.lookup(key, Variant(key.spec, default).id, env)
+        best = db.best(key, env)
+        try:
+            study = optuna.load_study(study_name=study_name(env, key), storage=st)
+            n = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        except KeyError:
+            n = 0
+        best_ms = best["median_ms"] if best else None
+        default_ms = drow["median_ms"] if drow and drow["status"] == "ok" else None
+        out.append(TuneResult(
+            key=key, best_config=TileConfig.from_dict(best) if best else None,
+            best_median_ms=best_ms, tflops=best["tflops"] if best else None,
+            default_config=default, default_median_ms=default_ms,
+            speedup=default_ms / best_ms if default_ms and best_ms else None,
+            n_trials=n, wall_s=0.0))
+    return out

@@ -1,0 +1,196 @@
+"""Several tuning workers sharing studies through Optuna's storages (journal file on one
+host; PostgreSQL for several machines), with a fake benchmarker replaying timings.
+
+Each (key, variant) is measured and recorded exactly once however many workers run,
+the best config equals a single worker's over the same timings, and a worker killed
+mid-trial leaves its trial FAILed (and the budget completed by the others).
+"""
+
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from flashgen import presets, space, tuner
+from flashgen.arch import TABLE
+from flashgen.db import TuningDB
+from flashgen.env import Environment
+from flashgen.spec import Variant
+
+ENV = Environment("fake-gpu", "9.0", 132, "3.6.0", "2.13.0", "0.1.0")
+ARCH = TABLE["sm_90"]
+ITEMS = presets.expand(["small"], "float16", ["bwd_dq"])
+
+
+def _timings():
+    """A deterministic, distinct time for every config of every spec in ITEMS."""
+    out = {}
+    for key, _ in ITEMS:
+        for cfg in space.configs(key.spec.kernel):
+            vid = Variant(key.spec, cfg).id
+            out[vid] = 0.1 + int(hashlib.sha256(vid.encode()).hexdigest()[:8], 16) / 2**32
+    return out
+
+
+TIMINGS = _timings()
+N_TRIALS = 500  # more than any domain: the grid sampler's exhaustion ends each study
+
+
+def _configs(tmp_path, n, storage, delay=0.0):
+    return [tuner.WorkerConfig(i, str(tmp_path / "db.sqlite"), storage, ENV, ARCH, N_TRIALS,
+                               sampler="grid", fake_timings=TIMINGS, fake_delay_s=delay)
+            for i in range(n)]
+
+
+def _single_worker_best(tmp_path):
+    with TuningDB(tmp_path / "single.sqlite") as db:
+        tuner.tune(ITEMS, benchmarker=tuner.FakeBenchmarker(TIMINGS), db=db, env=ENV, arch=ARCH,
+                   n_trials=N_TRIALS, storage=str(tmp_path / "single.journal"), sampler="grid")
+        return {key.id: db.best(key, ENV)["variant_id"] for key, _ in ITEMS}
+
+
+def _check_shared_run(tmp_path, storage, n_workers):
+    codes = tuner.tune_parallel(ITEMS, _configs(tmp_path, n_workers, storage))
+    assert set(codes.values()) == {0}, codes
+    st = tuner.open_storage(storage, None)
+    with TuningDB(tmp_path / "db.sqlite") as db:
+        rows = db.rows(env=ENV)
+        pairs = [(r["key"], r["variant_id"]) for r in rows]
+        assert len(pairs) == len(set(pairs)), "a (key, variant) was recorded twice"
+        for key, _ in ITEMS:
+            n_configs = len(list(space.configs(key.spec.kernel)))
+            assert sum(1 for k, _ in pairs if k == key.id) == n_configs  # every config, once
+            study = optuna.load_study(study_name=tuner.study_name(ENV, key), storage=st)
+            done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            assert {t.user_attrs["variant_id"] for t in done} == {v for k, v in pairs if k == key.id}
+            assert {t.user_attrs["worker"] for t in done} <= {f"w{i}" for i in range(n_workers)}
+            ids = {r["id"] for r in rows}
+            assert all(t.user_attrs["row_id"] in ids for t in done)
+            assert not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        best = {key.id: db.best(key, ENV)["variant_id"] for key, _ in ITEMS}
+    assert best == _single_worker_best(tmp_path)
+    return st
+
+
+@pytest.mark.parametrize("n_workers", [2, 4])
+def test_journal_storage_workers_record_each_trial_once(tmp_path, n_workers):
+    st = _check_shared_run(tmp_path, str(tmp_path / "studies.journal"), n_workers)
+    workers = {t.user_attrs["worker"] for s in st.get_all_studies()
+               for t in st.get_all_trials(s._study_id, deepcopy=False)}
+    assert len(workers) >= 2, "the studies were not shared"
+
+
+def test_a_killed_worker_fails_its_trial_and_others_finish(tmp_path):
+    storage = str(tmp_path / "studies.journal")
+    st = tuner.open_storage(storage, None)
+    killed = {}
+
+    def killer(pids):
+        def run():
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                for s in st.get_all_studies():
+                    for t in st.get_all_trials(s._study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+                        # params set: it is inside the (slow) benchmarker, not the storage
+                        if t.user_attrs.get("worker") == "w1" and len(t.params) == 4:
+                            os.kill(pids["w1"], signal.SIGKILL)
+                            killed["trial"] = (s._study_id, t._trial_id)
+                            return
+                time.sleep(0.01)
+        threading.Thread(target=run, daemon=True).start()
+
+    n_trials = 6
+    configs = [tuner.WorkerConfig(i, str(tmp_path / "db.sqlite"), storage, ENV, ARCH, n_trials,
+                                  fake_timings=TIMINGS, fake_delay_s=0.3) for i in range(2)]
+    failed = {}
+    codes = tuner.tune_parallel(ITEMS, configs, on_start=killer,
+                                on_exit=lambda name, code, n: failed.setdefault(name, n))
+    assert codes == {"w0": 0, "w1": -signal.SIGKILL}
+    assert failed == {"w0": 0, "w1": 1}  # its one running trial, marked FAIL by the supervisor
+    assert st.get_trial(killed["trial"][1]).state == TrialState.FAIL
+    with TuningDB(tmp_path / "db.sqlite") as db:
+        pairs = [(r["key"], r["variant_id"]) for r in db.rows(env=ENV)]
+        assert len(pairs) == len(set(pairs))
+        for key, _ in ITEMS:  # the survivor filled every study's budget
+            study = optuna.load_study(study_name=tuner.study_name(ENV, key), storage=st)
+            assert not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            assert len(done) >= n_trials
+            assert all(db.get(t.user_attrs["row_id"])["variant_id"] == t.user_attrs["variant_id"] for t in done)
+
+
+# -- PostgreSQL: a real server on loopback --------------------------------------------
+
+def _pg_bin(name):
+    hits = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    if not hits:
+        pytest.fail(f"PostgreSQL's {name} is not installed (.ci/run installs Debian's postgresql)")
+    return str(hits[-1])
+
+
+@pytest.fixture
+def postgres_url():
+    import psycopg2  # noqa: F401  (flashgen[distributed]; .ci/run installs it)
+
+    base = Path(tempfile.mkdtemp(prefix="flashgen-pg-"))  # pytest's tmp is root-only
+    tmp_path, data = base, base / "pgdata"
+    data.mkdir()
+    as_user = []
+    if os.geteuid() == 0:  # the server refuses to run as root
+        shutil.chown(base, "postgres")
+        shutil.chown(data, "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*as_user, _pg_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+                   check=True, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = f"-p {port} -k {tmp_path} -c listen_addresses=127.0.0.1 -c max_connections=50"
+    subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-o", opts, "-w", "-l",
+                    str(tmp_path / "pg.log"), "start"], check=True, capture_output=True)
+    try:
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("n_workers", [2, 4])
+def test_postgres_storage_workers_record_each_trial_once(tmp_path, postgres_url, n_workers):
+    _check_shared_run(tmp_path, postgres_url, n_workers)
+
+
+def test_cli_tune_with_workers(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from flashgen.cli import app
+
+    timings = tmp_path / "t.json"
+    timings.write_text(json.dumps(TIMINGS))
+    db = tmp_path / "cli.sqlite"
+    res = CliRunner().invoke(app, ["tune", "--preset", "small", "--kernels", "bwd_dq", "--dtype", "float16",
+                                   "--fake", str(timings), "--db", str(db), "--trials", "5",
+                                   "--workers", "2"])
+    assert res.exit_code == 0, res.output
+    assert "2 workers done" in res.output and "exited with 0" in res.output
+    for key, _ in ITEMS:
+        assert key.id in res.output
+    with TuningDB(db) as d:
+        pairs = [(r["key"], r["variant_id"]) for r in d.rows()]
+        assert len(pairs) == len(set(pairs)) and len(pairs) >= 5
+    bad = CliRunner().invoke(app, ["tune", "--preset", "small", "--fake", str(timings), "--db", str(db),
+                                   "--sampler", "random"])
+    assert bad.exit_code == 2 and "--sampler" in bad.output
