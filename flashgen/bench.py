@@ -1,14 +1,17 @@
 """Measuring kernels on the GPU: the tuner's real benchmarker and the peer runners.
 
 Timing is Triton's ``do_bench`` (CUDA events, warm-up, L2 flushed between repetitions,
-median in ms).  Correctness is checked per variant on a small awkward shape against the
-float64 reference, with FlashAttention's rule: max error <= 2 x the error of the same
-computation in torch at the input dtype, plus a floor.
+median in ms).  Correctness is checked per variant on small awkward shapes (every mask
+the variant's mode serves: both causal alignments, windows, causal + window; NaN in the
+memory past seqlen_k; outputs poisoned with NaN) against the float64 reference, with
+FlashAttention's rule: max error <= 2 x the error of the same computation in torch at
+the input dtype, plus a floor.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import multiprocessing as mp
 import os
 
@@ -40,21 +43,70 @@ def make_inputs(spec, shape: Shape, device="cuda", seed=0, requires_grad=False):
     return q, k, v, do
 
 
-def _mask_kw(spec, shape: Shape):
-    causal = spec.mask == "causal"
-    if spec.mask == "window":
-        raise NotImplementedError("tuning window masks needs a window size in the key")
-    mode, lo, hi = mask_bounds(shape.seqlen_q, shape.seqlen_k, causal=causal, window=(-1, -1))
-    return dict(softmax_scale=spec.head_dim ** -0.5, mask=mode, diag_lo=lo, diag_hi=hi), causal
+#: The window of the correctness checks of ``window`` variants (left, right): not a
+#: multiple of any block, wider than the smallest tiles on the left, and with rows that
+#: see no key once seqlen_q > seqlen_k (bottom-right alignment).
+CHECK_WINDOW = (37, 11)
+#: The window ``window`` variants are timed with when no window is given (the tuner's
+#: problem keys carry no window size): a local causal window.
+TIMING_WINDOW = (1024, 0)
+#: The checks' (shorter, longer) seqlens: not multiples of any block.
+CHECK_SEQLENS = (301, 397)
 
 
-def run_variant(variant: Variant, q, k, v, do, arch=None):
+def mask_cases(spec, group: int = 1) -> list[tuple[Shape, dict]]:
+    """The (shape, mask) pairs ``check_variant`` runs for ``spec``'s mask mode; a mask is
+    dict(causal=, window=, align=), the arguments of :func:`flashgen.masks.mask_bounds`.
+
+    Shapes are small and awkward (seqlens not multiples of any block, seqlen_q !=
+    seqlen_k both ways).  ``none``: one case.  ``causal`` (one kernel for both
+    alignments, only the diagonal differs): bottom-right with seqlen_q > seqlen_k (rows
+    that see no key) and top-left with seqlen_q < seqlen_k (keys that no query sees).
+    ``window``: CHECK_WINDOW bottom-right (empty rows at the top), causal + window, and
+    CHECK_WINDOW top-left with seqlen_q > seqlen_k (empty rows at the bottom).
+    """
+    short, long = CHECK_SEQLENS
+    long_k = Shape(2, 2 * group, group, short, long)
+    long_q = Shape(2, 2 * group, group, long, short)
+    br, tl = "bottom_right", "top_left"
+    cases = {
+        "none": [(long_k, dict(causal=False, window=(-1, -1), align=br))],
+        "causal": [(long_q, dict(causal=True, window=(-1, -1), align=br)),
+                   (long_k, dict(causal=True, window=(-1, -1), align=tl))],
+        "window": [(long_q, dict(causal=False, window=CHECK_WINDOW, align=br)),
+                   (long_k, dict(causal=True, window=(CHECK_WINDOW[0], -1), align=br)),
+                   (long_q, dict(causal=False, window=CHECK_WINDOW, align=tl))],
+    }[spec.mask]
+    for shape, m in cases:  # each case must run this variant's kernel, not another mode's
+        assert mask_bounds(shape.seqlen_q, shape.seqlen_k, **m)[0] == spec.mask, (spec.mask, m)
+    return cases
+
+
+def _default_mask(spec) -> dict:
+    window = TIMING_WINDOW if spec.mask == "window" else (-1, -1)
+    return dict(causal=spec.mask == "causal", window=window, align="bottom_right")
+
+
+def _mask_kw(spec, shape: Shape, mask: dict | None = None):
+    """(kernel keyword arguments, mask) for ``spec`` on ``shape``; ``mask`` is
+    dict(causal=, window=, align=) or None for the spec's default (none / bottom-right
+    causal / TIMING_WINDOW)."""
+    mask = _default_mask(spec) if mask is None else mask
+    mode, lo, hi = mask_bounds(shape.seqlen_q, shape.seqlen_k, **mask)
+    if mode != spec.mask:
+        raise ValueError(f"mask {mask} is mode {mode!r} on seqlens {shape.seqlen_q}/{shape.seqlen_k}, "
+                         f"but the variant is compiled for {spec.mask!r}")
+    return dict(softmax_scale=spec.head_dim ** -0.5, mask=mode, diag_lo=lo, diag_hi=hi), mask
+
+
+def run_variant(variant: Variant, q, k, v, do, arch=None, mask: dict | None = None):
     """A zero-argument callable that launches ``variant``'s kernel on these inputs (the
     other kernels it needs run once, here, with their default configs), and the outputs
-    it checks: {name: tensor}."""
+    it checks: {name: tensor}.  ``mask``: dict(causal=, window=, align=), or None for
+    the spec's default (see :func:`_mask_kw`)."""
     spec, cfg = variant.spec, variant.config
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
-    kw, _ = _mask_kw(spec, shape)
+    kw, _ = _mask_kw(spec, shape, mask)
     if spec.kernel == "fwd":
         out = torch.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -89,39 +141,81 @@ def _arch():
     return current()
 
 
-def check_variant(variant: Variant, group: int = 1, device="cuda") -> tuple[bool, float, str]:
-    """Run ``variant`` on a small awkward shape (seqlens not multiples of any block,
-    seqlen_q != seqlen_k) and compare with the float64 reference.
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    Returns (ok, worst error ratio err / (2 * baseline + floor), message)."""
-    spec = variant.spec
-    shape = Shape(2, 2 * group, group, 301, 397) if spec.mask == "none" else Shape(2, 2 * group, group, 397, 301)
-    q, k, v, do = make_inputs(spec, shape, device=device, seed=1234)
-    fn, outs = run_variant(variant, q, k, v, do)
-    for t in outs.values():
-        t.fill_(float("nan"))
-    fn()
-    torch.cuda.synchronize()
-    _, causal = _mask_kw(spec, shape)
-    rkw = dict(causal=causal, softmax_scale=spec.head_dim ** -0.5)
+
+def _beyond(t, extra: int = 64):
+    """A view of ``t`` inside a larger buffer that holds NaN past its seqlen (dim 2):
+    keys past seqlen_k must never contribute, whatever the memory after them holds."""
+    b, h, s, d = t.shape
+    buf = torch.full((b, h, s + extra, d), float("nan"), dtype=t.dtype, device=t.device)
+    buf[:, :, :s] = t
+    return buf[:, :, :s]
+
+
+def compare(outs: dict, q, k, v, do, *, mask: dict, softmax_scale: float) -> dict[str, tuple[float, float, float]]:
+    """{name: (err, torch_err, ratio)} for the outputs in ``outs`` (any of O, LSE, dQ, dK,
+    dV): err = max |out - float64 reference|, torch_err the same for torch at the input
+    dtype, ratio = err / (2 * torch_err + FLOOR); ratio <= 1 passes (inf for a NaN, or
+    for an -inf LSE where the reference is finite or vice versa)."""
     dt = q.dtype
-    if spec.kernel == "fwd":
-        r = reference.forward(q, k, v, **rkw)
-        b = reference.forward(q, k, v, dtype=dt, **rkw)
-        refs = {"O": (r[0], b[0]), "LSE": (r[1], b[1].float())}
-    else:
-        r = reference.backward(do, q, k, v, **rkw)
-        b = reference.backward(do, q, k, v, dtype=dt, **rkw)
-        refs = {"dQ": (r[0], b[0]), "dK": (r[1], b[1]), "dV": (r[2], b[2])}
-    worst, msgs = 0.0, []
+    rkw = dict(softmax_scale=softmax_scale, **mask)
+    refs = {}
+    if {"O", "LSE"} & set(outs):
+        r, b = reference.forward(q, k, v, **rkw), reference.forward(q, k, v, dtype=dt, **rkw)
+        refs.update(O=(r[0], b[0]), LSE=(r[1], b[1].float()))
+    if {"dQ", "dK", "dV"} & set(outs):
+        r, b = reference.backward(do, q, k, v, **rkw), reference.backward(do, q, k, v, dtype=dt, **rkw)
+        refs.update(dQ=(r[0], b[0]), dK=(r[1], b[1]), dV=(r[2], b[2]))
+    res = {}
     for name, out in outs.items():
         ref64, base = refs[name]
         floor = FLOOR[torch.float32 if name == "LSE" else dt]
         err, base_err = _max_err(out, ref64), _max_err(base, ref64)
-        ratio = err / (2 * base_err + floor)
-        worst = max(worst, ratio)
-        msgs.append(f"{name} err {err:.3g} (torch {dt} {base_err:.3g})")
-    return worst <= 1.0, worst, "; ".join(msgs)
+        res[name] = (err, base_err, err / (2 * base_err + floor))
+    return res
+
+
+def check_variant_detail(variant: Variant, group: int = 1, device: str | None = None) -> dict:
+    """Run ``variant`` on each of :func:`mask_cases` (inputs k, v slices of buffers
+    holding NaN past seqlen_k; outputs poisoned with NaN) against the float64 reference.
+
+    Returns {"ok", "ratio" (worst), "ratios" ({output: worst ratio}), "message",
+    "cases" ([{shape, mask, outputs: {name: (err, torch_err, ratio)}}])}."""
+    spec = variant.spec
+    device = device or _default_device()
+    worst, ratios, msgs, cases = 0.0, {}, [], []
+    for i, (shape, mask) in enumerate(mask_cases(spec, group)):
+        q, k, v, do = make_inputs(spec, shape, device=device, seed=1234 + i)
+        k, v = _beyond(k), _beyond(v)
+        fn, outs = run_variant(variant, q, k, v, do, mask=mask)
+        for t in outs.values():
+            t.fill_(float("nan"))
+        fn()
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        res = compare(outs, q, k, v, do, mask=mask, softmax_scale=spec.head_dim ** -0.5)
+        tag = f"q{shape.seqlen_q}k{shape.seqlen_k}" + ("c" if mask["causal"] else "") + \
+            (f"w{mask['window'][0]}_{mask['window'][1]}" if tuple(mask["window"]) != (-1, -1) else "") + \
+            ("tl" if mask["align"] == "top_left" else "")
+        for name, (err, base_err, ratio) in res.items():
+            worst = max(worst, ratio)
+            ratios[name] = max(ratios.get(name, 0.0), ratio)
+            msgs.append(f"{tag} {name} err {err:.3g} (torch {q.dtype} {base_err:.3g})")
+        cases.append({"shape": list(dataclasses.astuple(shape)), "mask": {**mask, "window": list(mask["window"])},
+                      "outputs": res})
+    return {"ok": worst <= 1.0, "ratio": worst, "ratios": ratios, "message": "; ".join(msgs), "cases": cases}
+
+
+def check_variant(variant: Variant, group: int = 1, device: str | None = None) -> tuple[bool, float, str]:
+    """Run ``variant`` on small awkward shapes (seqlens not multiples of any block,
+    seqlen_q != seqlen_k), for every mask :func:`mask_cases` lists for its mode (both
+    causal alignments; windows, causal + window), and compare with the float64 reference.
+
+    Returns (ok, worst error ratio err / (2 * baseline + floor), message)."""
+    d = check_variant_detail(variant, group, device)
+    return d["ok"], d["ratio"], d["message"]
 
 
 def time_ms(fn, warmup_ms: int = 10, rep_ms: int = 40) -> float:
@@ -140,10 +234,11 @@ def compiler_report(variant: Variant) -> dict:
 
 
 def _precompile_one(variant: Variant, group: int = 1) -> tuple[str, str | None, dict]:
-    """Worker: compile (by running once on a small shape) and report."""
+    """Worker: compile (by running once on small shapes) and report."""
     try:
-        ok, ratio, msg = check_variant(variant, group)
-        report = {**compiler_report(variant), "check_ratio": ratio}
+        d = check_variant_detail(variant, group)
+        ok, ratio, msg = d["ok"], d["ratio"], d["message"]
+        report = {**compiler_report(variant), "check_ratio": ratio, "check_ratios": d["ratios"]}
         return variant.id, None if ok else f"wrong_result: ratio {ratio:.3g}: {msg}", report
     except Exception as e:  # noqa: BLE001 - a failure is a value
         return variant.id, f"compile_failed: {type(e).__name__}: {str(e)[-500:]}", {}
@@ -162,14 +257,15 @@ class KernelBenchmarker:
         self._checked: dict[str, tuple[str | None, dict]] = {}  # variant id -> (failure, report)
         self._inputs: dict = {}
 
-    def precompile(self, variants: list[Variant], progress=None) -> dict[str, str | None]:
+    def precompile(self, variants: list[Variant], progress=None, group: int = 1) -> dict[str, str | None]:
         """Compile and verify ``variants`` in worker processes; returns {variant id:
-        failure message or None}.  ``progress(variant_id, failure)`` after each."""
+        failure message or None}.  ``progress(variant_id, failure)`` after each.
+        ``group``: the GQA group size of the check's shapes."""
         todo = [v for v in dict.fromkeys(variants) if v.id not in self._checked]
         if todo:
             ctx = mp.get_context("spawn")
             with cf.ProcessPoolExecutor(self.workers, mp_context=ctx) as ex:
-                futs = {ex.submit(_precompile_one, v): v for v in todo}
+                futs = {ex.submit(_precompile_one, v, group): v for v in todo}
                 for f in cf.as_completed(futs):
                     try:
                         vid, failure, report = f.result()
@@ -202,6 +298,11 @@ class KernelBenchmarker:
     def check_ratios(self) -> dict[str, float]:
         """variant id -> error ratio of its correctness check (<= 1 passes)."""
         return {vid: r["check_ratio"] for vid, (_, r) in self._checked.items() if "check_ratio" in r}
+
+    def check_reports(self) -> dict[str, tuple[str | None, dict]]:
+        """variant id -> (failure or None, report: compiler facts, check_ratio and
+        check_ratios {output: worst ratio})."""
+        return dict(self._checked)
 
 
 _REPORTED = ("smem_bytes_compiled", "n_regs", "n_spills")
