@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import compile as _compile
-from . import dispatch, ops
+from . import dispatch, ops, reference
 from .spec import KernelSpec, ProblemKey, Variant
 
 
@@ -115,49 +115,16 @@ def _signed_q(q: Tensor, scale: float):
 
 # -- the reference path (CPU without the interpreter) -----------------------------------
 
-def _ref_probs(q, k, scale, lo, hi):
-    group = q.shape[1] // k.shape[1]
-    qf, kf = q.float(), k.float()
-    if group > 1:
-        kf = kf.repeat_interleave(group, dim=1)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    i = torch.arange(q.shape[2], device=q.device)[:, None]
-    j = torch.arange(k.shape[2], device=q.device)[None, :]
-    vis = ((j - i) >= lo) & ((j - i) <= hi)
-    s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-    return torch.where(vis, p, torch.zeros_like(p)), lse, group
-
-
 def reference_forward(q, k, v, scale, lo, hi):
-    """O (q's dtype, contiguous) and LSE (float32) in float32 math: S = scale·QKᵀ,
-    masked entries -inf, LSE = logsumexp(S), O = softmax(S)·V (0 where a row sees no
-    key)."""
-    p, lse, group = _ref_probs(q, k, scale, lo, hi)
-    vf = v.float()
-    if group > 1:
-        vf = vf.repeat_interleave(group, dim=1)
-    return (p @ vf).to(q.dtype).contiguous(), lse.contiguous()
+    """O (q's dtype, contiguous) and LSE (float32), :func:`flashgen.reference.forward_bounds`
+    in float32 math."""
+    o, lse, _ = reference.forward_bounds(q, k, v, scale, lo, hi, torch.float32)
+    return o.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def reference_backward(do, q, k, v, scale, lo, hi):
-    """dQ, dK, dV (float32) by FlashAttention-2's formulas (dK, dV summed over each
-    GQA group)."""
-    p, _, group = _ref_probs(q, k, scale, lo, hi)
-    kf, vf, qf, dof = k.float(), v.float(), q.float(), do.float()
-    if group > 1:
-        kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
-    o = p @ vf
-    dv = p.transpose(-1, -2) @ dof
-    ds = p * (dof @ vf.transpose(-1, -2) - (dof * o).sum(-1, keepdim=True))
-    dq = (ds @ kf) * scale
-    dk = (ds.transpose(-1, -2) @ qf) * scale
-    if group > 1:
-        b, hk = k.shape[0], k.shape[1]
-        dk = dk.reshape(b, hk, group, *dk.shape[2:]).sum(2)
-        dv = dv.reshape(b, hk, group, *dv.shape[2:]).sum(2)
-    return dq, dk, dv
+    """dQ, dK, dV (float32), :func:`flashgen.reference.backward_bounds` in float32 math."""
+    return reference.backward_bounds(do, q, k, v, scale, lo, hi, torch.float32)
 
 
 def _zeros_like(t: Tensor) -> Tensor:

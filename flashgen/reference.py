@@ -15,28 +15,31 @@ import torch
 from .masks import mask_bounds
 
 
-def _visible(seqlen_q, seqlen_k, causal, window, align, device):
-    mode, lo, hi = mask_bounds(seqlen_q, seqlen_k, causal=causal, window=window, align=align)
+def _visible(seqlen_q, seqlen_k, lo, hi, device):
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    rel = j - i
-    return (rel >= lo) & (rel <= hi)
+    return ((j - i) >= lo) & ((j - i) <= hi)
 
 
 def _expand_kv(x, group):
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
-def forward(q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align="bottom_right",
-            dtype=torch.float64):
-    """(O, LSE, P): O in ``dtype``, LSE float in ``dtype`` (natural log), P the
-    probabilities (kept for the backward)."""
-    group = q.shape[1] // k.shape[1]
+def _scale_and_bounds(q, k, causal, window, softmax_scale, align):
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    _, lo, hi = mask_bounds(q.shape[2], k.shape[2], causal=causal, window=window, align=align)
+    return scale, lo, hi
+
+
+def forward_bounds(q, k, v, scale, lo, hi, dtype=torch.float64):
+    """(O, LSE, P) in ``dtype`` for the mask "query i sees key j iff lo <= j - i <= hi"
+    (:func:`flashgen.masks.mask_bounds`); LSE is -inf and O, P are 0 on rows that see no
+    key."""
+    group = q.shape[1] // k.shape[1]
     q, k, v = (t.to(dtype) for t in (q, k, v))
     k, v = _expand_kv(k, group), _expand_kv(v, group)
     s = (q @ k.transpose(-1, -2)) * scale
-    vis = _visible(q.shape[2], k.shape[2], causal, window, align, q.device)
+    vis = _visible(q.shape[2], k.shape[2], lo, hi, q.device)
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
     lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -45,12 +48,10 @@ def forward(q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align
     return p @ v, lse, p
 
 
-def backward(do, q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align="bottom_right",
-             dtype=torch.float64):
-    """(dQ, dK, dV) in ``dtype``."""
+def backward_bounds(do, q, k, v, scale, lo, hi, dtype=torch.float64):
+    """(dQ, dK, dV) in ``dtype`` for the same mask as :func:`forward_bounds`."""
     group = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    o, _, p = forward(q, k, v, causal=causal, window=window, softmax_scale=scale, align=align, dtype=dtype)
+    o, _, p = forward_bounds(q, k, v, scale, lo, hi, dtype)
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
     ke, ve = _expand_kv(k, group), _expand_kv(v, group)
     dv = p.transpose(-1, -2) @ do
@@ -64,6 +65,21 @@ def backward(do, q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, 
         dk = dk.reshape(b, hk, group, *dk.shape[2:]).sum(2)
         dv = dv.reshape(b, hk, group, *dv.shape[2:]).sum(2)
     return dq, dk, dv
+
+
+def forward(q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align="bottom_right",
+            dtype=torch.float64):
+    """(O, LSE, P): O in ``dtype``, LSE float in ``dtype`` (natural log), P the
+    probabilities (kept for the backward)."""
+    scale, lo, hi = _scale_and_bounds(q, k, causal, window, softmax_scale, align)
+    return forward_bounds(q, k, v, scale, lo, hi, dtype)
+
+
+def backward(do, q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align="bottom_right",
+             dtype=torch.float64):
+    """(dQ, dK, dV) in ``dtype``."""
+    scale, lo, hi = _scale_and_bounds(q, k, causal, window, softmax_scale, align)
+    return backward_bounds(do, q, k, v, scale, lo, hi, dtype)
 
 
 def max_error(got, ref) -> float:

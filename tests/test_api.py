@@ -8,19 +8,12 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import InputError, arch, dispatch, ops, reference
-from flashgen.dispatch import Dispatcher
-from flashgen.env import Environment
+from flashgen import InputError, ops, reference
 
 F16 = torch.float16
 
 
-@pytest.fixture(autouse=True)
-def hermetic_dispatcher():
-    """Heuristic configs only (no shipped or user database), restored afterwards."""
-    dispatch.set_default_dispatcher(Dispatcher([], env=Environment.current(), arch=arch.current()))
-    yield
-    dispatch.set_default_dispatcher(None)
+pytestmark = pytest.mark.usefixtures("hermetic_dispatcher")
 
 
 _err = reference.max_error

@@ -24,11 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 F16 = torch.float16
 
 
-@pytest.fixture(autouse=True)
-def hermetic_dispatcher():
-    dispatch.set_default_dispatcher(Dispatcher([], env=Environment.current(), arch=arch.current()))
-    yield
-    dispatch.set_default_dispatcher(None)
+pytestmark = pytest.mark.usefixtures("hermetic_dispatcher")
 
 
 @pytest.fixture
