@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -106,10 +107,12 @@ def tune(
     if sampler not in ("tpe", "grid"):
         raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
     from . import arch as arch_mod, presets, tuner
-    from .db import TuningDB
+    from .db import TuningDB, validate as validate_db
     from .env import Environment
 
     console = _console()
+    with _user_errors():  # a foreign or corrupt --db is refused before anything runs
+        validate_db(db)
     items = presets.expand(preset, dtype, kernels.split(","))
     env = Environment.current()
     arch = arch_mod.current()
@@ -233,6 +236,8 @@ def show(
     from .db import TuningDB
 
     console = _console()
+    with _user_errors():
+        TuningDB(db, readonly=True).close()
     with TuningDB(db, readonly=True) as tdb:
         if all_:
             rows = tdb.rows(key_contains=key)
@@ -257,6 +262,77 @@ def show(
                                          or "none"))
 
 
+@contextlib.contextmanager
+def _user_errors():
+    """A user's mistake (a foreign DB file, a bad export) is one line and exit code 2,
+    not a traceback."""
+    from .errors import InputError
+
+    try:
+        yield
+    except (InputError, FileNotFoundError, json.JSONDecodeError) as e:
+        _console().print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def export(
+    out: Annotated[Path, typer.Argument(dir_okay=False, help="Where to write: *.json (reviews well in a "
+                                        "diff) or *.sqlite (a small DB the dispatcher reads).")],
+    dbs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="Tuning DBs to read.")],
+    gpu: Annotated[list[str], typer.Option(help="Only rows measured on this GPU (repeatable).")] = [],
+) -> None:
+    """Write the best config per (key, environment) of DBS, with provenance, to OUT.
+    OUT must not exist (nothing is overwritten)."""
+    from .db import TuningDB
+
+    if out.suffix not in (".json", ".sqlite"):
+        raise typer.BadParameter(f"must end in .json or .sqlite, got {out.name!r}", param_hint="'OUT'")
+    if out.exists():
+        raise typer.BadParameter(f"{out} exists; export never overwrites a file", param_hint="'OUT'")
+    with _user_errors():
+        best: dict[tuple, dict] = {}
+        for p in dbs:
+            with TuningDB(p, readonly=True) as tdb:
+                for r in tdb.export_best(gpu or None):
+                    ident = (r["key"], r["gpu_name"], r["compute_capability"], r["triton_version"],
+                             r["template_hash"])
+                    if ident not in best or r["median_ms"] < best[ident]["median_ms"]:
+                        best[ident] = r
+        rows = sorted(best.values(), key=lambda r: (r["gpu_name"], r["key"]))
+        if out.suffix == ".json":
+            out.write_text(json.dumps({"flashgen_export": 1, "rows": rows}, indent=1, sort_keys=True) + "\n")
+        else:
+            with TuningDB(out, readonly=False) as tdb:
+                tdb.import_rows(rows)
+    typer.echo(f"{len(rows)} best configs from {len(dbs)} database(s) -> {out}")
+
+
+@app.command(name="import")
+def import_(
+    source: Annotated[Path, typer.Argument(exists=True, dir_okay=False,
+                                           help="An export (*.json) or a tuning DB (*.sqlite).")],
+    db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
+) -> None:
+    """Append to --db the rows of SOURCE it lacks; nothing is overwritten or deleted."""
+    from .db import NotATuningDB, TuningDB
+
+    with _user_errors():
+        if source.suffix == ".json":
+            data = json.loads(source.read_text())
+            if not isinstance(data, dict) or data.get("flashgen_export") != 1 or not isinstance(data.get("rows"), list):
+                raise NotATuningDB(f"{source} is not a flashgen export (expected {{\"flashgen_export\": 1, "
+                                   "\"rows\": [...]}})")
+            with TuningDB(db, readonly=False) as tdb:
+                n = tdb.import_rows(data["rows"])
+        else:
+            with TuningDB(source, readonly=True):  # validates it before anything is written
+                pass
+            with TuningDB(db, readonly=False) as tdb:
+                n = tdb.merge_from(source)
+    typer.echo(f"{source}: {n} rows added to {db}")
+
+
 @app.command()
 def merge(
     out: Annotated[Path, typer.Argument(dir_okay=False, help="DB to append to (created if missing).")],
@@ -265,9 +341,12 @@ def merge(
     """Append to OUT the rows of each IN that OUT lacks."""
     from .db import TuningDB
 
-    with TuningDB(out, readonly=False) as tdb:
-        for p in inputs:
-            typer.echo(f"{p}: {tdb.merge_from(p)} rows added to {out}")
+    with _user_errors():
+        for p in inputs:  # check every input before writing anything
+            TuningDB(p, readonly=True).close()
+        with TuningDB(out, readonly=False) as tdb:
+            for p in inputs:
+                typer.echo(f"{p}: {tdb.merge_from(p)} rows added to {out}")
 
 
 @app.command()

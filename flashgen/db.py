@@ -13,12 +13,14 @@ from __future__ import annotations
 import datetime
 import os
 import sqlite3
+import time
 import urllib.parse
 from pathlib import Path
 
 import sqlite_utils
 
 from .env import MATCH_COLUMNS, Environment
+from .errors import InputError
 from .spec import KERNELS, Measurement, ProblemKey, Shape, TileConfig, Variant, attention_flops
 
 TABLE = "measurements"
@@ -72,6 +74,36 @@ def _connect_readonly(path: Path) -> sqlite3.Connection:
         return sqlite3.connect(uri + "&immutable=1", uri=True)
 
 
+class NotATuningDB(InputError):
+    """A file that is not a flashgen tuning database (corrupt, or another program's
+    SQLite file).  The file is left untouched."""
+
+
+def validate(path: Path) -> None:
+    """Raise NotATuningDB unless ``path`` is missing, empty, or an SQLite file whose
+    ``measurements`` table has flashgen's columns (or that has no tables at all).
+    Reads only."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    try:
+        conn = _connect_readonly(path)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            cols = {r[1] for r in conn.execute(f"PRAGMA table_info({TABLE})")} if TABLE in tables else set()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        raise NotATuningDB(f"{path} is not a flashgen tuning database (SQLite says: {e}); "
+                           "it was left untouched") from None
+    if not tables:
+        return
+    missing = sorted(set(COLUMNS) - cols)
+    if TABLE not in tables or missing:
+        what = f"no '{TABLE}' table" if TABLE not in tables else f"its '{TABLE}' table lacks {missing[:5]}"
+        raise NotATuningDB(f"{path} is not a flashgen tuning database ({what}; tables: "
+                           f"{sorted(tables)[:5]}); it was left untouched")
+
+
 def _env_where(env: Environment) -> tuple[str, list]:
     """SQL condition (and its parameters) selecting the rows that ``env`` matches."""
     params: list = [getattr(env, c) for c in MATCH_COLUMNS]
@@ -93,6 +125,7 @@ class TuningDB:
 
     def __init__(self, path: str | Path, readonly: bool | None = None):
         self.path = Path(path)
+        validate(self.path)
         if readonly is None:
             readonly = self.path.exists() and not (
                 os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
@@ -105,9 +138,19 @@ class TuningDB:
         self.db = sqlite_utils.Database(self._conn)
         self._t = self.db.table(TABLE)
         if not readonly:
-            self.db.enable_wal()
-            self._t.create(COLUMNS, pk="id", if_not_exists=True)
-            self._t.create_index(["key"], if_not_exists=True)
+            # Several processes may open a new file at once; switching to WAL and
+            # creating the table take locks that SQLite's busy handler does not always
+            # wait for, so retry briefly.
+            for attempt in range(50):
+                try:
+                    self.db.enable_wal()
+                    self._t.create(COLUMNS, pk="id", if_not_exists=True)
+                    self._t.create_index(["key"], if_not_exists=True)
+                    break
+                except sqlite3.OperationalError as e:
+                    if "locked" not in str(e) or attempt == 49:
+                        raise
+                    time.sleep(0.1)
 
     def close(self) -> None:
         self._conn.close()
@@ -197,6 +240,42 @@ class TuningDB:
                 f"VALUES ({', '.join('?' * len(cols))})",
                 [tuple(r[c] for c in cols) for r in new])
         return len(new)
+
+    def import_rows(self, rows: list[dict]) -> int:
+        """Append exported rows (:meth:`export_best`) that this DB lacks (identity:
+        :data:`IDENTITY`); returns how many were added.  Nothing is overwritten."""
+        cols = [c for c in COLUMNS if c != "id"]
+        bad = [r for r in rows if not isinstance(r, dict) or set(cols) - set(r)]
+        if bad:
+            raise NotATuningDB(f"{len(bad)} of {len(rows)} rows lack flashgen's columns, e.g. "
+                               f"{sorted(set(cols) - set(bad[0]))[:5] if isinstance(bad[0], dict) else bad[0]!r}")
+        have = {tuple(r) for r in self._conn.execute(
+            f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
+        new = []
+        for r in rows:
+            ident = tuple(r.get(c) for c in IDENTITY)
+            if ident not in have:
+                have.add(ident)
+                new.append(tuple(r[c] for c in cols))
+        with self._conn:
+            self._conn.executemany(
+                f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
+                f"VALUES ({', '.join('?' * len(cols))})", new)
+        return len(new)
+
+    def export_best(self, gpu_names: list[str] | None = None) -> list[dict]:
+        """The best ok row per (key, environment) -- what a dispatcher can use --
+        optionally only for the named GPUs, sorted by GPU then key, each with its
+        provenance (``source_db``, ``source_row_id``) and without ``id``."""
+        out = []
+        for r in self.best_rows():
+            if gpu_names and r["gpu_name"] not in gpu_names:
+                continue
+            r = dict(r)
+            r["source_row_id"] = r.pop("id")
+            r["source_db"] = str(self.path)
+            out.append(r)
+        return sorted(out, key=lambda r: (r["gpu_name"], r["key"], r["triton_version"], r["template_hash"]))
 
     # -- reading ----------------------------------------------------------------------
 

@@ -356,6 +356,8 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
     items = list(items)
     for storage in {c.storage for c in configs}:
         open_storage(storage, None)  # create the schema once, before workers race to
+    for path in {c.db_path for c in configs}:
+        TuningDB(path).close()  # likewise the tuning DB
     ctx = mp.get_context("spawn")
     procs = {c.name: (ctx.Process(target=_worker_main, args=(items, c), name=c.name), c) for c in configs}
     for p, _ in procs.values():

@@ -1,0 +1,117 @@
+"""Shipping tuned configs: export (JSON / SQLite), import, merge; foreign or corrupt
+files get a clear error and are left untouched."""
+
+import hashlib
+import json
+import sqlite3
+
+import pytest
+from typer.testing import CliRunner
+
+from flashgen.cli import app
+from flashgen.db import NotATuningDB, TuningDB
+from flashgen.env import Environment
+from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant
+
+ENV_A = Environment("GPU-A", "9.0", 132, "3.6.0", "2.13.0", "0.1.0")
+ENV_B = Environment("GPU-B", "8.0", 108, "3.6.0", "2.13.0", "0.1.0")
+SPEC = KernelSpec("fwd", "bfloat16", 128, 128, "causal")
+SHAPE = Shape(2, 16, 16, 1024, 1024)
+KEY = SHAPE.key(SPEC)
+
+
+def _fill(path, env, timings):
+    with TuningDB(path) as db:
+        for (m, n), ms in timings.items():
+            db.record(KEY, SHAPE, Variant(SPEC, TileConfig(m, n, 4, 2)), Measurement("ok", median_ms=ms), env, 0)
+
+
+def _digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_export_json_keeps_the_best_per_key_and_gpu_with_provenance(tmp_path):
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    _fill(a, ENV_A, {(64, 64): 2.0, (128, 64): 1.5})
+    _fill(b, ENV_A, {(128, 128): 1.2})
+    _fill(b, ENV_B, {(64, 32): 3.0})
+    before = (_digest(a), _digest(b))
+    out = tmp_path / "best.json"
+    res = run("export", out, a, b)
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["gpu_name"], r["variant_id"].split("_m")[1], r["median_ms"]) for r in rows] == [
+        ("GPU-A", "128_n128_w4_s2", 1.2), ("GPU-B", "64_n32_w4_s2", 3.0)]
+    assert rows[0]["source_db"] == str(b) and rows[0]["source_row_id"] == 1
+    assert (_digest(a), _digest(b)) == before  # inputs untouched
+    only_b = tmp_path / "b_only.json"
+    assert run("export", only_b, a, b, "--gpu", "GPU-B").exit_code == 0
+    assert [r["gpu_name"] for r in json.loads(only_b.read_text())["rows"]] == ["GPU-B"]
+    again = run("export", out, a)
+    assert again.exit_code == 2 and "never overwrites" in again.output
+
+
+def test_export_sqlite_is_a_db_the_dispatcher_reads(tmp_path):
+    from flashgen.arch import TABLE
+    from flashgen.dispatch import Dispatcher
+
+    a = tmp_path / "a.sqlite"
+    _fill(a, ENV_A, {(64, 64): 2.0, (128, 64): 1.5})
+    out = tmp_path / "ship.sqlite"
+    assert run("export", out, a).exit_code == 0
+    with TuningDB(out) as db:
+        assert [r["median_ms"] for r in db.rows()] == [1.5]
+    choice = Dispatcher([out], env=ENV_A, arch=TABLE["sm_90"]).choose(KEY)
+    assert (choice.source, choice.config, choice.median_ms) == ("tuned", TileConfig(128, 64, 4, 2), 1.5)
+
+
+def test_import_json_and_sqlite_never_lose_user_rows(tmp_path):
+    mine = tmp_path / "mine.sqlite"
+    _fill(mine, ENV_A, {(64, 64): 2.0})
+    theirs = tmp_path / "theirs.sqlite"
+    _fill(theirs, ENV_B, {(64, 32): 3.0, (128, 64): 2.5})
+    exp = tmp_path / "theirs.json"
+    assert run("export", exp, theirs).exit_code == 0
+    res = run("import", exp, "--db", mine)
+    assert res.exit_code == 0 and "1 rows added" in res.output
+    assert run("import", exp, "--db", mine).output.count("0 rows added") == 1  # idempotent
+    res = run("import", theirs, "--db", mine)
+    assert res.exit_code == 0 and "1 rows added" in res.output  # the other, slower row
+    with TuningDB(mine) as db:
+        assert sorted(r["median_ms"] for r in db.rows()) == [2.0, 2.5, 3.0]
+        assert db.best(KEY, ENV_B)["median_ms"] == 2.5
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "foreign", "bad_json"])
+def test_foreign_or_corrupt_files_get_a_clear_error_and_stay_untouched(tmp_path, kind):
+    bad = tmp_path / ("bad.json" if kind == "bad_json" else "bad.sqlite")
+    if kind == "corrupt":
+        bad.write_bytes(b"this is not sqlite at all" * 100)
+    elif kind == "foreign":
+        c = sqlite3.connect(bad)
+        c.execute("CREATE TABLE users (name TEXT)")
+        c.execute("INSERT INTO users VALUES ('ada')")
+        c.commit()
+        c.close()
+    else:
+        bad.write_text('{"rows": [1, 2]}')
+    before = _digest(bad)
+    good = tmp_path / "good.sqlite"
+    _fill(good, ENV_A, {(64, 64): 2.0})
+    good_before = _digest(good)
+    cmds = [("import", bad, "--db", good)]
+    if kind != "bad_json":
+        cmds += [("show", "--db", bad), ("merge", good, bad), ("merge", bad, good),
+                 ("export", tmp_path / "x.json", bad)]
+    for cmd in cmds:
+        res = run(*cmd)
+        assert res.exit_code == 2, (cmd, res.output)
+        assert "error" in res.output and str(bad.name) in res.output, (cmd, res.output)
+    assert _digest(bad) == before and _digest(good) == good_before
+    if kind != "bad_json":
+        with pytest.raises(NotATuningDB, match="left untouched"):
+            TuningDB(bad)
