@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+import numbers
+
 import torch
 
 from . import dispatch, library, ops
@@ -21,7 +24,7 @@ from .spec import KernelSpec, ProblemKey
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check(q, k, v, softmax_scale):
+def _check(q, k, v, softmax_scale, causal=False):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -49,8 +52,13 @@ def _check(q, k, v, softmax_scale):
     for name, dd in (("q/k head_dim", d), ("v head_dim", v.shape[3])):
         if not (8 <= dd <= 256 and dd % 8 == 0):
             raise InputError(f"{name} must be a multiple of 8 in [8, 256], got {dd}")
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
-        raise InputError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise InputError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        raise InputError(f"causal must be a bool, got {type(causal).__name__}")
 
 
 def _last_dim_contiguous(t):
@@ -77,7 +85,7 @@ _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 def _prepare(q, k, v, causal, window, softmax_scale, align):
     """Checked call: (q, k, v with last-dim stride 1, scale, mask, lo, hi)."""
-    _check(q, k, v, softmax_scale)
+    _check(q, k, v, softmax_scale, causal)
     sq, d, sk = q.shape[2], q.shape[3], k.shape[2]
     mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -117,14 +125,14 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
     entry = ekey = None
     plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
     if plain:
-        kernel_path = q.is_cuda or library.interpreting()
+        kernel_path = library.use_kernels(q)
         try:
             ekey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                     causal, window, align, kernel_path)
             entry = disp.fast.get(ekey)
         except TypeError:  # an unhashable window (a list): the checked path
             ekey = None
-    if entry is not None and (softmax_scale is None or type(softmax_scale) is float):
+    if entry is not None and (softmax_scale is None or (type(softmax_scale) is float and math.isfinite(softmax_scale))):
         mask, lo, hi, default, cfg, mod, dev = entry
         scale = default if softmax_scale is None else softmax_scale
         if q.stride(-1) != 1:
@@ -189,13 +197,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         O of shape (batch, num_heads, seqlen_q, head_dim_v), q's dtype; with
         ``return_lse``, also LSE (batch, num_heads, seqlen_q), float32, natural log,
         -inf for rows that see no key.  Differentiable in q, k, v (the backward
-        recomputes P from the LSE; dK and dV are summed over each GQA group).
+        recomputes P from the LSE; dK and dV are summed over each GQA group).  The
+        LSE is returned as a constant (no gradient flows through it, as in
+        FlashAttention's interface): a loss that uses it gets no gradient from that
+        term.
 
     Precision: float16/bfloat16 inputs are multiplied on tensor cores with float32
     accumulation; float32 inputs in IEEE float32 (no tf32).
 
     CPU tensors run through flashgen's reference implementation (float32 math), or
-    through the Triton interpreter when ``TRITON_INTERPRET=1``.  CUDA tensors run on
+    through the Triton interpreter when ``TRITON_INTERPRET=1`` (float16/float32 only:
+    bfloat16 stays on the reference path, as the interpreter's bfloat16 dot is wrong).  CUDA tensors run on
     their own device (cuda:1 inputs on cuda:1, whatever the current device).
 
     The op is ``torch.ops.flashgen.fwd`` (with a fake kernel and autograd), so
@@ -376,7 +388,7 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         if reason is not None:
             return Explanation("torch-sdpa-fallback", "torch.nn.functional.scaled_dot_product_attention", reason,
                                None, None, None, None, ())
-    _check(q, k, v, softmax_scale)
+    _check(q, k, v, softmax_scale, causal)
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align="top_left" if sdpa else "bottom_right")

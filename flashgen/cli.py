@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -93,7 +92,8 @@ def tune(
     trials: Annotated[int, typer.Option(min=1, help="Completed trials per key (earlier runs count).")] = 40,
     timeout_per_key: Annotated[float | None, typer.Option(min=0, help="Seconds per key.")] = None,
     fake: Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
-                                             help="Replay timings from JSON {variant_id: ms}.")] = None,
+                                             help="Replay timings from JSON {variant_id: ms}, variant ids like "
+                                             "attn_fwd_d64_bf16_none_m128_n64_w4_s3 (see flashgen show --all).")] = None,
     seed: int = 0,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes sharing the studies; "
                                          "one per GPU (round-robin over the visible GPUs).")] = 1,
@@ -106,7 +106,7 @@ def tune(
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
     if sampler not in ("tpe", "grid"):
         raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
-    from . import arch as arch_mod, presets, tuner
+    from . import arch as arch_mod, heuristics, presets, tuner
     from .db import TuningDB, validate as validate_db
     from .env import Environment
 
@@ -117,15 +117,25 @@ def tune(
     env = Environment.current()
     arch = arch_mod.current()
     if fake is not None:
-        bench = tuner.FakeBenchmarker(_read_timings(fake))
+        timings = _read_timings(fake)
+        from .spec import Variant
+
+        for key, _ in items:
+            default = Variant(key.spec, heuristics.default_config(key.spec, arch))
+            if not any(vid.startswith(key.spec.id + "_") for vid in timings):
+                raise typer.BadParameter(
+                    f"{fake} has no timing for any variant of {key.spec.id} (e.g. {default.id})",
+                    param_hint="'--fake'")
+        bench = tuner.FakeBenchmarker(timings)
         # replayed timings must never be taken for this GPU's
         env = dataclasses.replace(env, gpu_name=f"{env.gpu_name} (fake)")
     else:
         import torch
 
-        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-            console.print("[red]error:[/] no CUDA device; the real benchmarker needs a GPU "
-                          "(or TRITON_INTERPRET=1). Use --fake TIMINGS.json to replay timings.")
+        if not torch.cuda.is_available():
+            console.print("[red]error:[/] no CUDA device; the real benchmarker times kernels on a GPU "
+                          "(Triton's interpreter has no timings worth tuning on). Use --fake "
+                          "TIMINGS.json to replay recorded timings.")
             raise typer.Exit(2)
         from .bench import KernelBenchmarker
 
@@ -171,9 +181,10 @@ def tune(
             progress.update(trials_task, completed=n_done,
                             description=f"{row['variant_id']} {row['status']}")
 
-        results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
-                             timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
-                             on_trial=on_trial, storage=storage, sampler=sampler)
+        with _user_errors():
+            results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
+                                 timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
+                                 on_trial=on_trial, storage=storage, sampler=sampler)
         progress.update(keys_task, completed=len(items))
     _print_results(console, env, results)
 
@@ -227,7 +238,8 @@ def _print_results(console, env, results) -> None:
 
 @app.command()
 def show(
-    db: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Tuning DB to read.")] = DEFAULT_DB,
+    db: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Tuning DB to read (default: "
+                                            f"{DEFAULT_DB} if it exists, else the shipped one).")] = None,
     key: Annotated[str | None, typer.Option(help="Only keys containing this text.")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Every row, not only the best per key.")] = False,
 ) -> None:
@@ -236,6 +248,16 @@ def show(
     from .db import TuningDB
 
     console = _console()
+    if db is None:
+        from .dispatch import shipped_databases
+
+        shipped = shipped_databases()
+        if DEFAULT_DB.exists() or not shipped:
+            db = DEFAULT_DB
+        else:
+            db = shipped[0]
+    if not db.exists():
+        raise typer.BadParameter(f"{db} does not exist", param_hint="'--db'")
     with _user_errors():
         TuningDB(db, readonly=True).close()
     with TuningDB(db, readonly=True) as tdb:
@@ -266,11 +288,11 @@ def show(
 def _user_errors():
     """A user's mistake (a foreign DB file, a bad export) is one line and exit code 2,
     not a traceback."""
-    from .errors import InputError
+    from .errors import InputError, UnsupportedError
 
     try:
         yield
-    except (InputError, FileNotFoundError, json.JSONDecodeError) as e:
+    except (InputError, UnsupportedError, FileNotFoundError, json.JSONDecodeError) as e:
         _console().print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
 
@@ -570,8 +592,8 @@ def explain(
     kv_heads: Annotated[int, typer.Option(min=1, help="Key/value heads (GQA when fewer than --heads).")],
     seqlen_q: Annotated[int, typer.Option(min=0)],
     seqlen_k: Annotated[int, typer.Option(min=0)],
-    head_dim: Annotated[int, typer.Option()],
-    head_dim_v: Annotated[int | None, typer.Option(help="Value head dim (default: --head-dim).")] = None,
+    head_dim: Annotated[int, typer.Option(min=1)],
+    head_dim_v: Annotated[int | None, typer.Option(min=1, help="Value head dim (default: --head-dim).")] = None,
     causal: Annotated[bool, typer.Option("--causal", help="Bottom-right causal mask.")] = False,
     window: Annotated[str, typer.Option(help="Sliding window LEFT,RIGHT (-1 = unbounded).")] = "-1,-1",
     dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
@@ -589,7 +611,7 @@ def explain(
     from .api import explain_sizes
     from .dispatch import Dispatcher
     from .env import Environment
-    from .errors import InputError
+    from .errors import InputError, UnsupportedError
 
     try:
         left, right = (int(x) for x in window.split(","))
@@ -614,11 +636,11 @@ def explain(
         report = explain_sizes(batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
                                window=(left, right), dispatcher=disp)
-    except InputError as e:
+    except (InputError, UnsupportedError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"{env.gpu_name} (cc {env.compute_capability}, triton {env.triton_version}); databases: "
-               + (", ".join(str(p) for p in disp.databases()) or "none"))
+               + (", ".join(dict.fromkeys(str(p.resolve()) for p in disp.databases())) or "none"))
     typer.echo(str(report))
 
 

@@ -284,6 +284,9 @@ class TuningDB:
         return list(self._t.rows_where(" AND ".join(where) or None, params, order_by=order_by,
                                        limit=limit))
 
+    def has_row(self, row_id) -> bool:
+        return self._conn.execute(f"SELECT 1 FROM {TABLE} WHERE id = ?", (row_id,)).fetchone() is not None
+
     def get(self, row_id: int) -> dict:
         return self._t.get(row_id)
 

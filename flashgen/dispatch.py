@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import heuristics, resources
+from .arch import INTERPRETER
+from .errors import InputError, UnsupportedError
 from .spec import ProblemKey, TileConfig, Variant
 
 
@@ -131,16 +133,25 @@ class Dispatcher:
         try:
             mtime = self._file_state(path)
         except FileNotFoundError:
+            if path not in self._warned and str(path) == os.environ.get("FLASHGEN_DB"):
+                self._warned.add(path)
+                warnings.warn(f"flashgen: FLASHGEN_DB={path} does not exist; using the shipped "
+                              "tuning databases only", stacklevel=4)
             return {}
         hit = self._tables.get(path)
         if hit is not None and hit[0] == mtime:
             return hit[1]
-        from .db import TuningDB
+        from .db import NotATuningDB, TuningDB
 
-        with TuningDB(path, readonly=True) as db:  # never writes to a shipped file
-            table = db.best_configs(self.env)
-            n_ok = db.count_ok() if not table else 0
-        if not table and path not in self._warned and n_ok > 0:
+        try:
+            with TuningDB(path, readonly=True) as db:  # never writes to a shipped file
+                table = db.best_configs(self.env)
+                n_ok = db.count_ok() if not table else 0
+        except NotATuningDB as e:
+            origin = "FLASHGEN_DB" if str(path) == os.environ.get("FLASHGEN_DB") else "tuning database"
+            raise InputError(f"{origin} {path}: {e}") from None
+        # Shipped databases hold other GPUs' rows by design: warn only about the user's.
+        if not table and path not in self._warned and n_ok > 0 and path not in shipped_databases():
             self._warned.add(path)
             warnings.warn(f"flashgen: tuning database {path} has no rows for this environment "
                           f"({self.env.gpu_name}, cc {self.env.compute_capability}, triton "
@@ -175,6 +186,13 @@ class Dispatcher:
     # -- the hot path ------------------------------------------------------------
     def _with_smem(self, choice: Choice) -> Choice:
         est = resources.estimate(Variant(choice.key.spec, choice.config), self.arch)
+        if not est.feasible and self.arch.name != INTERPRETER.name:
+            s = choice.key.spec
+            raise UnsupportedError(
+                f"no tile config of flashgen's search space fits the shared memory of {self.arch.name} "
+                f"({self.arch.smem_per_block_optin} B per block) for {s.kernel} with head_dim {s.head_dim}/"
+                f"{s.head_dim_v} in {s.dtype}: the smallest needs {est.breakdown()}; use float16/bfloat16 "
+                "or a smaller head_dim")
         return dataclasses.replace(choice, smem_bytes=est.total_bytes, smem_breakdown=est.breakdown())
 
     def choose(self, key: ProblemKey, *, capturing: bool | None = None) -> Choice:

@@ -50,6 +50,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def use_kernels(q: Tensor) -> bool:
+    """Whether the Triton kernels run for ``q``'s device and dtype: always on CUDA; on
+    the CPU only in Triton's interpreter, and not for bfloat16 there (the interpreter
+    multiplies bfloat16 bit patterns in tl.dot: a known Triton bug), which takes the
+    float32 reference path instead."""
+    return q.is_cuda or (interpreting() and q.dtype != torch.bfloat16)
+
+
 def is_empty(q: Tensor, k: Tensor) -> bool:
     return q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[2] == 0
 
@@ -148,7 +156,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
     if is_empty(q, k):
         return (q.new_zeros((b, h, sq, v.shape[3])),
                 torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
-    if not q.is_cuda and not interpreting():
+    if not use_kernels(q):
         return reference_forward(q, k, v, scale, lo, hi)
     q, scale, _ = _signed_q(q, scale)
     with _on_device(q):
@@ -163,7 +171,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         return _zeros_like(q), _zeros_like(k), _zeros_like(v)
     if do.stride(-1) != 1:
         do = do.contiguous()
-    if not q.is_cuda and not interpreting():
+    if not use_kernels(q):
         dq, dk, dv = reference_backward(do, q, k, v, scale, lo, hi)
         return _into(q, dq), _into(k, dk), _into(v, dv)
     q, scale, sign = _signed_q(q, scale)

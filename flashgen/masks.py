@@ -20,6 +20,8 @@ no key: their output is 0 and their LSE is -inf.
 
 from __future__ import annotations
 
+import numbers
+
 from .errors import InputError
 
 
@@ -32,10 +34,10 @@ def mask_bounds(seqlen_q: int, seqlen_k: int, *, causal: bool, window: tuple[int
     """
     if align not in ("bottom_right", "top_left"):
         raise InputError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
-    try:
-        left, right = (int(w) for w in window)
-    except (TypeError, ValueError):
-        raise InputError(f"window must be a pair of ints (left, right), got {window!r}") from None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)):
+        raise InputError(f"window must be a pair of ints (left, right), got {window!r}")
+    left, right = int(window[0]), int(window[1])
     if left < -1 or right < -1:
         raise InputError(f"window values must be >= 0, or -1 for unbounded; got {window!r}")
     off = seqlen_k - seqlen_q if align == "bottom_right" else 0

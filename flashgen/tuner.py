@@ -28,6 +28,7 @@ from . import heuristics, resources, space
 from .arch import Arch
 from .db import TuningDB
 from .env import Environment
+from .errors import InputError
 from .spec import Measurement, ProblemKey, Shape, TileConfig, Variant
 
 #: Objective value (ms) reported to Optuna for anything that is not an ok measurement.
@@ -204,6 +205,13 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
 
     done = n_complete()
+    if done:
+        finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if not any(db.has_row(t.user_attrs.get("row_id")) for t in finished):
+            raise InputError(
+                f"the Optuna storage holds {done} finished trials of study {study.study_name!r}, but "
+                f"none of their measurements is in {db.path} (was the DB replaced?); delete the "
+                "storage (by default <db>.optuna.journal) or pass another --storage")
 
     def objective(trial: optuna.Trial) -> float:
         nonlocal done
