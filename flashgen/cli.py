@@ -544,7 +544,7 @@ def iomodel(
     batch: Annotated[int, typer.Option(min=1)] = 1,
     heads: Annotated[int, typer.Option(min=1)] = 1,
     causal: bool = False,
-    tradeoff_n: Annotated[int | None, typer.Option(help="N of the tile-size table (default: the largest N).")] = None,
+    tradeoff_n: Annotated[int | None, typer.Option(min=1, help="N of the tile-size table (default: the largest N).")] = None,
     tradeoff_block_m: Annotated[str, typer.Option(help="BLOCK_M values of the tile-size table.")] = "16,32,64,128,256",
 ) -> None:
     """HBM bytes moved by naive vs tiled (FlashAttention) attention, forward and backward,
@@ -576,7 +576,7 @@ def iomodel(
                       io.fmt_bytes(r["naive_bwd_bytes"]), io.fmt_bytes(r["tiled_bwd_bytes"]),
                       f"{r['naive_bwd_bytes'] / r['tiled_bwd_bytes']:.1f}x")
     console.print(table)
-    n = tradeoff_n or max(ns)
+    n = max(ns) if tradeoff_n is None else tradeoff_n
     table = Table(title=Text(f"forward bytes as BLOCK_M varies: N {n:,}, d {head_dim}, BLOCK_N {block_n}"))
     for col in ("BLOCK_M", "fwd tiled", "vs naive", "Q + K + V tiles in SRAM"):
         table.add_column(col, justify="right")
