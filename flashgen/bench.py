@@ -251,29 +251,58 @@ class KernelBenchmarker:
     which fills Triton's on-disk cache so the trials only load binaries.
     """
 
-    def __init__(self, warmup_ms: int = 10, rep_ms: int = 40, workers: int | None = None):
+    def __init__(self, warmup_ms: int = 10, rep_ms: int = 40, workers: int | None = None,
+                 compile_timeout_s: float = 300.0):
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
         self.workers = workers or min(16, os.cpu_count() or 1)
+        self.compile_timeout_s = compile_timeout_s
         self._checked: dict[str, tuple[str | None, dict]] = {}  # variant id -> (failure, report)
         self._inputs: dict = {}
 
-    def precompile(self, variants: list[Variant], progress=None, group: int = 1) -> dict[str, str | None]:
+    def precompile(self, variants: list[Variant], progress=None, group: int = 1,
+                   worker_fn=None) -> dict[str, str | None]:
         """Compile and verify ``variants`` in worker processes; returns {variant id:
         failure message or None}.  ``progress(variant_id, failure)`` after each.
-        ``group``: the GQA group size of the check's shapes."""
+        ``group``: the GQA group size of the check's shapes.
+
+        A variant whose worker runs longer than ``compile_timeout_s`` (a hung compile or
+        kernel) is recorded as ``timeout``; the pool is then killed and the variants not
+        finished yet run again in a fresh one.  ``worker_fn(variant, group)`` replaces
+        the real compile-and-check (tests)."""
+        import time
+
+        fn = worker_fn or _precompile_one
         todo = [v for v in dict.fromkeys(variants) if v.id not in self._checked]
-        if todo:
-            ctx = mp.get_context("spawn")
-            with cf.ProcessPoolExecutor(self.workers, mp_context=ctx) as ex:
-                futs = {ex.submit(_precompile_one, v, group): v for v in todo}
-                for f in cf.as_completed(futs):
+        ctx = mp.get_context("spawn")
+
+        def record(vid, failure, report):
+            self._checked[vid] = (failure, report)
+            if progress:
+                progress(vid, failure)
+
+        while todo:
+            ex = cf.ProcessPoolExecutor(self.workers, mp_context=ctx)
+            futs = {ex.submit(fn, v, group): v for v in todo}
+            pending, started, hung = set(futs), {}, []
+            while pending and not hung:
+                done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+                for f in done:
                     try:
-                        vid, failure, report = f.result()
+                        record(*f.result())
                     except Exception as e:  # noqa: BLE001 - a crashed worker is a value too
-                        vid, failure, report = futs[f].id, f"launch_failed: {type(e).__name__}: {e}", {}
-                    self._checked[vid] = (failure, report)
-                    if progress:
-                        progress(vid, failure)
+                        record(futs[f].id, f"launch_failed: {type(e).__name__}: {e}", {})
+                now = time.monotonic()
+                for f in pending:
+                    if f.running():
+                        started.setdefault(f, now)
+                hung = [f for f in pending if now - started.get(f, now) > self.compile_timeout_s]
+            for f in hung:
+                record(futs[f].id, f"timeout: no result after {self.compile_timeout_s:.0f} s", {})
+            if hung:  # the hung worker cannot be told apart: kill them all, redo the rest
+                for p in list(getattr(ex, "_processes", {}).values()):
+                    p.terminate()
+            ex.shutdown(wait=not hung, cancel_futures=True)
+            todo = [futs[f] for f in pending if f not in hung]
         return {v.id: self._checked[v.id][0] for v in variants}
 
     def __call__(self, variant: Variant, shape: Shape) -> Measurement:

@@ -1,0 +1,34 @@
+"""KernelBenchmarker.precompile: a hung candidate is recorded as ``timeout`` and the
+others still finish (the compile-and-check function is replaced by a fake here)."""
+
+import time
+
+from flashgen.bench import KernelBenchmarker
+from flashgen.spec import KernelSpec, TileConfig, Variant
+
+SPEC = KernelSpec("fwd", "float16", 64, 64, "none")
+VARIANTS = [Variant(SPEC, TileConfig(m, n, 4, s)) for m in (64, 128) for n in (32, 64) for s in (1, 2)]
+HANG = VARIANTS[2].id
+CRASH = VARIANTS[5].id
+
+
+def fake_compile(variant, group):
+    if variant.id == HANG:
+        time.sleep(3600)
+    if variant.id == CRASH:
+        raise RuntimeError("ptxas died")
+    time.sleep(0.05)
+    return variant.id, None, {"check_ratio": 0.1}
+
+
+def test_a_hung_candidate_times_out_and_the_rest_finish():
+    bench = KernelBenchmarker(workers=2, compile_timeout_s=3)
+    seen = []
+    t0 = time.monotonic()
+    out = bench.precompile(VARIANTS, progress=lambda vid, f: seen.append(vid), worker_fn=fake_compile)
+    assert time.monotonic() - t0 < 60
+    assert out[HANG].startswith("timeout")
+    assert out[CRASH].startswith("launch_failed") and "ptxas died" in out[CRASH]
+    assert all(out[v.id] is None for v in VARIANTS if v.id not in (HANG, CRASH))
+    assert sorted(seen) == sorted(v.id for v in VARIANTS)  # each reported exactly once
+    assert bench.check_ratios() == {v.id: 0.1 for v in VARIANTS if v.id not in (HANG, CRASH)}
