@@ -221,6 +221,145 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                       return_lse=return_lse, align="bottom_right")
 
 
+# -- ragged batches (varlen) -------------------------------------------------------------
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise InputError(f"{name} must have 3 dims (total_tokens, heads, head_dim) for attention_varlen, "
+                             f"got shape {tuple(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise InputError(f"q.dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise InputError(f"{name}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
+        if t.device != q.device:
+            raise InputError(f"{name}.device ({t.device}) must equal q.device ({q.device})")
+    if k.shape[0] != v.shape[0]:
+        raise InputError(f"k and v must have the same total_k (dim 0), got {k.shape[0]} and {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise InputError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+    h, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    if hk == 0 or h % hk != 0:
+        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k/v ({hk})")
+    if k.shape[2] != d:
+        raise InputError(f"k.shape[-1] (head_dim {k.shape[2]}) must equal q.shape[-1] ({d})")
+    for name, dd in (("q/k head_dim", d), ("v head_dim", v.shape[2])):
+        if not (8 <= dd <= 256 and dd % 8 == 0):
+            raise InputError(f"{name} must be a multiple of 8 in [8, 256], got {dd}")
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if not isinstance(cu, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise InputError(f"{name} must be int32, got {cu.dtype}")
+        if cu.device != q.device:
+            raise InputError(f"{name} must be on q's device ({q.device}), got {cu.device}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise InputError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise InputError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+            raise InputError(f"{name} must be an int >= 0, got {m!r}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise InputError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        raise InputError(f"causal must be a bool, got {type(causal).__name__}")
+    if torch.compiler.is_compiling() or cu_seqlens_q.is_meta:
+        return  # no values to read (traced or meta tensors): the shapes are checked
+    # One device-to-host copy of the offsets (a synchronization on CUDA).
+    cus = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu()
+    for name, cu, total, mname, m in (("cu_seqlens_q", cus[0], q.shape[0], "max_seqlen_q", max_seqlen_q),
+                                      ("cu_seqlens_k", cus[1], k.shape[0], "max_seqlen_k", max_seqlen_k)):
+        if cu[0].item() != 0:
+            raise InputError(f"{name}[0] must be 0, got {cu[0].item()}")
+        lens = cu[1:] - cu[:-1]
+        if lens.numel() and lens.min().item() < 0:
+            i = int(torch.nonzero(lens < 0)[0, 0])
+            raise InputError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {cu[i + 1].item()} < "
+                             f"{name}[{i}] = {cu[i].item()}")
+        if cu[-1].item() != total:
+            which = "q" if name == "cu_seqlens_q" else "k"
+            raise InputError(f"{name}[-1] ({cu[-1].item()}) must equal the number of packed tokens of {which} "
+                             f"({which}.shape[0] = {total})")
+        longest = int(lens.max().item()) if lens.numel() else 0
+        if m < longest:
+            i = int(torch.argmax(lens))
+            raise InputError(f"{mname} ({m}) is smaller than the length of sequence {i} ({longest}); "
+                             f"it must be >= every length in {name}")
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                     return_lse: bool = False):
+    """Exact attention on a ragged batch of packed sequences (FlashAttention-2's
+    variable-length interface, ``flash_attn_varlen_func``: Dao 2023, "FlashAttention-2:
+    Faster Attention with Better Parallelism and Work Partitioning").
+
+    Sequence ``z`` of the batch is rows ``cu_seqlens_q[z]:cu_seqlens_q[z + 1]`` of q
+    and rows ``cu_seqlens_k[z]:cu_seqlens_k[z + 1]`` of k and v; it attends only to
+    itself, as its own (seqlen_q, seqlen_k) problem with :func:`attention`'s
+    conventions.
+
+    Args:
+        q: (total_q, num_heads, head_dim), float16 / bfloat16 / float32, packed: the
+            sequences' rows one after another.  Any strides; a last-dim stride other
+            than 1 is copied.
+        k: (total_k, num_kv_heads, head_dim), same dtype and device as q.  num_heads
+            must be a multiple of num_kv_heads (GQA/MQA): query head h reads key/value
+            head h // (num_heads // num_kv_heads).
+        v: (total_k, num_kv_heads, head_dim_v).  Head dims are multiples of 8 in [8, 256].
+        cu_seqlens_q, cu_seqlens_k: int32, shape (batch + 1,), on q's device: the
+            cumulative sequence lengths, starting at 0, non-decreasing, ending at
+            total_q (resp. total_k).  A sequence may have length 0 (on either side).
+        max_seqlen_q, max_seqlen_k: ints >= the longest query (key) sequence; they size
+            the launch grid (programs past a sequence's end exit at once) and pick the
+            tuned config's bucket, so pass the true maxima.
+        causal: FlashAttention's bottom-right alignment, per sequence: with
+            off_z = seqlen_k(z) - seqlen_q(z), query i of sequence z sees key j of that
+            sequence iff j <= i + off_z (i, j counted from the sequence's first row).
+            A query that sees no key (seqlen_q > seqlen_k) returns 0 with LSE = -inf.
+        window: (left, right), inclusive, -1 = unbounded, per sequence:
+            i + off_z - left <= j <= i + off_z + right.  With causal=True, right is 0.
+        softmax_scale: multiplies q @ k^T; None means 1 / sqrt(head_dim).
+        return_lse: also return the log-sum-exp of each score row.
+
+    Returns:
+        O of shape (total_q, num_heads, head_dim_v), q's dtype; with ``return_lse``,
+        also LSE of shape (num_heads, total_q), float32, natural log, -inf for rows
+        that see no key (all rows of a sequence with seqlen_k = 0).  Differentiable in
+        q, k, v (dK and dV summed over each GQA group, deterministic: no atomics); the
+        LSE is a constant.
+
+    The offsets are checked on the host: on CUDA this copies cu_seqlens to the CPU (one
+    synchronization per call).  CPU tensors run through flashgen's reference, one
+    sequence at a time (float32 math), or the Triton interpreter with
+    ``TRITON_INTERPRET=1`` (float16/float32).  The op is ``torch.ops.flashgen.fwd_varlen``.
+
+    Raises:
+        InputError (a ValueError), naming the argument and the rule: tensors of the wrong
+        rank, dtype or device; head counts that are not a multiple; cu_seqlens that are
+        not int32, not on q's device, not 1-D, of different lengths, not starting at 0,
+        decreasing, or not ending at total_q / total_k; a max_seqlen below a sequence's
+        length; a bad window, causal or softmax_scale.
+    """
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    mask, _, _ = mask_bounds(0, 0, causal=causal, window=window)
+    left, right = int(window[0]), (0 if causal else int(window[1]))
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    o, lse = library.FWD_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+                                mask, left, right)
+    return (o, lse) if return_lse else o
+
+
 # -- torch's SDPA signature ------------------------------------------------------------
 
 _sdpa_reasons: dict = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import itertools
 import multiprocessing as mp
 import os
 
@@ -19,7 +20,7 @@ import torch
 
 from . import ops, reference
 from .masks import mask_bounds
-from .spec import Measurement, Shape, Variant
+from .spec import Measurement, Shape, Variant, is_varlen
 from .heuristics import default_config
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -99,12 +100,14 @@ def _mask_kw(spec, shape: Shape, mask: dict | None = None):
     return dict(softmax_scale=spec.head_dim ** -0.5, mask=mode, diag_lo=lo, diag_hi=hi), mask
 
 
-def run_variant(variant: Variant, q, k, v, do, arch=None, mask: dict | None = None):
+def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | None = None):
     """A zero-argument callable that launches ``variant``'s kernel on these inputs (the
     other kernels it needs run once, here, with their default configs), and the outputs
     it checks: {name: tensor}.  ``mask``: dict(causal=, window=, align=), or None for
     the spec's default (see :func:`_mask_kw`)."""
     spec, cfg = variant.spec, variant.config
+    if is_varlen(spec.kernel):
+        return run_variant_varlen(variant, q, k, v, do, *seqs, arch=arch, mask=mask)
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
     kw, _ = _mask_kw(spec, shape, mask)
     if spec.kernel == "fwd":
@@ -133,6 +136,136 @@ def run_variant(variant: Variant, q, k, v, do, arch=None, mask: dict | None = No
     def fn():
         ops.bwd_dkdv(do, q, k, v, lse, delta, config=cfg, dk=dk, dv=dv, **kw)
     return fn, {"dK": dk, "dV": dv}
+
+
+# -- ragged batches (varlen kernels) ---------------------------------------------------
+
+def varlen_lengths(n_seqs: int, max_len: int) -> list[int]:
+    """Deterministic document lengths for a varlen Shape: ``n_seqs`` documents, the
+    first ``max_len`` long, the others spread over [max_len / 2, max_len]."""
+    return [max_len if i == 0 else max(1, max_len - (i * 7919) % (max_len // 2 + 1)) for i in range(n_seqs)]
+
+
+#: The per-sequence lengths of the varlen checks: a length-0 and a length-1 sequence,
+#: lengths not multiples of any block, seqlen_q > seqlen_k and < on different sequences.
+CHECK_VARLEN_LENS = ([150, 0, 61, 1, 37], [61, 13, 150, 1, 0])
+
+
+def make_varlen_inputs(spec, lens_q, lens_k, num_heads, num_kv_heads, device="cuda", seed=0):
+    """(q, k, v, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), packed."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = _TORCH_DTYPES[spec.dtype]
+    tq, tk = sum(lens_q), sum(lens_k)
+
+    def rnd(*s):
+        return torch.randn(*s, device=device, dtype=dt, generator=g)
+
+    def cu(lens):
+        return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
+
+    return (rnd(tq, num_heads, spec.head_dim), rnd(tk, num_kv_heads, spec.head_dim),
+            rnd(tk, num_kv_heads, spec.head_dim_v), rnd(tq, num_heads, spec.head_dim_v),
+            cu(lens_q), cu(lens_k), max(lens_q, default=0), max(lens_k, default=0))
+
+
+def _varlen_mask_kw(spec, mask: dict | None):
+    """Kernel keywords for a varlen variant; ``mask`` is dict(causal=, window=) (bottom-
+    right per sequence), None for the spec's default."""
+    mask = _default_mask(spec) if mask is None else mask
+    causal, window = mask["causal"], tuple(mask["window"])
+    mode = mask_bounds(0, 0, causal=causal, window=window)[0]
+    if mode != spec.mask:
+        raise ValueError(f"mask {mask} is mode {mode!r}, but the variant is compiled for {spec.mask!r}")
+    return dict(softmax_scale=spec.head_dim ** -0.5, mask=mode, win_left=window[0],
+                win_right=0 if causal else window[1])
+
+
+def run_variant_varlen(variant: Variant, q, k, v, do, cu_q, cu_k, max_q, max_k, arch=None, mask=None):
+    """:func:`run_variant` for a varlen kernel on packed inputs (see make_varlen_inputs)."""
+    spec, cfg = variant.spec, variant.config
+    kw = _varlen_mask_kw(spec, mask)
+    seqs = (cu_q, cu_k, max_q, max_k)
+    if spec.kernel == "fwd_varlen":
+        out = torch.empty(q.shape[:2] + (v.shape[2],), dtype=q.dtype, device=q.device)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+
+        def fn():
+            ops.fwd_varlen(q, k, v, *seqs, config=cfg, out=out, lse=lse, **kw)
+        return fn, {"O": out, "LSE": lse}
+    from .spec import KernelSpec
+
+    arch = arch or _arch()
+    fspec = KernelSpec("fwd_varlen", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask)
+    o, lse = ops.fwd_varlen(q, k, v, *seqs, config=default_config(fspec, arch), **kw)
+    if spec.kernel == "bwd_dq_varlen":
+        dq, delta = torch.empty_like(q), torch.empty_like(lse)
+
+        def fn():
+            ops.bwd_dq_varlen(do, q, k, v, o, lse, *seqs, config=cfg, dq=dq, delta=delta, **kw)
+        return fn, {"dQ": dq}
+    qspec = KernelSpec("bwd_dq_varlen", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask)
+    _, delta = ops.bwd_dq_varlen(do, q, k, v, o, lse, *seqs, config=default_config(qspec, arch), **kw)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+
+    def fn():
+        ops.bwd_dkdv_varlen(do, q, k, v, lse, delta, *seqs, config=cfg, dk=dk, dv=dv, **kw)
+    return fn, {"dK": dk, "dV": dv}
+
+
+def varlen_mask_cases(spec) -> list[dict]:
+    """The masks ``check_variant`` runs for a varlen variant's mode (bottom-right per
+    sequence): none; causal; CHECK_WINDOW and causal + window."""
+    return {"none": [dict(causal=False, window=(-1, -1))],
+            "causal": [dict(causal=True, window=(-1, -1))],
+            "window": [dict(causal=False, window=CHECK_WINDOW), dict(causal=True, window=(CHECK_WINDOW[0], -1))],
+            }[spec.mask]
+
+
+def compare_varlen(outs: dict, q, k, v, do, cu_q, cu_k, *, kw: dict) -> dict[str, tuple[float, float, float]]:
+    """:func:`compare` for varlen outputs, against the per-sequence float64 reference."""
+    from . import library
+
+    dt = q.dtype
+    args = (cu_q, cu_k, kw["softmax_scale"], kw["win_left"], kw["win_right"])
+    refs = {}
+    if {"O", "LSE"} & set(outs):
+        r = library.reference_forward_varlen(q, k, v, *args, torch.float64)
+        b = library.reference_forward_varlen(q, k, v, *args, dt)
+        refs.update(O=(r[0], b[0]), LSE=(r[1], b[1].float()))
+    if {"dQ", "dK", "dV"} & set(outs):
+        r = library.reference_backward_varlen(do, q, k, v, *args, torch.float64)
+        b = library.reference_backward_varlen(do, q, k, v, *args, dt)
+        refs.update(dQ=(r[0], b[0]), dK=(r[1], b[1]), dV=(r[2], b[2]))
+    res = {}
+    for name, out in outs.items():
+        ref64, base = refs[name]
+        floor = FLOOR[torch.float32 if name == "LSE" else dt]
+        err, base_err = _max_err(out, ref64), _max_err(base, ref64)
+        res[name] = (err, base_err, err / (2 * base_err + floor))
+    return res
+
+
+def _check_varlen_detail(variant: Variant, group: int, device: str) -> dict:
+    spec = variant.spec
+    worst, ratios, msgs, cases = 0.0, {}, [], []
+    lens_q, lens_k = CHECK_VARLEN_LENS
+    for i, mask in enumerate(varlen_mask_cases(spec)):
+        q, k, v, do, *seqs = make_varlen_inputs(spec, lens_q, lens_k, 2 * group, 2, device=device, seed=1234 + i)
+        fn, outs = run_variant_varlen(variant, q, k, v, do, *seqs, mask=mask)
+        for t in outs.values():
+            t.fill_(float("nan"))
+        fn()
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        res = compare_varlen(outs, q, k, v, do, seqs[0], seqs[1], kw=_varlen_mask_kw(spec, mask))
+        tag = "varlen" + ("c" if mask["causal"] else "") + \
+            (f"w{mask['window'][0]}_{mask['window'][1]}" if tuple(mask["window"]) != (-1, -1) else "")
+        for name, (err, base_err, ratio) in res.items():
+            worst = max(worst, ratio)
+            ratios[name] = max(ratios.get(name, 0.0), ratio)
+            msgs.append(f"{tag} {name} err {err:.3g} (torch {q.dtype} {base_err:.3g})")
+        cases.append({"lens": [lens_q, lens_k], "mask": {**mask, "window": list(mask["window"])}, "outputs": res})
+    return {"ok": worst <= 1.0, "ratio": worst, "ratios": ratios, "message": "; ".join(msgs), "cases": cases}
 
 
 def _arch():
@@ -185,6 +318,8 @@ def check_variant_detail(variant: Variant, group: int = 1, device: str | None = 
     "cases" ([{shape, mask, outputs: {name: (err, torch_err, ratio)}}])}."""
     spec = variant.spec
     device = device or _default_device()
+    if is_varlen(spec.kernel):
+        return _check_varlen_detail(variant, group, device)
     worst, ratios, msgs, cases = 0.0, {}, [], []
     for i, (shape, mask) in enumerate(mask_cases(spec, group)):
         q, k, v, do = make_inputs(spec, shape, device=device, seed=1234 + i)
@@ -315,7 +450,13 @@ class KernelBenchmarker:
         key = (variant.spec, shape)
         if key not in self._inputs:
             self._inputs.clear()
-            self._inputs[key] = make_inputs(variant.spec, shape)
+            if is_varlen(variant.spec.kernel):  # shape.batch documents of up to seqlen_q tokens
+                lens_q = varlen_lengths(shape.batch, shape.seqlen_q)
+                lens_k = lens_q if shape.seqlen_k == shape.seqlen_q else varlen_lengths(shape.batch, shape.seqlen_k)
+                self._inputs[key] = make_varlen_inputs(variant.spec, lens_q, lens_k, shape.num_heads,
+                                                       shape.num_kv_heads, device=_default_device())
+            else:
+                self._inputs[key] = make_inputs(variant.spec, shape)
         try:
             fn, _ = run_variant(variant, *self._inputs[key])
             ms = time_ms(fn, self.warmup_ms, self.rep_ms)

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from .spec import DTYPES, KERNELS, TileConfig
+from .spec import DENSE_KERNELS, DTYPES, KERNELS, TileConfig
 
 #: The user's tuning DB.  The shipped one (tuning_db/h200.sqlite) is written only when
 #: --db names it.
@@ -460,7 +460,7 @@ def _precompile_for(cases, dtype: str, names: list[str]) -> None:
         for c in cases:
             if c.window != (-1, -1):
                 continue  # the precompile check has no window sizes; these compile on first call
-            for kernel in KERNELS:
+            for kernel in DENSE_KERNELS:
                 spec = KernelSpec(kernel, dtype, c.head_dim, c.head_dim, "causal" if c.causal else "none")
                 variants.append(Variant(spec, disp.config_for(c.shape.key(spec))))
     KernelBenchmarker().precompile(list(dict.fromkeys(variants)))

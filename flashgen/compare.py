@@ -120,12 +120,15 @@ def parse_shape(text: str) -> Case:
 
 
 def cases_from_presets(names: Iterable[str]) -> list[Case]:
-    from .presets import PRESETS
+    from .presets import PRESETS, VARLEN_PRESETS
 
     out = []
     for n in names:
         if n not in PRESETS:
             raise KeyError(f"unknown preset {n!r}; known: {sorted(PRESETS)}")
+        if n in VARLEN_PRESETS:
+            raise KeyError(f"preset {n!r} is a ragged (varlen) batch: `flashgen tune` tunes it, but `flashgen "
+                           "bench` has no varlen runner yet")
         out += [Case(s.batch, s.num_heads, s.num_kv_heads, s.seqlen_q, s.seqlen_k, d, causal=mask == "causal")
                 for d, mask, s in PRESETS[n]()]
     return out

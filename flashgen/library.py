@@ -237,3 +237,183 @@ BWD = torch.ops.flashgen.bwd.default
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# -- ragged batches (varlen) ------------------------------------------------------------
+#
+# ``torch.ops.flashgen.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+# max_seqlen_k, scale, mask, left, right) -> (O, LSE)`` on packed q (total_q, h, d),
+# k (total_k, hk, d), v (total_k, hk, dv), last-dim stride 1, cu_seqlens int32
+# (batch + 1,) on q's device (checked by :func:`flashgen.api.attention_varlen`).
+# ``left``/``right`` are the window sizes per sequence (-1 = unbounded; causal passes
+# right = 0), bottom-right aligned within each sequence; ``mask`` the mode they make.
+# O is (total_q, h, dv) in q's dtype, LSE (h, total_q) float32, both contiguous.
+# ``torch.ops.flashgen.bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+# max_seqlen_q, max_seqlen_k, scale, mask, left, right) -> (dQ, dK, dV)``, empty_like
+# of q, k, v.  Same paths as the dense op: kernels on CUDA or in the interpreter, else
+# the float32 reference, one sequence at a time.
+
+def varlen_kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, batch: int,
+                      max_seqlen_q: int, max_seqlen_k: int):
+    """(TileConfig, loaded module) of varlen ``kernel``: the dispatcher's choice for the
+    bucket of (max_seqlen_q, max_seqlen_k, batch * heads), memoized like
+    :func:`kernel_for`."""
+    disp = dispatch.default_dispatcher()
+    interp = not q.is_cuda and interpreting()
+    fk = (kernel, mask, q.dtype, q.shape[1:], k.shape[1], v.shape[2], batch, max_seqlen_q, max_seqlen_k, interp)
+    hit = disp.fast.get(fk)
+    if hit is not None:
+        return hit
+    capturing = dispatch.graph_capturing()
+    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[2], v.shape[2], mask)
+    key = ProblemKey.from_varlen_sizes(spec, batch=batch, num_heads=q.shape[1], num_kv_heads=k.shape[1],
+                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    cfg = disp.choose(key, capturing=capturing).config
+    hit = (cfg, _compile.load(Variant(spec, cfg)))
+    if not capturing:
+        if len(disp.fast) >= FAST_TABLE_MAX:
+            disp.fast.clear()
+        disp.fast[fk] = hit
+    return hit
+
+
+def varlen_bounds(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
+    """(diag_lo, diag_hi) of one sequence, as the varlen kernels compute them."""
+    off = seqlen_k - seqlen_q
+    return (off - left if left >= 0 else -seqlen_q), (off + right if right >= 0 else seqlen_k)
+
+
+def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor):
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+
+
+def _per_seq(t: Tensor) -> Tensor:
+    """(n, h, d) rows of one sequence -> (1, h, n, d) for the dense reference."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def reference_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right, dtype=torch.float32):
+    """O (total_q, h, dv) in ``dtype`` and LSE (h, total_q) in ``dtype`` (float64 for the
+    tests' reference): :func:`flashgen.reference.forward_bounds` per sequence."""
+    o = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype, device=q.device)
+    for a, b, c, e in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if b == a:
+            continue
+        lo, hi = varlen_bounds(b - a, e - c, left, right)
+        oi, li, _ = reference.forward_bounds(_per_seq(q[a:b]), _per_seq(k[c:e]), _per_seq(v[c:e]), scale, lo, hi,
+                                             dtype)
+        o[a:b] = oi[0].transpose(0, 1)
+        lse[:, a:b] = li[0]
+    return o, lse
+
+
+def reference_backward_varlen(do, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right, dtype=torch.float32):
+    """dQ, dK, dV in ``dtype``: :func:`flashgen.reference.backward_bounds` per sequence."""
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
+    for a, b, c, e in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if b == a or e == c:
+            continue
+        lo, hi = varlen_bounds(b - a, e - c, left, right)
+        g = reference.backward_bounds(_per_seq(do[a:b]), _per_seq(q[a:b]), _per_seq(k[c:e]), _per_seq(v[c:e]),
+                                      scale, lo, hi, dtype)
+        dq[a:b], dk[c:e], dv[c:e] = (x[0].transpose(0, 1) for x in g)
+    return dq, dk, dv
+
+
+def _varlen_empty(q: Tensor, k: Tensor, cu_seqlens_q: Tensor) -> bool:
+    return q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1
+
+
+def forward_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                   max_seqlen_q: int, max_seqlen_k: int, scale: float, mask: str, left: int, right: int):
+    """(O, LSE): the varlen forward op's real implementation."""
+    tq, h, _ = q.shape
+    if _varlen_empty(q, k, cu_seqlens_q):
+        return (q.new_zeros((tq, h, v.shape[2])),
+                torch.full((h, tq), float("-inf"), dtype=torch.float32, device=q.device))
+    if not use_kernels(q):
+        o, lse = reference_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right)
+        return o.to(q.dtype), lse
+    q, scale, _ = _signed_q(q, scale)
+    batch = cu_seqlens_q.shape[0] - 1
+    with _on_device(q):
+        cfg, mod = varlen_kernel_for("fwd_varlen", q, k, v, mask, batch, max_seqlen_q, max_seqlen_k)
+        return ops.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
+                              mask=mask, win_left=left, win_right=right, config=cfg, module=mod)
+
+
+def backward_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                    cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float, mask: str,
+                    left: int, right: int):
+    """(dQ, dK, dV): the varlen backward op's real implementation."""
+    if _varlen_empty(q, k, cu_seqlens_q):
+        return _zeros_like(q), _zeros_like(k), _zeros_like(v)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if not use_kernels(q):
+        dq, dk, dv = reference_backward_varlen(do, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right)
+        return _into(q, dq), _into(k, dk), _into(v, dv)
+    q, scale, sign = _signed_q(q, scale)
+    batch = cu_seqlens_q.shape[0] - 1
+    sizes = (batch, max_seqlen_q, max_seqlen_k)
+    with _on_device(q):
+        cfg_dq, mod_dq = varlen_kernel_for("bwd_dq_varlen", q, k, v, mask, *sizes)
+        cfg_kv, mod_kv = varlen_kernel_for("bwd_dkdv_varlen", q, k, v, mask, *sizes)
+        dq, dk, dv = ops.bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    softmax_scale=scale, mask=mask, win_left=left, win_right=right,
+                                    config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv)
+    if sign == -1:
+        dq = dq.neg_()
+    elif sign == 0:
+        dq = dq.zero_()
+    return dq, dk, dv
+
+
+@torch.library.custom_op("flashgen::fwd_varlen", mutates_args=())
+def fwd_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                  max_seqlen_k: int, scale: float, mask: str, left: int, right: int) -> tuple[Tensor, Tensor]:
+    return forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mask, left, right)
+
+
+@fwd_varlen_op.register_fake
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mask, left, right):
+    tq, h, _ = q.shape
+    return q.new_empty((tq, h, v.shape[2])), q.new_empty((h, tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::bwd_varlen", mutates_args=())
+def bwd_varlen_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                  cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float, mask: str, left: int,
+                  right: int) -> tuple[Tensor, Tensor, Tensor]:
+    return backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                           mask, left, right)
+
+
+@bwd_varlen_op.register_fake
+def _bwd_varlen_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mask,
+                     left, right):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context_varlen(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_sq, max_sk, scale, mask, left, right = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.args = (max_sq, max_sk, scale, mask, left, right)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_varlen(ctx, do, _dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashgen.bwd_varlen(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+fwd_varlen_op.register_autograd(_backward_varlen, setup_context=_setup_context_varlen)
+
+FWD_VARLEN = torch.ops.flashgen.fwd_varlen.default
+BWD_VARLEN = torch.ops.flashgen.bwd_varlen.default

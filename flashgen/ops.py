@@ -114,6 +114,103 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     return dq, dk, dv
 
 
+# -- ragged batches (varlen): packed (total, heads, head_dim) tensors --------------------
+#
+# cu_seqlens_q/k: int32 (batch + 1,) offsets of each sequence's rows; max_seqlen_q/k
+# size the grid (programs past a sequence's length exit).  win_left/win_right: the
+# window sizes per sequence, bottom-right aligned (-1 = unbounded; causal is right = 0);
+# the mask mode says which of them the kernel reads.  LSE and delta are float32
+# (heads, total_q), contiguous.
+
+def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+               softmax_scale: float, mask: str, win_left: int, win_right: int, config: TileConfig,
+               out=None, lse=None, module=None):
+    """O (total_q, heads, head_dim_v) in q's dtype and LSE (heads, total_q) float32."""
+    tq, h, d = q.shape
+    hk, dv = k.shape[1], v.shape[2]
+    batch = cu_seqlens_q.shape[0] - 1
+    mod = module or _compile.load(Variant(KernelSpec("fwd_varlen", dtype_name(q.dtype), d, dv, mask), config))
+    if out is None:
+        out = torch.empty((tq, h, dv), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((h, tq), dtype=torch.float32, device=q.device)
+    num_m_blocks = _cdiv(max_seqlen_q, config.BLOCK_M)
+    grid = (num_m_blocks * batch * h,)
+    if grid[0] == 0:
+        return out, lse
+    _record(mod, mod.attn_fwd_varlen[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        h, h // hk, tq, num_m_blocks, win_left, win_right,
+        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
+    ))
+    return out, lse
+
+
+def bwd_dq_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                  softmax_scale: float, mask: str, win_left: int, win_right: int, config: TileConfig,
+                  dq=None, delta=None, module=None):
+    """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
+    tq, h, d = q.shape
+    hk, dvd = k.shape[1], v.shape[2]
+    batch = cu_seqlens_q.shape[0] - 1
+    mod = module or _compile.load(Variant(KernelSpec("bwd_dq_varlen", dtype_name(q.dtype), d, dvd, mask), config))
+    dq = torch.empty_like(q) if dq is None else dq
+    delta = torch.empty_like(lse) if delta is None else delta
+    num_m_blocks = _cdiv(max_seqlen_q, config.BLOCK_M)
+    grid = (num_m_blocks * batch * h,)
+    if grid[0] == 0:
+        return dq, delta
+    _record(mod, mod.attn_bwd_dq_varlen[grid](
+        q, k, v, o, do, dq, lse, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E, softmax_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        h, h // hk, tq, num_m_blocks, win_left, win_right,
+        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
+    ))
+    return dq, delta
+
+
+def bwd_dkdv_varlen(do, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                    *, softmax_scale: float, mask: str, win_left: int, win_right: int, config: TileConfig,
+                    dk=None, dv=None, module=None):
+    """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta.  Rows of
+    K/V that belong to no sequence (past cu_seqlens_k[-1]) are not written."""
+    tq, h, d = q.shape
+    hk, dvd = k.shape[1], v.shape[2]
+    batch = cu_seqlens_q.shape[0] - 1
+    mod = module or _compile.load(Variant(KernelSpec("bwd_dkdv_varlen", dtype_name(q.dtype), d, dvd, mask), config))
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    num_n_blocks = _cdiv(max_seqlen_k, config.BLOCK_N)
+    grid = (num_n_blocks * batch * hk,)
+    if grid[0] == 0:
+        return dk, dv
+    _record(mod, mod.attn_bwd_dkdv_varlen[grid](
+        q, k, v, do, dk, dv, lse, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E, softmax_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        h, h // hk, tq, num_n_blocks, win_left, win_right,
+        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
+    ))
+    return dk, dv
+
+
+def bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+               softmax_scale: float, mask: str, win_left: int, win_right: int, config_dq: TileConfig,
+               config_dkdv: TileConfig, dq=None, dk=None, dv=None, delta=None, module_dq=None, module_dkdv=None):
+    """dQ, dK, dV of a varlen forward: ``bwd_dq_varlen`` (writes delta), then
+    ``bwd_dkdv_varlen`` (reads it)."""
+    kw = dict(softmax_scale=softmax_scale, mask=mask, win_left=win_left, win_right=win_right)
+    seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, delta = bwd_dq_varlen(do, q, k, v, o, lse, *seqs, config=config_dq, dq=dq, delta=delta,
+                              module=module_dq, **kw)
+    dk, dv = bwd_dkdv_varlen(do, q, k, v, lse, delta, *seqs, config=config_dkdv, dk=dk, dv=dv,
+                             module=module_dkdv, **kw)
+    return dq, dk, dv
+
+
 #: The compiled kernel of each loaded module, set at its first launch (for the
 #: compiler's report: shared memory, registers, spills).
 compiled: dict[str, object] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .spec import KERNELS, KernelSpec, ProblemKey, Shape
+from .spec import DENSE_KERNELS, KernelSpec, ProblemKey, Shape, base_kernel
 
 Entry = tuple[int, str, Shape]  # (head_dim (= head_dim_v), mask, shape)
 
@@ -32,21 +32,43 @@ def _small() -> list[Entry]:
     return [(64, "none", Shape(1, 2, 2, 128, 128)), (64, "causal", Shape(1, 4, 2, 97, 97))]
 
 
-PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small}
+def _varlen_docs() -> list[Entry]:
+    """Packed documents (ragged batches, ``attention_varlen``): Llama-3-8B heads (32
+    query, 8 KV), head_dim 128, causal and not; Shape.batch documents of lengths up to
+    Shape.seqlen_q (:func:`flashgen.bench.varlen_lengths` draws them), about 16k tokens
+    per batch."""
+    return [(128, mask, Shape(16384 // n * 2, 32, 8, n, n))
+            for mask in ("causal", "none") for n in (512, 1024, 2048, 4096, 8192)]
+
+
+def _varlen_small() -> list[Entry]:
+    """Tiny ragged batches for CPU smoke tests."""
+    return [(64, "causal", Shape(3, 2, 1, 97, 97))]
+
+
+PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
+           "varlen-docs": _varlen_docs, "varlen-small": _varlen_small}
+#: Presets of ragged batches: their entries are tuned with the varlen kernels
+#: (``fwd`` given to ``--kernels`` means ``fwd_varlen`` there, and the reverse).
+VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
 
 
 def expand(names: Iterable[str], dtype: str = "bfloat16",
-           kernels: Iterable[str] = KERNELS) -> list[tuple[ProblemKey, Shape]]:
+           kernels: Iterable[str] = DENSE_KERNELS) -> list[tuple[ProblemKey, Shape]]:
     """(ProblemKey, Shape) for every entry of the named presets and every kernel, in
-    preset order; a key already produced keeps its first shape.  Raises KeyError naming
+    preset order; a key already produced keeps its first shape.  Dense presets tune
+    the dense kernels and varlen presets the varlen ones, whichever of the two names
+    of a kernel ``kernels`` gives.  Raises KeyError naming
     the known presets for an unknown name."""
     kernels = tuple(kernels)
     out: dict[ProblemKey, Shape] = {}
     for name in names:
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        varlen = name in VARLEN_PRESETS
+        kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in kernels))
         for d, mask, shape in PRESETS[name]():
-            for k in kernels:
+            for k in kinds:
                 key = shape.key(KernelSpec(k, dtype, d, d, mask))
                 out.setdefault(key, shape)
     return list(out.items())

@@ -1,7 +1,7 @@
 """Variant -> Triton source text.  Pure: no torch, no triton, no side effects.
 
 Templates live in ``templates/`` (``attn_<kernel>.py.j2``), share macros in
-``templates/_common.j2``, and are rendered with ``StrictUndefined`` so a misspelt
+``templates/_common.j2`` (dense kernels) or ``templates/_varlen.j2`` (varlen kernels), and are rendered with ``StrictUndefined`` so a misspelt
 symbol is an error, not an empty string.  Each generated file starts with the template
 hash and the variant id.
 """
@@ -45,12 +45,19 @@ def template_name(kernel: str) -> str:
     return f"attn_{kernel}.py.j2"
 
 
+def macros_name(kernel: str) -> str:
+    """The shared-macro file a kernel's template imports: ``_varlen.j2`` for the varlen
+    kernels, ``_common.j2`` for the dense ones."""
+    return "_varlen.j2" if kernel.endswith("_varlen") else "_common.j2"
+
+
 @functools.lru_cache(maxsize=None)
 def template_hash(kernel: str) -> str:
-    """sha256 (16 hex digits) of the kernel's template and the shared macros: a change
-    to either invalidates tuning rows and compiled modules of that kernel."""
+    """sha256 (16 hex digits) of the kernel's template and the shared macros it imports
+    (:func:`macros_name`): a change to either invalidates tuning rows and compiled
+    modules of that kernel."""
     h = hashlib.sha256()
-    for name in (template_name(kernel), "_common.j2"):
+    for name in (template_name(kernel), macros_name(kernel)):
         h.update((templates_dir() / name).read_bytes())
     return h.hexdigest()[:16]
 

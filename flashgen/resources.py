@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import Arch
-from .spec import Variant
+from .spec import Variant, base_kernel
 
 
 @dataclass(frozen=True)
@@ -46,14 +46,17 @@ def smem_buffers(variant: Variant) -> dict[str, int]:
     b = s.dtype_bytes
     d, dv = s.head_dim_pad, s.head_dim_v_pad
     stages = max(1, c.num_stages)
-    if s.kernel == "fwd":
+    # A varlen kernel holds the same tiles as its dense counterpart (its per-sequence
+    # offsets and lengths are scalars in registers).
+    kernel = base_kernel(s.kernel)
+    if kernel == "fwd":
         # Q resident (A operand of Q·K^T); K and V streamed; P·V takes P from registers.
         return {
             "q_tile": c.BLOCK_M * d * b,
             "k_tiles": c.BLOCK_N * d * b * stages,
             "v_tiles": c.BLOCK_N * dv * b * stages,
         }
-    if s.kernel == "bwd_dkdv":
+    if kernel == "bwd_dkdv":
         # K, V resident; Q, dO (and their LSE/delta rows) streamed; P^T and dS^T feed
         # the dots from registers.
         return {

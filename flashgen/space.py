@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
-from .spec import KernelSpec, TileConfig, Variant
+from .spec import KernelSpec, TileConfig, Variant, base_kernel
 
 DOMAINS: dict[str, dict[str, tuple[int, ...]]] = {
     "fwd": {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128),
@@ -22,15 +22,19 @@ DOMAINS: dict[str, dict[str, tuple[int, ...]]] = {
     "bwd_dq": {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128),
                "num_warps": (4, 8), "num_stages": (1, 2, 3)},
 }
+# The varlen kernels tile like their dense counterparts.
+for _k in ("fwd", "bwd_dkdv", "bwd_dq"):
+    DOMAINS[f"{_k}_varlen"] = DOMAINS[_k]
 
 
 def _acc_regs_per_thread(v: Variant) -> float:
     """float32 accumulator elements each thread holds for the whole program."""
     s, c = v.spec, v.config
     threads = 32 * c.num_warps
-    if s.kernel == "fwd":
+    kernel = base_kernel(s.kernel)
+    if kernel == "fwd":
         return c.BLOCK_M * s.head_dim_v_pad / threads
-    if s.kernel == "bwd_dkdv":
+    if kernel == "bwd_dkdv":
         return c.BLOCK_N * (s.head_dim_pad + s.head_dim_v_pad) / threads
     return c.BLOCK_M * s.head_dim_pad / threads
 

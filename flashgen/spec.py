@@ -22,7 +22,22 @@ from dataclasses import dataclass
 #: backward is two kernels with their own tile sizes, tuned independently:
 #: ``bwd_dkdv`` (one program per key block, loops over query blocks, writes dK and dV)
 #: and ``bwd_dq`` (one program per query block, loops over key blocks, writes dQ).
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+#: The ragged-batch (varlen) kernels are the same three on packed sequences
+#: (``attention_varlen``): one program per (block, sequence, head), offsets from
+#: cu_seqlens; their ProblemKey buckets max_seqlen_q/k and batch * heads.
+DENSE_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+VARLEN_KERNELS = ("fwd_varlen", "bwd_dkdv_varlen", "bwd_dq_varlen")
+KERNELS = DENSE_KERNELS + VARLEN_KERNELS
+
+
+def base_kernel(kernel: str) -> str:
+    """The dense kernel whose tiling a kernel shares (``fwd_varlen`` -> ``fwd``): same
+    knob domains, shared-memory model and heuristic preferences."""
+    return kernel[:-len("_varlen")] if kernel.endswith("_varlen") else kernel
+
+
+def is_varlen(kernel: str) -> bool:
+    return kernel in VARLEN_KERNELS
 
 #: Mask modes compiled into a kernel.  ``none``: every query sees every key.
 #: ``causal``: query i sees key j iff j - i <= diag, where diag is a runtime value
@@ -155,6 +170,14 @@ class ProblemKey:
         return cls(spec, num_heads // num_kv_heads, seqlen_bucket(seqlen_q),
                    seqlen_bucket(seqlen_k), batch_heads_bucket(batch * num_heads))
 
+    @classmethod
+    def from_varlen_sizes(cls, spec: KernelSpec, *, batch: int, num_heads: int, num_kv_heads: int,
+                          max_seqlen_q: int, max_seqlen_k: int) -> "ProblemKey":
+        """The key of a varlen call: buckets of max_seqlen_q/k and batch * num_heads
+        (``batch`` = number of sequences)."""
+        return cls.from_sizes(spec, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k)
+
     @property
     def id(self) -> str:
         return f"{self.spec.id}_g{self.group}_q{self.seqlen_q}_k{self.seqlen_k}_bh{self.batch_heads}"
@@ -203,12 +226,14 @@ def attention_flops(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, he
     backward) is 2.5x the forward: five matmuls, the recomputation of S not counted.
     For the two backward kernels separately we count the matmuls each executes:
     ``bwd_dkdv`` four (S^T, dV, dP^T, dK: 2.0x fwd), ``bwd_dq`` three (S, dP, dQ: 1.5x).
+    A varlen kernel counts as its dense one on the given sizes (the benchmark passes the
+    sum over sequences).
     """
     dv = head_dim if head_dim_v is None else head_dim_v
     f = 2.0 * batch * num_heads * seqlen_q * seqlen_k * (head_dim + dv)
     if causal:
         f /= 2
-    return f * {"fwd": 1.0, "bwd": 2.5, "bwd_dkdv": 2.0, "bwd_dq": 1.5}[kernel]
+    return f * {"fwd": 1.0, "bwd": 2.5, "bwd_dkdv": 2.0, "bwd_dq": 1.5}[base_kernel(kernel)]
 
 
 #: Outcomes of one measurement (KernelTuner's "failures are values").

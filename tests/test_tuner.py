@@ -212,7 +212,7 @@ def test_feasible_variants_for_precompile():
 
 def test_presets():
     grid = presets.expand(["fa-grid"])
-    assert len(grid) == 2 * 2 * 6 * len(KERNELS)
+    assert len(grid) == 2 * 2 * 6 * 3  # the dense kernels (KERNELS also holds the varlen ones)
     for key, shape in grid:
         assert shape.batch * shape.seqlen_q == 16384
         assert shape.num_heads * key.spec.head_dim == 2048 and shape.num_kv_heads == shape.num_heads
