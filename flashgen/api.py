@@ -271,8 +271,10 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
     if not isinstance(causal, bool):
         raise InputError(f"causal must be a bool, got {type(causal).__name__}")
-    if torch.compiler.is_compiling() or cu_seqlens_q.is_meta:
-        return  # no values to read (traced or meta tensors): the shapes are checked
+    if torch.compiler.is_compiling() or cu_seqlens_q.is_meta or dispatch.graph_capturing():
+        # No values to read (traced or meta tensors), or reading them would synchronize
+        # inside a CUDA graph capture: only the shapes are checked then.
+        return
     # One device-to-host copy of the offsets (a synchronization on CUDA).
     cus = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu()
     for name, cu, total, mname, m in (("cu_seqlens_q", cus[0], q.shape[0], "max_seqlen_q", max_seqlen_q),
@@ -348,7 +350,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         rank, dtype or device; head counts that are not a multiple; cu_seqlens that are
         not int32, not on q's device, not 1-D, of different lengths, not starting at 0,
         decreasing, or not ending at total_q / total_k; a max_seqlen below a sequence's
-        length; a bad window, causal or softmax_scale.
+        length; a bad window, causal or softmax_scale.  Checking the offsets' values
+        copies them to the host once per call (a synchronization on CUDA); inside a CUDA
+        graph capture they are not read, so there they must already be valid.
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     mask, _, _ = mask_bounds(0, 0, causal=causal, window=window)
