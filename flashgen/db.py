@@ -33,6 +33,7 @@ COLUMNS: dict[str, type] = {
     "group_size": int, "seqlen_q_bucket": int, "seqlen_k_bucket": int, "batch_heads_bucket": int,
     # Variant
     "variant_id": str, "BLOCK_M": int, "BLOCK_N": int, "num_warps": int, "num_stages": int,
+    "tma": int, "ws": int, "num_splits": int,  # OPTIONAL_COLUMNS
     # the exact shape measured
     "batch": int, "num_heads": int, "num_kv_heads": int, "seqlen_q": int, "seqlen_k": int,
     # Measurement
@@ -43,6 +44,9 @@ COLUMNS: dict[str, type] = {
     "gpu_name": str, "compute_capability": str, "sm_count": int, "triton_version": str,
     "torch_version": str, "flashgen_version": str, "template_hash": str,
 }
+#: Columns added after the first release: a file without them is still a tuning DB
+#: (they read as NULL, i.e. the knob's default; a writable open adds them).
+OPTIONAL_COLUMNS = ("tma", "ws", "num_splits")
 ENV_COLUMNS = ("gpu_name", "compute_capability", "sm_count", "triton_version", "torch_version",
                "flashgen_version", "template_hash")
 #: A row's identity across databases (``merge_from`` skips rows already present).
@@ -97,7 +101,7 @@ def validate(path: Path) -> None:
                            "it was left untouched") from None
     if not tables:
         return
-    missing = sorted(set(COLUMNS) - cols)
+    missing = sorted(set(COLUMNS) - cols - set(OPTIONAL_COLUMNS))
     if TABLE not in tables or missing:
         what = f"no '{TABLE}' table" if TABLE not in tables else f"its '{TABLE}' table lacks {missing[:5]}"
         raise NotATuningDB(f"{path} is not a flashgen tuning database ({what}; tables: "
@@ -146,6 +150,11 @@ class TuningDB:
                     self.db.enable_wal()
                     self._t.create(COLUMNS, pk="id", if_not_exists=True)
                     self._t.create_index(["key"], if_not_exists=True)
+                    # Files written before a column existed get it (NULL in old rows).
+                    have = set(self._t.columns_dict)
+                    for col, typ in COLUMNS.items():
+                        if col not in have:
+                            self._t.add_column(col, typ)
                     break
                 except sqlite3.OperationalError as e:
                     if "locked" not in str(e) or attempt == 49:

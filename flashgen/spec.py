@@ -102,28 +102,56 @@ class KernelSpec:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """What the tuner searches: tile sizes, warps per program, software-pipeline depth.
+    """What the tuner searches: tile sizes, warps per program, software-pipeline depth,
+    and the Hopper-era switches.
 
     For ``fwd`` and ``bwd_dq`` BLOCK_M is the query tile each program owns and BLOCK_N
     the key tile streamed through it; for ``bwd_dkdv`` BLOCK_N is the key tile each
     program owns and BLOCK_M the query tile streamed through it.
+
+    The knobs after num_stages default to 0 ("off" / "not used by this kernel") and
+    appear in ``id`` only when set, so ids of configs without them never change:
+    ``tma`` 1 loads the streamed tiles through tensor descriptors (the Tensor Memory
+    Accelerator, sm_90+); ``ws`` 1 warp-specializes the main loop
+    (``tl.range(..., warp_specialize=True)``); ``num_splits`` is the number of programs
+    a decode problem's key sequence is split across (flash-decoding), 0 elsewhere.
     """
 
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    tma: int = 0
+    ws: int = 0
+    num_splits: int = 0
 
     @property
     def id(self) -> str:
-        return f"m{self.BLOCK_M}_n{self.BLOCK_N}_w{self.num_warps}_s{self.num_stages}"
+        s = f"m{self.BLOCK_M}_n{self.BLOCK_N}_w{self.num_warps}_s{self.num_stages}"
+        if self.tma:
+            s += "_tma"
+        if self.ws:
+            s += "_ws"
+        if self.num_splits:
+            s += f"_sp{self.num_splits}"
+        return s
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TileConfig":
-        return cls(**{f.name: int(d[f.name]) for f in dataclasses.fields(cls)})
+        """From a dict or DB row; optional knobs that are missing or NULL (rows written
+        before they existed) take their defaults."""
+        kw = {}
+        for f in dataclasses.fields(cls):
+            val = d.get(f.name) if hasattr(d, "get") else d[f.name]
+            if val is None:
+                if f.default is dataclasses.MISSING:
+                    raise KeyError(f.name)
+                continue
+            kw[f.name] = int(val)
+        return cls(**kw)
 
 
 @dataclass(frozen=True)

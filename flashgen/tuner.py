@@ -199,7 +199,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     # The grid sampler visits the default anyway (and an enqueued trial would take a
     # grid point it does not evaluate).
     if sampler != "grid" and not study.trials and all(getattr(default, n) in vals for n, vals in dom.items()):
-        study.enqueue_trial(default.as_dict())
+        study.enqueue_trial({n: getattr(default, n) for n in dom})
 
     def n_complete() -> int:
         return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))

@@ -65,7 +65,7 @@ def test_default_config_is_measured_first_and_enqueued(db):
     res = run(db, bench, 5)
     assert bench.calls[0] == vid(default)
     assert db.rows()[0]["variant_id"] == vid(default)
-    assert load_study(db).trials[0].params == default.as_dict()
+    assert load_study(db).trials[0].params == {n: getattr(default, n) for n in space.DOMAINS["fwd"]}
     assert res.default_config == default and res.default_median_ms == timings[vid(default)]
     assert res.n_trials == 5
     ok = [r for r in db.rows() if r["status"] == "ok"]
@@ -131,7 +131,7 @@ def test_resume_continues_without_remeasuring(db, monkeypatch):
     assert bench.calls[:len(calls)] == calls
     assert len(bench.calls) == len(set(bench.calls))  # nothing measured twice
     trials = load_study(db).trials
-    assert trials[0].params == heuristics.default_config(SPEC, ARCH).as_dict()
+    assert trials[0].params == {n: getattr(heuristics.default_config(SPEC, ARCH), n) for n in space.DOMAINS[SPEC.kernel]}
     assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 40
     assert more.best_median_ms <= first.best_median_ms
 
