@@ -9,6 +9,7 @@ poisoned with NaN, to prove every element is written.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -28,14 +29,44 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def tma_ok(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor (TMA) can address ``t``: a 16-byte aligned base,
+    last stride 1, every other stride a positive multiple of 16 bytes (CUDA's
+    cuTensorMapEncodeTiled rules)."""
+    es = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(s > 0 and (s * es) % 16 == 0 for s in t.stride()[:-1]))
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+    """A 4-D descriptor of a (batch, heads, seqlen, head_dim) tensor whose box is one
+    (block_rows, block_cols) tile of one (batch, head): reads past seqlen or head_dim
+    return zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()),
+                            block_shape=[1, 1, block_rows, block_cols])
+
+
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         config: TileConfig, out=None, lse=None, module=None):
     """O (batch, heads, seqlen_q, head_dim_v) in q's dtype and LSE (batch, heads,
     seqlen_q) float32, natural log.  ``module``: the loaded module of this variant, when
-    the caller already holds it (skips building the Variant and the load lookup)."""
+    the caller already holds it (skips building the Variant and the load lookup).
+
+    A config with ``tma`` whose K or V a tensor descriptor cannot address (see
+    :func:`tma_ok`: an unaligned slice, expanded heads) runs the same tiles with
+    pointer loads instead."""
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if config.tma and not (tma_ok(k) and tma_ok(v)):
+        config, module = dataclasses.replace(config, tma=0), None
     mod = module or _compile.load(Variant(KernelSpec("fwd", dtype_name(q.dtype), d, dv, mask), config))
+    if mod.TMA:
+        k_arg = _descriptor(k, config.BLOCK_N, mod.D_PAD.value)
+        v_arg = _descriptor(v, config.BLOCK_N, mod.DV_PAD.value)
+    else:
+        k_arg, v_arg = k, v
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -43,7 +74,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
     grid = (num_m_blocks * b * h,)
     _record(mod, mod.attn_fwd[grid](
-        q, k, v, out, lse, softmax_scale * LOG2E,
+        q, k_arg, v_arg, out, lse, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -59,12 +90,19 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
+    if config.tma and not (tma_ok(k) and tma_ok(v)):
+        config, module = dataclasses.replace(config, tma=0), None
     mod = module or _compile.load(Variant(KernelSpec("bwd_dq", dtype_name(q.dtype), d, dvd, mask), config))
+    if mod.TMA:
+        k_arg = _descriptor(k, config.BLOCK_N, mod.D_PAD.value)
+        v_arg = _descriptor(v, config.BLOCK_N, mod.DV_PAD.value)
+    else:
+        k_arg, v_arg = k, v
     dq = torch.empty_like(q) if dq is None else dq
     delta = torch.empty_like(lse) if delta is None else delta
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
     _record(mod, mod.attn_bwd_dq[(num_m_blocks * b * h,)](
-        q, k, v, o, do, dq, lse, delta, softmax_scale * LOG2E, softmax_scale,
+        q, k_arg, v_arg, o, do, dq, lse, delta, softmax_scale * LOG2E, softmax_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -82,12 +120,19 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
+    if config.tma and not (tma_ok(q) and tma_ok(do)):
+        config, module = dataclasses.replace(config, tma=0), None
     mod = module or _compile.load(Variant(KernelSpec("bwd_dkdv", dtype_name(q.dtype), d, dvd, mask), config))
+    if mod.TMA:
+        q_arg = _descriptor(q, config.BLOCK_M, mod.D_PAD.value)
+        do_arg = _descriptor(do, config.BLOCK_M, mod.DV_PAD.value)
+    else:
+        q_arg, do_arg = q, do
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     num_n_blocks = _cdiv(sk, config.BLOCK_N)
     _record(mod, mod.attn_bwd_dkdv[(num_n_blocks * b * hk,)](
-        q, k, v, do, dk, dv, lse, delta, softmax_scale * LOG2E, softmax_scale,
+        q_arg, k, v, do_arg, dk, dv, lse, delta, softmax_scale * LOG2E, softmax_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

@@ -1,7 +1,7 @@
 """Variant -> Triton source text.  Pure: no torch, no triton, no side effects.
 
 Templates live in ``templates/`` (``attn_<kernel>.py.j2``), share macros in
-``templates/_common.j2`` (dense kernels) or ``templates/_varlen.j2`` (varlen kernels), and are rendered with ``StrictUndefined`` so a misspelt
+``templates/_common.j2``, and are rendered with ``StrictUndefined`` so a misspelt
 symbol is an error, not an empty string.  Each generated file starts with the template
 hash and the variant id.
 """
@@ -46,9 +46,8 @@ def template_name(kernel: str) -> str:
 
 
 def macros_name(kernel: str) -> str:
-    """The shared-macro file a kernel's template imports: ``_varlen.j2`` for the varlen
-    kernels, ``_common.j2`` for the dense ones."""
-    return "_varlen.j2" if kernel.endswith("_varlen") else "_common.j2"
+    """The shared-macro file every kernel's template imports."""
+    return "_common.j2"
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,4 +79,6 @@ def render(variant: Variant) -> str:
         BLOCK_N=c.BLOCK_N,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
+        tma=c.tma,
+        ws=c.ws,
     )

@@ -56,7 +56,7 @@ def _render_kwargs(kernel):
     return dict(variant_id=v.id, template_hash=render.template_hash(kernel), kernel=kernel, dtype=s.dtype,
                 head_dim=s.head_dim, head_dim_v=s.head_dim_v, head_dim_pad=s.head_dim_pad,
                 head_dim_v_pad=s.head_dim_v_pad, mask=s.mask, BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
-                num_warps=c.num_warps, num_stages=c.num_stages)
+                num_warps=c.num_warps, num_stages=c.num_stages, tma=c.tma, ws=c.ws)
 
 
 @pytest.mark.parametrize("missing", ["variant_id", "template_hash", "dtype", "head_dim", "head_dim_v",
@@ -94,8 +94,7 @@ def test_variant_id(spec, cfg, expected):
 def test_template_hash_covers_template_and_macros():
     for kernel in KERNELS:
         h = hashlib.sha256()
-        macros = "_varlen.j2" if kernel.endswith("_varlen") else "_common.j2"
-        for name in (render.template_name(kernel), macros):
+        for name in (render.template_name(kernel), "_common.j2"):
             h.update((render.templates_dir() / name).read_bytes())
         assert render.template_hash(kernel) == h.hexdigest()[:16]
     assert len({render.template_hash(k) for k in KERNELS}) == len(KERNELS)

@@ -1,0 +1,104 @@
+"""The ``tma`` knob: tensor-descriptor loads (interpreter), the pointer fallback for
+tensors a descriptor cannot address, and tuning DBs written before the knob existed."""
+
+import sqlite3
+
+import pytest
+import torch
+
+from flashgen import bench, compile as _compile, ops, resources
+from flashgen.arch import by_sm
+from flashgen.db import TuningDB
+from flashgen.env import Environment
+from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant
+
+SM90 = by_sm("sm_90")
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dq", "bwd_dkdv"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("dims", [(64, 64), (72, 40)])
+def test_tma_variants_are_exact(kernel, mask, dims, monkeypatch):
+    """check_variant: awkward seqlens (301/397), GQA group 2, memory past seqlen_k poisoned,
+    padded head dims; the TMA module itself runs (no silent fallback)."""
+    loaded = []
+    real = _compile.load
+    monkeypatch.setattr(_compile, "load", lambda v: loaded.append(v.id) or real(v))
+    v = Variant(KernelSpec(kernel, "float16", *dims, mask), TileConfig(64, 32, 4, 2, tma=1))
+    ok, ratio, msg = bench.check_variant(v, group=2, device="cpu")
+    assert ok, msg
+    assert v.id in loaded
+
+
+def _qkv(b=1, h=2, s=40, d=32, dtype=torch.float16):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(b, h, s, d, generator=g).to(dtype) for _ in range(3)]
+
+
+def test_tma_ok_rules():
+    q, k, v = _qkv()
+    assert ops.tma_ok(q)
+    assert not ops.tma_ok(q.expand(1, 2, 40, 32)[:, :1].expand(1, 4, 40, 32))  # stride-0 heads
+    big = torch.randn(1, 2, 40, 33).to(torch.float16)
+    assert not ops.tma_ok(big[..., 1:])  # base not 16-byte aligned, rows of 66 bytes
+    assert not ops.tma_ok(q.transpose(-1, -2))  # last stride != 1
+
+
+def test_unaddressable_inputs_fall_back_to_pointer_loads(monkeypatch):
+    q, k, v = _qkv(h=4)
+    k1, v1 = k[:, :1].expand(1, 4, 40, 32), v[:, :1].expand(1, 4, 40, 32)  # expanded kv heads
+    loaded = []
+    real = _compile.load
+    monkeypatch.setattr(_compile, "load", lambda var: loaded.append(var.config) or real(var))
+    kw = dict(softmax_scale=32 ** -0.5, mask="none", diag_lo=-40, diag_hi=40)
+    o_tma, lse_tma = ops.fwd(q, k1, v1, config=TileConfig(32, 16, 4, 1, tma=1), **kw)
+    assert loaded == [TileConfig(32, 16, 4, 1, tma=0)]
+    o, lse = ops.fwd(q, k1.contiguous(), v1.contiguous(), config=TileConfig(32, 16, 4, 1, tma=1), **kw)
+    assert loaded[-1].tma == 1
+    torch.testing.assert_close(o_tma, o, rtol=0, atol=2e-3)
+
+
+def test_tma_smem_model_adds_barriers():
+    spec = KernelSpec("fwd", "bfloat16", 128, 128, "none")
+    plain = resources.estimate(Variant(spec, TileConfig(128, 64, 8, 3)), SM90).total_bytes
+    tma = resources.estimate(Variant(spec, TileConfig(128, 64, 8, 3, tma=1)), SM90)
+    assert tma.total_bytes == plain + resources.TMA_BARRIER_BYTES
+    # compiled for sm_90 by Triton 3.6 (this config: 132096 bytes); never under
+    assert 0 <= tma.total_bytes - 132096 <= 1024
+
+
+def test_config_ids_and_db_rows_round_trip(tmp_path):
+    assert TileConfig(128, 64, 8, 3).id == "m128_n64_w8_s3"
+    assert TileConfig(128, 64, 8, 3, tma=1, ws=1).id == "m128_n64_w8_s3_tma_ws"
+    assert TileConfig(64, 64, 4, 2, num_splits=8).id == "m64_n64_w4_s2_sp8"
+    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    spec = KernelSpec("fwd", "bfloat16", 64, 64, "none")
+    shape = Shape(1, 2, 2, 128, 128)
+    key = shape.key(spec)
+    path = tmp_path / "t.sqlite"
+    with TuningDB(path) as db:
+        db.record(key, shape, Variant(spec, TileConfig(64, 64, 4, 2, tma=1)), Measurement("ok", 1.0), env, 1)
+        assert TileConfig.from_dict(db.best(key, env)) == TileConfig(64, 64, 4, 2, tma=1)
+
+
+def test_db_written_before_the_knobs_opens_and_upgrades(tmp_path):
+    """A file without the tma/ws/num_splits columns is still a tuning DB: read-only it
+    reads them as defaults; opened for writing it gains the columns, rows intact."""
+    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    spec = KernelSpec("fwd", "bfloat16", 64, 64, "none")
+    shape = Shape(1, 2, 2, 128, 128)
+    key = shape.key(spec)
+    path = tmp_path / "old.sqlite"
+    with TuningDB(path) as db:
+        db.record(key, shape, Variant(spec, TileConfig(64, 64, 4, 2)), Measurement("ok", 1.0), env, 1)
+    con = sqlite3.connect(path)
+    for col in ("tma", "ws", "num_splits"):
+        con.execute(f"ALTER TABLE measurements DROP COLUMN {col}")
+    con.commit()
+    con.close()
+    with TuningDB(path, readonly=True) as db:
+        assert TileConfig.from_dict(db.best(key, env)) == TileConfig(64, 64, 4, 2)
+    with TuningDB(path) as db:
+        db.record(key, shape, Variant(spec, TileConfig(64, 64, 4, 2, tma=1)), Measurement("ok", 0.5), env, 1)
+        assert TileConfig.from_dict(db.best(key, env)) == TileConfig(64, 64, 4, 2, tma=1)
+        assert len(db.rows()) == 2
