@@ -361,3 +361,27 @@ def test_decode_kernels_compile_for_sm90_and_fit_the_smem_model():
         assert vid == v.id
         model = resources.estimate(v, sm90).total_bytes
         assert 0 <= model - int(shared) <= 1024, (v.id, model, shared)
+
+
+def test_decode_bench_smoke(tmp_path, capsys):
+    """benchmarks/decode_bench.py --smoke runs in the interpreter, checks flashgen's
+    outputs against float64 and writes its JSON and table (the GPU run is the same code
+    with do_bench timing)."""
+    import importlib.util
+    import json
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "decode_bench.py")
+    spec = importlib.util.spec_from_file_location("decode_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "d.json"
+    rc = mod.main(["--smoke", "--out", str(out), "--backends", "flashgen,flashgen-paged,sdpa-cudnn,copy"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["interpreter"] and len(data["rows"]) == 2
+    paged = data["rows"][1]
+    assert set(paged["results"]) == {"flashgen", "flashgen-paged", "sdpa-cudnn", "copy"}
+    assert paged["results"]["flashgen-paged"]["ms"] > 0 and "key" in paged["results"]["flashgen-paged"]
+    assert all(c["ok"] for r in data["rows"] for c in r["checks"].values()) and paged["checks"]
+    assert "error" in paged["results"]["sdpa-cudnn"]  # no cuDNN on the CPU: reported, not raised
+    assert "median ms" in capsys.readouterr().out
