@@ -85,18 +85,15 @@ def _decode_buffers(variant: Variant) -> dict[str, int]:
     The packed query rows stay resident and K, V are streamed, as in ``fwd``, but its
     tiles are short (BLOCK_M < 64 runs on mma.sync, not wgmma), and Triton 3.6 for
     sm_90 then keeps num_stages - 1 buffers of the streamed tiles (num_stages with
-    BLOCK_M >= 64) plus a BLOCK_M x BLOCK_N staging buffer of P; the paged kernel's
-    gathered tiles (their addresses come from the block table) get one buffer (two with
-    BLOCK_M >= 64).  ``pipeline_scratch`` rounds up the compiler's small extra
-    allocations (<= 1 KiB) of a pipelined loop.  Fitted to ``metadata.shared`` of
-    compiled variants (tests/test_decode.py)."""
+    BLOCK_M >= 64) plus a BLOCK_M x BLOCK_N staging buffer of P.  The paged kernel's
+    gathered tiles are buffered the same way (it loads each tile's page ids one
+    iteration ahead; without that they got one buffer).  ``pipeline_scratch`` rounds up
+    the compiler's small extra allocations (<= 1 KiB) of a pipelined loop.  Fitted to
+    ``metadata.shared`` of compiled variants (tests/test_decode.py)."""
     s, c = variant.spec, variant.config
     b, stages = s.dtype_bytes, max(1, c.num_stages)
     wide = c.BLOCK_M >= 64
-    if s.kernel == "decode_paged":
-        bufs = min(stages, 2) if wide else 1
-    else:
-        bufs = stages if wide else max(1, stages - 1)
+    bufs = stages if wide else max(1, stages - 1)
     piped = stages >= 2
     return {
         "q_tile": c.BLOCK_M * s.head_dim_pad * b,

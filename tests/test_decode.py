@@ -333,6 +333,7 @@ COMPILE_CASES = [
     ("decode", "bfloat16", 128, "none", (16, 64, 4, 2, 8)),
     ("decode", "bfloat16", 128, "none", (16, 64, 4, 1, 1)),
     ("decode_paged", "bfloat16", 128, "causal", (16, 64, 4, 3, 16)),
+    ("decode_paged", "bfloat16", 128, "none", (16, 64, 4, 4, 1)),
     ("decode_paged", "float16", 72, "none", (64, 32, 4, 2, 1)),
     ("decode_paged", "bfloat16", 128, "none", (64, 64, 4, 3, 2)),
     ("decode", "float16", 64, "causal", (32, 128, 8, 4, 4)),
