@@ -16,12 +16,40 @@ import numbers
 
 import torch
 
-from . import dispatch, library, ops
+from . import compile as _compile
+from . import dispatch, library, ops, reference
 from .errors import InputError
 from .masks import mask_bounds
-from .spec import KernelSpec, ProblemKey
+from .spec import KernelSpec, ProblemKey, Variant
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_scale_causal(softmax_scale, causal):
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise InputError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        raise InputError(f"causal must be a bool, got {type(causal).__name__}")
+
+
+def _check_like_q(q, others):
+    """q's dtype is served; each (name, tensor) of ``others`` has q's dtype and device."""
+    if q.dtype not in _DTYPES:
+        raise InputError(f"q.dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in others:
+        if t.dtype != q.dtype:
+            raise InputError(f"{name}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
+        if t.device != q.device:
+            raise InputError(f"{name}.device ({t.device}) must equal q.device ({q.device})")
+
+
+def _check_head_dims(dims):
+    for name, dd in dims:
+        if not (8 <= dd <= 256 and dd % 8 == 0):
+            raise InputError(f"{name} must be a multiple of 8 in [8, 256], got {dd}")
 
 
 def _check(q, k, v, softmax_scale, causal=False):
@@ -30,13 +58,7 @@ def _check(q, k, v, softmax_scale, causal=False):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise InputError(f"{name} must have 4 dims (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
-    if q.dtype not in _DTYPES:
-        raise InputError(f"q.dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise InputError(f"{name}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
-        if t.device != q.device:
-            raise InputError(f"{name}.device ({t.device}) must equal q.device ({q.device})")
+    _check_like_q(q, (("k", k), ("v", v)))
     b, h, _, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise InputError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
@@ -49,16 +71,8 @@ def _check(q, k, v, softmax_scale, causal=False):
         raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k/v ({hk})")
     if k.shape[3] != d:
         raise InputError(f"k.shape[-1] (head_dim {k.shape[3]}) must equal q.shape[-1] ({d})")
-    for name, dd in (("q/k head_dim", d), ("v head_dim", v.shape[3])):
-        if not (8 <= dd <= 256 and dd % 8 == 0):
-            raise InputError(f"{name} must be a multiple of 8 in [8, 256], got {dd}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise InputError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale):
-            raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
-    if not isinstance(causal, bool):
-        raise InputError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_head_dims((("q/k head_dim", d), ("v head_dim", v.shape[3])))
+    _check_scale_causal(softmax_scale, causal)
 
 
 def _last_dim_contiguous(t):
@@ -230,13 +244,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if t.dim() != 3:
             raise InputError(f"{name} must have 3 dims (total_tokens, heads, head_dim) for attention_varlen, "
                              f"got shape {tuple(t.shape)}")
-    if q.dtype not in _DTYPES:
-        raise InputError(f"q.dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise InputError(f"{name}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
-        if t.device != q.device:
-            raise InputError(f"{name}.device ({t.device}) must equal q.device ({q.device})")
+    _check_like_q(q, (("k", k), ("v", v)))
     if k.shape[0] != v.shape[0]:
         raise InputError(f"k and v must have the same total_k (dim 0), got {k.shape[0]} and {v.shape[0]}")
     if k.shape[1] != v.shape[1]:
@@ -246,9 +254,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k/v ({hk})")
     if k.shape[2] != d:
         raise InputError(f"k.shape[-1] (head_dim {k.shape[2]}) must equal q.shape[-1] ({d})")
-    for name, dd in (("q/k head_dim", d), ("v head_dim", v.shape[2])):
-        if not (8 <= dd <= 256 and dd % 8 == 0):
-            raise InputError(f"{name} must be a multiple of 8 in [8, 256], got {dd}")
+    _check_head_dims((("q/k head_dim", d), ("v head_dim", v.shape[2])))
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         if not isinstance(cu, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -264,13 +270,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
             raise InputError(f"{name} must be an int >= 0, got {m!r}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise InputError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale):
-            raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
-    if not isinstance(causal, bool):
-        raise InputError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_scale_causal(softmax_scale, causal)
     if torch.compiler.is_compiling() or cu_seqlens_q.is_meta or dispatch.graph_capturing():
         # No values to read (traced or meta tensors), or reading them would synchronize
         # inside a CUDA graph capture: only the shapes are checked then.
@@ -361,6 +361,192 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     o, lse = library.FWD_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
                                 mask, left, right)
+    return (o, lse) if return_lse else o
+
+
+# -- decode with a KV cache (flash-decoding) ----------------------------------------------
+
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, return_lse):
+    """Checks of :func:`attention_with_kvcache`; returns the cache capacity (key slots per
+    batch entry: seqlen_cache, or max_pages * page_size)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "(batch, seqlen_q, num_heads, head_dim)" if name == "q" else (
+                "(batch, seqlen_cache, num_kv_heads, head_dim), or (num_pages, page_size, num_kv_heads, "
+                "head_dim) with block_table")
+            raise InputError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
+    _check_like_q(q, (("k_cache", k_cache), ("v_cache", v_cache)))
+    b, _, h, d = q.shape
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise InputError(f"k_cache and v_cache must agree in their first 3 dims, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    hk = k_cache.shape[2]
+    if hk == 0 or h % hk != 0:
+        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k_cache/v_cache ({hk})")
+    if k_cache.shape[3] != d:
+        raise InputError(f"k_cache.shape[-1] (head_dim {k_cache.shape[3]}) must equal q.shape[-1] ({d})")
+    _check_head_dims((("q/k_cache head_dim", d), ("v_cache head_dim", v_cache.shape[3])))
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise InputError(f"cache_seqlens must be a torch.Tensor (int32, shape (batch,)), got "
+                         f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32:
+        raise InputError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+    if cache_seqlens.device != q.device:
+        raise InputError(f"cache_seqlens must be on q's device ({q.device}), got {cache_seqlens.device}")
+    if tuple(cache_seqlens.shape) != (b,):
+        raise InputError(f"cache_seqlens must have shape (batch,) = ({b},), got {tuple(cache_seqlens.shape)}")
+    if block_table is None:
+        if k_cache.shape[0] != b:
+            raise InputError(f"k_cache.shape[0] ({k_cache.shape[0]}) must equal q's batch ({b}) for a contiguous "
+                             "cache (pass block_table for a paged one)")
+        capacity = k_cache.shape[1]
+    else:
+        if not isinstance(block_table, torch.Tensor):
+            raise InputError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            raise InputError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.device != q.device:
+            raise InputError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+        if block_table.dim() != 2 or block_table.shape[0] != b:
+            raise InputError(f"block_table must have shape (batch, max_pages) with batch = {b}, got "
+                             f"{tuple(block_table.shape)}")
+        page_size = k_cache.shape[1]
+        if page_size == 0 or page_size % 16 != 0:
+            raise InputError(f"page_size (k_cache.shape[1] of a paged cache) must be a positive multiple of 16, "
+                             f"got {page_size}")
+        if block_table.stride(1) != 1:
+            raise InputError("block_table must have a last-dim stride of 1 (e.g. block_table.contiguous())")
+        capacity = block_table.shape[1] * page_size
+    _check_scale_causal(softmax_scale, causal)
+    if not isinstance(return_lse, bool):
+        raise InputError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Values are read only where that is free (CPU); on CUDA it would synchronize
+        # every decode step, so there the kernel clamps the lengths instead.
+        lens = cache_seqlens
+        if b and (int(lens.min()) < 0 or int(lens.max()) > capacity):
+            raise InputError(f"cache_seqlens must be in [0, {capacity}] (the cache's capacity), got values in "
+                             f"[{int(lens.min())}, {int(lens.max())}]")
+        if block_table is not None and b:
+            used = (torch.arange(block_table.shape[1]) * k_cache.shape[1])[None, :] < lens[:, None].long()
+            pages = block_table[used]
+            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= k_cache.shape[0]):
+                raise InputError(f"block_table entries of the pages in use must be in [0, {k_cache.shape[0]}) "
+                                 f"(num_pages), got values in [{int(pages.min())}, {int(pages.max())}]")
+    return capacity
+
+
+def _decode_kernel(disp, kernel, q, k_cache, v_cache, mask, capacity):
+    """(TileConfig, module) for a decode call, memoized per exact sizes in the
+    dispatcher's fast table (a CUDA graph capture takes the capture-safe answer, not
+    memoized)."""
+    interp = not q.is_cuda
+    fk = ("decode", kernel, mask, q.dtype, q.shape, k_cache.shape[2], v_cache.shape[3], capacity, interp)
+    hit = disp.fast.get(fk)
+    if hit is not None:
+        return hit
+    capturing = dispatch.graph_capturing()
+    b, sq, h, d = q.shape
+    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), d, v_cache.shape[3], mask)
+    key = ProblemKey.from_sizes(spec, batch=b, num_heads=h, num_kv_heads=k_cache.shape[2], seqlen_q=sq,
+                                seqlen_k=capacity)
+    cfg = disp.choose(key, capturing=capturing).config
+    hit = (cfg, _compile.load(Variant(spec, cfg)))
+    if not capturing:
+        if len(disp.fast) >= library.FAST_TABLE_MAX:
+            disp.fast.clear()
+        disp.fast[fk] = hit
+    return hit
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
+                           causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+    """Decode attention over a KV cache (inference, forward only), split-KV.
+
+    FlashAttention's ``flash_attn_with_kvcache`` conventions (layouts (batch, seqlen,
+    heads, head_dim), bottom-right causal), computed with flash-decoding (Tri Dao, Daniel
+    Haziza, Francisco Massa, Grigory Sizov, "Flash-Decoding for long-context inference",
+    2023): the cache's keys are split across ``num_splits`` programs per (batch, kv
+    head), each writes a partial output and its log-sum-exp, and a second kernel merges
+    the splits by their LSEs.  The GQA group's query heads x seqlen_q rows share one
+    tile, so each K/V element is read once per kv head.  ``num_splits`` and the tiles are
+    tuned per problem key (``flashgen tune --preset decode``); untuned keys use a
+    heuristic (enough splits to fill the GPU).
+
+    Args:
+        q: (batch, seqlen_q, num_heads, head_dim), float16 / bfloat16 / float32.  Any
+            seqlen_q >= 0 is served; the kernels are tuned for 1..16 (decode steps,
+            speculative chunks).  Any strides (a last-dim stride other than 1 is copied).
+        k_cache, v_cache: the cache, same dtype and device as q, either
+            contiguous: (batch, seqlen_cache, num_kv_heads, head_dim[_v]), or
+            paged (with ``block_table``): (num_pages, page_size, num_kv_heads,
+            head_dim[_v]), page_size a positive multiple of 16.  Any strides whose last
+            is 1 (other tensors are copied).  num_heads must be a multiple of
+            num_kv_heads: query head h reads kv head h // (num_heads // num_kv_heads)
+            (GQA; MQA with one kv head).  Head dims are multiples of 8 in [8, 256].
+        cache_seqlens: int32 (batch,), on q's device: batch entry b sees its first
+            cache_seqlens[b] keys (in tokens), 0 <= cache_seqlens[b] <= capacity
+            (seqlen_cache, or max_pages * page_size).  What the cache holds past that
+            length is never read into the result (it may be garbage or NaN).
+        block_table: None (contiguous cache), or int32 (batch, max_pages) on q's device:
+            key j of batch b is row j % page_size of page block_table[b, j // page_size].
+            Entries past a batch entry's last used page are not read.
+        causal: bottom-right: query i of batch b sees key j iff
+            j <= i + cache_seqlens[b] - seqlen_q (the new tokens are the last
+            seqlen_q of the cache: query i is token cache_seqlens[b] - seqlen_q + i).
+            With seqlen_q = 1 causal changes nothing.
+        softmax_scale: multiplies q @ k^T; None means 1 / sqrt(head_dim).
+        return_lse: also return the log-sum-exp of each score row.
+
+    Returns:
+        O of shape (batch, seqlen_q, num_heads, head_dim_v), q's dtype; with
+        ``return_lse`` also LSE (batch, num_heads, seqlen_q), float32, natural log.
+        A row that sees no key (cache_seqlens[b] == 0, or causal rows before the first
+        key) gets O = 0 and LSE = -inf.  Not differentiable (inference only).
+
+    The ProblemKey buckets seqlen_q (1, 2, 4, 8, 16, ...), the cache's capacity (not
+    the per-batch lengths: reading them would synchronize) and batch * num_heads; the
+    paged and contiguous caches are different kernels (``decode_paged``, ``decode``).
+    CPU tensors run through flashgen's reference (float32 math), or the
+    Triton interpreter with ``TRITON_INTERPRET=1`` (float16/float32).
+
+    Raises:
+        InputError (a ValueError), naming the argument and the rule: wrong rank, dtype
+        or device; k_cache/v_cache shapes that disagree with each other or with q;
+        head counts that are not a multiple; head dims not a multiple of 8 in [8, 256];
+        cache_seqlens not int32 of shape (batch,); block_table not int32 of shape
+        (batch, max_pages) with a last-dim stride of 1; a page_size that is not a
+        multiple of 16; a bad causal, softmax_scale or return_lse.  For CPU tensors
+        also cache_seqlens values outside [0, capacity] and block_table entries of used
+        pages outside [0, num_pages).  On CUDA those values are not read on the host
+        (that would synchronize every decode step): lengths are clamped to
+        [0, capacity] in the kernel, and block_table entries must be valid page indices.
+    """
+    capacity = _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, return_lse)
+    b, sq, h, d = q.shape
+    dv = v_cache.shape[3]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    mask = "causal" if causal and sq > 1 else "none"
+    q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
+    cache_seqlens = cache_seqlens.contiguous()  # the kernel reads it with stride 1
+    if b == 0 or sq == 0:
+        o = q.new_zeros((b, sq, h, dv))
+        lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    elif not library.use_kernels(q):
+        o, lse = reference.decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal=causal,
+                                          softmax_scale=scale, dtype=torch.float32)
+        o = o.to(q.dtype)
+    else:
+        q, scale, _ = library._signed_q(q, scale)
+        kernel = "decode_paged" if block_table is not None else "decode"
+        disp = dispatch._default or dispatch.default_dispatcher()
+        with library._on_device(q):
+            cfg, mod = _decode_kernel(disp, kernel, q, k_cache, v_cache, mask, capacity)
+            o, lse = ops.decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=scale, mask=mask,
+                                config=cfg, module=mod)
     return (o, lse) if return_lse else o
 
 

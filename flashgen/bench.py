@@ -20,7 +20,7 @@ import torch
 
 from . import ops, reference
 from .masks import mask_bounds
-from .spec import Measurement, Shape, Variant, is_varlen
+from .spec import Measurement, Shape, Variant, is_decode, is_varlen
 from .heuristics import default_config
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -28,6 +28,18 @@ FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 
 
 _max_err = reference.max_error
+
+
+def _ratios(outs: dict, refs: dict, dt) -> dict[str, tuple[float, float, float]]:
+    """{name: (err, torch_err, ratio)}: ``refs[name]`` is (float64 reference, torch at
+    the input dtype ``dt``); ratio = err / (2 * torch_err + FLOOR), <= 1 passes."""
+    res = {}
+    for name, out in outs.items():
+        ref64, base = refs[name]
+        floor = FLOOR[torch.float32 if name == "LSE" else dt]
+        err, base_err = _max_err(out, ref64), _max_err(base, ref64)
+        res[name] = (err, base_err, err / (2 * base_err + floor))
+    return res
 
 
 def make_inputs(spec, shape: Shape, device="cuda", seed=0, requires_grad=False):
@@ -108,6 +120,8 @@ def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | No
     spec, cfg = variant.spec, variant.config
     if is_varlen(spec.kernel):
         return run_variant_varlen(variant, q, k, v, do, *seqs, arch=arch, mask=mask)
+    if is_decode(spec.kernel):  # (q, k_cache, v_cache, cache_seqlens, block_table)
+        return run_variant_decode(variant, q, k, v, do, *seqs)
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
     kw, _ = _mask_kw(spec, shape, mask)
     if spec.kernel == "fwd":
@@ -236,13 +250,7 @@ def compare_varlen(outs: dict, q, k, v, do, cu_q, cu_k, *, kw: dict) -> dict[str
         r = library.reference_backward_varlen(do, q, k, v, *args, torch.float64)
         b = library.reference_backward_varlen(do, q, k, v, *args, dt)
         refs.update(dQ=(r[0], b[0]), dK=(r[1], b[1]), dV=(r[2], b[2]))
-    res = {}
-    for name, out in outs.items():
-        ref64, base = refs[name]
-        floor = FLOOR[torch.float32 if name == "LSE" else dt]
-        err, base_err = _max_err(out, ref64), _max_err(base, ref64)
-        res[name] = (err, base_err, err / (2 * base_err + floor))
-    return res
+    return _ratios(outs, refs, dt)
 
 
 def _check_varlen_detail(variant: Variant, group: int, device: str) -> dict:
@@ -266,6 +274,116 @@ def _check_varlen_detail(variant: Variant, group: int, device: str) -> dict:
             msgs.append(f"{tag} {name} err {err:.3g} (torch {q.dtype} {base_err:.3g})")
         cases.append({"lens": [lens_q, lens_k], "mask": {**mask, "window": list(mask["window"])}, "outputs": res})
     return {"ok": worst <= 1.0, "ratio": worst, "ratios": ratios, "message": "; ".join(msgs), "cases": cases}
+
+
+# -- decode with a KV cache (decode kernels) -------------------------------------------
+
+#: The checks' decode problem: cache lengths with a 0 (O = 0, LSE = -inf), a 1, lengths
+#: that are not multiples of any tile or page, one shorter than seqlen_q (causal rows
+#: that see no key) and a full cache; seqlen_q 3; page size 16 (the smallest).
+CHECK_DECODE_LENS = (0, 1, 77, 2, 200, 208)
+CHECK_DECODE_SEQLEN_Q = 3
+CHECK_DECODE_PAGE_SIZE = 16
+
+
+def make_decode_inputs(spec, batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int, lens,
+                       capacity: int | None = None, page_size: int | None = None, device="cuda", seed=0):
+    """(q, k_cache, v_cache, cache_seqlens, block_table) for a decode kernel.
+
+    q (batch, seqlen_q, heads, d); the cache holds ``capacity`` (default max(lens)) key
+    slots per batch entry, filled with NaN past each entry's length (they must never be
+    read into the result).  ``spec.kernel`` decode: contiguous (batch, capacity, kv_heads,
+    d); decode_paged: pages of ``page_size`` (default presets.DECODE_PAGE_SIZE) in a
+    shuffled pool (with one spare page of NaN), block_table int32 (batch, max_pages)."""
+    from .presets import DECODE_PAGE_SIZE
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = _TORCH_DTYPES[spec.dtype]
+    lens = list(lens)
+    capacity = max(lens, default=0) if capacity is None else capacity
+    q = torch.randn(batch, seqlen_q, num_heads, spec.head_dim, device=device, dtype=dt, generator=g)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+
+    def cache(d):
+        c = torch.randn(batch, capacity, num_kv_heads, d, device=device, dtype=dt, generator=g)
+        for z, n in enumerate(lens):
+            c[z, n:] = float("nan")
+        return c
+
+    k, v = cache(spec.head_dim), cache(spec.head_dim_v)
+    if spec.kernel != "decode_paged":
+        return q, k, v, lens_t, None
+    ps = page_size or DECODE_PAGE_SIZE
+    max_pages = max(1, -(-capacity // ps))
+
+    def pages(c):
+        pad = max_pages * ps - capacity
+        c = torch.cat([c, c.new_full((batch, pad) + c.shape[2:], float("nan"))], 1) if pad else c
+        pool = c.reshape(batch * max_pages, ps, *c.shape[2:])
+        return torch.cat([pool, pool.new_full((1,) + pool.shape[1:], float("nan"))])  # a spare page
+
+    # Slot s of the pool holds page perm[s] of the contiguous order, so page p (batch
+    # p // max_pages) is found at slot inv[p].
+    perm = torch.randperm(batch * max_pages, generator=torch.Generator().manual_seed(seed)).to(device)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=device)
+    kp, vp = pages(k), pages(v)
+    kp = torch.cat([kp[:-1][perm], kp[-1:]])
+    vp = torch.cat([vp[:-1][perm], vp[-1:]])
+    bt = inv.reshape(batch, max_pages).to(torch.int32)
+    return q, kp, vp, lens_t, bt
+
+
+def run_variant_decode(variant: Variant, q, k_cache, v_cache, cache_seqlens, block_table=None):
+    """:func:`run_variant` for a decode kernel: a zero-argument callable (split kernel,
+    then the combine kernel when num_splits > 1) and its outputs {"O", "LSE"}."""
+    spec, cfg = variant.spec, variant.config
+    b, sq, h, _ = q.shape
+    dv = v_cache.shape[-1]
+    out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    parts = ops.decode_partials(b, h, sq, dv, cfg.num_splits, q.device)
+    kw = dict(softmax_scale=spec.head_dim ** -0.5, mask=spec.mask, config=cfg, out=out, lse=lse,
+              o_part=parts[0], lse_part=parts[1])
+
+    def fn():
+        ops.decode(q, k_cache, v_cache, cache_seqlens, block_table, **kw)
+    return fn, {"O": out, "LSE": lse}
+
+
+def decode_bytes(spec, num_kv_heads: int, lens) -> int:
+    """Bytes of K and V a decode call must read: each batch entry's cache_seqlens
+    tokens, every kv head (what the achieved-bandwidth figures divide by)."""
+    return int(sum(int(n) for n in lens)) * num_kv_heads * (spec.head_dim + spec.head_dim_v) * spec.dtype_bytes
+
+
+def compare_decode(outs: dict, q, k_cache, v_cache, cache_seqlens, block_table, *, causal: bool,
+                   softmax_scale: float) -> dict[str, tuple[float, float, float]]:
+    """:func:`compare` for decode outputs (O, LSE) against the float64 decode reference."""
+    dt = q.dtype
+    kw = dict(causal=causal, softmax_scale=softmax_scale)
+    r = reference.decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, **kw)
+    b = reference.decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, dtype=dt, **kw)
+    refs = {"O": (r[0], b[0]), "LSE": (r[1], b[1].float())}
+    return _ratios(outs, refs, dt)
+
+
+def _check_decode_detail(variant: Variant, group: int, device: str) -> dict:
+    spec = variant.spec
+    lens = CHECK_DECODE_LENS
+    inputs = make_decode_inputs(spec, len(lens), 2 * group, 2, CHECK_DECODE_SEQLEN_Q, lens,
+                                page_size=CHECK_DECODE_PAGE_SIZE, device=device, seed=1234)
+    fn, outs = run_variant_decode(variant, *inputs)
+    for t in outs.values():
+        t.fill_(float("nan"))
+    fn()
+    if inputs[0].is_cuda:
+        torch.cuda.synchronize()
+    res = compare_decode(outs, *inputs, causal=spec.mask == "causal", softmax_scale=spec.head_dim ** -0.5)
+    worst = max(r[2] for r in res.values())
+    msgs = [f"decode lens {list(lens)} {name} err {e:.3g} (torch {spec.dtype} {b:.3g})" for name, (e, b, _) in res.items()]
+    return {"ok": worst <= 1.0, "ratio": worst, "ratios": {n: r[2] for n, r in res.items()},
+            "message": "; ".join(msgs), "cases": [{"lens": list(lens), "outputs": res}]}
 
 
 def _arch():
@@ -301,13 +419,7 @@ def compare(outs: dict, q, k, v, do, *, mask: dict, softmax_scale: float) -> dic
     if {"dQ", "dK", "dV"} & set(outs):
         r, b = reference.backward(do, q, k, v, **rkw), reference.backward(do, q, k, v, dtype=dt, **rkw)
         refs.update(dQ=(r[0], b[0]), dK=(r[1], b[1]), dV=(r[2], b[2]))
-    res = {}
-    for name, out in outs.items():
-        ref64, base = refs[name]
-        floor = FLOOR[torch.float32 if name == "LSE" else dt]
-        err, base_err = _max_err(out, ref64), _max_err(base, ref64)
-        res[name] = (err, base_err, err / (2 * base_err + floor))
-    return res
+    return _ratios(outs, refs, dt)
 
 
 def check_variant_detail(variant: Variant, group: int = 1, device: str | None = None) -> dict:
@@ -320,6 +432,8 @@ def check_variant_detail(variant: Variant, group: int = 1, device: str | None = 
     device = device or _default_device()
     if is_varlen(spec.kernel):
         return _check_varlen_detail(variant, group, device)
+    if is_decode(spec.kernel):
+        return _check_decode_detail(variant, group, device)
     worst, ratios, msgs, cases = 0.0, {}, [], []
     for i, (shape, mask) in enumerate(mask_cases(spec, group)):
         q, k, v, do = make_inputs(spec, shape, device=device, seed=1234 + i)
@@ -455,6 +569,10 @@ class KernelBenchmarker:
                 lens_k = lens_q if shape.seqlen_k == shape.seqlen_q else varlen_lengths(shape.batch, shape.seqlen_k)
                 self._inputs[key] = make_varlen_inputs(variant.spec, lens_q, lens_k, shape.num_heads,
                                                        shape.num_kv_heads, device=_default_device())
+            elif is_decode(variant.spec.kernel):  # full caches of seqlen_k tokens
+                self._inputs[key] = make_decode_inputs(variant.spec, shape.batch, shape.num_heads,
+                                                       shape.num_kv_heads, shape.seqlen_q,
+                                                       [shape.seqlen_k] * shape.batch, device=_default_device())
             else:
                 self._inputs[key] = make_inputs(variant.spec, shape)
         try:

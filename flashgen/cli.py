@@ -121,7 +121,7 @@ def tune(
         from .spec import Variant
 
         for key, _ in items:
-            default = Variant(key.spec, heuristics.default_config(key.spec, arch))
+            default = Variant(key.spec, heuristics.default_config(key.spec, arch, key))
             if not any(vid.startswith(key.spec.id + "_") for vid in timings):
                 raise typer.BadParameter(
                     f"{fake} has no timing for any variant of {key.spec.id} (e.g. {default.id})",

@@ -25,10 +25,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import heuristics, resources
+from . import heuristics, resources, space
 from .arch import INTERPRETER
 from .errors import InputError, UnsupportedError
-from .spec import ProblemKey, TileConfig, Variant
+from .spec import ProblemKey, TileConfig, Variant, is_decode
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,10 @@ class Dispatcher:
                      + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)))
                 if d < near_d:
                     near, near_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
+        if near is not None and is_decode(key.spec.kernel):
+            # A decode tile's BLOCK_M holds this key's packed rows, not the other bucket's.
+            near = dataclasses.replace(near, config=dataclasses.replace(
+                near.config, BLOCK_M=space.decode_block_m(key.group, key.seqlen_q)))
         return near
 
     # -- the hot path ------------------------------------------------------------
@@ -208,12 +212,12 @@ class Dispatcher:
             if capturing:
                 choice = self._capture_defaults.get(key)
                 if choice is None:
-                    choice = self._with_smem(Choice(key, heuristics.default_config(key.spec, self.arch), "default"))
+                    choice = self._with_smem(Choice(key, heuristics.default_config(key.spec, self.arch, key), "default"))
                     self._capture_defaults[key] = choice
                 return choice
             choice = self._lookup(key)
             if choice is None:
-                choice = Choice(key, heuristics.default_config(key.spec, self.arch), "default")
+                choice = Choice(key, heuristics.default_config(key.spec, self.arch, key), "default")
             choice = self._with_smem(choice)
             self._cache[key] = choice
         return choice

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from . import resources, space
 from .arch import Arch
-from .spec import KernelSpec, TileConfig, Variant
+from .spec import KernelSpec, ProblemKey, TileConfig, Variant, is_decode
 
 _PREFERENCES: dict[str, list[tuple[int, int, int, int]]] = {
     # (BLOCK_M, BLOCK_N, num_warps, num_stages), best first
@@ -30,8 +30,51 @@ for _k in ("fwd", "bwd_dkdv", "bwd_dq"):
     FALLBACK[f"{_k}_varlen"] = FALLBACK[_k]
 
 
-def default_config(spec: KernelSpec, arch: Arch) -> TileConfig:
-    """The heuristic TileConfig for ``spec`` on ``arch``."""
+# Decode: (BLOCK_N, num_warps, num_stages) best first; BLOCK_M and num_splits follow
+# from the problem key (decode_default).
+_DECODE_PREFERENCES = [(64, 4, 2), (64, 4, 1), (32, 4, 2), (32, 4, 1)]
+#: Programs per SM the decode default aims at (its small tiles let several share an SM).
+DECODE_PROGRAMS_PER_SM = 2
+#: The fewest key tiles a decode split is given (fewer makes the merge cost more than
+#: the parallelism gains).
+DECODE_MIN_TILES_PER_SPLIT = 4
+
+
+def decode_splits(key: ProblemKey, arch: Arch, block_m: int, block_n: int) -> int:
+    """Flash-decoding's split count: the smallest power of two that gives the GPU about
+    DECODE_PROGRAMS_PER_SM programs per SM over (batch * kv_heads * row blocks), while
+    each split keeps at least DECODE_MIN_TILES_PER_SPLIT key tiles of the cache's
+    capacity bucket; at most the domain's largest."""
+    batch_kv = max(1, key.batch_heads // max(1, key.group))
+    row_blocks = -(-key.group * key.seqlen_q // block_m)
+    programs = batch_kv * row_blocks
+    tiles = max(1, key.seqlen_k // block_n)
+    cap = space.DOMAINS["decode"]["num_splits"][-1]
+    splits = 1
+    while (programs * splits < DECODE_PROGRAMS_PER_SM * arch.sm_count and splits * 2 <= cap
+           and tiles // (splits * 2) >= DECODE_MIN_TILES_PER_SPLIT):
+        splits *= 2
+    return splits
+
+
+def _decode_default(spec: KernelSpec, arch: Arch, key: ProblemKey | None) -> TileConfig:
+    m = space.decode_block_m(key.group, key.seqlen_q) if key is not None else 16
+    for n, w, st in _DECODE_PREFERENCES:
+        splits = decode_splits(key, arch, m, n) if key is not None else 1
+        cfg = TileConfig(m, n, w, st, num_splits=splits)
+        v = Variant(spec, cfg)
+        if not space.violated_rules(v) and resources.estimate(v, arch).feasible:
+            return cfg
+    return TileConfig(16, 32, 4, 1, num_splits=1)
+
+
+def default_config(spec: KernelSpec, arch: Arch, key: ProblemKey | None = None) -> TileConfig:
+    """The heuristic TileConfig for ``spec`` on ``arch``.  ``key`` (the decode kernels
+    use it: BLOCK_M from the packed rows, num_splits from the batch and the cache
+    length) is the problem being served; without it a decode default has BLOCK_M 16 and
+    one split."""
+    if is_decode(spec.kernel):
+        return _decode_default(spec, arch, key)
     for m, n, w, st in _PREFERENCES[spec.kernel]:
         cfg = TileConfig(m, n, w, st)
         v = Variant(spec, cfg)

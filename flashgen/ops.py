@@ -268,3 +268,75 @@ def _record(mod, kernel) -> None:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# -- decode with a KV cache (flash-decoding) ---------------------------------------------
+#
+# q (batch, seqlen_q, heads, d); a contiguous cache k (batch, seqlen_cache, kv_heads, d),
+# v (batch, seqlen_cache, kv_heads, dv), or a paged one k (num_pages, page_size,
+# kv_heads, d), v (num_pages, page_size, kv_heads, dv) with block_table int32 (batch,
+# max_pages); cache_seqlens int32 (batch,).  Any strides whose last is 1.  O is (batch,
+# seqlen_q, heads, dv) in q's dtype, LSE (batch, heads, seqlen_q) float32.
+
+def decode_partials(batch: int, num_heads: int, seqlen_q: int, head_dim_v: int, num_splits: int, device):
+    """Float32 buffers for the splits' partial O (num_splits, rows, dv) and LSE
+    (num_splits, rows), rows = batch * heads * seqlen_q (None, None for one split)."""
+    if num_splits <= 1:
+        return None, None
+    rows = batch * num_heads * seqlen_q
+    return (torch.empty((num_splits, rows, head_dim_v), dtype=torch.float32, device=device),
+            torch.empty((num_splits, rows), dtype=torch.float32, device=device))
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scale: float, mask: str,
+           config: TileConfig, out=None, lse=None, o_part=None, lse_part=None, module=None):
+    """O and LSE of decode attention over the cache (see the section comment).  The split
+    kernel runs on (batch * kv_heads * row blocks * num_splits) programs; with more than
+    one split the partials (``o_part``/``lse_part``, allocated when None) are merged by
+    the combine kernel.  Needs softmax_scale > 0."""
+    b, sq, h, d = q.shape
+    paged = block_table is not None
+    hk, dv = k_cache.shape[2], v_cache.shape[3]
+    kernel = "decode_paged" if paged else "decode"
+    mod = module or _compile.load(Variant(KernelSpec(kernel, dtype_name(q.dtype), d, dv, mask), config))
+    if out is None:
+        out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    splits = mod.NUM_SPLITS
+    if splits > 1 and (o_part is None or lse_part is None):
+        o_part, lse_part = decode_partials(b, h, sq, dv, splits, q.device)
+    if b == 0 or sq == 0 or h == 0:
+        return out, lse
+    group = h // hk
+    num_m_blocks = _cdiv(group * sq, config.BLOCK_M)
+    if paged:
+        page_size = k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+        kb = vb = 0
+        kp, kn, kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+        vp, vn, vh = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+        bt, stride_bt = block_table, block_table.stride(0)
+    else:
+        page_size, capacity = 1, k_cache.shape[1]
+        kb, kn, kh, kp = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0
+        vb, vn, vh, vp = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0
+        bt, stride_bt = cache_seqlens, 0  # not read
+    rows = b * h * sq
+    op = out if o_part is None else o_part
+    lp = lse if lse_part is None else lse_part
+    grid = (b * hk * num_m_blocks * splits,)
+    _record(mod, mod.attn_decode[grid](
+        q, k_cache, v_cache, cache_seqlens, bt, out, lse, op, lp, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kb, kp, kn, kh, vb, vp, vn, vh, stride_bt,
+        out.stride(0), out.stride(1), out.stride(2),
+        h, hk, group, sq, capacity, num_m_blocks, page_size, rows,
+        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
+    ))
+    if splits > 1:
+        mod.attn_decode_combine[(_cdiv(rows, mod.COMBINE_ROWS),)](
+            o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), h, sq, rows,
+            num_warps=mod.COMBINE_WARPS, num_stages=1,
+        )
+    return out, lse

@@ -1,6 +1,7 @@
 """Named sets of problem sizes to tune.
 
-A preset entry is (head_dim, mask, Shape); :func:`expand` turns entries into
+A preset entry is (head_dim, mask, Shape), plus the kernel in decode presets (where
+Shape.seqlen_k is the cache length); :func:`expand` turns entries into
 (ProblemKey, Shape) pairs for each requested kernel and dtype, keeping the first shape
 of each bucket (:class:`flashgen.spec.ProblemKey`).
 """
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .spec import DENSE_KERNELS, KernelSpec, ProblemKey, Shape, base_kernel
+from .spec import DENSE_KERNELS, KernelSpec, ProblemKey, Shape, base_kernel, is_decode
 
-Entry = tuple[int, str, Shape]  # (head_dim (= head_dim_v), mask, shape)
+Entry = tuple  # (head_dim (= head_dim_v), mask, Shape[, kernel in decode presets])
 
 
 def _fa_grid() -> list[Entry]:
@@ -46,11 +47,41 @@ def _varlen_small() -> list[Entry]:
     return [(64, "causal", Shape(3, 2, 1, 97, 97))]
 
 
+#: The page size of the paged-cache decode entries (the kernel serves any multiple of
+#: 16; the page size is a runtime value, not part of the problem key).
+DECODE_PAGE_SIZE = 64
+
+
+def _decode() -> list[Entry]:
+    """Decode with a KV cache (``attention_with_kvcache``): Llama-3-8B heads (32 query,
+    8 KV), head_dim 128; batch 1, 8, 32; caches of 4k, 32k and 128k tokens (Shape.seqlen_k,
+    every entry full); seqlen_q 1 (a decode step) and 4 (a short speculative chunk,
+    causal); contiguous caches, and paged ones (page size DECODE_PAGE_SIZE) for 32k and
+    128k."""
+    out = []
+    for b in (1, 8, 32):
+        for n in (4096, 32768, 131072):
+            for sq, mask in ((1, "none"), (4, "causal")):
+                out.append((128, mask, Shape(b, 32, 8, sq, n), "decode"))
+                if n >= 32768:
+                    out.append((128, mask, Shape(b, 32, 8, sq, n), "decode_paged"))
+    return out
+
+
+def _decode_small() -> list[Entry]:
+    """Tiny decode problems for CPU smoke tests."""
+    return [(64, "none", Shape(2, 4, 1, 1, 100), "decode"), (64, "causal", Shape(2, 4, 2, 3, 96), "decode_paged")]
+
+
 PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
-           "varlen-docs": _varlen_docs, "varlen-small": _varlen_small}
+           "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
+           "decode": _decode, "decode-small": _decode_small}
 #: Presets of ragged batches: their entries are tuned with the varlen kernels
 #: (``fwd`` given to ``--kernels`` means ``fwd_varlen`` there, and the reverse).
 VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
+#: Presets of decode problems: each entry names its kernel (decode or decode_paged);
+#: ``--kernels`` selects among them when it names a decode kernel, else all run.
+DECODE_PRESETS = {"decode", "decode-small"}
 
 
 def expand(names: Iterable[str], dtype: str = "bfloat16",
@@ -58,15 +89,23 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
     """(ProblemKey, Shape) for every entry of the named presets and every kernel, in
     preset order; a key already produced keeps its first shape.  Dense presets tune
     the dense kernels and varlen presets the varlen ones, whichever of the two names
-    of a kernel ``kernels`` gives.  Raises KeyError naming
+    of a kernel ``kernels`` gives; decode presets tune each entry's own kernel (only
+    those ``kernels`` names when it names a decode kernel).  Raises KeyError naming
     the known presets for an unknown name."""
     kernels = tuple(kernels)
     out: dict[ProblemKey, Shape] = {}
+    training = tuple(k for k in kernels if not is_decode(k))
+    decode = tuple(k for k in kernels if is_decode(k))
     for name in names:
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        if name in DECODE_PRESETS:
+            for d, mask, shape, k in PRESETS[name]():
+                if not decode or k in decode:
+                    out.setdefault(shape.key(KernelSpec(k, dtype, d, d, mask)), shape)
+            continue
         varlen = name in VARLEN_PRESETS
-        kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in kernels))
+        kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in training))
         for d, mask, shape in PRESETS[name]():
             for k in kinds:
                 key = shape.key(KernelSpec(k, dtype, d, d, mask))

@@ -90,3 +90,37 @@ def max_error(got, ref) -> float:
     if not torch.equal(torch.isfinite(got), fin) or not torch.equal(got[~fin], ref[~fin]):
         return float("inf")
     return (got[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
+
+
+def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table=None, *, causal=False, softmax_scale=None,
+                   dtype=torch.float64):
+    """(O, LSE) of decode attention over a KV cache with
+    :func:`flashgen.attention_with_kvcache`'s conventions, in ``dtype``.
+
+    q (batch, seqlen_q, heads, d); the cache (batch, seqlen_cache, kv_heads, d|dv), or
+    paged (num_pages, page_size, kv_heads, d|dv) with ``block_table`` (batch, max_pages):
+    key j of batch b is row j % page_size of page block_table[b, j // page_size].  Batch
+    b sees keys j < cache_seqlens[b]; causal is bottom-right (j <= i + L - seqlen_q).
+    O is (batch, seqlen_q, heads, dv), LSE (batch, heads, seqlen_q), -inf (O = 0) for a
+    row that sees no key."""
+    b, sq, h, _ = q.shape
+    dv = v_cache.shape[-1]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    o = torch.zeros((b, sq, h, dv), dtype=dtype, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=dtype, device=q.device)
+    lens = cache_seqlens.tolist()
+    for z in range(b):
+        n = int(lens[z])
+        if block_table is None:
+            k, v = k_cache[z, :n], v_cache[z, :n]
+        else:
+            ps = k_cache.shape[1]
+            pages = block_table[z, :-(-n // ps)].long()
+            k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]
+            v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
+        _, lo, hi = mask_bounds(sq, n, causal=causal, window=(-1, -1))
+        oz, lz, _ = forward_bounds(q[z:z + 1].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+                                   scale, lo, hi, dtype)
+        o[z] = oz[0].transpose(0, 1)
+        lse[z] = lz[0]
+    return o, lse

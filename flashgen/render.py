@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jinja2
 
-from .spec import Variant
+from .spec import Variant, is_decode
 
 
 def templates_dir() -> Path:
@@ -50,13 +50,24 @@ def macros_name(kernel: str) -> str:
     return "_common.j2"
 
 
+#: Templates that include another: ``attn_decode_paged.py.j2`` is the paged mode of
+#: ``attn_decode.py.j2``.
+_INCLUDES = {"decode_paged": ("attn_decode.py.j2",)}
+
+
+def template_files(kernel: str) -> tuple[str, ...]:
+    """Every template file a kernel's source depends on: its template, the templates it
+    includes and the shared macros."""
+    return (template_name(kernel), *_INCLUDES.get(kernel, ()), macros_name(kernel))
+
+
 @functools.lru_cache(maxsize=None)
 def template_hash(kernel: str) -> str:
-    """sha256 (16 hex digits) of the kernel's template and the shared macros it imports
-    (:func:`macros_name`): a change to either invalidates tuning rows and compiled
-    modules of that kernel."""
+    """sha256 (16 hex digits) of the kernel's template files (:func:`template_files`:
+    its template, what it includes, the shared macros): a change to any invalidates
+    tuning rows and compiled modules of that kernel."""
     h = hashlib.sha256()
-    for name in (template_name(kernel), macros_name(kernel)):
+    for name in template_files(kernel):
         h.update((templates_dir() / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -64,6 +75,8 @@ def template_hash(kernel: str) -> str:
 def render(variant: Variant) -> str:
     """Triton source for ``variant``."""
     s, c = variant.spec, variant.config
+    if is_decode(s.kernel) and c.num_splits < 1:
+        raise ValueError(f"{variant.id}: the decode kernels need num_splits >= 1, got {c.num_splits}")
     tmpl = _env().get_template(template_name(s.kernel))
     return tmpl.render(
         variant_id=variant.id,
@@ -81,4 +94,5 @@ def render(variant: Variant) -> str:
         num_stages=c.num_stages,
         tma=c.tma,
         ws=c.ws,
+        num_splits=c.num_splits,
     )

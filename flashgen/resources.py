@@ -62,6 +62,8 @@ def _tile_buffers(variant: Variant) -> dict[str, int]:
     # A varlen kernel holds the same tiles as its dense counterpart (its per-sequence
     # offsets and lengths are scalars in registers).
     kernel = base_kernel(s.kernel)
+    if kernel == "decode":
+        return _decode_buffers(variant)
     if kernel == "fwd":
         # Q resident (A operand of Q·K^T); K and V streamed; P·V takes P from registers.
         return {
@@ -87,6 +89,31 @@ def _tile_buffers(variant: Variant) -> dict[str, int]:
         "do_tile": c.BLOCK_M * dv * b,
         "k_tiles": c.BLOCK_N * d * b * stages,
         "v_tiles": c.BLOCK_N * dv * b * stages,
+    }
+
+
+def _decode_buffers(variant: Variant) -> dict[str, int]:
+    """The decode split kernel (its combine kernel, launched separately, takes ~2 KiB).
+
+    The packed query rows stay resident and K, V are streamed, as in ``fwd``, but its
+    tiles are short (BLOCK_M < 64 runs on mma.sync, not wgmma), and Triton 3.6 for
+    sm_90 then keeps num_stages - 1 buffers of the streamed tiles (num_stages with
+    BLOCK_M >= 64) plus a BLOCK_M x BLOCK_N staging buffer of P.  The paged kernel's
+    gathered tiles are buffered the same way (it loads each tile's page ids one
+    iteration ahead; without that they got one buffer).  ``pipeline_scratch`` rounds up
+    the compiler's small extra allocations (<= 1 KiB) of a pipelined loop.  Fitted to
+    ``metadata.shared`` of compiled variants (tests/test_decode.py)."""
+    s, c = variant.spec, variant.config
+    b, stages = s.dtype_bytes, max(1, c.num_stages)
+    wide = c.BLOCK_M >= 64
+    bufs = stages if wide else max(1, stages - 1)
+    piped = stages >= 2
+    return {
+        "q_tile": c.BLOCK_M * s.head_dim_pad * b,
+        "k_tiles": c.BLOCK_N * s.head_dim_pad * b * bufs,
+        "v_tiles": c.BLOCK_N * s.head_dim_v_pad * b * bufs,
+        "p_stage": c.BLOCK_M * c.BLOCK_N * b if piped and not wide else 0,
+        "pipeline_scratch": 1024 if piped else 0,
     }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
-from .spec import KernelSpec, TileConfig, Variant, base_kernel
+from .spec import KernelSpec, ProblemKey, TileConfig, Variant, base_kernel, is_decode, next_pow2
 
 DOMAINS: dict[str, dict[str, tuple[int, ...]]] = {
     "fwd": {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128),
@@ -29,6 +29,28 @@ DOMAINS: dict[str, dict[str, tuple[int, ...]]] = {
 # docs/notes.md.  The templates keep the switch for the GPUs where it works.
 for _k in ("fwd", "bwd_dkdv", "bwd_dq"):
     DOMAINS[f"{_k}_varlen"] = {n: vals for n, vals in DOMAINS[_k].items() if n != "tma"}
+# Decode (flash-decoding): BLOCK_M holds group x seqlen_q packed rows, so a key fixes it
+# (see domain()); num_splits is how many programs share one (batch, kv head)'s keys.
+DOMAINS["decode"] = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128),
+                     "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
+                     "num_splits": (1, 2, 4, 8, 16, 32, 64)}
+DOMAINS["decode_paged"] = DOMAINS["decode"]
+
+
+def decode_block_m(group: int, seqlen_q: int) -> int:
+    """The BLOCK_M of a decode problem: its group x seqlen_q packed rows, padded to a
+    power of two in [16, 128] (16: tl.dot's smallest M; more rows take several row
+    blocks)."""
+    return min(128, max(16, next_pow2(group * seqlen_q)))
+
+
+def domain(key: ProblemKey) -> dict[str, tuple[int, ...]]:
+    """The knob domains the tuner searches for ``key``: DOMAINS[kernel], except that a
+    decode key's BLOCK_M is the one its packed rows need (:func:`decode_block_m`)."""
+    dom = DOMAINS[key.spec.kernel]
+    if is_decode(key.spec.kernel):
+        dom = {**dom, "BLOCK_M": (decode_block_m(key.group, key.seqlen_q),)}
+    return dom
 
 
 def _acc_regs_per_thread(v: Variant) -> float:
@@ -36,7 +58,7 @@ def _acc_regs_per_thread(v: Variant) -> float:
     s, c = v.spec, v.config
     threads = 32 * c.num_warps
     kernel = base_kernel(s.kernel)
-    if kernel == "fwd":
+    if kernel in ("fwd", "decode"):
         return c.BLOCK_M * s.head_dim_v_pad / threads
     if kernel == "bwd_dkdv":
         return c.BLOCK_N * (s.head_dim_pad + s.head_dim_v_pad) / threads
@@ -48,8 +70,12 @@ RULES: list[tuple[str, Callable[[Variant], bool], str]] = [
     ("acc_regs", lambda v: _acc_regs_per_thread(v) <= 128,
      "the float32 accumulators alone would take more than 128 of a thread's 255 "
      "registers, so the kernel spills"),
-    ("tile_per_warp", lambda v: v.config.BLOCK_M * v.config.BLOCK_N >= 32 * 16 * v.config.num_warps,
+    ("tile_per_warp", lambda v: is_decode(v.spec.kernel)
+     or v.config.BLOCK_M * v.config.BLOCK_N >= 32 * 16 * v.config.num_warps,
      "each warp needs at least a 16x32 slab of the score tile"),
+    ("decode_cols_per_warp", lambda v: not is_decode(v.spec.kernel) or v.config.BLOCK_N >= 8 * v.config.num_warps,
+     "decode: the warps split the score tile's BLOCK_N columns (its rows are few); each "
+     "needs at least 8"),
 ]
 
 

@@ -25,19 +25,39 @@ from dataclasses import dataclass
 #: The ragged-batch (varlen) kernels are the same three on packed sequences
 #: (``attention_varlen``): one program per (block, sequence, head), offsets from
 #: cu_seqlens; their ProblemKey buckets max_seqlen_q/k and batch * heads.
+#: The decode kernels (``attention_with_kvcache``, flash-decoding): ``decode`` reads a
+#: contiguous cache (batch, seqlen_cache, kv_heads, d), ``decode_paged`` a paged one
+#: through a block table; one program per (batch, kv head, row block, split), the GQA
+#: group's query heads x seqlen_q packed into the rows of one tile, the splits merged by
+#: their LSEs.  Masks ``none`` and ``causal`` only; TileConfig.num_splits >= 1.
 DENSE_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 VARLEN_KERNELS = ("fwd_varlen", "bwd_dkdv_varlen", "bwd_dq_varlen")
-KERNELS = DENSE_KERNELS + VARLEN_KERNELS
+DECODE_KERNELS = ("decode", "decode_paged")
+KERNELS = DENSE_KERNELS + VARLEN_KERNELS + DECODE_KERNELS
+#: The mask modes the decode kernels compile (a sliding window is not served).
+DECODE_MASKS = ("none", "causal")
 
 
 def base_kernel(kernel: str) -> str:
-    """The dense kernel whose tiling a kernel shares (``fwd_varlen`` -> ``fwd``): same
-    knob domains, shared-memory model and heuristic preferences."""
+    """The kernel whose tiling a kernel shares (``fwd_varlen`` -> ``fwd``,
+    ``decode_paged`` -> ``decode``): same knob domains, shared-memory model and
+    heuristic preferences."""
+    if kernel == "decode_paged":
+        return "decode"
     return kernel[:-len("_varlen")] if kernel.endswith("_varlen") else kernel
 
 
 def is_varlen(kernel: str) -> bool:
     return kernel in VARLEN_KERNELS
+
+
+def is_decode(kernel: str) -> bool:
+    return kernel in DECODE_KERNELS
+
+
+def supports(kernel: str, mask: str) -> bool:
+    """Whether ``kernel`` is compiled for mask mode ``mask``."""
+    return mask in (DECODE_MASKS if is_decode(kernel) else MASKS)
 
 #: Mask modes compiled into a kernel.  ``none``: every query sees every key.
 #: ``causal``: query i sees key j iff j - i <= diag, where diag is a runtime value
@@ -77,6 +97,8 @@ class KernelSpec:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if not supports(self.kernel, self.mask):
+            raise ValueError(f"kernel {self.kernel!r} serves masks {DECODE_MASKS}, got {self.mask!r}")
         for name in ("head_dim", "head_dim_v"):
             d = getattr(self, name)
             if not (isinstance(d, int) and 8 <= d <= 256 and d % 8 == 0):
@@ -173,6 +195,11 @@ def seqlen_bucket(n: int) -> int:
     return max(16, next_pow2(n))
 
 
+def decode_seqlen_q_bucket(n: int) -> int:
+    """Bucket a decode call's seqlen_q: the next power of two, at least 1."""
+    return next_pow2(max(1, n))
+
+
 def batch_heads_bucket(n: int) -> int:
     """Bucket batch * num_heads: the next power of two, at least 1."""
     return next_pow2(max(1, n))
@@ -195,8 +222,13 @@ class ProblemKey:
     @classmethod
     def from_sizes(cls, spec: KernelSpec, *, batch: int, num_heads: int, num_kv_heads: int,
                    seqlen_q: int, seqlen_k: int) -> "ProblemKey":
-        return cls(spec, num_heads // num_kv_heads, seqlen_bucket(seqlen_q),
-                   seqlen_bucket(seqlen_k), batch_heads_bucket(batch * num_heads))
+        """The key of a call.  For the decode kernels seqlen_q is bucketed by
+        :func:`decode_seqlen_q_bucket` (1, 2, 4, 8, 16, ...: decode steps and short
+        speculative chunks stay apart) and seqlen_k is the cache's capacity (its
+        seqlen_cache, or max_pages * page_size), not the per-batch lengths."""
+        sq = decode_seqlen_q_bucket(seqlen_q) if is_decode(spec.kernel) else seqlen_bucket(seqlen_q)
+        return cls(spec, num_heads // num_kv_heads, sq, seqlen_bucket(seqlen_k),
+                   batch_heads_bucket(batch * num_heads))
 
     @classmethod
     def from_varlen_sizes(cls, spec: KernelSpec, *, batch: int, num_heads: int, num_kv_heads: int,
@@ -255,13 +287,15 @@ def attention_flops(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, he
     For the two backward kernels separately we count the matmuls each executes:
     ``bwd_dkdv`` four (S^T, dV, dP^T, dK: 2.0x fwd), ``bwd_dq`` three (S, dP, dQ: 1.5x).
     A varlen kernel counts as its dense one on the given sizes (the benchmark passes the
-    sum over sequences).
+    sum over sequences).  A decode kernel counts as the forward with seqlen_k = the
+    cache length, not halved for causal (seqlen_q << seqlen_k: the masked triangle is
+    negligible); decode is bandwidth-bound, so its figure of merit is bytes / s.
     """
     dv = head_dim if head_dim_v is None else head_dim_v
     f = 2.0 * batch * num_heads * seqlen_q * seqlen_k * (head_dim + dv)
-    if causal:
+    if causal and not is_decode(kernel):
         f /= 2
-    return f * {"fwd": 1.0, "bwd": 2.5, "bwd_dkdv": 2.0, "bwd_dq": 1.5}[base_kernel(kernel)]
+    return f * {"fwd": 1.0, "bwd": 2.5, "bwd_dkdv": 2.0, "bwd_dq": 1.5, "decode": 1.0}[base_kernel(kernel)]
 
 
 #: Outcomes of one measurement (KernelTuner's "failures are values").

@@ -1,6 +1,6 @@
 """Offline tuning: one Optuna study per (environment, ProblemKey); the only optuna user.
 
-Each trial picks a TileConfig from ``space.DOMAINS`` (categorical knobs).  A config that
+Each trial picks a TileConfig from ``space.domain(key)`` (categorical knobs).  A config that
 breaks a ``space`` rule (``invalid``) or whose shared-memory estimate exceeds the
 architecture's limit (``infeasible``) is recorded in the tuning DB and reported to
 Optuna as a constraint violation with a penalty value; it never reaches the
@@ -141,8 +141,11 @@ def feasible_variants(keys: Iterable[ProblemKey], arch: Arch) -> list[Variant]:
     """Every valid variant of the keys' specs whose shared-memory estimate fits ``arch``
     (what a benchmarker may precompile), without duplicates, in domain order."""
     out: dict[str, Variant] = {}
-    for spec in dict.fromkeys(k.spec for k in keys):
+    for key in keys:
+        spec, dom = key.spec, space.domain(key)
         for cfg in space.valid_configs(spec):
+            if any(getattr(cfg, n) not in vals for n, vals in dom.items()):
+                continue  # a decode key searches one BLOCK_M
             v = Variant(spec, cfg)
             if resources.estimate(v, arch).feasible:
                 out.setdefault(v.id, v)
@@ -187,14 +190,14 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     DB row.  Never raises for a failing candidate.
     """
     t0 = time.perf_counter()
-    dom = space.DOMAINS[key.spec.kernel]
+    dom = space.domain(key)
     kw = dict(benchmarker=benchmarker, db=db, env=env, arch=arch)
     study = optuna.create_study(storage=open_storage(storage, db),
                                 sampler=_sampler(sampler, key.spec.kernel, seed),
                                 study_name=study_name(env, key), direction="minimize",
                                 load_if_exists=True)
 
-    default = heuristics.default_config(key.spec, arch)
+    default = heuristics.default_config(key.spec, arch, key)
     default_row = _measure(key, shape, default, **kw)
     # The grid sampler visits the default anyway (and an enqueued trial would take a
     # grid point it does not evaluate).
@@ -397,7 +400,7 @@ def summarize(items: Iterable[tuple[ProblemKey, Shape]], *, db: TuningDB, env: E
     st = open_storage(storage, db)
     out = []
     for key, _ in items:
-        default = heuristics.default_config(key.spec, arch)
+        default = heuristics.default_config(key.spec, arch, key)
         drow = db.lookup(key, Variant(key.spec, default).id, env)
         best = db.best(key, env)
         try:

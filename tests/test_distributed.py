@@ -102,7 +102,7 @@ def test_a_killed_worker_fails_its_trial_and_others_finish(tmp_path):
                 for s in st.get_all_studies():
                     for t in st.get_all_trials(s._study_id, deepcopy=False, states=(TrialState.RUNNING,)):
                         # params set: it is inside the (slow) benchmarker, not the storage
-                        if t.user_attrs.get("worker") == "w1" and len(t.params) == 4:
+                        if t.user_attrs.get("worker") == "w1" and len(t.params) == len(space.DOMAINS[ITEMS[0][0].spec.kernel]):
                             os.kill(pids["w1"], signal.SIGKILL)
                             killed["trial"] = (s._study_id, t._trial_id)
                             return

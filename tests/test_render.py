@@ -8,22 +8,31 @@ import pytest
 
 from flashgen import compile as fcompile
 from flashgen import render
-from flashgen.spec import DTYPES, KERNELS, MASKS, KernelSpec, TileConfig, Variant
+from flashgen.spec import DTYPES, KERNELS, MASKS, KernelSpec, TileConfig, Variant, is_decode, supports
 
 # (head_dim, head_dim_v): powers of two, padded (40 -> 64, 72 -> 128), and dv != d.
 HEAD_DIMS = [(16, 16), (40, 40), (64, 64), (72, 72), (128, 128), (256, 256), (32, 64), (72, 40)]
 CFG = TileConfig(64, 32, 4, 2)
+DECODE_CFG = TileConfig(64, 32, 4, 2, num_splits=2)  # the decode kernels need num_splits >= 1
+
+
+def _cfg(kernel):
+    return DECODE_CFG if is_decode(kernel) else CFG
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_every_variant_renders_and_compiles(kernel, mask, dtype):
+    if not supports(kernel, mask):
+        with pytest.raises(ValueError, match="serves masks"):
+            KernelSpec(kernel, dtype, 64, 64, mask)
+        return
     thash = render.template_hash(kernel)
     assert len(thash) == 16 and int(thash, 16) >= 0
     sources = set()
     for d, dv in HEAD_DIMS:
-        v = Variant(KernelSpec(kernel, dtype, d, dv, mask), CFG)
+        v = Variant(KernelSpec(kernel, dtype, d, dv, mask), _cfg(kernel))
         src = render.render(v)
         code = compile(src, f"{v.id}.py", "exec")  # valid Python
         assert code.co_filename == f"{v.id}.py"
@@ -51,12 +60,12 @@ def test_render_is_pure_and_config_dependent():
 
 
 def _render_kwargs(kernel):
-    v = Variant(KernelSpec(kernel, "float16", 40, 72, "window"), CFG)
+    v = Variant(KernelSpec(kernel, "float16", 40, 72, "causal" if is_decode(kernel) else "window"), _cfg(kernel))
     s, c = v.spec, v.config
     return dict(variant_id=v.id, template_hash=render.template_hash(kernel), kernel=kernel, dtype=s.dtype,
                 head_dim=s.head_dim, head_dim_v=s.head_dim_v, head_dim_pad=s.head_dim_pad,
                 head_dim_v_pad=s.head_dim_v_pad, mask=s.mask, BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
-                num_warps=c.num_warps, num_stages=c.num_stages, tma=c.tma, ws=c.ws)
+                num_warps=c.num_warps, num_stages=c.num_stages, tma=c.tma, ws=c.ws, num_splits=c.num_splits)
 
 
 @pytest.mark.parametrize("missing", ["variant_id", "template_hash", "dtype", "head_dim", "head_dim_v",
@@ -94,7 +103,9 @@ def test_variant_id(spec, cfg, expected):
 def test_template_hash_covers_template_and_macros():
     for kernel in KERNELS:
         h = hashlib.sha256()
-        for name in (render.template_name(kernel), "_common.j2"):
+        included = ("attn_decode.py.j2",) if kernel == "decode_paged" else ()
+        assert render.template_files(kernel) == (render.template_name(kernel), *included, "_common.j2")
+        for name in render.template_files(kernel):
             h.update((render.templates_dir() / name).read_bytes())
         assert render.template_hash(kernel) == h.hexdigest()[:16]
     assert len({render.template_hash(k) for k in KERNELS}) == len(KERNELS)
