@@ -21,6 +21,16 @@ _PREFERENCES: dict[str, list[tuple[int, int, int, int]]] = {
     "bwd_dq": [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 1)],
 }
 
+#: On GPUs with the Tensor Memory Accelerator (sm_90+), the dense kernels' first choice
+#: loads the streamed tiles through tensor descriptors: (head_dim <= 64, larger), each
+#: the fastest config of the exhaustive search on the H200 (benchmarks/multi_gpu_tune.py
+#: grid run, docs/notes.md), where TMA freed about 100 registers per thread.
+_TMA_PREFERENCES: dict[str, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
+    "fwd": ((128, 128, 4, 3), (64, 64, 4, 3)),
+    "bwd_dkdv": ((32, 128, 4, 3), (64, 64, 4, 2)),
+    "bwd_dq": ((64, 64, 4, 3), (128, 32, 4, 3)),
+}
+
 FALLBACK = {"fwd": TileConfig(64, 32, 4, 1), "bwd_dkdv": TileConfig(32, 64, 4, 1),
             "bwd_dq": TileConfig(64, 32, 4, 1)}
 # The varlen kernels start from their dense counterparts' preferences (untuned: the
@@ -75,8 +85,12 @@ def default_config(spec: KernelSpec, arch: Arch, key: ProblemKey | None = None) 
     one split."""
     if is_decode(spec.kernel):
         return _decode_default(spec, arch, key)
-    for m, n, w, st in _PREFERENCES[spec.kernel]:
-        cfg = TileConfig(m, n, w, st)
+    prefs = [(m, n, w, st, 0) for m, n, w, st in _PREFERENCES[spec.kernel]]
+    if spec.kernel in _TMA_PREFERENCES and resources.supports_tma(arch):
+        small, large = _TMA_PREFERENCES[spec.kernel]
+        prefs.insert(0, (*(small if spec.head_dim_pad <= 64 else large), 1))
+    for m, n, w, st, tma in prefs:
+        cfg = TileConfig(m, n, w, st, tma=tma)
         v = Variant(spec, cfg)
         if not space.violated_rules(v) and resources.estimate(v, arch).feasible:
             return cfg

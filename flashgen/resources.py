@@ -25,6 +25,7 @@ from .spec import Variant, base_kernel
 class SmemEstimate:
     buffers: dict[str, int]  # name -> bytes
     limit_bytes: int
+    note: str = ""  # why the limit is not the architecture's (e.g. no TMA)
 
     @property
     def total_bytes(self) -> int:
@@ -37,7 +38,8 @@ class SmemEstimate:
     def breakdown(self) -> str:
         parts = " + ".join(f"{k} {v}" for k, v in self.buffers.items())
         verdict = "<=" if self.feasible else ">"
-        return f"{parts} = {self.total_bytes} B {verdict} limit {self.limit_bytes} B"
+        note = f" ({self.note})" if self.note else ""
+        return f"{parts} = {self.total_bytes} B {verdict} limit {self.limit_bytes} B{note}"
 
 
 #: The mbarriers of a TMA pipeline (8 bytes per stage and buffer) sit between
@@ -117,6 +119,16 @@ def _decode_buffers(variant: Variant) -> dict[str, int]:
     }
 
 
+def supports_tma(arch: Arch) -> bool:
+    """Tensor descriptors (the Tensor Memory Accelerator) exist from sm_90 on; the
+    interpreter emulates them."""
+    return arch.compute_capability >= (9, 0)
+
+
 def estimate(variant: Variant, arch: Arch) -> SmemEstimate:
-    """The shared-memory estimate of ``variant`` against ``arch``'s per-block limit."""
+    """The shared-memory estimate of ``variant`` against ``arch``'s per-block limit.  A
+    ``tma`` config on a GPU without the Tensor Memory Accelerator is infeasible there
+    (limit 0), so it is never compiled or replayed on it."""
+    if variant.config.tma and not supports_tma(arch):
+        return SmemEstimate(smem_buffers(variant), 0, f"tma needs sm_90 or newer, {arch.sm} has no TMA")
     return SmemEstimate(smem_buffers(variant), arch.smem_per_block_optin)

@@ -102,3 +102,20 @@ def test_db_written_before_the_knobs_opens_and_upgrades(tmp_path):
         db.record(key, shape, Variant(spec, TileConfig(64, 64, 4, 2, tma=1)), Measurement("ok", 0.5), env, 1)
         assert TileConfig.from_dict(db.best(key, env)) == TileConfig(64, 64, 4, 2, tma=1)
         assert len(db.rows()) == 2
+
+
+def test_tma_configs_are_infeasible_before_sm90_and_preferred_after():
+    from flashgen import heuristics
+
+    spec = KernelSpec("fwd", "bfloat16", 128, 128, "causal")
+    v = Variant(spec, TileConfig(64, 64, 4, 3, tma=1))
+    for sm in ("sm_80", "sm_86", "sm_89"):
+        est = resources.estimate(v, by_sm(sm))
+        assert not est.feasible and "no TMA" in est.breakdown()
+        assert not heuristics.default_config(spec, by_sm(sm)).tma
+    assert resources.estimate(v, SM90).feasible and resources.estimate(v, by_sm("sm_100")).feasible
+    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+        for d in (64, 128):
+            assert heuristics.default_config(KernelSpec(kernel, "bfloat16", d, d, "none"), SM90).tma == 1
+    # the varlen kernels have no tma knob
+    assert not heuristics.default_config(KernelSpec("fwd_varlen", "bfloat16", 128, 128, "none"), SM90).tma

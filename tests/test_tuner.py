@@ -91,7 +91,9 @@ def test_invalid_and_infeasible_are_recorded_but_never_benchmarked(db):
             assert space.violated_rules(v) and r["error"]
         elif r["status"] == "infeasible":
             assert not resources.estimate(v, arch).feasible
-            assert r["smem_bytes_model"] > arch.smem_per_block_optin and "limit" in r["error"]
+            # too much shared memory, or tensor descriptors on a GPU without TMA
+            assert (r["smem_bytes_model"] > arch.smem_per_block_optin
+                    or (v.config.tma and "no TMA" in r["error"])) and "limit" in r["error"]
     # one row per variant: repeats of a config reuse the stored row
     assert len({r["variant_id"] for r in rows}) == len(rows)
     # Optuna saw the violations as constraints and a penalty value
