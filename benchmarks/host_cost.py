@@ -1,0 +1,89 @@
+"""Where the host time of a TMA launch goes (issue 4/5 diagnostics).
+
+Per call, host-bound (tiny shape, best of 5 x N calls): building the two tensor
+descriptors, ops.fwd with a TMA config and with the same tile on pointers, a raw launch
+with prebuilt descriptors, flashgen.attention without and with autograd.  Then GPU time
+(do_bench median) of TMA vs pointer configs on one bench shape through ops.fwd and
+through flashgen.attention, to tell host cost from kernel time.
+
+Usage (repository root, on the GPU):  python3 benchmarks/host_cost.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def per_call_us(fn, n=300, reps=5):
+    import torch
+
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
+def main() -> int:
+    import torch
+    import triton.testing
+
+    import flashgen
+    from flashgen import compile as _compile, ops
+    from flashgen.spec import KernelSpec, TileConfig, Variant
+
+    dev = "cuda"
+    tma, ptr = TileConfig(64, 64, 4, 3, tma=1), TileConfig(64, 64, 4, 3)
+    kw = dict(softmax_scale=128 ** -0.5, mask="none", diag_lo=-10**9, diag_hi=10**9)
+    print("host us per call (b1 h2 s128 d128 bf16)")
+    q, k, v = (torch.randn(1, 2, 128, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    mod = _compile.load(Variant(KernelSpec("fwd", "bfloat16", 128, 128, "none"), tma))
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 2, 128, device=dev)
+    kd, vd = ops._descriptor(k, 64, 128), ops._descriptor(v, 64, 128)
+    grid = (2 * 2,)
+
+    def raw_tma():
+        mod.attn_fwd[grid](q, kd, vd, out, lse, 1.0, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                           *out.stride()[:3], 2, 1, 128, 128, 2, -10**9, 10**9, num_warps=4, num_stages=3)
+
+    rows = [
+        ("two TensorDescriptor()", lambda: (ops._descriptor(k, 64, 128), ops._descriptor(v, 64, 128))),
+        ("raw launch, prebuilt descriptors", raw_tma),
+        ("ops.fwd tma", lambda: ops.fwd(q, k, v, config=tma, out=out, lse=lse, **kw)),
+        ("ops.fwd pointers", lambda: ops.fwd(q, k, v, config=ptr, out=out, lse=lse, **kw)),
+        ("flashgen.attention (no grad)", lambda: flashgen.attention(q, k, v)),
+    ]
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    rows.append(("flashgen.attention (requires_grad)", lambda: flashgen.attention(qg, kg, vg)))
+    for name, fn in rows:
+        fn()
+        print(f"  {name:<40} {per_call_us(fn):8.1f}", flush=True)
+
+    print("GPU ms (do_bench median), b32 h16 s512 d128 bf16, none")
+    q, k, v = (torch.randn(32, 16, 512, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    lse = torch.empty(32, 16, 512, device=dev)
+    cands = [("ops.fwd tma m64n64w4s3", lambda: ops.fwd(q, k, v, config=tma, out=out, lse=lse, **kw)),
+             ("ops.fwd ptr m64n64w4s3", lambda: ops.fwd(q, k, v, config=ptr, out=out, lse=lse, **kw)),
+             ("attention (no grad)", lambda: flashgen.attention(q, k, v))]
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    cands.append(("attention (requires_grad)", lambda: flashgen.attention(qg, kg, vg)))
+    for name, fn in cands:
+        ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        print(f"  {name:<40} {ms:8.4f} ms   host-bound per call {per_call_us(fn, n=100, reps=3):8.1f} us",
+              flush=True)
+    print(flashgen.explain(q, k, v))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
