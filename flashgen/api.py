@@ -87,14 +87,17 @@ def _last_dim_contiguous(t):
 # reuses the mask bounds and, for CUDA tensors, the forward kernel's TileConfig and
 # loaded module.  These entries live in the dispatcher's ``fast`` table, so clearing or
 # replacing the dispatcher drops them; an entry made during a CUDA graph capture is not
-# kept (its config may be the capture-time default).  Plain tensors that need no
-# autograd, outside torch.compile and TorchDispatchModes, are launched directly (the
-# dispatcher of a torch.library op costs tens of microseconds per call); everything
-# else goes through ``torch.ops.flashgen.fwd``, which carries the autograd formula and
-# the fake kernel.  Both run the same implementation, :func:`flashgen.library.forward`.
+# kept (its config may be the capture-time default).  Plain tensors outside
+# torch.compile, TorchDispatchModes and functorch transforms skip the torch.library
+# dispatcher (about 115 us per call on the H200's host, benchmarks/host_cost.py): with
+# no autograd they are launched directly, with autograd they go through
+# :class:`flashgen.library.EagerAttention`.  Everything else goes through
+# ``torch.ops.flashgen.fwd``, which carries the autograd formula and the fake kernel.
+# All run the same implementations, :func:`flashgen.library.forward` / ``backward``.
 
 _Tensor = torch.Tensor
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 def _prepare(q, k, v, causal, window, softmax_scale, align):
@@ -160,9 +163,10 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
         cfg = mod = dev = None
         if ekey is not None:
             _, _, _, _, cfg, mod, dev = _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path)
-    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
-            or not plain or _dispatch_modes():
+    if not plain or _dispatch_modes() or _functorch_active():
         o, lse = library.FWD(q, k, v, scale, mask, lo, hi)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi)
     elif mod is not None and scale > 0:
         # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
         if dev is None or dev == torch.cuda.current_device():

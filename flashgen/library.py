@@ -230,6 +230,30 @@ def _backward(ctx, do, _dlse):
 
 fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
+class EagerAttention(torch.autograd.Function):
+    """The autograd path of plain eager calls: the same implementations and formula as
+    ``flashgen::fwd``/``flashgen::bwd`` without the torch.library dispatcher, which
+    costs about 115 us per call on the H200's host in torch 2.11 (``benchmarks/
+    host_cost.py``).  torch.compile, TorchDispatchModes and functorch transforms still
+    go through the ops (:func:`flashgen.api._attention` decides).
+
+    apply(q, k, v, scale, mask, lo, hi) -> (O, LSE); LSE is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask, lo, hi):
+        o, lse = forward(q, k, v, scale, mask, lo, hi)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (scale, mask, lo, hi)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
 #: The op overloads, resolved once (calling the overload skips a lookup).
 FWD = torch.ops.flashgen.fwd.default
 BWD = torch.ops.flashgen.bwd.default

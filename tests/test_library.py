@@ -327,3 +327,39 @@ def test_wheel_contains_tuning_db_and_templates(tmp_path):
     assert "flashgen/library.py" in names and "flashgen/api.py" in names
     with zipfile.ZipFile(whl) as z:
         assert z.read("flashgen/tuning_db/h200.sqlite") == (ROOT / "tuning_db" / "h200.sqlite").read_bytes()
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_eager_autograd_skips_the_op_dispatcher_and_equals_the_op(interpret, monkeypatch):
+    """Plain eager tensors that need gradients go through EagerAttention (no
+    torch.library dispatch); its outputs and gradients equal the op's."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    dtype = torch.float16 if interpret == "1" else torch.float32
+    kw = dict(causal=True, softmax_scale=0.3)
+    q, k, v = _qkv(dtype=dtype, grad=True)
+    do = torch.randn(q.shape[:3] + (v.shape[3],), dtype=dtype, generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = library.FWD
+    monkeypatch.setattr(library, "FWD", lambda *a: calls.append(1) or real(*a))
+    o = flashgen.attention(q, k, v, **kw)
+    assert not calls and o.grad_fn is not None and "EagerAttention" in type(o.grad_fn).__name__
+    eager = (o, *torch.autograd.grad(o, (q, k, v), do))
+    sq, sk = q.shape[2], k.shape[2]
+    mask, lo, hi = mask_bounds(sq, sk, causal=True, window=(-1, -1))
+    o2, _ = real(q, k, v, 0.3, mask, lo, hi)
+    via_op = (o2, *torch.autograd.grad(o2, (q, k, v), do))
+    for a, b in zip(eager, via_op):
+        assert torch.equal(a, b)
+    # a TorchDispatchMode still sees the op
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Seen.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        flashgen.attention(q, k, v, **kw)
+    assert any("flashgen.fwd" in s for s in Seen.ops)
