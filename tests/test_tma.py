@@ -119,3 +119,21 @@ def test_tma_configs_are_infeasible_before_sm90_and_preferred_after():
             assert heuristics.default_config(KernelSpec(kernel, "bfloat16", d, d, "none"), SM90).tma == 1
     # the varlen kernels have no tma knob
     assert not heuristics.default_config(KernelSpec("fwd_varlen", "bfloat16", 128, 128, "none"), SM90).tma
+
+
+def test_shipped_db_is_keyed_on_the_current_templates():
+    """A template edit without a re-tune would leave the shipped H200 rows unused (the
+    dispatcher ignores rows of another template hash): re-tune when this fails."""
+    from pathlib import Path
+
+    from flashgen import render
+
+    path = Path(__file__).resolve().parent.parent / "tuning_db" / "h200.sqlite"
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        pairs = set(con.execute("SELECT DISTINCT kernel, template_hash FROM measurements"))
+    finally:
+        con.close()
+    kernels = {k for k, _ in pairs}
+    assert {"fwd", "bwd_dq", "bwd_dkdv", "fwd_varlen", "bwd_dq_varlen", "bwd_dkdv_varlen"} <= kernels
+    assert pairs == {(k, render.template_hash(k)) for k in kernels}
