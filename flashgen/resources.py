@@ -82,8 +82,11 @@ def _tile_buffers(variant: Variant) -> dict[str, int]:
             "q_tiles": c.BLOCK_M * d * b * stages,
             "do_tiles": c.BLOCK_M * dv * b * stages,
             # LSE and delta rows of the tiles in flight, in 1 KiB-aligned buffers
-            # (none when the loop is not pipelined).
-            "lse_delta_rows": -(-2 * c.BLOCK_M * 4 * (stages - 1) // 1024) * 1024,
+            # (none when the loop is not pipelined, except that the one unpipelined
+            # 128-row, 4-warp tile compiled on the H200 kept one such 1 KiB buffer:
+            # attn_bwd_dkdv_d64_bf16_causal_m128_n64_w4_s1, 50176 B compiled).
+            "lse_delta_rows": -(-2 * c.BLOCK_M * 4 * (stages - 1) // 1024) * 1024
+            if stages > 1 else (1024 if c.BLOCK_M >= 128 and c.num_warps == 4 else 0),
         }
     # bwd_dq: Q, dO resident; K, V streamed; dS feeds dS·K from registers.
     return {
