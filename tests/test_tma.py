@@ -137,3 +137,62 @@ def test_shipped_db_is_keyed_on_the_current_templates():
     kernels = {k for k, _ in pairs}
     assert {"fwd", "bwd_dq", "bwd_dkdv", "fwd_varlen", "bwd_dq_varlen", "bwd_dkdv_varlen"} <= kernels
     assert pairs == {(k, render.template_hash(k)) for k in kernels}
+
+
+_COMPILE_TMA = '''
+import importlib.util, os, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from flashgen import render
+from flashgen.spec import KernelSpec, TileConfig, Variant
+for kernel, dtype, d, dv, mask, cfg in CASES:
+    cfg = TileConfig(*cfg, tma=1)
+    v = Variant(KernelSpec(kernel, dtype, d, dv, mask), cfg)
+    path = os.path.join(tempfile.mkdtemp(), v.id + ".py")
+    open(path, "w").write(render.render(v))
+    spec = importlib.util.spec_from_file_location(v.id, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fn = getattr(mod, "attn_" + kernel)
+    short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
+    descs = ({"Q": (cfg.BLOCK_M, mod.D_PAD.value), "DO": (cfg.BLOCK_M, mod.DV_PAD.value)} if kernel == "bwd_dkdv"
+             else {"K": (cfg.BLOCK_N, mod.D_PAD.value), "V": (cfg.BLOCK_N, mod.DV_PAD.value)})
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in descs:
+            sig[n] = "tensordesc<%s[1,1,%d,%d]>" % ((short,) + descs[n])
+        elif n[0].isupper():
+            sig[n] = "*fp32" if n in ("LSE", "DELTA") else "*" + short
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "fp32" if n in ("qk_scale", "sm_scale") else "i32"
+    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ptx = k.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, v.id
+    print("OK", v.id, k.metadata.shared)
+'''
+
+
+def test_tma_kernels_compile_for_sm90_with_bulk_copies_and_wgmma():
+    """The real compiler accepts the TMA variants of every kernel and mask mode (window
+    included), and the PTX has the bulk tensor copies and the Hopper MMA we meant."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("triton's bundled ptxas is missing")
+    cases = [("fwd", "bfloat16", 128, 128, "window", (64, 64, 4, 3)),
+             ("fwd", "float16", 72, 40, "causal", (128, 64, 8, 2)),
+             ("bwd_dq", "bfloat16", 64, 64, "window", (64, 64, 4, 3)),
+             ("bwd_dkdv", "bfloat16", 128, 128, "window", (64, 64, 4, 2))]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"CASES = {cases!r}\n" + _COMPILE_TMA], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("OK ") == len(cases), r.stdout
