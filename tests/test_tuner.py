@@ -226,3 +226,29 @@ def test_presets():
     assert both == presets.expand(["small"], kernels=["fwd"])
     with pytest.raises(KeyError, match="fa-grid"):
         presets.expand(["nope"])
+
+
+def test_a_new_study_starts_from_the_default_then_the_nearest_keys_winners(db):
+    """transfer_configs: the best configs of keys of the same spec already tuned in this
+    environment, nearest bucket first; a new study enqueues them after the default."""
+    timings = random_timings()
+    bench = tuner.FakeBenchmarker(timings)
+    near = Shape(2, 4, 4, 512, 512).key(SPEC)      # one bucket away
+    far = Shape(2, 4, 4, 8192, 8192).key(SPEC)     # five buckets away
+    other_mask = Shape(2, 4, 4, 256, 256).key(KernelSpec("fwd", "bfloat16", 64, 64, "causal"))
+    picks = {}
+    for k, cfg in ((near, TileConfig(64, 64, 4, 2)), (far, TileConfig(128, 64, 8, 2)),
+                   (other_mask, TileConfig(64, 32, 4, 1))):
+        picks[k] = cfg
+        db.record(k, SHAPE, Variant(k.spec, cfg), Measurement("ok", median_ms=0.5), ENV, 1)
+    got = tuner.transfer_configs(KEY, db, ENV, ARCH)
+    assert got == [picks[near], picks[far], picks[other_mask]]
+    assert tuner.transfer_configs(KEY, db, ENV, ARCH, limit=1) == [picks[near]]
+    # another environment's rows are not used
+    other_env = Environment("NVIDIA A100", "8.0", 108, "3.6.0", "2.11.0", "0.1.0")
+    assert tuner.transfer_configs(KEY, db, other_env, ARCH) == []
+    run(db, bench, 5)
+    params = [t.params for t in load_study(db).trials[:4]]
+    default = heuristics.default_config(SPEC, ARCH)
+    dom = space.DOMAINS["fwd"]
+    assert params == [{n: getattr(c, n) for n in dom} for c in (default, *got)]
