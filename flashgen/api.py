@@ -25,12 +25,21 @@ from .spec import KernelSpec, ProblemKey, Variant
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+#: The magnitudes a non-zero softmax_scale may have: the kernels multiply scores by
+#: softmax_scale * log2(e) in float32, where smaller values round to 0 and larger ones
+#: overflow for ordinary scores.
+SCALE_MIN, SCALE_MAX = 1e-30, 1e30
+
+
 def _check_scale_causal(softmax_scale, causal):
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise InputError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
         if not math.isfinite(softmax_scale):
             raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
+        if softmax_scale != 0 and not SCALE_MIN <= abs(softmax_scale) <= SCALE_MAX:
+            raise InputError(f"softmax_scale must be 0 or have a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}] "
+                             f"(the kernels apply it in float32), got {softmax_scale!r}")
     if not isinstance(causal, bool):
         raise InputError(f"causal must be a bool, got {type(causal).__name__}")
 
@@ -133,6 +142,8 @@ def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
 
 
 def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
+    if type(return_lse) is not bool:
+        raise InputError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if torch.compiler.is_compiling():
         # Traced by dynamo: the checks run at trace time, the op is one graph node.
         q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
@@ -144,12 +155,15 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
     if plain:
         kernel_path = library.use_kernels(q)
         try:
+            # The argument types are part of the key: 1 == True and (1.0, 0) == (1, 0),
+            # but only bools and ints pass the checks.
             ekey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                    causal, window, align, kernel_path)
+                    causal, type(causal), window, tuple(map(type, window)), align, kernel_path)
             entry = disp.fast.get(ekey)
         except TypeError:  # an unhashable window (a list): the checked path
             ekey = None
-    if entry is not None and (softmax_scale is None or (type(softmax_scale) is float and math.isfinite(softmax_scale))):
+    if entry is not None and (softmax_scale is None or (type(softmax_scale) is float and (
+            softmax_scale == 0.0 or SCALE_MIN <= abs(softmax_scale) <= SCALE_MAX))):
         mask, lo, hi, default, cfg, mod, dev = entry
         scale = default if softmax_scale is None else softmax_scale
         if q.stride(-1) != 1:
@@ -208,8 +222,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             query i sees key j iff i + off - left <= j <= i + off + right.  With
             causal=True, right is 0.
         softmax_scale: multiplies q @ k^T; None means 1 / sqrt(head_dim).  0.0 is used
-            as given (uniform attention over the visible keys).
-        return_lse: also return the log-sum-exp of each score row.
+            as given (uniform attention over the visible keys); any other value needs a
+            magnitude in [1e-30, 1e30] (it is applied in float32).
+        return_lse: a bool: also return the log-sum-exp of each score row.
 
     Returns:
         O of shape (batch, num_heads, seqlen_q, head_dim_v), q's dtype; with
@@ -359,6 +374,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         graph capture they are not read, so there they must already be valid.
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    if type(return_lse) is not bool:
+        raise InputError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     mask, _, _ = mask_bounds(0, 0, causal=causal, window=window)
     left, right = int(window[0]), (0 if causal else int(window[1]))
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)

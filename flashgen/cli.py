@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -76,7 +77,12 @@ def _read_timings(path: Path) -> dict[str, float]:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise ValueError("expected a JSON object {variant_id: median_ms}")
-        return {str(k): float(v) for k, v in data.items()}
+        out = {str(k): float(v) for k, v in data.items()}
+        bad = [k for k, v in out.items() if not (math.isfinite(v) and v > 0)]
+        if bad:
+            raise ValueError(f"timings must be positive, finite milliseconds; {bad[0]!r} has "
+                             f"{data[bad[0]]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        return out
     except (ValueError, TypeError) as e:
         raise typer.BadParameter(f"{path}: {e}", param_hint="'--fake'") from None
 
@@ -84,11 +90,13 @@ def _read_timings(path: Path) -> dict[str, float]:
 @app.command()
 def tune(
     preset: Annotated[list[str], typer.Option(callback=_check_presets,
-                                              help="Preset(s) of shapes: fa-grid, llama3-8b, small.")] = ["fa-grid"],
+                                              help="Preset(s) of shapes: fa-grid, llama3-8b, small, varlen-docs, varlen-small, "
+                                                   "decode, decode-small.")] = ["fa-grid"],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
     dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
     kernels: Annotated[str, typer.Option(callback=_check_kernels,
-                                         help="Comma-separated kernels to tune.")] = ",".join(KERNELS),
+                                         help="Comma-separated kernels to tune (default: all; a preset "
+                                              "only yields keys of its own kernels).")] = ",".join(KERNELS),
     trials: Annotated[int, typer.Option(min=1, help="Completed trials per key (earlier runs count).")] = 40,
     timeout_per_key: Annotated[float | None, typer.Option(min=0, help="Seconds per key.")] = None,
     fake: Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
@@ -341,10 +349,13 @@ def import_(
 
     with _user_errors():
         if source.suffix == ".json":
-            data = json.loads(source.read_text())
+            try:
+                data = json.loads(source.read_text())
+            except json.JSONDecodeError as e:
+                raise NotATuningDB(f"{source} is not a flashgen export (invalid JSON: {e})") from None
             if not isinstance(data, dict) or data.get("flashgen_export") != 1 or not isinstance(data.get("rows"), list):
                 raise NotATuningDB(f"{source} is not a flashgen export (expected {{\"flashgen_export\": 1, "
-                                   "\"rows\": [...]}})")
+                                   "\"rows\": [...]})")
             with TuningDB(db, readonly=False) as tdb:
                 n = tdb.import_rows(data["rows"])
         else:

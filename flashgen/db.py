@@ -136,6 +136,14 @@ class TuningDB:
         self.readonly = readonly
         if readonly:
             self._conn = _connect_readonly(self.path)
+            if not self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                      (TABLE,)).fetchone():
+                # An empty SQLite file (validate() let it through): no rows.  A TEMP table
+                # answers the queries; the file is not written.
+                sql_type = {int: "INTEGER", str: "TEXT", float: "FLOAT"}
+                cols = ", ".join(f"[{c}] {sql_type[t]}" + (" PRIMARY KEY" if c == "id" else "")
+                                 for c, t in COLUMNS.items())
+                self._conn.execute(f"CREATE TEMP TABLE {TABLE} ({cols})")
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)

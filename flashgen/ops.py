@@ -184,7 +184,7 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     if grid[0] == 0:
         return out, lse
     _record(mod, mod.attn_fwd_varlen[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E,
+        q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), softmax_scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         h, h // hk, tq, num_m_blocks, win_left, win_right,
@@ -208,7 +208,7 @@ def bwd_dq_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     if grid[0] == 0:
         return dq, delta
     _record(mod, mod.attn_bwd_dq_varlen[grid](
-        q, k, v, o, do, dq, lse, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E, softmax_scale,
+        q, k, v, o, do, dq, lse, delta, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), softmax_scale * LOG2E, softmax_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         h, h // hk, tq, num_m_blocks, win_left, win_right,
@@ -233,7 +233,7 @@ def bwd_dkdv_varlen(do, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seq
     if grid[0] == 0:
         return dk, dv
     _record(mod, mod.attn_bwd_dkdv_varlen[grid](
-        q, k, v, do, dk, dv, lse, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E, softmax_scale,
+        q, k, v, do, dk, dv, lse, delta, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), softmax_scale * LOG2E, softmax_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         h, h // hk, tq, num_n_blocks, win_left, win_right,

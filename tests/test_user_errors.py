@@ -116,3 +116,91 @@ def test_show_defaults_to_the_shipped_db(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no flashgen_tuning.sqlite here
     res = CliRunner().invoke(app, ["show"])
     assert res.exit_code == 0 and "h200.sqlite" in res.output and "attn_fwd_d128_bf16" in res.output
+
+
+# -- a second new-user review (session 2) ---------------------------------------------
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_strided_cu_seqlens_give_the_contiguous_result(interpret, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 40, generator=g).half() for n, h in ((23, 4), (32, 2), (32, 2)))
+    cq = torch.tensor([0, 5, 5, 22, 23], dtype=torch.int32)
+    ck = torch.tensor([0, 9, 12, 12, 32], dtype=torch.int32)
+    strided = [torch.stack([c, torch.full_like(c, 999)], 1)[:, 0] for c in (cq, ck)]
+    assert strided[0].stride() == (2,)
+    o1 = flashgen.attention_varlen(q, k, v, cq, ck, 17, 20)
+    o2 = flashgen.attention_varlen(q, k, v, *strided, 17, 20)
+    assert torch.equal(o1, o2)
+
+
+@pytest.mark.parametrize("scale", [1e-46, 1e-300, 5e-324, -1e-31, 1e31, -1e38])
+def test_a_scale_float32_cannot_hold_is_refused(scale):
+    q = torch.randn(1, 2, 9, 16)
+    for _ in range(2):  # the checked path, then the fast path of a cached shape
+        flashgen.attention(q, q, q, softmax_scale=0.5)
+        with pytest.raises(InputError, match="softmax_scale must be 0 or have a magnitude"):
+            flashgen.attention(q, q, q, softmax_scale=scale)
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(InputError, match="softmax_scale"):
+        flashgen.attention_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu, 9, 9,
+                                  softmax_scale=scale)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=1), dict(window=(1.0, 0)), dict(window=(True, False)),
+                                dict(return_lse="no"), dict(return_lse=1)])
+def test_the_fast_path_checks_argument_types_like_a_first_call(kw):
+    q = torch.randn(1, 2, 9, 16)
+    valid = {"causal": True, "window": (1, 0), "return_lse": True}
+    name = next(iter(kw))
+    flashgen.attention(q, q, q, **{name: valid[name]})  # cache the shape
+    with pytest.raises(InputError, match=name):
+        flashgen.attention(q, q, q, **kw)
+
+
+def test_return_lse_of_varlen_must_be_a_bool():
+    x = torch.randn(9, 2, 16)
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(InputError, match="return_lse must be a bool"):
+        flashgen.attention_varlen(x, x, x, cu, cu, 9, 9, return_lse="no")
+
+
+def test_an_empty_sqlite_file_reads_as_an_empty_db_and_stays_untouched(tmp_path, monkeypatch):
+    import sqlite3
+
+    empty, tableless = tmp_path / "empty.sqlite", tmp_path / "tableless.sqlite"
+    empty.write_bytes(b"")
+    con = sqlite3.connect(tableless)
+    con.execute("PRAGMA user_version = 7")
+    con.commit()
+    con.close()
+    before = {p: p.read_bytes() for p in (empty, tableless)}
+    runner = CliRunner()
+    for p in (empty, tableless):
+        r = runner.invoke(app, ["show", "--db", str(p)])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(app, ["explain", "--batch", "1", "--heads", "2", "--kv-heads", "2", "--seqlen-q", "8",
+                                "--seqlen-k", "8", "--head-dim", "16", "--db", str(p)])
+        assert r.exit_code == 0 and "default" in r.output, r.output
+        monkeypatch.setenv("FLASHGEN_DB", str(p))
+        dispatch.set_default_dispatcher(None)
+        q = torch.randn(1, 2, 8, 16)
+        assert flashgen.attention(q, q, q).shape == q.shape
+    assert {p: p.read_bytes() for p in (empty, tableless)} == before
+
+
+def test_fake_timings_must_be_positive_and_finite(tmp_path):
+    bad = tmp_path / "bad.json"
+    for value in ("NaN", "-5.0", "0.0"):
+        bad.write_text('{"attn_fwd_d64_fp16_none_m64_n64_w4_s2": ' + value + "}")
+        r = CliRunner().invoke(app, ["tune", "--preset", "small", "--fake", str(bad), "--db",
+                                     str(tmp_path / "t.sqlite"), "--trials", "2"])
+        assert r.exit_code != 0 and "positive, finite" in r.output, r.output
+    assert not (tmp_path / "t.sqlite").exists()
+
+
+def test_import_of_broken_json_names_the_file(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"a":')
+    r = CliRunner().invoke(app, ["import", str(broken), "--db", str(tmp_path / "x.sqlite")])
+    assert r.exit_code != 0 and "broken.json is not a flashgen export" in r.output
