@@ -157,7 +157,9 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
         try:
             # The argument types are part of the key: 1 == True and (1.0, 0) == (1, 0),
             # but only bools and ints pass the checks.
+            # Strides and base alignment decide the layout signature (the key's layout).
             ekey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                    q.stride(), k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
                     causal, type(causal), window, tuple(map(type, window)), align, kernel_path)
             entry = disp.fast.get(ekey)
         except TypeError:  # an unhashable window (a list): the checked path
@@ -758,9 +760,10 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         disp = dispatcher or dispatch.default_dispatcher()
         dtype = ops.dtype_name(q.dtype)
         choices = []
+        layout = "" if q.is_meta else library.layout_signature(q, k, v)
         for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
             key = ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask), batch=b, num_heads=h,
-                                        num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk)
+                                        num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk, layout=layout)
             c = disp.choose(key, capturing=False)
             choices.append(KernelChoice(kernel, key.id, c.config.id, c.source, c.tuned_key, c.database,
                                         c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown))

@@ -31,6 +31,7 @@ COLUMNS: dict[str, type] = {
     # ProblemKey.as_row()
     "key": str, "kernel": str, "dtype": str, "head_dim": int, "head_dim_v": int, "mask": str,
     "group_size": int, "seqlen_q_bucket": int, "seqlen_k_bucket": int, "batch_heads_bucket": int,
+    "layout": str,  # OPTIONAL_COLUMNS
     # Variant
     "variant_id": str, "BLOCK_M": int, "BLOCK_N": int, "num_warps": int, "num_stages": int,
     "tma": int, "ws": int, "num_splits": int,  # OPTIONAL_COLUMNS
@@ -46,7 +47,7 @@ COLUMNS: dict[str, type] = {
 }
 #: Columns added after the first release: a file without them is still a tuning DB
 #: (they read as NULL, i.e. the knob's default; a writable open adds them).
-OPTIONAL_COLUMNS = ("tma", "ws", "num_splits")
+OPTIONAL_COLUMNS = ("tma", "ws", "num_splits", "layout")
 ENV_COLUMNS = ("gpu_name", "compute_capability", "sm_count", "triton_version", "torch_version",
                "flashgen_version", "template_hash")
 #: A row's identity across databases (``merge_from`` skips rows already present).

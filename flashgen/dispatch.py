@@ -170,7 +170,8 @@ class Dispatcher:
                     best = Choice(key, cfg, "tuned", key.id, row["median_ms"], row.get("tflops"), str(path))
         if best is not None:
             return best
-        # Nearest tuned bucket of the same kernel spec and GQA group (log2 distance).
+        # Nearest tuned bucket of the same kernel spec and GQA group (log2 distance; a
+        # row of the other layout counts one bucket further).
         near, near_d = None, math.inf
         for path, table in tables:
             for key_id, (cfg, row) in table.items():
@@ -178,9 +179,12 @@ class Dispatcher:
                 if other.spec != key.spec or other.group != key.group:
                     continue
                 d = (abs(math.log2(other.seqlen_q / key.seqlen_q)) + abs(math.log2(other.seqlen_k / key.seqlen_k))
-                     + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)))
+                     + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
                 if d < near_d:
                     near, near_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
+        if near is not None and key.layout == "strided" and near.config.tma:
+            # Inputs no tensor descriptor can address: the same tiles on pointer loads.
+            near = dataclasses.replace(near, config=dataclasses.replace(near.config, tma=0))
         if near is not None and is_decode(key.spec.kernel):
             # A decode tile's BLOCK_M holds this key's packed rows, not the other bucket's.
             near = dataclasses.replace(near, config=dataclasses.replace(

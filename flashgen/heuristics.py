@@ -79,14 +79,15 @@ def _decode_default(spec: KernelSpec, arch: Arch, key: ProblemKey | None) -> Til
 
 
 def default_config(spec: KernelSpec, arch: Arch, key: ProblemKey | None = None) -> TileConfig:
-    """The heuristic TileConfig for ``spec`` on ``arch``.  ``key`` (the decode kernels
-    use it: BLOCK_M from the packed rows, num_splits from the batch and the cache
-    length) is the problem being served; without it a decode default has BLOCK_M 16 and
-    one split."""
+    """The heuristic TileConfig for ``spec`` on ``arch``.  ``key`` is the problem being
+    served (a "strided" layout gets no TMA config; the decode kernels take BLOCK_M
+    from its packed rows and num_splits from the batch and the cache length); without
+    it a decode default has BLOCK_M 16 and one split."""
     if is_decode(spec.kernel):
         return _decode_default(spec, arch, key)
     prefs = [(m, n, w, st, 0) for m, n, w, st in _PREFERENCES[spec.kernel]]
-    if spec.kernel in _TMA_PREFERENCES and resources.supports_tma(arch):
+    strided = key is not None and key.layout == "strided"
+    if spec.kernel in _TMA_PREFERENCES and resources.supports_tma(arch) and not strided:
         small, large = _TMA_PREFERENCES[spec.kernel]
         prefs.insert(0, (*(small if spec.head_dim_pad <= 64 else large), 1))
     for m, n, w, st, tma in prefs:

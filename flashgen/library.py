@@ -64,6 +64,12 @@ def is_empty(q: Tensor, k: Tensor) -> bool:
 
 # -- kernel selection (memoized per exact problem size) --------------------------------
 
+def layout_signature(q: Tensor, k: Tensor, v: Tensor) -> str:
+    """The ProblemKey layout of dense inputs: "" when a tensor descriptor can address
+    q, k and v (:func:`flashgen.ops.tma_ok`), else "strided"."""
+    return "" if ops.tma_ok(q) and ops.tma_ok(k) and ops.tma_ok(v) else "strided"
+
+
 def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str):
     """(TileConfig, loaded module) of ``kernel`` for these inputs, from the default
     dispatcher.  Memoized per exact sizes in the dispatcher's ``fast`` table (cleared
@@ -71,14 +77,15 @@ def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str):
     answer (cache or default) and is not memoized."""
     disp = dispatch.default_dispatcher()
     interp = not q.is_cuda and interpreting()
-    fk = (kernel, mask, q.dtype, q.shape, k.shape, v.shape[3], interp)
+    layout = layout_signature(q, k, v)
+    fk = (kernel, mask, q.dtype, q.shape, k.shape, v.shape[3], interp, layout)
     hit = disp.fast.get(fk)
     if hit is not None:
         return hit
     capturing = dispatch.graph_capturing()
     spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask)
     key = ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
-                                seqlen_q=q.shape[2], seqlen_k=k.shape[2])
+                                seqlen_q=q.shape[2], seqlen_k=k.shape[2], layout=layout)
     cfg = disp.choose(key, capturing=capturing).config
     hit = (cfg, _compile.load(Variant(spec, cfg)))
     if not capturing:

@@ -205,12 +205,23 @@ def batch_heads_bucket(n: int) -> int:
     return next_pow2(max(1, n))
 
 
+#: Layout signatures of a ProblemKey: "" (every input addressable by a tensor
+#: descriptor) and "strided" (pointer loads only).
+LAYOUTS = ("", "strided")
+
+
 @dataclass(frozen=True)
 class ProblemKey:
     """What a call is, for tuning and dispatch.
 
     ``group`` is the GQA group size num_heads // num_kv_heads (1 for MHA).  The sizes
     are buckets (:func:`seqlen_bucket`, :func:`batch_heads_bucket`), not exact sizes.
+    ``layout`` is the inputs' layout signature (:data:`LAYOUTS`): ``""`` when a tensor
+    descriptor can address every input (16-byte aligned base and strides, last stride
+    1: contiguous tensors, their transposed views, most slices; what ``flashgen tune``
+    measures), ``"strided"`` otherwise (an unaligned slice, expanded heads), where only
+    pointer loads serve.  It appears in ``id`` only when set, so the ids of the common
+    layout never change.
     """
 
     spec: KernelSpec
@@ -218,17 +229,22 @@ class ProblemKey:
     seqlen_q: int
     seqlen_k: int
     batch_heads: int
+    layout: str = ""
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
 
     @classmethod
     def from_sizes(cls, spec: KernelSpec, *, batch: int, num_heads: int, num_kv_heads: int,
-                   seqlen_q: int, seqlen_k: int) -> "ProblemKey":
-        """The key of a call.  For the decode kernels seqlen_q is bucketed by
+                   seqlen_q: int, seqlen_k: int, layout: str = "") -> "ProblemKey":
+        """The key of a call (``layout``: see the class docstring).  For the decode kernels seqlen_q is bucketed by
         :func:`decode_seqlen_q_bucket` (1, 2, 4, 8, 16, ...: decode steps and short
         speculative chunks stay apart) and seqlen_k is the cache's capacity (its
         seqlen_cache, or max_pages * page_size), not the per-batch lengths."""
         sq = decode_seqlen_q_bucket(seqlen_q) if is_decode(spec.kernel) else seqlen_bucket(seqlen_q)
         return cls(spec, num_heads // num_kv_heads, sq, seqlen_bucket(seqlen_k),
-                   batch_heads_bucket(batch * num_heads))
+                   batch_heads_bucket(batch * num_heads), layout)
 
     @classmethod
     def from_varlen_sizes(cls, spec: KernelSpec, *, batch: int, num_heads: int, num_kv_heads: int,
@@ -240,7 +256,8 @@ class ProblemKey:
 
     @property
     def id(self) -> str:
-        return f"{self.spec.id}_g{self.group}_q{self.seqlen_q}_k{self.seqlen_k}_bh{self.batch_heads}"
+        base = f"{self.spec.id}_g{self.group}_q{self.seqlen_q}_k{self.seqlen_k}_bh{self.batch_heads}"
+        return f"{base}_{self.layout}" if self.layout else base
 
     def as_row(self) -> dict:
         """Flat columns for the tuning database."""
@@ -249,7 +266,7 @@ class ProblemKey:
             "head_dim": self.spec.head_dim, "head_dim_v": self.spec.head_dim_v,
             "mask": self.spec.mask, "group_size": self.group,
             "seqlen_q_bucket": self.seqlen_q, "seqlen_k_bucket": self.seqlen_k,
-            "batch_heads_bucket": self.batch_heads,
+            "batch_heads_bucket": self.batch_heads, "layout": self.layout,
         }
 
     @classmethod
@@ -257,7 +274,7 @@ class ProblemKey:
         spec = KernelSpec(row["kernel"], row["dtype"], int(row["head_dim"]),
                           int(row["head_dim_v"]), row["mask"])
         return cls(spec, int(row["group_size"]), int(row["seqlen_q_bucket"]),
-                   int(row["seqlen_k_bucket"]), int(row["batch_heads_bucket"]))
+                   int(row["seqlen_k_bucket"]), int(row["batch_heads_bucket"]), row.get("layout") or "")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The ``tma`` knob: tensor-descriptor loads (interpreter), the pointer fallback for
 tensors a descriptor cannot address, and tuning DBs written before the knob existed."""
 
+import dataclasses
 import sqlite3
 
 import pytest
@@ -196,3 +197,57 @@ def test_tma_kernels_compile_for_sm90_with_bulk_copies_and_wgmma():
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("OK ") == len(cases), r.stdout
+
+
+def test_layout_signature_is_part_of_the_key_and_keeps_old_ids(monkeypatch):
+    """Inputs a tensor descriptor cannot address get their own key ("strided"); the
+    common layout's key ids are those the shipped rows were recorded under."""
+    from flashgen import dispatch, library
+    from flashgen.spec import ProblemKey
+
+    spec = KernelSpec("fwd", "bfloat16", 128, 128, "causal")
+    plain = ProblemKey.from_sizes(spec, batch=1, num_heads=32, num_kv_heads=8, seqlen_q=4096, seqlen_k=4096)
+    strided = ProblemKey.from_sizes(spec, batch=1, num_heads=32, num_kv_heads=8, seqlen_q=4096, seqlen_k=4096,
+                                    layout="strided")
+    assert plain.id == "attn_fwd_d128_bf16_causal_g4_q4096_k4096_bh32"
+    assert strided.id == plain.id + "_strided"
+    assert ProblemKey.from_row(strided.as_row()) == strided
+    assert ProblemKey.from_row({**plain.as_row(), "layout": None}) == plain  # rows written before the column
+    with pytest.raises(ValueError, match="layout"):
+        ProblemKey(spec, 1, 16, 16, 1, "weird")
+    q, k, v = _qkv(h=4)
+    assert library.layout_signature(q, k, v) == ""
+    assert library.layout_signature(q.transpose(1, 2).contiguous().transpose(1, 2), k, v) == ""  # (b, s, h, d) view
+    assert library.layout_signature(q, k[:, :1].expand(1, 4, 40, 32), v) == "strided"
+    # the dispatcher: a strided key never gets a TMA config, tuned neighbour or default
+    disp = dispatch.Dispatcher(databases=[dispatch.shipped_databases()[0]], arch=SM90)
+    for key in (strided, dataclasses.replace(strided, seqlen_q=512, seqlen_k=512)):
+        assert disp.choose(key, capturing=False).config.tma == 0
+    assert resources.supports_tma(SM90) and heuristics_default(spec, strided).tma == 0
+
+
+def heuristics_default(spec, key):
+    from flashgen import heuristics
+
+    return heuristics.default_config(spec, SM90, key)
+
+
+def test_strided_inputs_run_under_their_own_key(monkeypatch):
+    from flashgen import dispatch
+    import flashgen
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+    real = dispatch.Dispatcher.choose
+
+    def spy(self, key, **kw):
+        seen.append(key.id)
+        return real(self, key, **kw)
+
+    monkeypatch.setattr(dispatch.Dispatcher, "choose", spy)
+    q, k, v = _qkv(h=4)
+    k1, v1 = k[:, :1].expand(1, 4, 40, 32), v[:, :1].expand(1, 4, 40, 32)
+    o_strided = flashgen.attention(q, k1, v1)
+    o_plain = flashgen.attention(q, k1.contiguous(), v1.contiguous())
+    assert any(s.endswith("_strided") for s in seen) and any(not s.endswith("_strided") for s in seen)
+    torch.testing.assert_close(o_strided, o_plain, rtol=0, atol=2e-3)
