@@ -187,11 +187,11 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
         # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
         if dev is None or dev == torch.cuda.current_device():
             o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
-                             module=mod)
+                             module=mod, addressable=True)
         else:
             with torch.cuda.device(dev):
                 o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
-                                 module=mod)
+                                 module=mod, addressable=True)
     else:
         o, lse = library.forward(q, k, v, scale, mask, lo, hi)
     return (o, lse) if return_lse else o

@@ -168,7 +168,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
     q, scale, _ = _signed_q(q, scale)
     with _on_device(q):
         cfg, mod = kernel_for("fwd", q, k, v, mask)
-        return ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod)
+        # kernel_for gives a tma config only to inputs a descriptor can address
+        return ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod,
+                       addressable=True)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
@@ -186,7 +188,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         cfg_dq, mod_dq = kernel_for("bwd_dq", q, k, v, mask)
         cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask)
         dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
-                             config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv)
+                             config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv,
+                             addressable=True)
     if sign == -1:
         dq = dq.neg_()
     elif sign == 0:
