@@ -548,10 +548,24 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         (that would synchronize every decode step): lengths are clamped to
         [0, capacity] in the kernel, and block_table entries must be valid page indices.
     """
-    capacity = _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, return_lse)
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, return_lse)
+    scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if (torch.compiler.is_compiling() or _dispatch_modes() or
+            not (type(q) is _Tensor and type(k_cache) is _Tensor and type(v_cache) is _Tensor)):
+        # Traced (one graph node, its fake kernel gives the shapes) or inspected.
+        o, lse = library.DECODE(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
+    else:  # eager: the same implementation without the torch.library dispatcher
+        o, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
+    return (o, lse) if return_lse else o
+
+
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale: float, causal: bool):
+    """(O, LSE) of a checked :func:`attention_with_kvcache` call: the implementation of
+    the ``flashgen::decode`` op.  O (batch, seqlen_q, num_heads, head_dim_v) in q's
+    dtype, LSE (batch, num_heads, seqlen_q) float32, both contiguous."""
     b, sq, h, d = q.shape
     dv = v_cache.shape[3]
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     mask = "causal" if causal and sq > 1 else "none"
     q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads it with stride 1
@@ -570,7 +584,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             cfg, mod = _decode_kernel(disp, kernel, q, k_cache, v_cache, mask, capacity)
             o, lse = ops.decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=scale, mask=mask,
                                 config=cfg, module=mod)
-    return (o, lse) if return_lse else o
+    return o.contiguous(), lse.contiguous()
 
 
 # -- torch's SDPA signature ------------------------------------------------------------

@@ -32,6 +32,7 @@ attention) as scale 1 with q = 0 (dQ = 0).
 
 import math
 import os
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -264,9 +265,26 @@ class EagerAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+@torch.library.custom_op("flashgen::decode", mutates_args=())
+def decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor],
+              scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """``flashgen.attention_with_kvcache`` as an op (forward only: inference), so
+    torch.compile traces decode steps without a graph break."""
+    from .api import kvcache_forward
+
+    return kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
+
+
+@decode_op.register_fake
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal):
+    b, sq, h, _ = q.shape
+    return q.new_empty((b, sq, h, v_cache.shape[3])), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
 #: The op overloads, resolved once (calling the overload skips a lookup).
 FWD = torch.ops.flashgen.fwd.default
 BWD = torch.ops.flashgen.bwd.default
+DECODE = torch.ops.flashgen.decode.default
 
 
 def default_scale(head_dim: int) -> float:

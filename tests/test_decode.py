@@ -386,3 +386,41 @@ def test_decode_bench_smoke(tmp_path, capsys):
     assert all(c["ok"] for r in data["rows"] for c in r["checks"].values()) and paged["checks"]
     assert "error" in paged["results"]["sdpa-cudnn"]  # no cuDNN on the CPU: reported, not raised
     assert "median ms" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_decode_op_compiles_fullgraph_and_equals_eager(interpret, monkeypatch):
+    """attention_with_kvcache is the flashgen::decode op under torch.compile: one graph
+    node (no graph break), the eager result; opcheck on the op (fake shapes/strides)."""
+    import flashgen
+    from flashgen import library
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.float16 if interpret == "1" else torch.float32
+    q = torch.randn(2, 3, 8, 64, generator=g).to(dtype)
+    k_cache = torch.randn(2, 96, 2, 64, generator=g).to(dtype)
+    v_cache = torch.randn(2, 96, 2, 64, generator=g).to(dtype)
+    lens = torch.tensor([0, 77], dtype=torch.int32)
+    pages = torch.randn(12, 16, 2, 64, generator=g).to(dtype)
+    block_table = torch.randperm(12, generator=g).to(torch.int32).view(2, 6)
+
+    def step(q, kc, vc, lens, bt):
+        return flashgen.attention_with_kvcache(q, kc, vc, lens, block_table=bt, causal=True, return_lse=True)
+
+    targets = []
+
+    def recording(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    for kc, vc, bt in ((k_cache, v_cache, None), (pages, pages.clone(), block_table)):
+        torch._dynamo.reset()
+        targets.clear()
+        compiled = torch.compile(step, fullgraph=True, backend=recording)
+        got, want = compiled(q, kc, vc, lens, bt), step(q, kc, vc, lens, bt)
+        assert library.DECODE in targets
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        torch.library.opcheck(library.DECODE, (q, kc, vc, lens, bt, 0.125, True),
+                              test_utils=("test_schema", "test_faketensor"))
