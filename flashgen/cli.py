@@ -628,6 +628,13 @@ def explain(
         left, right = (int(x) for x in window.split(","))
     except ValueError:
         raise typer.BadParameter(f"{window!r}: give LEFT,RIGHT, e.g. 128,0", param_hint="'--window'") from None
+    # The flags' own rules first, so the message names the flag (not the op's q/k/v).
+    for flag, val in (("--head-dim", head_dim), ("--head-dim-v", head_dim_v)):
+        if val is not None and not (8 <= val <= 256 and val % 8 == 0):
+            raise typer.BadParameter(f"{val}: must be a multiple of 8 in [8, 256]", param_hint=f"'{flag}'")
+    if heads % kv_heads:
+        raise typer.BadParameter(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})",
+                                 param_hint="'--heads' / '--kv-heads'")
     env, a = Environment.current(), arch_mod.current()
     if arch is not None:
         try:

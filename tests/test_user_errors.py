@@ -204,3 +204,16 @@ def test_import_of_broken_json_names_the_file(tmp_path):
     broken.write_text('{"a":')
     r = CliRunner().invoke(app, ["import", str(broken), "--db", str(tmp_path / "x.sqlite")])
     assert r.exit_code != 0 and "broken.json is not a flashgen export" in r.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--head-dim", "12"], "--head-dim"),
+    (["--head-dim", "64", "--head-dim-v", "300"], "--head-dim-v"),
+    (["--head-dim", "64", "--heads", "3", "--kv-heads", "2"], "--kv-heads"),
+])
+def test_explain_cli_errors_name_the_flag(args, needle):
+    base = {"--batch": "1", "--heads": "4", "--kv-heads": "2", "--seqlen-q": "8", "--seqlen-k": "8"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    r = CliRunner().invoke(app, ["explain", *[x for kv in base.items() for x in kv]])
+    assert r.exit_code != 0 and needle in r.output, r.output
