@@ -31,13 +31,22 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCALE_MIN, SCALE_MAX = 1e-30, 1e30
 
 
+def _check_return_lse(return_lse):
+    if type(return_lse) is not bool:
+        raise InputError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+
+def _scale_in_range(softmax_scale) -> bool:
+    return softmax_scale == 0 or SCALE_MIN <= abs(softmax_scale) <= SCALE_MAX
+
+
 def _check_scale_causal(softmax_scale, causal):
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise InputError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
         if not math.isfinite(softmax_scale):
             raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
-        if softmax_scale != 0 and not SCALE_MIN <= abs(softmax_scale) <= SCALE_MAX:
+        if not _scale_in_range(softmax_scale):
             raise InputError(f"softmax_scale must be 0 or have a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}] "
                              f"(the kernels apply it in float32), got {softmax_scale!r}")
     if not isinstance(causal, bool):
@@ -142,8 +151,7 @@ def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
 
 
 def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
-    if type(return_lse) is not bool:
-        raise InputError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    _check_return_lse(return_lse)
     if torch.compiler.is_compiling():
         # Traced by dynamo: the checks run at trace time, the op is one graph node.
         q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
@@ -164,8 +172,8 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
             entry = disp.fast.get(ekey)
         except TypeError:  # an unhashable window (a list): the checked path
             ekey = None
-    if entry is not None and (softmax_scale is None or (type(softmax_scale) is float and (
-            softmax_scale == 0.0 or SCALE_MIN <= abs(softmax_scale) <= SCALE_MAX))):
+    if entry is not None and (softmax_scale is None or (type(softmax_scale) is float
+                                                        and _scale_in_range(softmax_scale))):
         mask, lo, hi, default, cfg, mod, dev = entry
         scale = default if softmax_scale is None else softmax_scale
         if q.stride(-1) != 1:
@@ -376,8 +384,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         graph capture they are not read, so there they must already be valid.
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
-    if type(return_lse) is not bool:
-        raise InputError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    _check_return_lse(return_lse)
     mask, _, _ = mask_bounds(0, 0, causal=causal, window=window)
     left, right = int(window[0]), (0 if causal else int(window[1]))
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -443,8 +450,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
             raise InputError("block_table must have a last-dim stride of 1 (e.g. block_table.contiguous())")
         capacity = block_table.shape[1] * page_size
     _check_scale_causal(softmax_scale, causal)
-    if not isinstance(return_lse, bool):
-        raise InputError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    _check_return_lse(return_lse)
     if q.device.type == "cpu" and not torch.compiler.is_compiling():
         # Values are read only where that is free (CPU); on CUDA it would synchronize
         # every decode step, so there the kernel clamps the lengths instead.

@@ -53,6 +53,21 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     return d
 
 
+def _module_and_streamed(kernel: str, dtype, d: int, dv: int, mask: str, config: TileConfig, module,
+                         a, b, rows: int, checked: bool):
+    """(config, loaded module, a_arg, b_arg) for a launch whose streamed tiles are ``a``
+    (head dim d) and ``b`` (head dim dv), ``rows`` rows per tile: descriptors for a tma
+    module, the tensors themselves otherwise.  A tma config whose a or b no descriptor
+    can address (``checked`` False and :func:`tma_ok` fails) becomes the same tiles on
+    pointer loads."""
+    if config.tma and not (checked or (tma_ok(a) and tma_ok(b))):
+        config, module = dataclasses.replace(config, tma=0), None
+    mod = module or _compile.load(Variant(KernelSpec(kernel, dtype_name(dtype), d, dv, mask), config))
+    if mod.TMA:
+        return config, mod, _descriptor(a, rows, mod.D_PAD.value), _descriptor(b, rows, mod.DV_PAD.value)
+    return config, mod, a, b
+
+
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         config: TileConfig, out=None, lse=None, module=None, addressable: bool = False):
     """O (batch, heads, seqlen_q, head_dim_v) in q's dtype and LSE (batch, heads,
@@ -65,14 +80,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     and v are (their ProblemKey layout is ""), so the check is skipped."""
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if config.tma and not addressable and not (tma_ok(k) and tma_ok(v)):
-        config, module = dataclasses.replace(config, tma=0), None
-    mod = module or _compile.load(Variant(KernelSpec("fwd", dtype_name(q.dtype), d, dv, mask), config))
-    if mod.TMA:
-        k_arg = _descriptor(k, config.BLOCK_N, mod.D_PAD.value)
-        v_arg = _descriptor(v, config.BLOCK_N, mod.DV_PAD.value)
-    else:
-        k_arg, v_arg = k, v
+    config, mod, k_arg, v_arg = _module_and_streamed("fwd", q.dtype, d, dv, mask, config, module, k, v,
+                                                     config.BLOCK_N, addressable)
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -96,14 +105,8 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
-    if config.tma and not addressable and not (tma_ok(k) and tma_ok(v)):
-        config, module = dataclasses.replace(config, tma=0), None
-    mod = module or _compile.load(Variant(KernelSpec("bwd_dq", dtype_name(q.dtype), d, dvd, mask), config))
-    if mod.TMA:
-        k_arg = _descriptor(k, config.BLOCK_N, mod.D_PAD.value)
-        v_arg = _descriptor(v, config.BLOCK_N, mod.DV_PAD.value)
-    else:
-        k_arg, v_arg = k, v
+    config, mod, k_arg, v_arg = _module_and_streamed("bwd_dq", q.dtype, d, dvd, mask, config, module, k, v,
+                                                     config.BLOCK_N, addressable)
     dq = torch.empty_like(q) if dq is None else dq
     delta = torch.empty_like(lse) if delta is None else delta
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
@@ -126,14 +129,10 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
-    if config.tma and not ((addressable or tma_ok(q)) and tma_ok(do)):
-        config, module = dataclasses.replace(config, tma=0), None
-    mod = module or _compile.load(Variant(KernelSpec("bwd_dkdv", dtype_name(q.dtype), d, dvd, mask), config))
-    if mod.TMA:
-        q_arg = _descriptor(q, config.BLOCK_M, mod.D_PAD.value)
-        do_arg = _descriptor(do, config.BLOCK_M, mod.DV_PAD.value)
-    else:
-        q_arg, do_arg = q, do
+    # ``addressable`` vouches for q, not for dO
+    checked = addressable and (not config.tma or tma_ok(do))
+    config, mod, q_arg, do_arg = _module_and_streamed("bwd_dkdv", q.dtype, d, dvd, mask, config, module, q, do,
+                                                      config.BLOCK_M, checked)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     num_n_blocks = _cdiv(sk, config.BLOCK_N)

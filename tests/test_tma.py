@@ -14,6 +14,9 @@ from flashgen.env import Environment
 from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant
 
 SM90 = by_sm("sm_90")
+_DB_CASE = (Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0"),
+            KernelSpec("fwd", "bfloat16", 64, 64, "none"), Shape(1, 2, 2, 128, 128),
+            Shape(1, 2, 2, 128, 128).key(KernelSpec("fwd", "bfloat16", 64, 64, "none")))
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_dq", "bwd_dkdv"])
@@ -72,10 +75,7 @@ def test_config_ids_and_db_rows_round_trip(tmp_path):
     assert TileConfig(128, 64, 8, 3).id == "m128_n64_w8_s3"
     assert TileConfig(128, 64, 8, 3, tma=1, ws=1).id == "m128_n64_w8_s3_tma_ws"
     assert TileConfig(64, 64, 4, 2, num_splits=8).id == "m64_n64_w4_s2_sp8"
-    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
-    spec = KernelSpec("fwd", "bfloat16", 64, 64, "none")
-    shape = Shape(1, 2, 2, 128, 128)
-    key = shape.key(spec)
+    env, spec, shape, key = _DB_CASE
     path = tmp_path / "t.sqlite"
     with TuningDB(path) as db:
         db.record(key, shape, Variant(spec, TileConfig(64, 64, 4, 2, tma=1)), Measurement("ok", 1.0), env, 1)
@@ -85,10 +85,7 @@ def test_config_ids_and_db_rows_round_trip(tmp_path):
 def test_db_written_before_the_knobs_opens_and_upgrades(tmp_path):
     """A file without the tma/ws/num_splits columns is still a tuning DB: read-only it
     reads them as defaults; opened for writing it gains the columns, rows intact."""
-    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
-    spec = KernelSpec("fwd", "bfloat16", 64, 64, "none")
-    shape = Shape(1, 2, 2, 128, 128)
-    key = shape.key(spec)
+    env, spec, shape, key = _DB_CASE
     path = tmp_path / "old.sqlite"
     with TuningDB(path) as db:
         db.record(key, shape, Variant(spec, TileConfig(64, 64, 4, 2)), Measurement("ok", 1.0), env, 1)
@@ -140,63 +137,17 @@ def test_shipped_db_is_keyed_on_the_current_templates():
     assert pairs == {(k, render.template_hash(k)) for k in kernels}
 
 
-_COMPILE_TMA = '''
-import importlib.util, os, sys, tempfile
-os.environ["TRITON_INTERPRET"] = "0"
-import triton
-from triton.backends.compiler import GPUTarget
-from flashgen import render
-from flashgen.spec import KernelSpec, TileConfig, Variant
-for kernel, dtype, d, dv, mask, cfg in CASES:
-    cfg = TileConfig(*cfg, tma=1)
-    v = Variant(KernelSpec(kernel, dtype, d, dv, mask), cfg)
-    path = os.path.join(tempfile.mkdtemp(), v.id + ".py")
-    open(path, "w").write(render.render(v))
-    spec = importlib.util.spec_from_file_location(v.id, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    fn = getattr(mod, "attn_" + kernel)
-    short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
-    descs = ({"Q": (cfg.BLOCK_M, mod.D_PAD.value), "DO": (cfg.BLOCK_M, mod.DV_PAD.value)} if kernel == "bwd_dkdv"
-             else {"K": (cfg.BLOCK_N, mod.D_PAD.value), "V": (cfg.BLOCK_N, mod.DV_PAD.value)})
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in descs:
-            sig[n] = "tensordesc<%s[1,1,%d,%d]>" % ((short,) + descs[n])
-        elif n[0].isupper():
-            sig[n] = "*fp32" if n in ("LSE", "DELTA") else "*" + short
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = "fp32" if n in ("qk_scale", "sm_scale") else "i32"
-    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    ptx = k.asm["ptx"]
-    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, v.id
-    print("OK", v.id, k.metadata.shared)
-'''
-
-
 def test_tma_kernels_compile_for_sm90_with_bulk_copies_and_wgmma():
     """The real compiler accepts the TMA variants of every kernel and mask mode (window
     included), and the PTX has the bulk tensor copies and the Hopper MMA we meant."""
-    import os
-    import subprocess
-    import sys
+    from sm90 import compile_for_sm90
 
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("triton's bundled ptxas is missing")
-    cases = [("fwd", "bfloat16", 128, 128, "window", (64, 64, 4, 3)),
-             ("fwd", "float16", 72, 40, "causal", (128, 64, 8, 2)),
-             ("bwd_dq", "bfloat16", 64, 64, "window", (64, 64, 4, 3)),
-             ("bwd_dkdv", "bfloat16", 128, 128, "window", (64, 64, 4, 2))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", f"CASES = {cases!r}\n" + _COMPILE_TMA], capture_output=True,
-                       text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("OK ") == len(cases), r.stdout
+    got = compile_for_sm90([("fwd", "bfloat16", 128, 128, "window", (64, 64, 4, 3, 1)),
+                            ("fwd", "float16", 72, 40, "causal", (128, 64, 8, 2, 1)),
+                            ("bwd_dq", "bfloat16", 64, 64, "window", (64, 64, 4, 3, 1)),
+                            ("bwd_dkdv", "bfloat16", 128, 128, "window", (64, 64, 4, 2, 1))])
+    for vid, (shared, bulk, wgmma) in got.items():
+        assert vid.endswith("_tma") and bulk and wgmma and shared > 0, vid
 
 
 def test_layout_signature_is_part_of_the_key_and_keeps_old_ids(monkeypatch):
