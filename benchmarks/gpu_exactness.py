@@ -470,11 +470,13 @@ def run_matrix(cases, workers, deadline, log):
 def space_variants(dtype="bfloat16", head_dims=(64, 128), masks=("none", "causal", "window")):
     from flashgen import resources, space
     from flashgen.arch import current
-    from flashgen.spec import KERNELS, KernelSpec, Variant
+    from flashgen.spec import KERNELS, KernelSpec, Variant, is_decode
 
     arch = current()
     out = []
-    for kern in KERNELS:
+    # The decode kernels have their own float64 check of every config (flashgen tune
+    # --preset decode precompiles and checks them; benchmarks/decode_bench.py).
+    for kern in (k for k in KERNELS if not is_decode(k)):
         for d in head_dims:
             for m in masks:
                 spec = KernelSpec(kern, dtype, d, d, m)
