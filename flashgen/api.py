@@ -17,7 +17,7 @@ import numbers
 import torch
 
 from . import compile as _compile
-from . import dispatch, library, ops, reference
+from . import dispatch, dropout, library, ops, reference
 from .errors import InputError
 from .masks import mask_bounds
 from .spec import KernelSpec, ProblemKey, Variant
@@ -205,9 +205,76 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
     return (o, lse) if return_lse else o
 
 
+def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
+    """Checked score-mod arguments: (softcap, alibi float32 (h,) or (b, h), bias expanded
+    to (b, h, sq, sk) in q's dtype or None, dropout_p, the rng state or None)."""
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
+            or softcap < 0:
+        raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
+        raise InputError(f"dropout_p must be a real in [0, 1), got {dropout_p!r}")
+    if alibi_slopes is not None:
+        a = alibi_slopes
+        if not isinstance(a, torch.Tensor) or a.dtype != torch.float32:
+            raise InputError("alibi_slopes must be a float32 tensor of shape (num_heads,) or (batch, num_heads), got "
+                             + (str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__))
+        if tuple(a.shape) not in ((h,), (b, h)):
+            raise InputError(f"alibi_slopes must have shape ({h},) or ({b}, {h}) (num_heads = {h}), "
+                             f"got {tuple(a.shape)}")
+        if a.device != q.device:
+            raise InputError(f"alibi_slopes.device ({a.device}) must equal q.device ({q.device})")
+        if a.requires_grad:
+            raise InputError("alibi_slopes must not require grad (flashgen computes no gradient for them)")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise InputError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dtype != q.dtype and bias.dtype != torch.bool:
+            raise InputError(f"bias.dtype must be q.dtype ({q.dtype}) or torch.bool (True = attend), got {bias.dtype}")
+        if bias.device != q.device:
+            raise InputError(f"bias.device ({bias.device}) must equal q.device ({q.device})")
+        if bias.requires_grad:
+            raise InputError("bias must not require grad: flashgen computes no bias gradient (detach it)")
+        if bias.dim() > 4:
+            raise InputError(f"bias must have at most 4 dims, got shape {tuple(bias.shape)}")
+        if bias.dtype == torch.bool:
+            bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~bias, float("-inf"))
+        try:
+            bias = bias.expand(b, h, sq, sk)
+        except RuntimeError:
+            raise InputError(f"bias of shape {tuple(bias.shape)} does not broadcast to (batch, num_heads, seqlen_q, "
+                             f"seqlen_k) = {(b, h, sq, sk)}") from None
+    if rng_state is not None:
+        dropout._check_state(rng_state, q.device)
+    return float(softcap), alibi_slopes, bias, float(dropout_p), rng_state
+
+
+def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align, softcap, alibi_slopes, bias,
+                    dropout_p, rng_state):
+    """The path of calls with score modifications (no per-call memo: the checks run each call)."""
+    _check_return_lse(return_lse)
+    q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
+    softcap, alibi, bias, dropout_p, rng_state = _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state)
+    rng = None
+    if dropout_p > 0:
+        state = rng_state if rng_state is not None else dropout.default_state(q.device)
+        rng = dropout.take(state, dropout.counters(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    args = (q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
+    plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+    if torch.compiler.is_compiling() or not plain or _dispatch_modes() or _functorch_active():
+        o, lse = library.FWD_MODS(*args)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = library.EagerAttentionMods.apply(*args)
+    else:
+        o, lse = library.forward_mods(*args)
+    return (o, lse) if return_lse else o
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
-              return_lse: bool = False):
+              return_lse: bool = False, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None):
     """Exact attention ``softmax(q @ k^T * softmax_scale) @ v``, FlashAttention-style.
 
     Args:
@@ -236,6 +303,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             magnitude in [1e-30, 1e30] (it is applied in float32).
         return_lse: a bool: also return the log-sum-exp of each score row.
 
+    Score modifications, each compiled into the kernels only when used (a separate
+    tuned variant; :data:`flashgen.spec.MODS`), applied to s = softmax_scale * q.k in
+    this order, before the mask:
+
+        softcap: > 0: s <- softcap * tanh(s / softcap) (Gemma 2's logit soft-capping,
+            FlashAttention-2's ``softcap``); 0 (default) is off.
+        alibi_slopes: float32 (num_heads,) or (batch, num_heads): s <- s - slope *
+            |i + seqlen_k - seqlen_q - j| (Press et al. 2022, "Train Short, Test Long";
+            FlashAttention-2's bottom-right ALiBi).  No gradient.
+        bias: an additive bias broadcastable to (batch, num_heads, seqlen_q, seqlen_k),
+            q's dtype (added in float32), or torch.bool (True = attend, False = -inf).
+            Read tile by tile, never materialized at full size; -inf entries mask (a
+            row left with no finite score outputs 0, LSE = -inf).  No gradient: a
+            bias that requires grad is an error.
+        dropout_p: in [0, 1): drops normalized probabilities with this rate and scales
+            the kept ones by 1 / (1 - dropout_p) (the LSE is of the undropped scores).
+            The mask comes from Philox keyed by (seed, offset, batch, head, row,
+            column) (:mod:`flashgen.dropout`), so it does not depend on the tile
+            config, the backward recomputes it exactly, and :func:`flashgen.dropout_mask`
+            returns it.  Needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU).
+        rng_state: int64 (2,) [seed, offset] on q's device that dropout reads and
+            advances in place by batch * num_heads * seqlen_q * seqlen_k (default: the
+            device's state, :func:`flashgen.manual_seed`).  A CUDA graph replay
+            advances it too, so each replay draws a fresh mask.
+
     Returns:
         O of shape (batch, num_heads, seqlen_q, head_dim_v), q's dtype; with
         ``return_lse``, also LSE (batch, num_heads, seqlen_q), float32, natural log,
@@ -260,6 +352,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Raises:
         InputError (a ValueError): an argument breaks a rule; the message names it.
     """
+    if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
+        return _attention_mods(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
+                               return_lse=return_lse, align="bottom_right", softcap=softcap,
+                               alibi_slopes=alibi_slopes, bias=bias, dropout_p=dropout_p, rng_state=rng_state)
     return _attention(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                       return_lse=return_lse, align="bottom_right")
 

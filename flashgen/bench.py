@@ -112,11 +112,58 @@ def _mask_kw(spec, shape: Shape, mask: dict | None = None):
     return dict(softmax_scale=spec.head_dim ** -0.5, mask=mode, diag_lo=lo, diag_hi=hi), mask
 
 
-def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | None = None):
+#: The score-mod arguments the tuner and the checks use: a Gemma-2-like soft cap, the
+#: ALiBi paper's slopes, a bias of shape (1, heads, seqlen_q, seqlen_k) (a relative-
+#: position bias: shared over the batch), dropout 0.1.
+TUNE_SOFTCAP = 20.0
+TUNE_DROPOUT_P = 0.1
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi's geometric slopes 2^(-8 i / n), i = 1..n (Press et al. 2022, for n a power
+    of two; other n take the same formula)."""
+    return [2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)]
+
+
+def mod_inputs(spec, shape: Shape, device="cuda", seed=0) -> "ops.ScoreMods | None":
+    """The ScoreMods of ``spec.mods`` for ``shape`` (None when it has none)."""
+    from .spec import mods_set
+
+    ms = mods_set(spec.mods)
+    if not ms:
+        return None
+    g = torch.Generator(device=device).manual_seed(seed + 77)
+    bias = None
+    if "bias" in ms:
+        bias = torch.randn(1, shape.num_heads, shape.seqlen_q, shape.seqlen_k, device=device, generator=g,
+                           dtype=_TORCH_DTYPES[spec.dtype]).expand(shape.batch, -1, -1, -1)
+    return ops.ScoreMods(
+        softcap=TUNE_SOFTCAP if "softcap" in ms else 0.0,
+        alibi=torch.tensor(alibi_slopes(shape.num_heads), dtype=torch.float32, device=device) if "alibi" in ms else None,
+        bias=bias,
+        dropout_p=TUNE_DROPOUT_P if "dropout" in ms else 0.0,
+        rng=torch.tensor([seed + 5, 0], dtype=torch.int64, device=device) if "dropout" in ms else None)
+
+
+def reference_mods(mods, shape: Shape) -> dict:
+    """The keyword arguments of :func:`flashgen.reference.forward` for ``mods``."""
+    if mods is None:
+        return {}
+    from .dropout import dropout_mask
+
+    out = dict(softcap=mods.softcap, alibi=mods.alibi, bias=mods.bias)
+    if mods.dropout_p > 0:
+        out.update(keep=dropout_mask(mods.rng, shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k,
+                                     mods.dropout_p), dropout_p=mods.dropout_p)
+    return out
+
+
+def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | None = None, mods=None):
     """A zero-argument callable that launches ``variant``'s kernel on these inputs (the
     other kernels it needs run once, here, with their default configs), and the outputs
     it checks: {name: tensor}.  ``mask``: dict(causal=, window=, align=), or None for
-    the spec's default (see :func:`_mask_kw`)."""
+    the spec's default (see :func:`_mask_kw`).  ``mods``: the ScoreMods of a spec with
+    score mods (None: :func:`mod_inputs`)."""
     spec, cfg = variant.spec, variant.config
     if is_varlen(spec.kernel):
         return run_variant_varlen(variant, q, k, v, do, *seqs, arch=arch, mask=mask)
@@ -124,6 +171,8 @@ def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | No
         return run_variant_decode(variant, q, k, v, do, *seqs)
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
     kw, _ = _mask_kw(spec, shape, mask)
+    if spec.mods:
+        kw["mods"] = mods if mods is not None else mod_inputs(spec, shape, device=q.device)
     if spec.kernel == "fwd":
         out = torch.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -134,7 +183,7 @@ def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | No
     from .spec import KernelSpec
 
     arch = arch or _arch()
-    fspec = KernelSpec("fwd", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask)
+    fspec = KernelSpec("fwd", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask, spec.mods)
     o, lse = ops.fwd(q, k, v, config=default_config(fspec, arch), **kw)
     if spec.kernel == "bwd_dq":
         dq = torch.empty_like(q)
@@ -143,7 +192,7 @@ def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | No
         def fn():
             ops.bwd_dq(do, q, k, v, o, lse, config=cfg, dq=dq, delta=delta, **kw)
         return fn, {"dQ": dq}
-    qspec = KernelSpec("bwd_dq", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask)
+    qspec = KernelSpec("bwd_dq", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask, spec.mods)
     _, delta = ops.bwd_dq(do, q, k, v, o, lse, config=default_config(qspec, arch), **kw)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
 
@@ -405,13 +454,14 @@ def _beyond(t, extra: int = 64):
     return buf[:, :, :s]
 
 
-def compare(outs: dict, q, k, v, do, *, mask: dict, softmax_scale: float) -> dict[str, tuple[float, float, float]]:
+def compare(outs: dict, q, k, v, do, *, mask: dict, softmax_scale: float,
+            mods: dict | None = None) -> dict[str, tuple[float, float, float]]:
     """{name: (err, torch_err, ratio)} for the outputs in ``outs`` (any of O, LSE, dQ, dK,
     dV): err = max |out - float64 reference|, torch_err the same for torch at the input
     dtype, ratio = err / (2 * torch_err + FLOOR); ratio <= 1 passes (inf for a NaN, or
     for an -inf LSE where the reference is finite or vice versa)."""
     dt = q.dtype
-    rkw = dict(softmax_scale=softmax_scale, **mask)
+    rkw = dict(softmax_scale=softmax_scale, **mask, **(mods or {}))
     refs = {}
     if {"O", "LSE"} & set(outs):
         r, b = reference.forward(q, k, v, **rkw), reference.forward(q, k, v, dtype=dt, **rkw)
@@ -438,13 +488,15 @@ def check_variant_detail(variant: Variant, group: int = 1, device: str | None = 
     for i, (shape, mask) in enumerate(mask_cases(spec, group)):
         q, k, v, do = make_inputs(spec, shape, device=device, seed=1234 + i)
         k, v = _beyond(k), _beyond(v)
-        fn, outs = run_variant(variant, q, k, v, do, mask=mask)
+        mods = mod_inputs(spec, shape, device=device, seed=i)
+        fn, outs = run_variant(variant, q, k, v, do, mask=mask, mods=mods)
         for t in outs.values():
             t.fill_(float("nan"))
         fn()
         if q.is_cuda:
             torch.cuda.synchronize()
-        res = compare(outs, q, k, v, do, mask=mask, softmax_scale=spec.head_dim ** -0.5)
+        res = compare(outs, q, k, v, do, mask=mask, softmax_scale=spec.head_dim ** -0.5,
+                      mods=reference_mods(mods, shape))
         tag = f"q{shape.seqlen_q}k{shape.seqlen_k}" + ("c" if mask["causal"] else "") + \
             (f"w{mask['window'][0]}_{mask['window'][1]}" if tuple(mask["window"]) != (-1, -1) else "") + \
             ("tl" if mask["align"] == "top_left" else "")

@@ -21,7 +21,7 @@ import sqlite_utils
 
 from .env import MATCH_COLUMNS, Environment
 from .errors import InputError
-from .spec import KERNELS, Measurement, ProblemKey, Shape, TileConfig, Variant, attention_flops
+from .spec import KERNELS, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant, attention_flops
 
 TABLE = "measurements"
 BUSY_TIMEOUT_S = 60.0
@@ -31,7 +31,7 @@ COLUMNS: dict[str, type] = {
     # ProblemKey.as_row()
     "key": str, "kernel": str, "dtype": str, "head_dim": int, "head_dim_v": int, "mask": str,
     "group_size": int, "seqlen_q_bucket": int, "seqlen_k_bucket": int, "batch_heads_bucket": int,
-    "layout": str,  # OPTIONAL_COLUMNS
+    "layout": str, "mods": str,  # OPTIONAL_COLUMNS
     # Variant
     "variant_id": str, "BLOCK_M": int, "BLOCK_N": int, "num_warps": int, "num_stages": int,
     "tma": int, "ws": int, "num_splits": int,  # OPTIONAL_COLUMNS
@@ -47,7 +47,7 @@ COLUMNS: dict[str, type] = {
 }
 #: Columns added after the first release: a file without them is still a tuning DB
 #: (they read as NULL, i.e. the knob's default; a writable open adds them).
-OPTIONAL_COLUMNS = ("tma", "ws", "num_splits", "layout")
+OPTIONAL_COLUMNS = ("tma", "ws", "num_splits", "layout", "mods")
 ENV_COLUMNS = ("gpu_name", "compute_capability", "sm_count", "triton_version", "torch_version",
                "flashgen_version", "template_hash")
 #: A row's identity across databases (``merge_from`` skips rows already present).
@@ -115,8 +115,10 @@ def _env_where(env: Environment) -> tuple[str, list]:
     cond = " AND ".join(f"[{c}] = ?" for c in MATCH_COLUMNS)
     per_kernel = []
     for k in KERNELS:
-        per_kernel.append("([kernel] = ? AND [template_hash] = ?)")
-        params += [k, env.template_hash(k)]
+        # one code hash per score-modification set the kernel compiles (render.template_hash)
+        hashes = sorted({env.template_hash(k, m) for m in kernel_mods(k)})
+        per_kernel.append(f"([kernel] = ? AND [template_hash] IN ({', '.join('?' * len(hashes))}))")
+        params += [k, *hashes]
     return f"({cond} AND ({' OR '.join(per_kernel)}))", params
 
 
@@ -211,7 +213,7 @@ class TuningDB:
             "status": m.status, "median_ms": m.median_ms, "tflops": tflops,
             "max_abs_err": m.max_abs_err, "smem_bytes_model": int(smem_bytes_model),
             "smem_bytes_compiled": m.smem_bytes_compiled, "n_spills": m.n_spills,
-            "n_regs": m.n_regs, "error": m.error, **env.as_row(s.kernel),
+            "n_regs": m.n_regs, "error": m.error, **env.as_row(s.kernel, s.mods),
         }
         if not dedupe:
             return self._t.insert(row).last_rowid
@@ -232,6 +234,35 @@ class TuningDB:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
             raise
+
+    def migrate_text_hashes(self, old_templates: str | Path) -> dict[str, int]:
+        """Carry rows recorded under the old template identity (the text hash of the
+        template files, flashgen before code hashes) over to the current code hash,
+        for each kernel whose code is unchanged.
+
+        ``old_templates``: a directory holding the templates those rows were measured
+        with (e.g. ``git show <rev>:templates/...``).  For each kernel, a row whose
+        ``template_hash`` is that directory's text hash is rewritten to the current
+        :func:`flashgen.render.template_hash` only when every probe variant renders
+        to the same source from both directories (``mods`` ""), i.e. the measured code
+        is the code the dispatcher would run; rows of a kernel whose code changed are
+        left as they are (and so stay unused).  Returns kernel -> rows rewritten
+        (-1: code changed, none rewritten)."""
+        from . import render
+
+        if self.readonly:
+            raise InputError(f"{self.path} is read-only; migrate a writable copy")
+        old = str(old_templates)
+        out = {}
+        for k in KERNELS:
+            if render._code_hash(k, "", old) != render.template_hash(k, ""):
+                out[k] = -1
+                continue
+            cur = self._conn.execute(f"UPDATE {TABLE} SET template_hash = ? WHERE kernel = ? AND template_hash = ?",
+                                     (render.template_hash(k, ""), k, render.text_hash(k, old)))
+            out[k] = cur.rowcount
+        self._conn.commit()
+        return out
 
     def merge_from(self, other_path: str | Path) -> int:
         """Append the rows of another tuning DB that this one lacks (identity:

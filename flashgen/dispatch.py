@@ -182,6 +182,12 @@ class Dispatcher:
                      + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
                 if d < near_d:
                     near, near_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
+        if near is None and key.spec.mods:
+            # Score mods nobody tuned: the tiles tuned for the same problem without them.
+            plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
+            base = self._lookup(plain)
+            if base is not None and resources.estimate(Variant(key.spec, base.config), self.arch).feasible:
+                near = dataclasses.replace(base, key=key, source="nearest", tuned_key=base.tuned_key)
         if near is not None and key.layout == "strided" and near.config.tma:
             # Inputs no tensor descriptor can address: the same tiles on pointer loads.
             near = dataclasses.replace(near, config=dataclasses.replace(near.config, tma=0))

@@ -39,20 +39,21 @@ class Environment:
         return cls(a.name, "%d.%d" % a.compute_capability, a.sm_count, triton.__version__,
                    torch.__version__, __version__)
 
-    def template_hash(self, kernel: str) -> str:
-        """The current hash of ``kernel``'s template (read at record time)."""
-        return render.template_hash(kernel)
+    def template_hash(self, kernel: str, mods: str = "") -> str:
+        """The current code hash of ``kernel`` compiled with score modifications ``mods``
+        (:func:`flashgen.render.template_hash`)."""
+        return render.template_hash(kernel, mods)
 
-    def match_fields(self, kernel: str) -> dict[str, str]:
-        """Column -> value that a row of ``kernel`` must have to match this environment."""
+    def match_fields(self, kernel: str, mods: str = "") -> dict[str, str]:
+        """Column -> value that a row of ``kernel``/``mods`` must have to match this environment."""
         d = {c: getattr(self, c) for c in MATCH_COLUMNS}
-        d["template_hash"] = self.template_hash(kernel)
+        d["template_hash"] = self.template_hash(kernel, mods)
         return d
 
     def matches(self, row: dict) -> bool:
         """Whether a tuning-DB row was measured in this environment."""
-        return all(row.get(c) == v for c, v in self.match_fields(row["kernel"]).items())
+        return all(row.get(c) == v for c, v in self.match_fields(row["kernel"], row.get("mods") or "").items())
 
-    def as_row(self, kernel: str) -> dict:
-        """The environment columns of a DB row for ``kernel``."""
-        return {**dataclasses.asdict(self), "template_hash": self.template_hash(kernel)}
+    def as_row(self, kernel: str, mods: str = "") -> dict:
+        """The environment columns of a DB row for ``kernel``/``mods``."""
+        return {**dataclasses.asdict(self), "template_hash": self.template_hash(kernel, mods)}

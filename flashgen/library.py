@@ -71,7 +71,7 @@ def layout_signature(q: Tensor, k: Tensor, v: Tensor) -> str:
     return "" if ops.tma_ok(q) and ops.tma_ok(k) and ops.tma_ok(v) else "strided"
 
 
-def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str):
+def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str = ""):
     """(TileConfig, loaded module) of ``kernel`` for these inputs, from the default
     dispatcher.  Memoized per exact sizes in the dispatcher's ``fast`` table (cleared
     with it); inside a CUDA graph capture a miss takes the dispatcher's capture-safe
@@ -81,12 +81,12 @@ def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str):
     # Strides, dtype and the bases' low address bits decide the layout signature, so
     # a hit needs no layout_signature() call.
     fk = (kernel, mask, q.dtype, q.shape, k.shape, v.shape[3], interp, q.stride(), k.stride(), v.stride(),
-          (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15)
+          (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, mods)
     hit = disp.fast.get(fk)
     if hit is not None:
         return hit
     capturing = dispatch.graph_capturing()
-    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask)
+    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, mods)
     key = ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
                                 seqlen_q=q.shape[2], seqlen_k=k.shape[2], layout=layout_signature(q, k, v))
     cfg = disp.choose(key, capturing=capturing).config
@@ -267,6 +267,139 @@ class EagerAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+# -- score modifications (softcap, ALiBi, bias, dropout) -----------------------------
+#
+# ``torch.ops.flashgen.fwd_mods(q, k, v, scale, mask, lo, hi, softcap, alibi, bias,
+# dropout_p, rng) -> (O, LSE)`` and ``torch.ops.flashgen.bwd_mods(do, q, k, v, o, lse,
+# scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng) -> (dQ, dK, dV)``: the
+# dense ops with the mods of :class:`flashgen.ops.ScoreMods` (alibi float32 (h,) or
+# (b, h); bias expanded to (b, h, sq, sk), no gradient; rng the int64 [seed, offset]
+# this call uses, already taken from the state by the caller).  Separate ops, so the
+# plain ops' schema and hot path stay as they are.
+
+def _mods(softcap, alibi, bias, dropout_p, rng) -> "ops.ScoreMods":
+    return ops.ScoreMods(softcap, alibi, bias, dropout_p, rng if dropout_p > 0 else None)
+
+
+def _reference_mods(q, m: "ops.ScoreMods"):
+    if m.dropout_p > 0:
+        from .errors import InputError
+
+        raise InputError("dropout_p > 0 runs in the Triton kernels only: use a CUDA device, or TRITON_INTERPRET=1 "
+                         "on the CPU (or bfloat16 off the interpreter)")
+    return dict(softcap=m.softcap, alibi=m.alibi, bias=m.bias)
+
+
+def forward_mods(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int, softcap: float,
+                 alibi: Optional[Tensor], bias: Optional[Tensor], dropout_p: float, rng: Optional[Tensor]):
+    """(O, LSE) with score mods: the kernels, or the float32 reference (no dropout)."""
+    m = _mods(softcap, alibi, bias, dropout_p, rng)
+    b, h, sq, _ = q.shape
+    if is_empty(q, k):
+        return (q.new_zeros((b, h, sq, v.shape[3])),
+                torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
+    if not use_kernels(q):
+        o, lse, _ = reference.forward_bounds(q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, m))
+        return o.to(q.dtype).contiguous(), lse.contiguous()
+    q, scale, _ = _signed_q(q, scale)
+    with _on_device(q):
+        cfg, mod = kernel_for("fwd", q, k, v, mask, m.name)
+        return ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod,
+                       addressable=True, mods=m)
+
+
+def backward_mods(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
+                  lo: int, hi: int, softcap: float, alibi: Optional[Tensor], bias: Optional[Tensor],
+                  dropout_p: float, rng: Optional[Tensor]):
+    """(dQ, dK, dV) with score mods."""
+    m = _mods(softcap, alibi, bias, dropout_p, rng)
+    if is_empty(q, k):
+        return _zeros_like(q), _zeros_like(k), _zeros_like(v)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if not use_kernels(q):
+        dq, dk, dv = reference.backward_bounds(do, q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, m))
+        return _into(q, dq), _into(k, dk), _into(v, dv)
+    q, scale, sign = _signed_q(q, scale)
+    with _on_device(q):
+        cfg_dq, mod_dq = kernel_for("bwd_dq", q, k, v, mask, m.name)
+        cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask, m.name)
+        dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
+                             config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv,
+                             addressable=True, mods=m)
+    if sign == -1:
+        dq = dq.neg_()
+    elif sign == 0:
+        dq = dq.zero_()
+    return dq, dk, dv
+
+
+@torch.library.custom_op("flashgen::fwd_mods", mutates_args=())
+def fwd_mods_op(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int, softcap: float,
+                alibi: Optional[Tensor], bias: Optional[Tensor], dropout_p: float,
+                rng: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return forward_mods(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
+
+
+@fwd_mods_op.register_fake
+def _fwd_mods_fake(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng):
+    return _fwd_fake(q, k, v, scale, mask, lo, hi)
+
+
+@torch.library.custom_op("flashgen::bwd_mods", mutates_args=())
+def bwd_mods_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
+                lo: int, hi: int, softcap: float, alibi: Optional[Tensor], bias: Optional[Tensor],
+                dropout_p: float, rng: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return backward_mods(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
+
+
+@bwd_mods_op.register_fake
+def _bwd_mods_fake(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context_mods(ctx, inputs, output):
+    q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, alibi, bias, rng)
+    ctx.args = (scale, mask, lo, hi, softcap, dropout_p)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_mods(ctx, do, _dlse):
+    q, k, v, o, lse, alibi, bias, rng = ctx.saved_tensors
+    scale, mask, lo, hi, softcap, dropout_p = ctx.args
+    dq, dk, dv = torch.ops.flashgen.bwd_mods(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias,
+                                             dropout_p, rng)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+fwd_mods_op.register_autograd(_backward_mods, setup_context=_setup_context_mods)
+
+
+class EagerAttentionMods(torch.autograd.Function):
+    """:class:`EagerAttention` for the ops with score mods.
+
+    apply(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng) -> (O, LSE)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng):
+        o, lse = forward_mods(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mods = (alibi, bias, rng)
+        ctx.args = (scale, mask, lo, hi, softcap, dropout_p)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        alibi, bias, rng = ctx.mods
+        scale, mask, lo, hi, softcap, dropout_p = ctx.args
+        dq, dk, dv = backward_mods(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
 @torch.library.custom_op("flashgen::decode", mutates_args=())
 def decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor],
               scale: float, causal: bool) -> tuple[Tensor, Tensor]:
@@ -287,6 +420,7 @@ def _decode_fake(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
 FWD = torch.ops.flashgen.fwd.default
 BWD = torch.ops.flashgen.bwd.default
 DECODE = torch.ops.flashgen.decode.default
+FWD_MODS = torch.ops.flashgen.fwd_mods.default
 
 
 def default_scale(head_dim: int) -> float:

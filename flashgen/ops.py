@@ -15,7 +15,7 @@ import math
 import torch
 
 from . import compile as _compile
-from .spec import KernelSpec, TileConfig, Variant
+from .spec import KernelSpec, TileConfig, Variant, mods_name
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 LOG2E = 1.4426950408889634
@@ -53,8 +53,54 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     return d
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreMods:
+    """The runtime arguments of the score modifications (:data:`flashgen.spec.MODS`).
+
+    softcap: > 0 caps the scores (0: off).  alibi: float32 slopes, (num_heads,) or
+    (batch, num_heads) (None: off).  bias: an additive tensor expanded to (batch,
+    num_heads, seqlen_q, seqlen_k) (stride 0 where broadcast), any float dtype, read as
+    float32 (None: off).  dropout_p in [0, 1) with rng, an int64 (2,) [seed, offset]
+    tensor on the device (the kernels read it; 0: off).  The caller has checked them
+    (:func:`flashgen.api.attention`)."""
+
+    softcap: float = 0.0
+    alibi: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    rng: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        """The KernelSpec ``mods`` these arguments compile."""
+        return mods_name(softcap=self.softcap > 0, alibi=self.alibi is not None, bias=self.bias is not None,
+                         dropout=self.dropout_p > 0)
+
+    def kernel_args(self, softmax_scale: float, with_scale: bool) -> list:
+        """The extra kernel arguments, in the order of ``_common.j2``'s
+        ``mod_kernel_params``."""
+        name = self.name
+        out: list = []
+        if with_scale and (self.softcap > 0 or self.alibi is not None or self.bias is not None):
+            out.append(softmax_scale)
+        if self.softcap > 0:
+            out.append(float(self.softcap))
+        if self.alibi is not None:
+            a = self.alibi
+            out += [a, a.stride(0) if a.dim() == 2 else 0, a.stride(-1)]
+        if self.bias is not None:
+            out += [self.bias, *self.bias.stride()]
+        if "dropout" in name:
+            out += [self.rng, float(self.dropout_p)]
+        return out
+
+
+def _mods_of(mods: "ScoreMods | None") -> str:
+    return mods.name if mods is not None else ""
+
+
 def _module_and_streamed(kernel: str, dtype, d: int, dv: int, mask: str, config: TileConfig, module,
-                         a, b, rows: int, checked: bool):
+                         a, b, rows: int, checked: bool, mods: str = ""):
     """(config, loaded module, a_arg, b_arg) for a launch whose streamed tiles are ``a``
     (head dim d) and ``b`` (head dim dv), ``rows`` rows per tile: descriptors for a tma
     module, the tensors themselves otherwise.  A tma config whose a or b no descriptor
@@ -62,14 +108,15 @@ def _module_and_streamed(kernel: str, dtype, d: int, dv: int, mask: str, config:
     pointer loads."""
     if config.tma and not (checked or (tma_ok(a) and tma_ok(b))):
         config, module = dataclasses.replace(config, tma=0), None
-    mod = module or _compile.load(Variant(KernelSpec(kernel, dtype_name(dtype), d, dv, mask), config))
+    mod = module or _compile.load(Variant(KernelSpec(kernel, dtype_name(dtype), d, dv, mask, mods), config))
     if mod.TMA:
         return config, mod, _descriptor(a, rows, mod.D_PAD.value), _descriptor(b, rows, mod.DV_PAD.value)
     return config, mod, a, b
 
 
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-        config: TileConfig, out=None, lse=None, module=None, addressable: bool = False):
+        config: TileConfig, out=None, lse=None, module=None, addressable: bool = False,
+        mods: ScoreMods | None = None):
     """O (batch, heads, seqlen_q, head_dim_v) in q's dtype and LSE (batch, heads,
     seqlen_q) float32, natural log.  ``module``: the loaded module of this variant, when
     the caller already holds it (skips building the Variant and the load lookup).
@@ -77,11 +124,12 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     A config with ``tma`` whose K or V a tensor descriptor cannot address (see
     :func:`tma_ok`: an unaligned slice, expanded heads) runs the same tiles with
     pointer loads instead.  ``addressable=True``: the caller has established that q, k
-    and v are (their ProblemKey layout is ""), so the check is skipped."""
+    and v are (their ProblemKey layout is ""), so the check is skipped.  ``mods``: the
+    score modifications' arguments (the variant compiled with ``mods.name``)."""
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     config, mod, k_arg, v_arg = _module_and_streamed("fwd", q.dtype, d, dv, mask, config, module, k, v,
-                                                     config.BLOCK_N, addressable)
+                                                     config.BLOCK_N, addressable, _mods_of(mods))
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -95,18 +143,20 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         *v.stride()[:3],
         *out.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
+        *(mods.kernel_args(softmax_scale, True) if mods is not None else ()),
         num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
     ))
     return out, lse
 
 
 def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-           config: TileConfig, dq=None, delta=None, module=None, addressable: bool = False):
+           config: TileConfig, dq=None, delta=None, module=None, addressable: bool = False,
+           mods: ScoreMods | None = None):
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
     config, mod, k_arg, v_arg = _module_and_streamed("bwd_dq", q.dtype, d, dvd, mask, config, module, k, v,
-                                                     config.BLOCK_N, addressable)
+                                                     config.BLOCK_N, addressable, _mods_of(mods))
     dq = torch.empty_like(q) if dq is None else dq
     delta = torch.empty_like(lse) if delta is None else delta
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
@@ -119,20 +169,22 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
         *do.stride()[:3],
         *dq.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
+        *(mods.kernel_args(softmax_scale, False) if mods is not None else ()),
         num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
     ))
     return dq, delta
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-             config: TileConfig, dk=None, dv=None, module=None, addressable: bool = False):
+             config: TileConfig, dk=None, dv=None, module=None, addressable: bool = False,
+             mods: ScoreMods | None = None):
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
     # ``addressable`` vouches for q, not for dO
     checked = addressable and (not config.tma or tma_ok(do))
     config, mod, q_arg, do_arg = _module_and_streamed("bwd_dkdv", q.dtype, d, dvd, mask, config, module, q, do,
-                                                      config.BLOCK_M, checked)
+                                                      config.BLOCK_M, checked, _mods_of(mods))
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     num_n_blocks = _cdiv(sk, config.BLOCK_N)
@@ -145,6 +197,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
         *dk.stride()[:3],
         *dv.stride()[:3],
         h, h // hk, sq, sk, num_n_blocks, diag_lo, diag_hi,
+        *(mods.kernel_args(softmax_scale, False) if mods is not None else ()),
         num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
     ))
     return dk, dv
@@ -152,14 +205,15 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         config_dq: TileConfig, config_dkdv: TileConfig, dq=None, dk=None, dv=None, delta=None,
-        module_dq=None, module_dkdv=None, addressable: bool = False):
+        module_dq=None, module_dkdv=None, addressable: bool = False, mods: ScoreMods | None = None):
     """dQ, dK, dV (shapes of q, k, v; dK and dV summed over each GQA group).
 
     Two launches: ``bwd_dq`` (also writes delta = rowsum(dO * O), float32) and then
     ``bwd_dkdv``, which reads delta.  Both recompute P from Q, K and the LSE.
     ``addressable``: as in :func:`fwd` (dO is still checked).
     """
-    kw = dict(softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi, addressable=addressable)
+    kw = dict(softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi, addressable=addressable,
+              mods=mods)
     dq, delta = bwd_dq(do, q, k, v, o, lse, config=config_dq, dq=dq, delta=delta, module=module_dq, **kw)
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, config=config_dkdv, dk=dk, dv=dv, module=module_dkdv, **kw)
     return dq, dk, dv

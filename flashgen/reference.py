@@ -6,6 +6,12 @@ Appendix B.2): S = scale·QK^T, masked entries -inf, LSE = logsumexp(S) per row 
 log; -inf for a row that sees no key), P = exp(S - LSE) (0 on such rows), O = PV,
 delta = rowsum(dO∘O), dS = P∘(dO V^T - delta), dQ = scale·dS K, dK = scale·dS^T Q,
 dV = P^T dO; with GQA, dK and dV are summed over each group of query heads.
+
+Score modifications (:data:`flashgen.spec.MODS`), applied to S before the mask:
+softcap S <- c·tanh(S/c) (its backward multiplies dS by 1 - tanh²), ALiBi S <- S -
+slope·|i + seqlen_k - seqlen_q - j|, an additive bias; dropout multiplies P by
+keep/(1 - p) on the way to O and dP by the same on the way back (delta = rowsum(dO∘O)
+is unchanged: FlashAttention-2, Appendix B).
 """
 
 from __future__ import annotations
@@ -31,33 +37,65 @@ def _scale_and_bounds(q, k, causal, window, softmax_scale, align):
     return scale, lo, hi
 
 
-def forward_bounds(q, k, v, scale, lo, hi, dtype=torch.float64):
+def _modded_scores(q, k, scale, softcap, alibi, bias, dtype):
+    """S = scale·QK^T with the score mods, and tanh(S/softcap) (None without softcap)."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    tc = None
+    if softcap:
+        tc = torch.tanh(s / softcap)
+        s = softcap * tc
+    sq, sk = q.shape[2], k.shape[2]
+    if alibi is not None:
+        a = alibi.to(dtype)
+        a = a[None, :] if a.dim() == 1 else a  # (batch or 1, heads)
+        i = torch.arange(sq, device=q.device, dtype=dtype)[:, None]
+        j = torch.arange(sk, device=q.device, dtype=dtype)[None, :]
+        s = s - a[:, :, None, None] * (i + (sk - sq) - j).abs()
+    if bias is not None:
+        s = s + bias.to(dtype)
+    return s, tc
+
+
+def forward_bounds(q, k, v, scale, lo, hi, dtype=torch.float64, *, softcap=0.0, alibi=None, bias=None,
+                   keep=None, dropout_p=0.0):
     """(O, LSE, P) in ``dtype`` for the mask "query i sees key j iff lo <= j - i <= hi"
     (:func:`flashgen.masks.mask_bounds`); LSE is -inf and O, P are 0 on rows that see no
-    key."""
+    key.  Score mods as in the module docstring: ``softcap`` (0: off), ``alibi`` slopes
+    (heads,) or (batch, heads), ``bias`` broadcastable to (batch, heads, seqlen_q,
+    seqlen_k), ``keep`` the boolean dropout mask (batch, heads, seqlen_q, seqlen_k) with
+    ``dropout_p``.  P is the undropped probabilities."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.to(dtype) for t in (q, k, v))
     k, v = _expand_kv(k, group), _expand_kv(v, group)
-    s = (q @ k.transpose(-1, -2)) * scale
-    vis = _visible(q.shape[2], k.shape[2], lo, hi, q.device)
+    s, _ = _modded_scores(q, k, scale, softcap, alibi, bias, dtype)
+    vis = _visible(q.shape[2], k.shape[2], lo, hi, q.device) & (s != float("-inf"))
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
     lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(s - lse_safe[..., None])
     p = torch.where(vis, p, torch.zeros_like(p))
-    return p @ v, lse, p
+    return _dropped(p, keep, dropout_p) @ v, lse, p
 
 
-def backward_bounds(do, q, k, v, scale, lo, hi, dtype=torch.float64):
-    """(dQ, dK, dV) in ``dtype`` for the same mask as :func:`forward_bounds`."""
+def _dropped(x, keep, dropout_p):
+    return x if keep is None else torch.where(keep, x / (1.0 - dropout_p), torch.zeros_like(x))
+
+
+def backward_bounds(do, q, k, v, scale, lo, hi, dtype=torch.float64, *, softcap=0.0, alibi=None, bias=None,
+                    keep=None, dropout_p=0.0):
+    """(dQ, dK, dV) in ``dtype`` for the same mask and mods as :func:`forward_bounds`."""
     group = q.shape[1] // k.shape[1]
-    o, _, p = forward_bounds(q, k, v, scale, lo, hi, dtype)
+    mods = dict(softcap=softcap, alibi=alibi, bias=bias, keep=keep, dropout_p=dropout_p)
+    o, _, p = forward_bounds(q, k, v, scale, lo, hi, dtype, **mods)
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
     ke, ve = _expand_kv(k, group), _expand_kv(v, group)
-    dv = p.transpose(-1, -2) @ do
-    dp = do @ ve.transpose(-1, -2)
+    dv = _dropped(p, keep, dropout_p).transpose(-1, -2) @ do
+    dp = _dropped(do @ ve.transpose(-1, -2), keep, dropout_p)
     delta = (do * o).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    if softcap:
+        _, tc = _modded_scores(q, ke, scale, softcap, None, None, dtype)
+        ds = ds * (1 - tc * tc)
     dq = (ds @ ke) * scale
     dk = (ds.transpose(-1, -2) @ q) * scale
     if group > 1:
@@ -68,18 +106,18 @@ def backward_bounds(do, q, k, v, scale, lo, hi, dtype=torch.float64):
 
 
 def forward(q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align="bottom_right",
-            dtype=torch.float64):
+            dtype=torch.float64, **mods):
     """(O, LSE, P): O in ``dtype``, LSE float in ``dtype`` (natural log), P the
-    probabilities (kept for the backward)."""
+    probabilities (kept for the backward).  ``mods``: as in :func:`forward_bounds`."""
     scale, lo, hi = _scale_and_bounds(q, k, causal, window, softmax_scale, align)
-    return forward_bounds(q, k, v, scale, lo, hi, dtype)
+    return forward_bounds(q, k, v, scale, lo, hi, dtype, **mods)
 
 
 def backward(do, q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, align="bottom_right",
-             dtype=torch.float64):
+             dtype=torch.float64, **mods):
     """(dQ, dK, dV) in ``dtype``."""
     scale, lo, hi = _scale_and_bounds(q, k, causal, window, softmax_scale, align)
-    return backward_bounds(do, q, k, v, scale, lo, hi, dtype)
+    return backward_bounds(do, q, k, v, scale, lo, hi, dtype, **mods)
 
 
 def max_error(got, ref) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import Arch
-from .spec import Variant, base_kernel
+from .spec import Variant, base_kernel, mods_set
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,11 @@ TMA_BARRIER_BYTES = 1024
 def smem_buffers(variant: Variant) -> dict[str, int]:
     """Named shared-memory buffers (bytes) of a variant."""
     bufs = _tile_buffers(variant)
+    if "bias" in mods_set(variant.spec.mods):
+        # The bias tile is a pointer load in the streamed loop: one buffer per stage when
+        # the loop is pipelined, one staging tile otherwise (an upper bound).
+        c = variant.config
+        bufs["bias_tiles"] = c.BLOCK_M * c.BLOCK_N * variant.spec.dtype_bytes * max(1, c.num_stages)
     if variant.config.tma:
         bufs["tma_barriers"] = TMA_BARRIER_BYTES
     return bufs

@@ -66,6 +66,43 @@ def supports(kernel: str, mask: str) -> bool:
 #: runtime values (a sliding window, optionally causal).
 MASKS = ("none", "causal", "window")
 
+#: Score modifications compiled into the dense kernels (``KernelSpec.mods``), applied
+#: in this order to s = softmax_scale * q·k (FlashAttention-2's ``softcap`` and
+#: ``alibi_slopes``, Gemma 2's logit soft-capping, Press et al. 2022's ALiBi):
+#: ``softcap``  s <- softcap * tanh(s / softcap)
+#: ``alibi``    s <- s - slope[head] * |i + seqlen_k - seqlen_q - j|
+#: ``bias``     s <- s + bias[b, h, i, j]   (an additive tensor, read tile by tile)
+#: then the mask, the softmax, and ``dropout`` of the normalized probabilities
+#: (P <- P * keep / (1 - dropout_p), keep drawn from Philox keyed by (seed, offset,
+#: batch, head, row, column)).  A spec's ``mods`` is "" or a subset joined by "_" in
+#: this order (:func:`mods_name`).
+MODS = ("softcap", "alibi", "bias", "dropout")
+
+
+def mods_name(*, softcap: bool = False, alibi: bool = False, bias: bool = False, dropout: bool = False) -> str:
+    """The canonical ``KernelSpec.mods`` string of a set of score modifications."""
+    on = dict(softcap=softcap, alibi=alibi, bias=bias, dropout=dropout)
+    return "_".join(m for m in MODS if on[m])
+
+
+def mods_set(mods: str) -> frozenset[str]:
+    """The modifications named by a ``mods`` string ("" -> none)."""
+    return frozenset(mods.split("_")) if mods else frozenset()
+
+
+def all_mods() -> list[str]:
+    """Every canonical ``mods`` string, "" first."""
+    import itertools
+
+    return [mods_name(**dict(zip(MODS, bits))) for bits in itertools.product((False, True), repeat=len(MODS))]
+
+
+def kernel_mods(kernel: str) -> list[str]:
+    """The ``mods`` strings ``kernel`` compiles: every set for the dense kernels, ""
+    for the others."""
+    return all_mods() if kernel in DENSE_KERNELS else [""]
+
+
 DTYPES = ("float16", "bfloat16", "float32")
 _DTYPE_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -89,8 +126,15 @@ class KernelSpec:
     head_dim: int
     head_dim_v: int
     mask: str
+    mods: str = ""
 
     def __post_init__(self):
+        if self.mods:
+            if self.mods not in all_mods():
+                raise ValueError(f"mods must be '' or a '_'-joined subset of {MODS} in that order, got {self.mods!r}")
+            if self.kernel not in DENSE_KERNELS:
+                raise ValueError(f"score modifications ({self.mods}) are compiled into {DENSE_KERNELS} only, "
+                                 f"not {self.kernel!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.dtype not in DTYPES:
@@ -119,7 +163,8 @@ class KernelSpec:
     @property
     def id(self) -> str:
         d = f"d{self.head_dim}" if self.head_dim == self.head_dim_v else f"d{self.head_dim}v{self.head_dim_v}"
-        return f"attn_{self.kernel}_{d}_{_DTYPE_SHORT[self.dtype]}_{self.mask}"
+        base = f"attn_{self.kernel}_{d}_{_DTYPE_SHORT[self.dtype]}_{self.mask}"
+        return f"{base}_{self.mods}" if self.mods else base
 
 
 @dataclass(frozen=True)
@@ -266,13 +311,13 @@ class ProblemKey:
             "head_dim": self.spec.head_dim, "head_dim_v": self.spec.head_dim_v,
             "mask": self.spec.mask, "group_size": self.group,
             "seqlen_q_bucket": self.seqlen_q, "seqlen_k_bucket": self.seqlen_k,
-            "batch_heads_bucket": self.batch_heads, "layout": self.layout,
+            "batch_heads_bucket": self.batch_heads, "layout": self.layout, "mods": self.spec.mods,
         }
 
     @classmethod
     def from_row(cls, row: dict) -> "ProblemKey":
         spec = KernelSpec(row["kernel"], row["dtype"], int(row["head_dim"]),
-                          int(row["head_dim_v"]), row["mask"])
+                          int(row["head_dim_v"]), row["mask"], row.get("mods") or "")
         return cls(spec, int(row["group_size"]), int(row["seqlen_q_bucket"]),
                    int(row["seqlen_k_bucket"]), int(row["batch_heads_bucket"]), row.get("layout") or "")
 

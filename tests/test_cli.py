@@ -16,7 +16,7 @@ runner = CliRunner(env={"COLUMNS": "250"})
 
 @pytest.fixture(autouse=True)
 def template_hashes(monkeypatch):
-    monkeypatch.setattr(render, "template_hash", lambda k: f"tmpl-{k}")
+    monkeypatch.setattr(render, "template_hash", lambda k, mods="": f"tmpl-{k}-{mods}")
 
 
 @pytest.fixture

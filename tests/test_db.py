@@ -18,7 +18,7 @@ KEY = SHAPE.key(SPEC)
 C1, C2, C3 = TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 2)
 
 
-def _fake_hashes(kernel):
+def _fake_hashes(kernel, mods=""):
     return f"tmpl-{kernel}"
 
 
@@ -87,7 +87,7 @@ def test_best_filters_status_and_env(db, monkeypatch):
     assert [r["status"] for r in db.rows(status="launch_failed")] == ["launch_failed"]
     # another Triton version, or a changed template, matches nothing
     assert db.best(KEY, Environment("NVIDIA H200", "9.0", 132, "3.5.1", "2.11.0", "0.1.0")) is None
-    monkeypatch.setattr(render, "template_hash", lambda k: "edited")
+    monkeypatch.setattr(render, "template_hash", lambda k, mods="": "edited")
     assert db.best(KEY, ENV) is None and not ENV.matches(db.get(1))
     assert db.best(KEY)["median_ms"] == 0.1
 

@@ -236,7 +236,7 @@ def test_tuner_over_a_decode_key(tmp_path, monkeypatch):
     from flashgen import render, tuner
     from flashgen.db import TuningDB
 
-    monkeypatch.setattr(render, "template_hash", lambda k: f"tmpl-{k}")
+    monkeypatch.setattr(render, "template_hash", lambda k, mods="": f"tmpl-{k}")
     env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
     sm90 = TABLE["sm_90"]
     key, shape = presets.expand(["decode"], kernels=["decode_paged"])[0]

@@ -127,7 +127,7 @@ def test_rows_of_another_template_hash_are_ignored(db_path, monkeypatch):
     from flashgen import render
 
     real = render.template_hash
-    monkeypatch.setattr(render, "template_hash", lambda k: "0" * 16 if k == "fwd" else real(k))
+    monkeypatch.setattr(render, "template_hash", lambda k, mods="": "0" * 16 if k == "fwd" else real(k, mods))
     with pytest.warns(UserWarning, match="no rows for this environment"):
         assert disp(db_path).choose(KEY).source == "default"
 

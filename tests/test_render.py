@@ -1,6 +1,8 @@
 """Templates -> source text -> cached module: rendering, strictness, ids, the compile cache."""
 
+import dataclasses
 import hashlib
+import json
 import os
 
 import jinja2
@@ -8,7 +10,7 @@ import pytest
 
 from flashgen import compile as fcompile
 from flashgen import render
-from flashgen.spec import DTYPES, KERNELS, MASKS, KernelSpec, TileConfig, Variant, is_decode, supports
+from flashgen.spec import DENSE_KERNELS, DTYPES, KERNELS, MASKS, KernelSpec, TileConfig, Variant, is_decode, supports, kernel_mods
 
 # (head_dim, head_dim_v): powers of two, padded (40 -> 64, 72 -> 128), and dv != d.
 HEAD_DIMS = [(16, 16), (40, 40), (64, 64), (72, 72), (128, 128), (256, 256), (32, 64), (72, 40)]
@@ -65,18 +67,22 @@ def _render_kwargs(kernel):
     return dict(variant_id=v.id, template_hash=render.template_hash(kernel), kernel=kernel, dtype=s.dtype,
                 head_dim=s.head_dim, head_dim_v=s.head_dim_v, head_dim_pad=s.head_dim_pad,
                 head_dim_v_pad=s.head_dim_v_pad, mask=s.mask, BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
-                num_warps=c.num_warps, num_stages=c.num_stages, tma=c.tma, ws=c.ws, num_splits=c.num_splits)
+                num_warps=c.num_warps, num_stages=c.num_stages, tma=c.tma, ws=c.ws, num_splits=c.num_splits,
+                mods="", softcap=False, alibi=False, bias=False, dropout=False)
 
 
 @pytest.mark.parametrize("missing", ["variant_id", "template_hash", "dtype", "head_dim", "head_dim_v",
                                      "head_dim_pad", "head_dim_v_pad", "mask", "BLOCK_M", "BLOCK_N",
-                                     "num_warps", "num_stages"])
+                                     "num_warps", "num_stages", "mods"])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_strict_undefined(kernel, missing):
     tmpl = render._env().get_template(render.template_name(kernel))
     kw = _render_kwargs(kernel)
     assert kw["variant_id"] in tmpl.render(**kw)  # complete: renders
     del kw[missing]
+    if missing == "mods" and kernel not in DENSE_KERNELS:
+        assert kw["variant_id"] in tmpl.render(**kw)  # score mods exist in the dense kernels only
+        return
     with pytest.raises(jinja2.UndefinedError):
         tmpl.render(**kw)
 
@@ -100,15 +106,58 @@ def test_variant_id(spec, cfg, expected):
     assert Variant(spec, cfg).id == expected
 
 
-def test_template_hash_covers_template_and_macros():
+def test_text_hash_covers_template_and_macros():
     for kernel in KERNELS:
         h = hashlib.sha256()
         included = ("attn_decode.py.j2",) if kernel == "decode_paged" else ()
         assert render.template_files(kernel) == (render.template_name(kernel), *included, "_common.j2")
         for name in render.template_files(kernel):
             h.update((render.templates_dir() / name).read_bytes())
-        assert render.template_hash(kernel) == h.hexdigest()[:16]
-    assert len({render.template_hash(k) for k in KERNELS}) == len(KERNELS)
+        assert render.text_hash(kernel) == h.hexdigest()[:16]
+
+
+def test_shipped_code_hashes_are_current():
+    """templates/code_hashes.json matches the templates: run ``python -m flashgen.render``
+    after a template edit when this fails."""
+    table = json.loads(render.code_hashes_path().read_text())
+    for kernel in KERNELS:
+        assert set(table[kernel]) == {m or "-" for m in kernel_mods(kernel)}
+        for mods in kernel_mods(kernel):
+            entry = table[kernel][mods or "-"]
+            assert entry["text"] == render.text_hash(kernel), (kernel, mods)
+            assert entry["code"] == render._code_hash(kernel, mods) == render.template_hash(kernel, mods)
+    hashes = [render.template_hash(k, m) for k in KERNELS for m in kernel_mods(k)]
+    assert len(set(hashes)) == len(hashes)
+
+
+def test_code_hash_follows_the_generated_code_not_the_template_text(tmp_path):
+    """Editing what a variant's source contains changes its code hash; adding a branch
+    that no recorded variant renders (a new mode) or a Jinja comment does not."""
+    import shutil
+
+    d = tmp_path / "t"
+    shutil.copytree(render.templates_dir(), d)
+    fwd = d / "attn_fwd.py.j2"
+    text = fwd.read_text()
+    base = {k: render._code_hash(k, "", str(d)) for k in ("fwd", "bwd_dq")}
+    assert base == {k: render.template_hash(k) for k in base}
+    fwd.write_text(text.replace("import triton\n", "{# a comment #}\n{% if mods == 'nothing' %}x = 1\n{% endif %}import triton\n", 1))
+    assert render._code_hash("fwd", "", str(d)) == base["fwd"]
+    assert render.text_hash("fwd", str(d)) != render.text_hash("fwd")
+    fwd.write_text(text.replace("import triton\n", "import triton  # changed\n", 1))
+    assert render._code_hash("fwd", "", str(d)) != base["fwd"]
+    assert render._code_hash("bwd_dq", "", str(d)) == base["bwd_dq"]
+
+
+def test_mods_are_compiled_in_only_when_named():
+    spec = KernelSpec("fwd", "float16", 64, 64, "causal")
+    plain = render.render(Variant(spec, TileConfig(64, 32, 4, 1)))
+    assert "sm_scale" not in plain and "tl.rand" not in plain and "BIAS" not in plain
+    full = render.render(Variant(dataclasses.replace(spec, mods="softcap_alibi_bias_dropout"), TileConfig(64, 32, 4, 1)))
+    for sym in ("softcap", "ALIBI", "BIAS", "tl.rand(seed", "dropout_p"):
+        assert sym in full
+    only = render.render(Variant(dataclasses.replace(spec, mods="dropout"), TileConfig(64, 32, 4, 1)))
+    assert "tl.rand(seed" in only and "BIAS" not in only and "sm_scale" not in only
 
 
 def test_load_memoizes_and_writes_once(tmp_path, monkeypatch):

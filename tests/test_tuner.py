@@ -23,7 +23,7 @@ SMALL = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "num_warps": (4, 8), "num_s
 
 @pytest.fixture(autouse=True)
 def template_hashes(monkeypatch):
-    monkeypatch.setattr(render, "template_hash", lambda k: f"tmpl-{k}")
+    monkeypatch.setattr(render, "template_hash", lambda k, mods="": f"tmpl-{k}-{mods}")
 
 
 @pytest.fixture
