@@ -467,19 +467,20 @@ def run_matrix(cases, workers, deadline, log):
 # every config of the search space
 
 
-def space_variants(dtype="bfloat16", head_dims=(64, 128), masks=("none", "causal", "window")):
+def space_variants(dtype="bfloat16", head_dims=(64, 128), masks=("none", "causal", "window"), mods=""):
     from flashgen import resources, space
     from flashgen.arch import current
-    from flashgen.spec import KERNELS, KernelSpec, Variant, is_decode
+    from flashgen.spec import KERNELS, KernelSpec, Variant, is_decode, is_varlen
 
     arch = current()
     out = []
     # The decode kernels have their own float64 check of every config (flashgen tune
     # --preset decode precompiles and checks them; benchmarks/decode_bench.py).
-    for kern in (k for k in KERNELS if not is_decode(k)):
+    # Score mods are compiled into the dense kernels only.
+    for kern in (k for k in KERNELS if not is_decode(k) and not (mods and is_varlen(k))):
         for d in head_dims:
             for m in masks:
-                spec = KernelSpec(kern, dtype, d, d, m)
+                spec = KernelSpec(kern, dtype, d, d, m, mods)
                 out += [Variant(spec, c) for c in space.valid_configs(spec)
                         if resources.estimate(Variant(spec, c), arch).feasible]
     return out
@@ -679,6 +680,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="matrix cases not started after this many seconds are skipped (reported)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: big,space,matrix")
+    ap.add_argument("--mods", default="", help="the search-space part with these score mods compiled in "
+                    "(e.g. softcap_alibi_bias_dropout: every mod's code at once; dense kernels only)")
     args = ap.parse_args(argv)
     t_start = time.time()
     deadline = t_start + args.budget_s
@@ -723,14 +726,15 @@ def main(argv=None):
 
     if "space" not in skip:
         if args.smoke:  # float16 (the interpreter's bf16 dots are wrong), one config per kernel x mask
-            vs = space_variants("float16", (64,))
+            vs = space_variants("float16", (64,), mods=args.mods)
             pick = {}
             for v in vs:
                 pick.setdefault((v.spec.kernel, v.spec.mask), v)
             vs = [pick[k] for k in (("fwd", "none"), ("bwd_dq", "causal"), ("bwd_dkdv", "window"))]
         else:
-            vs = space_variants()
-        log(f"space: {len(vs)} valid + feasible variants (fwd/bwd_dq/bwd_dkdv x d 64/128 x none/causal/window)")
+            vs = space_variants(mods=args.mods)
+        log(f"space: {len(vs)} valid + feasible variants (fwd/bwd_dq/bwd_dkdv x d 64/128 x none/causal/window"
+            f"{', mods ' + args.mods if args.mods else ''})")
         t0 = time.time()
         records += run_space(vs, workers, log)
         log(f"space: done in {time.time() - t0:.0f}s")

@@ -735,9 +735,24 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     """Why :func:`scaled_dot_product_attention` hands these arguments to torch's SDPA,
     or None when flashgen runs them."""
     if attn_mask is not None:
-        return "attn_mask is given (flashgen has no dense mask)"
-    if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
-        return f"dropout_p = {dropout_p!r} (flashgen has no dropout)"
+        if not isinstance(attn_mask, torch.Tensor):
+            return f"attn_mask of type {type(attn_mask).__name__}"
+        if is_causal:
+            return "attn_mask with is_causal=True (torch raises)"
+        if isinstance(query, torch.Tensor) and attn_mask.dtype not in (torch.bool, query.dtype):
+            return f"attn_mask dtype {attn_mask.dtype} (flashgen: bool or the query's dtype)"
+        if attn_mask.requires_grad:
+            return "attn_mask requires grad (flashgen computes no bias gradient)"
+        if attn_mask.dim() > 4:
+            return f"attn_mask has {attn_mask.dim()} dims"
+        if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4:
+            try:
+                torch.broadcast_shapes(tuple(attn_mask.shape), (query.shape[0], query.shape[1], query.shape[2],
+                                                               key.shape[2]))
+            except RuntimeError:
+                return f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the scores"
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p = {dropout_p!r}"
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         return f"scale of type {type(scale).__name__}"
     if not isinstance(is_causal, bool):
@@ -768,9 +783,16 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     key j iff j <= i), not :func:`attention`'s bottom-right one.  ``scale`` None means
     1 / sqrt(head_dim).  Different head counts need ``enable_gqa=True`` (as in torch).
 
+    ``attn_mask`` (bool: True = take part; or the query's dtype: added to the scores),
+    broadcastable to (batch, heads, seqlen_q, seqlen_k), is served as flashgen's
+    ``bias`` (read tile by tile); a row it masks entirely outputs 0 (torch's math
+    backend gives NaN).  ``dropout_p`` in [0, 1) is served by flashgen's dropout
+    (Philox keyed by element, :mod:`flashgen.dropout`; a different random stream from
+    torch's).
+
     Everything flashgen cannot serve goes to torch's own SDPA with the same arguments
-    (so torch's errors are raised unchanged): an ``attn_mask``, ``dropout_p > 0``, other
-    ranks or dtypes, head dims that are not a multiple of 8 in [8, 256], mismatched
+    (so torch's errors are raised unchanged): an ``attn_mask`` of another dtype, with
+    ``is_causal``, or that requires grad, other ranks or dtypes, head dims that are not a multiple of 8 in [8, 256], mismatched
     head counts without ``enable_gqa``, empty inputs.  :func:`explain` with
     ``sdpa=True`` says which path a call takes and why.
     """
@@ -778,6 +800,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         kw = {"enable_gqa": True} if enable_gqa else {}  # (torch < 2.5 has no enable_gqa)
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    if attn_mask is not None or dropout_p:
+        return _attention_mods(query, key, value, causal=is_causal, window=(-1, -1), softmax_scale=scale,
+                               return_lse=False, align="top_left", softcap=0.0, alibi_slopes=None,
+                               bias=attn_mask, dropout_p=float(dropout_p), rng_state=None)
     return _attention(query, key, value, causal=is_causal, window=(-1, -1), softmax_scale=scale,
                       return_lse=False, align="top_left")
 
@@ -878,13 +904,21 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         choices = []
         layout = "" if q.is_meta else library.layout_signature(q, k, v)
         for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
-            key = ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask), batch=b, num_heads=h,
+            mods = _sdpa_mods(attn_mask, dropout_p) if sdpa else ""
+            key = ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask, mods), batch=b, num_heads=h,
                                         num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk, layout=layout)
             c = disp.choose(key, capturing=False)
             choices.append(KernelChoice(kernel, key.id, c.config.id, c.source, c.tuned_key, c.database,
                                         c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown))
         kernels = tuple(choices)
     return Explanation("flashgen", path, None, mask, lo, hi, scale, kernels)
+
+
+def _sdpa_mods(attn_mask, dropout_p) -> str:
+    """The score mods an SDPA call flashgen serves compiles (attn_mask -> bias)."""
+    from .spec import mods_name
+
+    return mods_name(bias=attn_mask is not None, dropout=bool(dropout_p))
 
 
 def explain_sizes(*, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,

@@ -120,7 +120,7 @@ def parse_shape(text: str) -> Case:
 
 
 def cases_from_presets(names: Iterable[str]) -> list[Case]:
-    from .presets import PRESETS, VARLEN_PRESETS
+    from .presets import DECODE_PRESETS, MODS_PRESETS, PRESETS, VARLEN_PRESETS
 
     out = []
     for n in names:
@@ -128,7 +128,12 @@ def cases_from_presets(names: Iterable[str]) -> list[Case]:
             raise KeyError(f"unknown preset {n!r}; known: {sorted(PRESETS)}")
         if n in VARLEN_PRESETS:
             raise KeyError(f"preset {n!r} is a ragged (varlen) batch: `flashgen tune` tunes it, but `flashgen "
-                           "bench` has no varlen runner yet")
+                           "bench` has no varlen runner: benchmarks/varlen_bench.py measures ragged batches")
+        if n in DECODE_PRESETS or n in MODS_PRESETS:
+            what = "decode problems" if n in DECODE_PRESETS else "score mods"
+            script = "decode_bench.py" if n in DECODE_PRESETS else "mods_bench.py"
+            raise KeyError(f"preset {n!r} holds {what}: `flashgen tune` tunes it, `flashgen bench` does not "
+                           f"run it (benchmarks/{script} does)")
         out += [Case(s.batch, s.num_heads, s.num_kv_heads, s.seqlen_q, s.seqlen_k, d, causal=mask == "causal")
                 for d, mask, s in PRESETS[n]()]
     return out

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from .spec import DENSE_KERNELS, KernelSpec, ProblemKey, Shape, base_kernel, is_decode
 
-Entry = tuple  # (head_dim (= head_dim_v), mask, Shape[, kernel in decode presets])
+Entry = tuple  # (head_dim (= head_dim_v), mask, Shape[, kernel in decode presets | mods in dense ones])
 
 
 def _fa_grid() -> list[Entry]:
@@ -40,6 +40,19 @@ def _varlen_docs() -> list[Entry]:
     per batch."""
     return [(128, mask, Shape(16384 // n * 2, 32, 8, n, n))
             for mask in ("causal", "none") for n in (512, 1024, 2048, 4096, 8192)]
+
+
+def _mods_bench() -> list[Entry]:
+    """The score mods (softcap, ALiBi, bias, dropout) on the shapes of
+    ``benchmarks/mods_bench.py``: 16 heads, head_dim 128, 16k tokens per batch,
+    seqlen 2048 and 8192, causal and not."""
+    return [(128, mask, Shape(16384 // n, 16, 16, n, n), mods)
+            for mods in ("softcap", "alibi", "bias", "dropout") for mask in ("none", "causal") for n in (2048, 8192)]
+
+
+def _mods_small() -> list[Entry]:
+    """Tiny score-mod problems for CPU smoke tests."""
+    return [(32, "causal", Shape(1, 2, 1, 37, 37), "softcap_alibi"), (32, "none", Shape(1, 2, 2, 33, 45), "bias")]
 
 
 def _varlen_small() -> list[Entry]:
@@ -75,13 +88,16 @@ def _decode_small() -> list[Entry]:
 
 PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
            "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
-           "decode": _decode, "decode-small": _decode_small}
+           "decode": _decode, "decode-small": _decode_small, "mods-bench": _mods_bench,
+           "mods-small": _mods_small}
 #: Presets of ragged batches: their entries are tuned with the varlen kernels
 #: (``fwd`` given to ``--kernels`` means ``fwd_varlen`` there, and the reverse).
 VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
 #: Presets of decode problems: each entry names its kernel (decode or decode_paged);
 #: ``--kernels`` selects among them when it names a decode kernel, else all run.
 DECODE_PRESETS = {"decode", "decode-small"}
+#: Presets whose entries carry score mods (a 4th element: KernelSpec.mods).
+MODS_PRESETS = {"mods-bench", "mods-small"}
 
 
 def expand(names: Iterable[str], dtype: str = "bfloat16",
@@ -106,8 +122,8 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
             continue
         varlen = name in VARLEN_PRESETS
         kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in training))
-        for d, mask, shape in PRESETS[name]():
+        for d, mask, shape, *mods in PRESETS[name]():
             for k in kinds:
-                key = shape.key(KernelSpec(k, dtype, d, d, mask))
+                key = shape.key(KernelSpec(k, dtype, d, d, mask, *mods))
                 out.setdefault(key, shape)
     return list(out.items())

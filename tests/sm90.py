@@ -14,9 +14,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from flashgen import render
 from flashgen.spec import KernelSpec, TileConfig, Variant
-for kernel, dtype, d, dv, mask, cfg in CASES:
+for kernel, dtype, d, dv, mask, cfg, *mods in CASES:
     cfg = TileConfig(*cfg)
-    v = Variant(KernelSpec(kernel, dtype, d, dv, mask), cfg)
+    v = Variant(KernelSpec(kernel, dtype, d, dv, mask, *mods), cfg)
     path = os.path.join(tempfile.mkdtemp(), v.id + ".py")
     open(path, "w").write(render.render(v))
     spec = importlib.util.spec_from_file_location(v.id, path)
@@ -35,10 +35,11 @@ for kernel, dtype, d, dv, mask, cfg in CASES:
         if n in descs:
             sig[n] = "tensordesc<%s[1,1,%d,%d]>" % ((short,) + descs[n])
         elif n[0].isupper():
-            sig[n] = "*i32" if n.startswith("CU_") else "*fp32" if n in ("LSE", "DELTA") else "*" + short
+            sig[n] = ("*i32" if n.startswith("CU_") else "*fp32" if n in ("LSE", "DELTA", "ALIBI") else
+                      "*i64" if n == "RNG" else "*" + short)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[n] = "fp32" if n in ("qk_scale", "sm_scale") else "i32"
+            sig[n] = "fp32" if n in ("qk_scale", "sm_scale", "softcap", "dropout_p") else "i32"
     k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -50,7 +51,7 @@ for kernel, dtype, d, dv, mask, cfg in CASES:
 def compile_for_sm90(cases, timeout=600):
     """{variant id: (shared bytes, PTX has bulk tensor copies, PTX has wgmma)} for
     ``cases`` of (kernel, dtype, head_dim, head_dim_v, mask, TileConfig fields as a
-    tuple); skips the test when Triton's bundled ptxas is missing."""
+    tuple[, mods]); skips the test when Triton's bundled ptxas is missing."""
     import triton
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import flashgen
-from flashgen import arch, dispatch, library, ops
+from flashgen import arch, dispatch, library, ops, reference
 from flashgen.dispatch import Dispatcher
 from flashgen.env import Environment
 
@@ -90,28 +90,83 @@ def test_flashgen_runs_it(interpret, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(attn_mask="mask"), "attn_mask"),
-    (dict(dropout_p=0.2), "dropout_p"),
+    (dict(attn_mask="float64"), "attn_mask dtype torch.float64"),
+    (dict(attn_mask="mask", is_causal=True), "attn_mask with is_causal=True"),
+    (dict(attn_mask="grad"), "attn_mask requires grad"),
+    (dict(dropout_p=1.0), "dropout_p = 1.0"),
 ])
 def test_fallbacks_are_torch_sdpa(kw, reason, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v, _ = _inputs(1, 2, 2, 8, 8, 16, 16, torch.float32)
-    if kw.get("attn_mask") == "mask":
-        kw = dict(attn_mask=torch.rand(8, 8) > 0.5)
-        kw["attn_mask"][:, 0] = True
+    m = kw.get("attn_mask")
+    if isinstance(m, str):
+        mask = torch.rand(8, 8) > 0.5
+        mask[:, 0] = True
+        kw = {**kw, "attn_mask": {"mask": mask, "float64": mask.double(),
+                                  "grad": mask.float().requires_grad_()}[m]}
     calls = []
     real = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k_: calls.append(k_) or real(*a, **k_))
-    monkeypatch.setattr(library, "forward", lambda *a: pytest.fail("flashgen ran a call it cannot serve"))
-    torch.manual_seed(0)
-    got = flashgen.scaled_dot_product_attention(q, k, v, **kw)
+    monkeypatch.setattr(library, "forward_mods", lambda *a: pytest.fail("flashgen ran a call it cannot serve"))
+    try:
+        want = real(q, k, v, **kw)
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError) as got:
+            flashgen.scaled_dot_product_attention(q, k, v, **kw)
+        assert str(got.value) == str(e)
+    else:
+        got = flashgen.scaled_dot_product_attention(q, k, v, **kw)
+        assert torch.equal(got, want)
     assert len(calls) == 1 and all(calls[0][n] is kw[n] or calls[0][n] == kw[n] for n in kw)
-    if "attn_mask" in kw:
-        assert torch.equal(got, real(q, k, v, **kw))
-    why = flashgen.explain(q, k, v, sdpa=True, **({"attn_mask": kw["attn_mask"]} if "attn_mask" in kw else
-                                                  {"dropout_p": kw["dropout_p"]}))
+    why = flashgen.explain(q, k, v, sdpa=True, causal=kw.get("is_causal", False),
+                           **{n: kw[n] for n in ("attn_mask", "dropout_p") if n in kw})
     assert why.backend == "torch-sdpa-fallback" and reason in why.reason and not why.kernels
     assert str(why).startswith("torch-sdpa-fallback: ") and reason in str(why)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "bool-broadcast"])
+def test_attn_mask_is_served_as_a_bias(mask_kind, monkeypatch):
+    """attn_mask (bool or the query's dtype, broadcast) runs in flashgen's kernels and
+    equals torch's SDPA with the same mask (top-left semantics, GQA)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: pytest.fail("fell back to torch"))
+    q, k, v, do = _inputs(2, 4, 2, 13, 21, 16, 16, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    if mask_kind == "float":
+        mask = torch.randn(2, 1, 13, 21, generator=g)
+    else:
+        mask = torch.rand((1, 21) if mask_kind == "bool-broadcast" else (2, 4, 13, 21), generator=g) > 0.3
+        mask[..., 0] = True
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    got = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got.backward(do)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    monkeypatch.undo()  # torch's own SDPA for the reference
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+    ref.backward(do)
+    assert (got - ref).abs().max() < 1e-5
+    for a, t in zip(grads, (q, k, v)):
+        assert (a - t.grad).abs().max() < 1e-4
+    why = flashgen.explain(q.detach(), k.detach(), v.detach(), sdpa=True, attn_mask=mask, enable_gqa=True)
+    assert why.backend == "flashgen" and all(c.key.startswith(f"attn_{c.kernel}_d16_fp32_none_bias_")
+                                             for c in why.kernels)
+
+
+def test_dropout_p_is_served_by_flashgen(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: pytest.fail("fell back to torch"))
+    q, k, v, _ = _inputs(1, 2, 2, 9, 11, 16, 16, torch.float32)
+    from flashgen import dropout
+
+    st = dropout.default_state(q.device)
+    before = st.clone()
+    got = flashgen.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
+    keep = flashgen.dropout_mask(before, 1, 2, 9, 11, 0.5)
+    ref, _, _ = reference.forward(q, k, v, causal=True, align="top_left", keep=keep, dropout_p=0.5)
+    assert (got.double() - ref).abs().max() < 1e-5
+    assert st[1].item() == before[1].item() + 2 * 9 * 11
 
 
 @pytest.mark.parametrize("shapes, kw, reason", [
