@@ -117,23 +117,8 @@ def main(argv=None) -> int:
     default_disp = Dispatcher(databases=[])
     tuned_disp = dispatch.default_dispatcher()
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
     def time_ms(fn) -> float:
-        fn()
-        sync()
-        if device == "cuda":
-            import triton.testing
-
-            return float(triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"))
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return sorted(ts)[1]
+        return bench.script_time_ms(fn, device == "cuda", args.warmup_ms, args.rep_ms)
 
     def save():
         with open(args.out, "w") as f:

@@ -526,6 +526,24 @@ def time_ms(fn, warmup_ms: int = 10, rep_ms: int = 40) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def script_time_ms(fn, cuda: bool, warmup_ms: int = 10, rep_ms: int = 40) -> float:
+    """Median ms of ``fn`` for the benchmark scripts: one call first (compile, warm-up),
+    then :func:`time_ms` on CUDA, or on the CPU (their smoke runs, in Triton's
+    interpreter) the wall-clock median of 3 calls."""
+    import time
+
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+        return time_ms(fn, warmup_ms, rep_ms)
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[1]
+
+
 def compiler_report(variant: Variant) -> dict:
     k = ops.compiled.get(variant.id)
     if k is None:

@@ -245,3 +245,86 @@ def matrix_bytes(name: str, batch: int, num_heads: int, seqlen_q: int, seqlen_k:
     if name == "sdpa-math":
         return 4 * nn * max(4, dtype_bytes)
     return None
+
+
+# ---------------------------------------------------------------------------------
+# Packed documents (ragged batches): FlexAttention with a document mask, SDPA padded
+
+#: What :func:`_document_mask` reads: "doc" (total,) int32 document id of each packed
+#: token, "noncausal" a 0-dim bool (module-level tensors: one compiled graph serves
+#: every document layout and both masks).
+_flex_docs: dict = {}
+
+
+def _document_mask(b, h, q_idx, kv_idx):
+    doc = _flex_docs["doc"]
+    return (doc[q_idx] == doc[kv_idx]) & ((q_idx >= kv_idx) | _flex_docs["noncausal"])
+
+
+def flex_document(q, k, doc_ids: torch.Tensor, *, causal: bool = False, softmax_scale=None,
+                  compiled: bool = True):
+    """``fn(q, k, v)`` running FlexAttention on packed documents as one batch-1 sequence:
+    q (1, heads, total, d), k and v (1, kv_heads, total, d), ``doc_ids`` (total,) the
+    document of each token, the same on both sides (self-attention: sequence z has
+    seqlen_q == seqlen_k, so causal within a document, q_idx >= kv_idx, is flashgen's
+    bottom-right causal).  Query and key attend iff same document (and causal).
+
+    The block mask is built here, once (fully masked blocks skipped, full blocks
+    unmasked); ``compiled=False`` runs flex_attention eagerly (its unfused path, for
+    the CPU).  Like :func:`flex`, fns from earlier calls must not be used after a
+    later call: the mask reads module-level tensors."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    total = q.shape[2]
+    if k.shape[2] != total or doc_ids.shape != (total,):
+        raise Unsupported(f"flex_document: needs one packing for q and k: q {total} tokens, k {k.shape[2]}, "
+                          f"doc_ids {tuple(doc_ids.shape)}")
+    doc = doc_ids.to(device=q.device, dtype=torch.int32)
+    old = _flex_docs.get("doc")
+    if old is not None and old.shape == doc.shape and old.device == doc.device:
+        old.copy_(doc)
+    else:
+        _flex_docs["doc"] = doc
+    _flex_docs["noncausal"] = torch.tensor(not causal, device=q.device)
+    block_mask = create_block_mask(_document_mask, B=None, H=None, Q_LEN=total, KV_LEN=total, device=q.device)
+    kw = dict(block_mask=block_mask, scale=_scale(q, softmax_scale), enable_gqa=q.shape[1] != k.shape[1])
+    attn = _compiled_flex() if compiled else flex_attention
+
+    def fn(q, k, v):
+        return attn(q, k, v, **kw)
+    return fn
+
+
+def run_sdpa(name: str, q, k, v, **kw):
+    """``F.scaled_dot_product_attention(q, k, v, **kw)`` restricted to backend ``name`` (a
+    key of SDPA_BACKENDS); a refusal raises RuntimeError carrying torch's reasons (its
+    warnings), as in :func:`sdpa`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with warnings.catch_warnings(record=True) as caught, sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name])):
+        warnings.simplefilter("always")
+        try:
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+        except RuntimeError as e:
+            raise RuntimeError(_sdpa_reason(str(e), [str(w.message) for w in caught])) from None
+
+
+def sdpa_padded(name: str, q, k, seq_lens, *, causal: bool = False, softmax_scale=None, key_mask: bool = True):
+    """``fn(q, k, v)`` running SDPA restricted to backend ``name`` on a right-padded
+    batch: q, k, v (batch, heads, max_len, d), sequence b holding ``seq_lens[b]`` real
+    tokens (the same on both sides).  Causal: ``is_causal`` (top-left, which on the real
+    rows of a right-padded self-attention batch is exact: a real query sees no padded
+    key).  Not causal: a boolean key-padding ``attn_mask`` (batch, 1, 1, max_len) when
+    ``key_mask``; without it padded keys are attended (not the same result: timing of
+    the padded work only).  A backend that refuses raises RuntimeError with torch's
+    reasons, as :func:`sdpa`."""
+    kw = dict(scale=_scale(q, softmax_scale), enable_gqa=q.shape[1] != k.shape[1])
+    if causal:
+        kw["is_causal"] = True
+    elif key_mask:
+        lens = torch.as_tensor(seq_lens, device=q.device)
+        kw["attn_mask"] = (torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+
+    def fn(q, k, v):
+        return run_sdpa(name, q, k, v, **kw)
+    return fn
