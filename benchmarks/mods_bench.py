@@ -483,7 +483,10 @@ def _flex_fn(mod, q, k, v, causal, scale, ref_kw, softcap, *, compiled: bool):
     block_mask = create_block_mask(peers._band_mask, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=q.device)
     score_mod = {"plain": None, "softcap": _softcap_mod, "alibi": _alibi_mod, "bias": _bias_mod}[mod]
     # Python numbers are constants of the compiled graph (one value per run); tensors are its inputs.
-    _state.update(softcap=float(softcap), offset=sk - sq)
+    # The soft cap is a 0-d tensor (a graph input): a captured Python float failed inside
+    # the compiled flex HOP on the H200 with torch 2.11 ("all unwrapped values must be
+    # FakeTensor, int, or SymInt").
+    _state.update(softcap=torch.tensor(float(softcap), device=q.device, dtype=torch.float32), offset=sk - sq)
     if mod == "alibi":
         _state["slopes"] = ref_kw["alibi"]
     if mod == "bias":

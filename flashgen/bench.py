@@ -545,7 +545,9 @@ def script_time_ms(fn, cuda: bool, warmup_ms: int = 10, rep_ms: int = 40) -> flo
 
 
 def compiler_report(variant: Variant) -> dict:
-    k = ops.compiled.get(variant.id)
+    from .spec import compiled_variant
+
+    k = ops.compiled.get(compiled_variant(variant).id)
     if k is None:
         return {}
     return {"smem_bytes_compiled": int(k.metadata.shared), "n_regs": getattr(k, "n_regs", None),

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from . import compile as _compile
 from . import dispatch, ops, reference
-from .spec import KernelSpec, ProblemKey, Variant
+from .spec import KernelSpec, ProblemKey, Variant, compiled_variant
 
 
 #: Entries of a per-call memo table before it is emptied and refilled.
@@ -90,7 +90,7 @@ def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: st
     key = ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
                                 seqlen_q=q.shape[2], seqlen_k=k.shape[2], layout=layout_signature(q, k, v))
     cfg = disp.choose(key, capturing=capturing).config
-    hit = (cfg, _compile.load(Variant(spec, cfg)))
+    hit = (cfg, _compile.load(compiled_variant(Variant(spec, cfg))))
     if not capturing:
         if len(disp.fast) >= FAST_TABLE_MAX:  # e.g. a decode loop with a growing seqlen_k
             disp.fast.clear()

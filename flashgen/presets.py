@@ -50,6 +50,12 @@ def _mods_bench() -> list[Entry]:
             for mods in ("softcap", "alibi", "bias", "dropout") for mask in ("none", "causal") for n in (2048, 8192)]
 
 
+def _mods_bias() -> list[Entry]:
+    """The ``bias`` entries of ``mods-bench`` alone (a re-tune after the bias kernels
+    changed: causal fwd/dQ run the window kernel, flashgen.spec.compiled_variant)."""
+    return [e for e in _mods_bench() if e[3] == "bias"]
+
+
 def _mods_small() -> list[Entry]:
     """Tiny score-mod problems for CPU smoke tests."""
     return [(32, "causal", Shape(1, 2, 1, 37, 37), "softcap_alibi"), (32, "none", Shape(1, 2, 2, 33, 45), "bias")]
@@ -89,7 +95,7 @@ def _decode_small() -> list[Entry]:
 PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
            "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
            "decode": _decode, "decode-small": _decode_small, "mods-bench": _mods_bench,
-           "mods-small": _mods_small}
+           "mods-bias": _mods_bias, "mods-small": _mods_small}
 #: Presets of ragged batches: their entries are tuned with the varlen kernels
 #: (``fwd`` given to ``--kernels`` means ``fwd_varlen`` there, and the reverse).
 VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
@@ -97,7 +103,7 @@ VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
 #: ``--kernels`` selects among them when it names a decode kernel, else all run.
 DECODE_PRESETS = {"decode", "decode-small"}
 #: Presets whose entries carry score mods (a 4th element: KernelSpec.mods).
-MODS_PRESETS = {"mods-bench", "mods-small"}
+MODS_PRESETS = {"mods-bench", "mods-bias", "mods-small"}
 
 
 def expand(names: Iterable[str], dtype: str = "bfloat16",

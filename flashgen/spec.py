@@ -97,6 +97,21 @@ def all_mods() -> list[str]:
     return [mods_name(**dict(zip(MODS, bits))) for bits in itertools.product((False, True), repeat=len(MODS))]
 
 
+def compiled_variant(v: "Variant") -> "Variant":
+    """The variant whose code runs for ``v``: itself, except that a causal ``fwd`` or
+    ``bwd_dq`` spec with a ``bias`` runs the window kernel (the same mask: a causal problem's lower bound on
+    j - i is -seqlen_q, which the window kernel reads as unbounded).  On sm_90 with
+    Triton 3.6 the causal kernel with a bias tile spills 1076-1572 bytes per thread
+    (fwd, dQ; ``ptxas -v`` with a unit-stride bias) where the window kernel, whose loops
+    differ only in a masked prologue that is empty here, spills none (docs/notes.md,
+    session 3); dK/dV spills either way, less as causal, and stays.  The tuner's and the
+    dispatcher's keys stay causal."""
+    s = v.spec
+    if s.kernel in ("fwd", "bwd_dq") and s.mask == "causal" and "bias" in mods_set(s.mods):
+        return Variant(dataclasses.replace(s, mask="window"), v.config)
+    return v
+
+
 def kernel_mods(kernel: str) -> list[str]:
     """The ``mods`` strings ``kernel`` compiles: every set for the dense kernels, ""
     for the others."""

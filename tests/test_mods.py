@@ -333,3 +333,26 @@ def test_mods_kernels_compile_for_sm90_with_wgmma():
         shared, bulk, wgmma = out[v.id]
         assert wgmma and bulk == bool(cfg[4]), v.id
         assert shared <= resources.estimate(v, SM90).total_bytes, (v.id, shared)
+
+
+def test_causal_with_a_bias_runs_the_window_kernel():
+    from flashgen.spec import compiled_variant
+
+    cfg = TileConfig(64, 64, 4, 2)
+    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+        for mods, mask in (("bias", "causal"), ("alibi_bias", "causal"), ("bias", "none"), ("alibi", "causal"),
+                           ("", "causal")):
+            v = Variant(KernelSpec(kernel, "float16", 64, 64, mask, mods), cfg)
+            routed = kernel != "bwd_dkdv" and mask == "causal" and "bias" in mods
+            assert compiled_variant(v).spec.mask == ("window" if routed else mask), v.id
+    # and stays exact (window kernel, causal bounds), both alignments
+    q, k, v = _qkv(sq=40, sk=29)
+    bias = torch.randn(4, 40, 29, dtype=F16)
+    for align in ("bottom_right", "top_left"):
+        mode, lo, hi = mask_bounds(40, 29, causal=True, window=(-1, -1), align=align)
+        m = ops.ScoreMods(bias=bias.expand(1, 4, 40, 29))
+        o, lse = ops.fwd(q.detach(), k.detach(), v.detach(), softmax_scale=0.25, mask=mode, diag_lo=lo, diag_hi=hi,
+                         config=cfg, mods=m)
+        ref, rlse, _ = reference.forward_bounds(q.detach(), k.detach(), v.detach(), 0.25, lo, hi,
+                                                bias=bias.expand(1, 4, 40, 29))
+        assert (o.double() - ref).abs().max() < 5e-3 and torch.equal(torch.isinf(lse), torch.isinf(rlse))
