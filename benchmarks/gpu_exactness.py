@@ -680,6 +680,7 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="matrix cases not started after this many seconds are skipped (reported)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: big,space,matrix")
+    ap.add_argument("--head-dims", default="64,128", help="head dims of the search-space part (default 64,128)")
     ap.add_argument("--mods", default="", help="the search-space part with these score mods compiled in "
                     "(e.g. softcap_alibi_bias_dropout: every mod's code at once; dense kernels only)")
     args = ap.parse_args(argv)
@@ -732,8 +733,8 @@ def main(argv=None):
                 pick.setdefault((v.spec.kernel, v.spec.mask), v)
             vs = [pick[k] for k in (("fwd", "none"), ("bwd_dq", "causal"), ("bwd_dkdv", "window"))]
         else:
-            vs = space_variants(mods=args.mods)
-        log(f"space: {len(vs)} valid + feasible variants (fwd/bwd_dq/bwd_dkdv x d 64/128 x none/causal/window"
+            vs = space_variants(head_dims=tuple(int(x) for x in args.head_dims.split(",")), mods=args.mods)
+        log(f"space: {len(vs)} valid + feasible variants (fwd/bwd_dq/bwd_dkdv x d {args.head_dims} x none/causal/window"
             f"{', mods ' + args.mods if args.mods else ''})")
         t0 = time.time()
         records += run_space(vs, workers, log)
