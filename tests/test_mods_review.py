@@ -1,0 +1,57 @@
+"""Score mods, dropout, SDPA serving and tuning-row identity at their edges: a soft cap
+far above the scores, a bias whose column offsets pass int32, dropout_mask's argument
+checks, dropout where the kernels do not run (SDPA falls back, attention fails before
+the state moves), the default dropout state under inference_mode and torch.compile,
+attn_mask on another device, and migrate_text_hashes with score-mod rows."""
+
+import shutil
+import sqlite3
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashgen
+from flashgen import InputError, dropout, reference, render
+from test_mods import _qkv as _mods_qkv
+
+pytestmark = pytest.mark.usefixtures("hermetic_dispatcher")
+F16, F32 = torch.float16, torch.float32
+
+
+def _qkv(h=2, sq=20, sk=20, dtype=F32, **kw):
+    return _mods_qkv(h=h, sq=sq, sk=sk, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("softcap", [1e4, 1e30])
+def test_a_soft_cap_far_above_the_scores_is_exact(softcap):
+    """tanh(s / softcap) for tiny arguments: 1 - 2 / (e^(2x) + 1) cancelled (softcap 1e4:
+    errors of 5e-4 in float32; 1e30: every score 0, uniform attention)."""
+    q, k, v = _qkv()
+    o, lse = flashgen.attention(q, k, v, softcap=softcap, causal=True, return_lse=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    ro, rlse, _ = reference.forward(qd, kd, vd, causal=True, softcap=softcap)
+    grads = reference.backward(do, qd, kd, vd, causal=True, softcap=softcap)
+    for got, want in zip((o.detach(), lse, q.grad, k.grad, v.grad), (ro, rlse, *grads)):
+        assert reference.max_error(got, want) < 1e-5
+
+
+def test_bias_column_offsets_past_int32():
+    """A bias view whose column stride times the column index passes 2**31 (a permuted
+    layout of a large bias): the kernel's address arithmetic wrapped in int32 and read
+    elsewhere (here: the NaNs at the start of the storage; out of bounds in general)."""
+    sq, sk = 4, 3
+    try:
+        store = torch.empty(2**32 + 64, dtype=F16)  # 8 GiB of address space, a few pages touched
+    except RuntimeError:
+        pytest.skip("cannot reserve 8 GiB of address space")
+    store[:64] = float("nan")  # where a wrapped offset lands
+    bias = store.as_strided((sq, sk), (1, 2**30), 2**31 + 16)
+    vals = torch.randn(sq, sk).to(F16)
+    bias.copy_(vals)
+    q, k, v = _qkv(b=1, h=1, hk=1, sq=sq, sk=sk, dtype=F16, grad=False)
+    o = flashgen.attention(q, k, v, bias=bias)
+    ref, _, _ = reference.forward(q, k, v, bias=vals)
+    assert reference.max_error(o, ref) < 2e-3
