@@ -43,14 +43,22 @@ def _check_state(rng_state: torch.Tensor, device: torch.device) -> None:
         raise InputError("rng_state must be contiguous")
 
 
+@torch.compiler.assume_constant_result
+def _first_seed() -> int:
+    # torch.initial_seed() is no graph op: a first use inside torch.compile reads it at
+    # trace time (the state is made once; later calls guard on its existence).
+    return (_seed[0] if _seed[0] is not None else torch.initial_seed()) & (2**63 - 1)
+
+
 def default_state(device: torch.device) -> torch.Tensor:
     """The device's dropout state, int64 (2,) [seed, offset]: created on first use with
     seed = the :func:`manual_seed` value, else ``torch.initial_seed()`` (63 bits), and
-    offset 0."""
+    offset 0.  A normal tensor even when the first use is under
+    ``torch.inference_mode()`` (it is advanced in place by later calls outside it)."""
     st = _states.get(device)
     if st is None:
-        seed = _seed[0] if _seed[0] is not None else torch.initial_seed()
-        st = torch.tensor([seed & (2**63 - 1), 0], dtype=torch.int64, device=device)
+        with torch.inference_mode(False):
+            st = torch.tensor([_first_seed(), 0], dtype=torch.int64, device=device)
         _states[device] = st
     return st
 

@@ -55,3 +55,38 @@ def test_bias_column_offsets_past_int32():
     o = flashgen.attention(q, k, v, bias=bias)
     ref, _, _ = reference.forward(q, k, v, bias=vals)
     assert reference.max_error(o, ref) < 2e-3
+
+
+@pytest.fixture
+def fresh_dropout_state(monkeypatch):
+    """No default dropout state yet and no flashgen.manual_seed."""
+    monkeypatch.setattr(dropout, "_states", {})
+    monkeypatch.setattr(dropout, "_seed", [None])
+
+
+def test_default_state_made_under_inference_mode_advances_outside_it(fresh_dropout_state):
+    q, k, v = _qkv(sq=9, sk=13, grad=False)
+    with torch.inference_mode():
+        flashgen.attention(q, k, v, dropout_p=0.3)
+        flashgen.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    # made as an inference tensor, the in-place advance outside inference_mode raised
+    flashgen.attention(q, k, v, dropout_p=0.3)
+    assert dropout.default_state(q.device)[1].item() == 3 * dropout.counters(1, 2, 9, 13)
+    flashgen.manual_seed(4)
+    assert dropout.default_state(q.device).tolist() == [4, 0]
+
+
+def test_compiled_first_use_of_the_default_dropout_state(fresh_dropout_state):
+    """torch.initial_seed() broke the fullgraph trace when the state did not exist yet."""
+    q, k, v = _qkv(sq=9, sk=13)
+
+    def f(q, k, v):
+        return flashgen.attention(q, k, v, dropout_p=0.3)
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    seed = torch.initial_seed() & (2**63 - 1)
+    assert dropout.default_state(q.device).tolist() == [seed, dropout.counters(1, 2, 9, 13)]
+    want = flashgen.attention(q, k, v, dropout_p=0.3, rng_state=torch.tensor([seed, 0]))
+    assert torch.equal(got, want)
+    got.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
