@@ -213,8 +213,7 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
             or softcap < 0:
         raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
-        raise InputError(f"dropout_p must be a real in [0, 1), got {dropout_p!r}")
+    dropout_p = dropout.check_p(dropout_p)
     if alibi_slopes is not None:
         a = alibi_slopes
         if not isinstance(a, torch.Tensor) or a.dtype != torch.float32:

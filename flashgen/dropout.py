@@ -22,6 +22,7 @@ them; callers may pass their own state tensor instead.
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 
 import torch
@@ -105,21 +106,44 @@ def _mask_kernel(interp: bool):
     return dropout_mask_kernel
 
 
+def check_p(dropout_p) -> float:
+    """``dropout_p`` as a float, or InputError unless it is a real in [0, 1)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
+        from .errors import InputError
+
+        raise InputError(f"dropout_p must be a real in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
 def dropout_mask(rng_state: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int,
                  dropout_p: float) -> torch.Tensor:
     """The keep mask the kernels draw for ``rng_state`` = [seed, offset] (as passed to
     the call, i.e. before it advanced): bool (batch, num_heads, seqlen_q, seqlen_k),
     True where the element is kept.  The state is not advanced.  Runs on CUDA, or on
-    the CPU in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    the CPU in Triton's interpreter (``TRITON_INTERPRET=1``).
+
+    Raises InputError for arguments :func:`flashgen.attention` would reject (an
+    ``rng_state`` that is not a contiguous int64 (2,) tensor, ``dropout_p`` outside
+    [0, 1)), negative sizes, or a CPU state outside the interpreter."""
+    from .errors import InputError
+
+    _check_state(rng_state, getattr(rng_state, "device", None))
+    for name, n in (("batch", batch), ("num_heads", num_heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise InputError(f"{name} must be an int >= 0, got {n!r}")
+    dropout_p = check_p(dropout_p)
     out = torch.empty((batch, num_heads, seqlen_q, seqlen_k), dtype=torch.int8, device=rng_state.device)
     total = out.numel()
     if total:
         interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if not (rng_state.is_cuda or interp):
+            raise InputError(f"dropout_mask runs a Triton kernel: rng_state must be on a CUDA device, or "
+                             f"TRITON_INTERPRET=1 set for the CPU (got {rng_state.device})")
         block = 1024
         kern = _mask_kernel(interp)
         if rng_state.is_cuda:
             with torch.cuda.device(rng_state.device):
-                kern[(-(-total // block),)](rng_state, out, seqlen_k, total, float(dropout_p), BLOCK=block)
+                kern[(-(-total // block),)](rng_state, out, seqlen_k, total, dropout_p, BLOCK=block)
         else:
-            kern[(-(-total // block),)](rng_state, out, seqlen_k, total, float(dropout_p), BLOCK=block)
+            kern[(-(-total // block),)](rng_state, out, seqlen_k, total, dropout_p, BLOCK=block)
     return out.bool()

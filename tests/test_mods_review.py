@@ -90,3 +90,28 @@ def test_compiled_first_use_of_the_default_dropout_state(fresh_dropout_state):
     assert torch.equal(got, want)
     got.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+_ST = torch.tensor([1, 2])
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.tensor([1, 0, 2])[::2], 1, 1, 4, 4, 0.5), "rng_state must be contiguous"),  # read [1, 0] before
+    ((torch.tensor([1, 2], dtype=torch.int32), 1, 1, 4, 4, 0.5), "rng_state must be an int64"),
+    ((torch.tensor([1, 2, 3]), 1, 1, 4, 4, 0.5), r"shape \(2,\)"),
+    (([1, 2], 1, 1, 4, 4, 0.5), "rng_state must be an int64 tensor"),
+    ((_ST, -1, 1, 4, 4, 0.5), "batch must be an int >= 0"),
+    ((_ST, 1, 1, 4.0, 4, 0.5), "seqlen_q must be an int >= 0"),
+    ((_ST, 1, 1, 4, 4, 1.5), r"dropout_p must be a real in \[0, 1\)"),
+    ((_ST, 1, 1, 4, 4, -0.1), r"dropout_p must be a real in \[0, 1\)"),
+])
+def test_dropout_mask_checks_its_arguments(args, match):
+    with pytest.raises(InputError, match=match):
+        flashgen.dropout_mask(*args)
+
+
+def test_dropout_mask_on_the_cpu_outside_the_interpreter_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(InputError, match="TRITON_INTERPRET=1"):
+        flashgen.dropout_mask(torch.tensor([1, 2]), 1, 1, 4, 4, 0.5)
+    assert flashgen.dropout_mask(torch.tensor([1, 2]), 0, 1, 4, 4, 0.5).shape == (0, 1, 4, 4)
