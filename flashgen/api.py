@@ -257,6 +257,7 @@ def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align
     softcap, alibi, bias, dropout_p, rng_state = _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state)
     rng = None
     if dropout_p > 0:
+        library.check_dropout_runs(q, k, dropout_p)  # before the state advances
         state = rng_state if rng_state is not None else dropout.default_state(q.device)
         rng = dropout.take(state, dropout.counters(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
     args = (q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
@@ -740,6 +741,8 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
             return "attn_mask with is_causal=True (torch raises)"
         if isinstance(query, torch.Tensor) and attn_mask.dtype not in (torch.bool, query.dtype):
             return f"attn_mask dtype {attn_mask.dtype} (flashgen: bool or the query's dtype)"
+        if isinstance(query, torch.Tensor) and attn_mask.device != query.device:
+            return f"attn_mask on {attn_mask.device}, query on {query.device}"
         if attn_mask.requires_grad:
             return "attn_mask requires grad (flashgen computes no bias gradient)"
         if attn_mask.dim() > 4:
@@ -758,16 +761,20 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         return f"is_causal of type {type(is_causal).__name__}"
     if torch.compiler.is_compiling() or not (type(query) is _Tensor and type(key) is _Tensor
                                              and type(value) is _Tensor):
-        return _sdpa_shape_reason(query, key, value, enable_gqa)
-    rkey = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
-            key.device, value.device, bool(enable_gqa))
-    try:
-        return _sdpa_reasons[rkey]
-    except KeyError:
-        reason = _sdpa_reasons[rkey] = _sdpa_shape_reason(query, key, value, enable_gqa)
-        if len(_sdpa_reasons) >= library.FAST_TABLE_MAX:
-            _sdpa_reasons.clear()
-        return reason
+        reason = _sdpa_shape_reason(query, key, value, enable_gqa)
+    else:
+        rkey = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
+                key.device, value.device, bool(enable_gqa))
+        reason = _sdpa_reasons.get(rkey, False)
+        if reason is False:
+            if len(_sdpa_reasons) >= library.FAST_TABLE_MAX:
+                _sdpa_reasons.clear()
+            reason = _sdpa_reasons[rkey] = _sdpa_shape_reason(query, key, value, enable_gqa)
+    if reason is None and dropout_p and not library.use_kernels(query):
+        # flashgen's dropout lives in the Triton kernels; the reference path has none
+        return (f"dropout_p > 0 with {query.dtype} on {query.device} (flashgen's dropout runs in the Triton "
+                "kernels: CUDA, or TRITON_INTERPRET=1 with float16/float32)")
+    return reason
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -790,10 +797,12 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     torch's).
 
     Everything flashgen cannot serve goes to torch's own SDPA with the same arguments
-    (so torch's errors are raised unchanged): an ``attn_mask`` of another dtype, with
-    ``is_causal``, or that requires grad, other ranks or dtypes, head dims that are not a multiple of 8 in [8, 256], mismatched
-    head counts without ``enable_gqa``, empty inputs.  :func:`explain` with
-    ``sdpa=True`` says which path a call takes and why.
+    (so torch's errors are raised unchanged): an ``attn_mask`` of another dtype or
+    device, with ``is_causal``, or that requires grad, other ranks or dtypes, head dims
+    that are not a multiple of 8 in [8, 256], mismatched head counts without
+    ``enable_gqa``, empty inputs, and ``dropout_p`` > 0 where flashgen's kernels do not
+    run (CPU tensors outside ``TRITON_INTERPRET=1``, bfloat16 in the interpreter).
+    :func:`explain` with ``sdpa=True`` says which path a call takes and why.
     """
     if sdpa_fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) is not None:
         kw = {"enable_gqa": True} if enable_gqa else {}  # (torch < 2.5 has no enable_gqa)

@@ -281,12 +281,18 @@ def _mods(softcap, alibi, bias, dropout_p, rng) -> "ops.ScoreMods":
     return ops.ScoreMods(softcap, alibi, bias, dropout_p, rng if dropout_p > 0 else None)
 
 
-def _reference_mods(q, m: "ops.ScoreMods"):
-    if m.dropout_p > 0:
+def check_dropout_runs(q: Tensor, k: Tensor, dropout_p: float) -> None:
+    """InputError when dropout is asked of inputs that take the reference path (it has
+    no dropout); empty inputs launch nothing and pass."""
+    if dropout_p > 0 and not is_empty(q, k) and not use_kernels(q):
         from .errors import InputError
 
         raise InputError("dropout_p > 0 runs in the Triton kernels only: use a CUDA device, or TRITON_INTERPRET=1 "
-                         "on the CPU (or bfloat16 off the interpreter)")
+                         "on the CPU with float16 or float32 inputs (bfloat16 takes the reference path there)")
+
+
+def _reference_mods(q, k, m: "ops.ScoreMods"):
+    check_dropout_runs(q, k, m.dropout_p)
     return dict(softcap=m.softcap, alibi=m.alibi, bias=m.bias)
 
 
@@ -299,7 +305,7 @@ def forward_mods(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: i
         return (q.new_zeros((b, h, sq, v.shape[3])),
                 torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
     if not use_kernels(q):
-        o, lse, _ = reference.forward_bounds(q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, m))
+        o, lse, _ = reference.forward_bounds(q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, k, m))
         return o.to(q.dtype).contiguous(), lse.contiguous()
     q, scale, _ = _signed_q(q, scale)
     with _on_device(q):
@@ -318,7 +324,7 @@ def backward_mods(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     if do.stride(-1) != 1:
         do = do.contiguous()
     if not use_kernels(q):
-        dq, dk, dv = reference.backward_bounds(do, q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, m))
+        dq, dk, dv = reference.backward_bounds(do, q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, k, m))
         return _into(q, dq), _into(k, dk), _into(v, dv)
     q, scale, sign = _signed_q(q, scale)
     with _on_device(q):

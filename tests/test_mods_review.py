@@ -115,3 +115,42 @@ def test_dropout_mask_on_the_cpu_outside_the_interpreter_says_so(monkeypatch):
     with pytest.raises(InputError, match="TRITON_INTERPRET=1"):
         flashgen.dropout_mask(torch.tensor([1, 2]), 1, 1, 4, 4, 0.5)
     assert flashgen.dropout_mask(torch.tensor([1, 2]), 0, 1, 4, 4, 0.5).shape == (0, 1, 4, 4)
+
+
+@pytest.mark.parametrize("interpret, dtype", [("0", F32), ("1", torch.bfloat16)])
+def test_sdpa_dropout_where_the_kernels_do_not_run_is_torchs(interpret, dtype, monkeypatch):
+    """The reference path has no dropout: SDPA hands the call to torch (as its
+    docstring promises for what flashgen cannot serve) instead of raising."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q, k, v = _qkv(sq=9, sk=13, dtype=dtype, grad=False)
+    torch.manual_seed(5)
+    want = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+    torch.manual_seed(5)
+    got = flashgen.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+    assert torch.equal(got, want)
+    why = flashgen.explain(q, k, v, sdpa=True, dropout_p=0.3)
+    assert why.backend == "torch-sdpa-fallback" and "dropout_p" in why.reason
+    assert flashgen.explain(q, k, v, sdpa=True).backend == "flashgen"
+
+
+def test_a_failed_dropout_call_leaves_the_state_alone():
+    q, k, v = _qkv(dtype=torch.bfloat16, grad=False)  # bf16 in the interpreter: the reference path
+    st = torch.tensor([1, 2])
+    with pytest.raises(InputError, match="dropout_p > 0 runs in the Triton kernels only"):
+        flashgen.attention(q, k, v, dropout_p=0.3, rng_state=st)
+    assert st.tolist() == [1, 2]
+
+
+def test_sdpa_attn_mask_on_another_device_is_torchs():
+    q, k, v = _qkv(sq=4, sk=4, grad=False)
+    mask = torch.randn(4, 4, device="meta")
+    assert "attn_mask on meta" in flashgen.explain(q, k, v, sdpa=True, attn_mask=mask).reason
+    try:
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    except RuntimeError as e:  # torch's own error, unchanged
+        with pytest.raises(RuntimeError) as got:
+            flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert str(got.value) == str(e)
+    else:
+        got = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert (got.device, got.shape) == (want.device, want.shape)
