@@ -17,6 +17,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
+import jinja2
 import sqlite_utils
 
 from .env import MATCH_COLUMNS, Environment
@@ -245,9 +246,11 @@ class TuningDB:
         ``template_hash`` is that directory's text hash is rewritten to the current
         :func:`flashgen.render.template_hash` only when every probe variant renders
         to the same source from both directories (``mods`` ""), i.e. the measured code
-        is the code the dispatcher would run; rows of a kernel whose code changed are
-        left as they are (and so stay unused).  Returns kernel -> rows rewritten
-        (-1: code changed, none rewritten)."""
+        is the code the dispatcher would run; rows of a kernel whose code changed, and
+        rows with score mods (whose code those probes do not cover), are left as they
+        are (and so stay unused).  Returns kernel -> rows rewritten
+        (-1: code changed, or the old templates do not render it, e.g. they predate the
+        kernel; none rewritten)."""
         from . import render
 
         if self.readonly:
@@ -255,10 +258,16 @@ class TuningDB:
         old = str(old_templates)
         out = {}
         for k in KERNELS:
-            if render._code_hash(k, "", old) != render.template_hash(k, ""):
+            try:
+                same = render._code_hash(k, "", old) == render.template_hash(k, "")
+            except jinja2.TemplateError:  # e.g. templates older than the kernel: nothing of it to carry
+                same = False
+            if not same:
                 out[k] = -1
                 continue
-            cur = self._conn.execute(f"UPDATE {TABLE} SET template_hash = ? WHERE kernel = ? AND template_hash = ?",
+            # only rows without score mods: the probes compared are those of mods ""
+            cur = self._conn.execute(f"UPDATE {TABLE} SET template_hash = ? WHERE kernel = ? AND template_hash = ? "
+                                     "AND IFNULL(mods, '') = ''",
                                      (render.template_hash(k, ""), k, render.text_hash(k, old)))
             out[k] = cur.rowcount
         self._conn.commit()

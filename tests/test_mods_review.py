@@ -154,3 +154,48 @@ def test_sdpa_attn_mask_on_another_device_is_torchs():
     else:
         got = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         assert (got.device, got.shape) == (want.device, want.shape)
+
+
+def test_migrating_text_hashes_leaves_score_mod_rows(tmp_path):
+    """migrate_text_hashes compares the probes of mods "" only: a row with score mods
+    under the old text hash must not be relabelled with the plain code hash (the
+    dispatcher would then serve it as current)."""
+    from flashgen.db import TuningDB
+    from flashgen.env import Environment
+    from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant
+
+    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11", "0.1.0")
+    shape, cfg = Shape(2, 16, 16, 2048, 2048), TileConfig(128, 64, 8, 2)
+    path = tmp_path / "t.sqlite"
+    keys = {}
+    with TuningDB(path) as db:
+        for mods in ("", "bias"):
+            spec = KernelSpec("fwd", "bfloat16", 128, 128, "causal", mods)
+            keys[mods] = shape.key(spec).id
+            db.record(shape.key(spec), shape, Variant(spec, cfg), Measurement("ok", 1.0), env, 0)
+    with sqlite3.connect(path) as con:  # rows as flashgen before code hashes wrote them
+        con.execute("UPDATE measurements SET template_hash = ?", (render.text_hash("fwd"),))
+    old = tmp_path / "old"
+    shutil.copytree(render.templates_dir(), old)
+    with TuningDB(path) as db:
+        assert db.migrate_text_hashes(old)["fwd"] == 1
+        served = db.best_configs(env)
+        hashes = dict(db._conn.execute("SELECT mods, template_hash FROM measurements"))
+    assert keys[""] in served and keys["bias"] not in served
+    assert hashes == {"": render.template_hash("fwd"), "bias": render.text_hash("fwd")}
+
+
+def test_migrating_from_templates_that_predate_a_kernel(tmp_path):
+    """Templates from before the varlen and decode kernels (an old checkout): those
+    kernels have nothing to carry (-1), the others still migrate (it raised
+    TemplateNotFound)."""
+    from flashgen.db import TuningDB
+
+    old = tmp_path / "old"
+    shutil.copytree(render.templates_dir(), old)
+    for f in [*old.glob("*varlen*"), *old.glob("attn_decode*")]:
+        f.unlink()
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        out = db.migrate_text_hashes(old)
+    assert out == {"fwd": 0, "bwd_dkdv": 0, "bwd_dq": 0, "fwd_varlen": -1, "bwd_dkdv_varlen": -1,
+                   "bwd_dq_varlen": -1, "decode": -1, "decode_paged": -1}
