@@ -315,8 +315,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         bias: an additive bias broadcastable to (batch, num_heads, seqlen_q, seqlen_k),
             q's dtype (added in float32), or torch.bool (True = attend, False = -inf).
             Read tile by tile, never materialized at full size; -inf entries mask (a
-            row left with no finite score outputs 0, LSE = -inf).  No gradient: a
-            bias that requires grad is an error.
+            row left with no finite score outputs 0, LSE = -inf), finite ones do not
+            (finfo.min is a very low score; scores are clamped to +-2.3e38, where
+            float32 base-2 logits end).  No gradient: a bias that requires grad is an
+            error.
         dropout_p: in [0, 1): drops normalized probabilities with this rate and scales
             the kept ones by 1 / (1 - dropout_p) (the LSE is of the undropped scores).
             The mask comes from Philox keyed by (seed, offset, batch, head, row,

@@ -2,7 +2,8 @@
 far above the scores, a bias whose column offsets pass int32, dropout_mask's argument
 checks, dropout where the kernels do not run (SDPA falls back, attention fails before
 the state moves), the default dropout state under inference_mode and torch.compile,
-attn_mask on another device, and migrate_text_hashes with score-mod rows."""
+attn_mask on another device, migrate_text_hashes with score-mod rows, and finite
+scores past float32's base-2 range."""
 
 import shutil
 import sqlite3
@@ -199,3 +200,24 @@ def test_migrating_from_templates_that_predate_a_kernel(tmp_path):
         out = db.migrate_text_hashes(old)
     assert out == {"fwd": 0, "bwd_dkdv": 0, "bwd_dq": 0, "fwd_varlen": -1, "bwd_dkdv_varlen": -1,
                    "bwd_dq_varlen": -1, "decode": -1, "decode_paged": -1}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # masked-out padding
+def test_finite_scores_beyond_the_base_2_range_are_scores_not_masks():
+    """A float32 bias of finfo.min (the usual additive padding mask) or above 2.36e38:
+    s * log2(e) overflowed, a finfo.min row came out as fully masked (O = 0, LSE =
+    -inf; torch and the docstring: a finite score takes part) and a huge positive
+    entry made the row NaN.  The kernels now agree with torch's SDPA in float32."""
+    q, k, v = _qkv(h=1, hk=1, sq=3, sk=5)
+    bias = torch.zeros(3, 5)
+    bias[0] = torch.finfo(F32).min  # every key equally, very unlikely
+    bias[1, 2] = 3e38  # one key dominates
+    o = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    do = torch.randn_like(o)
+    got = [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # float32 math
+    want = [ref.detach(), *torch.autograd.grad(ref, (q, k, v), do)]
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-5
+    assert torch.allclose(got[0][0, 0, 0], v[0, 0].mean(0), atol=1e-5)
+    assert torch.allclose(got[0][0, 0, 1], v[0, 0, 2], atol=1e-5)
