@@ -56,6 +56,12 @@ def _mods_bias() -> list[Entry]:
     return [e for e in _mods_bench() if e[3] == "bias"]
 
 
+def _mods_softcap() -> list[Entry]:
+    """The ``softcap`` entries of ``mods-bench`` alone (a re-tune after the soft cap's
+    small-argument series changed its code)."""
+    return [e for e in _mods_bench() if e[3] == "softcap"]
+
+
 def _mods_small() -> list[Entry]:
     """Tiny score-mod problems for CPU smoke tests."""
     return [(32, "causal", Shape(1, 2, 1, 37, 37), "softcap_alibi"), (32, "none", Shape(1, 2, 2, 33, 45), "bias")]
@@ -95,7 +101,7 @@ def _decode_small() -> list[Entry]:
 PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
            "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
            "decode": _decode, "decode-small": _decode_small, "mods-bench": _mods_bench,
-           "mods-bias": _mods_bias, "mods-small": _mods_small}
+           "mods-bias": _mods_bias, "mods-softcap": _mods_softcap, "mods-small": _mods_small}
 #: Presets of ragged batches: their entries are tuned with the varlen kernels
 #: (``fwd`` given to ``--kernels`` means ``fwd_varlen`` there, and the reverse).
 VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
@@ -103,7 +109,7 @@ VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
 #: ``--kernels`` selects among them when it names a decode kernel, else all run.
 DECODE_PRESETS = {"decode", "decode-small"}
 #: Presets whose entries carry score mods (a 4th element: KernelSpec.mods).
-MODS_PRESETS = {"mods-bench", "mods-bias", "mods-small"}
+MODS_PRESETS = {"mods-bench", "mods-bias", "mods-softcap", "mods-small"}
 
 
 def expand(names: Iterable[str], dtype: str = "bfloat16",
