@@ -159,7 +159,8 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
         return (o, lse) if return_lse else o
     disp = dispatch._default or dispatch.default_dispatcher()
     entry = ekey = None
-    plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+    # functorch's wrappers (vmap, grad) are Tensors without storage: no fast path
+    plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and not _functorch_active()
     if plain:
         kernel_path = library.use_kernels(q)
         try:

@@ -363,3 +363,12 @@ def test_eager_autograd_skips_the_op_dispatcher_and_equals_the_op(interpret, mon
     with Seen():
         flashgen.attention(q, k, v, **kw)
     assert any("flashgen.fwd" in s for s in Seen.ops)
+
+
+def test_vmap_goes_through_the_op(no_interpreter):
+    """functorch's wrappers have no storage: the per-call fast path must not touch them
+    (it read data_ptr()); vmap runs the op through torch's batching fallback."""
+    q, k, v = _qkv(b=3, h=2, hk=2, sq=5, sk=7, d=16, dv=16)
+    want = flashgen.attention(q, k, v, causal=True)
+    got = torch.vmap(lambda q, k, v: flashgen.attention(q[None], k[None], v[None], causal=True)[0])(q, k, v)
+    assert torch.allclose(got, want, atol=1e-6)
