@@ -168,12 +168,10 @@ def main(argv=None) -> int:
     from flashgen import bench, dispatch, peers
     from flashgen.spec import VARLEN_KERNELS, KernelSpec, ProblemKey
 
-    if not args.smoke and not torch.cuda.is_available():
-        print("no CUDA device: run with --smoke for the CPU (interpreter) run", file=sys.stderr)
+    picked = bench.script_device(args.smoke, args.dtype)
+    if picked is None:
         return 2
-    device = "cpu" if args.smoke else "cuda"
-    dtype_name = args.dtype or ("float16" if args.smoke else "bfloat16")
-    dtype = getattr(torch, dtype_name)
+    device, dtype_name, dtype = picked
     wanted = [b.strip() for b in (args.backends or ",".join(DEFAULT_BACKENDS)).split(",") if b.strip()]
     if args.smoke and args.backends is None:
         wanted.append("sdpa-math")
@@ -194,7 +192,7 @@ def main(argv=None) -> int:
             + "; fwd: forward of a training step (inputs require grad" + ("" if device == "cuda" else
                                                                           ", except on the CPU: no grad")
             + "); fwd_bwd: forward + torch.autograd.grad(O, (q, k, v), dO)",
-            "flashgen": "flashgen.attention_varlen (public call: cu_seqlens checked on the host, one sync per call, "
+            "flashgen_call": "flashgen.attention_varlen (public call: cu_seqlens checked on the host, one sync per call, "
                         "included)",
             "flex": ("flex_attention compiled (torch.compile dynamic=True, as flashgen.peers); " if device == "cuda"
                      else "flex_attention eager (unfused; CPU smoke); ")
