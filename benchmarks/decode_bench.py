@@ -79,12 +79,10 @@ def main(argv=None) -> int:
     from flashgen.dispatch import Dispatcher
     from flashgen.spec import KernelSpec, ProblemKey, Variant
 
-    if not args.smoke and not torch.cuda.is_available():
-        print("no CUDA device: run with --smoke for the CPU (interpreter) run", file=sys.stderr)
+    picked = bench.script_device(args.smoke, args.dtype)
+    if picked is None:
         return 2
-    device = "cpu" if args.smoke else "cuda"
-    dtype_name = args.dtype or ("float16" if args.smoke else "bfloat16")
-    dtype = getattr(torch, dtype_name)
+    device, dtype_name, dtype = picked
     preset = args.preset or ("decode-small" if args.smoke else "decode")
     page_size = args.page_size or (16 if args.smoke else presets.DECODE_PAGE_SIZE)
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]

@@ -8,13 +8,7 @@
 set -uo pipefail
 out=${1:-gpu_benches_out}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/_gpu_env.sh
 timeout 270 python3 -m flashgen tune --preset mods-bench --kernels bwd_dq,bwd_dkdv --db tuning_db/h200.sqlite \
   --storage /tmp/mods_bwd.journal --trials 6 --timeout-per-key 3 2>&1 | grep -v "━" > "$out/tune_mods_bwd.log"
 cp tuning_db/h200.sqlite "$out/h200.sqlite"

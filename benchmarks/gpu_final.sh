@@ -7,13 +7,7 @@
 set -uo pipefail
 out=${1:-gpu_final_out}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/_gpu_env.sh
 timeout 100 python3 -m flashgen tune --preset mods-bias --kernels fwd,bwd_dq --db tuning_db/h200.sqlite \
   --storage /tmp/bias.journal --trials 6 --timeout-per-key 3 2>&1 | grep -v "━" > "$out/tune_bias.log"
 cp tuning_db/h200.sqlite "$out/h200.sqlite"

@@ -9,13 +9,7 @@
 set -uo pipefail
 out=${1:-gpu_mods_out}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/_gpu_env.sh
 timeout 260 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout \
   --out "$out/mods_exactness.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness.log" | tail -12
 timeout 250 python3 -m flashgen tune --preset mods-bench --kernels "${KERNELS:-fwd}" --db tuning_db/h200.sqlite --storage /tmp/mods.journal \

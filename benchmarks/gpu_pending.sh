@@ -15,13 +15,7 @@ set -uo pipefail
 out=${1:-gpu_pending_out}
 part=${2:-1}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/_gpu_env.sh
 if [ "$part" = 1 ]; then
   timeout 400 python3 -m flashgen tune --preset mods-softcap --preset mods-bias --db tuning_db/h200.sqlite \
     --storage /tmp/retune.journal --trials 6 --timeout-per-key 3 2>&1 | grep -v "━" > "$out/tune_softcap_bias.log"

@@ -142,12 +142,10 @@ def main(argv=None) -> int:
     from flashgen.dispatch import default_dispatcher
     from flashgen.spec import KernelSpec, ProblemKey
 
-    if not args.smoke and not torch.cuda.is_available():
-        print("no CUDA device: run with --smoke for the CPU (interpreter) run", file=sys.stderr)
+    picked = bench.script_device(args.smoke)
+    if picked is None:
         return 2
-    device = "cpu" if args.smoke else "cuda"
-    dtype = torch.float16 if args.smoke else torch.bfloat16
-    dtype_name = str(dtype).replace("torch.", "")
+    device, dtype_name, dtype = picked
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in wanted if b not in BACKENDS]
     if bad:
@@ -505,37 +503,12 @@ def _flex_fn(mod, q, k, v, causal, scale, ref_kw, softcap, *, compiled: bool):
 
 
 def _sdpa_fn(name, q, k, *, causal, scale, attn_mask=None, dropout_p=0.0):
-    """``fn(q, k, v)``: SDPA restricted to backend ``name``; plain calls are
-    flashgen.peers.sdpa's; with an attn_mask (causal already folded in) or dropout, the
-    same with those arguments (bottom-right causal: is_causal when sq == sk, else
-    causal_lower_right).  A refusal raises RuntimeError with torch's reasons."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """``fn(q, k, v)``: :func:`flashgen.peers.sdpa` restricted to backend ``name``, with
+    an attn_mask (causal already folded in) or dropout when given.  A refusal raises
+    RuntimeError with torch's reasons."""
     from flashgen import peers
 
-    if attn_mask is None and not dropout_p:
-        return peers.sdpa(name, q, k, causal=causal, softmax_scale=scale)
-    backend = getattr(SDPBackend, peers.SDPA_BACKENDS[name])
-    sq, sk = q.shape[2], k.shape[2]
-    kw = dict(scale=scale, dropout_p=dropout_p)
-    if attn_mask is not None:
-        kw["attn_mask"] = attn_mask
-    elif causal and sq == sk:
-        kw["is_causal"] = True
-    elif causal:
-        from torch.nn.attention.bias import causal_lower_right
-
-        kw["attn_mask"] = causal_lower_right(sq, sk)
-
-    def fn(q, k, v):
-        with warnings.catch_warnings(record=True) as caught, sdpa_kernel(backend):
-            warnings.simplefilter("always")
-            try:
-                return F.scaled_dot_product_attention(q, k, v, **kw)
-            except RuntimeError as e:
-                raise RuntimeError(peers._sdpa_reason(str(e), [str(w.message) for w in caught])) from None
-    return fn
+    return peers.sdpa(name, q, k, causal=causal, softmax_scale=scale, attn_mask=attn_mask, dropout_p=dropout_p)
 
 
 def _precompile(cases, dtype_name: str) -> dict:

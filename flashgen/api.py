@@ -188,10 +188,10 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
         cfg = mod = dev = None
         if ekey is not None:
             _, _, _, _, cfg, mod, dev = _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path)
-    if not plain or _dispatch_modes() or _functorch_active():
+    if not plain or _dispatch_modes():  # plain excludes functorch transforms
         o, lse = library.FWD(q, k, v, scale, mask, lo, hi)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi)
+        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, None)
     elif mod is not None and scale > 0:
         # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
         if dev is None or dev == torch.cuda.current_device():
@@ -266,7 +266,7 @@ def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align
     if torch.compiler.is_compiling() or not plain or _dispatch_modes() or _functorch_active():
         o, lse = library.FWD_MODS(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = library.EagerAttentionMods.apply(*args)
+        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, library.score_mods(*args[7:]))
     else:
         o, lse = library.forward_mods(*args)
     return (o, lse) if return_lse else o

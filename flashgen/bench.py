@@ -526,6 +526,20 @@ def time_ms(fn, warmup_ms: int = 10, rep_ms: int = 40) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def script_device(smoke: bool, dtype: str | None = None):
+    """A benchmark script's (device, dtype name, torch dtype): the CPU (its smoke run, in
+    Triton's interpreter, which the script turned on before importing flashgen) with
+    float16, or CUDA with bfloat16; ``dtype`` overrides the dtype.  None, with the
+    message printed, when a GPU run finds no CUDA device."""
+    if not smoke and not torch.cuda.is_available():
+        import sys
+
+        print("no CUDA device: run with --smoke for the CPU (interpreter) run", file=sys.stderr)
+        return None
+    name = dtype or ("float16" if smoke else "bfloat16")
+    return ("cpu" if smoke else "cuda"), name, getattr(torch, name)
+
+
 def script_time_ms(fn, cuda: bool, warmup_ms: int = 10, rep_ms: int = 40) -> float:
     """Median ms of ``fn`` for the benchmark scripts: one call first (compile, warm-up),
     then :func:`time_ms` on CUDA, or on the CPU (their smoke runs, in Triton's

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 from . import render
-from .spec import Variant
+from .spec import Variant, compiled_variant
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
@@ -50,9 +50,12 @@ def write_source(path: Path, source: str) -> None:
 
 
 def load(variant: Variant) -> ModuleType:
-    """The imported module of ``variant`` (rendered and written on first use)."""
+    """The imported module of ``variant`` (rendered and written on first use): the code of
+    :func:`flashgen.spec.compiled_variant` (a causal fwd/dQ with a bias loads the window
+    kernel)."""
+    variant = compiled_variant(variant)
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    cache_key = f"{variant.id}@{render.template_hash(variant.spec.kernel)}@{int(interp)}"
+    cache_key = f"{variant.id}@{render.template_hash(variant.spec.kernel, variant.spec.mods)}@{int(interp)}"
     mod = _modules.get(cache_key)
     if mod is not None:
         return mod

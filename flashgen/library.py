@@ -39,7 +39,7 @@ from torch import Tensor
 
 from . import compile as _compile
 from . import dispatch, ops, reference
-from .spec import KernelSpec, ProblemKey, Variant, compiled_variant
+from .spec import KernelSpec, ProblemKey, Variant
 
 
 #: Entries of a per-call memo table before it is emptied and refilled.
@@ -90,7 +90,7 @@ def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: st
     key = ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
                                 seqlen_q=q.shape[2], seqlen_k=k.shape[2], layout=layout_signature(q, k, v))
     cfg = disp.choose(key, capturing=capturing).config
-    hit = (cfg, _compile.load(compiled_variant(Variant(spec, cfg))))
+    hit = (cfg, _compile.load(Variant(spec, cfg)))
     if not capturing:
         if len(disp.fast) >= FAST_TABLE_MAX:  # e.g. a decode loop with a growing seqlen_k
             disp.fast.clear()
@@ -133,16 +133,35 @@ def _signed_q(q: Tensor, scale: float):
 
 # -- the reference path (CPU without the interpreter) -----------------------------------
 
-def reference_forward(q, k, v, scale, lo, hi):
+def check_dropout_runs(q: Tensor, k: Tensor, dropout_p: float) -> None:
+    """InputError when dropout is asked of inputs that take the reference path (it has
+    no dropout); empty inputs launch nothing and pass."""
+    if dropout_p > 0 and not is_empty(q, k) and not use_kernels(q):
+        from .errors import InputError
+
+        raise InputError("dropout_p > 0 runs in the Triton kernels only: use a CUDA device, or TRITON_INTERPRET=1 "
+                         "on the CPU with float16 or float32 inputs (bfloat16 takes the reference path there)")
+
+
+def _reference_mods(q, k, mods) -> dict:
+    """The keyword arguments of :mod:`flashgen.reference` for ``mods`` (ScoreMods or
+    None); InputError for dropout, which the reference path does not have."""
+    if mods is None:
+        return {}
+    check_dropout_runs(q, k, mods.dropout_p)
+    return dict(softcap=mods.softcap, alibi=mods.alibi, bias=mods.bias)
+
+
+def reference_forward(q, k, v, scale, lo, hi, mods=None):
     """O (q's dtype, contiguous) and LSE (float32), :func:`flashgen.reference.forward_bounds`
-    in float32 math."""
-    o, lse, _ = reference.forward_bounds(q, k, v, scale, lo, hi, torch.float32)
+    in float32 math, with the score mods of ``mods`` (no dropout)."""
+    o, lse, _ = reference.forward_bounds(q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, k, mods))
     return o.to(q.dtype).contiguous(), lse.contiguous()
 
 
-def reference_backward(do, q, k, v, scale, lo, hi):
+def reference_backward(do, q, k, v, scale, lo, hi, mods=None):
     """dQ, dK, dV (float32), :func:`flashgen.reference.backward_bounds` in float32 math."""
-    return reference.backward_bounds(do, q, k, v, scale, lo, hi, torch.float32)
+    return reference.backward_bounds(do, q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, k, mods))
 
 
 def _zeros_like(t: Tensor) -> Tensor:
@@ -160,39 +179,42 @@ def _into(like: Tensor, value: Tensor) -> Tensor:
 
 # -- real implementations -----------------------------------------------------------
 
-def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int):
-    """(O, LSE): the forward op's real implementation (see the module docstring)."""
+def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int,
+            mods: "ops.ScoreMods | None" = None):
+    """(O, LSE): the forward ops' real implementation (see the module docstring);
+    ``mods``: the score modifications of ``flashgen::fwd_mods`` (None: none)."""
     b, h, sq, _ = q.shape
     if is_empty(q, k):
         return (q.new_zeros((b, h, sq, v.shape[3])),
                 torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
     if not use_kernels(q):
-        return reference_forward(q, k, v, scale, lo, hi)
+        return reference_forward(q, k, v, scale, lo, hi, mods)
     q, scale, _ = _signed_q(q, scale)
     with _on_device(q):
-        cfg, mod = kernel_for("fwd", q, k, v, mask)
+        cfg, mod = kernel_for("fwd", q, k, v, mask, mods.name if mods is not None else "")
         # kernel_for gives a tma config only to inputs a descriptor can address
         return ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod,
-                       addressable=True)
+                       addressable=True, mods=mods)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
-             lo: int, hi: int):
-    """(dQ, dK, dV): the backward op's real implementation."""
+             lo: int, hi: int, mods: "ops.ScoreMods | None" = None):
+    """(dQ, dK, dV): the backward ops' real implementation."""
     if is_empty(q, k):
         return _zeros_like(q), _zeros_like(k), _zeros_like(v)
     if do.stride(-1) != 1:
         do = do.contiguous()
     if not use_kernels(q):
-        dq, dk, dv = reference_backward(do, q, k, v, scale, lo, hi)
+        dq, dk, dv = reference_backward(do, q, k, v, scale, lo, hi, mods)
         return _into(q, dq), _into(k, dk), _into(v, dv)
     q, scale, sign = _signed_q(q, scale)
+    name = mods.name if mods is not None else ""
     with _on_device(q):
-        cfg_dq, mod_dq = kernel_for("bwd_dq", q, k, v, mask)
-        cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask)
+        cfg_dq, mod_dq = kernel_for("bwd_dq", q, k, v, mask, name)
+        cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask, name)
         dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
                              config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv,
-                             addressable=True)
+                             addressable=True, mods=mods)
     if sign == -1:
         dq = dq.neg_()
     elif sign == 0:
@@ -250,13 +272,15 @@ class EagerAttention(torch.autograd.Function):
     host_cost.py``).  torch.compile, TorchDispatchModes and functorch transforms still
     go through the ops (:func:`flashgen.api._attention` decides).
 
-    apply(q, k, v, scale, mask, lo, hi) -> (O, LSE); LSE is not differentiable."""
+    apply(q, k, v, scale, mask, lo, hi, mods) -> (O, LSE), ``mods`` a ScoreMods or None
+    (the eager path of both ``flashgen::fwd`` and ``flashgen::fwd_mods``); LSE is not
+    differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, mask, lo, hi):
-        o, lse = forward(q, k, v, scale, mask, lo, hi)
+    def forward(ctx, q, k, v, scale, mask, lo, hi, mods):
+        o, lse = forward(q, k, v, scale, mask, lo, hi, mods)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (scale, mask, lo, hi)
+        ctx.args = (scale, mask, lo, hi, mods)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -264,7 +288,7 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # -- score modifications (softcap, ALiBi, bias, dropout) -----------------------------
@@ -277,67 +301,21 @@ class EagerAttention(torch.autograd.Function):
 # this call uses, already taken from the state by the caller).  Separate ops, so the
 # plain ops' schema and hot path stay as they are.
 
-def _mods(softcap, alibi, bias, dropout_p, rng) -> "ops.ScoreMods":
+def score_mods(softcap, alibi, bias, dropout_p, rng) -> "ops.ScoreMods":
     return ops.ScoreMods(softcap, alibi, bias, dropout_p, rng if dropout_p > 0 else None)
-
-
-def check_dropout_runs(q: Tensor, k: Tensor, dropout_p: float) -> None:
-    """InputError when dropout is asked of inputs that take the reference path (it has
-    no dropout); empty inputs launch nothing and pass."""
-    if dropout_p > 0 and not is_empty(q, k) and not use_kernels(q):
-        from .errors import InputError
-
-        raise InputError("dropout_p > 0 runs in the Triton kernels only: use a CUDA device, or TRITON_INTERPRET=1 "
-                         "on the CPU with float16 or float32 inputs (bfloat16 takes the reference path there)")
-
-
-def _reference_mods(q, k, m: "ops.ScoreMods"):
-    check_dropout_runs(q, k, m.dropout_p)
-    return dict(softcap=m.softcap, alibi=m.alibi, bias=m.bias)
 
 
 def forward_mods(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int, softcap: float,
                  alibi: Optional[Tensor], bias: Optional[Tensor], dropout_p: float, rng: Optional[Tensor]):
-    """(O, LSE) with score mods: the kernels, or the float32 reference (no dropout)."""
-    m = _mods(softcap, alibi, bias, dropout_p, rng)
-    b, h, sq, _ = q.shape
-    if is_empty(q, k):
-        return (q.new_zeros((b, h, sq, v.shape[3])),
-                torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
-    if not use_kernels(q):
-        o, lse, _ = reference.forward_bounds(q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, k, m))
-        return o.to(q.dtype).contiguous(), lse.contiguous()
-    q, scale, _ = _signed_q(q, scale)
-    with _on_device(q):
-        cfg, mod = kernel_for("fwd", q, k, v, mask, m.name)
-        return ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod,
-                       addressable=True, mods=m)
+    """(O, LSE) with score mods: :func:`forward` with their ScoreMods."""
+    return forward(q, k, v, scale, mask, lo, hi, score_mods(softcap, alibi, bias, dropout_p, rng))
 
 
 def backward_mods(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
                   lo: int, hi: int, softcap: float, alibi: Optional[Tensor], bias: Optional[Tensor],
                   dropout_p: float, rng: Optional[Tensor]):
-    """(dQ, dK, dV) with score mods."""
-    m = _mods(softcap, alibi, bias, dropout_p, rng)
-    if is_empty(q, k):
-        return _zeros_like(q), _zeros_like(k), _zeros_like(v)
-    if do.stride(-1) != 1:
-        do = do.contiguous()
-    if not use_kernels(q):
-        dq, dk, dv = reference.backward_bounds(do, q, k, v, scale, lo, hi, torch.float32, **_reference_mods(q, k, m))
-        return _into(q, dq), _into(k, dk), _into(v, dv)
-    q, scale, sign = _signed_q(q, scale)
-    with _on_device(q):
-        cfg_dq, mod_dq = kernel_for("bwd_dq", q, k, v, mask, m.name)
-        cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask, m.name)
-        dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
-                             config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv,
-                             addressable=True, mods=m)
-    if sign == -1:
-        dq = dq.neg_()
-    elif sign == 0:
-        dq = dq.zero_()
-    return dq, dk, dv
+    """(dQ, dK, dV) with score mods: :func:`backward` with their ScoreMods."""
+    return backward(do, q, k, v, o, lse, scale, mask, lo, hi, score_mods(softcap, alibi, bias, dropout_p, rng))
 
 
 @torch.library.custom_op("flashgen::fwd_mods", mutates_args=())
@@ -381,29 +359,6 @@ def _backward_mods(ctx, do, _dlse):
 
 
 fwd_mods_op.register_autograd(_backward_mods, setup_context=_setup_context_mods)
-
-
-class EagerAttentionMods(torch.autograd.Function):
-    """:class:`EagerAttention` for the ops with score mods.
-
-    apply(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng) -> (O, LSE)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng):
-        o, lse = forward_mods(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.mods = (alibi, bias, rng)
-        ctx.args = (scale, mask, lo, hi, softcap, dropout_p)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        alibi, bias, rng = ctx.mods
-        scale, mask, lo, hi, softcap, dropout_p = ctx.args
-        dq, dk, dv = backward_mods(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 @torch.library.custom_op("flashgen::decode", mutates_args=())

@@ -15,7 +15,7 @@ import math
 import torch
 
 from . import compile as _compile
-from .spec import KernelSpec, TileConfig, Variant, compiled_variant, mods_name
+from .spec import KernelSpec, TileConfig, Variant, mods_name
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 LOG2E = 1.4426950408889634
@@ -108,8 +108,7 @@ def _module_and_streamed(kernel: str, dtype, d: int, dv: int, mask: str, config:
     pointer loads."""
     if config.tma and not (checked or (tma_ok(a) and tma_ok(b))):
         config, module = dataclasses.replace(config, tma=0), None
-    mod = module or _compile.load(compiled_variant(Variant(KernelSpec(kernel, dtype_name(dtype), d, dv, mask, mods),
-                                                               config)))
+    mod = module or _compile.load(Variant(KernelSpec(kernel, dtype_name(dtype), d, dv, mask, mods), config))
     if mod.TMA:
         return config, mod, _descriptor(a, rows, mod.D_PAD.value), _descriptor(b, rows, mod.DV_PAD.value)
     return config, mod, a, b

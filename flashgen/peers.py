@@ -121,21 +121,24 @@ SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION
                  "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-math": "MATH"}
 
 
-def sdpa(name: str, q, k, *, causal: bool = False, window=(-1, -1), softmax_scale=None):
+def sdpa(name: str, q, k, *, causal: bool = False, window=(-1, -1), softmax_scale=None, attn_mask=None,
+         dropout_p: float = 0.0):
     """``fn(q, k, v)`` running SDPA restricted to backend ``name`` (a key of
     SDPA_BACKENDS) with flashgen's mask: is_causal where top-left and bottom-right
     alignment agree (seqlen_q == seqlen_k), ``causal_lower_right`` otherwise, a boolean
-    attn_mask for windows.  A backend that refuses raises RuntimeError carrying torch's
-    reasons (its warnings)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, SDPA_BACKENDS[name])
+    attn_mask for windows.  An explicit ``attn_mask`` replaces the mask (the caller
+    folds causal or a window into it); ``dropout_p`` is passed on.  A backend that
+    refuses raises RuntimeError carrying torch's reasons (its warnings)."""
     sq, sk = q.shape[2], k.shape[2]
     mode, _, _ = mask_bounds(sq, sk, causal=causal, window=window)
     kw = dict(scale=_scale(q, softmax_scale))
+    if dropout_p:
+        kw["dropout_p"] = dropout_p
     if q.shape[1] != k.shape[1]:
         kw["enable_gqa"] = True
-    if mode == "causal" and sq == sk:
+    if attn_mask is not None:
+        kw["attn_mask"] = attn_mask
+    elif mode == "causal" and sq == sk:
         kw["is_causal"] = True
     elif mode == "causal":
         from torch.nn.attention.bias import causal_lower_right
@@ -145,12 +148,7 @@ def sdpa(name: str, q, k, *, causal: bool = False, window=(-1, -1), softmax_scal
         kw["attn_mask"] = visible(sq, sk, causal=causal, window=window, device=q.device)
 
     def fn(q, k, v):
-        with warnings.catch_warnings(record=True) as caught, sdpa_kernel(backend):
-            warnings.simplefilter("always")
-            try:
-                return F.scaled_dot_product_attention(q, k, v, **kw)
-            except RuntimeError as e:
-                raise RuntimeError(_sdpa_reason(str(e), [str(w.message) for w in caught])) from None
+        return run_sdpa(name, q, k, v, **kw)
     return fn
 
 

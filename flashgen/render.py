@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jinja2
 
-from .spec import DTYPES, MASKS, KernelSpec, TileConfig, Variant, is_decode, kernel_mods, mods_set, supports
+from .spec import DTYPES, MASKS, KernelSpec, Variant, is_decode, kernel_mods, mods_set, supports
 
 
 def templates_dir() -> Path:

@@ -105,7 +105,7 @@ def compiled_variant(v: "Variant") -> "Variant":
     (fwd, dQ; ``ptxas -v`` with a unit-stride bias) where the window kernel, whose loops
     differ only in a masked prologue that is empty here, spills none (docs/notes.md,
     session 3); dK/dV spills either way, less as causal, and stays.  The tuner's and the
-    dispatcher's keys stay causal."""
+    dispatcher's keys stay causal; :func:`flashgen.compile.load` applies this."""
     s = v.spec
     if s.kernel in ("fwd", "bwd_dq") and s.mask == "causal" and "bias" in mods_set(s.mods):
         return Variant(dataclasses.replace(s, mask="window"), v.config)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import InputError, arch, bench, dispatch, dropout, library, ops, reference, resources
-from flashgen.bench import _ratios
+from flashgen import InputError, arch, bench, dropout, library, ops, reference, resources
 from flashgen.masks import mask_bounds
 from flashgen.spec import KernelSpec, ProblemKey, Shape, TileConfig, Variant, all_mods, mods_name
 
@@ -57,14 +56,10 @@ def _check(mods, causal=False, window=(-1, -1), dtype=F16, **sizes):
     do = torch.randn_like(o)
     o.backward(do)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    rkw = dict(causal=causal, window=window, **_ref_kw(kw, shape, rng_before))
-    qd, kd, vd = q.detach(), k.detach(), v.detach()
-    r64, rdt = reference.forward(qd, kd, vd, **rkw), reference.forward(qd, kd, vd, dtype=dtype, **rkw)
-    g64, gdt = reference.backward(do, qd, kd, vd, **rkw), reference.backward(do, qd, kd, vd, dtype=dtype, **rkw)
     outs = {"O": o.detach(), "LSE": lse, "dQ": q.grad, "dK": k.grad, "dV": v.grad}
-    refs = {"O": (r64[0], rdt[0]), "LSE": (r64[1], rdt[1].float()), "dQ": (g64[0], gdt[0]), "dK": (g64[1], gdt[1]),
-            "dV": (g64[2], gdt[2])}
-    res = _ratios(outs, refs, dtype)
+    res = bench.compare(outs, q.detach(), k.detach(), v.detach(), do,
+                        mask=dict(causal=causal, window=window, align="bottom_right"),
+                        softmax_scale=q.shape[-1] ** -0.5, mods=_ref_kw(kw, shape, rng_before))
     assert all(r <= 1.0 for _, _, r in res.values()), (mods, res)
     return o, res
 
