@@ -101,10 +101,11 @@ def compiled_variant(v: "Variant") -> "Variant":
     """The variant whose code runs for ``v``: itself, except that a causal ``fwd`` or
     ``bwd_dq`` spec with a ``bias`` runs the window kernel (the same mask: a causal problem's lower bound on
     j - i is -seqlen_q, which the window kernel reads as unbounded).  On sm_90 with
-    Triton 3.6 the causal kernel with a bias tile spills 1076-1572 bytes per thread
-    (fwd, dQ; ``ptxas -v`` with a unit-stride bias) where the window kernel, whose loops
-    differ only in a masked prologue that is empty here, spills none (docs/notes.md,
-    session 3); dK/dV spills either way, less as causal, and stays.  The tuner's and the
+    Triton 3.6 the causal kernel with a bias tile spills (fwd 1368-1376 bytes per thread,
+    dQ 104; ``python3 benchmarks/sm90_compile.py --launch-like ...``, ptxas -v) where the
+    window kernel, whose loops differ only in a masked prologue that is empty here,
+    spills none (docs/notes.md, session 3); dK/dV spills either way, less as causal
+    (336 vs 508 bytes), and stays.  The tuner's and the
     dispatcher's keys stay causal; :func:`flashgen.compile.load` applies this."""
     s = v.spec
     if s.kernel in ("fwd", "bwd_dq") and s.mask == "causal" and "bias" in mods_set(s.mods):
