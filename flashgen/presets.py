@@ -50,16 +50,13 @@ def _mods_bench() -> list[Entry]:
             for mods in ("softcap", "alibi", "bias", "dropout") for mask in ("none", "causal") for n in (2048, 8192)]
 
 
-def _mods_bias() -> list[Entry]:
-    """The ``bias`` entries of ``mods-bench`` alone (a re-tune after the bias kernels
-    changed: causal fwd/dQ run the window kernel, flashgen.spec.compiled_variant)."""
-    return [e for e in _mods_bench() if e[3] == "bias"]
-
-
-def _mods_softcap() -> list[Entry]:
-    """The ``softcap`` entries of ``mods-bench`` alone (a re-tune after the soft cap's
-    small-argument series changed its code)."""
-    return [e for e in _mods_bench() if e[3] == "softcap"]
+def _mods_one(mod: str):
+    """The ``mod`` entries of ``mods-bench`` alone: a re-tune of one score mod after its
+    kernels' code changed (its old rows no longer match the code hash)."""
+    def entries() -> list[Entry]:
+        return [e for e in _mods_bench() if e[3] == mod]
+    entries.__doc__ = f"The ``{mod}`` entries of ``mods-bench`` alone (a re-tune of that score mod)."
+    return entries
 
 
 def _mods_small() -> list[Entry]:
@@ -101,7 +98,8 @@ def _decode_small() -> list[Entry]:
 PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
            "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
            "decode": _decode, "decode-small": _decode_small, "mods-bench": _mods_bench,
-           "mods-bias": _mods_bias, "mods-softcap": _mods_softcap, "mods-small": _mods_small}
+           "mods-small": _mods_small,
+           **{f"mods-{m}": _mods_one(m) for m in ("softcap", "alibi", "bias", "dropout")}}
 #: Presets of ragged batches: their entries are tuned with the varlen kernels
 #: (``fwd`` given to ``--kernels`` means ``fwd_varlen`` there, and the reverse).
 VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
@@ -109,7 +107,7 @@ VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
 #: ``--kernels`` selects among them when it names a decode kernel, else all run.
 DECODE_PRESETS = {"decode", "decode-small"}
 #: Presets whose entries carry score mods (a 4th element: KernelSpec.mods).
-MODS_PRESETS = {"mods-bench", "mods-bias", "mods-softcap", "mods-small"}
+MODS_PRESETS = {"mods-bench", "mods-small", "mods-softcap", "mods-alibi", "mods-bias", "mods-dropout"}
 
 
 def expand(names: Iterable[str], dtype: str = "bfloat16",

@@ -96,3 +96,15 @@ def test_a_wrong_flashgen_result_fails_the_run(tmp_path):
     fg = data["cases"][0]["results"]["flashgen"]
     assert not fg["check"]["ok"] and fg["check"]["ratio"] > 1
     assert "FAILED flashgen on softcap d16 s33/47 b1 causal" in p.stdout
+
+
+def test_single_mod_presets_split_mods_bench():
+    """mods-<mod> presets (a re-tune of one score mod) are mods-bench's entries of that
+    mod, and together they are all of mods-bench."""
+    from flashgen import presets
+    whole = presets.PRESETS["mods-bench"]()
+    parts = {m: presets.PRESETS[f"mods-{m}"]() for m in ("softcap", "alibi", "bias", "dropout")}
+    for m, entries in parts.items():
+        assert entries and all(e[3] == m for e in entries)
+        assert f"mods-{m}" in presets.MODS_PRESETS
+    assert sorted(map(repr, whole)) == sorted(repr(e) for es in parts.values() for e in es)
