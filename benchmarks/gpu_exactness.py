@@ -486,7 +486,11 @@ def space_variants(dtype="bfloat16", head_dims=(64, 128), masks=("none", "causal
     return out
 
 
-def run_space(variants, workers, log):
+def run_space(variants, workers, log, deadline=None, on_chunk=None, chunk=160):
+    """Compile and check ``variants`` (float64 reference, KernelBenchmarker.precompile),
+    ``chunk`` at a time; chunks not started by ``deadline`` are skipped, and
+    ``on_chunk(records)`` sees the records so far after each chunk (a run cut short keeps
+    them).  Returns (records, skipped variants)."""
     from flashgen.bench import KernelBenchmarker
 
     kb = KernelBenchmarker(workers=workers)
@@ -497,16 +501,23 @@ def run_space(variants, workers, log):
         if failure or n[0] % 50 == 0 or n[0] == len(variants):
             log(f"  space: {n[0]}/{len(variants)}" + (f"  FAIL {vid}: {failure[:300]}" if failure else ""))
 
-    failures = kb.precompile(variants, progress=progress, group=2)
-    reports = kb.check_reports()
-    recs = []
-    for v in variants:
-        failure, rep = reports.get(v.id, (failures.get(v.id), {}))
-        ratios = {k: float(x) for k, x in (rep.get("check_ratios") or {}).items()}
-        recs.append(dict(kind="space", name=f"space/{v.id}", ratios=ratios, problems=[], error=failure,
-                         ok=failure is None and bool(ratios) and all(r <= 1.0 for r in ratios.values()),
-                         smem=rep.get("smem_bytes_compiled"), n_spills=rep.get("n_spills")))
-    return recs
+    recs, skipped = [], []
+    for i in range(0, len(variants), chunk):
+        part = variants[i:i + chunk]
+        if deadline is not None and time.time() > deadline:
+            skipped += part
+            continue
+        failures = kb.precompile(part, progress=progress, group=2)
+        reports = kb.check_reports()
+        for v in part:
+            failure, rep = reports.get(v.id, (failures.get(v.id), {}))
+            ratios = {k: float(x) for k, x in (rep.get("check_ratios") or {}).items()}
+            recs.append(dict(kind="space", name=f"space/{v.id}", ratios=ratios, problems=[], error=failure,
+                             ok=failure is None and bool(ratios) and all(r <= 1.0 for r in ratios.values()),
+                             smem=rep.get("smem_bytes_compiled"), n_spills=rep.get("n_spills")))
+        if on_chunk:
+            on_chunk(recs)
+    return recs, skipped
 
 
 # ---------------------------------------------------------------------------------------
@@ -679,6 +690,8 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: min(16, cpus))")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="matrix cases not started after this many seconds are skipped (reported)")
+    ap.add_argument("--space-budget-s", type=float, default=float("inf"),
+                    help="search-space chunks not started after this many seconds are skipped (reported)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: big,space,matrix")
     ap.add_argument("--head-dims", default="64,128", help="head dims of the search-space part (default 64,128)")
     ap.add_argument("--mods", default="", help="the search-space part with these score mods compiled in "
@@ -737,17 +750,23 @@ def main(argv=None):
         log(f"space: {len(vs)} valid + feasible variants (fwd/bwd_dq/bwd_dkdv x d {args.head_dims} x none/causal/window"
             f"{', mods ' + args.mods if args.mods else ''})")
         t0 = time.time()
-        records += run_space(vs, workers, log)
-        log(f"space: done in {time.time() - t0:.0f}s")
+        before = list(records)
+        res, space_skipped = run_space(vs, workers, log, deadline=t_start + args.space_budget_s,
+                                       on_chunk=lambda recs: write(args.out, meta, before + recs,
+                                                                   [{"name": f"space/{v.id}"} for v in vs[len(recs):]]))
+        records += res
+        skipped += [{"name": f"space/{v.id}"} for v in space_skipped]
+        log(f"space: done in {time.time() - t0:.0f}s ({len(space_skipped)} skipped by --space-budget-s)")
         write(args.out, meta, records, skipped)
 
     if "matrix" not in skip:
         cases = build_matrix(args.smoke)
         log(f"matrix: {len(cases)} cases")
         t0 = time.time()
-        res, skipped = run_matrix(cases, workers, deadline, log)
+        res, matrix_skipped = run_matrix(cases, workers, deadline, log)
         records += res
-        log(f"matrix: done in {time.time() - t0:.0f}s ({len(skipped)} skipped by the time budget)")
+        skipped += matrix_skipped
+        log(f"matrix: done in {time.time() - t0:.0f}s ({len(matrix_skipped)} skipped by the time budget)")
 
     meta["seconds"] = round(time.time() - t_start, 1)
     s = write(args.out, meta, records, skipped)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 4's device calls after the bias-TMA and 4-per-Philox dropout kernels (carry .whl;
+# each part about 9 minutes on an H200):
+#   part 1: re-tune the bias and dropout keys (their code changed, so their old rows no
+#           longer match; every variant is precompiled and checked against float64
+#           first), then the search-space exactness walk with all four score mods
+#           compiled in at once (d128).
+#   part 2: mods_bench.py on every case (TFLOP/s against FlexAttention and SDPA), then
+#           decode_bench.py (achieved HBM bandwidth against the copy; tuned decode rows).
+# Usage (repository root, on the GPU machine):  bash benchmarks/gpu_session4.sh "$OUT" 1   (then 2)
+# After part 1, copy $OUT/h200.sqlite into tuning_db/ (journal_mode DELETE) and commit it.
+set -uo pipefail
+out=${1:-gpu_session4_out}
+part=${2:-1}
+mkdir -p "$out"
+source benchmarks/_gpu_env.sh
+if [ "$part" = 1 ]; then
+  timeout 330 python3 -m flashgen tune --preset mods-bias --preset mods-dropout --db tuning_db/h200.sqlite \
+    --storage /tmp/retune.journal --trials 6 --timeout-per-key 4 2>&1 | grep -v "━" > "$out/tune_bias_dropout.log"
+  cp tuning_db/h200.sqlite "$out/h200.sqlite"
+  grep -E "precompiled|correctness|│" "$out/tune_bias_dropout.log"
+  timeout 240 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 --space-budget-s 150 \
+    --out "$out/mods_exactness.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness.log" | tail -10
+else
+  timeout 270 python3 benchmarks/mods_bench.py --out "$out/mods.json" --budget-s 240 \
+    > "$out/mods_bench.log" 2>&1; tail -34 "$out/mods_bench.log"
+  timeout 200 python3 benchmarks/decode_bench.py --out "$out/decode.json" --budget-s 150 --rep-ms 20 \
+    > "$out/decode_bench.log" 2>&1; tail -40 "$out/decode_bench.log"
+fi
