@@ -486,7 +486,7 @@ def space_variants(dtype="bfloat16", head_dims=(64, 128), masks=("none", "causal
     return out
 
 
-def run_space(variants, workers, log, deadline=None, on_chunk=None, chunk=160):
+def run_space(variants, workers, log, deadline=None, on_chunk=None, chunk=64):
     """Compile and check ``variants`` (float64 reference, KernelBenchmarker.precompile),
     ``chunk`` at a time; chunks not started by ``deadline`` are skipped, and
     ``on_chunk(records)`` sees the records so far after each chunk (a run cut short keeps
