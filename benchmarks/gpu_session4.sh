@@ -7,14 +7,22 @@
 #           compiled in at once (d128).
 #   part 2: mods_bench.py on every case (TFLOP/s against FlexAttention and SDPA), then
 #           decode_bench.py (achieved HBM bandwidth against the copy; tuned decode rows).
-# Usage (repository root, on the GPU machine):  bash benchmarks/gpu_session4.sh "$OUT" 1   (then 2)
+#   probe:  benchmarks/probe_dq_atomic.py (single-pass backward with dQ atomics against
+#           the two-pass backward), then decode_bench.py.
+# Usage (repository root, on the GPU machine):  bash benchmarks/gpu_session4.sh "$OUT" probe|1|2
 # After part 1, copy $OUT/h200.sqlite into tuning_db/ (journal_mode DELETE) and commit it.
 set -uo pipefail
 out=${1:-gpu_session4_out}
 part=${2:-1}
 mkdir -p "$out"
 source benchmarks/_gpu_env.sh
-if [ "$part" = 1 ]; then
+if [ "$part" = probe ]; then
+  timeout 280 python3 benchmarks/probe_dq_atomic.py --out "$out/probe_dq_atomic.json" --budget-s 230 \
+    --configs 64:64:4:2:1,32:64:4:2:1,32:128:8:2:1,64:128:8:2:1 > "$out/probe_dq_atomic.log" 2>&1
+  grep -v "^ \|^Traceback\|Error" "$out/probe_dq_atomic.log" | tail -60
+  timeout 160 python3 benchmarks/decode_bench.py --out "$out/decode.json" --budget-s 120 --rep-ms 20 \
+    > "$out/decode_bench.log" 2>&1; tail -40 "$out/decode_bench.log"
+elif [ "$part" = 1 ]; then
   timeout 330 python3 -m flashgen tune --preset mods-bias --preset mods-dropout --db tuning_db/h200.sqlite \
     --storage /tmp/retune.journal --trials 6 --timeout-per-key 4 2>&1 | grep -v "━" > "$out/tune_bias_dropout.log"
   cp tuning_db/h200.sqlite "$out/h200.sqlite"

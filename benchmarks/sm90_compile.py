@@ -24,9 +24,10 @@ import tempfile
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
-def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None):
+def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, **extra):
     """Triton's compiled kernel of variant ``v`` for sm_90 (``templates``: another
-    template directory, e.g. an edited copy)."""
+    template directory, e.g. an edited copy; ``extra``: further template variables, e.g.
+    ``dq_atomic="tma"`` for attn_bwd_dkdv)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -35,7 +36,7 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None):
     cfg, kernel = v.config, v.spec.kernel
     path = os.path.join(tempfile.mkdtemp(), v.id + ".py")
     with open(path, "w") as f:
-        f.write(render._render(v, render.template_hash(kernel, v.spec.mods), templates))
+        f.write(render._render(v, render.template_hash(kernel, v.spec.mods), templates, **extra))
     spec = importlib.util.spec_from_file_location(v.id, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -51,8 +52,10 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None):
     for i, n in enumerate(fn.arg_names):
         if n in descs:
             sig[n] = "tensordesc<%s[1,1,%d,%d]>" % ((short,) + descs[n])
+        elif n == "DQACC" and extra.get("dq_atomic") == "tma":
+            sig[n] = "tensordesc<fp32[1,%d,%d]>" % (cfg.BLOCK_M, mod.D_PAD.value)
         elif n[0].isupper():
-            sig[n] = ("*i32" if n.startswith("CU_") else "*fp32" if n in ("LSE", "DELTA", "ALIBI") else
+            sig[n] = ("*i32" if n.startswith("CU_") else "*fp32" if n in ("LSE", "DELTA", "ALIBI", "DQACC") else
                       "*i64" if n == "RNG" else "*" + short)
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif launch_like and n == "stride_bn":

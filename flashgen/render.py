@@ -163,7 +163,9 @@ def render(variant: Variant) -> str:
     return _render(variant, template_hash(variant.spec.kernel, variant.spec.mods))
 
 
-def _render(variant: Variant, header_hash: str, directory: str | None = None) -> str:
+def _render(variant: Variant, header_hash: str, directory: str | None = None, **extra) -> str:
+    """``extra``: further template variables (probes of modes that are not tuned knobs,
+    e.g. attn_bwd_dkdv's ``dq_atomic``)."""
     s, c = variant.spec, variant.config
     if is_decode(s.kernel) and c.num_splits < 1:
         raise ValueError(f"{variant.id}: the decode kernels need num_splits >= 1, got {c.num_splits}")
@@ -187,6 +189,7 @@ def _render(variant: Variant, header_hash: str, directory: str | None = None) ->
         num_splits=c.num_splits,
         **{m: m in mods_set(s.mods) for m in ("softcap", "alibi", "bias", "dropout")},
         mods=s.mods,
+        **extra,
     )
 
 
