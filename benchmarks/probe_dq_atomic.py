@@ -17,6 +17,7 @@ Every variant's dQ, dK, dV are checked against a float64 reference on a slice of
 batch (FLOOR + 2x torch's bf16 error, as bench.py).  JSON to --out; table last.
 
     PYTHONPATH=$PWD python3 benchmarks/probe_dq_atomic.py --out probe.json      # GPU
+    PYTHONPATH=$PWD python3 benchmarks/probe_dq_atomic.py --ptxas               # CPU: sm_90 registers/spills
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 benchmarks/probe_dq_atomic.py --smoke --out /tmp/p.json
 """
 
@@ -109,15 +110,37 @@ def single_pass(mod, mode, do, q, k, v, o, lse, scale, mask, lo, hi, cfg):
     return dq, dk, dv
 
 
+def ptxas_table(configs, modes) -> int:
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sm90_compile import _case, compile_sm90, ptxas_report
+
+    print(f"{'d':>4} {'config':14} {'mode':5} {'regs':>5} {'spill B':>8} {'shared B':>9}")
+    for c in configs:
+        for d in (64, 128):
+            for mode in ("", *modes):
+                k = compile_sm90(_case(f"bwd_dkdv,bfloat16,{d},none,{c}"), launch_like=True,
+                                 **({"dq_atomic": mode} if mode else {}))
+                regs, spills = ptxas_report(k.asm["ptx"])
+                print(f"{d:>4} {c:14} {mode or 'base':5} {regs!s:>5} {spills!s:>8} {k.metadata.shared:>9}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="JSON output path (required unless --ptxas)")
+    ap.add_argument("--ptxas", action="store_true", help="no GPU: compile each config (base, tma, ptr) for sm_90 "
+                    "and print ptxas registers / spill bytes / shared memory, d64 and d128")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, float16")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="d:mask:batch:heads:seqlen, comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="BLOCK_M:BLOCK_N:warps:stages:tma of dK/dV")
     ap.add_argument("--modes", default="tma,ptr")
     ap.add_argument("--budget-s", type=float, default=300.0)
     args = ap.parse_args(argv)
+    if args.ptxas:
+        return ptxas_table(args.configs.split(","), args.modes.split(","))
+    if not args.out:
+        ap.error("--out is required")
     import torch
 
     from flashgen import ops
