@@ -8,6 +8,8 @@ Each case is kernel,dtype,head_dim,mask,BLOCK_M:BLOCK_N:num_warps:num_stages[:tm
 (head_dim_v = head_dim).  ``--launch-like`` compiles with the specializations a launch on
 contiguous inputs gets (integer arguments divisible by 16 marked so, the bias's column
 stride 1 a constant): what session 3 used to find the causal-bias spills (docs/notes.md).
+A tma variant with a bias compiles its descriptor path (BIAS_TMA, what an addressable
+bias launches); ``--bias-pointer`` compiles its pointer fallback instead.
 ``tests/sm90.py`` uses :func:`compile_sm90` for the compile tests.
 """
 
@@ -24,10 +26,12 @@ import tempfile
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
-def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, **extra):
+def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, bias_tma: bool = True, **extra):
     """Triton's compiled kernel of variant ``v`` for sm_90 (``templates``: another
     template directory, e.g. an edited copy; ``extra``: further template variables, e.g.
-    ``dq_atomic="tma"`` for attn_bwd_dkdv)."""
+    ``dq_atomic="tma"`` for attn_bwd_dkdv).  A tma variant with a bias takes it
+    through a descriptor (BIAS_TMA, what a launch with a descriptor-addressable bias
+    compiles) unless ``bias_tma`` is False (the pointer fallback's binary)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -49,8 +53,12 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, 
                  if kernel.startswith("bwd_dkdv") else
                  {"K": (cfg.BLOCK_N, mod.D_PAD.value), "V": (cfg.BLOCK_N, mod.DV_PAD.value)})
     sig, attrs, consts = {}, {}, {}
+    if "BIAS_TMA" in fn.arg_names and bias_tma:
+        descs["BIAS"] = (cfg.BLOCK_M, cfg.BLOCK_N)  # ops.bias_descriptor
     for i, n in enumerate(fn.arg_names):
-        if n in descs:
+        if n == "BIAS_TMA":
+            sig[n], consts[n] = "constexpr", bool(bias_tma)
+        elif n in descs:
             sig[n] = "tensordesc<%s[1,1,%d,%d]>" % ((short,) + descs[n])
         elif n == "DQACC" and extra.get("dq_atomic") == "tma":
             sig[n] = "tensordesc<fp32[1,%d,%d]>" % (cfg.BLOCK_M, mod.D_PAD.value)
@@ -98,11 +106,13 @@ def main(argv=None) -> int:
     p.add_argument("cases", nargs="+", help="kernel,dtype,head_dim,mask,M:N:warps:stages[:tma][,mods]")
     p.add_argument("--launch-like", action="store_true", help="a contiguous launch's specializations")
     p.add_argument("--templates", default=None, help="another template directory")
+    p.add_argument("--bias-pointer", action="store_true",
+                   help="tma variants: the bias through pointers (BIAS_TMA False, the fallback's binary)")
     args = p.parse_args(argv)
     print(f"{'variant':60} {'regs':>5} {'spill B':>8} {'shared B':>9}")
     for text in args.cases:
         v = _case(text)
-        k = compile_sm90(v, launch_like=args.launch_like, templates=args.templates)
+        k = compile_sm90(v, launch_like=args.launch_like, templates=args.templates, bias_tma=not args.bias_pointer)
         regs, spills = ptxas_report(k.asm["ptx"])
         print(f"{v.id:60} {regs!s:>5} {spills!s:>8} {k.metadata.shared:>9}")
     return 0

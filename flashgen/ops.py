@@ -38,19 +38,55 @@ def tma_ok(t: torch.Tensor) -> bool:
             and all(s > 0 and (s * es) % 16 == 0 for s in t.stride()[:-1]))
 
 
-def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int, shape=None, strides=None):
     """A 4-D descriptor of a (batch, heads, seqlen, head_dim) tensor whose box is one
     (block_rows, block_cols) tile of one (batch, head): reads past seqlen or head_dim
-    return zeros."""
+    return zeros.  ``shape``/``strides``: another view of ``t``'s storage (default
+    its own)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # TensorDescriptor's own checks (__post_init__: alignment, strides, rank) repeat
     # tma_ok, which every caller has passed; built without them it costs ~0.5 us
     # instead of ~2.3 us per descriptor (host time of every call).
     d = object.__new__(TensorDescriptor)
-    d.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
+    d.__dict__.update(base=t, shape=list(t.shape) if shape is None else shape,
+                      strides=list(t.stride()) if strides is None else strides,
                       block_shape=[1, 1, block_rows, block_cols], padding="zero")
     return d
+
+
+def bias_tma_view(bias: torch.Tensor):
+    """(shape, strides) of the 4-D descriptor that addresses ``bias`` (expanded to
+    (batch, heads, seqlen_q, seqlen_k)) tile by tile, or None when none can (the kernel
+    then loads it through pointers).
+
+    A batch or head dim broadcast by stride 0 (or of size 1) gets extent 1 and a
+    synthetic stride (the kernels read it at coordinate 0, ``bias_z``/``bias_h`` in
+    ``templates/_common.j2``): the driver is never asked to encode a stride-0 dim,
+    whose acceptance by ``cuTensorMapEncodeTiled`` is not documented.  Rows broadcast
+    by stride 0 (a (batch, 1, 1, seqlen_k) key mask) would need a (1, BLOCK_N) box and
+    other kernel code: pointer loads.  Otherwise :func:`tma_ok`'s rules: a 16-byte
+    aligned base, last stride 1, the others positive multiples of 16 bytes."""
+    es = bias.element_size()
+    (b, h, sq, sk), (sz, sh, sm, sn) = bias.shape, bias.stride()
+    if bias.data_ptr() % 16 or (sn != 1 and sk > 1) or 0 in bias.shape:
+        return None
+    if sq > 1 and (sm <= 0 or (sm * es) % 16):
+        return None
+    rows = sm if sq > 1 else -(-sk * es // 16) * 16 // es
+    plane = rows * sq
+    ext_h, st_h = (h, sh) if h > 1 and sh != 0 else (1, plane)
+    ext_z, st_z = (b, sz) if b > 1 and sz != 0 else (1, st_h * ext_h)
+    if any(s <= 0 or (s * es) % 16 for s in (st_h, st_z)):
+        return None
+    return [ext_z, ext_h, sq, sk], [st_z, st_h, rows, 1]
+
+
+def bias_descriptor(bias: torch.Tensor, block_m: int, block_n: int):
+    """The descriptor of :func:`bias_tma_view` with a (block_m, block_n) box (zeros
+    past seqlen_q / seqlen_k), or None where no descriptor addresses ``bias``."""
+    view = bias_tma_view(bias)
+    return None if view is None else _descriptor(bias, block_m, block_n, *view)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +112,11 @@ class ScoreMods:
         return mods_name(softcap=self.softcap > 0, alibi=self.alibi is not None, bias=self.bias is not None,
                          dropout=self.dropout_p > 0)
 
-    def kernel_args(self, softmax_scale: float, with_scale: bool) -> list:
+    def kernel_args(self, softmax_scale: float, with_scale: bool, mod=None, config: TileConfig | None = None) -> list:
         """The extra kernel arguments, in the order of ``_common.j2``'s
-        ``mod_kernel_params``."""
+        ``mod_kernel_params``.  A tma module ``mod`` (tiles of ``config``) with a bias
+        takes it through a descriptor when one addresses it (:func:`bias_tma_view`),
+        and the constexpr BIAS_TMA saying which."""
         name = self.name
         out: list = []
         if with_scale and (self.softcap > 0 or self.alibi is not None or self.bias is not None):
@@ -89,7 +127,11 @@ class ScoreMods:
             a = self.alibi
             out += [a, a.stride(0) if a.dim() == 2 else 0, a.stride(-1)]
         if self.bias is not None:
-            out += [self.bias, *self.bias.stride()]
+            if mod is not None and mod.TMA:
+                desc = bias_descriptor(self.bias, config.BLOCK_M, config.BLOCK_N)
+                out += [self.bias if desc is None else desc, *self.bias.stride(), desc is not None]
+            else:
+                out += [self.bias, *self.bias.stride()]
         if "dropout" in name:
             out += [self.rng, float(self.dropout_p)]
         return out
@@ -143,7 +185,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         *v.stride()[:3],
         *out.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
-        *(mods.kernel_args(softmax_scale, True) if mods is not None else ()),
+        *(mods.kernel_args(softmax_scale, True, mod, config) if mods is not None else ()),
         num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
     ))
     return out, lse
@@ -169,7 +211,7 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
         *do.stride()[:3],
         *dq.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
-        *(mods.kernel_args(softmax_scale, False) if mods is not None else ()),
+        *(mods.kernel_args(softmax_scale, False, mod, config) if mods is not None else ()),
         num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
     ))
     return dq, delta
@@ -197,7 +239,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
         *dk.stride()[:3],
         *dv.stride()[:3],
         h, h // hk, sq, sk, num_n_blocks, diag_lo, diag_hi,
-        *(mods.kernel_args(softmax_scale, False) if mods is not None else ()),
+        *(mods.kernel_args(softmax_scale, False, mod, config) if mods is not None else ()),
         num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
     ))
     return dk, dv

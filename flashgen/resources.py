@@ -52,8 +52,12 @@ def smem_buffers(variant: Variant) -> dict[str, int]:
     """Named shared-memory buffers (bytes) of a variant."""
     bufs = _tile_buffers(variant)
     if "bias" in mods_set(variant.spec.mods):
-        # The bias tile is a pointer load in the streamed loop: one buffer per stage when
-        # the loop is pipelined, one staging tile otherwise (an upper bound).
+        # The bias tile, num_stages buffers (an upper bound of both binaries of a
+        # variant).  Through a descriptor (a tma variant launched with an addressable
+        # bias, BIAS_TMA) Triton 3.6 streams it through num_stages - 1 pipelined shared
+        # buffers (none at num_stages 1) plus their barriers; through pointers it stays
+        # in registers, with a staging/conversion scratch of up to ~9 KiB (sm_90
+        # compiles, tests/test_bias_tma.py).
         c = variant.config
         bufs["bias_tiles"] = c.BLOCK_M * c.BLOCK_N * variant.spec.dtype_bytes * max(1, c.num_stages)
     if variant.config.tma:

@@ -105,7 +105,10 @@ def compiled_variant(v: "Variant") -> "Variant":
     dQ 104; ``python3 benchmarks/sm90_compile.py --launch-like ...``, ptxas -v) where the
     window kernel, whose loops differ only in a masked prologue that is empty here,
     spills none (docs/notes.md, session 3); dK/dV spills either way, less as causal
-    (336 vs 508 bytes), and stays.  The tuner's and the
+    (336 vs 508 bytes), and stays.  A tma variant launched with a descriptor-addressable
+    bias (BIAS_TMA, the bias tile through TMA) compiles the causal forward without spills
+    (d128 m64 n64 w4 s3: 166 registers, 0 bytes), but the same variant's pointer fallback
+    (BIAS_TMA False) still spills as above, so the routing stays.  The tuner's and the
     dispatcher's keys stay causal; :func:`flashgen.compile.load` applies this."""
     s = v.spec
     if s.kernel in ("fwd", "bwd_dq") and s.mask == "causal" and "bias" in mods_set(s.mods):
