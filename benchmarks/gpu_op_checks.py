@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import flashgen
-from flashgen import dispatch
+from flashgen import dispatch, dropout
 
 
 @dataclass
@@ -206,7 +206,7 @@ def check_dropout_graph(device, dtype) -> list[Row]:
     except Exception as e:
         return [Row(name, "FAIL", f"capture: {type(e).__name__}: {str(e)[:200]}")]
     rows, prev = [], None
-    n = b * h * s * s
+    n = dropout.counters(b, h, s, s)
     for trial in range(2):
         before = st.clone()
         g.replay()

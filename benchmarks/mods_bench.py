@@ -413,14 +413,15 @@ def _mod_inputs(mod, args, b, h, sq, sk, device, dtype, g):
 
 def _keep_mask(rng_before, h, sq, sk, heads, p):
     """The kernels' keep mask on batch 0's ``heads``: plane z * h + i starts at counter
-    offset + (z * h + i) * sq * sk (flashgen.dropout), so each head's plane is one
-    dropout_mask call with the offset moved there."""
+    offset + (z * h + i) * sq * ceil(sk / 4) (flashgen.dropout), so each head's plane
+    is one dropout_mask call with the offset moved there."""
     import flashgen
+    from flashgen import dropout
 
     planes = []
     for i in heads:
         st = rng_before.clone()
-        st[1] += i * sq * sk
+        st[1] += i * dropout.counters(1, 1, sq, sk)
         planes.append(flashgen.dropout_mask(st, 1, 1, sq, sk, p))
     return torch.cat(planes, 1)
 

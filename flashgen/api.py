@@ -327,7 +327,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             config, the backward recomputes it exactly, and :func:`flashgen.dropout_mask`
             returns it.  Needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU).
         rng_state: int64 (2,) [seed, offset] on q's device that dropout reads and
-            advances in place by batch * num_heads * seqlen_q * seqlen_k (default: the
+            advances in place by batch * num_heads * seqlen_q * ceil(seqlen_k / 4), the
+            Philox counters it used (one per 4 key columns of a row) (default: the
             device's state, :func:`flashgen.manual_seed`).  A CUDA graph replay
             advances it too, so each replay draws a fresh mask.
 

@@ -1,22 +1,28 @@
 """Dropout's random stream: the device-side state and the kernels' keep mask, exposed.
 
-The kernels (``mods`` containing ``dropout``, see ``templates/_common.j2``) keep
-element (i, j) of head plane ``z * num_heads + h`` iff
+The kernels (``mods`` containing ``dropout``, see ``templates/_common.j2``) draw one
+Philox4x32-10 call (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3";
+Triton's ``tl.randint4x``: counter words (c0, c1) the counter's low and high 32 bits,
+c2 = c3 = 0, key (seed low, seed high), 10 rounds) per 4 consecutive key columns of a
+row, and use all four 32-bit outputs.  Element (i, j) of head plane
+``bh = z * num_heads + h`` takes output ``j % 4`` of counter
 
-    tl.rand(seed, offset + ((z * num_heads + h) * seqlen_q + i) * seqlen_k + j) >= dropout_p
+    offset + (bh * seqlen_q + i) * ceil(seqlen_k / 4) + j // 4
 
-with ``seed, offset = rng_state[0], rng_state[1]`` read on the device (Philox 4x32-10,
-Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3", Triton's
-``tl.rand``).  The counter is the element's index, so the kept set depends on no tile
-size, warp count or program order: every variant the tuner can pick drops the same
-elements, the backward recomputes exactly the forward's mask, and a fixed
-(seed, offset) reproduces.
+and is kept iff that output's uniform (``uint_to_uniform_float``, as in ``tl.rand``)
+is >= dropout_p, with ``seed, offset = rng_state[0], rng_state[1]`` read on the device.
+The counter is fixed by (seed, offset, batch, head, row, column), so the kept set
+depends on no tile size, warp count or program order: every variant the tuner can
+pick drops the same elements, the backward recomputes exactly the forward's mask, and
+a fixed (seed, offset) reproduces.  (Rows are padded to a multiple of 4 columns: the
+last counter of a row whose seqlen_k is not a multiple of 4 has unused outputs.)
 
 Each dropout call reads its (seed, offset) from a state tensor and then advances the
-state's offset on the device by batch * num_heads * seqlen_q * seqlen_k (an in-place
-add, so a CUDA graph replay draws a fresh mask).  :func:`default_state` holds one
-state per device, seeded from ``torch.initial_seed()``; :func:`manual_seed` resets
-them; callers may pass their own state tensor instead.
+state's offset on the device by :func:`counters` = batch * num_heads * seqlen_q *
+ceil(seqlen_k / 4) (an in-place add, so a CUDA graph replay draws a fresh mask).
+:func:`default_state` holds one state per device, seeded from
+``torch.initial_seed()``; :func:`manual_seed` resets them; callers may pass their own
+state tensor instead.
 """
 
 from __future__ import annotations
@@ -75,9 +81,20 @@ def manual_seed(seed: int) -> None:
         st.copy_(torch.tensor([_seed[0], 0], dtype=torch.int64))
 
 
+#: Score elements (consecutive key columns of one row) per Philox counter: the four
+#: 32-bit outputs of one Philox4x32 call.
+COLS_PER_COUNTER = 4
+
+
+def counters_per_row(seqlen_k: int) -> int:
+    """Philox counters of one score row: ceil(seqlen_k / 4)."""
+    return -(-seqlen_k // COLS_PER_COUNTER)
+
+
 def counters(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int) -> int:
-    """How far one call advances the offset: one Philox counter per score element."""
-    return batch * num_heads * seqlen_q * seqlen_k
+    """How far one call advances the offset: one Philox counter per 4 key columns of
+    each score row, batch * num_heads * seqlen_q * ceil(seqlen_k / 4)."""
+    return batch * num_heads * seqlen_q * counters_per_row(seqlen_k)
 
 
 def take(rng_state: torch.Tensor, n: int) -> torch.Tensor:
@@ -96,12 +113,27 @@ def _mask_kernel(interp: bool):
     import triton.language as tl
 
     @triton.jit
-    def dropout_mask_kernel(RNG, OUT, n_cols, total, dropout_p, BLOCK: tl.constexpr):
-        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def dropout_mask_kernel(RNG, OUT, n_rows, seqlen_k, n_groups, dropout_p,
+                            BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+        # Rows are the flattened (batch, head, query) rows; each program covers BLOCK_R
+        # rows and BLOCK_G groups of 4 columns, and stores each of randint4x's outputs
+        # at its own column (4g + lane), independently of the kernels' join/reshape.
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        groups = tl.program_id(1).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
         seed = tl.load(RNG)
         offset = tl.load(RNG + 1)
-        keep = tl.rand(seed, offset + idx) >= dropout_p
-        tl.store(OUT + idx, keep.to(tl.int8), mask=idx < total)
+        r0, r1, r2, r3 = tl.randint4x(seed, offset + rows[:, None] * n_groups + groups[None, :])
+        base = OUT + rows[:, None] * seqlen_k + 4 * groups[None, :]
+        row_ok = rows[:, None] < n_rows
+        cols = 4 * groups[None, :]
+        tl.store(base, (tl.random.uint_to_uniform_float(r0) >= dropout_p).to(tl.int8),
+                 mask=row_ok & (cols < seqlen_k))
+        tl.store(base + 1, (tl.random.uint_to_uniform_float(r1) >= dropout_p).to(tl.int8),
+                 mask=row_ok & (cols + 1 < seqlen_k))
+        tl.store(base + 2, (tl.random.uint_to_uniform_float(r2) >= dropout_p).to(tl.int8),
+                 mask=row_ok & (cols + 2 < seqlen_k))
+        tl.store(base + 3, (tl.random.uint_to_uniform_float(r3) >= dropout_p).to(tl.int8),
+                 mask=row_ok & (cols + 3 < seqlen_k))
 
     return dropout_mask_kernel
 
@@ -139,11 +171,14 @@ def dropout_mask(rng_state: torch.Tensor, batch: int, num_heads: int, seqlen_q: 
         if not (rng_state.is_cuda or interp):
             raise InputError(f"dropout_mask runs a Triton kernel: rng_state must be on a CUDA device, or "
                              f"TRITON_INTERPRET=1 set for the CPU (got {rng_state.device})")
-        block = 1024
+        n_rows, n_groups = batch * num_heads * seqlen_q, counters_per_row(seqlen_k)
+        block_r, block_g = 16, 64
+        grid = (-(-n_rows // block_r), -(-n_groups // block_g))
         kern = _mask_kernel(interp)
+        args = (rng_state, out, n_rows, seqlen_k, n_groups, dropout_p)
         if rng_state.is_cuda:
             with torch.cuda.device(rng_state.device):
-                kern[(-(-total // block),)](rng_state, out, seqlen_k, total, dropout_p, BLOCK=block)
+                kern[grid](*args, BLOCK_R=block_r, BLOCK_G=block_g)
         else:
-            kern[(-(-total // block),)](rng_state, out, seqlen_k, total, dropout_p, BLOCK=block)
+            kern[grid](*args, BLOCK_R=block_r, BLOCK_G=block_g)
     return out.bool()

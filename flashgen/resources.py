@@ -60,6 +60,13 @@ def smem_buffers(variant: Variant) -> dict[str, int]:
         # compiles, tests/test_bias_tma.py).
         c = variant.config
         bufs["bias_tiles"] = c.BLOCK_M * c.BLOCK_N * variant.spec.dtype_bytes * max(1, c.num_stages)
+    if "dropout" in mods_set(variant.spec.mods):
+        # The keep mask is drawn 4 columns per thread (one Philox call, its 4 outputs
+        # joined into consecutive columns) and moved to the dot's accumulator layout
+        # through a BLOCK_M x BLOCK_N byte scratch buffer (Triton 3.6, sm_90: exactly
+        # this much more than without dropout in every variant compiled).
+        c = variant.config
+        bufs["dropout_mask_cvt"] = c.BLOCK_M * c.BLOCK_N
     if variant.config.tma:
         bufs["tma_barriers"] = TMA_BARRIER_BYTES
     return bufs

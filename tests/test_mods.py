@@ -95,8 +95,9 @@ def test_dropout_mask_keep_rate_and_reproducibility():
     assert abs(m.float().mean().item() - 0.7) < 0.01  # 36864 draws: std 0.0024
     assert torch.equal(m, flashgen.dropout_mask(st, 2, 3, 64, 96, 0.3))
     assert not torch.equal(m, flashgen.dropout_mask(torch.tensor([8, 0]), 2, 3, 64, 96, 0.3))
-    # the offset is the element index: shifting it by one head plane shifts the mask
-    shifted = flashgen.dropout_mask(torch.tensor([7, 64 * 96]), 1, 1, 64, 96, 0.3)
+    # counters are indexed by element (4 columns a counter): shifting the offset by one
+    # head plane's counters shifts the mask by one plane
+    shifted = flashgen.dropout_mask(torch.tensor([7, dropout.counters(1, 1, 64, 96)]), 1, 1, 64, 96, 0.3)
     assert torch.equal(shifted[0, 0], m[0, 1])
     assert flashgen.dropout_mask(st, 1, 1, 8, 8, 0.0).all()
 

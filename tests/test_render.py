@@ -154,10 +154,10 @@ def test_mods_are_compiled_in_only_when_named():
     plain = render.render(Variant(spec, TileConfig(64, 32, 4, 1)))
     assert "sm_scale" not in plain and "tl.rand" not in plain and "BIAS" not in plain
     full = render.render(Variant(dataclasses.replace(spec, mods="softcap_alibi_bias_dropout"), TileConfig(64, 32, 4, 1)))
-    for sym in ("softcap", "ALIBI", "BIAS", "tl.rand(seed", "dropout_p"):
+    for sym in ("softcap", "ALIBI", "BIAS", "tl.randint4x(seed", "dropout_p"):
         assert sym in full
     only = render.render(Variant(dataclasses.replace(spec, mods="dropout"), TileConfig(64, 32, 4, 1)))
-    assert "tl.rand(seed" in only and "BIAS" not in only and "sm_scale" not in only
+    assert "tl.randint4x(seed" in only and "BIAS" not in only and "sm_scale" not in only
 
 
 def test_load_memoizes_and_writes_once(tmp_path, monkeypatch):
