@@ -358,6 +358,47 @@ def check_sdpa(device, dtype) -> list[Row]:
     return rows
 
 
+def check_bias_tma(device, dtype) -> list[Row]:
+    """The bias through a tensor descriptor (tma kernels, BIAS_TMA) on the GPU: a full
+    bias, broadcasts over batch, heads and both (extent-1 descriptor dims), and a
+    key-padding bias (rows broadcast: the pointer fallback), none and causal, forward and
+    backward through flashgen.attention against the float64 reference (FLOOR + 2x torch's
+    error, bench.compare).  Counts the descriptors the launches built."""
+    from flashgen import ops
+    from flashgen.bench import compare as fcompare
+
+    rows = []
+    b, h, sq, sk, d = 2, 4, 200, 264, 64
+    g = torch.Generator(device=device).manual_seed(11)
+    q, k, v, do = (torch.randn(b, h, n, d, device=device, generator=g, dtype=dtype) for n in (sq, sk, sk, sq))
+    full = torch.randn(b, h, sq, sk, device=device, generator=g, dtype=dtype)
+    cases = {"full": (full, True), "batch-broadcast": (full[:1].expand(b, -1, -1, -1), True),
+             "head-broadcast": (full[:, :1].expand(-1, h, -1, -1), True),
+             "batch+head-broadcast": (full[:1, :1].expand(b, h, -1, -1), True),
+             "key padding (rows broadcast)": (full[:, :, :1].expand(-1, -1, sq, -1), False)}
+    real = ops.bias_descriptor
+    made = []
+    ops.bias_descriptor = lambda *a: made.append(real(*a)) or made[-1]
+    try:
+        for name, (bias, want_tma) in cases.items():
+            for causal in (False, True):
+                made.clear()
+                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                o = flashgen.attention(qg, kg, vg, causal=causal, bias=bias)
+                dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), do)
+                res = fcompare({"O": o.detach(), "dQ": dq, "dK": dk, "dV": dv}, q, k, v, do,
+                               mask=dict(causal=causal), softmax_scale=d ** -0.5, mods=dict(bias=bias))
+                worst = max(r[2] for r in res.values())
+                n_desc = sum(x is not None for x in made)
+                ok = worst <= 1 and (n_desc > 0) == want_tma
+                rows.append(Row(f"bias via TMA: {name}{', causal' if causal else ''}", "PASS" if ok else "FAIL",
+                                f"worst ratio {worst:.3f} (<= 1); {n_desc} of {len(made)} launches took a "
+                                f"descriptor (want {'> 0' if want_tma else '0'})"))
+    finally:
+        ops.bias_descriptor = real
+    return rows
+
+
 def run_checks(device, *, dtype=torch.bfloat16, backend="inductor") -> list[Row]:
     rows = check_compile(device, dtype, backend)
     rows += check_cuda_graph(device, dtype)
@@ -365,6 +406,7 @@ def run_checks(device, *, dtype=torch.bfloat16, backend="inductor") -> list[Row]
     rows += check_capture_cold(device, dtype)
     rows += check_device1(dtype)
     rows += check_sdpa(device, dtype)
+    rows += check_bias_tma(device, dtype)
     return rows
 
 

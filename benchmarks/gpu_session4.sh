@@ -23,11 +23,15 @@ if [ "$part" = probe ]; then
   timeout 160 python3 benchmarks/decode_bench.py --out "$out/decode.json" --budget-s 120 --rep-ms 20 \
     > "$out/decode_bench.log" 2>&1; tail -40 "$out/decode_bench.log"
 elif [ "$part" = 1 ]; then
-  timeout 330 python3 -m flashgen tune --preset mods-bias --preset mods-dropout --db tuning_db/h200.sqlite \
+  timeout 300 python3 -m flashgen tune --preset mods-bias --preset mods-dropout --db tuning_db/h200.sqlite \
     --storage /tmp/retune.journal --trials 6 --timeout-per-key 4 2>&1 | grep -v "━" > "$out/tune_bias_dropout.log"
   cp tuning_db/h200.sqlite "$out/h200.sqlite"
   grep -E "precompiled|correctness|│" "$out/tune_bias_dropout.log"
-  timeout 240 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 --space-budget-s 150 \
+  timeout 60 python3 -c "
+import sys, torch; sys.path.insert(0, 'benchmarks'); import gpu_op_checks as g
+for r in g.check_bias_tma(torch.device('cuda'), torch.bfloat16): print(f'{r.name:50} {r.status:5} {r.detail}')
+" 2>&1 | tee "$out/bias_tma_checks.log" | grep -v Warn
+  timeout 220 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 --space-budget-s 140 \
     --out "$out/mods_exactness.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness.log" | tail -10
 else
   timeout 270 python3 benchmarks/mods_bench.py --out "$out/mods.json" --budget-s 240 \
