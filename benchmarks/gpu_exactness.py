@@ -467,7 +467,7 @@ def run_matrix(cases, workers, deadline, log):
 # every config of the search space
 
 
-def space_variants(dtype="bfloat16", head_dims=(64, 128), masks=("none", "causal", "window"), mods=""):
+def space_variants(dtype="bfloat16", head_dims=(64, 128), masks=("none", "causal", "window"), mods="", kernels=None):
     from flashgen import resources, space
     from flashgen.arch import current
     from flashgen.spec import KERNELS, KernelSpec, Variant, is_decode, is_varlen
@@ -477,7 +477,8 @@ def space_variants(dtype="bfloat16", head_dims=(64, 128), masks=("none", "causal
     # The decode kernels have their own float64 check of every config (flashgen tune
     # --preset decode precompiles and checks them; benchmarks/decode_bench.py).
     # Score mods are compiled into the dense kernels only.
-    for kern in (k for k in KERNELS if not is_decode(k) and not (mods and is_varlen(k))):
+    for kern in (k for k in KERNELS if not is_decode(k) and not (mods and is_varlen(k))
+                 and (kernels is None or k in kernels)):
         for d in head_dims:
             for m in masks:
                 spec = KernelSpec(kern, dtype, d, d, m, mods)
@@ -693,6 +694,8 @@ def main(argv=None):
     ap.add_argument("--space-budget-s", type=float, default=float("inf"),
                     help="search-space chunks not started after this many seconds are skipped (reported)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: big,space,matrix")
+    ap.add_argument("--kernels", default="", help="the search-space part for these kernels only (e.g. bwd_dq; "
+                    "default: all)")
     ap.add_argument("--head-dims", default="64,128", help="head dims of the search-space part (default 64,128)")
     ap.add_argument("--mods", default="", help="the search-space part with these score mods compiled in "
                     "(e.g. softcap_alibi_bias_dropout: every mod's code at once; dense kernels only)")
@@ -740,13 +743,15 @@ def main(argv=None):
 
     if "space" not in skip:
         if args.smoke:  # float16 (the interpreter's bf16 dots are wrong), one config per kernel x mask
-            vs = space_variants("float16", (64,), mods=args.mods)
+            vs = space_variants("float16", (64,), mods=args.mods,
+                                kernels=set(args.kernels.split(",")) if args.kernels else None)
             pick = {}
             for v in vs:
                 pick.setdefault((v.spec.kernel, v.spec.mask), v)
-            vs = [pick[k] for k in (("fwd", "none"), ("bwd_dq", "causal"), ("bwd_dkdv", "window"))]
+            vs = [pick[k] for k in (("fwd", "none"), ("bwd_dq", "causal"), ("bwd_dkdv", "window")) if k in pick]
         else:
-            vs = space_variants(head_dims=tuple(int(x) for x in args.head_dims.split(",")), mods=args.mods)
+            vs = space_variants(head_dims=tuple(int(x) for x in args.head_dims.split(",")), mods=args.mods,
+                                kernels=set(args.kernels.split(",")) if args.kernels else None)
         log(f"space: {len(vs)} valid + feasible variants (fwd/bwd_dq/bwd_dkdv x d {args.head_dims} x none/causal/window"
             f"{', mods ' + args.mods if args.mods else ''})")
         t0 = time.time()

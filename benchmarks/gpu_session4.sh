@@ -5,8 +5,9 @@
 #           longer match; every variant is precompiled and checked against float64
 #           first), then the search-space exactness walk with all four score mods
 #           compiled in at once (d128).
-#   part 2: mods_bench.py on every case (TFLOP/s against FlexAttention and SDPA), then
-#           decode_bench.py (achieved HBM bandwidth against the copy; tuned decode rows).
+#   part 2: the exactness walk's dQ variants (part 1's walk ran out of budget before
+#           them), then mods_bench.py on every case (TFLOP/s against FlexAttention and
+#           SDPA).
 #   probe:  benchmarks/probe_dq_atomic.py (single-pass backward with dQ atomics against
 #           the two-pass backward), then decode_bench.py.
 # Usage (repository root, on the GPU machine):  bash benchmarks/gpu_session4.sh "$OUT" probe|1|2
@@ -34,8 +35,9 @@ for r in g.check_bias_tma(torch.device('cuda'), torch.bfloat16): print(f'{r.name
   timeout 220 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 --space-budget-s 140 \
     --out "$out/mods_exactness.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness.log" | tail -10
 else
+  timeout 150 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 \
+    --kernels bwd_dq --space-budget-s 90 --out "$out/mods_exactness_dq.json" 2>&1 | grep -v "space: [0-9]*/" \
+    | tee "$out/mods_exactness_dq.log" | tail -9
   timeout 270 python3 benchmarks/mods_bench.py --out "$out/mods.json" --budget-s 240 \
     > "$out/mods_bench.log" 2>&1; tail -34 "$out/mods_bench.log"
-  timeout 200 python3 benchmarks/decode_bench.py --out "$out/decode.json" --budget-s 150 --rep-ms 20 \
-    > "$out/decode_bench.log" 2>&1; tail -40 "$out/decode_bench.log"
 fi
