@@ -696,6 +696,8 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of parts to skip: big,space,matrix")
     ap.add_argument("--kernels", default="", help="the search-space part for these kernels only (e.g. bwd_dq; "
                     "default: all)")
+    ap.add_argument("--resume-skipped", default="", help="the search-space part for the variants an earlier "
+                    "run's JSON lists as skipped only")
     ap.add_argument("--head-dims", default="64,128", help="head dims of the search-space part (default 64,128)")
     ap.add_argument("--mods", default="", help="the search-space part with these score mods compiled in "
                     "(e.g. softcap_alibi_bias_dropout: every mod's code at once; dense kernels only)")
@@ -752,6 +754,10 @@ def main(argv=None):
         else:
             vs = space_variants(head_dims=tuple(int(x) for x in args.head_dims.split(",")), mods=args.mods,
                                 kernels=set(args.kernels.split(",")) if args.kernels else None)
+        if args.resume_skipped:
+            with open(args.resume_skipped) as f:
+                left = set(json.load(f)["skipped"])
+            vs = [v for v in vs if f"space/{v.id}" in left]
         log(f"space: {len(vs)} valid + feasible variants (fwd/bwd_dq/bwd_dkdv x d {args.head_dims} x none/causal/window"
             f"{', mods ' + args.mods if args.mods else ''})")
         t0 = time.time()
