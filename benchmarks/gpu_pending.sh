@@ -1,30 +1,21 @@
 #!/usr/bin/env bash
-# The GPU work still owed after session 3 (device time ran out), in two device calls
-# (carry .whl; each about 8-9 minutes on an H200):
-#   part 1: re-tune the softcap and bias keys (fwd, dQ, dK/dV; session 3's review
-#           changed their code, and its causal-bias re-tune was cut by a timeout; every
-#           variant is precompiled and checked against float64 first), then the op
-#           checks (dropout under CUDA-graph capture: a fresh mask per replay).
-#   part 2: the search-space exactness walk with all four score mods compiled in (d128;
-#           session 3's d64+d128 walk did not finish in 260 s), then mods_bench.py on
-#           every case (session 3's numbers for softcap and bias predate the review's
-#           kernel fixes; s8192 and d64 were out of its budgets).
-# Usage (repository root, on the GPU machine):  bash benchmarks/gpu_pending.sh "$OUT" 1   (then 2)
-# After part 1, copy $OUT/h200.sqlite into tuning_db/ (journal_mode DELETE) and commit it.
+# The GPU work still owed after session 4 (device time ran out), one device call
+# (carry .whl; about 8 minutes on an H200):
+#   1. the 90 variants of the all-four-score-mods exactness walk that session 4's two
+#      budgets did not reach (docs/h200/session4/mods_exactness_left.json);
+#   2. probe_fwd_configs.py: BLOCK_M 256 forward configs (16 warps; spill-free per ptxas)
+#      against the tuned forward and SDPA cuDNN, before adding them to the tuning domain
+#      (which re-keys every forward row);
+#   3. mods_bench.py's head_dim 64 score-mod cases (out of session 4's budget).
+# Usage (repository root, on the GPU machine):  bash benchmarks/gpu_pending.sh "$OUT"
 set -uo pipefail
 out=${1:-gpu_pending_out}
-part=${2:-1}
 mkdir -p "$out"
 source benchmarks/_gpu_env.sh
-if [ "$part" = 1 ]; then
-  timeout 400 python3 -m flashgen tune --preset mods-softcap --preset mods-bias --db tuning_db/h200.sqlite \
-    --storage /tmp/retune.journal --trials 6 --timeout-per-key 3 2>&1 | grep -v "━" > "$out/tune_softcap_bias.log"
-  cp tuning_db/h200.sqlite "$out/h200.sqlite"
-  grep -E "precompiled|correctness|│" "$out/tune_softcap_bias.log"
-  timeout 120 python3 benchmarks/gpu_op_checks.py 2>&1 | tee "$out/op_checks.log" | tail -22
-else
-  timeout 300 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 \
-    --out "$out/mods_exactness.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness.log" | tail -10
-  timeout 200 python3 benchmarks/mods_bench.py --out "$out/mods.json" --budget-s 180 \
-    > "$out/mods_bench.log" 2>&1; tail -34 "$out/mods_bench.log"
-fi
+timeout 150 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 \
+  --resume-skipped docs/h200/session4/mods_exactness_left.json --space-budget-s 100 \
+  --out "$out/mods_exactness_rest.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness_rest.log" | tail -9
+timeout 200 python3 benchmarks/probe_fwd_configs.py --out "$out/fwd_probe.json" --budget-s 170 \
+  > "$out/fwd_probe.log" 2>&1; grep -v "^ \|Traceback" "$out/fwd_probe.log" | tail -12
+timeout 150 python3 benchmarks/mods_bench.py --out "$out/mods_d64.json" --shapes 64:2048 --budget-s 120 \
+  > "$out/mods_d64.log" 2>&1; tail -14 "$out/mods_d64.log"
