@@ -587,10 +587,11 @@ class KernelBenchmarker:
     """
 
     def __init__(self, warmup_ms: int = 10, rep_ms: int = 40, workers: int | None = None,
-                 compile_timeout_s: float = 300.0):
+                 compile_timeout_s: float = 300.0, startup_grace_s: float = 120.0):
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
         self.workers = workers or min(16, os.cpu_count() or 1)
         self.compile_timeout_s = compile_timeout_s
+        self.startup_grace_s = startup_grace_s
         self._checked: dict[str, tuple[str | None, dict]] = {}  # variant id -> (failure, report)
         self._inputs: dict = {}
 
@@ -617,8 +618,14 @@ class KernelBenchmarker:
 
         while todo:
             ex = cf.ProcessPoolExecutor(self.workers, mp_context=ctx)
+            pool_t0 = time.monotonic()
             futs = {ex.submit(fn, v, group): v for v in todo}
             pending, started, hung = set(futs), {}, []
+            # A future counts as running once it sits in the pool's call queue, which can
+            # be before a worker process is up (spawning one imports torch: seconds on a
+            # loaded host).  So a clock starts no earlier than the pool's first result, or,
+            # before any result, than startup_grace_s after the pool was made.
+            first_done = None
             while pending and not hung:
                 done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
                 for f in done:
@@ -627,10 +634,13 @@ class KernelBenchmarker:
                     except Exception as e:  # noqa: BLE001 - a crashed worker is a value too
                         record(futs[f].id, f"launch_failed: {type(e).__name__}: {e}", {})
                 now = time.monotonic()
+                if done and first_done is None:
+                    first_done = now
+                floor = first_done if first_done is not None else pool_t0 + self.startup_grace_s
                 for f in pending:
                     if f.running():
                         started.setdefault(f, now)
-                hung = [f for f in pending if now - started.get(f, now) > self.compile_timeout_s]
+                hung = [f for f in pending if f in started and now - max(started[f], floor) > self.compile_timeout_s]
             for f in hung:
                 record(futs[f].id, f"timeout: no result after {self.compile_timeout_s:.0f} s", {})
             if hung:  # the hung worker cannot be told apart: kill them all, redo the rest

@@ -32,3 +32,26 @@ def test_a_hung_candidate_times_out_and_the_rest_finish():
     assert all(out[v.id] is None for v in VARIANTS if v.id not in (HANG, CRASH))
     assert sorted(seen) == sorted(v.id for v in VARIANTS)  # each reported exactly once
     assert bench.check_ratios() == {v.id: 0.1 for v in VARIANTS if v.id not in (HANG, CRASH)}
+
+
+_STARTED = []
+
+
+def slow_start_compile(variant, group):
+    """Each worker's first call takes 4 s (a worker process that is slow to come up:
+    spawning imports torch, seconds on a loaded host), then 0.05 s per variant."""
+    if not _STARTED:
+        _STARTED.append(1)
+        time.sleep(4)
+    return fake_compile(variant, group)
+
+
+def test_slow_worker_startup_is_not_a_timeout():
+    """Futures queued while the workers start count as running in the executor; their
+    clocks must not run before the pool has produced a result (the flake this fixed:
+    variants queued behind a slow start were recorded as timeouts)."""
+    bench = KernelBenchmarker(workers=2, compile_timeout_s=3)
+    out = bench.precompile(VARIANTS, worker_fn=slow_start_compile)
+    assert out[HANG].startswith("timeout")
+    assert out[CRASH].startswith("launch_failed")
+    assert all(out[v.id] is None for v in VARIANTS if v.id not in (HANG, CRASH)), out
