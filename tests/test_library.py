@@ -307,6 +307,19 @@ def test_gpu_op_checks_logic_on_cpu(no_interpreter):
     assert row.status == "FAIL" and "1" in row.detail
 
 
+def test_gpu_op_checks_bias_tma_in_the_interpreter():
+    """Triton's interpreter reports sm_90 and runs tma configs: check_bias_tma there
+    expects descriptors like an sm_90 GPU (it expected none on every CPU and failed its
+    8 descriptor cases under TRITON_INTERPRET=1)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_op_checks
+    finally:
+        sys.path.pop(0)
+    rows = gpu_op_checks.check_bias_tma(torch.device("cpu"), F16)
+    assert len(rows) == 10 and all(r.status == "PASS" for r in rows), [(r.name, r.detail) for r in rows]
+
+
 def _gpu_exactness():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
