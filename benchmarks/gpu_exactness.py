@@ -702,6 +702,26 @@ def main(argv=None):
     ap.add_argument("--mods", default="", help="the search-space part with these score mods compiled in "
                     "(e.g. softcap_alibi_bias_dropout: every mod's code at once; dense kernels only)")
     args = ap.parse_args(argv)
+    # The search-space arguments are checked (and the resume file read: it may be --out
+    # itself, which the first part rewrites) before any part runs.
+    from flashgen.spec import KERNELS, is_decode, is_varlen
+
+    space_kernels = [k for k in KERNELS if not is_decode(k) and not (args.mods and is_varlen(k))]
+    kernels = set(args.kernels.split(",")) if args.kernels else None
+    if kernels and kernels - set(space_kernels):
+        ap.error(f"--kernels: {', '.join(sorted(kernels - set(space_kernels)))} not in the search-space part's "
+                 f"kernels ({', '.join(space_kernels)})")
+    resume = None
+    if args.resume_skipped:
+        try:
+            with open(args.resume_skipped) as f:
+                resume = json.load(f)["skipped"]
+            if not isinstance(resume, list):
+                raise TypeError("'skipped' is not a list")
+            resume = set(resume)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--resume-skipped {args.resume_skipped}: not an earlier run's JSON with a 'skipped' list "
+                     f"({type(e).__name__}: {e})")
     t_start = time.time()
     deadline = t_start + args.budget_s
     skip = {s for s in args.skip.split(",") if s}
@@ -745,19 +765,19 @@ def main(argv=None):
 
     if "space" not in skip:
         if args.smoke:  # float16 (the interpreter's bf16 dots are wrong), one config per kernel x mask
-            vs = space_variants("float16", (64,), mods=args.mods,
-                                kernels=set(args.kernels.split(",")) if args.kernels else None)
+            vs = space_variants("float16", (64,), mods=args.mods, kernels=kernels)
             pick = {}
             for v in vs:
                 pick.setdefault((v.spec.kernel, v.spec.mask), v)
             vs = [pick[k] for k in (("fwd", "none"), ("bwd_dq", "causal"), ("bwd_dkdv", "window")) if k in pick]
         else:
             vs = space_variants(head_dims=tuple(int(x) for x in args.head_dims.split(",")), mods=args.mods,
-                                kernels=set(args.kernels.split(",")) if args.kernels else None)
-        if args.resume_skipped:
-            with open(args.resume_skipped) as f:
-                left = set(json.load(f)["skipped"])
-            vs = [v for v in vs if f"space/{v.id}" in left]
+                                kernels=kernels)
+        if resume is not None:
+            listed = {n for n in resume if isinstance(n, str) and n.startswith("space/")}
+            vs = [v for v in vs if f"space/{v.id}" in listed]
+            log(f"space: --resume-skipped lists {len(listed)} space variants; {len(vs)} of them are in this run's "
+                f"space" + (" (other --mods / --head-dims / --kernels than that run?)" if len(vs) < len(listed) else ""))
         log(f"space: {len(vs)} valid + feasible variants (fwd/bwd_dq/bwd_dkdv x d {args.head_dims} x none/causal/window"
             f"{', mods ' + args.mods if args.mods else ''})")
         t0 = time.time()

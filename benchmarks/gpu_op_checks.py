@@ -376,9 +376,12 @@ def check_bias_tma(device, dtype) -> list[Row]:
              "head-broadcast": (full[:, :1].expand(-1, h, -1, -1), True),
              "batch+head-broadcast": (full[:1, :1].expand(b, h, -1, -1), True),
              "key padding (rows broadcast)": (full[:, :, :1].expand(-1, -1, sq, -1), False)}
-    # tma configs exist from sm_90 on (on the CPU the interpreter runs the heuristic's
-    # pointer configs, and the check is of exactness only)
-    tma_device = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    # tma configs exist from sm_90 on; Triton's interpreter (CPU, not bfloat16) reports
+    # sm_90 and runs them too; the CPU's reference path takes no descriptor
+    from flashgen import library
+
+    tma_device = (torch.cuda.get_device_capability(device)[0] >= 9 if device.type == "cuda"
+                  else library.use_kernels(q))
     real = ops.bias_descriptor
     made = []
     ops.bias_descriptor = lambda *a: made.append(real(*a)) or made[-1]

@@ -135,8 +135,14 @@ def mod_inputs(spec, shape: Shape, device="cuda", seed=0) -> "ops.ScoreMods | No
     g = torch.Generator(device=device).manual_seed(seed + 77)
     bias = None
     if "bias" in ms:
-        bias = torch.randn(1, shape.num_heads, shape.seqlen_q, shape.seqlen_k, device=device, generator=g,
-                           dtype=_TORCH_DTYPES[spec.dtype]).expand(shape.batch, -1, -1, -1)
+        # Rows padded to 16 bytes: a tma variant reads it through a descriptor
+        # (ops.bias_tma_view), the path its timings and aligned user biases run, also on
+        # the checks' awkward seqlens (a contiguous 397-column bias would check only the
+        # pointer fallback).
+        dt = _TORCH_DTYPES[spec.dtype]
+        row = -(-shape.seqlen_k * dt.itemsize // 16) * 16 // dt.itemsize
+        bias = torch.randn(1, shape.num_heads, shape.seqlen_q, row, device=device, generator=g,
+                           dtype=dt)[..., :shape.seqlen_k].expand(shape.batch, -1, -1, -1)
     return ops.ScoreMods(
         softcap=TUNE_SOFTCAP if "softcap" in ms else 0.0,
         alibi=torch.tensor(alibi_slopes(shape.num_heads), dtype=torch.float32, device=device) if "alibi" in ms else None,

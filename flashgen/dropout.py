@@ -163,6 +163,8 @@ def dropout_mask(rng_state: torch.Tensor, batch: int, num_heads: int, seqlen_q: 
     for name, n in (("batch", batch), ("num_heads", num_heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise InputError(f"{name} must be an int >= 0, got {n!r}")
+    # numbers.Integral admits numpy integers, which Triton's launcher does not take
+    batch, num_heads, seqlen_q, seqlen_k = (int(n) for n in (batch, num_heads, seqlen_q, seqlen_k))
     dropout_p = check_p(dropout_p)
     out = torch.empty((batch, num_heads, seqlen_q, seqlen_k), dtype=torch.int8, device=rng_state.device)
     total = out.numel()

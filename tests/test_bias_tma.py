@@ -196,3 +196,23 @@ for kernel, d, mask, cfg in {cases!r}:
         assert s_tma <= est and s_ptr <= est, (v.id, s_tma, s_ptr, est)
         # the descriptor path adds a bulk tensor copy and the bias tiles' shared buffers
         assert bulk_tma > bulk_ptr and s_tma > s_ptr, (v.id, s_tma, s_ptr)
+
+
+# -- the tuner's float64 check runs the path the timings and aligned biases run ------------
+
+def test_the_tuners_check_of_a_tma_bias_variant_takes_the_descriptor_path(descriptors):
+    """bench.check_variant (what precompile, the tuner and gpu_exactness's space walk
+    run) uses seqlens 301/397: a contiguous bias of 397 (or 301) halves per row is no
+    descriptor's, so tma bias variants were checked on the pointer fallback only, while
+    their timings (and every user bias with 16-byte rows) ran the unchecked descriptor
+    binary.  The check's bias keeps its awkward seqlens in rows padded to 16 bytes."""
+    from flashgen import bench
+    from flashgen.spec import Shape
+
+    spec = KernelSpec("fwd", "float16", 16, 16, "none", "bias")
+    for sq, sk in ((301, 397), (397, 301), (2048, 2048)):
+        m = bench.mod_inputs(spec, Shape(2, 2, 1, sq, sk), device="cpu")
+        assert m.bias.shape == (2, 2, sq, sk) and ops.bias_tma_view(m.bias) is not None, (sq, sk)
+    ok, ratio, msg = bench.check_variant(Variant(spec, TileConfig(64, 64, 4, 2, tma=1)), device="cpu")
+    assert ok, msg
+    assert descriptors and all(d is not None for d in descriptors)

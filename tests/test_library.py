@@ -3,6 +3,7 @@ real outputs, autograd, torch.compile(fullgraph=True) on CPU (reference path and
 interpreter), the per-call fast path (checks kept, memo dropped with the dispatcher),
 the dispatcher inside a CUDA graph capture, and the wheel's package data."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -304,6 +305,108 @@ def test_gpu_op_checks_logic_on_cpu(no_interpreter):
     # and a wrong result is reported as FAIL, not hidden
     row = gpu_op_checks.compare("planted", torch.zeros(3), torch.ones(3), atol=0.1)
     assert row.status == "FAIL" and "1" in row.detail
+
+
+def test_gpu_op_checks_bias_tma_in_the_interpreter():
+    """Triton's interpreter reports sm_90 and runs tma configs: check_bias_tma there
+    expects descriptors like an sm_90 GPU (it expected none on every CPU and failed its
+    8 descriptor cases under TRITON_INTERPRET=1)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_op_checks
+    finally:
+        sys.path.pop(0)
+    rows = gpu_op_checks.check_bias_tma(torch.device("cpu"), F16)
+    assert len(rows) == 10 and all(r.status == "PASS" for r in rows), [(r.name, r.detail) for r in rows]
+
+
+def _gpu_exactness():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_exactness
+    finally:
+        sys.path.pop(0)
+    return gpu_exactness
+
+
+@pytest.mark.parametrize("case", ["unknown_kernel", "missing_file", "no_skipped_key", "not_json"])
+def test_gpu_exactness_rejects_bad_space_arguments_before_running(case, tmp_path, monkeypatch, capsys):
+    """--kernels naming no kernel of the search space, or a --resume-skipped file that is
+    missing or holds no 'skipped' list, is an argument error before any part runs (not
+    a traceback after the minutes-long 'big' part, nor a run that checks 0 variants and
+    reports no failures)."""
+    gx = _gpu_exactness()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ran = []
+    monkeypatch.setattr(gx, "run_space", lambda vs, *a, **k: ran.append(vs) or ([], []))
+    monkeypatch.setattr(gx, "_in_subprocess", lambda *a: ran.append(a) or {})
+    out = tmp_path / "out.json"
+    if case == "no_skipped_key":
+        (tmp_path / "r.json").write_text('{"meta": {}}')
+    elif case == "not_json":
+        (tmp_path / "r.json").write_text("not json")
+    extra = {"unknown_kernel": ["--kernels", "fwd,nonsense"],
+             "missing_file": ["--resume-skipped", str(tmp_path / "missing.json")]}.get(
+        case, ["--resume-skipped", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit) as e:
+        gx.main(["--smoke", "--skip", "matrix", "--out", str(out), *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert {"unknown_kernel": "nonsense", "missing_file": "missing.json", "no_skipped_key": "skipped",
+            "not_json": "r.json"}[case] in err, err
+    assert ran == [] and not out.exists()
+
+
+def test_gpu_exactness_resumes_from_its_own_output_file(tmp_path, monkeypatch):
+    """--resume-skipped may name --out itself: the earlier run's skipped list is read
+    before this run's first write replaces the file."""
+    gx = _gpu_exactness()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ran = []
+    monkeypatch.setattr(gx, "run_space", lambda vs, *a, **k: ran.append([v.id for v in vs]) or ([], []))
+    monkeypatch.setattr(gx, "_in_subprocess", lambda fn, fargs, name: dict(name=name, ok=True, ratios={}, problems=[],
+                                                                           error=None, kind="big"))
+    vs = gx.space_variants("float16", (64,))
+    want = next(v.id for v in vs if v.spec.kernel == "bwd_dq" and v.spec.mask == "causal")
+    out = tmp_path / "gx.json"
+    out.write_text(json.dumps(dict(meta={}, skipped=[f"space/{want}", "matrix/some-case"])))
+    gx.main(["--smoke", "--skip", "matrix", "--out", str(out), "--resume-skipped", str(out)])
+    assert ran == [[want]]
+
+
+def test_probe_dq_atomic_without_a_gpu_says_so(tmp_path, capsys):
+    """The GPU probe on a machine without CUDA: an error naming --smoke / --ptxas, not
+    torch's 'not compiled with CUDA' traceback."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import probe_dq_atomic
+    finally:
+        sys.path.pop(0)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(SystemExit) as e:
+        probe_dq_atomic.main(["--out", str(tmp_path / "p.json")])
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err + str(e.value.code)
+    assert "--smoke" in err and "--ptxas" in err, err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_probe_dq_atomic_smoke_runs_only_what_the_interpreter_can(tmp_path, monkeypatch):
+    """--smoke (CPU interpreter) checks the pointer red.add mode against float64; the
+    TMA reduce-add mode (no create_descriptor_reduce in Triton's interpreter) is left
+    out with a note instead of failing every smoke run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import probe_dq_atomic
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "p.json"
+    assert probe_dq_atomic.main(["--smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"two-pass", "atomic-ptr"}, rows
+    assert all("error" not in r and r["ratio"] <= 1 for r in rows), rows
 
 
 # -- the wheel -------------------------------------------------------------------------

@@ -111,6 +111,16 @@ def test_dropout_mask_checks_its_arguments(args, match):
         flashgen.dropout_mask(*args)
 
 
+def test_dropout_mask_takes_the_integers_its_checks_accept():
+    """numpy integers pass the size checks (numbers.Integral): they are sizes like any
+    int, not a TypeError from the kernel launch."""
+    import numpy as np
+
+    want = flashgen.dropout_mask(_ST, 1, 2, 3, 5, 0.5)
+    got = flashgen.dropout_mask(_ST, np.int64(1), np.int32(2), np.int64(3), np.int64(5), np.float32(0.5))
+    assert got.shape == (1, 2, 3, 5) and torch.equal(got, want)
+
+
 def test_dropout_mask_on_the_cpu_outside_the_interpreter_says_so(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(InputError, match="TRITON_INTERPRET=1"):
