@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work still owed after session 4 (device time ran out), one device call
-# (carry .whl; about 8 minutes on an H200):
+# (carry .whl; about 9-10 minutes on an H200):
+#   0. the bias variants' float64 checks on their descriptor (BIAS_TMA) binaries: session
+#      4's checks ran their pointer binaries (review 4; bench.mod_inputs now pads the
+#      check bias's rows so the descriptor path runs), d128 none/causal/window;
 #   1. the 90 variants of the all-four-score-mods exactness walk that session 4's two
 #      budgets did not reach (docs/h200/session4/mods_exactness_left.json);
 #   2. probe_fwd_configs.py: BLOCK_M 256 forward configs (16 warps; spill-free per ptxas)
@@ -12,6 +15,8 @@ set -uo pipefail
 out=${1:-gpu_pending_out}
 mkdir -p "$out"
 source benchmarks/_gpu_env.sh
+timeout 200 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods bias --head-dims 128 --space-budget-s 150 \
+  --out "$out/bias_exactness.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/bias_exactness.log" | tail -9
 timeout 150 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 \
   --resume-skipped docs/h200/session4/mods_exactness_left.json --space-budget-s 100 \
   --out "$out/mods_exactness_rest.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness_rest.log" | tail -9
