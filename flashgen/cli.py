@@ -123,6 +123,11 @@ def tune(
     with _user_errors():  # a foreign or corrupt --db is refused before anything runs
         validate_db(db)
     items = presets.expand(preset, dtype, kernels.split(","))
+    if not items:
+        raise typer.BadParameter(
+            f"preset(s) {', '.join(preset)} yield no problem keys of kernels {kernels}: a preset only yields "
+            "keys of its own kernels (e.g. decode presets: decode, decode_paged; the others: fwd, bwd_dq, "
+            "bwd_dkdv and their varlen forms)", param_hint="'--kernels'")
     env = Environment.current()
     arch = arch_mod.current()
     if fake is not None:

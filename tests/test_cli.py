@@ -81,6 +81,7 @@ def test_merge(tmp_path, timings):
 @pytest.mark.parametrize("args, name", [
     (["tune", "--preset", "nope"], "--preset"),
     (["tune", "--kernels", "fwd,bwd"], "--kernels"),
+    (["tune", "--preset", "mods-dropout", "--kernels", "decode"], "--kernels"),  # no keys: not a silent no-op
     (["tune", "--dtype", "int8"], "--dtype"),
     (["tune", "--trials", "0"], "--trials"),
     (["tune", "--fake", "missing.json"], "--fake"),
