@@ -9,7 +9,8 @@ single pass does 5, plus per (key block, query block) a float32 BLOCK_M x head_d
 reduce into L2, a zeroed float32 dQ buffer, a delta = rowsum(dO * O) pass and a
 float32 -> dtype conversion (memory-bound, about 3-4 passes over a dQ-sized tensor).
 
-For each shape it times (triton.testing.do_bench, median, ms):
+For each shape it times (``bench.script_time_ms``: CUDA events, median, ms; the CPU
+smoke's wall clock):
 * ``two-pass``: ops.bwd with the tuned configs of tuning_db (dispatcher, as the op runs);
 * ``atomic-<tma|ptr> <config>``: zero + delta + dK/dV-with-dQ + convert, for a list of
   dK/dV configs (``attn_bwd_dkdv.py.j2`` rendered with ``dq_atomic``).
@@ -24,12 +25,10 @@ batch (FLOOR + 2x torch's bf16 error, as bench.py).  JSON to --out; table last.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 import traceback
 
@@ -69,16 +68,11 @@ def _delta(o, do):
 
 
 def _module(v, mode):
+    from flashgen import compile as _compile
     from flashgen import render
 
-    src = render._render(v, render.template_hash(v.spec.kernel, v.spec.mods), None, dq_atomic=mode)
-    path = os.path.join(tempfile.mkdtemp(), f"{v.id}_dqa_{mode}.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"probe_{v.id}_{mode}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _compile.import_source(v, render._render(v, render.template_hash(v.spec.kernel, v.spec.mods), None,
+                                                    dq_atomic=mode), f"_dqa_{mode}")
 
 
 def single_pass(mod, mode, do, q, k, v, o, lse, scale, mask, lo, hi, cfg):
@@ -149,7 +143,7 @@ def main(argv=None) -> int:
         ap.error("--smoke runs Triton's interpreter: set TRITON_INTERPRET=1")
 
     from flashgen import ops
-    from flashgen.bench import compare
+    from flashgen.bench import compare, script_time_ms
     from flashgen.dispatch import default_dispatcher
     from flashgen.masks import mask_bounds
     from flashgen.spec import KernelSpec, ProblemKey, TileConfig, Variant
@@ -165,14 +159,8 @@ def main(argv=None) -> int:
         # Triton's interpreter has no descriptor reduce-add (create_descriptor_reduce)
         modes.remove("tma")
         print("smoke: mode tma (TMA reduce-add) left out: Triton's interpreter cannot run it", flush=True)
-    if args.smoke:
-        def bench(fn):
-            t = time.perf_counter(); fn(); return (time.perf_counter() - t) * 1e3
-    else:
-        import triton.testing
-
-        def bench(fn):
-            return triton.testing.do_bench(fn, warmup=10, rep=40)
+    def bench(fn):
+        return script_time_ms(fn, not args.smoke, 10, 40)
     rows = []
     out = dict(meta=dict(device=torch.cuda.get_device_name() if not args.smoke else "cpu",
                          torch=torch.__version__, argv=sys.argv[1:]), rows=rows)

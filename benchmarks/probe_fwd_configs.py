@@ -4,7 +4,7 @@
 Adding configs to ``space.configs("fwd")`` changes every forward row's code hash (the
 hash covers the whole domain: ``render.probe_variants``) and so needs a re-tune; this
 script measures whether they are worth it first.  For each shape (bf16 on the GPU) it
-times (triton.testing.do_bench, median ms, warmed up, L2 flushed) ``ops.fwd`` with the
+times (``bench.script_time_ms``: median ms, warmed up, L2 flushed) ``ops.fwd`` with the
 dispatcher's tuned config, ``ops.fwd`` with each probed config, and SDPA cuDNN; every
 flashgen config's O and LSE are first checked against the float64 reference on a slice
 (batch 0, two heads; ``bench.compare``: FLOOR + 2x torch's error, ratio <= 1 passes).
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
     from flashgen import ops, resources
     from flashgen.arch import current
-    from flashgen.bench import compare
+    from flashgen.bench import compare, script_time_ms
     from flashgen.dispatch import default_dispatcher
     from flashgen.masks import mask_bounds
     from flashgen.spec import KernelSpec, ProblemKey, TileConfig, Variant, attention_flops
@@ -53,16 +53,8 @@ def main(argv=None) -> int:
     dt, dtn = (torch.float16, "float16") if args.smoke else (torch.bfloat16, "bfloat16")
     shapes = ["32:none:1:2:64", "32:causal:1:2:80"] if args.smoke else args.shapes.split(",")
     configs = ["32:16:4:1:0", "64:32:4:1:0"] if args.smoke else args.configs.split(",")
-    if args.smoke:
-        def bench(fn):
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-    else:
-        import triton.testing
-
-        def bench(fn):
-            return triton.testing.do_bench(fn, warmup=25, rep=100)
+    def bench(fn):
+        return script_time_ms(fn, not args.smoke, 25, 100)
     arch = current()
     rows = []
     out = dict(meta=dict(device=arch.name, torch=torch.__version__, argv=sys.argv[1:]), rows=rows)

@@ -16,7 +16,6 @@ bias launches); ``--bias-pointer`` compiles its pointer fallback instead.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import subprocess
@@ -35,15 +34,12 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, 
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from flashgen import compile as _compile
     from flashgen import render
 
     cfg, kernel = v.config, v.spec.kernel
-    path = os.path.join(tempfile.mkdtemp(), v.id + ".py")
-    with open(path, "w") as f:
-        f.write(render._render(v, render.template_hash(kernel, v.spec.mods), templates, **extra))
-    spec = importlib.util.spec_from_file_location(v.id, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _compile.import_source(v, render._render(v, render.template_hash(kernel, v.spec.mods), templates, **extra),
+                                 "_sm90")
     fn = getattr(mod, "attn_" + kernel)
     short = _SHORT[v.spec.dtype]
     # a tma module takes its streamed tiles as 4-D descriptors (ops._descriptor)

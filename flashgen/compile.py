@@ -62,13 +62,22 @@ def load(variant: Variant) -> ModuleType:
     with _lock:
         mod = _modules.get(cache_key)
         if mod is None:
-            source = render.render(variant)
-            path = generated_path(variant, source)
-            write_source(path, source)
-            name = f"flashgen_generated.{path.parent.name}.{variant.id}{'_interp' if interp else ''}"
-            spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-            _modules[cache_key] = mod
+            mod = _modules[cache_key] = import_source(variant, render.render(variant), "_interp" if interp else "")
+    return mod
+
+
+def import_source(variant: Variant, source: str, suffix: str = "") -> ModuleType:
+    """Write ``source`` (generated code of ``variant``) under its content hash
+    (:func:`generated_path`) and import it as a new module (``suffix`` tells apart
+    modules of one file, e.g. compiled for the interpreter).  :func:`load` does this for
+    the rendered variant; probes of template modes that are not tuned knobs
+    (``benchmarks/probe_dq_atomic.py``) and the sm_90 compile script call it with their
+    own source."""
+    path = generated_path(variant, source)
+    write_source(path, source)
+    name = f"flashgen_generated.{path.parent.name}.{variant.id}{suffix}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
     return mod
