@@ -85,10 +85,8 @@ def main(argv=None) -> int:
     device, dtype_name, dtype = picked
     preset = args.preset or ("decode-small" if args.smoke else "decode")
     page_size = args.page_size or (16 if args.smoke else presets.DECODE_PAGE_SIZE)
-    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in wanted if b not in BACKENDS]
-    if bad:
-        print(f"unknown backends {bad}; known: {', '.join(BACKENDS)}", file=sys.stderr)
+    wanted = bench.script_backends(args.backends, BACKENDS)
+    if wanted is None:
         return 2
     if args.smoke and "flex" in wanted and args.backends == ",".join(BACKENDS):
         wanted.remove("flex")  # torch.compile on CPU takes minutes: only when asked for

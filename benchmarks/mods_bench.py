@@ -146,10 +146,8 @@ def main(argv=None) -> int:
     if picked is None:
         return 2
     device, dtype_name, dtype = picked
-    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in wanted if b not in BACKENDS]
-    if bad:
-        print(f"unknown backends {bad}; known: {', '.join(BACKENDS)}", file=sys.stderr)
+    wanted = bench.script_backends(args.backends, BACKENDS)
+    if wanted is None:
         return 2
     cases = _cases(args)
 

@@ -172,13 +172,11 @@ def main(argv=None) -> int:
     if picked is None:
         return 2
     device, dtype_name, dtype = picked
-    wanted = [b.strip() for b in (args.backends or ",".join(DEFAULT_BACKENDS)).split(",") if b.strip()]
+    wanted = bench.script_backends(args.backends or ",".join(DEFAULT_BACKENDS), BACKENDS)
+    if wanted is None:
+        return 2
     if args.smoke and args.backends is None:
         wanted.append("sdpa-math")
-    bad = [b for b in wanted if b not in BACKENDS]
-    if bad:
-        print(f"unknown backends {bad}; known: {', '.join(BACKENDS)}", file=sys.stderr)
-        return 2
     todo = [p for p in problems(args.smoke) if args.only is None or args.only in label(p)]
 
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor()})",

@@ -546,6 +546,19 @@ def script_device(smoke: bool, dtype: str | None = None):
     return ("cpu" if smoke else "cuda"), name, getattr(torch, name)
 
 
+def script_backends(text: str, known) -> list[str] | None:
+    """The backends a benchmark script's comma-separated ``--backends`` names; None, with
+    the message printed, when one is not in ``known``."""
+    wanted = [b.strip() for b in text.split(",") if b.strip()]
+    bad = [b for b in wanted if b not in known]
+    if bad:
+        import sys
+
+        print(f"unknown backends {bad}; known: {', '.join(known)}", file=sys.stderr)
+        return None
+    return wanted
+
+
 def script_time_ms(fn, cuda: bool, warmup_ms: int = 10, rep_ms: int = 40) -> float:
     """Median ms of ``fn`` for the benchmark scripts: one call first (compile, warm-up),
     then :func:`time_ms` on CUDA, or on the CPU (their smoke runs, in Triton's
