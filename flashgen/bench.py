@@ -140,8 +140,8 @@ def mod_inputs(spec, shape: Shape, device="cuda", seed=0) -> "ops.ScoreMods | No
         # the checks' awkward seqlens (a contiguous 397-column bias would check only the
         # pointer fallback).
         dt = _TORCH_DTYPES[spec.dtype]
-        row = -(-shape.seqlen_k * dt.itemsize // 16) * 16 // dt.itemsize
-        bias = torch.randn(1, shape.num_heads, shape.seqlen_q, row, device=device, generator=g,
+        bias = torch.randn(1, shape.num_heads, shape.seqlen_q, ops.padded_row(shape.seqlen_k, dt.itemsize),
+                           device=device, generator=g,
                            dtype=dt)[..., :shape.seqlen_k].expand(shape.batch, -1, -1, -1)
     return ops.ScoreMods(
         softcap=TUNE_SOFTCAP if "softcap" in ms else 0.0,

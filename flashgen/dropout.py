@@ -27,6 +27,7 @@ state tensor instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 import os
@@ -178,9 +179,6 @@ def dropout_mask(rng_state: torch.Tensor, batch: int, num_heads: int, seqlen_q: 
         grid = (-(-n_rows // block_r), -(-n_groups // block_g))
         kern = _mask_kernel(interp)
         args = (rng_state, out, n_rows, seqlen_k, n_groups, dropout_p)
-        if rng_state.is_cuda:
-            with torch.cuda.device(rng_state.device):
-                kern[grid](*args, BLOCK_R=block_r, BLOCK_G=block_g)
-        else:
+        with torch.cuda.device(rng_state.device) if rng_state.is_cuda else contextlib.nullcontext():
             kern[grid](*args, BLOCK_R=block_r, BLOCK_G=block_g)
     return out.bool()

@@ -10,6 +10,7 @@ poisoned with NaN, to prove every element is written.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -55,6 +56,12 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int, shape=None, s
     return d
 
 
+def padded_row(n: int, element_size: int) -> int:
+    """Elements in a row of ``n`` elements padded to a multiple of 16 bytes (the stride
+    a tensor descriptor's rows need)."""
+    return -(-n * element_size // 16) * 16 // element_size
+
+
 def bias_tma_view(bias: torch.Tensor):
     """(shape, strides) of the 4-D descriptor that addresses ``bias`` (expanded to
     (batch, heads, seqlen_q, seqlen_k)) tile by tile, or None when none can (the kernel
@@ -73,7 +80,7 @@ def bias_tma_view(bias: torch.Tensor):
         return None
     if sq > 1 and (sm <= 0 or (sm * es) % 16):
         return None
-    rows = sm if sq > 1 else -(-sk * es // 16) * 16 // es
+    rows = sm if sq > 1 else padded_row(sk, es)
     plane = rows * sq
     ext_h, st_h = (h, sh) if h > 1 and sh != 0 else (1, plane)
     ext_z, st_z = (b, sz) if b > 1 and sz != 0 else (1, st_h * ext_h)
@@ -82,10 +89,11 @@ def bias_tma_view(bias: torch.Tensor):
     return [ext_z, ext_h, sq, sk], [st_z, st_h, rows, 1]
 
 
-def bias_descriptor(bias: torch.Tensor, block_m: int, block_n: int):
+def bias_descriptor(bias: torch.Tensor, block_m: int, block_n: int, view=False):
     """The descriptor of :func:`bias_tma_view` with a (block_m, block_n) box (zeros
-    past seqlen_q / seqlen_k), or None where no descriptor addresses ``bias``."""
-    view = bias_tma_view(bias)
+    past seqlen_q / seqlen_k), or None where no descriptor addresses ``bias``.
+    ``view``: that view when the caller has it (ScoreMods computes it once per call)."""
+    view = bias_tma_view(bias) if view is False else view
     return None if view is None else _descriptor(bias, block_m, block_n, *view)
 
 
@@ -105,6 +113,11 @@ class ScoreMods:
     bias: torch.Tensor | None = None
     dropout_p: float = 0.0
     rng: torch.Tensor | None = None
+
+    @functools.cached_property
+    def bias_view(self):
+        """:func:`bias_tma_view` of the bias, computed once for the call's launches."""
+        return bias_tma_view(self.bias)
 
     @property
     def name(self) -> str:
@@ -128,7 +141,7 @@ class ScoreMods:
             out += [a, a.stride(0) if a.dim() == 2 else 0, a.stride(-1)]
         if self.bias is not None:
             if mod is not None and mod.TMA:
-                desc = bias_descriptor(self.bias, config.BLOCK_M, config.BLOCK_N)
+                desc = bias_descriptor(self.bias, config.BLOCK_M, config.BLOCK_N, self.bias_view)
                 out += [self.bias if desc is None else desc, *self.bias.stride(), desc is not None]
             else:
                 out += [self.bias, *self.bias.stride()]
