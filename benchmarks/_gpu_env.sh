@@ -9,3 +9,15 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+
+# tune_step SECONDS LOG ARGS...: `flashgen tune ARGS` into tuning_db/h200.sqlite under a
+# timeout, its log (progress bars dropped) in $out/LOG, the database copied to
+# $out/h200.sqlite (copy it back into tuning_db/ and commit it), and the log's summary
+# (precompile, float64 check, the best-config table) printed.
+tune_step() {
+  local secs=$1 log=$2
+  shift 2
+  timeout "$secs" python3 -m flashgen tune --db tuning_db/h200.sqlite "$@" 2>&1 | grep -v "━" > "$out/$log"
+  cp tuning_db/h200.sqlite "$out/h200.sqlite"
+  grep -E "precompiled|correctness|tuning|│" "$out/$log"
+}

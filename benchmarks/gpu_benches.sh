@@ -9,10 +9,8 @@ set -uo pipefail
 out=${1:-gpu_benches_out}
 mkdir -p "$out"
 source benchmarks/_gpu_env.sh
-timeout 270 python3 -m flashgen tune --preset mods-bench --kernels bwd_dq,bwd_dkdv --db tuning_db/h200.sqlite \
-  --storage /tmp/mods_bwd.journal --trials 6 --timeout-per-key 3 2>&1 | grep -v "━" > "$out/tune_mods_bwd.log"
-cp tuning_db/h200.sqlite "$out/h200.sqlite"
-grep -E "precompiled|correctness|tuning" "$out/tune_mods_bwd.log"
+tune_step 270 tune_mods_bwd.log --preset mods-bench --kernels bwd_dq,bwd_dkdv --storage /tmp/mods_bwd.journal \
+  --trials 6 --timeout-per-key 3
 timeout 120 python3 benchmarks/mods_bench.py --out "$out/mods.json" --budget-s 80 --shapes 128:2048,128:8192 \
   > "$out/mods_bench.log" 2>&1
 timeout 110 python3 benchmarks/varlen_bench.py --out "$out/varlen.json" --budget-s 75 > "$out/varlen_bench.log" 2>&1

@@ -8,10 +8,8 @@ set -uo pipefail
 out=${1:-gpu_final_out}
 mkdir -p "$out"
 source benchmarks/_gpu_env.sh
-timeout 100 python3 -m flashgen tune --preset mods-bias --kernels fwd,bwd_dq --db tuning_db/h200.sqlite \
-  --storage /tmp/bias.journal --trials 6 --timeout-per-key 3 2>&1 | grep -v "━" > "$out/tune_bias.log"
-cp tuning_db/h200.sqlite "$out/h200.sqlite"
-grep -E "precompiled|correctness|tuning|│" "$out/tune_bias.log"
+tune_step 100 tune_bias.log --preset mods-bias --kernels fwd,bwd_dq --storage /tmp/bias.journal --trials 6 \
+  --timeout-per-key 3
 timeout 130 python3 benchmarks/mods_bench.py --out "$out/mods_causal.json" --budget-s 100 --causal yes \
   --shapes 128:2048,128:8192 > "$out/mods_bench_causal.log" 2>&1
 tail -16 "$out/mods_bench_causal.log"

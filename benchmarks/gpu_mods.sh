@@ -12,6 +12,5 @@ mkdir -p "$out"
 source benchmarks/_gpu_env.sh
 timeout 260 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout \
   --out "$out/mods_exactness.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness.log" | tail -12
-timeout 250 python3 -m flashgen tune --preset mods-bench --kernels "${KERNELS:-fwd}" --db tuning_db/h200.sqlite --storage /tmp/mods.journal \
-  --trials 8 --timeout-per-key 3 2>&1 | grep -v "━" | tee "$out/tune_mods.log" | tail -55
-cp tuning_db/h200.sqlite "$out/h200.sqlite"
+tune_step 250 tune_mods.log --preset mods-bench --kernels "${KERNELS:-fwd}" --storage /tmp/mods.journal \
+  --trials 8 --timeout-per-key 3

@@ -24,10 +24,8 @@ if [ "$part" = probe ]; then
   timeout 160 python3 benchmarks/decode_bench.py --out "$out/decode.json" --budget-s 120 --rep-ms 20 \
     > "$out/decode_bench.log" 2>&1; tail -40 "$out/decode_bench.log"
 elif [ "$part" = 1 ]; then
-  timeout 300 python3 -m flashgen tune --preset mods-bias --preset mods-dropout --db tuning_db/h200.sqlite \
-    --storage /tmp/retune.journal --trials 6 --timeout-per-key 4 2>&1 | grep -v "━" > "$out/tune_bias_dropout.log"
-  cp tuning_db/h200.sqlite "$out/h200.sqlite"
-  grep -E "precompiled|correctness|│" "$out/tune_bias_dropout.log"
+  tune_step 300 tune_bias_dropout.log --preset mods-bias --preset mods-dropout --storage /tmp/retune.journal \
+    --trials 6 --timeout-per-key 4
   timeout 60 python3 -c "
 import sys, torch; sys.path.insert(0, 'benchmarks'); import gpu_op_checks as g
 for r in g.check_bias_tma(torch.device('cuda'), torch.bfloat16): print(f'{r.name:50} {r.status:5} {r.detail}')
