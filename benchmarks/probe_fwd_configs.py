@@ -13,6 +13,7 @@ Before any compile, each config's shared memory is checked against the device li
 (rewritten after every shape); a short table last.
 
     PYTHONPATH=$PWD python3 benchmarks/probe_fwd_configs.py --out fwd_probe.json          # GPU
+    PYTHONPATH=$PWD python3 benchmarks/probe_fwd_configs.py --configs "" --pipe-qk tuned,64:128:4:2:1 --out p.json
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 benchmarks/probe_fwd_configs.py --smoke --out /tmp/f.json
 """
 
@@ -30,6 +31,15 @@ SHAPES = ("128:none:8:16:2048", "128:none:2:16:8192", "128:causal:4:16:4096", "6
           "64:none:2:32:8192", "64:causal:4:32:4096")
 
 
+def _pipe_qk_module(v):
+    """The forward of ``v`` rendered with the template's ``pipe_qk`` probe mode."""
+    from flashgen import compile as _compile
+    from flashgen import render
+
+    return _compile.import_source(v, render._render(v, render.template_hash(v.spec.kernel, v.spec.mods), None,
+                                                    pipe_qk=True), "_pipe_qk")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -37,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="head_dim:mask:batch:heads:seqlen, comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="BLOCK_M:BLOCK_N:num_warps:num_stages:tma, "
                     "comma-separated")
+    ap.add_argument("--pipe-qk", default="", help="also run these BLOCK_M:BLOCK_N:num_warps:num_stages:tma configs "
+                    "(tma) rendered with the template's pipe_qk probe mode (tile j+1's QK^T issued before tile "
+                    "j's softmax), comma-separated; 'tuned' is the dispatcher's config")
     ap.add_argument("--budget-s", type=float, default=240.0, help="no shape starts after this many seconds")
     args = ap.parse_args(argv)
     import torch
@@ -52,7 +65,7 @@ def main(argv=None) -> int:
     dev = "cpu" if args.smoke else "cuda"
     dt, dtn = (torch.float16, "float16") if args.smoke else (torch.bfloat16, "bfloat16")
     shapes = ["32:none:1:2:64", "32:causal:1:2:80"] if args.smoke else args.shapes.split(",")
-    configs = ["32:16:4:1:0", "64:32:4:1:0"] if args.smoke else args.configs.split(",")
+    configs = ["32:16:4:1:0", "64:32:4:1:0"] if args.smoke else [c for c in args.configs.split(",") if c]
     def bench(fn):
         return script_time_ms(fn, not args.smoke, 25, 100)
     arch = current()
@@ -75,6 +88,9 @@ def main(argv=None) -> int:
         flops = attention_flops(b, h, s, s, d, causal=causal)
         sl = (slice(0, 1), slice(0, min(h, 2)))
         cands = [("tuned", tuned)] + [("probe", TileConfig(*map(int, c.split(":")))) for c in configs]
+        pipe = ["32:16:4:1:1", "64:32:4:2:1"] if args.smoke and args.pipe_qk else \
+            [c for c in args.pipe_qk.split(",") if c]
+        cands += [("pipe_qk", tuned if c == "tuned" else TileConfig(*map(int, c.split(":")))) for c in pipe]
         for kind, cfg in cands:
             r = dict(shape=sh, kind=kind, config=cfg.id)
             try:
@@ -85,8 +101,17 @@ def main(argv=None) -> int:
                     print(f"{sh:22} {kind:5} {cfg.id:24} infeasible: {r['infeasible']}", flush=True)
                     continue
 
-                def run(cfg=cfg):
-                    return ops.fwd(q, k, v, softmax_scale=scale, mask=mode, diag_lo=lo, diag_hi=hi, config=cfg)
+                if kind == "pipe_qk":
+                    if not cfg.tma:
+                        raise ValueError(f"--pipe-qk {cfg.id}: the pipe_qk mode needs a tma config")
+                    mod = _pipe_qk_module(Variant(spec, cfg))
+
+                    def run(cfg=cfg, mod=mod):
+                        return ops.fwd(q, k, v, softmax_scale=scale, mask=mode, diag_lo=lo, diag_hi=hi, config=cfg,
+                                       module=mod)
+                else:
+                    def run(cfg=cfg):
+                        return ops.fwd(q, k, v, softmax_scale=scale, mask=mode, diag_lo=lo, diag_hi=hi, config=cfg)
                 o, lse = run()
                 res = compare({"O": o[sl], "LSE": lse[sl]}, q[sl], k[sl], v[sl], None, mask=dict(causal=causal),
                               softmax_scale=scale)
@@ -120,12 +145,13 @@ def main(argv=None) -> int:
     for sh in shapes:
         rs = [r for r in rows if r.get("shape") == sh and "ms" in r]
         t = next((r for r in rs if r["kind"] == "tuned"), None)
-        p = [r for r in rs if r["kind"] == "probe"]
+        p = [r for r in rs if r["kind"] in ("probe", "pipe_qk")]
         c = next((r for r in rs if r["kind"] == "sdpa-cudnn"), None)
         if not t or not p:
             continue
         best = max(p, key=lambda r: r["tflops"])
-        print(f"{sh:22} {t['tflops']:6.1f} ({t['config']:24}) {best['tflops']:6.1f} ({best['config']:24}) "
+        tag = ("pipe " if best["kind"] == "pipe_qk" else "") + best["config"]
+        print(f"{sh:22} {t['tflops']:6.1f} ({t['config']:24}) {best['tflops']:6.1f} ({tag:24}) "
               f"{(c or {}).get('tflops', float('nan')):6.1f}   {best['tflops'] / t['tflops']:6.3f}     "
               f"{best['tflops'] / c['tflops'] if c else float('nan'):6.3f}")
     bad = [r for r in rows if r.get("ratio", 0) > 1 or ("error" in r and r.get("kind") != "sdpa-cudnn")]
