@@ -288,14 +288,21 @@ def test_graph_capturing_is_false_without_a_capture():
     assert dispatch.graph_capturing() is False
 
 
+def _bench_script(name: str):
+    """The module of ``benchmarks/<name>.py`` (which import their siblings by name)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 # -- the GPU check script's logic, on CPU -------------------------------------------------
 
 def test_gpu_op_checks_logic_on_cpu(no_interpreter):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_op_checks
-    finally:
-        sys.path.pop(0)
+    gpu_op_checks = _bench_script("gpu_op_checks")
     rows = gpu_op_checks.run_checks(torch.device("cpu"), dtype=torch.float32, backend="aot_eager")
     names = [r.name for r in rows]
     assert {"torch.compile fwd+bwd", "sdpa vs torch"} <= {n.split(" [")[0] for n in names}, names
@@ -311,22 +318,13 @@ def test_gpu_op_checks_bias_tma_in_the_interpreter():
     """Triton's interpreter reports sm_90 and runs tma configs: check_bias_tma there
     expects descriptors like an sm_90 GPU (it expected none on every CPU and failed its
     8 descriptor cases under TRITON_INTERPRET=1)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_op_checks
-    finally:
-        sys.path.pop(0)
+    gpu_op_checks = _bench_script("gpu_op_checks")
     rows = gpu_op_checks.check_bias_tma(torch.device("cpu"), F16)
     assert len(rows) == 10 and all(r.status == "PASS" for r in rows), [(r.name, r.detail) for r in rows]
 
 
 def _gpu_exactness():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_exactness
-    finally:
-        sys.path.pop(0)
-    return gpu_exactness
+    return _bench_script("gpu_exactness")
 
 
 @pytest.mark.parametrize("case", ["unknown_kernel", "missing_file", "no_skipped_key", "not_json"])
@@ -377,11 +375,7 @@ def test_gpu_exactness_resumes_from_its_own_output_file(tmp_path, monkeypatch):
 def test_probe_dq_atomic_without_a_gpu_says_so(tmp_path, capsys):
     """The GPU probe on a machine without CUDA: an error naming --smoke / --ptxas, not
     torch's 'not compiled with CUDA' traceback."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import probe_dq_atomic
-    finally:
-        sys.path.pop(0)
+    probe_dq_atomic = _bench_script("probe_dq_atomic")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     with pytest.raises(SystemExit) as e:
@@ -396,11 +390,7 @@ def test_probe_dq_atomic_smoke_runs_only_what_the_interpreter_can(tmp_path, monk
     """--smoke (CPU interpreter) checks the pointer red.add mode against float64; the
     TMA reduce-add mode (no create_descriptor_reduce in Triton's interpreter) is left
     out with a note instead of failing every smoke run."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import probe_dq_atomic
-    finally:
-        sys.path.pop(0)
+    probe_dq_atomic = _bench_script("probe_dq_atomic")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "p.json"
     assert probe_dq_atomic.main(["--smoke", "--out", str(out)]) == 0
@@ -475,3 +465,33 @@ def test_vmap_goes_through_the_op(no_interpreter):
     want = flashgen.attention(q, k, v, causal=True)
     got = torch.vmap(lambda q, k, v: flashgen.attention(q[None], k[None], v[None], causal=True)[0])(q, k, v)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_probe_fwd_configs_pipe_qk_mode_is_exact_and_leaves_the_tuned_code_alone(tmp_path, monkeypatch):
+    """The forward's pipe_qk probe mode (tile j+1's QK^T issued before tile j's softmax;
+    session 5, measured 0.25-0.59x of the tuned forward on the H200) computes the same
+    attention: --smoke checks every config, with and without it, against float64 on
+    shapes with several interior tiles and with none (causal row blocks at the
+    diagonal).  Rendered without the mode, every variant is byte-identical, so no
+    tuning row's code hash moves; with mods or pointer loads the mode does nothing."""
+    import dataclasses
+
+    from flashgen import render
+    from flashgen.spec import KernelSpec, TileConfig, Variant
+
+    probe_fwd_configs = _bench_script("probe_fwd_configs")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "p.json"
+    assert probe_fwd_configs.main(["--smoke", "--pipe-qk", "x", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kind"] for r in rows} == {"tuned", "probe", "pipe_qk"}
+    assert sum(r["kind"] == "pipe_qk" for r in rows) == 4
+    assert all("error" not in r and r["ratio"] <= 1 for r in rows), rows
+
+    v = Variant(KernelSpec("fwd", "bfloat16", 64, 64, "causal"), TileConfig(64, 64, 4, 3, tma=1))
+    base = render._render(v, "-")
+    assert render._render(v, "-", pipe_qk=False) == base
+    assert "_softmax_pv" in render._render(v, "-", pipe_qk=True)
+    for other in (dataclasses.replace(v, config=dataclasses.replace(v.config, tma=0)),
+                  Variant(dataclasses.replace(v.spec, mods="softcap"), v.config)):
+        assert render._render(other, "-", pipe_qk=True) == render._render(other, "-")
