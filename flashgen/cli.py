@@ -91,7 +91,7 @@ def _read_timings(path: Path) -> dict[str, float]:
 def tune(
     preset: Annotated[list[str], typer.Option(callback=_check_presets,
                                               help="Preset(s) of shapes: fa-grid, llama3-8b, small, varlen-docs, varlen-small, "
-                                                   "decode, decode-small, mods-bench, mods-small, mods-softcap, mods-alibi, mods-bias, "
+                                                   "decode, decode-small, mods-bench, mods-d64, mods-small, mods-softcap, mods-alibi, mods-bias, "
                                                    "mods-dropout.")] = ["fa-grid"],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
     dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",

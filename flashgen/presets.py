@@ -42,12 +42,23 @@ def _varlen_docs() -> list[Entry]:
             for mask in ("causal", "none") for n in (512, 1024, 2048, 4096, 8192)]
 
 
+#: (head_dim, seqlen) of ``benchmarks/mods_bench.py``'s default shapes.
+MODS_BENCH_SHAPES = ((128, 2048), (128, 8192), (64, 2048))
+
+
 def _mods_bench() -> list[Entry]:
     """The score mods (softcap, ALiBi, bias, dropout) on the shapes of
-    ``benchmarks/mods_bench.py``: 16 heads, head_dim 128, 16k tokens per batch,
-    seqlen 2048 and 8192, causal and not."""
-    return [(128, mask, Shape(16384 // n, 16, 16, n, n), mods)
-            for mods in ("softcap", "alibi", "bias", "dropout") for mask in ("none", "causal") for n in (2048, 8192)]
+    ``benchmarks/mods_bench.py`` (:data:`MODS_BENCH_SHAPES`): 16 heads, 16k tokens per
+    batch, head_dim 128 at seqlen 2048 and 8192 and head_dim 64 at 2048, causal and
+    not."""
+    return [(d, mask, Shape(16384 // n, 16, 16, n, n), mods)
+            for mods in ("softcap", "alibi", "bias", "dropout") for mask in ("none", "causal")
+            for d, n in MODS_BENCH_SHAPES]
+
+
+def _mods_d64() -> list[Entry]:
+    """The head_dim 64 entries of ``mods-bench`` alone (all four score mods)."""
+    return [e for e in _mods_bench() if e[0] == 64]
 
 
 def _mods_one(mod: str):
@@ -98,7 +109,7 @@ def _decode_small() -> list[Entry]:
 PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
            "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
            "decode": _decode, "decode-small": _decode_small, "mods-bench": _mods_bench,
-           "mods-small": _mods_small,
+           "mods-small": _mods_small, "mods-d64": _mods_d64,
            **{f"mods-{m}": _mods_one(m) for m in ("softcap", "alibi", "bias", "dropout")}}
 #: Presets of ragged batches: their entries are tuned with the varlen kernels
 #: (``fwd`` given to ``--kernels`` means ``fwd_varlen`` there, and the reverse).
@@ -107,7 +118,7 @@ VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
 #: ``--kernels`` selects among them when it names a decode kernel, else all run.
 DECODE_PRESETS = {"decode", "decode-small"}
 #: Presets whose entries carry score mods (a 4th element: KernelSpec.mods).
-MODS_PRESETS = {"mods-bench", "mods-small", "mods-softcap", "mods-alibi", "mods-bias", "mods-dropout"}
+MODS_PRESETS = {"mods-bench", "mods-d64", "mods-small", "mods-softcap", "mods-alibi", "mods-bias", "mods-dropout"}
 
 
 def expand(names: Iterable[str], dtype: str = "bfloat16",

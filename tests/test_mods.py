@@ -294,7 +294,7 @@ def test_mods_presets_tune_with_fake_timings_and_rows_carry_the_mods(tmp_path):
     from flashgen.cli import app
 
     grid = presets.expand(["mods-bench"])
-    assert len(grid) == 4 * 2 * 2 * 3 and {k.spec.mods for k, _ in grid} == {"softcap", "alibi", "bias", "dropout"}
+    assert len(grid) == 4 * 2 * 3 * 3 and {k.spec.mods for k, _ in grid} == {"softcap", "alibi", "bias", "dropout"}
     items = presets.expand(["mods-small"])
     t = {Variant(k.spec, c).id: 1.0 + (i * 7919 % 97) / 10
          for k, _ in items for i, c in enumerate(space.configs(k.spec.kernel))}
@@ -352,3 +352,43 @@ def test_causal_with_a_bias_runs_the_window_kernel():
         ref, rlse, _ = reference.forward_bounds(q.detach(), k.detach(), v.detach(), 0.25, lo, hi,
                                                 bias=bias.expand(1, 4, 40, 29))
         assert (o.double() - ref).abs().max() < 5e-3 and torch.equal(torch.isinf(lse), torch.isinf(rlse))
+
+
+def test_an_untuned_mods_key_prefers_the_same_mods_at_another_head_dim(tmp_path):
+    """Session 5 (H200): at head_dim 64, dropout and bias ran 2.3x / 1.6x slower on the
+    plain key's m128 n128 w4 (register spills) than on the m64 n64 w4 tuned for the
+    same mods at head_dim 128, which the d64 tune then confirmed best.  An untuned mods
+    key takes the same mods' tiles from another head dim first; a config that does not
+    fit its shared memory there is skipped for the plain key's."""
+    from flashgen.db import TuningDB
+    from flashgen.dispatch import Dispatcher
+    from flashgen.env import Environment
+    from flashgen.spec import Measurement
+
+    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11", "0.1.0")
+    shape = Shape(8, 16, 16, 2048, 2048)
+    plain64 = KernelSpec("fwd", "bfloat16", 64, 64, "none")
+    drop128 = KernelSpec("fwd", "bfloat16", 128, 128, "none", "dropout")
+    drop256 = KernelSpec("fwd", "bfloat16", 256, 256, "none", "dropout")
+    bias128 = KernelSpec("fwd", "bfloat16", 128, 128, "none", "bias")
+    plain_cfg, drop_cfg, far_cfg = TileConfig(128, 128, 4, 3, tma=1), TileConfig(64, 64, 4, 3, tma=1), \
+        TileConfig(64, 32, 4, 2, tma=1)
+    path = tmp_path / "t.sqlite"
+    with TuningDB(path) as db:
+        db.record(shape.key(plain64), shape, Variant(plain64, plain_cfg), Measurement("ok", 1.0), env, 0)
+        db.record(shape.key(drop128), shape, Variant(drop128, drop_cfg), Measurement("ok", 1.5), env, 0)
+        db.record(shape.key(drop256), shape, Variant(drop256, far_cfg), Measurement("ok", 3.0), env, 0)
+    d = Dispatcher([path], env=env, arch=SM90)
+    ch = d.choose(shape.key(KernelSpec("fwd", "bfloat16", 64, 64, "none", "dropout")))
+    assert (ch.source, ch.config, ch.tuned_key) == ("nearest", drop_cfg, shape.key(drop128).id)
+    # other masks, kernels or mods are not the same mods' rows: the plain key's tiles
+    ch = d.choose(shape.key(KernelSpec("fwd", "bfloat16", 64, 64, "none", "softcap")))
+    assert (ch.config, ch.tuned_key) == (plain_cfg, shape.key(plain64).id)
+    # a row whose config does not fit this head dim's shared memory is passed over
+    huge = TileConfig(128, 128, 8, 3, tma=1)
+    assert not resources.estimate(Variant(KernelSpec("fwd", "bfloat16", 256, 256, "none", "bias"), huge), SM90).feasible
+    with TuningDB(path) as db:
+        db.record(shape.key(bias128), shape, Variant(bias128, huge), Measurement("ok", 1.0), env, 0)
+    d = Dispatcher([path], env=env, arch=SM90)
+    ch = d.choose(shape.key(KernelSpec("fwd", "bfloat16", 256, 256, "none", "bias")))
+    assert ch.config != huge and resources.estimate(Variant(ch.key.spec, ch.config), SM90).feasible

@@ -108,3 +108,22 @@ def test_single_mod_presets_split_mods_bench():
         assert entries and all(e[3] == m for e in entries)
         assert f"mods-{m}" in presets.MODS_PRESETS
     assert sorted(map(repr, whole)) == sorted(repr(e) for es in parts.values() for e in es)
+
+
+def test_mods_bench_preset_covers_the_scripts_default_shapes():
+    """`flashgen tune --preset mods-bench` tunes every (head_dim, seqlen) mods_bench.py
+    runs by default (session 5: its head_dim 64 cases ran on rows of other modes, the
+    dropout one at 0.21x SDPA-flash); mods-d64 is the head_dim 64 part alone."""
+    from flashgen import presets
+
+    import ast
+    tree = ast.parse(open(SCRIPT).read())
+    shapes = next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                  and any(getattr(t, "id", "") == "SHAPES" for t in n.targets))
+    assert shapes == ",".join(f"{d}:{n}" for d, n in presets.MODS_BENCH_SHAPES)
+    whole = presets.PRESETS["mods-bench"]()
+    assert {(d, s.seqlen_q) for d, _, s, _ in whole} == set(presets.MODS_BENCH_SHAPES)
+    d64 = presets.PRESETS["mods-d64"]()
+    assert "mods-d64" in presets.MODS_PRESETS
+    assert d64 and sorted(map(repr, d64)) == sorted(repr(e) for e in whole if e[0] == 64)
+    assert {e[3] for e in d64} == {"softcap", "alibi", "bias", "dropout"} and {e[1] for e in d64} == {"none", "causal"}
