@@ -1,0 +1,133 @@
+"""Join several ``flashgen bench`` runs (e.g. the four fa-grid quarters of
+``benchmarks/gpu_session5.sh``) into one table and the geometric means of issue 4:
+each backend's forward / backward / forward+backward TFLOP/s over SDPA cuDNN's and SDPA
+flash's, per shape, over the whole set and per (head_dim, mask).
+
+Inputs are ``bench.json`` files, or, for a run whose JSON did not come back, the
+table ``flashgen bench`` printed (its log; the TFLOP/s there are rounded to integers,
+so ratios from a log carry up to 0.5 TFLOP/s of rounding, under 0.2% at these rates).
+
+    python3 benchmarks/merge_bench.py docs/h200/session5/bench_d64_none.log \\
+        docs/h200/session5/bench_d*_*/bench.json --markdown docs/h200/session5/fa_grid.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+
+METRICS = ("fwd", "bwd", "fwdbwd")
+
+
+def from_json(path: str) -> list[dict]:
+    """Rows {d, mask, shape, backends: {name: {fwd, bwd, fwdbwd}}} of a bench.json."""
+    data = json.load(open(path))
+    out = []
+    for r in data["rows"]:
+        c = r["case"]
+        mask = "causal" if c["causal"] else "none" if tuple(c["window"]) == (-1, -1) else f"window{c['window']}"
+        cells = {name: {m: cell.get(f"{m}_tflops") for m in METRICS} for name, cell in r["cells"].items()
+                 if not cell.get("error")}
+        out.append(dict(d=c["head_dim"], mask=mask,
+                        shape=f"{c['batch']}x{c['num_heads']}/{c['num_kv_heads']}x{c['seqlen_q']}", backends=cells))
+    return out
+
+
+_ROW = re.compile(r"^│\s*(\d+)\s*│\s*(\S+)\s*│\s*(\S+)\s*│(.*)│\s*[\d.]+\s*│\s*$")
+
+
+def from_log(path: str) -> list[dict]:
+    """The same rows from the TFLOP/s table a ``flashgen bench`` log printed."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    header = next((ln for ln in lines if ln.startswith("┃") and "batch x heads" in ln), None)
+    if header is None:
+        raise ValueError(f"{path}: no flashgen bench TFLOP/s table")
+    names = [h.strip() for h in header.strip("┃").split("┃")][3:-1]
+    out = []
+    for ln in lines:
+        m = _ROW.match(ln)
+        if not m or "/" not in m.group(4):
+            continue  # not a row, or a row of the peak-memory table (one number per cell)
+        cols = [x.strip() for x in m.group(4).split("│")]
+        if len(cols) != len(names):
+            continue
+        cells = {}
+        for name, col in zip(names, cols):
+            parts = [p.strip() for p in col.split("/")]
+            if len(parts) == 3 and all(re.fullmatch(r"[\d.]+", p) for p in parts):
+                cells[name] = dict(zip(METRICS, map(float, parts)))
+        out.append(dict(d=int(m.group(1)), mask=m.group(2), shape=m.group(3), backends=cells))
+    if not out:
+        raise ValueError(f"{path}: no rows in its TFLOP/s table")
+    return out
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def ratios(rows, name, peer, metric):
+    return [r["backends"][name][metric] / r["backends"][peer][metric] for r in rows
+            if name in r["backends"] and peer in r["backends"]]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("inputs", nargs="+", help="bench.json files or flashgen bench logs")
+    ap.add_argument("--markdown", default=None, help="also write the tables here (markdown)")
+    args = ap.parse_args(argv)
+    rows = []
+    for p in args.inputs:
+        rows += from_json(p) if p.endswith(".json") else from_log(p)
+    seen = set()
+    for r in rows:
+        k = (r["d"], r["mask"], r["shape"])
+        if k in seen:
+            ap.error(f"shape d{r['d']} {r['mask']} {r['shape']} appears in more than one input")
+        seen.add(k)
+    rows.sort(key=lambda r: (r["d"], r["mask"] != "none", int(r["shape"].split("x")[-1])))
+    names = [n for n in ("flashgen", "flashgen-default", "sdpa-cudnn", "sdpa-flash", "flex")
+             if any(n in r["backends"] for r in rows)]
+    md = [f"{len(rows)} shapes from {len(args.inputs)} runs: " + ", ".join(args.inputs), "",
+          "TFLOP/s fwd / bwd / fwd+bwd", "",
+          "| d | mask | batch x heads/kv x seqlen | " + " | ".join(names) + " | flashgen / cuDNN fwd, bwd |",
+          "|---|---|---|" + "---|" * len(names) + "---|"]
+    for r in rows:
+        b = r["backends"]
+        cells = [" / ".join(f"{b[n][m]:.0f}" for m in METRICS) if n in b else "-" for n in names]
+        rc = (f"{b['flashgen']['fwd'] / b['sdpa-cudnn']['fwd']:.2f}, {b['flashgen']['bwd'] / b['sdpa-cudnn']['bwd']:.2f}"
+              if "flashgen" in b and "sdpa-cudnn" in b else "-")
+        md.append(f"| {r['d']} | {r['mask']} | {r['shape']} | " + " | ".join(cells) + f" | {rc} |")
+    md += ["", "Geometric mean (worst shape) of each backend over SDPA cuDNN and SDPA flash:", "",
+           "| backend | over | fwd | bwd | fwd+bwd |", "|---|---|---|---|---|"]
+    for n in names:
+        for peer in ("sdpa-cudnn", "sdpa-flash"):
+            if n == peer or peer not in names:
+                continue
+            cols = []
+            for m in METRICS:
+                xs = ratios(rows, n, peer, m)
+                cols.append(f"{geomean(xs):.3f}x ({min(xs):.3f}x)" if xs else "-")
+            md.append(f"| {n} | {peer} | " + " | ".join(cols) + " |")
+    groups = sorted({(r["d"], r["mask"]) for r in rows})
+    if len(groups) > 1 and "flashgen" in names and "sdpa-cudnn" in names:
+        md += ["", "flashgen over SDPA cuDNN by (head_dim, mask):", "", "| d | mask | fwd | bwd | fwd+bwd |",
+               "|---|---|---|---|---|"]
+        for d, mask in groups:
+            g = [r for r in rows if (r["d"], r["mask"]) == (d, mask)]
+            md.append(f"| {d} | {mask} | " + " | ".join(f"{geomean(ratios(g, 'flashgen', 'sdpa-cudnn', m)):.3f}x"
+                                                         for m in METRICS) + " |")
+    text = "\n".join(md) + "\n"
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
