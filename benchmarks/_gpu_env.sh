@@ -18,6 +18,10 @@ tune_step() {
   local secs=$1 log=$2
   shift 2
   timeout "$secs" python3 -m flashgen tune --db tuning_db/h200.sqlite "$@" 2>&1 | grep -v "━" > "$out/$log"
-  cp tuning_db/h200.sqlite "$out/h200.sqlite"
+  # The database runs in WAL mode: a plain cp of the main file misses what a killed
+  # tune left in the -wal file (session 5 lost a key that way); sqlite's backup copies
+  # both.
+  python3 -c "import sqlite3, sys; s = sqlite3.connect(sys.argv[1]); d = sqlite3.connect(sys.argv[2]); s.backup(d); d.close()" \
+    tuning_db/h200.sqlite "$out/h200.sqlite"
   grep -E "precompiled|correctness|tuning|│" "$out/$log"
 }
