@@ -1,5 +1,6 @@
 """ProblemKey -> TileConfig, memoized: in-memory cache <- tuning databases <- nearest
-tuned bucket <- heuristic default.
+tuned bucket <- heuristic default.  A key with score mods and no bucket of its own
+takes the same mods' nearest row at another head dim, else the plain key's tiles.
 
 Databases: every ``*.sqlite`` shipped in ``tuning_db/`` (package data), plus the user's
 database named by ``$FLASHGEN_DB`` or :func:`add_database`.  Rows count only when their
@@ -183,6 +184,13 @@ class Dispatcher:
                 if d < near_d:
                     near, near_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
         if near is None and key.spec.mods:
+            # The same score mods tuned at another head dim: a mod's registers decide the
+            # tile more than the head dim does (session 5, H200: at head_dim 64 the
+            # forward tiles tuned for each mod at 128, m64 n64 w4, were within 6% of
+            # the best in 8 of 8 keys; the plain keys' m128 n128 w4 spilled with
+            # dropout and bias and ran 1.6-3.6x slower).
+            near = self._other_head_dim(key, tables)
+        if near is None and key.spec.mods:
             # Score mods nobody tuned: the tiles tuned for the same problem without them.
             plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
             base = self._lookup(plain)
@@ -196,6 +204,26 @@ class Dispatcher:
             near = dataclasses.replace(near, config=dataclasses.replace(
                 near.config, BLOCK_M=space.decode_block_m(key.group, key.seqlen_q)))
         return near
+
+    def _other_head_dim(self, key: ProblemKey, tables) -> Choice | None:
+        """The nearest tuned row of ``key``'s kernel, dtype, mask, score mods and GQA
+        group at another head dim (log2 distance over head dims, then sizes as in
+        :meth:`_lookup`) whose config fits ``key``'s spec on this device."""
+        s = key.spec
+        best, best_d = None, math.inf
+        for path, table in tables:
+            for key_id, (cfg, row) in table.items():
+                other = ProblemKey.from_row(row)
+                o = other.spec
+                if (o.kernel, o.dtype, o.mask, o.mods) != (s.kernel, s.dtype, s.mask, s.mods) \
+                        or other.group != key.group or (o.head_dim, o.head_dim_v) == (s.head_dim, s.head_dim_v):
+                    continue
+                d = (4 * (abs(math.log2(o.head_dim / s.head_dim)) + abs(math.log2(o.head_dim_v / s.head_dim_v)))
+                     + abs(math.log2(other.seqlen_q / key.seqlen_q)) + abs(math.log2(other.seqlen_k / key.seqlen_k))
+                     + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
+                if d < best_d and resources.estimate(Variant(s, cfg), self.arch).feasible:
+                    best, best_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
+        return best
 
     # -- the hot path ------------------------------------------------------------
     def _with_smem(self, choice: Choice) -> Choice:
