@@ -5,7 +5,9 @@ flash's, per shape, over the whole set and per (head_dim, mask).
 
 Inputs are ``bench.json`` files, or, for a run whose JSON did not come back, the
 table ``flashgen bench`` printed (its log; the TFLOP/s there are rounded to integers,
-so ratios from a log carry up to 0.5 TFLOP/s of rounding, under 0.2% at these rates).
+so a ratio from a log carries up to 0.5 TFLOP/s of rounding in each cell: 0.3% at 169
+TFLOP/s, the smallest cell of session 5's log).  A cell without a number (an error,
+or a metric the backend did not run) is left out of the ratios that need it.
 
     python3 benchmarks/merge_bench.py docs/h200/session5/bench_d64_none.log \\
         docs/h200/session5/bench_d*_*/bench.json --markdown docs/h200/session5/fa_grid.md
@@ -36,30 +38,32 @@ def from_json(path: str) -> list[dict]:
     return out
 
 
-_ROW = re.compile(r"^│\s*(\d+)\s*│\s*(\S+)\s*│\s*(\S+)\s*│(.*)│\s*[\d.]+\s*│\s*$")
-
-
 def from_log(path: str) -> list[dict]:
-    """The same rows from the TFLOP/s table a ``flashgen bench`` log printed."""
+    """The same rows from the TFLOP/s table a ``flashgen bench`` log printed (with or
+    without ``--no-check``'s error-ratio column; a shape whose flashgen cell failed keeps
+    its other backends' cells)."""
     lines = open(path, encoding="utf-8").read().splitlines()
-    header = next((ln for ln in lines if ln.startswith("┃") and "batch x heads" in ln), None)
-    if header is None:
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("┃") and "batch x heads" in ln), None)
+    if start is None:
         raise ValueError(f"{path}: no flashgen bench TFLOP/s table")
-    names = [h.strip() for h in header.strip("┃").split("┃")][3:-1]
+    names = [h.strip() for h in lines[start].strip().strip("┃").split("┃")][3:]
+    if names and names[-1] == "flashgen max err ratio":
+        names = names[:-1]
     out = []
-    for ln in lines:
-        m = _ROW.match(ln)
-        if not m or "/" not in m.group(4):
-            continue  # not a row, or a row of the peak-memory table (one number per cell)
-        cols = [x.strip() for x in m.group(4).split("│")]
-        if len(cols) != len(names):
+    for ln in lines[start + 1:]:
+        if ln.startswith("└"):
+            break  # the end of the TFLOP/s table (the peak-memory table follows)
+        if not ln.startswith("│"):
+            continue
+        cols = [x.strip() for x in ln.strip().strip("│").split("│")]
+        if len(cols) < 3 + len(names) or not cols[0].isdigit():
             continue
         cells = {}
-        for name, col in zip(names, cols):
+        for name, col in zip(names, cols[3:]):
             parts = [p.strip() for p in col.split("/")]
             if len(parts) == 3 and all(re.fullmatch(r"[\d.]+", p) for p in parts):
                 cells[name] = dict(zip(METRICS, map(float, parts)))
-        out.append(dict(d=int(m.group(1)), mask=m.group(2), shape=m.group(3), backends=cells))
+        out.append(dict(d=int(cols[0]), mask=cols[1], shape=cols[2], backends=cells))
     if not out:
         raise ValueError(f"{path}: no rows in its TFLOP/s table")
     return out
@@ -71,8 +75,12 @@ def geomean(xs):
 
 
 def ratios(rows, name, peer, metric):
-    return [r["backends"][name][metric] / r["backends"][peer][metric] for r in rows
-            if name in r["backends"] and peer in r["backends"]]
+    out = []
+    for r in rows:
+        a, b = (r["backends"].get(n, {}).get(metric) for n in (name, peer))
+        if a and b:
+            out.append(a / b)
+    return out
 
 
 def main(argv=None) -> int:
@@ -98,9 +106,10 @@ def main(argv=None) -> int:
           "|---|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
         b = r["backends"]
-        cells = [" / ".join(f"{b[n][m]:.0f}" for m in METRICS) if n in b else "-" for n in names]
-        rc = (f"{b['flashgen']['fwd'] / b['sdpa-cudnn']['fwd']:.2f}, {b['flashgen']['bwd'] / b['sdpa-cudnn']['bwd']:.2f}"
-              if "flashgen" in b and "sdpa-cudnn" in b else "-")
+        cells = [" / ".join(f"{b[n][m]:.0f}" if b[n].get(m) else "-" for m in METRICS) if n in b else "-"
+                 for n in names]
+        rc = ", ".join(f"{x[0]:.2f}" if x else "-" for x in (ratios([r], "flashgen", "sdpa-cudnn", m)
+                                                           for m in ("fwd", "bwd")))
         md.append(f"| {r['d']} | {r['mask']} | {r['shape']} | " + " | ".join(cells) + f" | {rc} |")
     md += ["", "Geometric mean (worst shape) of each backend over SDPA cuDNN and SDPA flash:", "",
            "| backend | over | fwd | bwd | fwd+bwd |", "|---|---|---|---|---|"]

@@ -184,11 +184,10 @@ class Dispatcher:
                 if d < near_d:
                     near, near_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
         if near is None and key.spec.mods:
-            # The same score mods tuned at another head dim: a mod's registers decide the
-            # tile more than the head dim does (session 5, H200: at head_dim 64 the
-            # forward tiles tuned for each mod at 128, m64 n64 w4, were within 6% of
-            # the best in 8 of 8 keys; the plain keys' m128 n128 w4 spilled with
-            # dropout and bias and ran 1.6-3.6x slower).
+            # The same score mods tuned at another head dim: those tiles were tuned
+            # holding the mod's registers, the plain ones were not (session 5, H200,
+            # head_dim 64 forward: the plain keys' tiles ran 1.0-2.25x slower than the
+            # mods-tuned m64 n64 w4 and spilled with dropout; docs/notes.md).
             near = self._other_head_dim(key, tables)
         if near is None and key.spec.mods:
             # Score mods nobody tuned: the tiles tuned for the same problem without them.
@@ -221,7 +220,10 @@ class Dispatcher:
                 d = (4 * (abs(math.log2(o.head_dim / s.head_dim)) + abs(math.log2(o.head_dim_v / s.head_dim_v)))
                      + abs(math.log2(other.seqlen_q / key.seqlen_q)) + abs(math.log2(other.seqlen_k / key.seqlen_k))
                      + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
-                if d < best_d and resources.estimate(Variant(s, cfg), self.arch).feasible:
+                # Another head dim's tile can break this one's rules (e.g. the float32
+                # accumulators of d128's m64 n64 w4 dK/dV at d256) as well as its shared memory.
+                if d < best_d and not space.violated_rules(Variant(s, cfg)) \
+                        and resources.estimate(Variant(s, cfg), self.arch).feasible:
                     best, best_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
         return best
 

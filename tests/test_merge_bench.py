@@ -71,3 +71,34 @@ def test_a_log_without_the_table_names_the_file(tmp_path):
     p.write_text("flashgen bench: no CUDA device\n")
     with pytest.raises(ValueError, match="x.log"):
         merge_bench.from_log(str(p))
+
+
+def test_a_no_check_log_and_a_failed_flashgen_cell_keep_their_rows(tmp_path):
+    """Review 5: `flashgen bench --no-check` prints no error-ratio column, and a shape
+    whose flashgen cell failed prints '-' there; both tables' rows used to be lost (the
+    first an error, the second silently, with the peers' cells of that shape)."""
+    lines = LOG.splitlines()
+    no_check = [ln.rsplit("┃", 2)[0] + "┃" if ln.startswith("┃") and "err ratio" in ln
+                else ln.rsplit("│", 2)[0] + "│" if ln.startswith("│") and "/" in ln else ln for ln in lines]
+    p = tmp_path / "nc.log"
+    p.write_text("\n".join(no_check) + "\n")
+    rows = merge_bench.from_log(str(p))
+    assert len(rows) == 2 and rows[1]["backends"]["sdpa-cudnn"] == {"fwd": 400.0, "bwd": 300.0, "fwdbwd": 600.0}
+    failed = LOG.replace("│ 300 / 200 / 250 │", "│ OOM             │").replace("│ 0.05                   │",
+                                                                           "│ -                      │")
+    p.write_text(failed)
+    rows = merge_bench.from_log(str(p))
+    assert len(rows) == 2 and "flashgen" not in rows[0]["backends"] and "sdpa-cudnn" in rows[0]["backends"]
+
+
+def test_a_cell_without_a_number_is_left_out_not_a_crash(tmp_path):
+    """Review 5: a JSON cell with a null metric (a backend that did not run it) raised
+    TypeError; it is left out of that metric's ratios and printed as '-'."""
+    js = tmp_path / "bench.json"
+    _json(js, 64, False, 512, (300, None, 250), (400, 400, 500))
+    md = tmp_path / "m.md"
+    assert merge_bench.main([str(js), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert "| 300 / - / 250 |" in text and "| 0.75, - |" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| flashgen | sdpa-cudnn |"))
+    assert line == "| flashgen | sdpa-cudnn | 0.750x (0.750x) | - | 0.500x (0.500x) |", line

@@ -392,3 +392,30 @@ def test_an_untuned_mods_key_prefers_the_same_mods_at_another_head_dim(tmp_path)
     d = Dispatcher([path], env=env, arch=SM90)
     ch = d.choose(shape.key(KernelSpec("fwd", "bfloat16", 256, 256, "none", "bias")))
     assert ch.config != huge and resources.estimate(Variant(ch.key.spec, ch.config), SM90).feasible
+
+
+def test_another_head_dims_mods_row_must_satisfy_this_head_dims_rules(tmp_path):
+    """Review 5: d128 score-mod rows (dK/dV m64 n64 w4, fwd m128 n64 w4) fit d256's
+    shared memory but break space's acc_regs rule there (256 accumulator registers per
+    thread); the fallback must pass them over, as the tuner and the heuristic do."""
+    from flashgen import space
+    from flashgen.db import TuningDB
+    from flashgen.dispatch import Dispatcher
+    from flashgen.env import Environment
+    from flashgen.spec import Measurement
+
+    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11", "0.1.0")
+    shape = Shape(8, 16, 16, 2048, 2048)
+    path = tmp_path / "t.sqlite"
+    rows = [(KernelSpec("bwd_dkdv", "bfloat16", 128, 128, "none", "softcap"), TileConfig(64, 64, 4, 2, tma=1)),
+            (KernelSpec("fwd", "bfloat16", 64, 64, "none", "dropout"), TileConfig(128, 64, 4, 1, tma=1))]
+    with TuningDB(path) as db:
+        for spec, cfg in rows:
+            db.record(shape.key(spec), shape, Variant(spec, cfg), Measurement("ok", 1.0), env, 0)
+    d = Dispatcher([path], env=env, arch=SM90)
+    for kernel, mods in (("bwd_dkdv", "softcap"), ("fwd", "dropout")):
+        spec = KernelSpec(kernel, "bfloat16", 256, 256, "none", mods)
+        row_cfg = next(c for s, c in rows if s.kernel == kernel)
+        assert resources.estimate(Variant(spec, row_cfg), SM90).feasible and space.violated_rules(Variant(spec, row_cfg))
+        ch = d.choose(shape.key(spec))
+        assert not space.violated_rules(Variant(spec, ch.config)), (kernel, ch)
