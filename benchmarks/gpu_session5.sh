@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Session 5's device calls after `gpu_pending.sh` (carry .whl):
+# Session 5's device calls (carry .whl):
+#   part 0: call 1, the work session 4 left (f46a25c's gpu_pending.sh with its step
+#           timeouts cut to fit one 600 s call): the bias variants' float64 checks on
+#           their descriptor binaries, the 90 all-mods walk variants left, the BLOCK_M
+#           256 probe and mods_bench.py's head_dim 64 cases;
 #   part 1: the 114 bias variants gpu_pending.sh's budget left (float64, descriptor
 #           binaries; resumes docs/h200/session5/bias_exactness.json), the d64 score-mod
 #           cases left, the pipe_qk probe (issue 4: tile j+1's QK^T before tile j's
@@ -11,7 +15,7 @@
 # Each fa-grid quarter is one `flashgen bench` run (tuned, default, SDPA flash, SDPA
 # cuDNN, FlexAttention side by side per shape) under its own timeout, so a cut loses at
 # most one quarter; `python3 benchmarks/merge_bench.py` joins them offline.
-# Usage (repository root, on the GPU machine):  bash benchmarks/gpu_session5.sh "$OUT" 1|2|3|4
+# Usage (repository root, on the GPU machine):  bash benchmarks/gpu_session5.sh "$OUT" 0|1|2|3|4
 set -uo pipefail
 out=${1:-gpu_session5_out}
 part=${2:-1}
@@ -29,7 +33,17 @@ bench_quarter() {  # bench_quarter SECONDS D MASK
   tar czf "$out/bench_d${d}_$mask.tgz" -C "$out" "bench_d${d}_$mask" "bench_d${d}_$mask.log" && \
     rm -r "$out/bench_d${d}_$mask" "$out/bench_d${d}_$mask.log"
 }
-if [ "$part" = 1 ]; then
+if [ "$part" = 0 ]; then
+  timeout 190 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods bias --head-dims 128 --space-budget-s 140 \
+    --out "$out/bias_exactness.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/bias_exactness.log" | tail -9
+  timeout 120 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods softcap_alibi_bias_dropout --head-dims 128 \
+    --resume-skipped docs/h200/session4/mods_exactness_left.json --space-budget-s 75 \
+    --out "$out/mods_exactness_rest.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/mods_exactness_rest.log" | tail -9
+  timeout 170 python3 benchmarks/probe_fwd_configs.py --out "$out/fwd_probe.json" --budget-s 140 \
+    > "$out/fwd_probe.log" 2>&1; grep -v "^ \|Traceback" "$out/fwd_probe.log" | tail -12
+  timeout 110 python3 benchmarks/mods_bench.py --out "$out/mods_d64.json" --shapes 64:2048 --budget-s 80 \
+    > "$out/mods_d64.log" 2>&1; tail -14 "$out/mods_d64.log"
+elif [ "$part" = 1 ]; then
   timeout 110 python3 benchmarks/gpu_exactness.py --skip big,matrix --mods bias --head-dims 128 \
     --resume-skipped docs/h200/session5/bias_exactness.json --space-budget-s 80 \
     --out "$out/bias_exactness_rest.json" 2>&1 | grep -v "space: [0-9]*/" | tee "$out/bias_exactness_rest.log" | tail -9
