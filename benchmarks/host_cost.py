@@ -7,6 +7,11 @@ with prebuilt descriptors, flashgen.attention without and with autograd.  Then G
 through flashgen.attention, to tell host cost from kernel time.
 
 Usage (repository root, on the GPU):  python3 benchmarks/host_cost.py
+
+``--cpu-stubbed`` (no GPU): flashgen's own host path per call, forward and
+forward+backward through autograd, with every kernel launch stubbed out (Triton's
+interpreter launches replaced by a counter; so neither kernel time nor Triton's
+launcher is in the number): ``python3 benchmarks/host_cost.py --cpu-stubbed``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,53 @@ def per_call_us(fn, n=300, reps=5):
     return best
 
 
+def cpu_stubbed(n: int = 200) -> dict:
+    """Host us per flashgen.attention call on the CPU, launches stubbed: forward (no
+    grad) and forward+backward (causal, b1 h2 s16 d64 float16), with the launches per
+    call."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton.runtime.interpreter as interp
+
+    import flashgen
+
+    launched = []
+    real = interp.GridExecutor.__call__
+    interp.GridExecutor.__call__ = lambda self, *a, **kw: launched.append(getattr(self.fn, "__name__", "?"))
+    try:
+        q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        qn, kn, vn = (t.detach() for t in (q, k, v))
+
+        def fwdbwd():
+            o = flashgen.attention(q, k, v, causal=True)
+            torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+
+        out = {}
+        for name, fn in (("forward (no grad)", lambda: flashgen.attention(qn, kn, vn, causal=True)),
+                         ("forward+backward", fwdbwd)):
+            for _ in range(20):
+                fn()
+            best = float("inf")
+            for _ in range(5):
+                launched.clear()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                best = min(best, (time.perf_counter() - t0) / n * 1e6)
+            out[name] = dict(us=best, launches=len(launched) / n, kernels=sorted(set(launched)))
+        return out
+    finally:
+        interp.GridExecutor.__call__ = real
+
+
 def main() -> int:
+    if "--cpu-stubbed" in sys.argv[1:]:
+        print("host us per call, launches stubbed (CPU; b1 h2 s16 d64 float16, causal)")
+        for name, r in cpu_stubbed().items():
+            print(f"  {name:<40} {r['us']:8.1f}   {r['launches']:.0f} launches: {', '.join(r['kernels'])}")
+        return 0
     import torch
     import triton.testing
 
@@ -64,6 +115,8 @@ def main() -> int:
     ]
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     rows.append(("flashgen.attention (requires_grad)", lambda: flashgen.attention(qg, kg, vg)))
+    rows.append(("forward+backward (autograd.grad)",
+                 lambda: torch.autograd.grad(flashgen.attention(qg, kg, vg), (qg, kg, vg), q)))
     for name, fn in rows:
         fn()
         print(f"  {name:<40} {per_call_us(fn):8.1f}", flush=True)
@@ -77,6 +130,10 @@ def main() -> int:
              ("attention (no grad)", lambda: flashgen.attention(q, k, v))]
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     cands.append(("attention (requires_grad)", lambda: flashgen.attention(qg, kg, vg)))
+    # The session-5 question: at this shape fwd+bwd took 0.27 ms more than fwd and bwd
+    # timed apart; a host-bound per-call time near the GPU time says the host is the gap.
+    cands.append(("forward+backward (autograd.grad)",
+                  lambda: torch.autograd.grad(flashgen.attention(qg, kg, vg), (qg, kg, vg), q)))
     for name, fn in cands:
         ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
         print(f"  {name:<40} {ms:8.4f} ms   host-bound per call {per_call_us(fn, n=100, reps=3):8.1f} us",

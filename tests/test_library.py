@@ -495,3 +495,18 @@ def test_probe_fwd_configs_pipe_qk_mode_is_exact_and_leaves_the_tuned_code_alone
     for other in (dataclasses.replace(v, config=dataclasses.replace(v.config, tma=0)),
                   Variant(dataclasses.replace(v.spec, mods="softcap"), v.config)):
         assert render._render(other, "-", pipe_qk=True) == render._render(other, "-")
+
+
+def test_host_cost_cpu_stubbed_counts_the_launches_of_a_call():
+    """benchmarks/host_cost.py --cpu-stubbed (flashgen's own host path per call, kernel
+    launches stubbed): one launch forward, three forward+backward (fwd, dQ, dK/dV), and
+    the interpreter's launcher is restored afterwards."""
+    import triton.runtime.interpreter as interp
+
+    real = interp.GridExecutor.__call__
+    r = _bench_script("host_cost").cpu_stubbed(n=5)
+    assert interp.GridExecutor.__call__ is real
+    assert r["forward (no grad)"]["launches"] == 1 and r["forward (no grad)"]["kernels"] == ["attn_fwd"]
+    fb = r["forward+backward"]
+    assert fb["launches"] == 3 and fb["kernels"] == ["attn_bwd_dkdv", "attn_bwd_dq", "attn_fwd"]
+    assert all(x["us"] > 0 for x in r.values())
