@@ -171,24 +171,7 @@ class Dispatcher:
                     best = Choice(key, cfg, "tuned", key.id, row["median_ms"], row.get("tflops"), str(path))
         if best is not None:
             return best
-        # Nearest tuned bucket of the same kernel spec and GQA group (log2 distance; a
-        # row of the other layout counts one bucket further).
-        near, near_d = None, math.inf
-        for path, table in tables:
-            for key_id, (cfg, row) in table.items():
-                other = ProblemKey.from_row(row)
-                if other.spec != key.spec or other.group != key.group:
-                    continue
-                d = (abs(math.log2(other.seqlen_q / key.seqlen_q)) + abs(math.log2(other.seqlen_k / key.seqlen_k))
-                     + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
-                if d < near_d:
-                    near, near_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
-        if near is None and key.spec.mods:
-            # The same score mods tuned at another head dim: those tiles were tuned
-            # holding the mod's registers, the plain ones were not (session 5, H200,
-            # head_dim 64 forward: the plain keys' tiles ran 1.0-2.25x slower than the
-            # mods-tuned m64 n64 w4 and spilled with dropout; docs/notes.md).
-            near = self._other_head_dim(key, tables)
+        near = self._nearest(key, tables)
         if near is None and key.spec.mods:
             # Score mods nobody tuned: the tiles tuned for the same problem without them.
             plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
@@ -204,28 +187,40 @@ class Dispatcher:
                 near.config, BLOCK_M=space.decode_block_m(key.group, key.seqlen_q)))
         return near
 
-    def _other_head_dim(self, key: ProblemKey, tables) -> Choice | None:
-        """The nearest tuned row of ``key``'s kernel, dtype, mask, score mods and GQA
-        group at another head dim (log2 distance over head dims, then sizes as in
-        :meth:`_lookup`) whose config fits ``key``'s spec on this device."""
+    def _nearest(self, key: ProblemKey, tables) -> Choice | None:
+        """The nearest tuned bucket of ``key``'s kernel spec and GQA group (log2 distance
+        over the sizes; a row of the other layout counts one bucket further).  For a key
+        with score mods and no such bucket: the nearest row of the same kernel, dtype,
+        mask and mods at another head dim (four buckets per octave of head dim) whose
+        tile fits this head dim's rules and shared memory.  Those tiles were tuned
+        holding the mod's registers, the plain key's were not (session 5, H200, head_dim
+        64 forward: the plain keys' tiles ran 1.0-2.25x slower than the mods-tuned m64
+        n64 w4 and spilled with dropout; docs/notes.md).  One pass over the rows."""
         s = key.spec
-        best, best_d = None, math.inf
+        best = {True: (None, math.inf), False: (None, math.inf)}  # same spec? -> (choice, distance)
         for path, table in tables:
             for key_id, (cfg, row) in table.items():
                 other = ProblemKey.from_row(row)
                 o = other.spec
-                if (o.kernel, o.dtype, o.mask, o.mods) != (s.kernel, s.dtype, s.mask, s.mods) \
-                        or other.group != key.group or (o.head_dim, o.head_dim_v) == (s.head_dim, s.head_dim_v):
+                if other.group != key.group:
                     continue
-                d = (4 * (abs(math.log2(o.head_dim / s.head_dim)) + abs(math.log2(o.head_dim_v / s.head_dim_v)))
-                     + abs(math.log2(other.seqlen_q / key.seqlen_q)) + abs(math.log2(other.seqlen_k / key.seqlen_k))
-                     + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
+                if o == s:
+                    d = 0.0
+                elif s.mods and (o.kernel, o.dtype, o.mask, o.mods) == (s.kernel, s.dtype, s.mask, s.mods):
+                    d = 4 * (abs(math.log2(o.head_dim / s.head_dim)) + abs(math.log2(o.head_dim_v / s.head_dim_v)))
+                else:
+                    continue
+                d += (abs(math.log2(other.seqlen_q / key.seqlen_q)) + abs(math.log2(other.seqlen_k / key.seqlen_k))
+                      + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
+                if d >= best[o == s][1]:
+                    continue
                 # Another head dim's tile can break this one's rules (e.g. the float32
                 # accumulators of d128's m64 n64 w4 dK/dV at d256) as well as its shared memory.
-                if d < best_d and not space.violated_rules(Variant(s, cfg)) \
-                        and resources.estimate(Variant(s, cfg), self.arch).feasible:
-                    best, best_d = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
-        return best
+                if o != s and (space.violated_rules(Variant(s, cfg))
+                               or not resources.estimate(Variant(s, cfg), self.arch).feasible):
+                    continue
+                best[o == s] = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
+        return best[True][0] or best[False][0]
 
     # -- the hot path ------------------------------------------------------------
     def _with_smem(self, choice: Choice) -> Choice:
