@@ -67,14 +67,6 @@ def _delta(o, do):
     return out
 
 
-def _module(v, mode):
-    from flashgen import compile as _compile
-    from flashgen import render
-
-    return _compile.import_source(v, render._render(v, render.template_hash(v.spec.kernel, v.spec.mods), None,
-                                                    dq_atomic=mode), f"_dqa_{mode}")
-
-
 def single_pass(mod, mode, do, q, k, v, o, lse, scale, mask, lo, hi, cfg):
     """dQ, dK, dV through the dK/dV kernel with dQ atomics."""
     import torch
@@ -142,6 +134,7 @@ def main(argv=None) -> int:
     if args.smoke and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         ap.error("--smoke runs Triton's interpreter: set TRITON_INTERPRET=1")
 
+    from flashgen import compile as _compile
     from flashgen import ops
     from flashgen.bench import compare, script_time_ms
     from flashgen.dispatch import default_dispatcher
@@ -204,7 +197,7 @@ def main(argv=None) -> int:
                 var = Variant(KernelSpec("bwd_dkdv", dtn, d, d, mode_m), cfg)
                 r = dict(shape=sh, method=f"atomic-{mode}", config=cfg.id)
                 try:
-                    mod = _module(var, mode)
+                    mod = _compile.load_mode(var, f"_dqa_{mode}", dq_atomic=mode)
                     run1 = lambda: single_pass(mod, mode, do, q, k, v, o, lse, scale, mode_m, lo, hi, cfg)
                     r["ratio"] = check(*run1())
                     r["ms"] = bench(run1)

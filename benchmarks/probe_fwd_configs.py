@@ -31,15 +31,6 @@ SHAPES = ("128:none:8:16:2048", "128:none:2:16:8192", "128:causal:4:16:4096", "6
           "64:none:2:32:8192", "64:causal:4:32:4096")
 
 
-def _pipe_qk_module(v):
-    """The forward of ``v`` rendered with the template's ``pipe_qk`` probe mode."""
-    from flashgen import compile as _compile
-    from flashgen import render
-
-    return _compile.import_source(v, render._render(v, render.template_hash(v.spec.kernel, v.spec.mods), None,
-                                                    pipe_qk=True), "_pipe_qk")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -54,6 +45,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    from flashgen import compile as _compile
     from flashgen import ops, resources
     from flashgen.arch import current
     from flashgen.bench import compare, script_time_ms
@@ -104,7 +96,7 @@ def main(argv=None) -> int:
                 if kind == "pipe_qk":
                     if not cfg.tma:
                         raise ValueError(f"--pipe-qk {cfg.id}: the pipe_qk mode needs a tma config")
-                    mod = _pipe_qk_module(Variant(spec, cfg))
+                    mod = _compile.load_mode(Variant(spec, cfg), "_pipe_qk", pipe_qk=True)
 
                     def run(cfg=cfg, mod=mod):
                         return ops.fwd(q, k, v, softmax_scale=scale, mask=mode, diag_lo=lo, diag_hi=hi, config=cfg,

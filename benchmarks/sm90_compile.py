@@ -35,11 +35,9 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, 
     from triton.backends.compiler import GPUTarget
 
     from flashgen import compile as _compile
-    from flashgen import render
 
     cfg, kernel = v.config, v.spec.kernel
-    mod = _compile.import_source(v, render._render(v, render.template_hash(kernel, v.spec.mods), templates, **extra),
-                                 "_sm90")
+    mod = _compile.load_mode(v, "_sm90", templates, **extra)
     fn = getattr(mod, "attn_" + kernel)
     short = _SHORT[v.spec.dtype]
     # a tma module takes its streamed tiles as 4-D descriptors (ops._descriptor)

@@ -66,13 +66,20 @@ def load(variant: Variant) -> ModuleType:
     return mod
 
 
+def load_mode(variant: Variant, suffix: str, templates: str | None = None, **extra) -> ModuleType:
+    """``variant`` rendered with further template variables (probe modes that are not
+    tuned knobs: attn_bwd_dkdv's ``dq_atomic``, attn_fwd's ``pipe_qk``) and/or from
+    another template directory, imported as a new module named with ``suffix`` (not
+    cached: the probes and the sm_90 compile script call it once per variant)."""
+    header = render.template_hash(variant.spec.kernel, variant.spec.mods)
+    return import_source(variant, render._render(variant, header, templates, **extra), suffix)
+
+
 def import_source(variant: Variant, source: str, suffix: str = "") -> ModuleType:
     """Write ``source`` (generated code of ``variant``) under its content hash
     (:func:`generated_path`) and import it as a new module (``suffix`` tells apart
     modules of one file, e.g. compiled for the interpreter).  :func:`load` does this for
-    the rendered variant; probes of template modes that are not tuned knobs
-    (``benchmarks/probe_dq_atomic.py``) and the sm_90 compile script call it with their
-    own source."""
+    the rendered variant, :func:`load_mode` for a render with probe modes."""
     path = generated_path(variant, source)
     write_source(path, source)
     name = f"flashgen_generated.{path.parent.name}.{variant.id}{suffix}"
