@@ -122,6 +122,10 @@ def kernel_mods(kernel: str) -> list[str]:
     return all_mods() if kernel in DENSE_KERNELS else [""]
 
 
+#: The kernel family of a TileConfig that names none (rows and ids written before
+#: families existed): plain Triton, the portable family (:mod:`flashgen.families`).
+DEFAULT_FAMILY = "triton"
+
 DTYPES = ("float16", "bfloat16", "float32")
 _DTYPE_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -201,6 +205,12 @@ class TileConfig:
     Accelerator, sm_90+); ``ws`` 1 warp-specializes the main loop
     (``tl.range(..., warp_specialize=True)``); ``num_splits`` is the number of programs
     a decode problem's key sequence is split across (flash-decoding), 0 elsewhere.
+
+    ``family`` names the kernel family that writes the kernel (:mod:`flashgen.families`;
+    the dispatcher picks between families by measured rows like any other knob).  It
+    defaults to :data:`DEFAULT_FAMILY` and is a prefix of ``id`` only when it is not the
+    default, so the ids (and the DB rows, generated files and code hashes) of the plain
+    Triton family never change: ``m128_n64_w8_s3`` vs ``gluon_m128_n128_w4_s2``.
     """
 
     BLOCK_M: int
@@ -210,10 +220,13 @@ class TileConfig:
     tma: int = 0
     ws: int = 0
     num_splits: int = 0
+    family: str = DEFAULT_FAMILY
 
     @property
     def id(self) -> str:
         s = f"m{self.BLOCK_M}_n{self.BLOCK_N}_w{self.num_warps}_s{self.num_stages}"
+        if self.family != DEFAULT_FAMILY:
+            s = f"{self.family}_{s}"
         if self.tma:
             s += "_tma"
         if self.ws:
@@ -228,7 +241,8 @@ class TileConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TileConfig":
         """From a dict or DB row; optional knobs that are missing or NULL (rows written
-        before they existed) take their defaults."""
+        before they existed) take their defaults (a row without ``family`` is the
+        Triton family's)."""
         kw = {}
         for f in dataclasses.fields(cls):
             val = d.get(f.name) if hasattr(d, "get") else d[f.name]
@@ -236,7 +250,7 @@ class TileConfig:
                 if f.default is dataclasses.MISSING:
                     raise KeyError(f.name)
                 continue
-            kw[f.name] = int(val)
+            kw[f.name] = str(val) if f.name == "family" else int(val)
         return cls(**kw)
 
 
@@ -246,8 +260,14 @@ class Variant:
     config: TileConfig
 
     @property
+    def family(self) -> str:
+        """The kernel family that renders, compiles and launches this variant."""
+        return self.config.family
+
+    @property
     def id(self) -> str:
-        """e.g. ``attn_fwd_d128_bf16_causal_m128_n64_w8_s3``."""
+        """e.g. ``attn_fwd_d128_bf16_causal_m128_n64_w8_s3`` (another family than the
+        default: ``attn_fwd_d128_bf16_causal_gluon_m128_n128_w4_s2``)."""
         return f"{self.spec.id}_{self.config.id}"
 
 

@@ -1,0 +1,70 @@
+"""The plain-Triton kernel family: every kernel, every GPU from sm_80 on, the CPU
+interpreter; the portable family that serves every key and gives the heuristic default.
+
+Its pieces: templates in ``templates/`` (rendered by :mod:`flashgen.render`, loaded by
+:mod:`flashgen.compile`), knob domains and validity rules in :mod:`flashgen.space`,
+resource terms in :mod:`flashgen.resources`, heuristic defaults in
+:mod:`flashgen.heuristics`, and its launchers in :mod:`.launch` (also importable as
+``flashgen.ops``).  :data:`FAMILY` adapts them to :class:`flashgen.families.Family`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ... import compile as _compile
+from ... import heuristics, render, resources, space
+from ...spec import KERNELS, ProblemKey, TileConfig, Variant, is_decode
+
+#: Launcher name -> function name in :mod:`.launch` (looked up at call time).
+_LAUNCHERS = {"fwd": "fwd", "bwd": "bwd", "bwd_dq": "bwd_dq", "bwd_dkdv": "bwd_dkdv",
+              "fwd_varlen": "fwd_varlen", "bwd_varlen": "bwd_varlen", "bwd_dq_varlen": "bwd_dq_varlen",
+              "bwd_dkdv_varlen": "bwd_dkdv_varlen", "decode": "decode", "decode_paged": "decode"}
+
+
+class TritonFamily:
+    name = "triton"
+    kernels = KERNELS
+
+    def unsupported(self, key: ProblemKey, arch) -> str | None:
+        """None: it serves every kernel, mask, mods and layout (a config's shared memory
+        is checked per config)."""
+        return None
+
+    def domain(self, key: ProblemKey) -> dict[str, tuple]:
+        return space.domain(key)
+
+    def violated_rules(self, variant: Variant) -> list[str]:
+        return space.violated_rules(variant)
+
+    def estimate(self, variant: Variant, arch) -> resources.SmemEstimate:
+        return resources.estimate(variant, arch)
+
+    def adapt(self, config: TileConfig, key: ProblemKey) -> TileConfig:
+        """A strided layout takes the same tiles on pointer loads; a decode tile's
+        BLOCK_M holds this key's packed rows, not another bucket's."""
+        if key.layout == "strided" and config.tma:
+            config = dataclasses.replace(config, tma=0)
+        if is_decode(key.spec.kernel):
+            config = dataclasses.replace(config, BLOCK_M=space.decode_block_m(key.group, key.seqlen_q))
+        return config
+
+    def default_config(self, key: ProblemKey, arch) -> TileConfig:
+        return heuristics.default_config(key.spec, arch, key)
+
+    def template_hash(self, kernel: str, mods: str = "") -> str:
+        return render.template_hash(kernel, mods)
+
+    def render(self, variant: Variant) -> str:
+        return render.render(variant)
+
+    def load(self, variant: Variant):
+        return _compile.load(variant)
+
+    def launcher(self, name: str):
+        from . import launch
+
+        return getattr(launch, _LAUNCHERS[name])
+
+
+FAMILY = TritonFamily()
