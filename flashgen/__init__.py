@@ -7,8 +7,7 @@ Public API: :func:`attention`, :func:`attention_varlen` (ragged batches),
 ``torch.ops.flashgen.bwd`` (:mod:`flashgen.library`).  See README.md.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__  # noqa: E402
 from .api import (Explanation, attention, attention_varlen, attention_with_kvcache, explain,  # noqa: E402
                   scaled_dot_product_attention)
 from .dropout import dropout_mask, manual_seed  # noqa: E402

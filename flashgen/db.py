@@ -20,6 +20,7 @@ from pathlib import Path
 import jinja2
 import sqlite_utils
 
+from . import families
 from .env import MATCH_COLUMNS, Environment
 from .errors import InputError
 from .spec import KERNELS, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant, attention_flops
@@ -35,7 +36,7 @@ COLUMNS: dict[str, type] = {
     "layout": str, "mods": str,  # OPTIONAL_COLUMNS
     # Variant
     "variant_id": str, "BLOCK_M": int, "BLOCK_N": int, "num_warps": int, "num_stages": int,
-    "tma": int, "ws": int, "num_splits": int,  # OPTIONAL_COLUMNS
+    "tma": int, "ws": int, "num_splits": int, "family": str,  # OPTIONAL_COLUMNS
     # the exact shape measured
     "batch": int, "num_heads": int, "num_kv_heads": int, "seqlen_q": int, "seqlen_k": int,
     # Measurement
@@ -48,7 +49,7 @@ COLUMNS: dict[str, type] = {
 }
 #: Columns added after the first release: a file without them is still a tuning DB
 #: (they read as NULL, i.e. the knob's default; a writable open adds them).
-OPTIONAL_COLUMNS = ("tma", "ws", "num_splits", "layout", "mods")
+OPTIONAL_COLUMNS = ("tma", "ws", "num_splits", "layout", "mods", "family")
 ENV_COLUMNS = ("gpu_name", "compute_capability", "sm_count", "triton_version", "torch_version",
                "flashgen_version", "template_hash")
 #: A row's identity across databases (``merge_from`` skips rows already present).
@@ -116,8 +117,8 @@ def _env_where(env: Environment) -> tuple[str, list]:
     cond = " AND ".join(f"[{c}] = ?" for c in MATCH_COLUMNS)
     per_kernel = []
     for k in KERNELS:
-        # one code hash per score-modification set the kernel compiles (render.template_hash)
-        hashes = sorted({env.template_hash(k, m) for m in kernel_mods(k)})
+        # one code hash per kernel family and score-modification set the kernel compiles
+        hashes = families.hashes(k, kernel_mods(k))
         per_kernel.append(f"([kernel] = ? AND [template_hash] IN ({', '.join('?' * len(hashes))}))")
         params += [k, *hashes]
     return f"({cond} AND ({' OR '.join(per_kernel)}))", params
@@ -214,7 +215,7 @@ class TuningDB:
             "status": m.status, "median_ms": m.median_ms, "tflops": tflops,
             "max_abs_err": m.max_abs_err, "smem_bytes_model": int(smem_bytes_model),
             "smem_bytes_compiled": m.smem_bytes_compiled, "n_spills": m.n_spills,
-            "n_regs": m.n_regs, "error": m.error, **env.as_row(s.kernel, s.mods),
+            "n_regs": m.n_regs, "error": m.error, **env.as_row(s.kernel, s.mods, variant.family),
         }
         if not dedupe:
             return self._t.insert(row).last_rowid
@@ -303,10 +304,12 @@ class TuningDB:
         """Append exported rows (:meth:`export_best`) that this DB lacks (identity:
         :data:`IDENTITY`); returns how many were added.  Nothing is overwritten."""
         cols = [c for c in COLUMNS if c != "id"]
-        bad = [r for r in rows if not isinstance(r, dict) or set(cols) - set(r)]
+        # rows exported before an optional column existed lack it (NULL: its default)
+        needed = set(cols) - set(OPTIONAL_COLUMNS)
+        bad = [r for r in rows if not isinstance(r, dict) or needed - set(r)]
         if bad:
             raise NotATuningDB(f"{len(bad)} of {len(rows)} rows lack flashgen's columns, e.g. "
-                               f"{sorted(set(cols) - set(bad[0]))[:5] if isinstance(bad[0], dict) else bad[0]!r}")
+                               f"{sorted(needed - set(bad[0]))[:5] if isinstance(bad[0], dict) else bad[0]!r}")
         have = {tuple(r) for r in self._conn.execute(
             f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
         new = []
@@ -314,7 +317,7 @@ class TuningDB:
             ident = tuple(r.get(c) for c in IDENTITY)
             if ident not in have:
                 have.add(ident)
-                new.append(tuple(r[c] for c in cols))
+                new.append(tuple(r.get(c) for c in cols))
         with self._conn:
             self._conn.executemany(
                 f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
@@ -400,8 +403,14 @@ class TuningDB:
 
     def best_configs(self, env: Environment) -> dict[str, tuple[TileConfig, dict]]:
         """key id -> (best TileConfig, its row) for every key with an ok row in ``env``
-        (one query; what the dispatcher loads)."""
-        return {r["key"]: (TileConfig.from_dict(r), r) for r in self.best_rows(env)}
+        (one query; what the dispatcher loads): the fastest over the kernel families
+        (:meth:`best_rows` gives one row per family, as each has its own code hash)."""
+        out: dict[str, tuple[TileConfig, dict]] = {}
+        for r in self.best_rows(env):
+            have = out.get(r["key"])
+            if have is None or (r["median_ms"], r["id"]) < (have[1]["median_ms"], have[1]["id"]):
+                out[r["key"]] = (TileConfig.from_dict(r), r)
+        return out
 
     def lookup(self, key: ProblemKey | str, variant_id: str, env: Environment) -> dict | None:
         """An existing measurement of ``variant_id`` for ``key`` in ``env`` (an ok row if

@@ -1,6 +1,12 @@
-"""ProblemKey -> TileConfig, memoized: in-memory cache <- tuning databases <- nearest
-tuned bucket <- heuristic default.  A key with score mods and no bucket of its own
-takes the same mods' nearest row at another head dim, else the plain key's tiles.
+"""ProblemKey -> kernel family + TileConfig (``TileConfig.family``), memoized: in-memory
+cache <- tuning databases <- nearest tuned bucket <- heuristic default.  A key with score
+mods and no bucket of its own takes the same mods' nearest row at another head dim, else
+the plain key's tiles.
+
+Kernel families are reached through :mod:`flashgen.families` only: a row counts when its
+family serves the key on this arch (else the family's reason is kept for ``explain``),
+its rules and shared-memory estimate are the family's, and the heuristic default is the
+portable (Triton) family's.  Families compete by their measured rows.
 
 Databases: every ``*.sqlite`` shipped in ``tuning_db/`` (package data), plus the user's
 database named by ``$FLASHGEN_DB`` or :func:`add_database`.  Rows count only when their
@@ -26,10 +32,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import heuristics, resources, space
+from . import families
 from .arch import INTERPRETER
 from .errors import InputError, UnsupportedError
-from .spec import ProblemKey, TileConfig, Variant, is_decode
+from .spec import ProblemKey, TileConfig, Variant
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,14 @@ class Choice:
     database: str | None = None
     smem_bytes: int = 0
     smem_breakdown: str = ""
+    #: (name, why not) of each registered kernel family that cannot serve the key on
+    #: the dispatcher's arch (``explain`` prints them).
+    unserved: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def family(self) -> str:
+        """The kernel family of the chosen config."""
+        return self.config.family
 
 
 def graph_capturing() -> bool:
@@ -167,6 +181,8 @@ class Dispatcher:
             hit = table.get(key.id)
             if hit is not None:
                 cfg, row = hit
+                if self._family(cfg, key) is None:
+                    continue  # its family does not serve this key on this arch
                 if best is None or row["median_ms"] < best.median_ms:
                     best = Choice(key, cfg, "tuned", key.id, row["median_ms"], row.get("tflops"), str(path))
         if best is not None:
@@ -176,16 +192,19 @@ class Dispatcher:
             # Score mods nobody tuned: the tiles tuned for the same problem without them.
             plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
             base = self._lookup(plain)
-            if base is not None and resources.estimate(Variant(key.spec, base.config), self.arch).feasible:
+            fam = None if base is None else self._family(base.config, key)
+            if fam is not None and fam.estimate(Variant(key.spec, base.config), self.arch).feasible:
                 near = dataclasses.replace(base, key=key, source="nearest", tuned_key=base.tuned_key)
-        if near is not None and key.layout == "strided" and near.config.tma:
-            # Inputs no tensor descriptor can address: the same tiles on pointer loads.
-            near = dataclasses.replace(near, config=dataclasses.replace(near.config, tma=0))
-        if near is not None and is_decode(key.spec.kernel):
-            # A decode tile's BLOCK_M holds this key's packed rows, not the other bucket's.
-            near = dataclasses.replace(near, config=dataclasses.replace(
-                near.config, BLOCK_M=space.decode_block_m(key.group, key.seqlen_q)))
+        if near is not None:
+            # Another bucket's tiles, made fit for this key by their family (e.g. pointer
+            # loads for a strided layout, a decode tile's packed rows).
+            near = dataclasses.replace(near, config=families.get(near.config.family).adapt(near.config, key))
         return near
+
+    def _family(self, cfg: TileConfig, key: ProblemKey):
+        """The family of ``cfg`` when it is registered and serves ``key`` on this arch, else None."""
+        fam = families.FAMILIES.get(cfg.family)
+        return fam if fam is not None and fam.unsupported(key, self.arch) is None else None
 
     def _nearest(self, key: ProblemKey, tables) -> Choice | None:
         """The nearest tuned bucket of ``key``'s kernel spec and GQA group (log2 distance
@@ -214,17 +233,20 @@ class Dispatcher:
                       + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
                 if d >= best[o == s][1]:
                     continue
+                fam = self._family(cfg, key)
+                if fam is None:
+                    continue  # a family that cannot serve this key (arch, layout, mode)
                 # Another head dim's tile can break this one's rules (e.g. the float32
                 # accumulators of d128's m64 n64 w4 dK/dV at d256) as well as its shared memory.
-                if o != s and (space.violated_rules(Variant(s, cfg))
-                               or not resources.estimate(Variant(s, cfg), self.arch).feasible):
+                if o != s and (fam.violated_rules(Variant(s, cfg))
+                               or not fam.estimate(Variant(s, cfg), self.arch).feasible):
                     continue
                 best[o == s] = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
         return best[True][0] or best[False][0]
 
     # -- the hot path ------------------------------------------------------------
     def _with_smem(self, choice: Choice) -> Choice:
-        est = resources.estimate(Variant(choice.key.spec, choice.config), self.arch)
+        est = families.get(choice.config.family).estimate(Variant(choice.key.spec, choice.config), self.arch)
         if not est.feasible and self.arch.name != INTERPRETER.name:
             s = choice.key.spec
             raise UnsupportedError(
@@ -232,7 +254,13 @@ class Dispatcher:
                 f"({self.arch.smem_per_block_optin} B per block) for {s.kernel} with head_dim {s.head_dim}/"
                 f"{s.head_dim_v} in {s.dtype}: the smallest needs {est.breakdown()}; use float16/bfloat16 "
                 "or a smaller head_dim")
-        return dataclasses.replace(choice, smem_bytes=est.total_bytes, smem_breakdown=est.breakdown())
+        return dataclasses.replace(choice, smem_bytes=est.total_bytes, smem_breakdown=est.breakdown(),
+                                   unserved=families.reasons(choice.key, self.arch))
+
+    def _default(self, key: ProblemKey) -> Choice:
+        """The heuristic default: the portable family's (other families run only where
+        a measured row says they win)."""
+        return Choice(key, families.portable().default_config(key, self.arch), "default")
 
     def choose(self, key: ProblemKey, *, capturing: bool | None = None) -> Choice:
         """The Choice for ``key`` (memoized).  ``capturing`` (default: ask CUDA whether
@@ -247,12 +275,12 @@ class Dispatcher:
             if capturing:
                 choice = self._capture_defaults.get(key)
                 if choice is None:
-                    choice = self._with_smem(Choice(key, heuristics.default_config(key.spec, self.arch, key), "default"))
+                    choice = self._with_smem(self._default(key))
                     self._capture_defaults[key] = choice
                 return choice
             choice = self._lookup(key)
             if choice is None:
-                choice = Choice(key, heuristics.default_config(key.spec, self.arch, key), "default")
+                choice = self._default(key)
             choice = self._with_smem(choice)
             self._cache[key] = choice
         return choice

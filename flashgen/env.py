@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import render
+from . import families
+from .spec import DEFAULT_FAMILY
 
 #: Row columns that must equal the current environment for a row to be reused
 #: (besides ``template_hash``, which is per kernel).
@@ -32,28 +33,33 @@ class Environment:
         import torch
         import triton
 
-        from . import __version__
+        from ._version import __version__
         from .arch import current
 
         a = current()
         return cls(a.name, "%d.%d" % a.compute_capability, a.sm_count, triton.__version__,
                    torch.__version__, __version__)
 
-    def template_hash(self, kernel: str, mods: str = "") -> str:
+    def template_hash(self, kernel: str, mods: str = "", family: str = DEFAULT_FAMILY) -> str:
         """The current code hash of ``kernel`` compiled with score modifications ``mods``
-        (:func:`flashgen.render.template_hash`)."""
-        return render.template_hash(kernel, mods)
+        by kernel family ``family`` (:meth:`flashgen.families.Family.template_hash`;
+        the Triton family's is :func:`flashgen.render.template_hash`)."""
+        return families.get(family).template_hash(kernel, mods)
 
-    def match_fields(self, kernel: str, mods: str = "") -> dict[str, str]:
-        """Column -> value that a row of ``kernel``/``mods`` must have to match this environment."""
+    def match_fields(self, kernel: str, mods: str = "", family: str = DEFAULT_FAMILY) -> dict[str, str]:
+        """Column -> value that a row of ``kernel``/``mods``/``family`` must have to match this environment."""
         d = {c: getattr(self, c) for c in MATCH_COLUMNS}
-        d["template_hash"] = self.template_hash(kernel, mods)
+        d["template_hash"] = self.template_hash(kernel, mods, family)
         return d
 
     def matches(self, row: dict) -> bool:
-        """Whether a tuning-DB row was measured in this environment."""
-        return all(row.get(c) == v for c, v in self.match_fields(row["kernel"], row.get("mods") or "").items())
+        """Whether a tuning-DB row was measured in this environment (a row without a
+        ``family`` is the Triton family's; one of a family not registered never matches)."""
+        family = row.get("family") or DEFAULT_FAMILY
+        if family not in families.FAMILIES:
+            return False
+        return all(row.get(c) == v for c, v in self.match_fields(row["kernel"], row.get("mods") or "", family).items())
 
-    def as_row(self, kernel: str, mods: str = "") -> dict:
-        """The environment columns of a DB row for ``kernel``/``mods``."""
-        return {**dataclasses.asdict(self), "template_hash": self.template_hash(kernel, mods)}
+    def as_row(self, kernel: str, mods: str = "", family: str = DEFAULT_FAMILY) -> dict:
+        """The environment columns of a DB row for ``kernel``/``mods``/``family``."""
+        return {**dataclasses.asdict(self), "template_hash": self.template_hash(kernel, mods, family)}

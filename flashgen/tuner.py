@@ -1,7 +1,9 @@
 """Offline tuning: one Optuna study per (environment, ProblemKey); the only optuna user.
 
-Each trial picks a TileConfig from ``space.domain(key)`` (categorical knobs).  A config that
-breaks a ``space`` rule (``invalid``) or whose shared-memory estimate exceeds the
+Each trial picks a TileConfig from the knob domains of the kernel families that serve the
+key (:mod:`flashgen.families`; categorical knobs, and a ``family`` knob when more than
+one family serves it, each other family's knobs named ``<family>.<knob>``).  A config
+that breaks its family's rules (``invalid``) or whose shared-memory estimate exceeds the
 architecture's limit (``infeasible``) is recorded in the tuning DB and reported to
 Optuna as a constraint violation with a penalty value; it never reaches the
 benchmarker.  Everything else is measured by a :class:`Benchmarker`, and every result,
@@ -24,12 +26,12 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.study import MaxTrialsCallback
 from optuna.trial import TrialState
 
-from . import heuristics, resources, space
+from . import families
 from .arch import Arch
 from .db import TuningDB
 from .env import Environment
 from .errors import InputError
-from .spec import Measurement, ProblemKey, Shape, TileConfig, Variant
+from .spec import DEFAULT_FAMILY, Measurement, ProblemKey, Shape, TileConfig, Variant
 
 #: Objective value (ms) reported to Optuna for anything that is not an ok measurement.
 PENALTY_MS = 1e6
@@ -137,18 +139,43 @@ def _sampler(name: str, kernel: str, seed: int) -> optuna.samplers.BaseSampler:
     raise ValueError(f"sampler must be 'tpe' or 'grid', got {name!r}")
 
 
+def search_space(key: ProblemKey, arch: Arch) -> dict[str, dict[str, tuple]]:
+    """family name -> its knob domains for ``key``, for each registered family that serves
+    ``key`` on ``arch`` (registry order: the portable family first)."""
+    return {f.name: f.domain(key) for f in families.serving(key, arch)}
+
+
+def _param(family: str, knob: str) -> str:
+    """The Optuna parameter name of a family's knob (the default family's are bare)."""
+    return knob if family == DEFAULT_FAMILY else f"{family}.{knob}"
+
+
+def _params(cfg: TileConfig, space: dict[str, dict[str, tuple]]) -> dict | None:
+    """The trial params that suggest ``cfg`` (None when ``cfg`` is outside the space)."""
+    dom = space.get(cfg.family)
+    if dom is None or any(getattr(cfg, n) not in vals for n, vals in dom.items()):
+        return None
+    params = {_param(cfg.family, n): getattr(cfg, n) for n in dom}
+    return {"family": cfg.family, **params} if len(space) > 1 else params
+
+
+def _suggest(trial: optuna.Trial, space: dict[str, dict[str, tuple]]) -> TileConfig:
+    family = trial.suggest_categorical("family", list(space)) if len(space) > 1 else next(iter(space))
+    knobs = {n: trial.suggest_categorical(_param(family, n), list(vals)) for n, vals in space[family].items()}
+    return TileConfig(**knobs, **({} if family == DEFAULT_FAMILY else {"family": family}))
+
+
 def feasible_variants(keys: Iterable[ProblemKey], arch: Arch) -> list[Variant]:
     """Every valid variant of the keys' specs whose shared-memory estimate fits ``arch``
-    (what a benchmarker may precompile), without duplicates, in domain order."""
+    (what a benchmarker may precompile), over the families that serve each key, without
+    duplicates, in registry and domain order."""
     out: dict[str, Variant] = {}
     for key in keys:
-        spec, dom = key.spec, space.domain(key)
-        for cfg in space.valid_configs(spec):
-            if any(getattr(cfg, n) not in vals for n, vals in dom.items()):
-                continue  # a decode key searches one BLOCK_M
-            v = Variant(spec, cfg)
-            if resources.estimate(v, arch).feasible:
-                out.setdefault(v.id, v)
+        for fam in families.serving(key, arch):
+            for cfg in families.configs(fam, key):
+                v = Variant(key.spec, cfg)
+                if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
+                    out.setdefault(v.id, v)
     return list(out.values())
 
 
@@ -188,7 +215,9 @@ def transfer_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch
     out: list[TileConfig] = []
     for _, _, cfg in sorted(scored, key=lambda t: (t[0], t[1])):
         v = Variant(s, cfg)
-        if cfg not in out and not space.violated_rules(v) and resources.estimate(v, arch).feasible:
+        fam = families.FAMILIES.get(cfg.family)
+        if (cfg not in out and fam is not None and fam.unsupported(key, arch) is None
+                and not fam.violated_rules(v) and fam.estimate(v, arch).feasible):
             out.append(cfg)
         if len(out) == limit:
             break
@@ -203,8 +232,10 @@ def _measure(key: ProblemKey, shape: Shape, cfg: TileConfig, *, benchmarker: Ben
     row = db.lookup(key, v.id, env)
     if row is not None:
         return row
-    est = resources.estimate(v, arch)
-    broken = space.violated_rules(v)
+    fam = families.get(cfg.family)
+    est = fam.estimate(v, arch)
+    why = fam.unsupported(key, arch)
+    broken = fam.violated_rules(v) if why is None else [f"family {fam.name}: {why}"]
     if broken:
         m = Measurement("invalid", error="; ".join(broken))
     elif not est.feasible:
@@ -234,22 +265,23 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     DB row.  Never raises for a failing candidate.
     """
     t0 = time.perf_counter()
-    dom = space.domain(key)
+    space = search_space(key, arch)
     kw = dict(benchmarker=benchmarker, db=db, env=env, arch=arch)
     study = optuna.create_study(storage=open_storage(storage, db),
                                 sampler=_sampler(sampler, key.spec.kernel, seed),
                                 study_name=study_name(env, key), direction="minimize",
                                 load_if_exists=True)
 
-    default = heuristics.default_config(key.spec, arch, key)
+    default = families.portable().default_config(key, arch)
     default_row = _measure(key, shape, default, **kw)
     # The grid sampler visits the default anyway (and an enqueued trial would take a
     # grid point it does not evaluate).
     if sampler != "grid" and not study.trials:
         # The default first, then what won for the nearest keys already tuned here.
         firsts = [default, *transfer_configs(key, db, env, arch)]
-        for cfg in dict.fromkeys(c for c in firsts if all(getattr(c, n) in vals for n, vals in dom.items())):
-            study.enqueue_trial({n: getattr(cfg, n) for n in dom})
+        for params in (_params(c, space) for c in dict.fromkeys(firsts)):
+            if params is not None:
+                study.enqueue_trial(params)
 
     def n_complete() -> int:
         return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -267,11 +299,12 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         nonlocal done
         if worker is not None:
             trial.set_user_attr("worker", worker)
-        cfg = TileConfig(**{n: trial.suggest_categorical(n, list(vals)) for n, vals in dom.items()})
+        cfg = _suggest(trial, space)
         v = Variant(key.spec, cfg)
         row = _measure(key, shape, cfg, **kw)
-        est = resources.estimate(v, arch)
-        constraint = [float(len(space.violated_rules(v))),
+        fam = families.get(cfg.family)
+        est = fam.estimate(v, arch)
+        constraint = [float(len(fam.violated_rules(v))),
                       float(max(0, est.total_bytes - est.limit_bytes))]
         trial.set_constraint("rules_violated", constraint[0])
         trial.set_constraint("smem_excess_bytes", constraint[1])
@@ -447,7 +480,7 @@ def summarize(items: Iterable[tuple[ProblemKey, Shape]], *, db: TuningDB, env: E
     st = open_storage(storage, db)
     out = []
     for key, _ in items:
-        default = heuristics.default_config(key.spec, arch, key)
+        default = families.portable().default_config(key, arch)
         drow = db.lookup(key, Variant(key.spec, default).id, env)
         best = db.best(key, env)
         try:
