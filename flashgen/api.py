@@ -16,11 +16,10 @@ import numbers
 
 import torch
 
-from . import compile as _compile
-from . import dispatch, dropout, library, ops, reference
+from . import dispatch, dropout, families, library, ops
 from .errors import InputError
 from .masks import mask_bounds
-from .spec import KernelSpec, ProblemKey, Variant
+from .spec import KernelSpec, ProblemKey
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -194,13 +193,14 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
         o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, None)
     elif mod is not None and scale > 0:
         # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
+        launch = families.launcher(cfg.family, "fwd")
         if dev is None or dev == torch.cuda.current_device():
-            o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
-                             module=mod, addressable=True)
+            o, lse = launch(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod,
+                            addressable=True)
         else:
             with torch.cuda.device(dev):
-                o, lse = ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
-                                 module=mod, addressable=True)
+                o, lse = launch(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
+                                module=mod, addressable=True)
     else:
         o, lse = library.forward(q, k, v, scale, mask, lo, hi)
     return (o, lse) if return_lse else o
@@ -567,29 +567,6 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
     return capacity
 
 
-def _decode_kernel(disp, kernel, q, k_cache, v_cache, mask, capacity):
-    """(TileConfig, module) for a decode call, memoized per exact sizes in the
-    dispatcher's fast table (a CUDA graph capture takes the capture-safe answer, not
-    memoized)."""
-    interp = not q.is_cuda
-    fk = ("decode", kernel, mask, q.dtype, q.shape, k_cache.shape[2], v_cache.shape[3], capacity, interp)
-    hit = disp.fast.get(fk)
-    if hit is not None:
-        return hit
-    capturing = dispatch.graph_capturing()
-    b, sq, h, d = q.shape
-    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), d, v_cache.shape[3], mask)
-    key = ProblemKey.from_sizes(spec, batch=b, num_heads=h, num_kv_heads=k_cache.shape[2], seqlen_q=sq,
-                                seqlen_k=capacity)
-    cfg = disp.choose(key, capturing=capturing).config
-    hit = (cfg, _compile.load(Variant(spec, cfg)))
-    if not capturing:
-        if len(disp.fast) >= library.FAST_TABLE_MAX:
-            disp.fast.clear()
-        disp.fast[fk] = hit
-    return hit
-
-
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
                            causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
@@ -661,36 +638,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # Traced (one graph node, its fake kernel gives the shapes) or inspected.
         o, lse = library.DECODE(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
     else:  # eager: the same implementation without the torch.library dispatcher
-        o, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
+        o, lse = library.kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
     return (o, lse) if return_lse else o
-
-
-def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale: float, causal: bool):
-    """(O, LSE) of a checked :func:`attention_with_kvcache` call: the implementation of
-    the ``flashgen::decode`` op.  O (batch, seqlen_q, num_heads, head_dim_v) in q's
-    dtype, LSE (batch, num_heads, seqlen_q) float32, both contiguous."""
-    b, sq, h, d = q.shape
-    dv = v_cache.shape[3]
-    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    mask = "causal" if causal and sq > 1 else "none"
-    q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
-    cache_seqlens = cache_seqlens.contiguous()  # the kernel reads it with stride 1
-    if b == 0 or sq == 0:
-        o = q.new_zeros((b, sq, h, dv))
-        lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
-    elif not library.use_kernels(q):
-        o, lse = reference.decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal=causal,
-                                          softmax_scale=scale, dtype=torch.float32)
-        o = o.to(q.dtype)
-    else:
-        q, scale, _ = library._signed_q(q, scale)
-        kernel = "decode_paged" if block_table is not None else "decode"
-        disp = dispatch._default or dispatch.default_dispatcher()
-        with library._on_device(q):
-            cfg, mod = _decode_kernel(disp, kernel, q, k_cache, v_cache, mask, capacity)
-            o, lse = ops.decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=scale, mask=mask,
-                                config=cfg, module=mod)
-    return o.contiguous(), lse.contiguous()
 
 
 # -- torch's SDPA signature ------------------------------------------------------------
@@ -824,7 +773,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """One kernel's dispatch: its ProblemKey, the TileConfig and where it came from."""
+    """One kernel's dispatch: its ProblemKey, the kernel family and TileConfig, and
+    where they came from; ``unserved``: (family, why not) of each registered family that
+    cannot serve this key here (the chosen one then serves it)."""
 
     kernel: str  # fwd | bwd_dq | bwd_dkdv
     key: str  # ProblemKey.id
@@ -836,12 +787,16 @@ class KernelChoice:
     tflops: float | None
     smem_bytes: int
     smem_breakdown: str
+    family: str = "triton"
+    unserved: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         row = "no tuned row" if self.tuned_key is None else (
             f"row {self.tuned_key} in {self.database}: median {self.median_ms:.4f} ms"
             + ("" if self.tflops is None else f", {self.tflops:.1f} TFLOP/s"))
+        why = "".join(f"; {name} does not serve it: {reason}" for name, reason in self.unserved)
         return (f"{self.kernel}: key {self.key}\n    config {self.config} ({self.source}; {row})\n"
+                f"    kernel family {self.family}{why}\n"
                 f"    shared memory (model): {self.smem_breakdown}")
 
 
@@ -871,7 +826,8 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
             softmax_scale: float | None = None, sdpa: bool = False, attn_mask=None, dropout_p: float = 0.0,
             enable_gqa: bool = False, dispatcher: "dispatch.Dispatcher | None" = None) -> Explanation:
     """What ``attention(q, k, v, causal=..., window=..., softmax_scale=...)`` runs, per
-    kernel (fwd, bwd_dq, bwd_dkdv): the ProblemKey, the TileConfig, its source (a tuned
+    kernel (fwd, bwd_dq, bwd_dkdv): the ProblemKey, the kernel family (and why each
+    other registered family cannot serve it), the TileConfig, its source (a tuned
     row, the nearest tuned bucket, or the heuristic default), the row's measured median
     time and TFLOP/s, and the modelled shared memory by buffer.  ``str()`` of the result
     is a readable report.
@@ -921,7 +877,8 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
                                         num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk, layout=layout)
             c = disp.choose(key, capturing=False)
             choices.append(KernelChoice(kernel, key.id, c.config.id, c.source, c.tuned_key, c.database,
-                                        c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown))
+                                        c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown, c.family,
+                                        c.unserved))
         kernels = tuple(choices)
     return Explanation("flashgen", path, None, mask, lo, hi, scale, kernels)
 

@@ -37,8 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import compile as _compile
-from . import dispatch, ops, reference
+from . import dispatch, families, ops, reference
 from .spec import KernelSpec, ProblemKey, Variant
 
 
@@ -71,6 +70,19 @@ def layout_signature(q: Tensor, k: Tensor, v: Tensor) -> str:
     return "" if ops.tma_ok(q) and ops.tma_ok(k) and ops.tma_ok(v) else "strided"
 
 
+def _choose(disp, fk, key: ProblemKey, capturing: bool):
+    """(TileConfig, loaded module) of ``key``: the dispatcher's family and config, the
+    module loaded by that family; memoized under ``fk`` in the dispatcher's ``fast`` table
+    unless ``capturing`` (a CUDA graph capture's answer may be the default)."""
+    cfg = disp.choose(key, capturing=capturing).config
+    hit = (cfg, families.load(Variant(key.spec, cfg)))
+    if not capturing:
+        if len(disp.fast) >= FAST_TABLE_MAX:  # e.g. a decode loop with a growing seqlen_k
+            disp.fast.clear()
+        disp.fast[fk] = hit
+    return hit
+
+
 def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str = ""):
     """(TileConfig, loaded module) of ``kernel`` for these inputs, from the default
     dispatcher.  Memoized per exact sizes in the dispatcher's ``fast`` table (cleared
@@ -89,13 +101,7 @@ def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: st
     spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, mods)
     key = ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
                                 seqlen_q=q.shape[2], seqlen_k=k.shape[2], layout=layout_signature(q, k, v))
-    cfg = disp.choose(key, capturing=capturing).config
-    hit = (cfg, _compile.load(Variant(spec, cfg)))
-    if not capturing:
-        if len(disp.fast) >= FAST_TABLE_MAX:  # e.g. a decode loop with a growing seqlen_k
-            disp.fast.clear()
-        disp.fast[fk] = hit
-    return hit
+    return _choose(disp, fk, key, capturing)
 
 
 class _on_device:
@@ -193,8 +199,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
     with _on_device(q):
         cfg, mod = kernel_for("fwd", q, k, v, mask, mods.name if mods is not None else "")
         # kernel_for gives a tma config only to inputs a descriptor can address
-        return ops.fwd(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod,
-                       addressable=True, mods=mods)
+        return families.launcher(cfg.family, "fwd")(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo,
+                                                    diag_hi=hi, config=cfg, module=mod, addressable=True, mods=mods)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
@@ -212,9 +218,16 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     with _on_device(q):
         cfg_dq, mod_dq = kernel_for("bwd_dq", q, k, v, mask, name)
         cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask, name)
-        dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
-                             config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv,
-                             addressable=True, mods=mods)
+        kw = dict(softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, addressable=True, mods=mods)
+        if cfg_dq.family == cfg_kv.family:
+            dq, dk, dv = families.launcher(cfg_dq.family, "bwd")(do, q, k, v, o, lse, config_dq=cfg_dq,
+                                                                 config_dkdv=cfg_kv, module_dq=mod_dq,
+                                                                 module_dkdv=mod_kv, **kw)
+        else:  # dQ (and delta) by one family, dK/dV by another
+            dq, delta = families.launcher(cfg_dq.family, "bwd_dq")(do, q, k, v, o, lse, config=cfg_dq,
+                                                                   module=mod_dq, **kw)
+            dk, dv = families.launcher(cfg_kv.family, "bwd_dkdv")(do, q, k, v, lse, delta, config=cfg_kv,
+                                                                  module=mod_kv, **kw)
     if sign == -1:
         dq = dq.neg_()
     elif sign == 0:
@@ -361,13 +374,58 @@ def _backward_mods(ctx, do, _dlse):
 fwd_mods_op.register_autograd(_backward_mods, setup_context=_setup_context_mods)
 
 
+# -- decode with a KV cache -------------------------------------------------------------
+
+def _decode_kernel(disp, kernel, q, k_cache, v_cache, mask, capacity):
+    """(TileConfig, module) for a decode call, memoized per exact sizes in the
+    dispatcher's fast table (a CUDA graph capture takes the capture-safe answer, not
+    memoized)."""
+    interp = not q.is_cuda
+    fk = ("decode", kernel, mask, q.dtype, q.shape, k_cache.shape[2], v_cache.shape[3], capacity, interp)
+    hit = disp.fast.get(fk)
+    if hit is not None:
+        return hit
+    capturing = dispatch.graph_capturing()
+    b, sq, h, d = q.shape
+    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), d, v_cache.shape[3], mask)
+    key = ProblemKey.from_sizes(spec, batch=b, num_heads=h, num_kv_heads=k_cache.shape[2], seqlen_q=sq,
+                                seqlen_k=capacity)
+    return _choose(disp, fk, key, capturing)
+
+
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale: float, causal: bool):
+    """(O, LSE) of a checked :func:`attention_with_kvcache` call: the implementation of
+    the ``flashgen::decode`` op.  O (batch, seqlen_q, num_heads, head_dim_v) in q's
+    dtype, LSE (batch, num_heads, seqlen_q) float32, both contiguous."""
+    b, sq, h, d = q.shape
+    dv = v_cache.shape[3]
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    mask = "causal" if causal and sq > 1 else "none"
+    q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    cache_seqlens = cache_seqlens.contiguous()  # the kernel reads it with stride 1
+    if b == 0 or sq == 0:
+        o = q.new_zeros((b, sq, h, dv))
+        lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    elif not use_kernels(q):
+        o, lse = reference.decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal=causal,
+                                          softmax_scale=scale, dtype=torch.float32)
+        o = o.to(q.dtype)
+    else:
+        q, scale, _ = _signed_q(q, scale)
+        kernel = "decode_paged" if block_table is not None else "decode"
+        disp = dispatch._default or dispatch.default_dispatcher()
+        with _on_device(q):
+            cfg, mod = _decode_kernel(disp, kernel, q, k_cache, v_cache, mask, capacity)
+            o, lse = families.launcher(cfg.family, "decode")(q, k_cache, v_cache, cache_seqlens, block_table,
+                                                             softmax_scale=scale, mask=mask, config=cfg, module=mod)
+    return o.contiguous(), lse.contiguous()
+
+
 @torch.library.custom_op("flashgen::decode", mutates_args=())
 def decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor],
               scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """``flashgen.attention_with_kvcache`` as an op (forward only: inference), so
     torch.compile traces decode steps without a graph break."""
-    from .api import kvcache_forward
-
     return kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
 
 
@@ -417,13 +475,7 @@ def varlen_kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, b
     spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[2], v.shape[2], mask)
     key = ProblemKey.from_varlen_sizes(spec, batch=batch, num_heads=q.shape[1], num_kv_heads=k.shape[1],
                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    cfg = disp.choose(key, capturing=capturing).config
-    hit = (cfg, _compile.load(Variant(spec, cfg)))
-    if not capturing:
-        if len(disp.fast) >= FAST_TABLE_MAX:
-            disp.fast.clear()
-        disp.fast[fk] = hit
-    return hit
+    return _choose(disp, fk, key, capturing)
 
 
 def varlen_bounds(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
@@ -491,8 +543,9 @@ def forward_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
     batch = cu_seqlens_q.shape[0] - 1
     with _on_device(q):
         cfg, mod = varlen_kernel_for("fwd_varlen", q, k, v, mask, batch, max_seqlen_q, max_seqlen_k)
-        return ops.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
-                              mask=mask, win_left=left, win_right=right, config=cfg, module=mod)
+        return families.launcher(cfg.family, "fwd_varlen")(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale, mask=mask,
+            win_left=left, win_right=right, config=cfg, module=mod)
 
 
 def backward_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
@@ -512,9 +565,10 @@ def backward_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     with _on_device(q):
         cfg_dq, mod_dq = varlen_kernel_for("bwd_dq_varlen", q, k, v, mask, *sizes)
         cfg_kv, mod_kv = varlen_kernel_for("bwd_dkdv_varlen", q, k, v, mask, *sizes)
-        dq, dk, dv = ops.bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    softmax_scale=scale, mask=mask, win_left=left, win_right=right,
-                                    config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv)
+        dq, dk, dv = families.launcher(cfg_dq.family, "bwd_varlen")(
+            do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
+            mask=mask, win_left=left, win_right=right, config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq,
+            module_dkdv=mod_kv)
     if sign == -1:
         dq = dq.neg_()
     elif sign == 0:
