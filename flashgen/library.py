@@ -19,9 +19,15 @@ What the real implementation runs, by input:
 
 * batch, heads, seqlen_q or seqlen_k of 0: nothing is launched; O = 0, LSE = -inf and
   the gradients are 0.
-* CUDA tensors (or any tensors with ``TRITON_INTERPRET=1``): the generated Triton
-  kernels, with the dispatcher's TileConfig, on the inputs' device (cuda:1 inputs run
-  on cuda:1 whatever the current device is).
+* CUDA tensors (or any tensors with ``TRITON_INTERPRET=1``): the generated kernels of
+  the dispatcher's kernel family and TileConfig, launched by that family's launcher
+  (:mod:`flashgen.families`) on the inputs' device (cuda:1 inputs run on cuda:1 whatever
+  the current device is).
+
+The path of a call is one-way: :mod:`flashgen.api` (checks) -> this module (the op,
+autograd) -> :mod:`flashgen.dispatch` (ProblemKey -> family + TileConfig) -> the family's
+launcher -> kernel.  The decode op's implementation (:func:`kvcache_forward`) lives here
+too, so nothing here imports :mod:`flashgen.api`.
 * CPU tensors otherwise: the reference path, float32 math with the same mask and LSE
   conventions (:func:`reference_forward`), outputs cast to the input dtype.
 

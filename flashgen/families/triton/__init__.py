@@ -25,6 +25,7 @@ _LAUNCHERS = {"fwd": "fwd", "bwd": "bwd", "bwd_dq": "bwd_dq", "bwd_dkdv": "bwd_d
 class TritonFamily:
     name = "triton"
     kernels = KERNELS
+    _launch = None  # the launch module, once imported
 
     def unsupported(self, key: ProblemKey, arch) -> str | None:
         """None: it serves every kernel, mask, mods and layout (a config's shared memory
@@ -62,8 +63,13 @@ class TritonFamily:
         return _compile.load(variant)
 
     def launcher(self, name: str):
-        from . import launch
+        """The function of :mod:`.launch` (imported on first use: it imports torch), looked
+        up on each call so that a patched ``flashgen.ops.fwd`` is what runs."""
+        launch = self._launch
+        if launch is None:
+            from . import launch
 
+            self._launch = launch
         return getattr(launch, _LAUNCHERS[name])
 
 
