@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from . import ops, reference
+from . import families, ops, reference
 from .masks import mask_bounds
 from .spec import Measurement, Shape, Variant, is_decode, is_varlen
 from .heuristics import default_config
@@ -165,8 +165,9 @@ def reference_mods(mods, shape: Shape) -> dict:
 
 
 def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | None = None, mods=None):
-    """A zero-argument callable that launches ``variant``'s kernel on these inputs (the
-    other kernels it needs run once, here, with their default configs), and the outputs
+    """A zero-argument callable that launches ``variant``'s kernel on these inputs with
+    its family's launcher (the other kernels it needs run once, here, with their default
+    configs), and the outputs
     it checks: {name: tensor}.  ``mask``: dict(causal=, window=, align=), or None for
     the spec's default (see :func:`_mask_kw`).  ``mods``: the ScoreMods of a spec with
     score mods (None: :func:`mod_inputs`)."""
@@ -183,8 +184,10 @@ def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | No
         out = torch.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
 
+        launch = families.launcher(cfg.family, "fwd")
+
         def fn():
-            ops.fwd(q, k, v, config=cfg, out=out, lse=lse, **kw)
+            launch(q, k, v, config=cfg, out=out, lse=lse, **kw)
         return fn, {"O": out, "LSE": lse}
     from .spec import KernelSpec
 
@@ -195,15 +198,18 @@ def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | No
         dq = torch.empty_like(q)
         delta = torch.empty_like(lse)
 
+        launch = families.launcher(cfg.family, "bwd_dq")
+
         def fn():
-            ops.bwd_dq(do, q, k, v, o, lse, config=cfg, dq=dq, delta=delta, **kw)
+            launch(do, q, k, v, o, lse, config=cfg, dq=dq, delta=delta, **kw)
         return fn, {"dQ": dq}
     qspec = KernelSpec("bwd_dq", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask, spec.mods)
     _, delta = ops.bwd_dq(do, q, k, v, o, lse, config=default_config(qspec, arch), **kw)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
+    launch = families.launcher(cfg.family, "bwd_dkdv")
 
     def fn():
-        ops.bwd_dkdv(do, q, k, v, lse, delta, config=cfg, dk=dk, dv=dv, **kw)
+        launch(do, q, k, v, lse, delta, config=cfg, dk=dk, dv=dv, **kw)
     return fn, {"dK": dk, "dV": dv}
 
 

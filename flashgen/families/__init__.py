@@ -52,7 +52,9 @@ subclass it, and must not import this package, which imports it):
     ``(q, k, v, *, softmax_scale, mask, diag_lo, diag_hi, config, module, addressable,
     mods) -> (O, LSE)`` as :func:`flashgen.ops.fwd`; ``bwd``, ``bwd_dq``,
     ``bwd_dkdv``, ``fwd_varlen``, ``bwd_varlen``, ``decode`` likewise (the
-    signatures of :mod:`flashgen.ops`).  Only the names of the kernels it serves.
+    signatures of :mod:`flashgen.ops`, including the optional output buffers ``out``,
+    ``lse``, ``dq``, ``delta``, ``dk``, ``dv`` that the benchmarker passes,
+    :func:`flashgen.bench.run_variant`).  Only the names of the kernels it serves.
 
 Then add its name to :data:`REGISTRY` (and its package to ``packages`` in
 pyproject.toml, so wheels carry it; tests/test_families.py checks that).
