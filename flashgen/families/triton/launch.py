@@ -1,7 +1,8 @@
 """The Triton family's kernel launchers: tensors in, tensors out, one TileConfig per kernel.
 
-Also importable as :mod:`flashgen.ops` (the same module object).  No dispatching, no autograd, no input validation beyond what the launch itself needs
-(that is :mod:`flashgen.api`'s job).  Tensors are (batch, heads, seqlen, head_dim) with
+Also importable as :mod:`flashgen.ops` (the same module object).  No dispatching, no
+autograd, no input validation beyond what the launch itself needs (that is
+:mod:`flashgen.api`'s job).  Tensors are (batch, heads, seqlen, head_dim) with
 any strides whose last is 1; LSE and delta are float32 (batch, heads, seqlen_q),
 contiguous.  The optional ``out``/``lse``/``dq``... arguments let tests pass buffers
 poisoned with NaN, to prove every element is written.
