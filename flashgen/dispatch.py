@@ -193,9 +193,9 @@ class Dispatcher:
         with score mods and no such bucket: the nearest row of the same kernel, dtype,
         mask and mods at another head dim (four buckets per octave of head dim) whose
         tile fits this head dim's rules and shared memory.  Those tiles were tuned
-        holding the mod's registers, the plain key's were not (session 5, H200, head_dim
-        64 forward: the plain keys' tiles ran 1.0-2.25x slower than the mods-tuned m64
-        n64 w4 and spilled with dropout; docs/notes.md).  One pass over the rows."""
+        holding the mod's registers, the plain key's were not (H200, head_dim 64
+        forward: the plain keys' tiles ran 1.0-2.25x slower than the mods-tuned m64
+        n64 w4 and spilled with dropout; docs/design.md).  One pass over the rows."""
         s = key.spec
         best = {True: (None, math.inf), False: (None, math.inf)}  # same spec? -> (choice, distance)
         for path, table in tables:

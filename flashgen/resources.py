@@ -10,7 +10,7 @@ tile that is streamed through the loop gets ``num_stages`` buffers (``max(1, ...
 tiles that stay resident for the whole program and feed a ``tl.dot`` from shared memory
 get one; operands that ``tl.dot`` reads from registers (P in P·V, dS in dS·K) get none.  It is checked against the shared memory Triton
 reports for compiled kernels (``kernel.metadata.shared``) in tests/test_resources.py
-and on the GPU (docs/notes.md).
+and on the GPU (docs/design.md).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def compiled_variant(v: "Variant") -> "Variant":
     Triton 3.6 the causal kernel with a bias tile spills (fwd 1368-1376 bytes per thread,
     dQ 104; ``python3 benchmarks/sm90_compile.py --launch-like ...``, ptxas -v) where the
     window kernel, whose loops differ only in a masked prologue that is empty here,
-    spills none (docs/notes.md, session 3); dK/dV spills either way, less as causal
+    spills none (docs/design.md, "The templates"); dK/dV spills either way, less as causal
     (336 vs 508 bytes), and stays.  A tma variant launched with a descriptor-addressable
     bias (BIAS_TMA, the bias tile through TMA) compiles the causal forward without spills
     (d128 m64 n64 w4 s3: 166 registers, 0 bytes), but the same variant's pointer fallback

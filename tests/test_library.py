@@ -469,7 +469,7 @@ def test_vmap_goes_through_the_op(no_interpreter):
 
 def test_probe_fwd_configs_pipe_qk_mode_is_exact_and_leaves_the_tuned_code_alone(tmp_path, monkeypatch):
     """The forward's pipe_qk probe mode (tile j+1's QK^T issued before tile j's softmax;
-    session 5, measured 0.25-0.59x of the tuned forward on the H200) computes the same
+    measured 0.25-0.59x of the tuned forward on the H200) computes the same
     attention: --smoke checks every config, with and without it, against float64 on
     shapes with several interior tiles and with none (causal row blocks at the
     diagonal).  Rendered without the mode, every variant is byte-identical, so no

@@ -118,7 +118,7 @@ def test_show_defaults_to_the_shipped_db(tmp_path, monkeypatch):
     assert res.exit_code == 0 and "h200.sqlite" in res.output and "attn_fwd_d128_bf16" in res.output
 
 
-# -- a second new-user review (session 2) ---------------------------------------------
+# -- a second new-user review ----------------------------------------------------------
 
 @pytest.mark.parametrize("interpret", ["0", "1"])
 def test_strided_cu_seqlens_give_the_contiguous_result(interpret, monkeypatch):
