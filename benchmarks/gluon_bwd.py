@@ -30,8 +30,10 @@ sys.path.insert(0, str(ROOT))
 SHAPES = [(4, 16, 4096, 128, False), (1, 16, 16384, 128, True), (8, 32, 2048, 64, False), (4, 32, 4096, 64, True),
           (4, 16, 4096, 128, True), (8, 32, 2048, 64, True)]
 #: (config fields, head_dim): the variants one run compiles, checks and times.
-CONFIGS = [((64, 64, 2, 2, "tma"), 128), ((64, 64, 2, 3, "tma"), 128), ((64, 64, 2, 2, "atomic"), 128),
-           ((64, 64, 2, 2, "tma"), 64), ((64, 64, 2, 4, "tma"), 64), ((64, 64, 2, 4, "atomic"), 64),
+CONFIGS = [((64, 64, 2, 2, "tma"), 128), ((64, 64, 2, 2, "tma", 240, 24, "ptr"), 128),
+           ((64, 64, 2, 2, "tma", 240, 24, "tma", 4), 128), ((64, 64, 2, 2, "atomic", 240, 24, "ptr", 4), 128),
+           ((64, 64, 2, 3, "tma"), 128), ((64, 64, 2, 2, "atomic"), 128),
+           ((64, 64, 2, 4, "tma"), 64), ((64, 64, 2, 4, "tma", 240, 24, "ptr", 4), 64), ((64, 64, 2, 4, "atomic"), 64),
            ((64, 64, 1, 4, "tma", 248, 24), 64)]
 #: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
 CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),
@@ -90,7 +92,7 @@ def _child_variants(specs: list[str], timing: bool) -> None:
                 torch.full((b, hk, sk, d), float("nan"), device=dev, dtype=dt),
                 torch.full((b, hk, sk, d), float("nan"), device=dev, dtype=dt)]
         got = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=scale, diag_lo=lo, diag_hi=hi, mask=mode,
-                              config=cfg, dq=outs[0], dk=outs[1], dv=outs[2])
+                              config=cfg, dq=outs[0], dk=outs[1], dv=outs[2], stage_sync=True)
         torch.cuda.synchronize()
         res = {}
         for name, gt, r, bs in zip(("dq", "dk", "dv"), got, ref, base):
@@ -136,6 +138,8 @@ def _child_variants(specs: list[str], timing: bool) -> None:
                     del q, k, v, do, o, lse
         except Exception as e:  # noqa: BLE001 - a failure is the finding
             row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+            print("RESULT", json.dumps(row), flush=True)
+            sys.exit(3)  # a CUDA error poisons the context: the parent starts a new child
         print("RESULT", json.dumps(row), flush=True)
 
 
@@ -184,7 +188,7 @@ def _run_child(args: list[str], items: list[str], per_item_s: float, deadline: f
     while todo and time.time() < deadline:
         p = subprocess.Popen([sys.executable, __file__, *args, *todo], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, cwd=str(ROOT), bufsize=1)
-        current, started = None, time.time()
+        current, started, progressed = None, time.time(), False
         while True:
             limit = min(started + per_item_s, deadline) - time.time()
             r, _, _ = select.select([p.stdout], [], [], max(limit, 0.0))
@@ -203,13 +207,14 @@ def _run_child(args: list[str], items: list[str], per_item_s: float, deadline: f
                 if current is not None:
                     results.append({"item": current, "error": f"child exited rc={p.returncode}"})
                     todo.remove(current)
-                else:
+                elif p.returncode == 0 or not progressed:
                     todo = []
                 break
             log.write(line)
             if line.startswith("START "):
                 current, started = line[6:].strip(), time.time()
             elif line.startswith("RESULT "):
+                progressed = True
                 results.append(json.loads(line[7:]))
                 if current in todo:
                     todo.remove(current)

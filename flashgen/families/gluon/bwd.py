@@ -57,8 +57,12 @@ class GluonBwdConfig:
     stages:         depth of the Q / dO / LSE2 / delta ring (1 to 4).
     dq_mode:        "tma" (TMA reduce-add of each dQ tile from shared memory) or
                     "atomic" (float32 atomics from registers).
-    consumer_regs:  setmaxnreg budget of each consumer thread (multiple of 8, 24..256).
+    consumer_regs:  setmaxnreg budget of each consumer thread (multiple of 8, 24..248).
     producer_regs:  setmaxnreg budget of each producer thread.
+    row_load:       "tma" (LSE2 and delta tiles by the producer's 1-D TMA into the ring)
+                    or "ptr" (the consumers load them from global memory).
+    producer_warps: warps of the producer partition (1 or 4; it occupies a warpgroup
+                    either way).
     """
 
     block_m: int = 64
@@ -68,6 +72,8 @@ class GluonBwdConfig:
     dq_mode: str = "tma"
     consumer_regs: int = 240
     producer_regs: int = 24
+    row_load: str = "tma"
+    producer_warps: int = 1
 
     @property
     def block_nt(self) -> int:
@@ -91,7 +97,9 @@ class GluonBwdConfig:
     @property
     def id(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_c{self.consumers}_s{self.stages}_{self.dq_mode}"
-                f"_r{self.consumer_regs}-{self.producer_regs}")
+                f"_r{self.consumer_regs}-{self.producer_regs}"
+                + ("" if self.row_load == "tma" else f"_rows-{self.row_load}")
+                + ("" if self.producer_warps == 1 else f"_p{self.producer_warps}"))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -107,7 +115,7 @@ def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> di
         "v": c.block_nt * head_dim * elem_bytes,
         "q_ring": c.stages * c.block_m * head_dim * elem_bytes,
         "do_ring": c.stages * c.block_m * head_dim * elem_bytes,
-        "lse_delta_ring": 2 * c.stages * c.block_m * 4,
+        "lse_delta_ring": 2 * c.stages * c.block_m * 4 if c.row_load == "tma" else 0,
         "ds": c.block_nt * c.block_m * elem_bytes,
         "dq_tile": c.block_m * head_dim * 4 if c.dq_mode == "tma" else 0,
         "barriers": 8 * (1 + 2 * c.stages),
@@ -155,6 +163,10 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"consumers {c.consumers} must be 1 or 2 (the partition's warp count is a power of two)")
     if not 1 <= c.stages <= 4:
         out.append(f"stages {c.stages} must be 1 to 4")
+    if c.row_load not in ("tma", "ptr"):
+        out.append(f"row_load {c.row_load!r} is not 'tma' or 'ptr'")
+    if c.producer_warps not in (1, 4):
+        out.append(f"producer_warps {c.producer_warps} must be 1 or 4")
     if c.dq_mode not in DQ_MODES:
         out.append(f"dq_mode {c.dq_mode!r} is not one of {DQ_MODES}")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -242,7 +254,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
         template_hash=template_hash(), variant_id=variant_id(c, dtype, head_dim, mask), dtype=dtype,
         head_dim=head_dim, mask=mask, BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
-        MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS)
+        MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
+        PRODUCER_WARPS=c.producer_warps)
 
 
 _modules: dict = {}
@@ -319,7 +332,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     pre_grid = (math.ceil(rows / PRE_ROWS),)
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
             _desc4(do, c.block_m, dtype_name), _desc1(lse2, c.block_m), _desc1(delta, c.block_m),
-            _desc4(dqacc, c.block_m, "float32"), dqacc, dk, dv, float(softmax_scale) * 1.4426950408889634,
+            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, dk, dv, float(softmax_scale) * 1.4426950408889634,
             float(softmax_scale), h, hk, sq, sk, int(diag_lo), int(diag_hi))
     return {
         "dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc,
@@ -353,13 +366,15 @@ def check_inputs(do, q, k, v, o, lse) -> None:
 
 
 def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, mask: str,
-                  config: GluonBwdConfig | None = None, dq=None, dk=None, dv=None):
+                  config: GluonBwdConfig | None = None, dq=None, dk=None, dv=None, stage_sync: bool = False):
     """dQ, dK, dV of softmax(Q K^T * softmax_scale) V on sm_90.
 
     Shapes as :func:`flashgen.ops.bwd`; ``mask`` ("none" | "causal" | "window") names
     which bounds the kernel tests (diag_lo/diag_hi are tested in every masked mode).
     Returns (dq, dk, dv) in the inputs' dtype, contiguous.  dK/dV summed over each GQA
-    group.  Raises ValueError for inputs or a config the kernels cannot take."""
+    group.  Raises ValueError for inputs or a config the kernels cannot take.
+    ``stage_sync``: synchronize after each launch and raise RuntimeError naming the
+    launch that failed (for the GPU checks)."""
     check_inputs(do, q, k, v, o, lse)
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]
@@ -367,12 +382,18 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     mod = load(config, dtype, d, mask)
     a = launch_args(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
                     config=config, dq=dq, dk=dk, dv=dv)
-    grid, args = a["preprocess"]
-    mod.attn_bwd_preprocess[grid](*args, num_warps=4)
-    grid, args = a["main"]
-    mod.attn_bwd[grid](*args, num_warps=config.num_warps, maxnreg=config.maxnreg)
-    grid, args = a["convert"]
-    mod.attn_bwd_convert[grid](*args, num_warps=4)
+    for stage, fn, opts in (("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4}),
+                            ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
+                            ("convert", mod.attn_bwd_convert, {"num_warps": 4})):
+        grid, args = a[stage]
+        fn[grid](*args, **opts)
+        if stage_sync:
+            import torch
+
+            try:
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - re-raised with the launch named
+                raise RuntimeError(f"attn_bwd {stage} launch failed: {e}") from e
     return a["dq"], a["dk"], a["dv"]
 
 
