@@ -496,6 +496,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 # -- decode with a KV cache (flash-decoding) ----------------------------------------------
 
+#: The layouts attention_with_kvcache takes, named in its shape errors.
+_KV_LAYOUT = ("q is (batch, seqlen_q, num_heads, head_dim) and k_cache/v_cache are (batch, seqlen_cache, "
+              "num_kv_heads, head_dim) (paged: (num_pages, page_size, num_kv_heads, head_dim)), FlashAttention's "
+              "layout; a tensor in (batch, heads, seqlen, head_dim) layout needs .transpose(1, 2)")
+
+
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, return_lse):
     """Checks of :func:`attention_with_kvcache`; returns the cache capacity (key slots per
     batch entry: seqlen_cache, or max_pages * page_size)."""
@@ -508,13 +514,20 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
                 "head_dim) with block_table")
             raise InputError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
     _check_like_q(q, (("k_cache", k_cache), ("v_cache", v_cache)))
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.requires_grad:
+                raise InputError(f"{name} requires grad, but attention_with_kvcache is not differentiable (inference "
+                                 "only): call it under torch.no_grad() or torch.inference_mode(), or pass detached "
+                                 "tensors; flashgen.attention is the differentiable op")
     b, _, h, d = q.shape
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise InputError(f"k_cache and v_cache must agree in their first 3 dims, got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
     hk = k_cache.shape[2]
     if hk == 0 or h % hk != 0:
-        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k_cache/v_cache ({hk})")
+        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k_cache/v_cache ({hk}); "
+                         f"attention_with_kvcache reads dim 2 as the heads: {_KV_LAYOUT}")
     if k_cache.shape[3] != d:
         raise InputError(f"k_cache.shape[-1] (head_dim {k_cache.shape[3]}) must equal q.shape[-1] ({d})")
     _check_head_dims((("q/k_cache head_dim", d), ("v_cache head_dim", v_cache.shape[3])))
@@ -530,7 +543,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
     if block_table is None:
         if k_cache.shape[0] != b:
             raise InputError(f"k_cache.shape[0] ({k_cache.shape[0]}) must equal q's batch ({b}) for a contiguous "
-                             "cache (pass block_table for a paged one)")
+                             f"cache (pass block_table for a paged one); {_KV_LAYOUT}")
         capacity = k_cache.shape[1]
     else:
         if not isinstance(block_table, torch.Tensor):
@@ -634,7 +647,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         O of shape (batch, seqlen_q, num_heads, head_dim_v), q's dtype; with
         ``return_lse`` also LSE (batch, num_heads, seqlen_q), float32, natural log.
         A row that sees no key (cache_seqlens[b] == 0, or causal rows before the first
-        key) gets O = 0 and LSE = -inf.  Not differentiable (inference only).
+        key) gets O = 0 and LSE = -inf.  Not differentiable (inference only): with
+        grad mode on, an input that requires grad is an InputError on every path
+        (eager, torch.compile, the reference and the kernels alike).
 
     The ProblemKey buckets seqlen_q (1, 2, 4, 8, 16, ...), the cache's capacity (not
     the per-batch lengths: reading them would synchronize) and batch * num_heads; the
@@ -644,8 +659,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Raises:
         InputError (a ValueError), naming the argument and the rule: wrong rank, dtype
-        or device; k_cache/v_cache shapes that disagree with each other or with q;
-        head counts that are not a multiple; head dims not a multiple of 8 in [8, 256];
+        or device; q, k_cache or v_cache requiring grad while grad mode is on;
+        k_cache/v_cache shapes that disagree with each other or with q; head counts
+        that are not a multiple (the message names the expected layouts); head dims not a multiple of 8 in [8, 256];
         cache_seqlens not int32 of shape (batch,); block_table not int32 of shape
         (batch, max_pages) with a last-dim stride of 1; a page_size that is not a
         multiple of 16; a bad causal, softmax_scale or return_lse.  For CPU tensors
@@ -729,8 +745,6 @@ def _sdpa_shape_reason(query, key, value, enable_gqa) -> str | None:
     for name, dd in (("head_dim", d), ("value head_dim", value.shape[3])):
         if not (8 <= dd <= 256 and dd % 8 == 0):
             return f"{name} {dd} (flashgen: a multiple of 8 in [8, 256])"
-    if b == 0 or hq == 0 or query.shape[2] == 0 or key.shape[2] == 0:
-        return "an empty input (batch, heads or a seqlen of 0)"
     return None
 
 
@@ -804,14 +818,23 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     (so torch's errors are raised unchanged): an ``attn_mask`` of another dtype or
     device, with ``is_causal``, or that requires grad, other ranks or dtypes, head dims
     that are not a multiple of 8 in [8, 256], mismatched head counts without
-    ``enable_gqa``, empty inputs, and ``dropout_p`` > 0 where flashgen's kernels do not
-    run (CPU tensors outside ``TRITON_INTERPRET=1``, bfloat16 in the interpreter).
+    ``enable_gqa``, and ``dropout_p`` > 0 where flashgen's kernels do not run (CPU
+    tensors outside ``TRITON_INTERPRET=1``, bfloat16 in the interpreter).  Empty inputs
+    (batch, heads or a seqlen of 0) are served by flashgen without a launch: the empty
+    output, or zeros where seqlen_k is 0 (torch's CUDA path can return None there).
     :func:`explain` with ``sdpa=True`` says which path a call takes and why.
     """
     if sdpa_fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) is not None:
         kw = {"enable_gqa": True} if enable_gqa else {}  # (torch < 2.5 has no enable_gqa)
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    if key.shape[1] == 0:
+        # No heads on either side (torch requires equal counts here): nothing to compute,
+        # and flashgen's ops take num_kv_heads >= 1.  Zero gradients flow to the inputs.
+        o = query.new_zeros(query.shape[0], 0, query.shape[2], value.shape[3])
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+            o = o + (query.sum() + key.sum() + value.sum()) * 0
+        return o
     if attn_mask is not None or dropout_p:
         return _attention_mods(query, key, value, causal=is_causal, window=(-1, -1), softmax_scale=scale,
                                return_lse=False, align="top_left", softcap=0.0, alibi_slopes=None,
@@ -894,6 +917,11 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         if reason is not None:
             return Explanation("torch-sdpa-fallback", "torch.nn.functional.scaled_dot_product_attention", reason,
                                None, None, None, None, ())
+        if k.shape[1] == 0:  # no heads on either side: scaled_dot_product_attention returns the empty output
+            _check_scale_causal(softmax_scale, causal)
+            mask, lo, hi = mask_bounds(q.shape[2], k.shape[2], causal=causal, window=window, align="top_left")
+            scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
+            return Explanation("flashgen", "no launch (no heads: an empty output)", None, mask, lo, hi, scale, ())
     _check(q, k, v, softmax_scale, causal)
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]

@@ -418,6 +418,7 @@ def test_wheel_contains_tuning_db_and_templates(tmp_path):
     for t in ("_common.j2", "attn_fwd.py.j2", "attn_bwd_dq.py.j2", "attn_bwd_dkdv.py.j2"):
         assert f"flashgen/templates/{t}" in names
     assert "flashgen/library.py" in names and "flashgen/api.py" in names
+    assert "flashgen/integrations/transformers.py" in names
     with zipfile.ZipFile(whl) as z:
         assert z.read("flashgen/tuning_db/h200.sqlite") == (ROOT / "tuning_db" / "h200.sqlite").read_bytes()
 
