@@ -81,8 +81,7 @@ def _preflight(smoke: bool):
             missing.append(mod)
     if missing:
         sys.exit(f"transformers_step.py: missing {', '.join(missing)} (flashgen reads its tuning database with "
-                 "sqlite-utils; on a machine without them, install the wheels first, e.g. "
-                 "`source benchmarks/_gpu_env.sh` with the wheels in .whl/)")
+                 "sqlite-utils): pip install -e . installs them")
 
 
 def _timed(fn, n: int, cuda: bool) -> list[float]:
