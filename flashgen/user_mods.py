@@ -216,6 +216,10 @@ class Traced:
                 if op is None:
                     raise UnsupportedError(f"{arg} uses {what}, which flashgen cannot compile into its kernels "
                                            f"(supported: {', '.join(SUPPORTED)})")
+                if op in ("min2", "max2") and (len(node.args) != 2 or node.kwargs
+                                               or not isinstance(node.args[1], fx.Node)):
+                    raise UnsupportedError(f"{arg} uses torch.{op[:3]} as a reduction: use torch.{op[:3]}(a, b) of "
+                                           f"two tensors, torch.minimum or torch.maximum")
                 try:
                     env[node] = self._apply(op, list(args), dict(kwargs), what)
                 except UnsupportedError as e:
@@ -304,9 +308,6 @@ class Traced:
                 return x
             return g.clamp(x, lo, hi)
         if op in ("min2", "max2"):
-            if len(vals) != 2 or kwargs or not isinstance(args[1], (Ref, _Captured, float)):
-                raise UnsupportedError(f"torch.{op[:3]} as a reduction (use torch.{op[:3]}(a, b) of two tensors, "
-                                       "torch.minimum or torch.maximum)")
             return g.binary("minimum" if op == "min2" else "maximum", *vals)
         if op in ("add", "sub") and kwargs.get("alpha", 1) != 1:
             vals[1] = g.binary("mul", vals[1], kwargs.pop("alpha"))
