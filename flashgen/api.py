@@ -345,8 +345,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             tensors by integer indices (``table[bucket, h]``).  Applied before the
             mask.  Captured float tensors that require grad get their gradient
             (accumulated in float32); their values must be finite (mask with
-            ``mask_mod``).  The functions are traced once per function object (again
-            when its closure is rebound); captured tensors are read at each call.
+            ``mask_mod``).  A function is traced once (cached by its code and its
+            closure's objects, so a closure made again on every call over the same
+            objects is not traced again); captured tensors are read at each call.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), ANDed with
             ``causal``/``window``.  It also gives the block mask: tiles it hides
             entirely are skipped, tiles it shows entirely run with no mask arithmetic

@@ -354,29 +354,34 @@ _traces: collections.OrderedDict = collections.OrderedDict()
 _TRACES_MAX = 256
 
 
-def _closure_ids(fn) -> tuple:
-    out = []
+def _trace_key(fn) -> tuple:
+    """What identifies a function for the trace cache: a Python function by its code and
+    the identities of its closure cells' contents and defaults (a closure made again on
+    every forward call, over the same objects, hits), anything else by identity."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("obj", id(fn))
+    cells = []
     for c in getattr(fn, "__closure__", None) or ():
         try:
-            out.append(id(c.cell_contents))
+            cells.append(id(c.cell_contents))
         except ValueError:
-            out.append(None)
-    return tuple(out) + (id(getattr(fn, "__defaults__", None)),)
+            cells.append(None)
+    return ("code", code, tuple(cells), id(getattr(fn, "__defaults__", None)), id(fn.__globals__))
 
 
 def trace(fn, kind: str) -> Traced:
-    """The traced function (cached per function object; traced again when its closure
-    cells are rebound).  ``kind``: "score" or "mask"."""
+    """The traced function, cached (:func:`_trace_key`; the cache holds the function, so
+    the identities stay valid).  ``kind``: "score" or "mask"."""
     if not callable(fn):
         raise InputError(f"{kind}_mod must be callable, got {type(fn).__name__}")
-    key = (id(fn), kind)
+    key = (_trace_key(fn), kind)
     hit = _traces.get(key)
-    ids = _closure_ids(fn)
-    if hit is not None and hit[0] is fn and hit[1] == ids:
+    if hit is not None:
         _traces.move_to_end(key)
-        return hit[2]
+        return hit[1]
     tr = Traced(fn, kind)
-    _traces[key] = (fn, ids, tr)
+    _traces[key] = (fn, tr)
     if len(_traces) > _TRACES_MAX:
         _traces.popitem(last=False)
     return tr

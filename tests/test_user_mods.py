@@ -380,3 +380,15 @@ def test_other_bad_functions():
         _call(sinks=torch.zeros(3))
     with pytest.raises(InputError, match="not combined with softcap"):
         _call(score_mod=lambda s, b, h, q, k: s, softcap=2.0)
+
+
+def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
+    def make(table):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h]
+        return score_mod
+    t1, t2 = torch.zeros(4), torch.zeros(4)
+    a = user_mods.trace(make(t1), "score")
+    assert user_mods.trace(make(t1), "score") is a
+    b = user_mods.trace(make(t2), "score")
+    assert b is not a and b.captured[0] is t2
