@@ -275,7 +275,8 @@ def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
               return_lse: bool = False, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None):
+              bias: torch.Tensor | None = None, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
+              score_mod=None, mask_mod=None, sinks: torch.Tensor | None = None):
     """Exact attention ``softmax(q @ k^T * softmax_scale) @ v``, FlashAttention-style.
 
     Args:
@@ -332,6 +333,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             device's state, :func:`flashgen.manual_seed`).  A CUDA graph replay
             advances it too, so each replay draws a fresh mask.
 
+    User functions (FlexAttention's signatures, :mod:`flashgen.user_mods`), each
+    distinct function compiled into its own tuned variants; not combined with softcap,
+    alibi_slopes, bias or dropout_p (write those into ``score_mod``):
+
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on s =
+            softmax_scale * q.k (float32, natural units) of batch b, query head h, query
+            row q_idx and key column kv_idx (integers), written with torch operations
+            (arithmetic, comparisons, torch.where, abs, tanh, exp, log, clamp,
+            minimum/maximum, floor, integer division, casts) and reading captured
+            tensors by integer indices (``table[bucket, h]``).  Applied before the
+            mask.  Captured float tensors that require grad get their gradient
+            (accumulated in float32); their values must be finite (mask with
+            ``mask_mod``).  A function is traced once (cached by its code and its
+            closure's objects, so a closure made again on every call over the same
+            objects is not traced again); captured tensors are read at each call.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), ANDed with
+            ``causal``/``window``.  It also gives the block mask: tiles it hides
+            entirely are skipped, tiles it shows entirely run with no mask arithmetic
+            (computed once per function, captured tensors' versions, sizes and tile
+            shape, by evaluating mask_mod with torch on index tensors; cached).
+        sinks: float32 (num_heads,): one extra logit per head in every row's softmax
+            denominator (attention sinks, as in gpt-oss): p_ij = exp(s_ij - LSE_i) with
+            LSE_i = log(exp(sinks[h]) + sum_j exp(s_ij)).  The returned LSE includes the
+            sink; a row that sees no key gets O = 0 and LSE = sinks[h].  Differentiable
+            when it requires grad.
+
     Returns:
         O of shape (batch, num_heads, seqlen_q, head_dim_v), q's dtype; with
         ``return_lse``, also LSE (batch, num_heads, seqlen_q), float32, natural log,
@@ -355,13 +382,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     Raises:
         InputError (a ValueError): an argument breaks a rule; the message names it.
+        UnsupportedError (a NotImplementedError): a score_mod / mask_mod that flashgen
+            cannot compile (the message names the operation), e.g. Python control flow
+            on traced values.
     """
+    if score_mod is not None or mask_mod is not None or sinks is not None:
+        return _attention_user(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
+                               return_lse=return_lse, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                               builtin=(softcap, alibi_slopes, bias, dropout_p, rng_state))
     if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
         return _attention_mods(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                                return_lse=return_lse, align="bottom_right", softcap=softcap,
                                alibi_slopes=alibi_slopes, bias=bias, dropout_p=dropout_p, rng_state=rng_state)
     return _attention(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                       return_lse=return_lse, align="bottom_right")
+
+
+def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score_mod, mask_mod, sinks, builtin):
+    """The path of calls with user functions or sinks (:mod:`flashgen.user_mods`)."""
+    from . import user_mods
+
+    softcap, alibi_slopes, bias, dropout_p, rng_state = builtin
+    if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
+        raise InputError("score_mod, mask_mod and sinks are not combined with softcap, alibi_slopes, bias or "
+                         "dropout_p: write those into score_mod")
+    _check_return_lse(return_lse)
+    q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, "bottom_right")
+    o, lse = user_mods.attention(q, k, v, scale, mask, lo, hi, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+    return (o, lse) if return_lse else o
 
 
 # -- ragged batches (varlen) -------------------------------------------------------------

@@ -198,8 +198,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
-             lo: int, hi: int, mods: "ops.ScoreMods | None" = None):
-    """(dQ, dK, dV): the backward ops' real implementation."""
+             lo: int, hi: int, mods: "ops.ScoreMods | None" = None, delta: Optional[Tensor] = None):
+    """(dQ, dK, dV): the backward ops' real implementation.  ``delta``: a float32 buffer
+    like lse that receives rowsum(dO * O) when the kernels run (the sinks' gradient
+    reads it)."""
     if is_empty(q, k):
         return _zeros_like(q), _zeros_like(k), _zeros_like(v)
     if do.stride(-1) != 1:
@@ -214,7 +216,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask, name)
         dq, dk, dv = ops.bwd(do, q, k, v, o, lse, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi,
                              config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq, module_dkdv=mod_kv,
-                             addressable=True, mods=mods)
+                             addressable=True, mods=mods, delta=delta)
     if sign == -1:
         dq = dq.neg_()
     elif sign == 0:
