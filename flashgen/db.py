@@ -20,7 +20,7 @@ from pathlib import Path
 import jinja2
 import sqlite_utils
 
-from .env import MATCH_COLUMNS, Environment
+from .env import MATCH_COLUMNS, VERSION_COLUMNS, Environment
 from .errors import InputError
 from .spec import KERNELS, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant, attention_flops
 
@@ -110,10 +110,16 @@ def validate(path: Path) -> None:
                            f"{sorted(tables)[:5]}); it was left untouched")
 
 
-def _env_where(env: Environment) -> tuple[str, list]:
-    """SQL condition (and its parameters) selecting the rows that ``env`` matches."""
-    params: list = [getattr(env, c) for c in MATCH_COLUMNS]
-    cond = " AND ".join(f"[{c}] = ?" for c in MATCH_COLUMNS)
+def _env_where(env: Environment, versions: bool = True) -> tuple[str, list]:
+    """SQL condition (and its parameters) selecting the rows that ``env`` matches
+    (``versions``), or the rows of ``env``'s GPU, compute capability and code hash
+    measured under another Triton version (``versions=False``)."""
+    cols = MATCH_COLUMNS if versions else tuple(c for c in MATCH_COLUMNS if c not in VERSION_COLUMNS)
+    params: list = [getattr(env, c) for c in cols]
+    cond = " AND ".join(f"[{c}] = ?" for c in cols)
+    if not versions:
+        cond += " AND IFNULL([triton_version], '') != ?"
+        params.append(env.triton_version)
     per_kernel = []
     for k in KERNELS:
         # one code hash per score-modification set the kernel compiles (render.template_hash)
@@ -351,7 +357,7 @@ class TuningDB:
     @staticmethod
     def _filters(key: ProblemKey | str | None = None, key_contains: str | None = None,
                  status: str | None = None, variant_id: str | None = None,
-                 env: Environment | None = None) -> tuple[list[str], list]:
+                 env: Environment | None = None, versions: bool = True) -> tuple[list[str], list]:
         where, params = [], []
         for col, val in (("key", key and _key_id(key)), ("status", status),
                          ("variant_id", variant_id)):
@@ -362,7 +368,7 @@ class TuningDB:
             where.append("instr([key], ?) > 0")
             params.append(key_contains)
         if env is not None:
-            cond, p = _env_where(env)
+            cond, p = _env_where(env, versions)
             where.append(cond)
             params += p
         return where, params
@@ -383,10 +389,11 @@ class TuningDB:
         return rows[0] if rows else None
 
     def best_rows(self, env: Environment | None = None,
-                  key_contains: str | None = None) -> list[dict]:
-        """The best ok row per key (per key and environment when ``env`` is None), by key,
-        in one query."""
-        where, params = self._filters(key_contains=key_contains, status="ok", env=env)
+                  key_contains: str | None = None, versions: bool = True) -> list[dict]:
+        """The best ok row per key and environment (rows matching ``env`` only when
+        given; with ``versions=False``, the rows of ``env``'s GPU and code measured under
+        another Triton version), by key, in one query."""
+        where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions)
         where.append("[median_ms] IS NOT NULL")
         part = ", ".join(f"[{c}]" for c in ("key", *_ENV_GROUP))
         sql = (f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY {part} "
@@ -398,10 +405,24 @@ class TuningDB:
             out.append(r)
         return out
 
-    def best_configs(self, env: Environment) -> dict[str, tuple[TileConfig, dict]]:
+    def best_configs(self, env: Environment, versions: bool = True) -> dict[str, tuple[TileConfig, dict]]:
         """key id -> (best TileConfig, its row) for every key with an ok row in ``env``
-        (one query; what the dispatcher loads)."""
-        return {r["key"]: (TileConfig.from_dict(r), r) for r in self.best_rows(env)}
+        (one query; what the dispatcher loads).  ``versions=False``: the fastest row per
+        key among those of ``env``'s GPU, compute capability and code hash measured under
+        another Triton version (what the dispatcher serves next, flagged)."""
+        out: dict[str, tuple[TileConfig, dict]] = {}
+        for r in self.best_rows(env, versions=versions):
+            if r["key"] not in out or r["median_ms"] < out[r["key"]][1]["median_ms"]:
+                out[r["key"]] = (TileConfig.from_dict(r), r)
+        return out
+
+    def ok_rows_of_gpu(self, gpu_name: str, compute_capability: str) -> dict[str, int]:
+        """Triton version -> number of ok rows measured on ``gpu_name`` with
+        ``compute_capability`` (any code hash)."""
+        return {r["triton_version"]: r["n"] for r in self.db.query(
+            f"SELECT [triton_version], COUNT(*) AS n FROM {TABLE} WHERE [status] = 'ok' AND "
+            "[gpu_name] = ? AND [compute_capability] = ? GROUP BY [triton_version]",
+            [gpu_name, compute_capability])}
 
     def lookup(self, key: ProblemKey | str, variant_id: str, env: Environment) -> dict | None:
         """An existing measurement of ``variant_id`` for ``key`` in ``env`` (an ok row if

@@ -175,12 +175,14 @@ def test_fake_benchmarker_without_a_timing_fails_that_variant_only(db, monkeypat
     assert tuner.FakeBenchmarker({}, default=2.5)(Variant(SPEC, default), SHAPE).median_ms == 2.5
 
 
-def test_another_environment_measures_again(db, monkeypatch):
+@pytest.mark.parametrize("other", [Environment("NVIDIA H100", "9.0", 132, "3.6.0", "2.11.0", "0.1.0"),
+                                   # a new Triton: `flashgen tune` refreshes the rows for it
+                                   Environment("NVIDIA H200", "9.0", 132, "3.9.0", "2.11.0", "0.1.0")])
+def test_another_environment_measures_again(db, monkeypatch, other):
     monkeypatch.setitem(space.DOMAINS, "fwd", SMALL)
     bench = tuner.FakeBenchmarker(random_timings())
     run(db, bench, 10)
     n = len(bench.calls)
-    other = Environment("NVIDIA H100", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
     tuner.tune_key(KEY, SHAPE, benchmarker=bench, db=db, env=other, arch=ARCH, n_trials=10)
     assert bench.calls[n] == vid(heuristics.default_config(SPEC, ARCH))
     assert len(db.rows(env=other)) > 0 and len(db.rows(env=ENV)) == len(db.rows()) - len(db.rows(env=other))
