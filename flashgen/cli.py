@@ -341,6 +341,7 @@ def export(
         else:
             with TuningDB(out, readonly=False) as tdb:
                 tdb.import_rows(rows)
+                tdb.use_rollback_journal()  # a file to ship: its readers write nothing beside it
     typer.echo(f"{len(rows)} best configs from {len(dbs)} database(s) -> {out}")
 
 

@@ -4,8 +4,10 @@ Each row is one (ProblemKey, exact shape, Variant) measured in one environment
 (:class:`flashgen.env.Environment`), with its status (``spec.STATUSES``), median time
 (ms), achieved TFLOP/s, error vs the reference, the modelled and compiled shared memory
 (bytes) and the environment columns.  Rows are only ever appended: nothing here updates
-or deletes a row.  Two processes may write one file at once: the database runs in WAL
-mode with a busy timeout, and each ``record`` is one transaction.
+or deletes a row.  Two processes may write one file at once: a new database runs in WAL
+mode with a busy timeout, and each ``record`` is one transaction.  A file in rollback-journal
+mode (what ships: :meth:`TuningDB.use_rollback_journal`) stays in it, so reading a shipped
+file never creates -wal/-shm files beside it.
 """
 
 from __future__ import annotations
@@ -65,12 +67,16 @@ def _key_id(key: ProblemKey | str) -> str:
     return key if isinstance(key, str) else key.id
 
 
-def _connect_readonly(path: Path) -> sqlite3.Connection:
-    """A read-only connection; falls back to ``immutable=1`` for a WAL-mode file in a
-    directory where SQLite cannot create the -shm file."""
+def _connect_readonly(path: Path, immutable: bool = False) -> sqlite3.Connection:
+    """A read-only connection; ``immutable`` (a file nothing writes while it is read,
+    e.g. one shipped inside the package) takes no locks and creates no file beside it.
+    Falls back to ``immutable=1`` for a WAL-mode file in a directory where SQLite cannot
+    create the -shm file."""
     if not path.is_file():
         raise FileNotFoundError(f"no tuning database at {path}")
     uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+    if immutable:
+        return sqlite3.connect(uri + "&immutable=1", uri=True)
     conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
     try:
         conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
@@ -134,10 +140,12 @@ class TuningDB:
 
     Writable (the default when possible): the file and its parent directories are
     created if missing.  ``readonly=True``, or None with a file that exists but is not
-    writable (a DB shipped inside an installed package), opens it for reading only.
+    writable (a DB shipped inside an installed package), opens it for reading only;
+    ``immutable=True`` (read-only) also promises that nothing writes the file meanwhile
+    (SQLite's ``immutable=1``: no locks, nothing created beside it; for shipped files).
     """
 
-    def __init__(self, path: str | Path, readonly: bool | None = None):
+    def __init__(self, path: str | Path, readonly: bool | None = None, immutable: bool = False):
         self.path = Path(path)
         validate(self.path)
         if readonly is None:
@@ -145,7 +153,7 @@ class TuningDB:
                 os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
         self.readonly = readonly
         if readonly:
-            self._conn = _connect_readonly(self.path)
+            self._conn = _connect_readonly(self.path, immutable)
             if not self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
                                       (TABLE,)).fetchone():
                 # An empty SQLite file (validate() let it through): no rows.  A TEMP table
@@ -165,7 +173,11 @@ class TuningDB:
             # wait for, so retry briefly.
             for attempt in range(50):
                 try:
-                    self.db.enable_wal()
+                    if not self._t.exists():
+                        # A new database: WAL lets tuning workers write while others read.
+                        # An existing one keeps its journal mode (a shipped file's
+                        # rollback journal; see use_rollback_journal).
+                        self.db.enable_wal()
                     self._t.create(COLUMNS, pk="id", if_not_exists=True)
                     self._t.create_index(["key"], if_not_exists=True)
                     # Files written before a column existed get it (NULL in old rows).
@@ -181,6 +193,19 @@ class TuningDB:
 
     def close(self) -> None:
         self._conn.close()
+
+    def use_rollback_journal(self) -> None:
+        """Checkpoint the WAL into the file and switch it to rollback-journal mode
+        (``PRAGMA journal_mode=DELETE``), which it keeps: readers of the file (a shipped
+        database) then create no -wal/-shm files beside it.  Rows are unchanged.  Needs
+        the only open connection to the file."""
+        if self.readonly:
+            raise InputError(f"{self.path} is open read-only")
+        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        mode = self._conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0]
+        if mode != "delete":
+            raise InputError(f"{self.path}: could not leave WAL mode (journal_mode is {mode}; "
+                             "another process has it open)")
 
     def __enter__(self) -> "TuningDB":
         return self

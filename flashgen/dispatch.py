@@ -157,7 +157,8 @@ class Dispatcher:
         from .db import NotATuningDB, TuningDB
 
         try:
-            with TuningDB(path, readonly=True) as db:  # never writes to a shipped file
+            # never writes to a shipped file, nor beside it (immutable: no locks, no -shm)
+            with TuningDB(path, readonly=True, immutable=path in shipped_databases()) as db:
                 table = db.best_configs(self.env)
                 other = db.best_configs(self.env, versions=False)
                 n_gpu = sum(db.ok_rows_of_gpu(self.env.gpu_name, self.env.compute_capability).values())
