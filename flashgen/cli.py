@@ -116,11 +116,12 @@ def tune(
     if sampler not in ("tpe", "grid"):
         raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
     from . import arch as arch_mod, heuristics, presets, tuner
-    from .db import TuningDB, validate as validate_db
+    from .db import TuningDB, check_writable, validate as validate_db
     from .env import Environment
 
     console = _console()
-    with _user_errors():  # a foreign or corrupt --db is refused before anything runs
+    with _user_errors():  # a foreign, corrupt or unwritable --db is refused before anything runs
+        check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
         validate_db(db)
     items = presets.expand(preset, dtype, kernels.split(","))
     if not items:
@@ -174,33 +175,34 @@ def tune(
 
     console.print(f"tuning {len(items)} keys, {trials} trials each, on {env.gpu_name} -> {db}"
                   f"{f' with {workers} workers' if workers > 1 else ''}", markup=False)
-    if workers > 1:
-        results = _tune_with_workers(items, console, db=db, env=env, arch=arch, trials=trials,
-                                     timeout_per_key=timeout_per_key, seed=seed, workers=workers,
-                                     storage=storage, sampler=sampler,
-                                     fake_timings=_read_timings(fake) if fake is not None else None)
+    with _writing(db):  # nothing is left beside --db when the run fails before a row is written
+        if workers > 1:
+            results = _tune_with_workers(items, console, db=db, env=env, arch=arch, trials=trials,
+                                         timeout_per_key=timeout_per_key, seed=seed, workers=workers,
+                                         storage=storage, sampler=sampler,
+                                         fake_timings=_read_timings(fake) if fake is not None else None)
+            _print_results(console, env, results)
+            return
+        with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),
+                                            MofNCompleteColumn(), TimeElapsedColumn(),
+                                            console=console) as progress:
+            keys_task = progress.add_task("keys", total=len(items))
+            trials_task = progress.add_task("trials", total=trials)
+
+            def on_key(i, n, key):
+                progress.update(keys_task, completed=i, description=f"key {key.id}")
+                progress.reset(trials_task, total=trials)
+
+            def on_trial(key, n_done, n_total, row):
+                progress.update(trials_task, completed=n_done,
+                                description=f"{row['variant_id']} {row['status']}")
+
+            with _user_errors():
+                results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
+                                     timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
+                                     on_trial=on_trial, storage=storage, sampler=sampler)
+            progress.update(keys_task, completed=len(items))
         _print_results(console, env, results)
-        return
-    with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),
-                                        MofNCompleteColumn(), TimeElapsedColumn(),
-                                        console=console) as progress:
-        keys_task = progress.add_task("keys", total=len(items))
-        trials_task = progress.add_task("trials", total=trials)
-
-        def on_key(i, n, key):
-            progress.update(keys_task, completed=i, description=f"key {key.id}")
-            progress.reset(trials_task, total=trials)
-
-        def on_trial(key, n_done, n_total, row):
-            progress.update(trials_task, completed=n_done,
-                            description=f"{row['variant_id']} {row['status']}")
-
-        with _user_errors():
-            results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
-                                 timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
-                                 on_trial=on_trial, storage=storage, sampler=sampler)
-        progress.update(keys_task, completed=len(items))
-    _print_results(console, env, results)
 
 
 def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key, seed, workers,
@@ -300,15 +302,47 @@ def show(
 
 @contextlib.contextmanager
 def _user_errors():
-    """A user's mistake (a foreign DB file, a bad export) is one line and exit code 2,
-    not a traceback."""
+    """A user's mistake (a foreign DB file, a bad export, a database SQLite cannot
+    write) is one line and exit code 2, not a traceback."""
+    import sqlite3
+
     from .errors import InputError, UnsupportedError
 
     try:
         yield
     except (InputError, UnsupportedError, FileNotFoundError, json.JSONDecodeError) as e:
-        _console().print(f"[red]error:[/] {e}")
+        _console().print(Text.assemble(("error: ", "red"), str(e)), soft_wrap=True)  # one line
         raise typer.Exit(2) from None
+    except sqlite3.OperationalError as e:
+        if not any(w in str(e) for w in ("readonly", "unable to open", "disk I/O", "read-only")):
+            raise
+        _console().print(Text.assemble(("error: ", "red"), f"cannot write the tuning database: SQLite says: {e}"),
+                         soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+@contextlib.contextmanager
+def _writing(db: Path, what: str = "--db"):
+    """Around a command that appends to the tuning database ``db``: first the check that
+    it can be written there (:func:`flashgen.db.check_writable`: an existing, writable
+    directory, a writable file), then the command; if it fails, the files it created
+    beside ``db`` (-wal, -shm, -journal, .optuna.journal) and a ``db`` it created that
+    holds no rows are removed.  Errors are one line, exit 2 (:func:`_user_errors`)."""
+    from .db import SIDE_FILES, check_writable, row_count
+
+    with _user_errors():
+        check_writable(db, what)
+    side = [Path(f"{db}{sfx}") for sfx in SIDE_FILES]
+    existed = {p for p in (db, *side) if p.exists()}
+    try:
+        with _user_errors():
+            yield
+    except BaseException:
+        if row_count(db) == 0:  # nothing was measured or imported: leave nothing behind
+            for p in (db, *side):
+                if p not in existed and p.exists():
+                    p.unlink()
+        raise
 
 
 @app.command()
@@ -326,7 +360,7 @@ def export(
         raise typer.BadParameter(f"must end in .json or .sqlite, got {out.name!r}", param_hint="'OUT'")
     if out.exists():
         raise typer.BadParameter(f"{out} exists; export never overwrites a file", param_hint="'OUT'")
-    with _user_errors():
+    with _writing(out, "OUT"):
         best: dict[tuple, dict] = {}
         for p in dbs:
             with TuningDB(p, readonly=True) as tdb:
@@ -351,10 +385,13 @@ def import_(
                                            help="An export (*.json) or a tuning DB (*.sqlite).")],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
 ) -> None:
-    """Append to --db the rows of SOURCE it lacks; nothing is overwritten or deleted."""
-    from .db import NotATuningDB, TuningDB
+    """Append to --db the rows of SOURCE it lacks; nothing is overwritten or deleted.
+    Every row of SOURCE is checked first (a known status, kernel and config fields, a
+    finite positive median_ms for ok rows): one that is not a measurement refuses the
+    import and nothing is written."""
+    from .db import NotATuningDB, TuningDB, check_rows
 
-    with _user_errors():
+    with _writing(db):
         if source.suffix == ".json":
             try:
                 data = json.loads(source.read_text())
@@ -363,11 +400,12 @@ def import_(
             if not isinstance(data, dict) or data.get("flashgen_export") != 1 or not isinstance(data.get("rows"), list):
                 raise NotATuningDB(f"{source} is not a flashgen export (expected {{\"flashgen_export\": 1, "
                                    "\"rows\": [...]})")
+            check_rows(data["rows"], source)  # before --db is opened: a refusal writes nothing
             with TuningDB(db, readonly=False) as tdb:
                 n = tdb.import_rows(data["rows"])
         else:
-            with TuningDB(source, readonly=True):  # validates it before anything is written
-                pass
+            with TuningDB(source, readonly=True) as src:  # validates it before anything is written
+                check_rows(src.rows(), source)
             with TuningDB(db, readonly=False) as tdb:
                 n = tdb.merge_from(source)
     typer.echo(f"{source}: {n} rows added to {db}")
@@ -375,13 +413,14 @@ def import_(
 
 @app.command()
 def merge(
-    out: Annotated[Path, typer.Argument(dir_okay=False, help="DB to append to (created if missing).")],
+    out: Annotated[Path, typer.Argument(dir_okay=False, help="DB to append to (created if missing, in an "
+                                        "existing directory).")],
     inputs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="DBs to read.")],
 ) -> None:
     """Append to OUT the rows of each IN that OUT lacks."""
     from .db import TuningDB
 
-    with _user_errors():
+    with _writing(out, "OUT"):
         for p in inputs:  # check every input before writing anything
             TuningDB(p, readonly=True).close()
         with TuningDB(out, readonly=False) as tdb:

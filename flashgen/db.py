@@ -13,6 +13,7 @@ file never creates -wal/-shm files beside it.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sqlite3
 import time
@@ -24,7 +25,8 @@ import sqlite_utils
 
 from .env import MATCH_COLUMNS, VERSION_COLUMNS, Environment
 from .errors import InputError
-from .spec import KERNELS, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant, attention_flops
+from .spec import (KERNELS, STATUSES, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant,
+                   attention_flops)
 
 TABLE = "measurements"
 BUSY_TIMEOUT_S = 60.0
@@ -114,6 +116,88 @@ def validate(path: Path) -> None:
         what = f"no '{TABLE}' table" if TABLE not in tables else f"its '{TABLE}' table lacks {missing[:5]}"
         raise NotATuningDB(f"{path} is not a flashgen tuning database ({what}; tables: "
                            f"{sorted(tables)[:5]}); it was left untouched")
+
+
+#: Files SQLite and the tuner may create beside a database at ``path`` (suffixes).
+SIDE_FILES = ("-wal", "-shm", "-journal", ".optuna.journal")
+
+
+def check_writable(path: Path, what: str = "--db") -> None:
+    """Raise InputError (naming ``path`` and the rule) unless a tuning database can be
+    written at ``path``: its directory exists (never created here) and is writable
+    (SQLite writes -wal/-shm/-journal files beside the database), and the file, if it
+    exists, is writable.  Creates nothing."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        raise InputError(f"{what} {path}: directory {parent} does not exist (flashgen never creates "
+                         "directories for a database; create it first)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"{what} {path} is not writable: rows are appended to it (make it writable, "
+                         "or name another file)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {path}: directory {parent} is not writable (SQLite creates the "
+                         "database's -wal/-shm/-journal files beside it)")
+
+
+def row_count(path: Path) -> int:
+    """Rows of the measurements table at ``path``: 0 for a missing or empty file or one
+    without the table, -1 when it cannot be read.  Reads only."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return 0
+    try:
+        conn = _connect_readonly(path)
+        try:
+            if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                (TABLE,)).fetchone():
+                return 0
+            return conn.execute(f"SELECT COUNT(*) FROM {TABLE}").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:
+        return -1
+
+
+def _row_problem(r) -> str | None:
+    """Why ``r`` is not a measurement row of flashgen's (None: it is one)."""
+    if not isinstance(r, dict):
+        return f"not an object: {r!r:.60}"
+    missing = sorted(set(COLUMNS) - {"id"} - set(r))
+    if missing:
+        return f"lacks the columns {missing[:5]}"
+    if r["status"] not in STATUSES:
+        return f"status {r['status']!r} is not one of {', '.join(STATUSES)}"
+    try:
+        key = ProblemKey.from_row(r)
+        cfg = TileConfig.from_dict(r)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"bad kernel or config fields ({type(e).__name__}: {e})"
+    if key.id != r["key"]:
+        return f"key {r['key']!r} disagrees with its columns ({key.id})"
+    if min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages) < 1 or cfg.tma not in (0, 1) \
+            or cfg.ws not in (0, 1) or cfg.num_splits < 0:
+        return f"config {cfg.id} has a knob out of range"
+    if Variant(key.spec, cfg).id != r["variant_id"]:
+        return f"variant_id {r['variant_id']!r} disagrees with its columns ({Variant(key.spec, cfg).id})"
+    ms = r["median_ms"]
+    if r["status"] == "ok" and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
+        return f"an ok row needs a finite positive median_ms, got {ms!r}"
+    if ms is not None and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
+        return f"median_ms must be a finite number of ms or null, got {ms!r}"
+    return None
+
+
+def check_rows(rows: list, source) -> None:
+    """Raise NotATuningDB, naming ``source`` and the first bad rows, unless every row is
+    a flashgen measurement: all columns, a status of ``spec.STATUSES``, known kernel,
+    dtype, mask, mods and config fields that agree with ``key`` and ``variant_id``, and
+    a finite positive ``median_ms`` for ok rows."""
+    bad = [(i, why) for i, r in enumerate(rows) if (why := _row_problem(r)) is not None]
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise NotATuningDB(f"{source}: {len(bad)} of {len(rows)} rows are not flashgen measurements, so "
+                           "nothing was imported: " + "; ".join(f"row {i}: {w}" for i, w in bad[:3]) + more)
 
 
 def _env_where(env: Environment, versions: bool = True) -> tuple[str, list]:
@@ -323,6 +407,7 @@ class TuningDB:
                     new.append({c: r.get(c) for c in cols})
         finally:
             src.close()
+        check_rows(new, other_path)
         with self._conn:
             self._conn.executemany(
                 f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
@@ -332,12 +417,10 @@ class TuningDB:
 
     def import_rows(self, rows: list[dict]) -> int:
         """Append exported rows (:meth:`export_best`) that this DB lacks (identity:
-        :data:`IDENTITY`); returns how many were added.  Nothing is overwritten."""
+        :data:`IDENTITY`); returns how many were added.  Nothing is overwritten; rows that
+        are not measurements (:func:`check_rows`) refuse the whole import."""
         cols = [c for c in COLUMNS if c != "id"]
-        bad = [r for r in rows if not isinstance(r, dict) or set(cols) - set(r)]
-        if bad:
-            raise NotATuningDB(f"{len(bad)} of {len(rows)} rows lack flashgen's columns, e.g. "
-                               f"{sorted(set(cols) - set(bad[0]))[:5] if isinstance(bad[0], dict) else bad[0]!r}")
+        check_rows(rows, "rows to import")
         have = {tuple(r) for r in self._conn.execute(
             f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
         new = []
