@@ -102,7 +102,14 @@ def tune(
     timeout_per_key: Annotated[float | None, typer.Option(min=0, help="Seconds per key.")] = None,
     fake: Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
                                              help="Replay timings from JSON {variant_id: ms}, variant ids like "
-                                             "attn_fwd_d64_bf16_none_m128_n64_w4_s3 (see flashgen show --all).")] = None,
+                                             "attn_fwd_d64_bf16_none_m128_n64_w4_s3; every variant the run "
+                                             "measures needs one (--fake-template writes them all).")] = None,
+    fake_model: Annotated[bool, typer.Option(
+        "--fake-model", help="No GPU: time each variant with flashgen's byte and shared-memory models "
+                             "(tuner.ModelBenchmarker); the rows are labelled '<device> (model)'.")] = False,
+    fake_template: Annotated[Path | None, typer.Option(
+        dir_okay=False, help="Write a --fake file for this run's variants (every id it would measure, "
+                             "with the model's ms to replace by yours) and exit; never overwrites.")] = None,
     seed: int = 0,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes sharing the studies; "
                                          "one per GPU (round-robin over the visible GPUs).")] = 1,
@@ -115,14 +122,13 @@ def tune(
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
     if sampler not in ("tpe", "grid"):
         raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
-    from . import arch as arch_mod, heuristics, presets, tuner
+    from . import arch as arch_mod, presets, tuner
     from .db import TuningDB, check_writable, validate as validate_db
     from .env import Environment
 
+    if fake is not None and fake_model:
+        raise typer.BadParameter("give one of --fake FILE and --fake-model", param_hint="'--fake' / '--fake-model'")
     console = _console()
-    with _user_errors():  # a foreign, corrupt or unwritable --db is refused before anything runs
-        check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
-        validate_db(db)
     items = presets.expand(preset, dtype, kernels.split(","))
     if not items:
         raise typer.BadParameter(
@@ -131,26 +137,35 @@ def tune(
             "bwd_dkdv and their varlen forms)", param_hint="'--kernels'")
     env = Environment.current()
     arch = arch_mod.current()
+    if fake_template is not None:
+        _write_fake_template(fake_template, items, arch)
+        return
+    with _user_errors():  # a foreign, corrupt or unwritable --db is refused before anything runs
+        check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
+        validate_db(db)
     if fake is not None:
         timings = _read_timings(fake)
-        from .spec import Variant
-
-        for key, _ in items:
-            default = Variant(key.spec, heuristics.default_config(key.spec, arch, key))
-            if not any(vid.startswith(key.spec.id + "_") for vid in timings):
-                raise typer.BadParameter(
-                    f"{fake} has no timing for any variant of {key.spec.id} (e.g. {default.id})",
-                    param_hint="'--fake'")
+        missing = [v.id for v in tuner.feasible_variants([k for k, _ in items], arch) if v.id not in timings]
+        if missing:
+            console.print(Text.assemble(("error: ", "red"), f"{fake} lacks timings for {len(missing)} variant(s) "
+                                        "this run may measure; add them all (or write a template with "
+                                        "--fake-template FILE, then edit its ms):"), soft_wrap=True)
+            for vid in missing:
+                console.print(f"  {vid}", markup=False, soft_wrap=True)
+            raise typer.Exit(2)
         bench = tuner.FakeBenchmarker(timings)
         # replayed timings must never be taken for this GPU's
         env = dataclasses.replace(env, gpu_name=f"{env.gpu_name} (fake)")
+    elif fake_model:
+        bench = tuner.ModelBenchmarker(arch)
+        env = dataclasses.replace(env, gpu_name=f"{env.gpu_name} (model)")  # never taken for a GPU's rows
     else:
         import torch
 
         if not torch.cuda.is_available():
             console.print("[red]error:[/] no CUDA device; the real benchmarker times kernels on a GPU "
-                          "(Triton's interpreter has no timings worth tuning on). Use --fake "
-                          "TIMINGS.json to replay recorded timings.")
+                          "(Triton's interpreter has no timings worth tuning on). Use --fake-model "
+                          "(timings from flashgen's models) or --fake TIMINGS.json (recorded timings).")
             raise typer.Exit(2)
         from .bench import KernelBenchmarker
 
@@ -180,8 +195,10 @@ def tune(
             results = _tune_with_workers(items, console, db=db, env=env, arch=arch, trials=trials,
                                          timeout_per_key=timeout_per_key, seed=seed, workers=workers,
                                          storage=storage, sampler=sampler,
-                                         fake_timings=_read_timings(fake) if fake is not None else None)
+                                         fake_timings=_read_timings(fake) if fake is not None else None,
+                                         fake_model=fake_model)
             _print_results(console, env, results)
+            _print_explain_hint(console, env, db, items, fake is not None or fake_model)
             return
         with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),
                                             MofNCompleteColumn(), TimeElapsedColumn(),
@@ -203,10 +220,44 @@ def tune(
                                      on_trial=on_trial, storage=storage, sampler=sampler)
             progress.update(keys_task, completed=len(items))
         _print_results(console, env, results)
+        _print_explain_hint(console, env, db, items, fake is not None or fake_model)
+
+
+def _write_fake_template(path: Path, items, arch) -> None:
+    """Write {variant_id: ms} for every variant a run over ``items`` may measure (valid,
+    fitting ``arch``), with the model's ms (:class:`flashgen.tuner.ModelBenchmarker`)."""
+    from . import tuner
+
+    if path.exists():
+        raise typer.BadParameter(f"{path} exists; the template never overwrites a file",
+                                 param_hint="'--fake-template'")
+    model = tuner.ModelBenchmarker(arch)
+    out: dict[str, float] = {}
+    for key, shape in items:
+        for v in tuner.feasible_variants([key], arch):
+            out.setdefault(v.id, round(model.median_ms(v, shape), 6))
+    with _user_errors():
+        path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    typer.echo(f"wrote {len(out)} variant ids to {path} (the model's ms: replace them with your timings); "
+               f"then: flashgen tune ... --fake {path}")
+
+
+def _print_explain_hint(console, env, db: Path, items, simulated: bool) -> None:
+    """After a simulated run: the explain command that reads its rows (they carry the
+    labelled device name, never this machine's)."""
+    if not simulated or not items:
+        return
+    key, shape = items[0]
+    s = key.spec
+    console.print(f"these rows are for the device {env.gpu_name!r}; see the dispatcher pick them: flashgen explain "
+                  f"--db {db} --gpu '{env.gpu_name}' --batch {shape.batch} --heads {shape.num_heads} --kv-heads "
+                  f"{shape.num_kv_heads} --seqlen-q {shape.seqlen_q} --seqlen-k {shape.seqlen_k} --head-dim "
+                  f"{s.head_dim} --dtype {s.dtype}{' --causal' if s.mask == 'causal' else ''}",
+                  markup=False, soft_wrap=True)
 
 
 def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key, seed, workers,
-                       storage, sampler, fake_timings):
+                       storage, sampler, fake_timings, fake_model=False):
     """``workers`` processes over the same keys, sharing each key's study (Optuna's
     distributed optimization); then the results read back from the DB and studies."""
     import time
@@ -215,7 +266,7 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
     from .db import TuningDB
 
     gpus = 0
-    if fake_timings is None:
+    if fake_timings is None and not fake_model:
         import torch
 
         gpus = torch.cuda.device_count()
@@ -224,7 +275,8 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
                           "interfere", markup=False)
     storage = storage or f"{db}.optuna.journal"
     configs = [tuner.WorkerConfig(i, str(db), storage, env, arch, trials, timeout_per_key, seed, sampler,
-                                  gpu=i % gpus if gpus else None, fake_timings=fake_timings)
+                                  gpu=i % gpus if gpus else None, fake_timings=fake_timings,
+                                  fake_model=fake_model)
                for i in range(workers)]
     t0 = time.perf_counter()
 
