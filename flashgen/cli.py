@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -30,7 +30,9 @@ from .spec import DENSE_KERNELS, DTYPES, KERNELS, TileConfig
 #: --db names it.
 DEFAULT_DB = Path("flashgen_tuning.sqlite")
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Plain click help: flags read --causal or --plots/--no-plots and choices are listed
+# (typer's rich panels print "<bool>" beside every flag).
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Generate, tune and inspect flashgen's Triton attention kernels.")
 
 
@@ -58,10 +60,8 @@ def _check_presets(names: list[str]) -> list[str]:
     return names
 
 
-def _check_dtype(dtype: str) -> str:
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}")
-    return dtype
+#: --dtype's choices (listed in --help; anything else is refused naming them).
+DtypeName = Literal[DTYPES]
 
 
 def _check_kernels(kernels: str) -> str:
@@ -94,7 +94,7 @@ def tune(
                                                    "decode, decode-small, mods-bench, mods-d64, mods-small, mods-softcap, mods-alibi, mods-bias, "
                                                    "mods-dropout.")] = ["fa-grid"],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
-    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
+    dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     kernels: Annotated[str, typer.Option(callback=_check_kernels,
                                          help="Comma-separated kernels to tune (default: all; a preset "
                                               "only yields keys of its own kernels).")] = ",".join(KERNELS),
@@ -487,7 +487,7 @@ def bench(
                                                    "(fa-grid when neither --preset nor --shape is given).")] = [],
     shape: Annotated[list[str], typer.Option(help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
                                                   "(repeatable).")] = [],
-    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
+    dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     backends: Annotated[str, typer.Option(help="Comma-separated subset of flashgen, flashgen-default, sdpa-flash, "
                                           "sdpa-cudnn, sdpa-efficient, sdpa-math, flex, naive.")] = "all",
     out: Annotated[Path, typer.Option(file_okay=False, help="Directory for bench.json, bench.csv and the "
@@ -649,7 +649,7 @@ def iomodel(
     block_m: Annotated[int, typer.Option("--block-m", min=1, help="Query tile (forward, dQ); key tile "
                                          "(dK/dV).")] = 128,
     block_n: Annotated[int, typer.Option("--block-n", min=1, help="The tile streamed through each program.")] = 64,
-    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "float16",
+    dtype: Annotated[DtypeName, typer.Option(help="Element type (its bytes per element).")] = "float16",
     batch: Annotated[int, typer.Option(min=1)] = 1,
     heads: Annotated[int, typer.Option(min=1)] = 1,
     causal: bool = False,
@@ -705,7 +705,7 @@ def explain(
     head_dim_v: Annotated[int | None, typer.Option(min=1, help="Value head dim (default: --head-dim).")] = None,
     causal: Annotated[bool, typer.Option("--causal", help="Bottom-right causal mask.")] = False,
     window: Annotated[str, typer.Option(help="Sliding window LEFT,RIGHT (-1 = unbounded).")] = "-1,-1",
-    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
+    dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     db: Annotated[Path | None, typer.Option(dir_okay=False,
                                             help="Also read this tuning DB (first, before the shipped ones).")] = None,
     arch: Annotated[str | None, typer.Option(help="Explain for this architecture (e.g. sm_90) instead of "

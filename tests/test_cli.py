@@ -149,3 +149,16 @@ def test_a_fake_file_lacking_variants_lists_them_all_and_a_template_fills_them(t
     assert r.exit_code == 0 and "(fake)" in r.output, r.output
     r = invoke("tune", "--preset", "small", "--fake", tmpl, "--fake-model", "--db", db)
     assert r.exit_code == 2 and "--fake-model" in r.output
+
+
+@pytest.mark.parametrize("command", ["tune", "show", "merge", "export", "import", "bench", "iomodel", "explain"])
+def test_help_shows_flags_as_flags_and_lists_the_dtypes(command):
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "<bool>" not in r.output
+    if command in ("tune", "bench", "iomodel", "explain"):
+        assert "--dtype <float16|bfloat16|float32>" in r.output
+    flags = {"explain": ["--causal "], "bench": ["--plots / --no-plots", "--check / --no-check"],
+             "show": ["--all "], "iomodel": ["--causal / --no-causal"], "tune": ["--fake-model "]}
+    for f in flags.get(command, []):
+        assert f"  {f}" in r.output, (f, r.output)

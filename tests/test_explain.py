@@ -140,3 +140,16 @@ def test_cli_explain_serves_shipped_rows_under_another_triton(monkeypatch):
     assert r.output.count("(tuned; row attn_") == 3 and "(default;" not in r.output, r.output
     (version,) = tuned_under
     assert r.output.count(f"tuned under triton {version}") == 3
+
+
+def test_explain_says_when_a_head_dim_is_padded():
+    args = ["explain", "--batch", "1", "--heads", "8", "--kv-heads", "8", "--seqlen-q", "1024", "--seqlen-k", "1024"]
+    r = runner.invoke(app, args + ["--head-dim", "80"])
+    assert r.exit_code == 0, r.output
+    smem = [line for line in r.output.splitlines() if "shared memory (model)" in line]
+    assert len(smem) == 3 and all(line.endswith("; head_dim 80 runs as d128 tiles (padded to a power of two)")
+                                  for line in smem), r.output
+    r = runner.invoke(app, args + ["--head-dim", "128"])
+    assert "padded" not in r.output
+    r = runner.invoke(app, args + ["--head-dim", "64", "--head-dim-v", "40"])
+    assert "head_dim_v 40 runs as d64 tiles" in r.output and "head_dim 64 runs" not in r.output
