@@ -907,11 +907,13 @@ class KernelChoice:
     tflops: float | None
     smem_bytes: int
     smem_breakdown: str
+    tuned_under: str | None = None  # the row's versions where not the installed ones ("triton 3.6.0")
 
     def __str__(self) -> str:
         row = "no tuned row" if self.tuned_key is None else (
             f"row {self.tuned_key} in {self.database}: median {self.median_ms:.4f} ms"
-            + ("" if self.tflops is None else f", {self.tflops:.1f} TFLOP/s"))
+            + ("" if self.tflops is None else f", {self.tflops:.1f} TFLOP/s")
+            + ("" if self.tuned_under is None else f"; tuned under {self.tuned_under}"))
         return (f"{self.kernel}: key {self.key}\n    config {self.config} ({self.source}; {row})\n"
                 f"    shared memory (model): {self.smem_breakdown}")
 
@@ -997,7 +999,7 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
                                         num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk, layout=layout)
             c = disp.choose(key, capturing=False)
             choices.append(KernelChoice(kernel, key.id, c.config.id, c.source, c.tuned_key, c.database,
-                                        c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown))
+                                        c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown, c.tuned_under))
         kernels = tuple(choices)
     return Explanation("flashgen", path, None, mask, lo, hi, scale, kernels)
 

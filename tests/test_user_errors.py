@@ -92,7 +92,8 @@ def test_fake_timings_must_name_real_variants(tmp_path):
     t.write_text("{}")
     res = CliRunner().invoke(app, ["tune", "--preset", "small", "--fake", str(t), "--db", str(tmp_path / "u.sqlite")],
                              env={"COLUMNS": "400"})
-    assert res.exit_code == 2 and "no timing for any variant" in res.output and "attn_fwd_d64_bf16" in res.output
+    assert res.exit_code == 2 and "lacks timings for" in res.output and "attn_fwd_d64_bf16" in res.output
+    assert "--fake-template" in res.output
     assert not (tmp_path / "u.sqlite").exists()
 
 
