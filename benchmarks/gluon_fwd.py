@@ -51,10 +51,10 @@ SHAPES = [
 ]
 
 
-def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, regs=None):
-    cr, pr = regs or default_regs(nc)
+def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None):
+    cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
-                          pin_exps=pin, persistent=pers)
+                          pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
 
 
 def variant_set(name: str) -> list[GluonFwdVariant]:
@@ -66,15 +66,20 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
              _cfg(nc=3, bn=64, stages=6)],
     }
     if name == "full":
-        timed[128] += [_cfg(pin=True, pers=True), _cfg(bn=64, stages=4, pin=True), _cfg(nc=3, bn=64, stages=4)]
-        timed[64] += [_cfg(stages=6), _cfg(stages=4, pin=True, pers=True), _cfg(nc=3, stages=4, pin=True),
-                      _cfg(nc=1, stages=4)]
+        timed = {
+            128: [_cfg(), _cfg(pin=True), _cfg(pers=True), _cfg(pin=True, pers=True), _cfg(bn=64, stages=4, pin=True),
+                  _cfg(nc=1, bn=64, ctas=2), _cfg(nc=1, bn=64, ctas=2, pin=True), _cfg(nc=1, bn=64, ctas=2, pers=True)],
+            64: [_cfg(stages=4), _cfg(stages=4, pin=True), _cfg(stages=4, pers=True), _cfg(stages=4, pin=True, pers=True),
+                 _cfg(nc=3, bn=64, stages=6), _cfg(nc=1, stages=3, ctas=2), _cfg(nc=1, stages=3, ctas=2, pin=True),
+                 _cfg(nc=1, stages=3, ctas=2, pers=True), _cfg(nc=1, bn=64, stages=4, ctas=2),
+                 _cfg(nc=3, stages=4), _cfg(nc=3, stages=4, pers=True)],
+        }
     out = []
     for d, cfgs in timed.items():
         for mask in ("none", "causal"):
             out += [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, mask), c) for c in cfgs]
         out.append(GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "window"), cfgs[0]))
-        out.append(GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "window"), cfgs[2]))
+        out.append(GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "window"), cfgs[-1]))
         out.append(GluonFwdVariant(GluonFwdSpec("float16", d, d, "causal"), cfgs[0]))
     for d, dv in ((128, 64), (64, 128), (96, 96), (192, 192), (256, 256), (192, 128)):
         s = GluonFwdSpec("bfloat16", d, dv, "causal")

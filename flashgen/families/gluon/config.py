@@ -30,11 +30,16 @@ def pad(d: int) -> int:
 REGS_PER_SM = 65536
 MAX_REGS_PER_THREAD = 255
 SMEM_LIMIT_BYTES = 232448
+#: Shared memory of one SM, and what the driver reserves per resident block.
+SMEM_PER_SM_BYTES = 233472
+SMEM_RESERVED_PER_CTA_BYTES = 1024
 WARPGROUP_THREADS = 128
 #: Registers a consumer thread needs beyond its tiles (indices, row vectors, barriers,
-#: addresses); calibrated against ptxas on compiled variants (d64 BLOCK_N 128 with 3
-#: consumers at 160 registers: no spill unmasked, 184 B of spills causal, 1.7 KB pinned).
-CONSUMER_OVERHEAD_REGS = 40
+#: addresses), and more for the mask arithmetic of masked modes; calibrated against
+#: ptxas on compiled variants (d64 BLOCK_N 128 with 3 consumers at 160 registers: no
+#: spill unmasked, 184 B of spills causal, 1.7 KB pinned).
+CONSUMER_OVERHEAD_REGS = 32
+MASK_OVERHEAD_REGS = 8
 #: Shared memory Triton adds beyond the named buffers (alignment of the allocations).
 SMEM_SLACK_BYTES = 1024
 
@@ -62,8 +67,12 @@ class GluonFwdConfig:
                    consumer warpgroup and of the producer's warpgroup.
     pin_exps       keep the exponentials between the two wgmma waits in the SASS (a
                    never-taken predicated shared store; measure on vs off).
-    persistent     one program per SM walks the (query block, z * h) tiles, longest
-                   first for masked modes, instead of one program per tile.
+    persistent     one program per SM slot walks the (query block, z * h) tiles
+                   round-robin instead of one program per tile (mask none only).
+    ctas_per_sm    programs resident on one SM (1 or 2): the launch register cap and
+                   the shared memory of a program are the SM's divided by it (two
+                   one-consumer programs overlap one's prologue and epilogue with the
+                   other's matrix work).
     """
 
     BLOCK_M: int = 64
@@ -74,6 +83,7 @@ class GluonFwdConfig:
     producer_regs: int = 24
     pin_exps: bool = False
     persistent: bool = False
+    ctas_per_sm: int = 1
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,8 @@ class GluonFwdVariant:
         s, c = self.spec, self.config
         dv = "" if s.head_dim_v == s.head_dim else f"_dv{s.head_dim_v}"
         dt = {"float16": "fp16", "bfloat16": "bf16"}.get(s.dtype, s.dtype)
-        tail = ("_pin" if c.pin_exps else "") + ("_pers" if c.persistent else "")
+        tail = ("_pin" if c.pin_exps else "") + ("_pers" if c.persistent else "") + \
+            (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{s.mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
                 f"_s{c.num_stages}_r{c.consumer_regs}-{c.producer_regs}{tail}")
 
@@ -102,7 +113,15 @@ def maxnreg(c: GluonFwdConfig) -> int:
     """The launch register cap (a multiple of 8) that lets one program hold the whole
     register file: setmaxnreg moves registers between warpgroups only when the kernel
     starts with a cap."""
-    return min(MAX_REGS_PER_THREAD, REGS_PER_SM // (warpgroups(c) * WARPGROUP_THREADS)) // 8 * 8
+    return min(MAX_REGS_PER_THREAD, REGS_PER_SM // (c.ctas_per_sm * warpgroups(c) * WARPGROUP_THREADS)) // 8 * 8
+
+
+def smem_limit(c: GluonFwdConfig) -> int:
+    """Shared memory one program may use: the block limit, or the SM's share per
+    resident program when several are."""
+    if c.ctas_per_sm == 1:
+        return SMEM_LIMIT_BYTES
+    return SMEM_PER_SM_BYTES // c.ctas_per_sm - SMEM_RESERVED_PER_CTA_BYTES
 
 
 def consumer_regs_needed(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
@@ -114,7 +133,8 @@ def consumer_regs_needed(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
     o = per * pad(s.head_dim_v) // 2
     sc = per * c.BLOCK_N // 2
     p16 = per * c.BLOCK_N // 4
-    return o + sc + p16 + CONSUMER_OVERHEAD_REGS + (sc // 2 if c.pin_exps else 0)
+    return (o + sc + p16 + CONSUMER_OVERHEAD_REGS + (MASK_OVERHEAD_REGS if s.mask != "none" else 0)
+            + (sc // 2 if c.pin_exps else 0))
 
 
 def smem_terms(s: GluonFwdSpec, c: GluonFwdConfig) -> dict[str, int]:
@@ -155,6 +175,11 @@ def check(v: GluonFwdVariant) -> list[str]:
         why.append(f"num_consumers={c.num_consumers}: 1, 2 or 3 consumer warpgroups")
     if c.BLOCK_N not in (64, 128):
         why.append(f"BLOCK_N={c.BLOCK_N}: 64 or 128 (a power of two, the scores' wgmma N <= 256)")
+    if c.persistent and s.mask != "none":
+        why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
+                   "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
+    if c.ctas_per_sm not in (1, 2):
+        why.append(f"ctas_per_sm={c.ctas_per_sm}: 1 or 2 programs per SM")
     if not 2 <= c.num_stages <= 8:
         why.append(f"num_stages={c.num_stages}: 2..8 ring slots")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -174,9 +199,9 @@ def check(v: GluonFwdVariant) -> list[str]:
     if c.producer_regs < 24:
         why.append("producer_regs < 24")
     total = smem_bytes(s, c)
-    if total > SMEM_LIMIT_BYTES:
+    if total > smem_limit(c):
         terms = ", ".join(f"{k} {b}" for k, b in smem_terms(s, c).items())
-        why.append(f"shared memory {total} B > {SMEM_LIMIT_BYTES} B ({terms})")
+        why.append(f"shared memory {total} B > {smem_limit(c)} B for {c.ctas_per_sm} program(s) per SM ({terms})")
     return why
 
 
@@ -184,10 +209,11 @@ def valid(v: GluonFwdVariant) -> bool:
     return not check(v)
 
 
-def default_regs(num_consumers: int) -> tuple[int, int]:
+def default_regs(num_consumers: int, ctas_per_sm: int = 1) -> tuple[int, int]:
     """(consumer_regs, producer_regs) that fill the register pool of
-    ``num_consumers`` consumers: 1 -> (240, 24), 2 -> (240, 24), 3 -> (160, 32)."""
-    c = GluonFwdConfig(num_consumers=num_consumers)
+    ``num_consumers`` consumers: 1 -> (240, 24), 2 -> (240, 24), 3 -> (160, 32); two
+    one-consumer programs per SM -> (232, 24)."""
+    c = GluonFwdConfig(num_consumers=num_consumers, ctas_per_sm=ctas_per_sm)
     pool = maxnreg(c) * warpgroups(c)
     producer = 24 if num_consumers < 3 else 32
     return min(240, (pool - producer) // num_consumers // 8 * 8), producer
@@ -209,11 +235,11 @@ def default_config(s: GluonFwdSpec) -> GluonFwdConfig:
 def space(s: GluonFwdSpec):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
     :func:`check`)."""
-    for nc, bn, stages, pin, pers in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True),
-                                                       (False, True)):
-        cr, pr = default_regs(nc)
+    for nc, bn, stages, pin, pers, ctas in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True),
+                                                             (False, True), (1, 2)):
+        cr, pr = default_regs(nc, ctas)
         cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
-                             pin_exps=pin, persistent=pers)
+                             pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
         if valid(GluonFwdVariant(s, cfg)):
             yield cfg
 
@@ -225,7 +251,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 head_dim_v_pad=pad(s.head_dim_v), mask=s.mask, BLOCK_M=c.BLOCK_M,
                 NUM_CONSUMERS=c.num_consumers, BLOCK_N=c.BLOCK_N, NUM_STAGES=c.num_stages,
                 CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
-                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent)
+                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent, CTAS_PER_SM=c.ctas_per_sm)
 
 
 def replace(c: GluonFwdConfig, **kw) -> GluonFwdConfig:

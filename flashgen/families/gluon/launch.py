@@ -119,7 +119,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     rows = config.BLOCK_M
     num_m_blocks = -(-sq // (rows * config.num_consumers))
     num_tiles = num_m_blocks * b * h
-    grid = (min(num_tiles, _sm_count(q.device)) if config.persistent else num_tiles,)
+    grid = (min(num_tiles, _sm_count(q.device) * config.ctas_per_sm) if config.persistent else num_tiles,)
     mod.attn_fwd[grid](
         _descriptor(q, rows, pad(d)), _descriptor(k, config.BLOCK_N, pad(d)), _descriptor(v, config.BLOCK_N, pad(dv)),
         _descriptor(out, rows, pad(dv)), lse, softmax_scale * LOG2E,
