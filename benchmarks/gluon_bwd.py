@@ -29,11 +29,20 @@ sys.path.insert(0, str(ROOT))
 #: (batch, num_heads, seqlen, head_dim, causal): issue 16's table.
 SHAPES = [(4, 16, 4096, 128, False), (1, 16, 16384, 128, True), (8, 32, 2048, 64, False), (4, 32, 4096, 64, True),
           (4, 16, 4096, 128, True), (8, 32, 2048, 64, True)]
-#: (config fields, head_dim): the variants one run compiles, checks and times.
-CONFIGS = [((64, 64, 2, 2, "tma"), 128), ((64, 64, 2, 3, "tma"), 128), ((64, 64, 2, 2, "atomic", 240, 24, "ptr", 4), 128),
-           ((64, 64, 2, 2, "tma", 240, 24, "ptr", 4), 128),
-           ((64, 64, 2, 4, "tma", 240, 24, "ptr", 4), 64), ((64, 64, 2, 4, "tma"), 64), ((64, 64, 2, 4, "atomic"), 64),
-           ((64, 64, 1, 4, "tma", 248, 24), 64)]
+#: (config fields, head_dim, full): the variants one run compiles, checks and times; the
+#: fields are GluonBwdConfig's in order (block_m, block_n, consumers, stages, dq_mode,
+#: consumer_regs, producer_regs, row_load, producer_warps, split); "full" adds the window
+#: and float16 checks.
+CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, True), 128, True),
+           ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, True),
+           ((64, 64, 2, 2, "tma", 240, 24, "producer", 1, True), 128, False),
+           ((64, 64, 2, 2, "tma", 240, 24, "producer"), 128, False),
+           ((64, 64, 2, 3, "tma", 240, 24, "tma"), 128, False),
+           ((64, 64, 2, 2, "tma", 240, 24, "ptr"), 128, False),
+           ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, True),
+           ((64, 64, 2, 4, "tma", 240, 24, "tma", 4), 64, True),
+           ((64, 64, 2, 4, "tma", 240, 24, "producer", 1, True), 64, False),
+           ((64, 64, 2, 4, "tma", 240, 24, "ptr", 4), 64, False)]
 #: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
 CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),
           (2, 4, 2, 1000, 1000, False, (-1, -1), "bottom_right", True),
@@ -106,8 +115,8 @@ def _child_variants(specs: list[str], timing: bool) -> None:
         row = {"config": cfg.id, "head_dim": d, "checks": [], "times": []}
         try:
             worst = 0.0
-            # Every config is checked in the modes it is timed in (none, causal); the first
-            # of each head_dim ("full") also in window mode and in float16.
+            # Every config is checked in the modes it is timed in (none, causal); a "full"
+            # one also in window mode and in float16.
             cases = [] if timing else [c for c in CHECKS if full or c[6] == (-1, -1)]
             for case in cases:
                 for dtype_name in (("bfloat16", "float16") if full and case[3] == 1000 and not case[5]
@@ -246,10 +255,7 @@ def main() -> int:
         # variants compile and run their checks.
         warm = subprocess.Popen([sys.executable, __file__, "--child-baselines", "--warm-only"], stdout=wlog,
                                 stderr=subprocess.STDOUT, cwd=str(ROOT))
-        seen, specs = set(), []
-        for f, d in CONFIGS:
-            specs.append(json.dumps([list(f), d, d not in seen]))
-            seen.add(d)
+        specs = [json.dumps([list(f), d, full]) for f, d, full in CONFIGS]
         checked = _run_child(["--child-variants"], specs, 90.0, deadline - 60.0, log)
         try:
             warm.wait(timeout=max(deadline - 50.0 - time.time(), 1.0))

@@ -4,10 +4,11 @@ and register model, rendering, loading and the launcher.
 Three launches make one backward (``attention_bwd``):
 
 1. ``attn_bwd_preprocess``: delta = rowsum(dO * O) and LSE2 = LSE * log2(e) (float32,
-   flat z * h * seqlen_q), and a zeroed float32 dQ accumulator;
+   (z * h, m_pad) with m_pad = seqlen_q rounded up to ROW_PAD, 0 in the padding), and a
+   zeroed float32 dQ accumulator;
 2. ``attn_bwd``: one program per ``block_n * consumers`` key rows of one (batch, kv
-   head), warp-specialized (a 1-warp TMA producer, ``consumers`` warpgroups in one
-   partition); writes dK and dV (summed over the GQA group) and adds each step's dQ
+   head), warp-specialized (a TMA producer warp, ``consumers`` warpgroups, in one
+   lock-step partition or, ``split``, one partition each); writes dK and dV (summed over the GQA group) and adds each step's dQ
    tile into the accumulator (``dq_mode`` "tma": TMA reduce-add; "atomic": atomics);
 3. ``attn_bwd_convert``: dQ = accumulator * softmax_scale in the inputs' dtype.
 
@@ -34,6 +35,11 @@ TEMPLATE = "gluon/attn_bwd.py.j2"
 DTYPES = ("float16", "bfloat16")
 MASKS = ("none", "causal", "window")
 DQ_MODES = ("tma", "atomic")
+ROW_LOADS = ("tma", "producer", "ptr")
+#: LSE2 / delta rows are padded to a multiple of this (the largest block_m): every
+#: (1, block_m) box and every pointer load of a query block stays in the buffer, and the
+#: 2-D descriptor's row stride (ROW_PAD * 4 bytes) is 16-byte aligned as TMA requires.
+ROW_PAD = 128
 HEAD_DIMS = (64, 128)
 #: Shared memory per block (opt-in) and registers per SM on sm_90.
 SMEM_LIMIT_BYTES = 232448
@@ -59,10 +65,16 @@ class GluonBwdConfig:
                     "atomic" (float32 atomics from registers).
     consumer_regs:  setmaxnreg budget of each consumer thread (multiple of 8, 24..248).
     producer_regs:  setmaxnreg budget of each producer thread.
-    row_load:       "tma" (LSE2 and delta tiles by the producer's 1-D TMA into the ring)
-                    or "ptr" (the consumers load them from global memory).
+    row_load:       how LSE2 and delta reach the consumers: "tma" (the producer's 2-D TMA
+                    copies, box (1, block_m), into the ring; a 1-D copy faulted on the
+                    H200), "producer" (the producer's pointer loads, stored into the ring
+                    before its second arrival on the slot's ready barrier) or "ptr" (the
+                    consumers load them from global memory).
     producer_warps: warps of the producer partition (1 or 4; it occupies a warpgroup
                     either way).
+    split:          each consumer warpgroup is a partition of its own (they drift apart;
+                    each has its own dS^T tile and dQ reduce-add), instead of one
+                    lock-step partition of 4 * consumers warps.
     """
 
     block_m: int = 64
@@ -74,6 +86,7 @@ class GluonBwdConfig:
     producer_regs: int = 24
     row_load: str = "ptr"
     producer_warps: int = 1
+    split: bool = False
 
     @property
     def block_nt(self) -> int:
@@ -81,9 +94,20 @@ class GluonBwdConfig:
         return self.block_n * self.consumers
 
     @property
+    def parts(self) -> int:
+        """Consumer partitions."""
+        return self.consumers if self.split else 1
+
+    @property
+    def part_rows(self) -> int:
+        """Key rows of one consumer partition."""
+        return self.block_nt // self.parts
+
+    @property
     def num_warps(self) -> int:
-        """Warps of the consumer (default) partition; the producer adds one warp."""
-        return 4 * self.consumers
+        """Warps of the default partition (the first consumer partition); the other
+        consumer partitions and the producer's warpgroup add theirs."""
+        return 4 * self.consumers // self.parts
 
     @property
     def maxnreg(self) -> int:
@@ -91,7 +115,7 @@ class GluonBwdConfig:
         the block (the producer's warp occupies a warpgroup of its own), rounded down to
         a multiple of 8; setmaxnreg then moves registers from the producer to the
         consumers."""
-        warps = self.num_warps + 4
+        warps = 4 * self.consumers + 4
         return min(MAX_REGS, REGS_PER_SM // (32 * warps) // 8 * 8)
 
     @property
@@ -99,7 +123,8 @@ class GluonBwdConfig:
         return (f"m{self.block_m}_n{self.block_n}_c{self.consumers}_s{self.stages}_{self.dq_mode}"
                 f"_r{self.consumer_regs}-{self.producer_regs}"
                 + ("" if self.row_load == "ptr" else f"_rows-{self.row_load}")
-                + ("" if self.producer_warps == 1 else f"_p{self.producer_warps}"))
+                + ("" if self.producer_warps == 1 else f"_p{self.producer_warps}")
+                + ("_split" if self.split else ""))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -115,9 +140,9 @@ def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> di
         "v": c.block_nt * head_dim * elem_bytes,
         "q_ring": c.stages * c.block_m * head_dim * elem_bytes,
         "do_ring": c.stages * c.block_m * head_dim * elem_bytes,
-        "lse_delta_ring": 2 * c.stages * c.block_m * 4 if c.row_load == "tma" else 0,
+        "lse_delta_ring": 2 * c.stages * c.block_m * 4 if c.row_load != "ptr" else 0,
         "ds": c.block_nt * c.block_m * elem_bytes,
-        "dq_tile": c.block_m * head_dim * 4 if c.dq_mode == "tma" else 0,
+        "dq_tile": c.parts * c.block_m * head_dim * 4 if c.dq_mode == "tma" else 0,
         "barriers": 8 * (1 + 2 * c.stages),
         "alignment": 256,
     }
@@ -133,14 +158,17 @@ def consumer_regs_estimate(config: GluonBwdConfig, head_dim: int) -> int:
     against ptxas by tests/test_gluon_bwd.py): the dK and dV accumulators (float32,
     block_n x head_dim per warpgroup) live throughout; S^T and dP^T (float32) with
     P^T (16-bit) at the dS^T step, or the dQ tile (float32, split over the
-    consumers) with the 16-bit P^T and dS^T operands of the in-flight wgmmas; plus
-    about 32 for addresses, indices and the loop state."""
+    consumers of a lock-step partition, whole in each split partition) with the 16-bit
+    P^T and dS^T operands of the in-flight wgmmas; plus about 32 for addresses, indices
+    and the loop state."""
     c = config
     per_wg = 128  # threads of one warpgroup
     acc = 2 * c.block_n * head_dim // per_wg
     st = c.block_n * c.block_m // per_wg
     op16 = st // 2
-    dq = c.block_m * head_dim // (per_wg * c.consumers)
+    dq = c.block_m * head_dim // (per_wg * c.consumers // c.parts)
+    if c.split and c.dq_mode == "tma" and head_dim >= 128:
+        dq //= 2  # two column halves
     return acc + max(2 * st + op16, dq + 2 * op16) + 32
 
 
@@ -163,27 +191,26 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"consumers {c.consumers} must be 1 or 2 (the partition's warp count is a power of two)")
     if not 1 <= c.stages <= 4:
         out.append(f"stages {c.stages} must be 1 to 4")
-    if c.row_load == "tma":
-        out.append("row_load 'tma' faults on the H200 (illegal instruction in the 1-D TMA copy of LSE2/delta, "
-                   "docs/results/h200/gluon_bwd/); compiled only as a probe (render(..., check=False))")
-    elif c.row_load != "ptr":
-        out.append(f"row_load {c.row_load!r} is not 'tma' or 'ptr'")
+    if c.row_load not in ROW_LOADS:
+        out.append(f"row_load {c.row_load!r} is not one of {ROW_LOADS}")
     if c.producer_warps not in (1, 4):
         out.append(f"producer_warps {c.producer_warps} must be 1 or 4")
+    if c.split and c.consumers != 2:
+        out.append(f"split needs 2 consumers (got {c.consumers}): one 4-warp partition each")
     if c.dq_mode not in DQ_MODES:
         out.append(f"dq_mode {c.dq_mode!r} is not one of {DQ_MODES}")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
         if r % 8 or not 24 <= r <= MAX_REGS:
             out.append(f"{name} {r} must be a multiple of 8 in 24..{MAX_REGS} (setmaxnreg)")
     if c.consumers in (1, 2):
-        total = 32 * (c.num_warps * c.consumer_regs + 4 * c.producer_regs)
+        total = 32 * (4 * c.consumers * c.consumer_regs + 4 * c.producer_regs)
         if total > REGS_PER_SM:
             out.append(f"register budgets need {total} registers per block, more than the SM's {REGS_PER_SM}")
         if c.consumer_regs < c.maxnreg or c.producer_regs > c.maxnreg:
             out.append(f"setmaxnreg moves registers from the producer to the consumers: producer_regs "
                        f"{c.producer_regs} <= maxnreg {c.maxnreg} <= consumer_regs {c.consumer_regs}")
     if head_dim in HEAD_DIMS and c.block_n == 64 and c.consumers in (1, 2):
-        if c.consumers and head_dim % (8 * c.consumers):
+        if not c.split and head_dim % (8 * c.consumers):
             out.append(f"head_dim {head_dim} must split over {c.consumers} consumers in multiples of 8 (dQ wgmma)")
         need = consumer_regs_estimate(c, head_dim)
         if need > c.consumer_regs:
@@ -200,26 +227,33 @@ def is_valid(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat16", mas
 
 
 def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> list[GluonBwdConfig]:
-    """Every valid config for (head_dim, dtype, mask)."""
+    """Every valid config for (head_dim, dtype, mask).  LSE2 / delta come through the ring
+    ("tma" or "producer"); the consumers' own pointer loads ("ptr") cost registers and
+    spill at head_dim 128 (0.67x the "tma" variant on the H200), so they are left out."""
     out = []
     for block_m in (64, 128):
         for consumers in (1, 2):
-            for stages in (1, 2, 3, 4):
-                for dq_mode in DQ_MODES:
-                    c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
-                                       240 if consumers == 2 else MAX_REGS, 24)
-                    if is_valid(c, head_dim, dtype, mask):
-                        out.append(c)
+            for split in ((False, True) if consumers == 2 else (False,)):
+                for stages in (1, 2, 3, 4):
+                    for dq_mode in DQ_MODES:
+                        for row_load in ("tma", "producer"):
+                            c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
+                                               240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split)
+                            if is_valid(c, head_dim, dtype, mask):
+                                out.append(c)
     return out
 
 
 def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> GluonBwdConfig:
     """The untuned choice, the fastest config measured on the H200 that passed the float64
-    checks (docs/results/h200/gluon_bwd/): two consumers, BLOCK_M 64, dQ by TMA
-    reduce-add, LSE2/delta by pointer loads; a 2-stage ring at head_dim 128, 4 stages and a
-    4-warp producer at 64."""
+    checks (docs/results/h200/gluon_bwd/rows2d_split_gluon_bwd.json): two consumers,
+    BLOCK_M 64, dQ by TMA reduce-add, LSE2/delta by the producer's 2-D TMA; at head_dim 128
+    one lock-step consumer partition and a 2-stage ring (the split partitions measured
+    0.92x of it: twice the dQ reduce-add bytes, dQ in two halves), at 64 split consumer
+    partitions and 4 stages (1.02-1.07x the lock-step one)."""
+    split = head_dim < 128
     c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if head_dim >= 128 else 4, dq_mode="tma",
-                       row_load="ptr", producer_warps=1 if head_dim >= 128 else 4)
+                       row_load="tma", producer_warps=1, split=split)
     reasons = invalid_reasons(c, head_dim, dtype, mask)
     if reasons:
         raise ValueError(f"no Gluon backward for head_dim={head_dim} dtype={dtype} mask={mask}: {reasons[0]}")
@@ -253,7 +287,11 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     c = config
     # dQ (block_m x head_dim): split along M when block_m covers every warpgroup's 64 rows,
     # else along head_dim.
-    if c.block_m >= 64 * c.consumers:
+    # Split partitions at head_dim 128 compute dQ (TMA mode) in two column halves.
+    dq_halves = c.split and c.dq_mode == "tma" and head_dim >= 128
+    if dq_halves:
+        dq_warps, dq_n = [c.num_warps, 1], head_dim // 2
+    elif c.split or c.block_m >= 64 * c.consumers:
         dq_warps, dq_n = [c.num_warps, 1], head_dim
     else:
         dq_warps, dq_n = [4, c.consumers], head_dim // c.consumers
@@ -262,7 +300,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         head_dim=head_dim, mask=mask, BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
-        PRODUCER_WARPS=c.producer_warps)
+        PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
+        NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves)
 
 
 _modules: dict = {}
@@ -307,11 +346,12 @@ def _desc4(t, rows: int, dtype_name: str):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype_name))
 
 
-def _desc1(t, rows: int):
+def _desc_rows(t, rows: int):
+    """2-D descriptor over a (z * h, m_pad) float32 buffer, box (1, rows)."""
     from .shim import TensorDescriptor, gl
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return TensorDescriptor(t, [t.numel()], [1], [rows], layout)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows], layout)
 
 
 def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, config: GluonBwdConfig,
@@ -332,20 +372,21 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     dk = torch.empty((b, hk, sk, d), dtype=k.dtype, device=dev) if dk is None else dk
     dv = torch.empty((b, hk, sk, d), dtype=v.dtype, device=dev) if dv is None else dv
     rows = b * h * sq
-    lse2 = torch.empty(rows, dtype=torch.float32, device=dev)
-    delta = torch.empty(rows, dtype=torch.float32, device=dev)
+    m_pad = -(-sq // ROW_PAD) * ROW_PAD
+    lse2 = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
+    delta = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     dqacc = torch.empty((b, h, sq, d), dtype=torch.float32, device=dev)
     c = config
-    pre_grid = (math.ceil(rows / PRE_ROWS),)
+    pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
-            _desc4(do, c.block_m, dtype_name), _desc1(lse2, c.block_m), _desc1(delta, c.block_m),
+            _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
             _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, dk, dv, float(softmax_scale) * 1.4426950408889634,
-            float(softmax_scale), h, hk, sq, sk, int(diag_lo), int(diag_hi))
+            float(softmax_scale), h, hk, sq, sk, int(diag_lo), int(diag_hi), m_pad)
     return {
         "dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc,
-        "preprocess": (pre_grid, (o, do, lse, lse2, delta, dqacc, rows, True)),
+        "preprocess": (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True)),
         "main": ((math.ceil(sk / c.block_nt), b * hk), main),
-        "convert": (pre_grid, (dqacc, dq, rows, float(softmax_scale))),
+        "convert": ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale))),
     }
 
 
