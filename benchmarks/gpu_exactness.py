@@ -2,7 +2,7 @@
 and float16 at larger sizes, every valid + feasible config of the tuning search space,
 a tensor of more than 2^31 elements, and batch * heads = 70000 (the 1-D grid).
 
-    PYTHONPATH=. python3 benchmarks/gpu_exactness.py --out $OUT/gpu_exactness.json
+    PYTHONPATH=. python3 benchmarks/gpu_exactness.py --out gpu_exactness.json
 
 Parts (each case's outputs are poisoned with NaN first, and compared per output -- O,
 LSE, dQ, dK, dV -- with the float64 reference: ratio = err / (2 * err of torch at the

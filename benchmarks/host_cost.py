@@ -130,7 +130,7 @@ def main() -> int:
              ("attention (no grad)", lambda: flashgen.attention(q, k, v))]
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     cands.append(("attention (requires_grad)", lambda: flashgen.attention(qg, kg, vg)))
-    # The session-5 question: at this shape fwd+bwd took 0.27 ms more than fwd and bwd
+    # The open question: at this shape fwd+bwd took 0.27 ms more than fwd and bwd
     # timed apart; a host-bound per-call time near the GPU time says the host is the gap.
     cands.append(("forward+backward (autograd.grad)",
                   lambda: torch.autograd.grad(flashgen.attention(qg, kg, vg), (qg, kg, vg), q)))

@@ -1,16 +1,17 @@
-"""Join several ``flashgen bench`` runs (e.g. the four fa-grid quarters of
-``benchmarks/gpu_session5.sh``) into one table and the geometric means of issue 4:
+"""Join several ``flashgen bench`` runs (e.g. one run per (head_dim, mask) quarter of
+the fa-grid) into one table and the geometric means of issue 4:
 each backend's forward / backward / forward+backward TFLOP/s over SDPA cuDNN's and SDPA
 flash's, per shape, over the whole set and per (head_dim, mask).
 
 Inputs are ``bench.json`` files, or, for a run whose JSON did not come back, the
 table ``flashgen bench`` printed (its log; the TFLOP/s there are rounded to integers,
 so a ratio from a log carries up to 0.5 TFLOP/s of rounding in each cell: 0.3% at 169
-TFLOP/s, the smallest cell of session 5's log).  A cell without a number (an error,
+TFLOP/s, the smallest cell of the fa-grid log in docs/results/h200).  A cell without a number (an error,
 or a metric the backend did not run) is left out of the ratios that need it.
 
-    python3 benchmarks/merge_bench.py docs/h200/session5/bench_d64_none.log \\
-        docs/h200/session5/bench_d*_*/bench.json --markdown docs/h200/session5/fa_grid.md
+    R=docs/results/h200/fa-grid/five-backends
+    python3 benchmarks/merge_bench.py $R/d64_none.log $R/d128_causal/bench.json \\
+        $R/d128_none/bench.json $R/d64_causal/bench.json --markdown $R/merged.md
 """
 
 from __future__ import annotations

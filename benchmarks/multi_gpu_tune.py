@@ -15,7 +15,7 @@ differ, how far apart the two configs measured (in the 1-worker DB), which is ti
 noise when below a few percent.
 
 Usage (repository root, a machine with N GPUs, optuna and sqlite-utils importable):
-    python3 benchmarks/multi_gpu_tune.py --workers 2 --keys 16 --out $OUT/multi_gpu_tune.json
+    python3 benchmarks/multi_gpu_tune.py --workers 2 --keys 16 --out multi_gpu_tune.json
 """
 
 from __future__ import annotations

@@ -18,8 +18,13 @@ Columns (microseconds per call, forward, no autograd, bf16, causal, GQA 32/8, d 
 Per-call time = wall time of N back-to-back calls / N, synchronized once at the end
 (best of R repeats); where it exceeds the kernel's GPU time, the call is host-bound.
 
-    PYTHONPATH=. python3 benchmarks/overhead.py            # on a GPU
+    PYTHONPATH=. python3 benchmarks/overhead.py --out overhead.json    # on a GPU
     PYTHONPATH=. python3 benchmarks/overhead.py --mock     # on CPU: launches replaced by a no-op
+
+Before timing a shape, flashgen's output and gradients on it are checked against the
+float64 reference (``flashgen.compare.check_slice``: batch 0, kv head 0's query heads;
+error <= 2x torch's at the dtype + a floor); a failed check makes the exit status 1.
+``--out`` writes every row (microseconds per column, and the check's ratios) as JSON.
 
 ``--mock`` measures the Python side only: CPU tensors, TRITON_INTERPRET=1 so the kernel
 path is taken, and each kernel handle replaced by one whose launch does nothing (the raw
@@ -41,6 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=2000, help="calls per timing")
     p.add_argument("-r", type=int, default=5, help="repeats (best is reported)")
     p.add_argument("--shapes", default="1x128,4x128,16x128,1x4096", help="seqlen_q x seqlen_k, comma-separated")
+    p.add_argument("--out", default=None, help="JSON output path")
     args = p.parse_args(argv)
     if args.mock:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -50,6 +56,7 @@ def main(argv=None) -> int:
 
     import flashgen
     from flashgen import library, ops
+    from flashgen.compare import Case, check_slice
     from flashgen.masks import mask_bounds
 
     if not args.mock and not torch.cuda.is_available():
@@ -83,17 +90,22 @@ def main(argv=None) -> int:
     # the reference path instead of the kernels).
     dtype = torch.float16 if args.mock else torch.bfloat16
     print(f"{'shape (' + ('fp16' if args.mock else 'bf16') + ', causal)':28}" + "".join(f"{c:>19}" for c in cols))
-    results = []
+    results, failed = [], False
     for spec in args.shapes.split(","):
         sq, sk = (int(x) for x in spec.split("x"))
         b, h, hk, d = 1, 32, 8, 128
         q = torch.randn(b, h, sq, d, device=device, dtype=dtype)
         k = torch.randn(b, hk, sk, d, device=device, dtype=dtype)
         v = torch.randn(b, hk, sk, d, device=device, dtype=dtype)
+        check = check_slice(q, k, v, torch.randn_like(q), Case(b, h, hk, sq, sk, d, causal=True))
+        if max(check.values()) > 1:
+            print(f"float64 check failed at sq{sq} sk{sk}: {check}")
+            failed = True
         mode, lo, hi = mask_bounds(sq, sk, causal=True, window=(-1, -1))
         cfg, mod = library.kernel_for("fwd", q, k, v, mode)
+        real_kernel = mod.attn_fwd
         if args.mock:
-            mod.attn_fwd = NoLaunch()
+            mod.attn_fwd = NoLaunch()  # restored below: the next shape's check runs the kernel
         scale = d ** -0.5
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device=device, dtype=torch.float32)
@@ -136,8 +148,17 @@ def main(argv=None) -> int:
                 t["kernel (GPU)"] = triton.testing.do_bench(raw, return_mode="median") * 1e3
         name = f"b{b} h{h}/{hk} sq{sq} sk{sk} d{d}"
         print(f"{name:28}" + "".join(f"{t[c]:19.1f}" for c in cols))
-        results.append((name, t))
-    return 0
+        results.append(dict(shape=name, us=t, check=check))
+        mod.attn_fwd = real_kernel
+    if args.out:
+        import json
+
+        meta = dict(device="CPU, launches mocked" if args.mock else torch.cuda.get_device_name(),
+                    torch=torch.__version__, dtype=str(dtype).replace("torch.", ""), calls=args.n, repeats=args.r,
+                    unit="us per call (best of repeats)", check="float64 reference, ratio <= 1 passes")
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=results), f, indent=1)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 (TPE) trials does flashgen's tuner need to come within 2% of the exhaustive best?
 
 Input: a tuning DB in which keys were tuned with ``--sampler grid`` (every valid,
-feasible config measured once), e.g. docs/h200/session2/grid_exhaustive_16keys.sqlite
+feasible config measured once), e.g.
+docs/results/h200/tuning/search-efficiency/grid_exhaustive_16keys.sqlite
 from ``benchmarks/multi_gpu_tune.py`` on the H200.  For each chosen key the recorded
 timings are replayed through the real tuner (``tuner.tune_key`` with a FakeBenchmarker:
 same study, sampler, constraints and default-first enqueue as ``flashgen tune``), for
@@ -15,8 +16,9 @@ itself picked from this exhaustive data, so it is a head start) and ``unbiased``
 pre-TMA default of the previous templates is enqueued instead).
 
 No GPU needed.  Usage:
-    python3 benchmarks/search_efficiency.py docs/h200/session2/grid_exhaustive_16keys.sqlite \\
-        --keys 4 --seeds 20 --out docs/h200/session2/search_efficiency.json
+    python3 benchmarks/search_efficiency.py \\
+        docs/results/h200/tuning/search-efficiency/grid_exhaustive_16keys.sqlite \\
+        --keys 4 --seeds 20 --out search_efficiency.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ spills (``ptxas -v``).  Run without TRITON_INTERPRET (the interpreter compiles n
 Each case is kernel,dtype,head_dim,mask,BLOCK_M:BLOCK_N:num_warps:num_stages[:tma][,mods]
 (head_dim_v = head_dim).  ``--launch-like`` compiles with the specializations a launch on
 contiguous inputs gets (integer arguments divisible by 16 marked so, the bias's column
-stride 1 a constant): what session 3 used to find the causal-bias spills (docs/notes.md).
+stride 1 a constant): how the causal-bias spills were found (docs/design.md).
 A tma variant with a bias compiles its descriptor path (BIAS_TMA, what an addressable
 bias launches); ``--bias-pointer`` compiles its pointer fallback instead.
 ``tests/sm90.py`` uses :func:`compile_sm90` for the compile tests.

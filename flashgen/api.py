@@ -275,7 +275,8 @@ def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
               return_lse: bool = False, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None):
+              bias: torch.Tensor | None = None, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
+              score_mod=None, mask_mod=None, sinks: torch.Tensor | None = None):
     """Exact attention ``softmax(q @ k^T * softmax_scale) @ v``, FlashAttention-style.
 
     Args:
@@ -332,6 +333,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             device's state, :func:`flashgen.manual_seed`).  A CUDA graph replay
             advances it too, so each replay draws a fresh mask.
 
+    User functions (FlexAttention's signatures, :mod:`flashgen.user_mods`), each
+    distinct function compiled into its own tuned variants; not combined with softcap,
+    alibi_slopes, bias or dropout_p (write those into ``score_mod``):
+
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on s =
+            softmax_scale * q.k (float32, natural units) of batch b, query head h, query
+            row q_idx and key column kv_idx (integers), written with torch operations
+            (arithmetic, comparisons, torch.where, abs, tanh, exp, log, clamp,
+            minimum/maximum, floor, integer division, casts) and reading captured
+            tensors by integer indices (``table[bucket, h]``).  Applied before the
+            mask.  Captured float tensors that require grad get their gradient
+            (accumulated in float32); their values must be finite (mask with
+            ``mask_mod``).  A function is traced once (cached by its code and its
+            closure's objects, so a closure made again on every call over the same
+            objects is not traced again); captured tensors are read at each call.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), ANDed with
+            ``causal``/``window``.  It also gives the block mask: tiles it hides
+            entirely are skipped, tiles it shows entirely run with no mask arithmetic
+            (computed once per function, captured tensors' versions, sizes and tile
+            shape, by evaluating mask_mod with torch on index tensors; cached).
+        sinks: float32 (num_heads,): one extra logit per head in every row's softmax
+            denominator (attention sinks, as in gpt-oss): p_ij = exp(s_ij - LSE_i) with
+            LSE_i = log(exp(sinks[h]) + sum_j exp(s_ij)).  The returned LSE includes the
+            sink; a row that sees no key gets O = 0 and LSE = sinks[h].  Differentiable
+            when it requires grad.
+
     Returns:
         O of shape (batch, num_heads, seqlen_q, head_dim_v), q's dtype; with
         ``return_lse``, also LSE (batch, num_heads, seqlen_q), float32, natural log,
@@ -355,13 +382,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     Raises:
         InputError (a ValueError): an argument breaks a rule; the message names it.
+        UnsupportedError (a NotImplementedError): a score_mod / mask_mod that flashgen
+            cannot compile (the message names the operation), e.g. Python control flow
+            on traced values.
     """
+    if score_mod is not None or mask_mod is not None or sinks is not None:
+        return _attention_user(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
+                               return_lse=return_lse, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                               builtin=(softcap, alibi_slopes, bias, dropout_p, rng_state))
     if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
         return _attention_mods(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                                return_lse=return_lse, align="bottom_right", softcap=softcap,
                                alibi_slopes=alibi_slopes, bias=bias, dropout_p=dropout_p, rng_state=rng_state)
     return _attention(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                       return_lse=return_lse, align="bottom_right")
+
+
+def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score_mod, mask_mod, sinks, builtin):
+    """The path of calls with user functions or sinks (:mod:`flashgen.user_mods`)."""
+    from . import user_mods
+
+    softcap, alibi_slopes, bias, dropout_p, rng_state = builtin
+    if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
+        raise InputError("score_mod, mask_mod and sinks are not combined with softcap, alibi_slopes, bias or "
+                         "dropout_p: write those into score_mod")
+    _check_return_lse(return_lse)
+    q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, "bottom_right")
+    o, lse = user_mods.attention(q, k, v, scale, mask, lo, hi, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+    return (o, lse) if return_lse else o
 
 
 # -- ragged batches (varlen) -------------------------------------------------------------
@@ -496,6 +544,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 # -- decode with a KV cache (flash-decoding) ----------------------------------------------
 
+#: The layouts attention_with_kvcache takes, named in its shape errors.
+_KV_LAYOUT = ("q is (batch, seqlen_q, num_heads, head_dim) and k_cache/v_cache are (batch, seqlen_cache, "
+              "num_kv_heads, head_dim) (paged: (num_pages, page_size, num_kv_heads, head_dim)), FlashAttention's "
+              "layout; a tensor in (batch, heads, seqlen, head_dim) layout needs .transpose(1, 2)")
+
+
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, return_lse):
     """Checks of :func:`attention_with_kvcache`; returns the cache capacity (key slots per
     batch entry: seqlen_cache, or max_pages * page_size)."""
@@ -508,13 +562,20 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
                 "head_dim) with block_table")
             raise InputError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
     _check_like_q(q, (("k_cache", k_cache), ("v_cache", v_cache)))
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.requires_grad:
+                raise InputError(f"{name} requires grad, but attention_with_kvcache is not differentiable (inference "
+                                 "only): call it under torch.no_grad() or torch.inference_mode(), or pass detached "
+                                 "tensors; flashgen.attention is the differentiable op")
     b, _, h, d = q.shape
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise InputError(f"k_cache and v_cache must agree in their first 3 dims, got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
     hk = k_cache.shape[2]
     if hk == 0 or h % hk != 0:
-        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k_cache/v_cache ({hk})")
+        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k_cache/v_cache ({hk}); "
+                         f"attention_with_kvcache reads dim 2 as the heads: {_KV_LAYOUT}")
     if k_cache.shape[3] != d:
         raise InputError(f"k_cache.shape[-1] (head_dim {k_cache.shape[3]}) must equal q.shape[-1] ({d})")
     _check_head_dims((("q/k_cache head_dim", d), ("v_cache head_dim", v_cache.shape[3])))
@@ -530,7 +591,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
     if block_table is None:
         if k_cache.shape[0] != b:
             raise InputError(f"k_cache.shape[0] ({k_cache.shape[0]}) must equal q's batch ({b}) for a contiguous "
-                             "cache (pass block_table for a paged one)")
+                             f"cache (pass block_table for a paged one); {_KV_LAYOUT}")
         capacity = k_cache.shape[1]
     else:
         if not isinstance(block_table, torch.Tensor):
@@ -611,7 +672,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         O of shape (batch, seqlen_q, num_heads, head_dim_v), q's dtype; with
         ``return_lse`` also LSE (batch, num_heads, seqlen_q), float32, natural log.
         A row that sees no key (cache_seqlens[b] == 0, or causal rows before the first
-        key) gets O = 0 and LSE = -inf.  Not differentiable (inference only).
+        key) gets O = 0 and LSE = -inf.  Not differentiable (inference only): with
+        grad mode on, an input that requires grad is an InputError on every path
+        (eager, torch.compile, the reference and the kernels alike).
 
     The ProblemKey buckets seqlen_q (1, 2, 4, 8, 16, ...), the cache's capacity (not
     the per-batch lengths: reading them would synchronize) and batch * num_heads; the
@@ -621,8 +684,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Raises:
         InputError (a ValueError), naming the argument and the rule: wrong rank, dtype
-        or device; k_cache/v_cache shapes that disagree with each other or with q;
-        head counts that are not a multiple; head dims not a multiple of 8 in [8, 256];
+        or device; q, k_cache or v_cache requiring grad while grad mode is on;
+        k_cache/v_cache shapes that disagree with each other or with q; head counts
+        that are not a multiple (the message names the expected layouts); head dims not a multiple of 8 in [8, 256];
         cache_seqlens not int32 of shape (batch,); block_table not int32 of shape
         (batch, max_pages) with a last-dim stride of 1; a page_size that is not a
         multiple of 16; a bad causal, softmax_scale or return_lse.  For CPU tensors
@@ -678,8 +742,6 @@ def _sdpa_shape_reason(query, key, value, enable_gqa) -> str | None:
     for name, dd in (("head_dim", d), ("value head_dim", value.shape[3])):
         if not (8 <= dd <= 256 and dd % 8 == 0):
             return f"{name} {dd} (flashgen: a multiple of 8 in [8, 256])"
-    if b == 0 or hq == 0 or query.shape[2] == 0 or key.shape[2] == 0:
-        return "an empty input (batch, heads or a seqlen of 0)"
     return None
 
 
@@ -753,14 +815,23 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     (so torch's errors are raised unchanged): an ``attn_mask`` of another dtype or
     device, with ``is_causal``, or that requires grad, other ranks or dtypes, head dims
     that are not a multiple of 8 in [8, 256], mismatched head counts without
-    ``enable_gqa``, empty inputs, and ``dropout_p`` > 0 where flashgen's kernels do not
-    run (CPU tensors outside ``TRITON_INTERPRET=1``, bfloat16 in the interpreter).
+    ``enable_gqa``, and ``dropout_p`` > 0 where flashgen's kernels do not run (CPU
+    tensors outside ``TRITON_INTERPRET=1``, bfloat16 in the interpreter).  Empty inputs
+    (batch, heads or a seqlen of 0) are served by flashgen without a launch: the empty
+    output, or zeros where seqlen_k is 0 (torch's CUDA path can return None there).
     :func:`explain` with ``sdpa=True`` says which path a call takes and why.
     """
     if sdpa_fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) is not None:
         kw = {"enable_gqa": True} if enable_gqa else {}  # (torch < 2.5 has no enable_gqa)
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    if key.shape[1] == 0:
+        # No heads on either side (torch requires equal counts here): nothing to compute,
+        # and flashgen's ops take num_kv_heads >= 1.  Zero gradients flow to the inputs.
+        o = query.new_zeros(query.shape[0], 0, query.shape[2], value.shape[3])
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+            o = o + (query.sum() + key.sum() + value.sum()) * 0
+        return o
     if attn_mask is not None or dropout_p:
         return _attention_mods(query, key, value, causal=is_causal, window=(-1, -1), softmax_scale=scale,
                                return_lse=False, align="top_left", softcap=0.0, alibi_slopes=None,
@@ -789,11 +860,13 @@ class KernelChoice:
     smem_breakdown: str
     family: str = "triton"
     unserved: tuple[tuple[str, str], ...] = ()
+    tuned_under: str | None = None  # the row's versions where not the installed ones ("triton 3.6.0")
 
     def __str__(self) -> str:
         row = "no tuned row" if self.tuned_key is None else (
             f"row {self.tuned_key} in {self.database}: median {self.median_ms:.4f} ms"
-            + ("" if self.tflops is None else f", {self.tflops:.1f} TFLOP/s"))
+            + ("" if self.tflops is None else f", {self.tflops:.1f} TFLOP/s")
+            + ("" if self.tuned_under is None else f"; tuned under {self.tuned_under}"))
         why = "".join(f"; {name} does not serve it: {reason}" for name, reason in self.unserved)
         return (f"{self.kernel}: key {self.key}\n    config {self.config} ({self.source}; {row})\n"
                 f"    kernel family {self.family}{why}\n"
@@ -850,6 +923,11 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         if reason is not None:
             return Explanation("torch-sdpa-fallback", "torch.nn.functional.scaled_dot_product_attention", reason,
                                None, None, None, None, ())
+        if k.shape[1] == 0:  # no heads on either side: scaled_dot_product_attention returns the empty output
+            _check_scale_causal(softmax_scale, causal)
+            mask, lo, hi = mask_bounds(q.shape[2], k.shape[2], causal=causal, window=window, align="top_left")
+            scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
+            return Explanation("flashgen", "no launch (no heads: an empty output)", None, mask, lo, hi, scale, ())
     _check(q, k, v, softmax_scale, causal)
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -878,7 +956,7 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
             c = disp.choose(key, capturing=False)
             choices.append(KernelChoice(kernel, key.id, c.config.id, c.source, c.tuned_key, c.database,
                                         c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown, c.family,
-                                        c.unserved))
+                                        c.unserved, c.tuned_under))
         kernels = tuple(choices)
     return Explanation("flashgen", path, None, mask, lo, hi, scale, kernels)
 

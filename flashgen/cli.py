@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -30,7 +30,9 @@ from .spec import DENSE_KERNELS, DTYPES, KERNELS, TileConfig
 #: --db names it.
 DEFAULT_DB = Path("flashgen_tuning.sqlite")
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Plain click help: flags read --causal or --plots/--no-plots and choices are listed
+# (typer's rich panels print "<bool>" beside every flag).
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Generate, tune and inspect flashgen's Triton attention kernels.")
 
 
@@ -58,10 +60,8 @@ def _check_presets(names: list[str]) -> list[str]:
     return names
 
 
-def _check_dtype(dtype: str) -> str:
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}")
-    return dtype
+#: --dtype's choices (listed in --help; anything else is refused naming them).
+DtypeName = Literal[DTYPES]
 
 
 def _check_kernels(kernels: str) -> str:
@@ -94,7 +94,7 @@ def tune(
                                                    "decode, decode-small, mods-bench, mods-d64, mods-small, mods-softcap, mods-alibi, mods-bias, "
                                                    "mods-dropout.")] = ["fa-grid"],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
-    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
+    dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     kernels: Annotated[str, typer.Option(callback=_check_kernels,
                                          help="Comma-separated kernels to tune (default: all; a preset "
                                               "only yields keys of its own kernels).")] = ",".join(KERNELS),
@@ -102,7 +102,14 @@ def tune(
     timeout_per_key: Annotated[float | None, typer.Option(min=0, help="Seconds per key.")] = None,
     fake: Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
                                              help="Replay timings from JSON {variant_id: ms}, variant ids like "
-                                             "attn_fwd_d64_bf16_none_m128_n64_w4_s3 (see flashgen show --all).")] = None,
+                                             "attn_fwd_d64_bf16_none_m128_n64_w4_s3; every variant the run "
+                                             "measures needs one (--fake-template writes them all).")] = None,
+    fake_model: Annotated[bool, typer.Option(
+        "--fake-model", help="No GPU: time each variant with flashgen's byte and shared-memory models "
+                             "(tuner.ModelBenchmarker); the rows are labelled '<device> (model)'.")] = False,
+    fake_template: Annotated[Path | None, typer.Option(
+        dir_okay=False, help="Write a --fake file for this run's variants (every id it would measure, "
+                             "with the model's ms to replace by yours) and exit; never overwrites.")] = None,
     seed: int = 0,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes sharing the studies; "
                                          "one per GPU (round-robin over the visible GPUs).")] = 1,
@@ -115,13 +122,13 @@ def tune(
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
     if sampler not in ("tpe", "grid"):
         raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
-    from . import arch as arch_mod, heuristics, presets, tuner
-    from .db import TuningDB, validate as validate_db
+    from . import arch as arch_mod, presets, tuner
+    from .db import TuningDB, check_writable, validate as validate_db
     from .env import Environment
 
+    if fake is not None and fake_model:
+        raise typer.BadParameter("give one of --fake FILE and --fake-model", param_hint="'--fake' / '--fake-model'")
     console = _console()
-    with _user_errors():  # a foreign or corrupt --db is refused before anything runs
-        validate_db(db)
     items = presets.expand(preset, dtype, kernels.split(","))
     if not items:
         raise typer.BadParameter(
@@ -130,26 +137,35 @@ def tune(
             "bwd_dkdv and their varlen forms)", param_hint="'--kernels'")
     env = Environment.current()
     arch = arch_mod.current()
+    if fake_template is not None:
+        _write_fake_template(fake_template, items, arch)
+        return
+    with _user_errors():  # a foreign, corrupt or unwritable --db is refused before anything runs
+        check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
+        validate_db(db)
     if fake is not None:
         timings = _read_timings(fake)
-        from .spec import Variant
-
-        for key, _ in items:
-            default = Variant(key.spec, heuristics.default_config(key.spec, arch, key))
-            if not any(vid.startswith(key.spec.id + "_") for vid in timings):
-                raise typer.BadParameter(
-                    f"{fake} has no timing for any variant of {key.spec.id} (e.g. {default.id})",
-                    param_hint="'--fake'")
+        missing = [v.id for v in tuner.feasible_variants([k for k, _ in items], arch) if v.id not in timings]
+        if missing:
+            console.print(Text.assemble(("error: ", "red"), f"{fake} lacks timings for {len(missing)} variant(s) "
+                                        "this run may measure; add them all (or write a template with "
+                                        "--fake-template FILE, then edit its ms):"), soft_wrap=True)
+            for vid in missing:
+                console.print(f"  {vid}", markup=False, soft_wrap=True)
+            raise typer.Exit(2)
         bench = tuner.FakeBenchmarker(timings)
         # replayed timings must never be taken for this GPU's
         env = dataclasses.replace(env, gpu_name=f"{env.gpu_name} (fake)")
+    elif fake_model:
+        bench = tuner.ModelBenchmarker(arch)
+        env = dataclasses.replace(env, gpu_name=f"{env.gpu_name} (model)")  # never taken for a GPU's rows
     else:
         import torch
 
         if not torch.cuda.is_available():
             console.print("[red]error:[/] no CUDA device; the real benchmarker times kernels on a GPU "
-                          "(Triton's interpreter has no timings worth tuning on). Use --fake "
-                          "TIMINGS.json to replay recorded timings.")
+                          "(Triton's interpreter has no timings worth tuning on). Use --fake-model "
+                          "(timings from flashgen's models) or --fake TIMINGS.json (recorded timings).")
             raise typer.Exit(2)
         from .bench import KernelBenchmarker
 
@@ -174,37 +190,74 @@ def tune(
 
     console.print(f"tuning {len(items)} keys, {trials} trials each, on {env.gpu_name} -> {db}"
                   f"{f' with {workers} workers' if workers > 1 else ''}", markup=False)
-    if workers > 1:
-        results = _tune_with_workers(items, console, db=db, env=env, arch=arch, trials=trials,
-                                     timeout_per_key=timeout_per_key, seed=seed, workers=workers,
-                                     storage=storage, sampler=sampler,
-                                     fake_timings=_read_timings(fake) if fake is not None else None)
+    with _writing(db):  # nothing is left beside --db when the run fails before a row is written
+        if workers > 1:
+            results = _tune_with_workers(items, console, db=db, env=env, arch=arch, trials=trials,
+                                         timeout_per_key=timeout_per_key, seed=seed, workers=workers,
+                                         storage=storage, sampler=sampler,
+                                         fake_timings=_read_timings(fake) if fake is not None else None,
+                                         fake_model=fake_model)
+            _print_results(console, env, results)
+            _print_explain_hint(console, env, db, items, fake is not None or fake_model)
+            return
+        with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),
+                                            MofNCompleteColumn(), TimeElapsedColumn(),
+                                            console=console) as progress:
+            keys_task = progress.add_task("keys", total=len(items))
+            trials_task = progress.add_task("trials", total=trials)
+
+            def on_key(i, n, key):
+                progress.update(keys_task, completed=i, description=f"key {key.id}")
+                progress.reset(trials_task, total=trials)
+
+            def on_trial(key, n_done, n_total, row):
+                progress.update(trials_task, completed=n_done,
+                                description=f"{row['variant_id']} {row['status']}")
+
+            with _user_errors():
+                results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
+                                     timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
+                                     on_trial=on_trial, storage=storage, sampler=sampler)
+            progress.update(keys_task, completed=len(items))
         _print_results(console, env, results)
+        _print_explain_hint(console, env, db, items, fake is not None or fake_model)
+
+
+def _write_fake_template(path: Path, items, arch) -> None:
+    """Write {variant_id: ms} for every variant a run over ``items`` may measure (valid,
+    fitting ``arch``), with the model's ms (:class:`flashgen.tuner.ModelBenchmarker`)."""
+    from . import tuner
+
+    if path.exists():
+        raise typer.BadParameter(f"{path} exists; the template never overwrites a file",
+                                 param_hint="'--fake-template'")
+    model = tuner.ModelBenchmarker(arch)
+    out: dict[str, float] = {}
+    for key, shape in items:
+        for v in tuner.feasible_variants([key], arch):
+            out.setdefault(v.id, round(model.median_ms(v, shape), 6))
+    with _user_errors():
+        path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    typer.echo(f"wrote {len(out)} variant ids to {path} (the model's ms: replace them with your timings); "
+               f"then: flashgen tune ... --fake {path}")
+
+
+def _print_explain_hint(console, env, db: Path, items, simulated: bool) -> None:
+    """After a simulated run: the explain command that reads its rows (they carry the
+    labelled device name, never this machine's)."""
+    if not simulated or not items:
         return
-    with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),
-                                        MofNCompleteColumn(), TimeElapsedColumn(),
-                                        console=console) as progress:
-        keys_task = progress.add_task("keys", total=len(items))
-        trials_task = progress.add_task("trials", total=trials)
-
-        def on_key(i, n, key):
-            progress.update(keys_task, completed=i, description=f"key {key.id}")
-            progress.reset(trials_task, total=trials)
-
-        def on_trial(key, n_done, n_total, row):
-            progress.update(trials_task, completed=n_done,
-                            description=f"{row['variant_id']} {row['status']}")
-
-        with _user_errors():
-            results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
-                                 timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
-                                 on_trial=on_trial, storage=storage, sampler=sampler)
-        progress.update(keys_task, completed=len(items))
-    _print_results(console, env, results)
+    key, shape = items[0]
+    s = key.spec
+    console.print(f"these rows are for the device {env.gpu_name!r}; see the dispatcher pick them: flashgen explain "
+                  f"--db {db} --gpu '{env.gpu_name}' --batch {shape.batch} --heads {shape.num_heads} --kv-heads "
+                  f"{shape.num_kv_heads} --seqlen-q {shape.seqlen_q} --seqlen-k {shape.seqlen_k} --head-dim "
+                  f"{s.head_dim} --dtype {s.dtype}{' --causal' if s.mask == 'causal' else ''}",
+                  markup=False, soft_wrap=True)
 
 
 def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key, seed, workers,
-                       storage, sampler, fake_timings):
+                       storage, sampler, fake_timings, fake_model=False):
     """``workers`` processes over the same keys, sharing each key's study (Optuna's
     distributed optimization); then the results read back from the DB and studies."""
     import time
@@ -213,7 +266,7 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
     from .db import TuningDB
 
     gpus = 0
-    if fake_timings is None:
+    if fake_timings is None and not fake_model:
         import torch
 
         gpus = torch.cuda.device_count()
@@ -222,7 +275,8 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
                           "interfere", markup=False)
     storage = storage or f"{db}.optuna.journal"
     configs = [tuner.WorkerConfig(i, str(db), storage, env, arch, trials, timeout_per_key, seed, sampler,
-                                  gpu=i % gpus if gpus else None, fake_timings=fake_timings)
+                                  gpu=i % gpus if gpus else None, fake_timings=fake_timings,
+                                  fake_model=fake_model)
                for i in range(workers)]
     t0 = time.perf_counter()
 
@@ -300,15 +354,47 @@ def show(
 
 @contextlib.contextmanager
 def _user_errors():
-    """A user's mistake (a foreign DB file, a bad export) is one line and exit code 2,
-    not a traceback."""
+    """A user's mistake (a foreign DB file, a bad export, a database SQLite cannot
+    write) is one line and exit code 2, not a traceback."""
+    import sqlite3
+
     from .errors import InputError, UnsupportedError
 
     try:
         yield
     except (InputError, UnsupportedError, FileNotFoundError, json.JSONDecodeError) as e:
-        _console().print(f"[red]error:[/] {e}")
+        _console().print(Text.assemble(("error: ", "red"), str(e)), soft_wrap=True)  # one line
         raise typer.Exit(2) from None
+    except sqlite3.OperationalError as e:
+        if not any(w in str(e) for w in ("readonly", "unable to open", "disk I/O", "read-only")):
+            raise
+        _console().print(Text.assemble(("error: ", "red"), f"cannot write the tuning database: SQLite says: {e}"),
+                         soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+@contextlib.contextmanager
+def _writing(db: Path, what: str = "--db"):
+    """Around a command that appends to the tuning database ``db``: first the check that
+    it can be written there (:func:`flashgen.db.check_writable`: an existing, writable
+    directory, a writable file), then the command; if it fails, the files it created
+    beside ``db`` (-wal, -shm, -journal, .optuna.journal) and a ``db`` it created that
+    holds no rows are removed.  Errors are one line, exit 2 (:func:`_user_errors`)."""
+    from .db import SIDE_FILES, check_writable, row_count
+
+    with _user_errors():
+        check_writable(db, what)
+    side = [Path(f"{db}{sfx}") for sfx in SIDE_FILES]
+    existed = {p for p in (db, *side) if p.exists()}
+    try:
+        with _user_errors():
+            yield
+    except BaseException:
+        if row_count(db) == 0:  # nothing was measured or imported: leave nothing behind
+            for p in (db, *side):
+                if p not in existed and p.exists():
+                    p.unlink()
+        raise
 
 
 @app.command()
@@ -326,7 +412,7 @@ def export(
         raise typer.BadParameter(f"must end in .json or .sqlite, got {out.name!r}", param_hint="'OUT'")
     if out.exists():
         raise typer.BadParameter(f"{out} exists; export never overwrites a file", param_hint="'OUT'")
-    with _user_errors():
+    with _writing(out, "OUT"):
         best: dict[tuple, dict] = {}
         for p in dbs:
             with TuningDB(p, readonly=True) as tdb:
@@ -341,6 +427,7 @@ def export(
         else:
             with TuningDB(out, readonly=False) as tdb:
                 tdb.import_rows(rows)
+                tdb.use_rollback_journal()  # a file to ship: its readers write nothing beside it
     typer.echo(f"{len(rows)} best configs from {len(dbs)} database(s) -> {out}")
 
 
@@ -350,10 +437,13 @@ def import_(
                                            help="An export (*.json) or a tuning DB (*.sqlite).")],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
 ) -> None:
-    """Append to --db the rows of SOURCE it lacks; nothing is overwritten or deleted."""
-    from .db import NotATuningDB, TuningDB
+    """Append to --db the rows of SOURCE it lacks; nothing is overwritten or deleted.
+    Every row of SOURCE is checked first (a known status, kernel and config fields, a
+    finite positive median_ms for ok rows): one that is not a measurement refuses the
+    import and nothing is written."""
+    from .db import NotATuningDB, TuningDB, check_rows
 
-    with _user_errors():
+    with _writing(db):
         if source.suffix == ".json":
             try:
                 data = json.loads(source.read_text())
@@ -362,11 +452,12 @@ def import_(
             if not isinstance(data, dict) or data.get("flashgen_export") != 1 or not isinstance(data.get("rows"), list):
                 raise NotATuningDB(f"{source} is not a flashgen export (expected {{\"flashgen_export\": 1, "
                                    "\"rows\": [...]})")
+            check_rows(data["rows"], source)  # before --db is opened: a refusal writes nothing
             with TuningDB(db, readonly=False) as tdb:
                 n = tdb.import_rows(data["rows"])
         else:
-            with TuningDB(source, readonly=True):  # validates it before anything is written
-                pass
+            with TuningDB(source, readonly=True) as src:  # validates it before anything is written
+                check_rows(src.rows(), source)
             with TuningDB(db, readonly=False) as tdb:
                 n = tdb.merge_from(source)
     typer.echo(f"{source}: {n} rows added to {db}")
@@ -374,13 +465,14 @@ def import_(
 
 @app.command()
 def merge(
-    out: Annotated[Path, typer.Argument(dir_okay=False, help="DB to append to (created if missing).")],
+    out: Annotated[Path, typer.Argument(dir_okay=False, help="DB to append to (created if missing, in an "
+                                        "existing directory).")],
     inputs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="DBs to read.")],
 ) -> None:
     """Append to OUT the rows of each IN that OUT lacks."""
     from .db import TuningDB
 
-    with _user_errors():
+    with _writing(out, "OUT"):
         for p in inputs:  # check every input before writing anything
             TuningDB(p, readonly=True).close()
         with TuningDB(out, readonly=False) as tdb:
@@ -395,7 +487,7 @@ def bench(
                                                    "(fa-grid when neither --preset nor --shape is given).")] = [],
     shape: Annotated[list[str], typer.Option(help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
                                                   "(repeatable).")] = [],
-    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
+    dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     backends: Annotated[str, typer.Option(help="Comma-separated subset of flashgen, flashgen-default, sdpa-flash, "
                                           "sdpa-cudnn, sdpa-efficient, sdpa-math, flex, naive.")] = "all",
     out: Annotated[Path, typer.Option(file_okay=False, help="Directory for bench.json, bench.csv and the "
@@ -557,7 +649,7 @@ def iomodel(
     block_m: Annotated[int, typer.Option("--block-m", min=1, help="Query tile (forward, dQ); key tile "
                                          "(dK/dV).")] = 128,
     block_n: Annotated[int, typer.Option("--block-n", min=1, help="The tile streamed through each program.")] = 64,
-    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "float16",
+    dtype: Annotated[DtypeName, typer.Option(help="Element type (its bytes per element).")] = "float16",
     batch: Annotated[int, typer.Option(min=1)] = 1,
     heads: Annotated[int, typer.Option(min=1)] = 1,
     causal: bool = False,
@@ -613,7 +705,7 @@ def explain(
     head_dim_v: Annotated[int | None, typer.Option(min=1, help="Value head dim (default: --head-dim).")] = None,
     causal: Annotated[bool, typer.Option("--causal", help="Bottom-right causal mask.")] = False,
     window: Annotated[str, typer.Option(help="Sliding window LEFT,RIGHT (-1 = unbounded).")] = "-1,-1",
-    dtype: Annotated[str, typer.Option(callback=_check_dtype)] = "bfloat16",
+    dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     db: Annotated[Path | None, typer.Option(dir_okay=False,
                                             help="Also read this tuning DB (first, before the shipped ones).")] = None,
     arch: Annotated[str | None, typer.Option(help="Explain for this architecture (e.g. sm_90) instead of "

@@ -4,13 +4,16 @@ Each row is one (ProblemKey, exact shape, Variant) measured in one environment
 (:class:`flashgen.env.Environment`), with its status (``spec.STATUSES``), median time
 (ms), achieved TFLOP/s, error vs the reference, the modelled and compiled shared memory
 (bytes) and the environment columns.  Rows are only ever appended: nothing here updates
-or deletes a row.  Two processes may write one file at once: the database runs in WAL
-mode with a busy timeout, and each ``record`` is one transaction.
+or deletes a row.  Two processes may write one file at once: a new database runs in WAL
+mode with a busy timeout, and each ``record`` is one transaction.  A file in rollback-journal
+mode (what ships: :meth:`TuningDB.use_rollback_journal`) stays in it, so reading a shipped
+file never creates -wal/-shm files beside it.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sqlite3
 import time
@@ -21,9 +24,10 @@ import jinja2
 import sqlite_utils
 
 from . import families
-from .env import MATCH_COLUMNS, Environment
+from .env import MATCH_COLUMNS, VERSION_COLUMNS, Environment
 from .errors import InputError
-from .spec import KERNELS, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant, attention_flops
+from .spec import (KERNELS, STATUSES, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant,
+                   attention_flops)
 
 TABLE = "measurements"
 BUSY_TIMEOUT_S = 60.0
@@ -66,12 +70,16 @@ def _key_id(key: ProblemKey | str) -> str:
     return key if isinstance(key, str) else key.id
 
 
-def _connect_readonly(path: Path) -> sqlite3.Connection:
-    """A read-only connection; falls back to ``immutable=1`` for a WAL-mode file in a
-    directory where SQLite cannot create the -shm file."""
+def _connect_readonly(path: Path, immutable: bool = False) -> sqlite3.Connection:
+    """A read-only connection; ``immutable`` (a file nothing writes while it is read,
+    e.g. one shipped inside the package) takes no locks and creates no file beside it.
+    Falls back to ``immutable=1`` for a WAL-mode file in a directory where SQLite cannot
+    create the -shm file."""
     if not path.is_file():
         raise FileNotFoundError(f"no tuning database at {path}")
     uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+    if immutable:
+        return sqlite3.connect(uri + "&immutable=1", uri=True)
     conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
     try:
         conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
@@ -111,10 +119,104 @@ def validate(path: Path) -> None:
                            f"{sorted(tables)[:5]}); it was left untouched")
 
 
-def _env_where(env: Environment) -> tuple[str, list]:
-    """SQL condition (and its parameters) selecting the rows that ``env`` matches."""
-    params: list = [getattr(env, c) for c in MATCH_COLUMNS]
-    cond = " AND ".join(f"[{c}] = ?" for c in MATCH_COLUMNS)
+#: Files SQLite and the tuner may create beside a database at ``path`` (suffixes).
+SIDE_FILES = ("-wal", "-shm", "-journal", ".optuna.journal")
+
+
+def check_writable(path: Path, what: str = "--db") -> None:
+    """Raise InputError (naming ``path`` and the rule) unless a tuning database can be
+    written at ``path``: its directory exists (never created here) and is writable
+    (SQLite writes -wal/-shm/-journal files beside the database), and the file, if it
+    exists, is writable.  Creates nothing."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        raise InputError(f"{what} {path}: directory {parent} does not exist (flashgen never creates "
+                         "directories for a database; create it first)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"{what} {path} is not writable: rows are appended to it (make it writable, "
+                         "or name another file)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {path}: directory {parent} is not writable (SQLite creates the "
+                         "database's -wal/-shm/-journal files beside it)")
+
+
+def row_count(path: Path) -> int:
+    """Rows of the measurements table at ``path``: 0 for a missing or empty file or one
+    without the table, -1 when it cannot be read.  Reads only."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return 0
+    try:
+        conn = _connect_readonly(path)
+        try:
+            if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                (TABLE,)).fetchone():
+                return 0
+            return conn.execute(f"SELECT COUNT(*) FROM {TABLE}").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:
+        return -1
+
+
+def _row_problem(r) -> str | None:
+    """Why ``r`` is not a measurement row of flashgen's (None: it is one)."""
+    if not isinstance(r, dict):
+        return f"not an object: {r!r:.60}"
+    # rows exported before an optional column existed lack it (NULL: its default)
+    missing = sorted(set(COLUMNS) - {"id"} - set(OPTIONAL_COLUMNS) - set(r))
+    if missing:
+        return f"lacks the columns {missing[:5]}"
+    if r["status"] not in STATUSES:
+        return f"status {r['status']!r} is not one of {', '.join(STATUSES)}"
+    family = r.get("family")
+    if family is not None and family not in families.FAMILIES:
+        return f"family {family!r} is not a registered kernel family ({', '.join(families.FAMILIES)})"
+    try:
+        key = ProblemKey.from_row(r)
+        cfg = TileConfig.from_dict(r)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"bad kernel or config fields ({type(e).__name__}: {e})"
+    if key.id != r["key"]:
+        return f"key {r['key']!r} disagrees with its columns ({key.id})"
+    if min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages) < 1 or cfg.tma not in (0, 1) \
+            or cfg.ws not in (0, 1) or cfg.num_splits < 0:
+        return f"config {cfg.id} has a knob out of range"
+    if Variant(key.spec, cfg).id != r["variant_id"]:
+        return f"variant_id {r['variant_id']!r} disagrees with its columns ({Variant(key.spec, cfg).id})"
+    ms = r["median_ms"]
+    if r["status"] == "ok" and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
+        return f"an ok row needs a finite positive median_ms, got {ms!r}"
+    if ms is not None and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
+        return f"median_ms must be a finite number of ms or null, got {ms!r}"
+    return None
+
+
+def check_rows(rows: list, source) -> None:
+    """Raise NotATuningDB, naming ``source`` and the first bad rows, unless every row is
+    a flashgen measurement: all columns (those of :data:`OPTIONAL_COLUMNS` may be missing:
+    their defaults, e.g. no ``family`` is the Triton family), a status of
+    ``spec.STATUSES``, a registered kernel family, known kernel, dtype, mask, mods and
+    config fields that agree with ``key`` and ``variant_id``, and a finite positive
+    ``median_ms`` for ok rows."""
+    bad = [(i, why) for i, r in enumerate(rows) if (why := _row_problem(r)) is not None]
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise NotATuningDB(f"{source}: {len(bad)} of {len(rows)} rows are not flashgen measurements, so "
+                           "nothing was imported: " + "; ".join(f"row {i}: {w}" for i, w in bad[:3]) + more)
+
+
+def _env_where(env: Environment, versions: bool = True) -> tuple[str, list]:
+    """SQL condition (and its parameters) selecting the rows that ``env`` matches
+    (``versions``), or the rows of ``env``'s GPU, compute capability and code hash
+    measured under another Triton version (``versions=False``)."""
+    cols = MATCH_COLUMNS if versions else tuple(c for c in MATCH_COLUMNS if c not in VERSION_COLUMNS)
+    params: list = [getattr(env, c) for c in cols]
+    cond = " AND ".join(f"[{c}] = ?" for c in cols)
+    if not versions:
+        cond += " AND IFNULL([triton_version], '') != ?"
+        params.append(env.triton_version)
     per_kernel = []
     for k in KERNELS:
         # one code hash per kernel family and score-modification set the kernel compiles
@@ -129,10 +231,12 @@ class TuningDB:
 
     Writable (the default when possible): the file and its parent directories are
     created if missing.  ``readonly=True``, or None with a file that exists but is not
-    writable (a DB shipped inside an installed package), opens it for reading only.
+    writable (a DB shipped inside an installed package), opens it for reading only;
+    ``immutable=True`` (read-only) also promises that nothing writes the file meanwhile
+    (SQLite's ``immutable=1``: no locks, nothing created beside it; for shipped files).
     """
 
-    def __init__(self, path: str | Path, readonly: bool | None = None):
+    def __init__(self, path: str | Path, readonly: bool | None = None, immutable: bool = False):
         self.path = Path(path)
         validate(self.path)
         if readonly is None:
@@ -140,7 +244,7 @@ class TuningDB:
                 os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
         self.readonly = readonly
         if readonly:
-            self._conn = _connect_readonly(self.path)
+            self._conn = _connect_readonly(self.path, immutable)
             if not self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
                                       (TABLE,)).fetchone():
                 # An empty SQLite file (validate() let it through): no rows.  A TEMP table
@@ -160,7 +264,11 @@ class TuningDB:
             # wait for, so retry briefly.
             for attempt in range(50):
                 try:
-                    self.db.enable_wal()
+                    if not self._t.exists():
+                        # A new database: WAL lets tuning workers write while others read.
+                        # An existing one keeps its journal mode (a shipped file's
+                        # rollback journal; see use_rollback_journal).
+                        self.db.enable_wal()
                     self._t.create(COLUMNS, pk="id", if_not_exists=True)
                     self._t.create_index(["key"], if_not_exists=True)
                     # Files written before a column existed get it (NULL in old rows).
@@ -176,6 +284,19 @@ class TuningDB:
 
     def close(self) -> None:
         self._conn.close()
+
+    def use_rollback_journal(self) -> None:
+        """Checkpoint the WAL into the file and switch it to rollback-journal mode
+        (``PRAGMA journal_mode=DELETE``), which it keeps: readers of the file (a shipped
+        database) then create no -wal/-shm files beside it.  Rows are unchanged.  Needs
+        the only open connection to the file."""
+        if self.readonly:
+            raise InputError(f"{self.path} is open read-only")
+        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        mode = self._conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0]
+        if mode != "delete":
+            raise InputError(f"{self.path}: could not leave WAL mode (journal_mode is {mode}; "
+                             "another process has it open)")
 
     def __enter__(self) -> "TuningDB":
         return self
@@ -293,6 +414,7 @@ class TuningDB:
                     new.append({c: r.get(c) for c in cols})
         finally:
             src.close()
+        check_rows(new, other_path)
         with self._conn:
             self._conn.executemany(
                 f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
@@ -302,14 +424,10 @@ class TuningDB:
 
     def import_rows(self, rows: list[dict]) -> int:
         """Append exported rows (:meth:`export_best`) that this DB lacks (identity:
-        :data:`IDENTITY`); returns how many were added.  Nothing is overwritten."""
+        :data:`IDENTITY`); returns how many were added.  Nothing is overwritten; rows that
+        are not measurements (:func:`check_rows`) refuse the whole import."""
         cols = [c for c in COLUMNS if c != "id"]
-        # rows exported before an optional column existed lack it (NULL: its default)
-        needed = set(cols) - set(OPTIONAL_COLUMNS)
-        bad = [r for r in rows if not isinstance(r, dict) or needed - set(r)]
-        if bad:
-            raise NotATuningDB(f"{len(bad)} of {len(rows)} rows lack flashgen's columns, e.g. "
-                               f"{sorted(needed - set(bad[0]))[:5] if isinstance(bad[0], dict) else bad[0]!r}")
+        check_rows(rows, "rows to import")
         have = {tuple(r) for r in self._conn.execute(
             f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
         new = []
@@ -354,7 +472,7 @@ class TuningDB:
     @staticmethod
     def _filters(key: ProblemKey | str | None = None, key_contains: str | None = None,
                  status: str | None = None, variant_id: str | None = None,
-                 env: Environment | None = None) -> tuple[list[str], list]:
+                 env: Environment | None = None, versions: bool = True) -> tuple[list[str], list]:
         where, params = [], []
         for col, val in (("key", key and _key_id(key)), ("status", status),
                          ("variant_id", variant_id)):
@@ -365,7 +483,7 @@ class TuningDB:
             where.append("instr([key], ?) > 0")
             params.append(key_contains)
         if env is not None:
-            cond, p = _env_where(env)
+            cond, p = _env_where(env, versions)
             where.append(cond)
             params += p
         return where, params
@@ -386,10 +504,11 @@ class TuningDB:
         return rows[0] if rows else None
 
     def best_rows(self, env: Environment | None = None,
-                  key_contains: str | None = None) -> list[dict]:
-        """The best ok row per key (per key and environment when ``env`` is None), by key,
-        in one query."""
-        where, params = self._filters(key_contains=key_contains, status="ok", env=env)
+                  key_contains: str | None = None, versions: bool = True) -> list[dict]:
+        """The best ok row per key and environment (rows matching ``env`` only when
+        given; with ``versions=False``, the rows of ``env``'s GPU and code measured under
+        another Triton version), by key, in one query."""
+        where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions)
         where.append("[median_ms] IS NOT NULL")
         part = ", ".join(f"[{c}]" for c in ("key", *_ENV_GROUP))
         sql = (f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY {part} "
@@ -401,16 +520,27 @@ class TuningDB:
             out.append(r)
         return out
 
-    def best_configs(self, env: Environment) -> dict[str, tuple[TileConfig, dict]]:
+    def best_configs(self, env: Environment, versions: bool = True) -> dict[str, tuple[TileConfig, dict]]:
         """key id -> (best TileConfig, its row) for every key with an ok row in ``env``
         (one query; what the dispatcher loads): the fastest over the kernel families
-        (:meth:`best_rows` gives one row per family, as each has its own code hash)."""
+        (:meth:`best_rows` gives one row per family, as each has its own code hash).
+        ``versions=False``: the same over the rows of ``env``'s GPU, compute capability
+        and code hashes measured under another Triton version (what the dispatcher serves
+        next, flagged)."""
         out: dict[str, tuple[TileConfig, dict]] = {}
-        for r in self.best_rows(env):
+        for r in self.best_rows(env, versions=versions):
             have = out.get(r["key"])
             if have is None or (r["median_ms"], r["id"]) < (have[1]["median_ms"], have[1]["id"]):
                 out[r["key"]] = (TileConfig.from_dict(r), r)
         return out
+
+    def ok_rows_of_gpu(self, gpu_name: str, compute_capability: str) -> dict[str, int]:
+        """Triton version -> number of ok rows measured on ``gpu_name`` with
+        ``compute_capability`` (any code hash)."""
+        return {r["triton_version"]: r["n"] for r in self.db.query(
+            f"SELECT [triton_version], COUNT(*) AS n FROM {TABLE} WHERE [status] = 'ok' AND "
+            "[gpu_name] = ? AND [compute_capability] = ? GROUP BY [triton_version]",
+            [gpu_name, compute_capability])}
 
     def lookup(self, key: ProblemKey | str, variant_id: str, env: Environment) -> dict | None:
         """An existing measurement of ``variant_id`` for ``key`` in ``env`` (an ok row if

@@ -9,11 +9,16 @@ its rules and shared-memory estimate are the family's, and the heuristic default
 portable (Triton) family's.  Families compete by their measured rows.
 
 Databases: every ``*.sqlite`` shipped in ``tuning_db/`` (package data), plus the user's
-database named by ``$FLASHGEN_DB`` or :func:`add_database`.  Rows count only when their
-environment (GPU name, compute capability, Triton version, template hash) matches this
-process; the others are ignored, with one warning per database.  A database is read
-once and read again when its file changes (checked on a cache miss only, so the hot
-path is one dict lookup).
+database named by ``$FLASHGEN_DB`` or :func:`add_database`.  A row counts when it was
+measured on this GPU (name, compute capability) with this code (template hash).  The
+key's rows, then its nearest bucket, are taken first from the rows of this Triton version
+(exact), then from those of another Triton version: the same generated code on the same
+GPU, flagged with the versions it was tuned under (``Choice.tuned_under``, shown by
+``explain``); ``flashgen tune`` records rows for the installed versions.  The torch
+version is recorded, never matched.  Rows of another GPU or other code are ignored, with
+one warning per user database; a GPU that has shipped rows and still runs a default
+gets one warning per process.  A database is read once and read again when its file
+changes (checked on a cache miss only, so the hot path is one dict lookup).
 
 Inside a CUDA graph capture (:func:`graph_capturing`) the dispatcher never tunes, never reads
 a database and never synchronizes: it answers from its memory cache, else with the
@@ -54,6 +59,9 @@ class Choice:
     #: (name, why not) of each registered kernel family that cannot serve the key on
     #: the dispatcher's arch (``explain`` prints them).
     unserved: tuple[tuple[str, str], ...] = ()
+    #: The versions the row was measured under where they differ from the installed
+    #: ones (e.g. "triton 3.6.0"); None for a default or a row of these versions.
+    tuned_under: str | None = None
 
     @property
     def family(self) -> str:
@@ -89,7 +97,9 @@ class Dispatcher:
         #: Per-call memo of the op's hot path (exact sizes -> launch facts), owned by
         #: :mod:`flashgen.library` and :mod:`flashgen.api`; cleared with the rest.
         self.fast: dict = {}
-        self._tables: dict[Path, tuple[tuple, dict]] = {}  # path -> (file state, {key_id: (cfg, row)})
+        # path -> (file state, tables): tables = ({key_id: (cfg, row)} of this Triton
+        # version, the same of another Triton version, ok rows of this GPU in any environment)
+        self._tables: dict[Path, tuple[tuple, tuple[dict, dict, int]]] = {}
         self._warned: set[Path] = set()
         self._lock = threading.Lock()
 
@@ -144,7 +154,9 @@ class Dispatcher:
             wal_state = None
         return (st.st_mtime_ns, st.st_size, wal_state)
 
-    def _table(self, path: Path) -> dict:
+    def _table(self, path: Path) -> tuple[dict, dict, int]:
+        """(rows of this environment, rows of this GPU and code under another Triton
+        version, ok rows of this GPU in any environment) of one database."""
         try:
             mtime = self._file_state(path)
         except FileNotFoundError:
@@ -152,42 +164,48 @@ class Dispatcher:
                 self._warned.add(path)
                 warnings.warn(f"flashgen: FLASHGEN_DB={path} does not exist; using the shipped "
                               "tuning databases only", stacklevel=4)
-            return {}
+            return {}, {}, 0
         hit = self._tables.get(path)
         if hit is not None and hit[0] == mtime:
             return hit[1]
         from .db import NotATuningDB, TuningDB
 
         try:
-            with TuningDB(path, readonly=True) as db:  # never writes to a shipped file
+            # never writes to a shipped file, nor beside it (immutable: no locks, no -shm)
+            with TuningDB(path, readonly=True, immutable=path in shipped_databases()) as db:
                 table = db.best_configs(self.env)
-                n_ok = db.count_ok() if not table else 0
+                other = db.best_configs(self.env, versions=False)
+                n_gpu = sum(db.ok_rows_of_gpu(self.env.gpu_name, self.env.compute_capability).values())
+                n_ok = db.count_ok() if not (table or other) else 0
         except NotATuningDB as e:
             origin = "FLASHGEN_DB" if str(path) == os.environ.get("FLASHGEN_DB") else "tuning database"
             raise InputError(f"{origin} {path}: {e}") from None
         # Shipped databases hold other GPUs' rows by design: warn only about the user's.
-        if not table and path not in self._warned and n_ok > 0 and path not in shipped_databases():
+        if not (table or other) and path not in self._warned and n_ok > 0 and path not in shipped_databases():
             self._warned.add(path)
             warnings.warn(f"flashgen: tuning database {path} has no rows for this environment "
-                          f"({self.env.gpu_name}, cc {self.env.compute_capability}, triton "
-                          f"{self.env.triton_version}); its rows are ignored", stacklevel=3)
-        self._tables[path] = (mtime, table)
-        return table
+                          f"({self.env.gpu_name}, cc {self.env.compute_capability}, flashgen's "
+                          "generated code); its rows are ignored", stacklevel=3)
+        self._tables[path] = (mtime, (table, other, n_gpu))
+        return table, other, n_gpu
 
     def _lookup(self, key: ProblemKey) -> Choice | None:
-        tables = [(p, self._table(p)) for p in self.databases()]
+        loaded = [(p, self._table(p)) for p in self.databases()]
+        tiers = [[(p, t[i]) for p, t in loaded] for i in (0, 1)]  # this Triton version, then others
         best = None
-        for path, table in tables:
-            hit = table.get(key.id)
-            if hit is not None:
-                cfg, row = hit
-                if self._family(cfg, key) is None:
-                    continue  # its family does not serve this key on this arch
-                if best is None or row["median_ms"] < best.median_ms:
-                    best = Choice(key, cfg, "tuned", key.id, row["median_ms"], row.get("tflops"), str(path))
-        if best is not None:
-            return best
-        near = self._nearest(key, tables)
+        for tables in tiers:
+            for path, table in tables:
+                hit = table.get(key.id)
+                if hit is not None:
+                    cfg, row = hit
+                    if self._family(cfg, key) is None:
+                        continue  # its family does not serve this key on this arch
+                    if best is None or row["median_ms"] < best.median_ms:
+                        best = Choice(key, cfg, "tuned", key.id, row["median_ms"], row.get("tflops"), str(path),
+                                      tuned_under=self.env.version_note(row))
+            if best is not None:
+                return best
+        near = self._nearest(key, tiers[0]) or self._nearest(key, tiers[1])
         if near is None and key.spec.mods:
             # Score mods nobody tuned: the tiles tuned for the same problem without them.
             plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
@@ -212,9 +230,9 @@ class Dispatcher:
         with score mods and no such bucket: the nearest row of the same kernel, dtype,
         mask and mods at another head dim (four buckets per octave of head dim) whose
         tile fits this head dim's rules and shared memory.  Those tiles were tuned
-        holding the mod's registers, the plain key's were not (session 5, H200, head_dim
-        64 forward: the plain keys' tiles ran 1.0-2.25x slower than the mods-tuned m64
-        n64 w4 and spilled with dropout; docs/notes.md).  One pass over the rows."""
+        holding the mod's registers, the plain key's were not (H200, head_dim 64
+        forward: the plain keys' tiles ran 1.0-2.25x slower than the mods-tuned m64
+        n64 w4 and spilled with dropout; docs/design.md).  One pass over the rows."""
         s = key.spec
         best = {True: (None, math.inf), False: (None, math.inf)}  # same spec? -> (choice, distance)
         for path, table in tables:
@@ -241,7 +259,8 @@ class Dispatcher:
                 if o != s and (fam.violated_rules(Variant(s, cfg))
                                or not fam.estimate(Variant(s, cfg), self.arch).feasible):
                     continue
-                best[o == s] = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path)), d
+                best[o == s] = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path),
+                                      tuned_under=self.env.version_note(row)), d
         return best[True][0] or best[False][0]
 
     # -- the hot path ------------------------------------------------------------
@@ -281,15 +300,43 @@ class Dispatcher:
             choice = self._lookup(key)
             if choice is None:
                 choice = self._default(key)
+                self._warn_shipped_gpu_default(key)
             choice = self._with_smem(choice)
             self._cache[key] = choice
         return choice
+
+    def _warn_shipped_gpu_default(self, key: ProblemKey) -> None:
+        """Once per process: this GPU has rows in the shipped databases, yet ``key`` runs
+        the heuristic default (says whether none of them applies to this code, or none
+        is for the key's kernel spec)."""
+        global _warned_shipped_default
+        if _warned_shipped_default:
+            return
+        shipped = [p for p in self.databases() if p in shipped_databases()]
+        tables = [self._table(p) for p in shipped]
+        n_gpu = sum(t[2] for t in tables)
+        if not n_gpu:
+            return
+        _warned_shipped_default = True
+        env = self.env
+        if not any(t[0] or t[1] for t in tables):
+            why = ("none of them was measured with the generated code of this flashgen (their code "
+                   "hashes differ; templates changed since they were tuned)")
+        else:
+            why = (f"none is for its kernel spec ({key.spec.id}, GQA group {key.group}) or a bucket "
+                   "near it")
+        warnings.warn(f"flashgen: {env.gpu_name} (cc {env.compute_capability}) has {n_gpu} tuned rows in "
+                      f"the shipped tuning databases, but {key.id} runs the heuristic default config: "
+                      f"{why}.  `flashgen tune` measures this GPU under triton {env.triton_version}; "
+                      "`flashgen explain` shows each choice (warned once per process)", stacklevel=4)
 
     def config_for(self, key: ProblemKey, *, capturing: bool | None = None) -> TileConfig:
         return self.choose(key, capturing=capturing).config
 
 
 _default: Dispatcher | None = None
+#: Whether the once-per-process warning of a GPU with shipped rows running a default was given.
+_warned_shipped_default = False
 
 
 def default_dispatcher() -> Dispatcher:

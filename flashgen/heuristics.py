@@ -24,7 +24,7 @@ _PREFERENCES: dict[str, list[tuple[int, int, int, int]]] = {
 #: On GPUs with the Tensor Memory Accelerator (sm_90+), the dense kernels' first choice
 #: loads the streamed tiles through tensor descriptors: (head_dim <= 64, larger), each
 #: the fastest config of the exhaustive search on the H200 (benchmarks/multi_gpu_tune.py
-#: grid run, docs/notes.md), where TMA freed about 100 registers per thread.
+#: grid run, docs/design.md), where TMA freed about 100 registers per thread.
 _TMA_PREFERENCES: dict[str, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
     "fwd": ((128, 128, 4, 3), (64, 64, 4, 3)),
     "bwd_dkdv": ((32, 128, 4, 3), (64, 64, 4, 2)),

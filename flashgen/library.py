@@ -210,8 +210,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
-             lo: int, hi: int, mods: "ops.ScoreMods | None" = None):
-    """(dQ, dK, dV): the backward ops' real implementation."""
+             lo: int, hi: int, mods: "ops.ScoreMods | None" = None, delta: Optional[Tensor] = None):
+    """(dQ, dK, dV): the backward ops' real implementation.  ``delta``: a float32 buffer
+    like lse that receives rowsum(dO * O) when the kernels run (the sinks' gradient
+    reads it)."""
     if is_empty(q, k):
         return _zeros_like(q), _zeros_like(k), _zeros_like(v)
     if do.stride(-1) != 1:
@@ -228,10 +230,10 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         if cfg_dq.family == cfg_kv.family:
             dq, dk, dv = families.launcher(cfg_dq.family, "bwd")(do, q, k, v, o, lse, config_dq=cfg_dq,
                                                                  config_dkdv=cfg_kv, module_dq=mod_dq,
-                                                                 module_dkdv=mod_kv, **kw)
+                                                                 module_dkdv=mod_kv, delta=delta, **kw)
         else:  # dQ (and delta) by one family, dK/dV by another
             dq, delta = families.launcher(cfg_dq.family, "bwd_dq")(do, q, k, v, o, lse, config=cfg_dq,
-                                                                   module=mod_dq, **kw)
+                                                                   module=mod_dq, delta=delta, **kw)
             dk, dv = families.launcher(cfg_kv.family, "bwd_dkdv")(do, q, k, v, lse, delta, config=cfg_kv,
                                                                   module=mod_kv, **kw)
     if sign == -1:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jinja2
 
-from .spec import DTYPES, MASKS, KernelSpec, Variant, is_decode, kernel_mods, mods_set, supports
+from .spec import DTYPES, MASKS, KernelSpec, Variant, is_decode, is_user_mods, kernel_mods, mods_set, supports
 
 
 def templates_dir() -> Path:
@@ -138,7 +138,12 @@ def template_hash(kernel: str, mods: str = "") -> str:
     Rendering the probes takes 0.1-1 s per (kernel, mods); the result for the shipped
     templates is read from ``templates/code_hashes.json`` (keyed by the templates'
     text hash, so an edited template is always re-rendered; ``python -m
-    flashgen.render`` rewrites the file)."""
+    flashgen.render`` rewrites the file).
+
+    User score/mask functions (:func:`flashgen.spec.is_user_mods`) carry the hash of
+    their code in their name; their rows carry the plain kernel's code hash."""
+    if is_user_mods(mods):
+        return template_hash(kernel, "")
     entry = _shipped_code_hashes().get(kernel, {}).get(mods or "-")
     if entry and entry.get("text") == text_hash(kernel):
         return entry["code"]
@@ -160,16 +165,22 @@ def write_code_hashes(path: Path | None = None) -> dict:
 
 def render(variant: Variant) -> str:
     """Triton source for ``variant``."""
+    if is_user_mods(variant.spec.mods):
+        from . import user_render
+
+        return user_render.render(variant)
     return _render(variant, template_hash(variant.spec.kernel, variant.spec.mods))
 
 
-def _render(variant: Variant, header_hash: str, directory: str | None = None, **extra) -> str:
+def _render(variant: Variant, header_hash: str, directory: str | None = None, env: jinja2.Environment | None = None,
+            **extra) -> str:
     """``extra``: further template variables (probes of modes that are not tuned knobs,
-    e.g. attn_bwd_dkdv's ``dq_atomic``)."""
+    e.g. attn_bwd_dkdv's ``dq_atomic``; ``user`` for user functions); ``env``: another
+    Jinja environment (:mod:`flashgen.user_render`'s)."""
     s, c = variant.spec, variant.config
     if is_decode(s.kernel) and c.num_splits < 1:
         raise ValueError(f"{variant.id}: the decode kernels need num_splits >= 1, got {c.num_splits}")
-    tmpl = _env(directory).get_template(template_name(s.kernel))
+    tmpl = (env or _env(directory)).get_template(template_name(s.kernel))
     return tmpl.render(
         variant_id=variant.id,
         template_hash=header_hash,

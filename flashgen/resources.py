@@ -10,7 +10,7 @@ tile that is streamed through the loop gets ``num_stages`` buffers (``max(1, ...
 tiles that stay resident for the whole program and feed a ``tl.dot`` from shared memory
 get one; operands that ``tl.dot`` reads from registers (P in P·V, dS in dS·K) get none.  It is checked against the shared memory Triton
 reports for compiled kernels (``kernel.metadata.shared``) in tests/test_resources.py
-and on the GPU (docs/notes.md).
+and on the GPU (docs/design.md).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class SmemEstimate:
     buffers: dict[str, int]  # name -> bytes
     limit_bytes: int
     note: str = ""  # why the limit is not the architecture's (e.g. no TMA)
+    padding: str = ""  # a head dim the kernel pads to a power of two (its tiles are the padded size)
 
     @property
     def total_bytes(self) -> int:
@@ -39,7 +40,21 @@ class SmemEstimate:
         parts = " + ".join(f"{k} {v}" for k, v in self.buffers.items())
         verdict = "<=" if self.feasible else ">"
         note = f" ({self.note})" if self.note else ""
-        return f"{parts} = {self.total_bytes} B {verdict} limit {self.limit_bytes} B{note}"
+        padding = f"; {self.padding}" if self.padding else ""
+        return f"{parts} = {self.total_bytes} B {verdict} limit {self.limit_bytes} B{note}{padding}"
+
+
+def padding_note(variant: Variant) -> str:
+    """e.g. ``head_dim 80 runs as d128 tiles (padded to a power of two)``; "" when no
+    head dim is padded."""
+    s = variant.spec
+    dims = [(name, d, pad) for name, d, pad in (("head_dim", s.head_dim, s.head_dim_pad),
+                                                 ("head_dim_v", s.head_dim_v, s.head_dim_v_pad)) if d != pad]
+    if s.head_dim_v == s.head_dim and dims:
+        dims = dims[:1]
+    if not dims:
+        return ""
+    return ", ".join(f"{n} {d} runs as d{pad} tiles" for n, d, pad in dims) + " (padded to a power of two)"
 
 
 #: The mbarriers of a TMA pipeline (8 bytes per stage and buffer) sit between
@@ -148,6 +163,7 @@ def estimate(variant: Variant, arch: Arch) -> SmemEstimate:
     """The shared-memory estimate of ``variant`` against ``arch``'s per-block limit.  A
     ``tma`` config on a GPU without the Tensor Memory Accelerator is infeasible there
     (limit 0), so it is never compiled or replayed on it."""
+    pad = padding_note(variant)
     if variant.config.tma and not supports_tma(arch):
-        return SmemEstimate(smem_buffers(variant), 0, f"tma needs sm_90 or newer, {arch.sm} has no TMA")
-    return SmemEstimate(smem_buffers(variant), arch.smem_per_block_optin)
+        return SmemEstimate(smem_buffers(variant), 0, f"tma needs sm_90 or newer, {arch.sm} has no TMA", pad)
+    return SmemEstimate(smem_buffers(variant), arch.smem_per_block_optin, padding=pad)

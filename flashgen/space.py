@@ -26,7 +26,7 @@ DOMAINS: dict[str, dict[str, tuple[int, ...]]] = {
 # sequence's rows are a runtime slice, which a host-built descriptor cannot bound).
 # ``ws`` (warp specialization) is in no domain: on sm_90 with Triton 3.6 it either
 # leaves the kernel unchanged (num_warps 8) or fails to compile (num_warps 4); see
-# docs/notes.md.  The templates keep the switch for the GPUs where it works.
+# docs/design.md.  The templates keep the switch for the GPUs where it works.
 for _k in ("fwd", "bwd_dkdv", "bwd_dq"):
     DOMAINS[f"{_k}_varlen"] = {n: vals for n, vals in DOMAINS[_k].items() if n != "tma"}
 # Decode (flash-decoding): BLOCK_M holds group x seqlen_q packed rows, so a key fixes it

@@ -16,6 +16,7 @@ This module imports neither torch nor triton.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 #: The kernels flashgen generates.  ``fwd`` is the forward pass (O and LSE).  The
@@ -85,6 +86,18 @@ def mods_name(*, softcap: bool = False, alibi: bool = False, bias: bool = False,
     return "_".join(m for m in MODS if on[m])
 
 
+#: A ``mods`` value naming user score/mask functions (:mod:`flashgen.user_mods`): "u",
+#: 12 hex digits of the sha256 of their lowered code (:mod:`flashgen.user_render`),
+#: and "m" when a mask function (block-sparse ranges) is compiled in.  Not combined with
+#: the built-in mods.
+_USER_MODS = re.compile(r"u[0-9a-f]{12}m?")
+
+
+def is_user_mods(mods: str) -> bool:
+    """Whether ``mods`` names user score/mask functions (see :data:`_USER_MODS`)."""
+    return bool(mods) and mods[0] == "u" and _USER_MODS.fullmatch(mods) is not None
+
+
 def mods_set(mods: str) -> frozenset[str]:
     """The modifications named by a ``mods`` string ("" -> none)."""
     return frozenset(mods.split("_")) if mods else frozenset()
@@ -104,7 +117,7 @@ def compiled_variant(v: "Variant") -> "Variant":
     Triton 3.6 the causal kernel with a bias tile spills (fwd 1368-1376 bytes per thread,
     dQ 104; ``python3 benchmarks/sm90_compile.py --launch-like ...``, ptxas -v) where the
     window kernel, whose loops differ only in a masked prologue that is empty here,
-    spills none (docs/notes.md, session 3); dK/dV spills either way, less as causal
+    spills none (docs/design.md, "The templates"); dK/dV spills either way, less as causal
     (336 vs 508 bytes), and stays.  A tma variant launched with a descriptor-addressable
     bias (BIAS_TMA, the bias tile through TMA) compiles the causal forward without spills
     (d128 m64 n64 w4 s3: 166 registers, 0 bytes), but the same variant's pointer fallback
@@ -112,6 +125,10 @@ def compiled_variant(v: "Variant") -> "Variant":
     dispatcher's keys stay causal; :func:`flashgen.compile.load` applies this."""
     s = v.spec
     if s.kernel in ("fwd", "bwd_dq") and s.mask == "causal" and "bias" in mods_set(s.mods):
+        return Variant(dataclasses.replace(s, mask="window"), v.config)
+    if s.mask != "window" and is_user_mods(s.mods) and s.mods.endswith("m"):
+        # A user mask function: the block mask's ranges and the window kernel's loops
+        # serve every mask mode (the built-in mask enters the ranges and the predicate).
         return Variant(dataclasses.replace(s, mask="window"), v.config)
     return v
 
@@ -153,7 +170,11 @@ class KernelSpec:
 
     def __post_init__(self):
         if self.mods:
-            if self.mods not in all_mods():
+            if is_user_mods(self.mods):
+                if self.kernel not in DENSE_KERNELS:
+                    raise ValueError(f"user score/mask functions ({self.mods}) are compiled into {DENSE_KERNELS} "
+                                     f"only, not {self.kernel!r}")
+            elif self.mods not in all_mods():
                 raise ValueError(f"mods must be '' or a '_'-joined subset of {MODS} in that order, got {self.mods!r}")
             if self.kernel not in DENSE_KERNELS:
                 raise ValueError(f"score modifications ({self.mods}) are compiled into {DENSE_KERNELS} only, "

@@ -26,12 +26,13 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.study import MaxTrialsCallback
 from optuna.trial import TrialState
 
-from . import families
+from . import families, iomodel
 from .arch import Arch
 from .db import TuningDB
 from .env import Environment
 from .errors import InputError
-from .spec import DEFAULT_FAMILY, Measurement, ProblemKey, Shape, TileConfig, Variant
+from .spec import (DEFAULT_FAMILY, Measurement, ProblemKey, Shape, TileConfig, Variant, attention_flops,
+                   base_kernel, is_decode)
 
 #: Objective value (ms) reported to Optuna for anything that is not an ok measurement.
 PENALTY_MS = 1e6
@@ -48,12 +49,18 @@ class Benchmarker(Protocol):
     def __call__(self, variant: Variant, shape: Shape) -> Measurement: ...
 
 
+class MissingTiming(KeyError):
+    """A simulated benchmarker has no timing for a variant: not a measurement and not a
+    GPU failure, so the tuner records no row for it (the trial is pruned)."""
+
+
 class FakeBenchmarker:
     """Replays recorded timings (KernelTuner's simulation runner).
 
     ``timings`` maps a variant id to its median time in ms (an ok Measurement) or to a
-    Measurement; variants not in it get ``default`` (same forms), or raise KeyError when
-    ``default`` is None.  ``calls`` lists the variant ids measured, in order.
+    Measurement; variants not in it get ``default`` (same forms), or raise
+    :class:`MissingTiming` when ``default`` is None.  ``calls`` lists the variant ids
+    measured, in order.
     """
 
     def __init__(self, timings: Mapping[str, float | Measurement],
@@ -66,8 +73,70 @@ class FakeBenchmarker:
         self.calls.append(variant.id)
         t = self.timings.get(variant.id, self.default)
         if t is None:
-            raise KeyError(f"no recorded timing for {variant.id}")
+            raise MissingTiming(f"no recorded timing for {variant.id}")
         return t if isinstance(t, Measurement) else Measurement("ok", median_ms=float(t))
+
+
+class ModelBenchmarker:
+    """Synthesizes a median time (ms) per variant and shape from flashgen's models
+    instead of a GPU: the whole tuning path on a CPU (``flashgen tune --fake-model``).
+    Times are a model's, not measurements (the CLI labels the environment so).
+
+    time = max(HBM bytes / ``hbm_bytes_per_s``, FLOPs / ``tensor_flops_per_s``) /
+    occupancy + ``launch_s``, where the bytes are :mod:`flashgen.iomodel`'s tiled count
+    for the kernel and tile (K/V re-read once per query tile, Q/dO once per key tile),
+    the FLOPs :func:`flashgen.spec.attention_flops`, and occupancy the share of the
+    last wave's program slots that are used: slots = SMs x programs per SM, where
+    programs per SM is limited by the variant's shared memory (its family's estimate)
+    and by 64 resident warps per SM.  Defaults: an H200's 4.8 TB/s of HBM and 989 TFLOP/s
+    of dense 16-bit tensor-core math (its datasheet), 5 us per launch.  A window mask
+    (sizes not in the key) is modelled as no mask; decode kernels read their K/V once
+    and run batch x kv heads x num_splits programs.
+    """
+
+    def __init__(self, arch, hbm_bytes_per_s: float = 4.8e12, tensor_flops_per_s: float = 989e12,
+                 launch_s: float = 5e-6):
+        self.arch = arch
+        self.hbm_bytes_per_s = hbm_bytes_per_s
+        self.tensor_flops_per_s = tensor_flops_per_s
+        self.launch_s = launch_s
+        self.calls: list[str] = []
+
+    def median_ms(self, variant: Variant, shape: Shape) -> float:
+        s, c = variant.spec, variant.config
+        kernel = base_kernel(s.kernel)
+        causal = s.mask == "causal"
+        p = iomodel.Problem(shape.seqlen_q, shape.seqlen_k, s.head_dim, s.head_dim_v, shape.batch,
+                            shape.num_heads, shape.num_kv_heads, s.dtype_bytes, causal=causal)
+        kv_heads = shape.batch * shape.num_kv_heads
+        if is_decode(s.kernel):
+            io = iomodel.tiled_forward(iomodel.Problem(shape.seqlen_q, shape.seqlen_k, s.head_dim,
+                                                       s.head_dim_v, shape.batch, shape.num_heads,
+                                                       shape.num_kv_heads, s.dtype_bytes),
+                                       block_m=max(shape.seqlen_q, 1), block_n=c.BLOCK_N)
+            programs = kv_heads * max(1, c.num_splits)
+        elif kernel == "bwd_dkdv":
+            io = iomodel.tiled_bwd_dkdv(p, c.BLOCK_M, c.BLOCK_N)
+            programs = kv_heads * -(-shape.seqlen_k // c.BLOCK_N)
+        elif kernel == "bwd_dq":
+            io = iomodel.tiled_bwd_dq(p, c.BLOCK_M, c.BLOCK_N)
+            programs = shape.batch * shape.num_heads * -(-shape.seqlen_q // c.BLOCK_M)
+        else:
+            io = iomodel.tiled_forward(p, c.BLOCK_M, c.BLOCK_N)
+            programs = shape.batch * shape.num_heads * -(-shape.seqlen_q // c.BLOCK_M)
+        flops = attention_flops(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k, s.head_dim,
+                                s.head_dim_v, causal=causal, kernel=s.kernel)
+        smem = max(1, families.get(variant.family).estimate(variant, self.arch).total_bytes)
+        per_sm = max(1, min(self.arch.smem_per_block_optin // smem, 64 // c.num_warps))
+        slots = self.arch.sm_count * per_sm
+        waves = -(-programs // slots)
+        occupancy = programs / (waves * slots)
+        busy_s = max(io.total_bytes / self.hbm_bytes_per_s, flops / self.tensor_flops_per_s)
+        return (busy_s / occupancy + self.launch_s) * 1e3
+
+    def __call__(self, variant: Variant, shape: Shape) -> Measurement:
+        self.calls.append(variant.id)
+        return Measurement("ok", median_ms=self.median_ms(variant, shape))
 
 
 @dataclass(frozen=True)
@@ -243,6 +312,8 @@ def _measure(key: ProblemKey, shape: Shape, cfg: TileConfig, *, benchmarker: Ben
     else:
         try:
             m = benchmarker(v, shape)
+        except MissingTiming:  # a simulation without this variant: nothing measured, no row
+            raise
         except Exception as e:  # a crash in one candidate never ends the run
             m = Measurement("launch_failed", error=f"{type(e).__name__}: {e}")
     return db.get(db.record(key, shape, v, m, env, est.total_bytes, dedupe=True))
@@ -273,7 +344,10 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
                                 load_if_exists=True)
 
     default = families.portable().default_config(key, arch)
-    default_row = _measure(key, shape, default, **kw)
+    try:
+        default_row = _measure(key, shape, default, **kw)
+    except MissingTiming:
+        default_row = None
     # The grid sampler visits the default anyway (and an enqueued trial would take a
     # grid point it does not evaluate).
     if sampler != "grid" and not study.trials:
@@ -301,7 +375,11 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
             trial.set_user_attr("worker", worker)
         cfg = _suggest(trial, space)
         v = Variant(key.spec, cfg)
-        row = _measure(key, shape, cfg, **kw)
+        try:
+            row = _measure(key, shape, cfg, **kw)
+        except MissingTiming as e:
+            trial.set_user_attr("variant_id", v.id)
+            raise optuna.TrialPruned(str(e)) from None
         fam = families.get(cfg.family)
         est = fam.estimate(v, arch)
         constraint = [float(len(fam.violated_rules(v))),
@@ -324,7 +402,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
 
     best = db.best(key, env)
     best_ms = best["median_ms"] if best else None
-    default_ms = default_row["median_ms"] if default_row["status"] == "ok" else None
+    default_ms = default_row["median_ms"] if default_row and default_row["status"] == "ok" else None
     return TuneResult(
         key=key, best_config=TileConfig.from_dict(best) if best else None,
         best_median_ms=best_ms, tflops=best["tflops"] if best else None,
@@ -362,7 +440,8 @@ class WorkerConfig:
 
     ``storage`` is a journal-file path or an RDB URL shared by all workers; each worker
     opens ``db_path`` itself (SQLite in WAL mode, one transaction per record).
-    ``fake_timings`` replaces the GPU benchmarker with a FakeBenchmarker; ``gpu`` pins
+    ``fake_timings`` replaces the GPU benchmarker with a FakeBenchmarker, ``fake_model``
+    with a :class:`ModelBenchmarker`; ``gpu`` pins
     the worker to one CUDA device (CUDA_VISIBLE_DEVICES) when not None.
     """
 
@@ -378,6 +457,7 @@ class WorkerConfig:
     gpu: int | None = None
     fake_timings: dict | None = None
     fake_delay_s: float = 0.0
+    fake_model: bool = False
 
     @property
     def name(self) -> str:
@@ -403,6 +483,8 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
     if cfg.fake_timings is not None:
         bench: Benchmarker = _SlowFake(cfg.fake_timings, cfg.fake_delay_s)
+    elif cfg.fake_model:
+        bench = ModelBenchmarker(cfg.arch)
     else:
         from .bench import KernelBenchmarker
 

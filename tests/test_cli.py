@@ -108,3 +108,57 @@ def test_real_benchmarker_refused_without_cuda(tmp_path, monkeypatch):
     r = invoke("tune", "--preset", "small", "--db", tmp_path / "x.sqlite")
     assert r.exit_code == 2 and "no CUDA device" in r.output
     assert not (tmp_path / "x.sqlite").exists()
+
+
+def test_tune_fake_model_runs_the_whole_path_and_explain_picks_its_rows(tmp_path):
+    """No GPU and no hand-made file: studies, table, database, then explain."""
+    import shlex
+
+    db = tmp_path / "t.sqlite"
+    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 3)
+    assert r.exit_code == 0, r.output
+    keys = [k.id for k, _ in presets.expand(["small"])]
+    assert all(k in r.output for k in keys) and "speedup" in r.output and "(model)" in r.output
+    statuses = {s for (s,) in sqlite3.connect(db).execute("SELECT DISTINCT status FROM measurements")}
+    assert "ok" in statuses and statuses <= {"ok", "invalid", "infeasible"}
+    (hint,) = [line for line in r.output.splitlines() if "flashgen explain" in line]
+    r = invoke(*shlex.split(hint.split("flashgen ", 1)[1]))
+    assert r.exit_code == 0, r.output
+    assert r.output.count("(tuned; row attn_") == 3 and str(db) in r.output, r.output
+
+
+def test_a_fake_file_lacking_variants_lists_them_all_and_a_template_fills_them(tmp_path):
+    from flashgen import arch, tuner
+
+    items = presets.expand(["small"], "bfloat16", ["fwd"])
+    needed = [v.id for v in tuner.feasible_variants([k for k, _ in items], arch.current())]
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({needed[0]: 1.0, needed[5]: 2.0}))
+    db = tmp_path / "t.sqlite"
+    r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake", part, "--db", db, "--trials", 2)
+    assert r.exit_code == 2 and f"lacks timings for {len(needed) - 2} variant(s)" in r.output, r.output
+    listed = [line.strip() for line in r.output.splitlines() if line.startswith("  ")]
+    assert listed == [v for v in needed if v not in (needed[0], needed[5])]  # all of them, in one run
+    assert not db.exists()
+    tmpl = tmp_path / "tmpl.json"
+    r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake-template", tmpl)
+    assert r.exit_code == 0 and f"wrote {len(needed)} variant ids" in r.output, r.output
+    assert sorted(json.loads(tmpl.read_text())) == sorted(needed) and not db.exists()
+    assert invoke("tune", "--preset", "small", "--fake-template", tmpl).exit_code == 2  # never overwrites
+    r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake", tmpl, "--db", db, "--trials", 2)
+    assert r.exit_code == 0 and "(fake)" in r.output, r.output
+    r = invoke("tune", "--preset", "small", "--fake", tmpl, "--fake-model", "--db", db)
+    assert r.exit_code == 2 and "--fake-model" in r.output
+
+
+@pytest.mark.parametrize("command", ["tune", "show", "merge", "export", "import", "bench", "iomodel", "explain"])
+def test_help_shows_flags_as_flags_and_lists_the_dtypes(command):
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "<bool>" not in r.output
+    if command in ("tune", "bench", "iomodel", "explain"):
+        assert "--dtype <float16|bfloat16|float32>" in r.output
+    flags = {"explain": ["--causal "], "bench": ["--plots / --no-plots", "--check / --no-check"],
+             "show": ["--all "], "iomodel": ["--causal / --no-causal"], "tune": ["--fake-model "]}
+    for f in flags.get(command, []):
+        assert f"  {f}" in r.output, (f, r.output)

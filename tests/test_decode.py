@@ -152,6 +152,9 @@ def _paged():
     (lambda a: {**a, "v_cache": a["v_cache"][:, :, :1]}, "k_cache and v_cache"),
     (lambda a: {**a, "k_cache": a["k_cache"][:1], "v_cache": a["v_cache"][:1]}, r"k_cache.shape\[0\]"),
     (lambda a: {**a, "q": torch.randn(2, 1, 3, 16)}, "multiple of num_kv_heads"),
+    # a cache in (batch, heads, seqlen, head_dim) layout: the error names the layout it takes
+    (lambda a: {**a, "k_cache": a["k_cache"].transpose(1, 2), "v_cache": a["v_cache"].transpose(1, 2)},
+     r"multiple of num_kv_heads of k_cache/v_cache \(32\).*\(batch, seqlen_cache, num_kv_heads, head_dim\)"),
     (lambda a: {**a, "q": torch.randn(2, 1, 4, 12), "k_cache": torch.randn(2, 32, 2, 12),
                 "v_cache": torch.randn(2, 32, 2, 12)}, "multiple of 8"),
     (lambda a: {**a, "v_cache": torch.randn(2, 32, 2, 264)}, "v_cache head_dim"),
@@ -195,6 +198,23 @@ def test_invalid_inputs_paged(mutate, match):
     with pytest.raises(InputError, match=match):
         flashgen.attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
                                         args.pop("cache_seqlens"), **args)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+@pytest.mark.parametrize("which", ["q", "k_cache", "v_cache"])
+def test_an_input_that_requires_grad_is_refused_on_every_path(which, interpret, monkeypatch):
+    """Not differentiable, and the same on the reference path and in the kernels: an
+    InputError while grad mode is on, a result without grad_fn under no_grad."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q, kc, vc, lens = _good()
+    args = dict(q=q, k_cache=kc, v_cache=vc)
+    args[which] = args[which].requires_grad_()
+    with pytest.raises(InputError, match=f"{which} requires grad.*not differentiable"):
+        flashgen.attention_with_kvcache(args["q"], args["k_cache"], args["v_cache"], lens)
+    with torch.no_grad():
+        o = flashgen.attention_with_kvcache(args["q"], args["k_cache"], args["v_cache"], lens)
+    assert o.grad_fn is None and not o.requires_grad
+    assert torch.equal(o, flashgen.attention_with_kvcache(q.detach(), kc.detach(), vc.detach(), lens))
 
 
 # -- keys, defaults, the tuner -----------------------------------------------------------

@@ -96,8 +96,7 @@ def test_nearest_bucket_of_the_same_spec(db_path):
     assert ch.source == "default" and ch.config == heuristics.default_config(SPEC, ARCH)
 
 
-@pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("triton_version", "3.5.0"),
-                                          ("compute_capability", "8.0")])
+@pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("compute_capability", "8.0")])
 def test_rows_of_another_environment_are_ignored_with_a_warning(db_path, field, value):
     other = dataclasses.replace(ENV, **{field: value})
     with TuningDB(db_path) as db:
@@ -118,6 +117,82 @@ def test_rows_of_another_environment_are_ignored_with_a_warning(db_path, field, 
     d.clear()
     ch = d.choose(KEY)
     assert (ch.source, ch.config, ch.median_ms) == ("tuned", C1, 5.0)
+
+
+def test_rows_of_another_triton_version_come_after_exact_rows_and_before_the_nearest_bucket(db_path):
+    """The same GPU and generated code measured under another Triton: used, flagged with
+    the versions it was tuned under, after this version's rows of the key and before
+    any nearest bucket."""
+    old = dataclasses.replace(ENV, triton_version="3.5.0", torch_version="2.11.0")
+    with TuningDB(db_path) as db:
+        rec(db, C2, 0.5, env=old)
+        rec(db, C3, 0.4, env=dataclasses.replace(old, triton_version="3.4.0"))  # fastest of the other versions
+        rec(db, C1, 1.0, key=OTHER_BUCKET)  # this version's rows: only a nearby bucket
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rows that apply: no "no rows for this environment"
+        ch = disp(db_path).choose(KEY)
+    assert (ch.source, ch.config, ch.median_ms, ch.tuned_key) == ("tuned", C3, 0.4, KEY.id)
+    assert ch.tuned_under == "triton 3.4.0, torch 2.11.0"
+    # this version's row of the key wins, even when slower
+    with TuningDB(db_path) as db:
+        rec(db, C1, 3.0)
+    ch = disp(db_path).choose(KEY)
+    assert (ch.source, ch.config, ch.median_ms, ch.tuned_under) == ("tuned", C1, 3.0, None)
+    # a bucket nobody tuned: this version's nearest bucket before another version's
+    ch = disp(db_path).choose(FAR_BUCKET)
+    assert (ch.source, ch.tuned_key, ch.tuned_under) == ("nearest", OTHER_BUCKET.id, None)
+    # only other versions' rows: their nearest bucket, flagged
+    only_old = db_path.with_name("old.sqlite")
+    with TuningDB(only_old) as db:
+        rec(db, C2, 0.5, env=old)
+    ch = disp(only_old).choose(FAR_BUCKET)
+    assert (ch.source, ch.config, ch.tuned_key, ch.tuned_under) == ("nearest", C2, KEY.id, "triton 3.5.0, torch 2.11.0")
+    # a row of this Triton under another torch: an exact row, its torch named
+    assert ENV.version_note({"triton_version": "3.6.0", "torch_version": "2.9.0"}) == "torch 2.9.0"
+
+
+@pytest.fixture
+def shipped(db_path, monkeypatch):
+    """db_path stands in for the shipped database; the once-per-process warning re-armed."""
+    monkeypatch.setattr(dispatch, "shipped_databases", lambda: [db_path])
+    monkeypatch.setattr(dispatch, "_warned_shipped_default", False)
+    return db_path
+
+
+def test_a_gpu_with_shipped_rows_running_defaults_warns_once_per_process(shipped, monkeypatch):
+    from flashgen import render
+
+    with TuningDB(shipped) as db:
+        rec(db, C2, 0.5)
+    real = render.template_hash
+    monkeypatch.setattr(render, "template_hash", lambda k, mods="": "0" * 16 if k == "fwd" else real(k, mods))
+    with pytest.warns(UserWarning, match=r"NVIDIA H200 \(cc 9.0\) has 1 tuned rows in the shipped .*code hashes differ"):
+        assert disp(shipped).choose(KEY).source == "default"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: not again, whichever dispatcher
+        assert disp(shipped).choose(OTHER_BUCKET).source == "default"
+    # another GPU has no shipped rows: no warning
+    monkeypatch.setattr(dispatch, "_warned_shipped_default", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert disp(shipped, env=dataclasses.replace(ENV, gpu_name="NVIDIA A100")).choose(KEY).source == "default"
+
+
+def test_a_spec_without_shipped_rows_warns_naming_it(shipped):
+    with TuningDB(shipped) as db:
+        rec(db, C2, 0.5, env=dataclasses.replace(ENV, triton_version="3.5.0"))
+    d = disp(shipped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert d.choose(KEY).tuned_under == "triton 3.5.0"  # applies: no warning
+    other = SHAPE.key(dataclasses.replace(SPEC, head_dim=128, head_dim_v=128))
+    with pytest.warns(UserWarning, match="none is for its kernel spec .attn_fwd_d128_bf16_causal"):
+        assert d.choose(other).source == "default"
+    # a capture never reads databases, and never warns
+    dispatch._warned_shipped_default = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert disp(shipped).choose(other, capturing=True).source == "default"
 
 
 def test_rows_of_another_template_hash_are_ignored(db_path, monkeypatch):

@@ -7,6 +7,7 @@ mid-trial leaves its trial FAILed (and the budget completed by the others).
 """
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -130,38 +131,76 @@ def test_a_killed_worker_fails_its_trial_and_others_finish(tmp_path):
 
 
 # -- PostgreSQL: a real server on loopback --------------------------------------------
+#
+# The server programs come from the pgserver wheel (flashgen's test extra: PostgreSQL
+# built for pip, nothing installed system-wide), or else from a system install
+# (/usr/lib/postgresql/*/bin).  PostgreSQL refuses to run as root: as root the programs
+# are copied to a temporary directory and run as the unprivileged user ``nobody``, so no
+# user is created and no permission outside that directory changes.
 
-def _pg_bin(name):
-    hits = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
-    if not hits:
-        pytest.fail(f"PostgreSQL's {name} is not installed (.ci/run installs Debian's postgresql)")
-    return str(hits[-1])
+def _pg_install() -> Path:
+    """The PostgreSQL install tree (bin/, lib/, share/) to run."""
+    spec = importlib.util.find_spec("pgserver")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        tree = Path(root) / "pginstall"
+        if (tree / "bin" / "initdb").exists():
+            return tree
+    hits = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if hits:
+        return hits[-1].parent.parent
+    pytest.fail("PostgreSQL's server programs are not installed: `pip install -e '.[test]'` installs the pgserver "
+                "wheel that carries them (or install a system PostgreSQL)")
+
+
+@pytest.fixture(scope="module")
+def pg_bin():
+    """(bin directory, command prefix that runs a program unprivileged)."""
+    tree = _pg_install()
+    if os.geteuid() != 0:
+        yield tree / "bin", []
+        return
+    as_nobody = ["runuser", "-u", "nobody", "--"]
+    if tree.parent.name != "pgserver":  # a system install: world-readable in place
+        yield tree / "bin", as_nobody
+        return
+    # The wheel's programs find their libraries through $ORIGIN/../../../pgserver.libs:
+    # copy that layout where nobody can read it (site-packages may sit under /root).
+    copy = Path(tempfile.mkdtemp(prefix="flashgen-pginstall-"))
+    try:
+        for src, dst in ((tree, copy / "pgserver" / "pginstall"), (tree.parent.parent / "pgserver.libs",
+                                                                  copy / "pgserver.libs")):
+            if src.exists():
+                shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("include"))
+        for d in [copy, *(p for p in copy.rglob("*") if p.is_dir())]:
+            d.chmod(0o755)
+        yield copy / "pgserver" / "pginstall" / "bin", as_nobody
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 @pytest.fixture
-def postgres_url():
+def postgres_url(pg_bin):
     import psycopg2  # noqa: F401  (flashgen[distributed]; .ci/run installs it)
 
+    bin_dir, as_user = pg_bin
     base = Path(tempfile.mkdtemp(prefix="flashgen-pg-"))  # pytest's tmp is root-only
     tmp_path, data = base, base / "pgdata"
     data.mkdir()
-    as_user = []
-    if os.geteuid() == 0:  # the server refuses to run as root
-        shutil.chown(base, "postgres")
-        shutil.chown(data, "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    subprocess.run([*as_user, _pg_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+    if as_user:  # the server refuses to run as root: its files belong to nobody
+        shutil.chown(base, "nobody")
+        shutil.chown(data, "nobody")
+    subprocess.run([*as_user, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
                    check=True, capture_output=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     opts = f"-p {port} -k {tmp_path} -c listen_addresses=127.0.0.1 -c max_connections=50"
-    subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-o", opts, "-w", "-l",
+    subprocess.run([*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-o", opts, "-w", "-l",
                     str(tmp_path / "pg.log"), "start"], check=True, capture_output=True)
     try:
         yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+        subprocess.run([*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
                        capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
 

@@ -120,3 +120,36 @@ def test_cli_explain_errors(extra, message):
     r = runner.invoke(app, ["explain", "--batch", "1", "--heads", "4", "--kv-heads", "2", "--seqlen-q", "8",
                             "--seqlen-k", "8", *extra])
     assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_cli_explain_serves_shipped_rows_under_another_triton(monkeypatch):
+    """pip resolves a newer Triton than the shipped H200 rows were tuned under: explain
+    still names the shipped tuned rows, flagged with the version they were tuned under."""
+    from flashgen import dispatch, env as fenv
+
+    (shipped,) = dispatch.shipped_databases()
+    with TuningDB(shipped, readonly=True) as db:
+        tuned_under = set(db.ok_rows_of_gpu("NVIDIA H200", "9.0"))
+    assert "3.9.0" not in tuned_under and tuned_under  # the situation of triton 3.9.0 today
+    real = fenv.installed_versions()
+    monkeypatch.setattr(fenv, "installed_versions", lambda: {**real, "triton_version": "3.9.0"})
+    r = runner.invoke(app, ["explain", "--batch", "1", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "4096",
+                            "--seqlen-k", "4096", "--head-dim", "128", "--causal", "--gpu", "NVIDIA H200"])
+    assert r.exit_code == 0, r.output
+    assert "NVIDIA H200 (cc 9.0, triton 3.9.0)" in r.output
+    assert r.output.count("(tuned; row attn_") == 3 and "(default;" not in r.output, r.output
+    (version,) = tuned_under
+    assert r.output.count(f"tuned under triton {version}") == 3
+
+
+def test_explain_says_when_a_head_dim_is_padded():
+    args = ["explain", "--batch", "1", "--heads", "8", "--kv-heads", "8", "--seqlen-q", "1024", "--seqlen-k", "1024"]
+    r = runner.invoke(app, args + ["--head-dim", "80"])
+    assert r.exit_code == 0, r.output
+    smem = [line for line in r.output.splitlines() if "shared memory (model)" in line]
+    assert len(smem) == 3 and all(line.endswith("; head_dim 80 runs as d128 tiles (padded to a power of two)")
+                                  for line in smem), r.output
+    r = runner.invoke(app, args + ["--head-dim", "128"])
+    assert "padded" not in r.output
+    r = runner.invoke(app, args + ["--head-dim", "64", "--head-dim-v", "40"])
+    assert "head_dim_v 40 runs as d64 tiles" in r.output and "head_dim 64 runs" not in r.output

@@ -65,6 +65,7 @@ def test_export_sqlite_is_a_db_the_dispatcher_reads(tmp_path):
     assert run("export", out, a).exit_code == 0
     with TuningDB(out) as db:
         assert [r["median_ms"] for r in db.rows()] == [1.5]
+        assert db.db.journal_mode == "delete"  # what ships: reading it creates no -wal/-shm
     choice = Dispatcher([out], env=ENV_A, arch=TABLE["sm_90"]).choose(KEY)
     assert (choice.source, choice.config, choice.median_ms) == ("tuned", TileConfig(128, 64, 4, 2), 1.5)
 

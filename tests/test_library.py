@@ -418,6 +418,7 @@ def test_wheel_contains_tuning_db_and_templates(tmp_path):
     for t in ("_common.j2", "attn_fwd.py.j2", "attn_bwd_dq.py.j2", "attn_bwd_dkdv.py.j2"):
         assert f"flashgen/templates/{t}" in names
     assert "flashgen/library.py" in names and "flashgen/api.py" in names
+    assert "flashgen/integrations/transformers.py" in names
     with zipfile.ZipFile(whl) as z:
         assert z.read("flashgen/tuning_db/h200.sqlite") == (ROOT / "tuning_db" / "h200.sqlite").read_bytes()
 
@@ -469,7 +470,7 @@ def test_vmap_goes_through_the_op(no_interpreter):
 
 def test_probe_fwd_configs_pipe_qk_mode_is_exact_and_leaves_the_tuned_code_alone(tmp_path, monkeypatch):
     """The forward's pipe_qk probe mode (tile j+1's QK^T issued before tile j's softmax;
-    session 5, measured 0.25-0.59x of the tuned forward on the H200) computes the same
+    measured 0.25-0.59x of the tuned forward on the H200) computes the same
     attention: --smoke checks every config, with and without it, against float64 on
     shapes with several interior tiles and with none (causal row blocks at the
     diagonal).  Rendered without the mode, every variant is byte-identical, so no

@@ -355,7 +355,7 @@ def test_causal_with_a_bias_runs_the_window_kernel():
 
 
 def test_an_untuned_mods_key_prefers_the_same_mods_at_another_head_dim(tmp_path):
-    """Session 5 (H200): at head_dim 64, dropout and bias ran 2.3x / 1.6x slower on the
+    """On the H200 at head_dim 64, dropout and bias ran 2.3x / 1.6x slower on the
     plain key's m128 n128 w4 (register spills) than on the m64 n64 w4 tuned for the
     same mods at head_dim 128, which the d64 tune then confirmed best.  An untuned mods
     key takes the same mods' tiles from another head dim first; a config that does not

@@ -112,7 +112,7 @@ def test_single_mod_presets_split_mods_bench():
 
 def test_mods_bench_preset_covers_the_scripts_default_shapes():
     """`flashgen tune --preset mods-bench` tunes every (head_dim, seqlen) mods_bench.py
-    runs by default (session 5: its head_dim 64 cases ran on rows of other modes, the
+    runs by default (untuned, its head_dim 64 cases ran on rows of other modes, the
     dropout one at 0.21x SDPA-flash); mods-d64 is the head_dim 64 part alone."""
     from flashgen import presets
 

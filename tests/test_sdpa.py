@@ -174,7 +174,6 @@ def test_dropout_p_is_served_by_flashgen(monkeypatch):
     (((1, 4, 8, 16), (1, 3, 8, 16), (1, 3, 8, 16)), dict(enable_gqa=True), "not a multiple"),
     (((1, 2, 8, 12), (1, 2, 8, 12), (1, 2, 8, 12)), {}, "head_dim 12"),
     (((2, 8, 16), (2, 8, 16), (2, 8, 16)), {}, "3 dims"),
-    (((1, 2, 0, 16), (1, 2, 8, 16), (1, 2, 8, 16)), {}, "empty"),
 ])
 def test_unsupported_shapes_go_to_torch(shapes, kw, reason, monkeypatch):
     """Mismatched head counts without enable_gqa raise torch's own error; other
@@ -191,6 +190,35 @@ def test_unsupported_shapes_go_to_torch(shapes, kw, reason, monkeypatch):
         assert str(got.value) == str(e)
     else:
         assert torch.equal(flashgen.scaled_dot_product_attention(q, k, v, **kw), want)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+@pytest.mark.parametrize("b, h, sq, sk", [(0, 2, 8, 8), (1, 2, 0, 8), (1, 2, 8, 0), (2, 0, 8, 8)])
+def test_empty_inputs_are_served_by_flashgen(b, h, sq, sk, interpret, monkeypatch):
+    """Empty inputs never reach torch (whose CUDA path can return None for them): the
+    empty output, zeros where seqlen_k is 0 (torch's CPU result), zero gradients; with
+    a mask and GQA too."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: pytest.fail("fell back to torch"))
+    hk = max(h // 2, 1) if h else 0
+    q = torch.randn(b, h, sq, 16, requires_grad=True)
+    k = torch.randn(b, hk if h else h, sk, 16, requires_grad=True)
+    v = torch.randn(b, hk if h else h, sk, 24, requires_grad=True)
+    gqa = dict(enable_gqa=True) if h else {}
+    if h == 0:  # no heads on either side: no GQA group to speak of
+        k = torch.randn(b, 0, sk, 16, requires_grad=True)
+        v = torch.randn(b, 0, sk, 24, requires_grad=True)
+    for kw in (dict(is_causal=True), dict(attn_mask=torch.ones(sq, sk, dtype=torch.bool))):
+        why = flashgen.explain(q.detach(), k.detach(), v.detach(), sdpa=True, **gqa,
+                               **({"causal": True} if "is_causal" in kw else {"attn_mask": kw["attn_mask"]}))
+        assert why.backend == "flashgen" and why.path.startswith("no launch"), why
+        o = flashgen.scaled_dot_product_attention(q, k, v, **gqa, **kw)
+        assert o is not None and o.shape == (b, h, sq, 24) and o.dtype == q.dtype
+        assert torch.equal(o, torch.zeros_like(o))
+        o.sum().backward()
+        for t in (q, k, v):
+            assert torch.equal(t.grad, torch.zeros_like(t))
+            t.grad = None
 
 
 def test_float64_goes_to_torch():

@@ -92,7 +92,8 @@ def test_fake_timings_must_name_real_variants(tmp_path):
     t.write_text("{}")
     res = CliRunner().invoke(app, ["tune", "--preset", "small", "--fake", str(t), "--db", str(tmp_path / "u.sqlite")],
                              env={"COLUMNS": "400"})
-    assert res.exit_code == 2 and "no timing for any variant" in res.output and "attn_fwd_d64_bf16" in res.output
+    assert res.exit_code == 2 and "lacks timings for" in res.output and "attn_fwd_d64_bf16" in res.output
+    assert "--fake-template" in res.output
     assert not (tmp_path / "u.sqlite").exists()
 
 
@@ -118,7 +119,7 @@ def test_show_defaults_to_the_shipped_db(tmp_path, monkeypatch):
     assert res.exit_code == 0 and "h200.sqlite" in res.output and "attn_fwd_d128_bf16" in res.output
 
 
-# -- a second new-user review (session 2) ---------------------------------------------
+# -- a second new-user review ----------------------------------------------------------
 
 @pytest.mark.parametrize("interpret", ["0", "1"])
 def test_strided_cu_seqlens_give_the_contiguous_result(interpret, monkeypatch):

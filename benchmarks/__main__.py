@@ -1,0 +1,112 @@
+"""``python -m benchmarks <suite> [--out DIR] [-- ARGS...]``: run one benchmark suite.
+
+Suites (``python -m benchmarks list``): grid, llama, mods, varlen, decode, overhead,
+exactness, model, fwd-configs, dq-atomic.  Each checks flashgen against the float64
+reference before timing, writes JSON into ``--out`` (default ``bench_out/<suite>``),
+draws its plots there and prints its table last.  ARGS after ``--`` go to the suite's
+script (e.g. ``python -m benchmarks mods -- --shapes 64:2048 --causal yes``; ``--smoke``
+runs the mods, varlen, decode, exactness and probe scripts on the CPU interpreter).
+
+``python -m benchmarks plot dense|mods|varlen|decode JSON... --out DIR [--memory]``
+redraws plots from existing results (what docs/benchmarks.md's plots come from).
+
+Exit status: the first failing step's (a failed float64 check fails its step), 2 for a
+suite whose script is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from suites import SUITES, Suite  # noqa: E402
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def commands(suite: Suite, out: Path, extra: list[str]) -> list[list[str]]:
+    """The argv of each step of ``suite`` writing into ``out``; ``extra`` to the first."""
+    cmds = []
+    for i, step in enumerate(suite.steps):
+        argv = [sys.executable] + [a.replace("{out}", str(out)) for a in step]
+        cmds.append(argv + (extra if i == 0 else []))
+    return cmds
+
+
+def run_suite(suite: Suite, out: Path, extra: list[str]) -> int:
+    if suite.needs and not (ROOT / suite.needs).is_file():
+        print(f"suite {suite.name}: {suite.needs} is missing from this checkout, so there is nothing to run "
+              f"(it comes with the transformers integration); no results written", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    results = [str(out / r) for r in suite.results]
+    print(f"suite {suite.name}: {suite.what}\n  results: {', '.join(results) or '(printed only)'}", flush=True)
+    for argv in commands(suite, out, extra):
+        print("  $ " + " ".join(argv[1:] if argv[0] == sys.executable else argv), flush=True)
+        rc = subprocess.call(argv, cwd=ROOT, env=_env())
+        if rc:
+            print(f"suite {suite.name}: step failed with exit status {rc}", file=sys.stderr)
+            return rc
+    present = [r for r in results if Path(r).is_file()]
+    if suite.plot and present:
+        import plots
+
+        try:
+            plots.KINDS[suite.plot](present, out, memory=True) if suite.plot == "dense" \
+                else plots.KINDS[suite.plot](present, out)
+        except ImportError as e:
+            print(f"plots skipped ({e}): pip install matplotlib", file=sys.stderr)
+    if suite.table and present:
+        import merge_bench
+
+        merge_bench.main(present)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    if argv[:1] == ["plot"]:
+        import plots
+
+        ap = argparse.ArgumentParser(prog="python -m benchmarks plot", description="redraw a suite's plots from JSON")
+        ap.add_argument("kind", choices=sorted(plots.KINDS))
+        ap.add_argument("inputs", nargs="+", help="result JSON files (dense: also flashgen bench logs)")
+        ap.add_argument("--out", required=True, type=Path, help="directory for the PNG files")
+        ap.add_argument("--title", default="")
+        ap.add_argument("--memory", action="store_true", help="dense: also the peak-memory plot")
+        a = ap.parse_args(argv[1:])
+        kw = {"memory": a.memory} if a.kind == "dense" else {}
+        for p in plots.KINDS[a.kind](a.inputs, a.out, title=a.title, **kw):
+            print(p)
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+                                 epilog="suites: " + ", ".join(SUITES))
+    ap.add_argument("suite", choices=["list", *SUITES])
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default bench_out/<suite>)")
+    a = ap.parse_args(argv)
+    if a.suite == "list":
+        for s in SUITES.values():
+            print(f"{s.name:12} {s.what}")
+            for step in s.steps:
+                print(f"{'':12}   python3 {' '.join(step)}")
+        return 0
+    return run_suite(SUITES[a.suite], a.out or Path("bench_out") / a.suite, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The Gluon backward (flashgen/families/gluon/bwd.py) on the H200: every variant is
+first run in a child process under a timeout (a deadlock kills the child, not the
+run), checked against float64 (dQ, dK, dV; NaN-poisoned outputs; seqlens 17, 1000,
+4097; seqlen_q != seqlen_k both ways; causal, window and none; GQA; K and V read from
+slices of NaN-filled buffers), then timed (preprocess + main + convert, median of
+triton.testing.do_bench) against SDPA cuDNN's and SDPA flash's backward and flashgen's
+current backward (flashgen.attention + autograd, tuned rows of tuning_db/h200.sqlite)
+on the FA-grid shapes of issue 16.  Writes gluon_bwd.json under --out and prints a
+short table last.
+
+Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: (batch, num_heads, seqlen, head_dim, causal): issue 16's table.
+SHAPES = [(4, 16, 4096, 128, False), (1, 16, 16384, 128, True), (8, 32, 2048, 64, False), (4, 32, 4096, 64, True),
+          (4, 16, 4096, 128, True), (8, 32, 2048, 64, True)]
+#: (config fields, head_dim, full): the variants one run compiles, checks and times; the
+#: fields are GluonBwdConfig's in order (block_m, block_n, consumers, stages, dq_mode,
+#: consumer_regs, producer_regs, row_load, producer_warps, split); "full" adds the window
+#: and float16 checks.
+CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, True), 128, True),
+           ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, True),
+           ((64, 64, 2, 2, "tma", 240, 24, "producer", 1, True), 128, False),
+           ((64, 64, 2, 2, "tma", 240, 24, "producer"), 128, False),
+           ((64, 64, 2, 3, "tma", 240, 24, "tma"), 128, False),
+           ((64, 64, 2, 2, "tma", 240, 24, "ptr"), 128, False),
+           ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, True),
+           ((64, 64, 2, 4, "tma", 240, 24, "tma", 4), 64, True),
+           ((64, 64, 2, 4, "tma", 240, 24, "producer", 1, True), 64, False),
+           ((64, 64, 2, 4, "tma", 240, 24, "ptr", 4), 64, False)]
+#: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
+CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),
+          (2, 4, 2, 1000, 1000, False, (-1, -1), "bottom_right", True),
+          (1, 2, 1, 4097, 4097, False, (-1, -1), "bottom_right", False),
+          (1, 2, 2, 17, 17, True, (-1, -1), "bottom_right", False),
+          (2, 4, 2, 1000, 1000, True, (-1, -1), "bottom_right", True),
+          (1, 2, 1, 4097, 4097, True, (-1, -1), "bottom_right", False),
+          (1, 2, 2, 300, 1000, True, (-1, -1), "bottom_right", False),
+          (1, 2, 2, 1000, 300, True, (-1, -1), "bottom_right", False),
+          (1, 2, 2, 1000, 300, True, (-1, -1), "top_left", False),
+          (1, 4, 2, 1000, 1000, False, (200, 64), "bottom_right", True),
+          (1, 2, 2, 1000, 1000, True, (300, -1), "bottom_right", False)]
+FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def tflops(b, h, s, d, causal, ms):
+    return 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0) / (ms * 1e-3) / 1e12
+
+
+# ------------------------------------------------------------------------------- child side
+
+def _child_variants(specs: list[str], timing: bool) -> None:
+    """Per variant: the float64 checks (``timing`` False) or the timings (True)."""
+    import torch
+    import triton.testing
+
+    from flashgen import reference
+    from flashgen.families.gluon import bwd as B
+    from flashgen.masks import mask_bounds
+
+    dev = "cuda"
+
+    def run_check(cfg, d, dtype_name, case):
+        b, h, hk, sq, sk, causal, window, align, nan_kv = case
+        mode, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
+        dt = getattr(torch, dtype_name)
+        g = torch.Generator(device=dev).manual_seed(hash((sq, sk, h, hk, d)) % 2**31)
+        q = torch.randn(b, h, sq, d, device=dev, dtype=dt, generator=g)
+        if nan_kv:  # K, V: slices of buffers holding NaN past seqlen_k
+            kb = torch.full((b, hk, sk + 77, d), float("nan"), device=dev, dtype=dt)
+            vb = kb.clone()
+            kb[:, :, :sk] = torch.randn(b, hk, sk, d, device=dev, dtype=dt, generator=g)
+            vb[:, :, :sk] = torch.randn(b, hk, sk, d, device=dev, dtype=dt, generator=g)
+            k, v = kb[:, :, :sk], vb[:, :, :sk]
+        else:
+            k = torch.randn(b, hk, sk, d, device=dev, dtype=dt, generator=g)
+            v = torch.randn(b, hk, sk, d, device=dev, dtype=dt, generator=g)
+        do = torch.randn(b, h, sq, d, device=dev, dtype=dt, generator=g)
+        scale = d ** -0.5
+        o64, lse64, _ = reference.forward_bounds(q, k, v, scale, lo, hi)
+        o, lse = o64.to(dt), lse64.float()
+        ref = reference.backward_bounds(do, q, k, v, scale, lo, hi)
+        base = reference.backward_bounds(do, q, k, v, scale, lo, hi, dtype=dt)
+        outs = [torch.full((b, h, sq, d), float("nan"), device=dev, dtype=dt),
+                torch.full((b, hk, sk, d), float("nan"), device=dev, dtype=dt),
+                torch.full((b, hk, sk, d), float("nan"), device=dev, dtype=dt)]
+        got = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=scale, diag_lo=lo, diag_hi=hi, mask=mode,
+                              config=cfg, dq=outs[0], dk=outs[1], dv=outs[2], stage_sync=True)
+        torch.cuda.synchronize()
+        res = {}
+        for name, gt, r, bs in zip(("dq", "dk", "dv"), got, ref, base):
+            err, berr = reference.max_error(gt, r), reference.max_error(bs, r)
+            res[name] = [err, berr, err / (2 * berr + FLOOR[dtype_name])]
+        return mode, res
+
+    for spec in specs:
+        fields, d, full = json.loads(spec)
+        cfg = B.GluonBwdConfig(*fields)
+        print("START", spec, flush=True)
+        row = {"config": cfg.id, "head_dim": d, "checks": [], "times": []}
+        try:
+            worst = 0.0
+            # Every config is checked in the modes it is timed in (none, causal); a "full"
+            # one also in window mode and in float16.
+            cases = [] if timing else [c for c in CHECKS if full or c[6] == (-1, -1)]
+            for case in cases:
+                for dtype_name in (("bfloat16", "float16") if full and case[3] == 1000 and not case[5]
+                                   else ("bfloat16",)):
+                    mode, res = run_check(cfg, d, dtype_name, case)
+                    r = max(v[2] for v in res.values())
+                    worst = max(worst, r)
+                    row["checks"].append({"case": case, "dtype": dtype_name, "mode": mode, "res": res,
+                                          "ok": bool(r <= 1.0)})
+            row["check_ok"] = all(c["ok"] for c in row["checks"])
+            row["check_worst"] = worst
+            if timing:
+                for (b, h, s, dd, causal) in SHAPES:
+                    if dd != d:
+                        continue
+                    dt = torch.bfloat16
+                    q, k, v, do, o = (torch.randn(b, h, s, d, device=dev, dtype=dt) for _ in range(5))
+                    lse = torch.randn(b, h, s, device=dev, dtype=torch.float32).abs() + 5.0
+                    mode, lo, hi = mask_bounds(s, s, causal=causal, window=(-1, -1))
+                    fn = lambda: B.attention_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, diag_lo=lo,  # noqa: E731
+                                                 diag_hi=hi, mask=mode, config=cfg)
+                    fn()
+                    torch.cuda.synchronize()
+                    ms = float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+                    row["times"].append({"shape": [b, h, s, d, causal], "ms": ms,
+                                         "tflops": tflops(b, h, s, d, causal, ms)})
+                    del q, k, v, do, o, lse
+        except Exception as e:  # noqa: BLE001 - a failure is the finding
+            row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+            print("RESULT", json.dumps(row), flush=True)
+            sys.exit(3)  # a CUDA error poisons the context: the parent starts a new child
+        print("RESULT", json.dumps(row), flush=True)
+
+
+def _child_baselines(warm_only: bool) -> None:
+    """SDPA cuDNN, SDPA flash and flashgen's backward per shape (``warm_only``: one call
+    each, which compiles flashgen's kernels, no timing)."""
+    import torch
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import flashgen
+
+    for (b, h, s, d, causal) in SHAPES:
+        dt = torch.bfloat16
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+        do = torch.randn(b, h, s, d, device="cuda", dtype=dt)
+        row = {"shape": [b, h, s, d, causal]}
+        for name in ("cudnn", "flash", "flashgen"):
+            try:
+                if name == "flashgen":
+                    out = flashgen.attention(q, k, v, causal=causal)
+                else:
+                    be = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
+                    with sdpa_kernel([be]):
+                        out = sdpa(q, k, v, is_causal=causal)
+                fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                if warm_only:
+                    continue
+                ms = float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+                row[name] = {"ms": ms, "tflops": tflops(b, h, s, d, causal, ms)}
+            except Exception as e:  # noqa: BLE001
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+            out = None
+        print("RESULT", json.dumps(row), flush=True)
+
+
+# ------------------------------------------------------------------------------ parent side
+
+def _run_child(args: list[str], items: list[str], per_item_s: float, deadline: float, log) -> list[dict]:
+    """Run a child over ``items``; a child silent for ``per_item_s`` after an item's START
+    is killed, the item recorded as hung, and a new child takes the rest."""
+    results, todo = [], list(items)
+    while todo and time.time() < deadline:
+        p = subprocess.Popen([sys.executable, __file__, *args, *todo], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, cwd=str(ROOT), bufsize=1)
+        current, started, progressed = None, time.time(), False
+        while True:
+            limit = min(started + per_item_s, deadline) - time.time()
+            r, _, _ = select.select([p.stdout], [], [], max(limit, 0.0))
+            if not r:
+                p.kill()
+                p.wait()
+                if current is not None:
+                    results.append({"item": current, "error": f"hung: no result within {per_item_s:.0f} s (killed)"})
+                    todo.remove(current)
+                else:
+                    todo = []
+                break
+            line = p.stdout.readline()
+            if not line:
+                p.wait()
+                if current is not None:
+                    results.append({"item": current, "error": f"child exited rc={p.returncode}"})
+                    todo.remove(current)
+                elif p.returncode == 0 or not progressed:
+                    todo = []
+                break
+            log.write(line)
+            if line.startswith("START "):
+                current, started = line[6:].strip(), time.time()
+            elif line.startswith("RESULT "):
+                progressed = True
+                results.append(json.loads(line[7:]))
+                if current in todo:
+                    todo.remove(current)
+                current, started = None, time.time()
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting work after this many seconds")
+    ap.add_argument("--child-variants", action="store_true")
+    ap.add_argument("--child-baselines", action="store_true")
+    ap.add_argument("--timing", action="store_true", help="child: time instead of check")
+    ap.add_argument("--warm-only", action="store_true", help="child: baselines run once, untimed")
+    ap.add_argument("items", nargs="*")
+    a = ap.parse_args()
+    if a.child_variants:
+        _child_variants(a.items, a.timing)
+        return 0
+    if a.child_baselines:
+        _child_baselines(a.warm_only)
+        return 0
+    t0 = time.time()
+    deadline = t0 + a.budget_s
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "gluon_bwd.log", "w") as log, open(out / "baseline_warm.log", "w") as wlog:
+        # flashgen's Triton kernels compile (one untimed call per shape) while the Gluon
+        # variants compile and run their checks.
+        warm = subprocess.Popen([sys.executable, __file__, "--child-baselines", "--warm-only"], stdout=wlog,
+                                stderr=subprocess.STDOUT, cwd=str(ROOT))
+        specs = [json.dumps([list(f), d, full]) for f, d, full in CONFIGS]
+        checked = _run_child(["--child-variants"], specs, 90.0, deadline - 60.0, log)
+        try:
+            warm.wait(timeout=max(deadline - 50.0 - time.time(), 1.0))
+        except subprocess.TimeoutExpired:
+            warm.kill()
+            warm.wait()
+        passed = [sp for sp, r in zip(specs, checked) if r.get("check_ok")]
+        timed = _run_child(["--child-variants", "--timing"], passed, 40.0, deadline - 25.0, log)
+        base = _run_child(["--child-baselines"], ["all"], 60.0, deadline + 20.0, log)
+    by_id = {(r["config"], r["head_dim"]): r for r in timed if "config" in r}
+    variants = []
+    for r in checked:
+        if "config" in r:
+            r["times"] = by_id.get((r["config"], r["head_dim"]), {}).get("times", [])
+            t_err = by_id.get((r["config"], r["head_dim"]), {}).get("error")
+            if t_err:
+                r["error"] = t_err
+        variants.append(r)
+    res = {"variants": variants, "baselines": base, "wall_s": time.time() - t0}
+    (out / "gluon_bwd.json").write_text(json.dumps(res, indent=1))
+    # table
+    bl = {tuple(r["shape"]): r for r in base if "shape" in r}
+    print(f"\n{'variant':<30} {'d':>3} {'check':>6} {'worst':>6}  TFLOP/s per shape (b,h,s,causal) [ratio to cuDNN]")
+    for v in variants:
+        if "config" not in v:
+            print(f"{v.get('item', '?'):<30} ERROR {v.get('error', '')[:80]}")
+            continue
+        cells = []
+        for t in v["times"]:
+            b, h, s, d, c = t["shape"]
+            ref = bl.get((b, h, s, d, c), {}).get("cudnn", {}).get("tflops")
+            cells.append(f"{b},{h},{s},{'c' if c else 'n'}:{t['tflops']:.0f}" + (f"[{t['tflops'] / ref:.2f}]" if ref else ""))
+        err = v.get("error", "")[:60]
+        bad = [f"{c['mode']}{c['case'][3]}x{c['case'][4]}:{max(x[2] for x in c['res'].values()):.2f}"
+               for c in v["checks"] if not c["ok"]][:3]
+        print(f"{v['config']:<30} {v['head_dim']:>3} {str(v.get('check_ok', '-')):>6} {v.get('check_worst', 0):6.3f}  "
+              + " ".join(cells) + (" ERR " + err if err else "") + (" FAIL " + " ".join(bad) if bad else ""))
+    for r in base:
+        if "shape" in r:
+            print("baseline", r["shape"], " ".join(f"{n}:{r[n].get('tflops', 0):.0f}" if "tflops" in r[n]
+                                                   else f"{n}:ERR" for n in ("cudnn", "flash", "flashgen")))
+        else:
+            print("baseline", r)
+    print(f"wall {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,335 @@
+"""The Gluon forward (flashgen/families/gluon) on the H200: build, check against float64,
+time against its peers.
+
+Every variant first runs in a child process under a timeout (a warp-specialized kernel
+that deadlocks on an mbarrier kills the child, not the run), on awkward inputs per mask
+mode: seqlens 1, 17, 1000, 4097 and seqlen_q != seqlen_k both ways, GQA and MQA,
+bottom-right and top-left causal, windows, q/k/v read from slices of NaN-filled buffers
+and O written into a slice of a sentinel-filled buffer (every O and LSE element
+NaN-poisoned first; nothing outside the slice may change).  A case passes when
+max |out - float64 reference| <= 2 x the error of torch at the input dtype + a floor
+(flashgen.bench.compare) and rows that see no key give exactly O = 0, LSE = -inf.
+
+The passing variants are then timed (triton.testing.do_bench, median) against SDPA
+cuDNN, SDPA flash and flashgen's current path (flashgen.attention: the dispatcher and
+tuning_db/h200.sqlite) on the FA-grid shapes of issue 15 and the Llama-3-8B layer
+(1 x 32/8 heads x 4096 x 128, causal).  Writes gluon_fwd.json under --out; prints the
+table last: TFLOP/s (4 * b * h * sq * sk * d, halved for causal) and the ratio to SDPA
+cuDNN, with the geometric mean over the shapes.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/gluon_fwd.py --out $OUT [--set quick|full] [--workers 8]
+    python3 benchmarks/gluon_fwd.py --list [--set full]     # the variants, no GPU needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from flashgen.families.gluon.config import (  # noqa: E402
+    GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_regs,
+)
+
+#: (batch, num_heads, num_kv_heads, seqlen, head_dim, causal)
+SHAPES = [
+    (4, 16, 16, 4096, 128, False), (4, 16, 16, 4096, 128, True),
+    (1, 16, 16, 16384, 128, False), (1, 16, 16, 16384, 128, True),
+    (8, 32, 32, 2048, 64, False), (8, 32, 32, 2048, 64, True),
+    (4, 32, 32, 4096, 64, False), (4, 32, 32, 4096, 64, True),
+    (1, 32, 8, 4096, 128, True),  # Llama-3-8B layer
+]
+
+
+def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None):
+    cr, pr = regs or default_regs(nc, ctas)
+    return GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
+                          pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
+
+
+def variant_set(name: str) -> list[GluonFwdVariant]:
+    """The variants to build: per head dim, the configs to time (masks none and causal,
+    bf16) and, for correctness only, window / fp16 / other head dims."""
+    timed = {
+        128: [_cfg(), _cfg(pin=True), _cfg(pers=True), _cfg(bn=64, stages=4), _cfg(nc=1, stages=3)],
+        64: [_cfg(stages=4), _cfg(stages=4, pin=True), _cfg(stages=4, pers=True), _cfg(nc=3, stages=4),
+             _cfg(nc=3, bn=64, stages=6)],
+    }
+    if name == "full":
+        timed = {
+            128: [_cfg(), _cfg(pin=True), _cfg(pers=True), _cfg(pin=True, pers=True), _cfg(bn=64, stages=4, pin=True),
+                  _cfg(nc=1, bn=64, ctas=2), _cfg(nc=1, bn=64, ctas=2, pin=True), _cfg(nc=1, bn=64, ctas=2, pers=True)],
+            64: [_cfg(stages=4), _cfg(stages=4, pin=True), _cfg(stages=4, pers=True), _cfg(stages=4, pin=True, pers=True),
+                 _cfg(nc=3, bn=64, stages=6), _cfg(nc=1, stages=3, ctas=2), _cfg(nc=1, stages=3, ctas=2, pin=True),
+                 _cfg(nc=1, stages=3, ctas=2, pers=True), _cfg(nc=1, bn=64, stages=4, ctas=2),
+                 _cfg(nc=3, stages=4), _cfg(nc=3, stages=4, pers=True)],
+        }
+    out = []
+    for d, cfgs in timed.items():
+        for mask in ("none", "causal"):
+            out += [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, mask), c) for c in cfgs]
+        out.append(GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "window"), cfgs[0]))
+        out.append(GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "window"), cfgs[-1]))
+        out.append(GluonFwdVariant(GluonFwdSpec("float16", d, d, "causal"), cfgs[0]))
+    for d, dv in ((128, 64), (64, 128), (96, 96), (192, 192), (256, 256), (192, 128)):
+        s = GluonFwdSpec("bfloat16", d, dv, "causal")
+        from flashgen.families.gluon.config import default_config
+        out.append(GluonFwdVariant(s, default_config(s)))
+    return [v for v in out if not check(v)]
+
+
+# ---------------------------------------------------------------------------- checks
+
+def _check_cases(mask: str):
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k, causal, window, align) per mask mode."""
+    if mask == "none":
+        return [(2, 4, 2, 1, 1, False, (-1, -1), "bottom_right"), (1, 2, 1, 17, 17, False, (-1, -1), "bottom_right"),
+                (2, 4, 4, 1000, 1000, False, (-1, -1), "bottom_right"),
+                (1, 2, 2, 4097, 4097, False, (-1, -1), "bottom_right"),
+                (1, 4, 1, 17, 1000, False, (-1, -1), "bottom_right"),
+                (1, 2, 2, 1000, 17, False, (-1, -1), "bottom_right"),
+                (3, 6, 2, 129, 257, False, (-1, -1), "bottom_right")]
+    if mask == "causal":
+        return [(2, 4, 2, 1, 1, True, (-1, -1), "bottom_right"), (1, 2, 1, 17, 17, True, (-1, -1), "bottom_right"),
+                (2, 4, 4, 1000, 1000, True, (-1, -1), "bottom_right"),
+                (1, 2, 2, 4097, 4097, True, (-1, -1), "bottom_right"),
+                (1, 4, 1, 17, 1000, True, (-1, -1), "bottom_right"),
+                (1, 2, 2, 1000, 17, True, (-1, -1), "bottom_right"),  # rows that see no key
+                (1, 2, 2, 1000, 17, True, (-1, -1), "top_left"),
+                (2, 4, 2, 300, 1000, True, (-1, -1), "top_left"),
+                (1, 2, 2, 257, 4097, False, (-1, 5), "bottom_right")]  # right-bounded only: causal mode
+    return [(2, 4, 2, 1000, 1000, False, (37, 11), "bottom_right"), (1, 2, 1, 4097, 4097, True, (256, -1), "bottom_right"),
+            (1, 2, 2, 17, 1000, False, (0, 0), "bottom_right"), (1, 4, 2, 1000, 300, False, (100, 30), "top_left"),
+            (2, 2, 2, 4097, 4097, False, (1000, 1000), "bottom_right")]
+
+
+def _in_buffer(t, fill, rows=64, cols=16):
+    import torch
+
+    b, h, s, d = t.shape
+    buf = torch.full((b, h, s + rows, d + cols), fill, dtype=t.dtype, device=t.device)
+    buf[:, :, :s, :d] = t
+    return buf[:, :, :s, :d], buf
+
+
+def check_variant(v: GluonFwdVariant, seed: int = 0) -> dict:
+    """Run ``v`` on its mask mode's cases; {"ok", "worst", "cases": [...]}."""
+    import torch
+
+    from flashgen import bench
+    from flashgen.families.gluon import launch
+    from flashgen.masks import mask_bounds
+
+    s = v.spec
+    dt = getattr(torch, s.dtype)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cases, ok, worst = [], True, 0.0
+    for i, (b, h, hk, sq, sk, causal, window, align) in enumerate(_check_cases(s.mask)):
+        mode, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
+        assert mode == s.mask, (mode, s.mask)
+        q = torch.randn(b, h, sq, s.head_dim, generator=g, device="cuda").to(dt)
+        k = torch.randn(b, hk, sk, s.head_dim, generator=g, device="cuda").to(dt)
+        vv = torch.randn(b, hk, sk, s.head_dim_v, generator=g, device="cuda").to(dt)
+        qb, _ = _in_buffer(q, float("nan"))
+        kb, _ = _in_buffer(k, float("nan"))
+        vb, _ = _in_buffer(vv, float("nan"))
+        out, obuf = _in_buffer(torch.full((b, h, sq, s.head_dim_v), float("nan"), dtype=dt, device="cuda"), 7.0)
+        lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
+        scale = s.head_dim ** -0.5
+        launch.fwd(qb, kb, vb, softmax_scale=scale, mask=mode, diag_lo=lo, diag_hi=hi, config=v.config, out=out,
+                   lse=lse)
+        torch.cuda.synchronize()
+        msgs = []
+        outside = obuf.clone()
+        outside[:, :, :sq, :s.head_dim_v] = 7.0
+        if not bool((outside == 7.0).all()):
+            msgs.append("wrote outside O")
+        res = bench.compare({"O": out, "LSE": lse}, q, k, vv, None,
+                            mask=dict(causal=causal, window=window, align=align), softmax_scale=scale)
+        i_ = torch.arange(sq, device="cuda")[:, None]
+        j_ = torch.arange(sk, device="cuda")[None, :]
+        empty = ~(((j_ - i_) >= lo) & ((j_ - i_) <= hi)).any(1)
+        if bool(empty.any()):
+            if not bool((out[:, :, empty] == 0).all()) or not bool((lse[:, :, empty] == float("-inf")).all()):
+                msgs.append("rows that see no key: O != 0 or LSE != -inf")
+        r = max(x[2] for x in res.values())
+        worst = max(worst, r)
+        good = r <= 1.0 and not msgs
+        ok &= good
+        cases.append({"shape": [b, h, hk, sq, sk], "causal": causal, "window": list(window), "align": align,
+                      "ok": good, "ratio": r, "errors": {n: [x[0], x[1]] for n, x in res.items()}, "msgs": msgs})
+    return {"ok": ok, "worst": worst, "cases": cases}
+
+
+def _child(arg: str) -> int:
+    d = json.loads(arg)
+    v = GluonFwdVariant(GluonFwdSpec(**d["spec"]), GluonFwdConfig(**d["config"]))
+    t = time.time()
+    try:
+        r = check_variant(v)
+    except Exception as e:  # a compile or launch failure is a result, not the end of the run
+        r = {"ok": False, "worst": math.inf, "error": f"{type(e).__name__}: {str(e)[-1500:]}", "cases": []}
+    r["seconds"] = round(time.time() - t, 1)
+    print("RESULT " + json.dumps(r), flush=True)
+    return 0
+
+
+def run_checks(variants, workers: int, timeout: float) -> dict:
+    def one(v):
+        arg = json.dumps({"spec": dataclasses.asdict(v.spec), "config": dataclasses.asdict(v.config)})
+        try:
+            p = subprocess.run([sys.executable, __file__, "--child", arg], capture_output=True, text=True,
+                               timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return v, {"ok": False, "worst": math.inf, "error": f"timeout after {timeout} s (deadlock?)", "cases": []}
+        for line in p.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return v, json.loads(line[7:])
+        return v, {"ok": False, "worst": math.inf, "error": f"rc {p.returncode}: {p.stderr[-1500:]}", "cases": []}
+
+    results = {}
+    with cf.ThreadPoolExecutor(workers) as ex:
+        for v, r in ex.map(one, variants):
+            results[v.id] = r
+            bad = [c for c in r["cases"] if not c["ok"]]
+            print(f"check {v.id:64} {'ok ' if r['ok'] else 'FAIL'} worst {r['worst']:.3g} {r['seconds'] if 'seconds' in r else ''}s"
+                  + (f" {r.get('error', '')[:300]}" if "error" in r else "")
+                  + "".join(f"\n    {c['shape']} causal={c['causal']} window={c['window']} {c['align']}: "
+                            f"ratio {c['ratio']:.3g} {c['msgs']}" for c in bad[:4]), flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------- timing
+
+def _flops(b, h, sq, sk, d, causal):
+    return 4.0 * b * h * sq * sk * d * (0.5 if causal else 1.0)
+
+
+def time_all(variants, rep_ms: int) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    import flashgen
+    from flashgen.families.gluon import launch
+
+    rows = []
+    for (b, h, hk, n, d, causal) in SHAPES:
+        dt = torch.bfloat16
+        q = torch.randn(b, h, n, d, device="cuda", dtype=dt)
+        k = torch.randn(b, hk, n, d, device="cuda", dtype=dt)
+        v = torch.randn(b, hk, n, d, device="cuda", dtype=dt)
+        fl = _flops(b, h, n, n, d, causal)
+        row = {"shape": [b, h, hk, n, d], "causal": causal, "tflops": {}}
+
+        def bench(name, fn):
+            try:
+                with torch.no_grad():
+                    fn()
+                    torch.cuda.synchronize()
+                    ms = do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+                row["tflops"][name] = fl / ms / 1e9
+            except Exception as e:  # a peer that does not run this shape is left out
+                row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+
+        gqa = hk != h
+        for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+            def peer(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            bench(name, peer)
+        bench("flashgen", lambda: flashgen.attention(q, k, v, causal=causal))
+        mask = "causal" if causal else "none"
+        for var in variants:
+            if var.spec.head_dim != d or var.spec.mask != mask or var.spec.dtype != "bfloat16" or var.spec.head_dim_v != d:
+                continue
+            out = torch.empty_like(q)
+            lse = torch.empty((b, h, n), device="cuda", dtype=torch.float32)
+            bench(var.id, lambda var=var, out=out, lse=lse: launch.fwd(
+                q, k, v, softmax_scale=d ** -0.5, mask=mask, diag_lo=0 if causal else -n, diag_hi=0 if causal else n,
+                config=var.config, out=out, lse=lse, check_inputs=False))
+        rows.append(row)
+        print(f"time {row['shape']} causal={causal}: " + ", ".join(f"{k} {x:.0f}" for k, x in row["tflops"].items()),
+              flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| B,H,Hkv,N,D | causal | SDPA cuDNN | SDPA flash | flashgen | best Gluon (TFLOP/s) | / cuDNN | best variant |",
+             "|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for r in rows:
+        t = r["tflops"]
+        gl = {k: x for k, x in t.items() if k.startswith("gluon_")}
+        best = max(gl, key=gl.get) if gl else None
+        cud = t.get("sdpa_cudnn")
+        ratio = gl[best] / cud if best and cud else None
+        if ratio:
+            ratios.append(ratio)
+        f = lambda k: f"{t[k]:.0f}" if k in t else "-"  # noqa: E731
+        lines.append(f"| {','.join(map(str, r['shape']))} | {'yes' if r['causal'] else 'no'} | {f('sdpa_cudnn')} | "
+                     f"{f('sdpa_flash')} | {f('flashgen')} | {gl[best]:.0f} | "
+                     f"{ratio:.2f}x | {best} |" if best else f"| {r['shape']} | - |")
+    if ratios:
+        lines.append(f"geomean best Gluon / SDPA cuDNN: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}x "
+                     f"(min {min(ratios):.2f}x)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=".")
+    p.add_argument("--set", default="quick", choices=("quick", "full"))
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
+    p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--no-time", action="store_true")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--only", default="", help="comma-separated substrings of variant ids to keep")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(args.child)
+    variants = variant_set(args.set)
+    if args.only:
+        variants = [v for v in variants if any(s in v.id for s in args.only.split(","))]
+    if args.list:
+        for v in variants:
+            print(v.id)
+        print(len(variants), "variants")
+        return 0
+    t0 = time.time()
+    out = {"variants": [v.id for v in variants], "argv": sys.argv[1:]}
+    path = Path(args.out) / "gluon_fwd.json"
+    checks = run_checks(variants, args.workers, args.timeout)
+    out["checks"] = checks
+    out["check_seconds"] = round(time.time() - t0, 1)
+    path.write_text(json.dumps(out, indent=1))
+    passing = [v for v in variants if checks[v.id]["ok"]]
+    print(f"{len(passing)}/{len(variants)} variants pass the float64 checks "
+          f"(worst ratio among passing {max([checks[v.id]['worst'] for v in passing], default=0):.3g}); "
+          f"{out['check_seconds']} s", flush=True)
+    if not args.no_time:
+        import torch
+
+        out["device"] = torch.cuda.get_device_name()
+        out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
+        out["timing"] = time_all(passing, args.rep_ms)
+        path.write_text(json.dumps(out, indent=1))
+        print(table(out["timing"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""A real client on the GPU: transformers' LlamaForCausalLM (random weights, bf16) with
+attention from transformers' ``sdpa`` implementation and from flashgen's
+(``flashgen.integrations.transformers.register()``), one model per configuration, the
+two implementations switched with ``model.set_attn_implementation`` on the same weights.
+
+Configurations (hidden, heads / kv heads, layers, batch x tokens; head_dim 128;
+intermediate size and vocabulary recorded in the JSON):
+
+* ``h2048``: 2048, 16 / 4, 8 layers, 4 x 2048 (intermediate 5632, vocab 32000);
+* ``h4096``: 4096, 32 / 8, 4 layers, 2 x 4096 (intermediate 14336, vocab 32000).
+
+For each configuration and implementation:
+
+* check: from the same weights and batch, one forward + backward (training mode, no
+  dropout); the loss must agree with sdpa's to 2e-3 relative, and the gradients are
+  compared per parameter (relative L2 error ||g - g_sdpa|| / ||g_sdpa||; worst and
+  median over parameters, and over all parameters flattened); ``grads_ok`` when the
+  flattened error is <= 2e-2 (bf16's precision over 8 or 4 layers);
+* train step: zero_grad, forward with labels, backward, AdamW step (foreach, lr 1e-5);
+  ``--warmup`` steps, then ``--steps`` steps each timed with CUDA events: median ms
+  (the weights are restored from the same copy before each implementation's run);
+* prefill: forward only under ``torch.no_grad()``, eval mode, ``use_cache=False``,
+  logits of the last position only (``logits_to_keep=1``): median ms.
+
+Ratios are flashgen / sdpa time (below 1: flashgen faster).  JSON goes to --out
+(rewritten after each configuration); a table is printed last.  Needs a CUDA GPU, torch,
+triton, transformers, and flashgen's runtime dependencies (jinja2; sqlite-utils, read
+when the dispatcher opens the shipped tuning database).
+
+    PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --out transformers_step.json
+    PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --smoke --out /tmp/t.json   # CPU, interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+CONFIGS = {
+    # name: (hidden, heads, kv_heads, layers, batch, tokens, intermediate, vocab)
+    "h2048": (2048, 16, 4, 8, 4, 2048, 5632, 32000),
+    "h4096": (4096, 32, 8, 4, 2, 4096, 14336, 32000),
+}
+# --smoke (CPU, Triton's interpreter, float32): a tiny model that shows the script's path
+SMOKE = {"smoke": (64, 4, 2, 2, 2, 32, 128, 256)}
+
+LOSS_RTOL = 2e-3
+GRAD_RTOL = 2e-2
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="transformers_step.json", help="JSON output path")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--steps", type=int, default=10, help="timed train steps / prefills per implementation")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles flashgen's kernels)")
+    p.add_argument("--smoke", action="store_true", help="CPU: a tiny float32 model in Triton's interpreter, "
+                                                        "wall-clock timing (checks the script, times nothing real)")
+    return p.parse_args(argv)
+
+
+def _preflight(smoke: bool):
+    """torch, CUDA (unless --smoke), transformers and flashgen's runtime imports, or exit 2
+    with what is missing."""
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("transformers_step.py: needs a CUDA GPU (or --smoke on the CPU)")
+    missing = []
+    for mod in ("transformers", "triton", "jinja2", "sqlite_utils"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+    if missing:
+        sys.exit(f"transformers_step.py: missing {', '.join(missing)} (flashgen reads its tuning database with "
+                 "sqlite-utils): pip install -e . installs them")
+
+
+def _timed(fn, n: int, cuda: bool) -> list[float]:
+    """ms of each of ``n`` calls of ``fn``: CUDA events around each, or wall clock."""
+    import torch
+
+    out = []
+    for _ in range(n):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def _grad_errors(got: dict, ref: dict) -> dict:
+    """Relative L2 errors of ``got``'s gradients against ``ref``'s (float32 math)."""
+    per, num, den = [], 0.0, 0.0
+    worst_name = None
+    for name, r in ref.items():
+        g = got[name]
+        d2 = (g.float() - r.float()).pow(2).sum().item()
+        r2 = r.float().pow(2).sum().item()
+        num, den = num + d2, den + r2
+        e = (d2 / r2) ** 0.5 if r2 > 0 else (0.0 if d2 == 0 else float("inf"))
+        if not per or e > max(per):
+            worst_name = name
+        per.append(e)
+    return {"all_params": (num / den) ** 0.5 if den > 0 else 0.0, "worst": max(per), "worst_param": worst_name,
+            "median": statistics.median(per), "n_params": len(per)}
+
+
+def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
+    import torch
+    import transformers
+
+    hidden, heads, kv_heads, layers, batch, tokens, inter, vocab = spec
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                   num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=kv_heads, max_position_embeddings=max(tokens, 128),
+                                   attention_dropout=0.0, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, tokens), generator=g).to(device)
+    cuda = device == "cuda"
+    rec = {"config": dict(hidden=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+                          layers=layers, batch=batch, tokens=tokens, intermediate=inter, vocab=vocab,
+                          params=n_params, dtype=str(dtype).replace("torch.", "")), "impl": {}}
+    grads = {}
+    for impl in ("sdpa", impl_fg):
+        model.set_attn_implementation(impl)
+        model.load_state_dict(weights)
+        # check: one forward + backward from the same weights and batch
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads[impl] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        r = rec["impl"][impl] = {"loss": loss.item()}
+        # train step
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+
+        t0 = time.perf_counter()
+        _timed(step, args.warmup, cuda)
+        r["warmup_s"] = time.perf_counter() - t0
+        times = _timed(step, args.steps, cuda)
+        r["train_step_ms"] = statistics.median(times)
+        r["train_step_ms_all"] = times
+        del opt
+        model.zero_grad(set_to_none=True)
+        # prefill: forward only
+        model.eval()
+
+        def prefill():
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+        _timed(prefill, args.warmup, cuda)
+        times = _timed(prefill, args.steps, cuda)
+        r["prefill_ms"] = statistics.median(times)
+        r["prefill_ms_all"] = times
+        if cuda:
+            r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+    ref, got = rec["impl"]["sdpa"], rec["impl"][impl_fg]
+    rec["loss_rel_diff"] = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
+    rec["loss_ok"] = rec["loss_rel_diff"] <= LOSS_RTOL
+    rec["grad_rel_l2"] = _grad_errors(grads[impl_fg], grads["sdpa"])
+    rec["grads_ok"] = rec["grad_rel_l2"]["all_params"] <= GRAD_RTOL
+    rec["train_step_ratio"] = got["train_step_ms"] / ref["train_step_ms"]
+    rec["prefill_ratio"] = got["prefill_ms"] / ref["prefill_ms"]
+    del model, grads, weights
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    _preflight(args.smoke)
+    import torch
+    import transformers
+    import triton
+
+    import flashgen
+    from flashgen.integrations import transformers as fg_tf
+
+    impl_fg = fg_tf.register()
+    configs = SMOKE if args.smoke else {n: CONFIGS[n] for n in args.configs.split(",") if n}
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    result = {"what": "LlamaForCausalLM training step and prefill, sdpa vs flashgen through AttentionInterface",
+              "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                           "transformers": transformers.__version__, "flashgen": flashgen.__version__,
+                           "python": platform.python_version()},
+              "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+              "flashgen_db": os.environ.get("FLASHGEN_DB"), "attn_implementation": impl_fg,
+              "steps": args.steps, "warmup": args.warmup, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL,
+              "configs": {}}
+    t0 = time.perf_counter()
+    for name, spec in configs.items():
+        print(f"{name}: {spec}", flush=True)
+        result["configs"][name] = run_config(name, spec, args, impl_fg, device, dtype)
+        result["wall_s"] = time.perf_counter() - t0
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\n{result['gpu']}; torch {torch.__version__}, triton {triton.__version__}, transformers "
+          f"{transformers.__version__}; median of {args.steps} (ms); ratio = flashgen / sdpa")
+    print(f"{'config':8} {'step sdpa':>10} {'step fg':>9} {'ratio':>6} {'prefill sdpa':>13} {'prefill fg':>11} "
+          f"{'ratio':>6} {'loss rel':>9} {'grad relL2':>11} ok")
+    ok = True
+    for name, r in result["configs"].items():
+        s, f_ = r["impl"]["sdpa"], r["impl"][impl_fg]
+        good = r["loss_ok"] and r["grads_ok"]
+        ok &= good
+        print(f"{name:8} {s['train_step_ms']:10.2f} {f_['train_step_ms']:9.2f} {r['train_step_ratio']:6.3f} "
+              f"{s['prefill_ms']:13.2f} {f_['prefill_ms']:11.2f} {r['prefill_ratio']:6.3f} "
+              f"{r['loss_rel_diff']:9.2e} {r['grad_rel_l2']['all_params']:11.2e} {'yes' if good else 'NO'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,481 @@
+"""Gluon attention backward for Hopper (sm_90): knobs, validity rules, the shared-memory
+and register model, rendering, loading and the launcher.
+
+Three launches make one backward (``attention_bwd``):
+
+1. ``attn_bwd_preprocess``: delta = rowsum(dO * O) and LSE2 = LSE * log2(e) (float32,
+   (z * h, m_pad) with m_pad = seqlen_q rounded up to ROW_PAD, 0 in the padding), and a
+   zeroed float32 dQ accumulator;
+2. ``attn_bwd``: one program per ``block_n * consumers`` key rows of one (batch, kv
+   head), warp-specialized (a TMA producer warp, ``consumers`` warpgroups, in one
+   lock-step partition or, ``split``, one partition each); writes dK and dV (summed over the GQA group) and adds each step's dQ
+   tile into the accumulator (``dq_mode`` "tma": TMA reduce-add; "atomic": atomics);
+3. ``attn_bwd_convert``: dQ = accumulator * softmax_scale in the inputs' dtype.
+
+dQ is accumulated in float32 in an order that varies from run to run (not bit-wise
+deterministic); dK and dV are deterministic.
+
+Layout contract (as :func:`flashgen.ops.bwd`): q, do, o (batch, num_heads, seqlen_q,
+head_dim); k, v (batch, num_kv_heads, seqlen_k, head_dim); float16 or bfloat16, last
+stride 1; lse float32 (batch, num_heads, seqlen_q), natural log, -inf for a row that
+sees no key.  Query i sees key j iff diag_lo <= j - i <= diag_hi (flashgen.masks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from pathlib import Path
+
+import jinja2
+
+TEMPLATE = "gluon/attn_bwd.py.j2"
+DTYPES = ("float16", "bfloat16")
+MASKS = ("none", "causal", "window")
+DQ_MODES = ("tma", "atomic")
+ROW_LOADS = ("tma", "producer", "ptr")
+#: LSE2 / delta rows are padded to a multiple of this (the largest block_m): every
+#: (1, block_m) box and every pointer load of a query block stays in the buffer, and the
+#: 2-D descriptor's row stride (ROW_PAD * 4 bytes) is 16-byte aligned as TMA requires.
+ROW_PAD = 128
+HEAD_DIMS = (64, 128)
+#: Shared memory per block (opt-in) and registers per SM on sm_90.
+SMEM_LIMIT_BYTES = 232448
+REGS_PER_SM = 65536
+#: The most registers per thread a launch or setmaxnreg gives (ptxas allocates at most
+#: 255; setmaxnreg takes multiples of 8).
+MAX_REGS = 248
+#: Rows per program of the preprocess and convert kernels.
+PRE_ROWS = 64
+_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonBwdConfig:
+    """Knobs of the Gluon backward.
+
+    block_m:        query rows per step (the streamed Q / dO tile), 64 or 128.
+    block_n:        key rows per consumer warpgroup (64).
+    consumers:      warpgroups in the consumer partition (1 or 2); the program owns
+                    block_n * consumers key rows, resident in shared memory.
+    stages:         depth of the Q / dO / LSE2 / delta ring (1 to 4).
+    dq_mode:        "tma" (TMA reduce-add of each dQ tile from shared memory) or
+                    "atomic" (float32 atomics from registers).
+    consumer_regs:  setmaxnreg budget of each consumer thread (multiple of 8, 24..248).
+    producer_regs:  setmaxnreg budget of each producer thread.
+    row_load:       how LSE2 and delta reach the consumers: "tma" (the producer's 2-D TMA
+                    copies, box (1, block_m), into the ring; a 1-D copy faulted on the
+                    H200), "producer" (the producer's pointer loads, stored into the ring
+                    before its second arrival on the slot's ready barrier) or "ptr" (the
+                    consumers load them from global memory).
+    producer_warps: warps of the producer partition (1 or 4; it occupies a warpgroup
+                    either way).
+    split:          each consumer warpgroup is a partition of its own (they drift apart;
+                    each has its own dS^T tile and dQ reduce-add), instead of one
+                    lock-step partition of 4 * consumers warps.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    consumers: int = 2
+    stages: int = 2
+    dq_mode: str = "tma"
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    row_load: str = "ptr"
+    producer_warps: int = 1
+    split: bool = False
+
+    @property
+    def block_nt(self) -> int:
+        """Key rows per program."""
+        return self.block_n * self.consumers
+
+    @property
+    def parts(self) -> int:
+        """Consumer partitions."""
+        return self.consumers if self.split else 1
+
+    @property
+    def part_rows(self) -> int:
+        """Key rows of one consumer partition."""
+        return self.block_nt // self.parts
+
+    @property
+    def num_warps(self) -> int:
+        """Warps of the default partition (the first consumer partition); the other
+        consumer partitions and the producer's warpgroup add theirs."""
+        return 4 * self.consumers // self.parts
+
+    @property
+    def maxnreg(self) -> int:
+        """Launch register cap: the register file split evenly over every warpgroup of
+        the block (the producer's warp occupies a warpgroup of its own), rounded down to
+        a multiple of 8; setmaxnreg then moves registers from the producer to the
+        consumers."""
+        warps = 4 * self.consumers + 4
+        return min(MAX_REGS, REGS_PER_SM // (32 * warps) // 8 * 8)
+
+    @property
+    def id(self) -> str:
+        return (f"m{self.block_m}_n{self.block_n}_c{self.consumers}_s{self.stages}_{self.dq_mode}"
+                f"_r{self.consumer_regs}-{self.producer_regs}"
+                + ("" if self.row_load == "ptr" else f"_rows-{self.row_load}")
+                + ("" if self.producer_warps == 1 else f"_p{self.producer_warps}")
+                + ("_split" if self.split else ""))
+
+
+def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
+    """One identity string: the generated file, the module cache entry and the log line."""
+    return f"gluon_bwd_d{head_dim}_{_SHORT.get(dtype, dtype)}_{mask}_{config.id}"
+
+
+def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> dict[str, int]:
+    """Shared memory of the main kernel, bytes per named buffer (the barriers included)."""
+    c = config
+    terms = {
+        "k": c.block_nt * head_dim * elem_bytes,
+        "v": c.block_nt * head_dim * elem_bytes,
+        "q_ring": c.stages * c.block_m * head_dim * elem_bytes,
+        "do_ring": c.stages * c.block_m * head_dim * elem_bytes,
+        "lse_delta_ring": 2 * c.stages * c.block_m * 4 if c.row_load != "ptr" else 0,
+        "ds": c.block_nt * c.block_m * elem_bytes,
+        "dq_tile": c.parts * c.block_m * head_dim * 4 if c.dq_mode == "tma" else 0,
+        "barriers": 8 * (1 + 2 * c.stages),
+        "alignment": 256,
+    }
+    return terms
+
+
+def smem_bytes(config: GluonBwdConfig, head_dim: int) -> int:
+    return sum(smem_terms(config, head_dim).values())
+
+
+def consumer_regs_estimate(config: GluonBwdConfig, head_dim: int) -> int:
+    """Registers per consumer thread the kernel needs at its peak (a model, checked
+    against ptxas by tests/test_gluon_bwd.py): the dK and dV accumulators (float32,
+    block_n x head_dim per warpgroup) live throughout; S^T and dP^T (float32) with
+    P^T (16-bit) at the dS^T step, or the dQ tile (float32, split over the
+    consumers of a lock-step partition, whole in each split partition) with the 16-bit
+    P^T and dS^T operands of the in-flight wgmmas; plus about 32 for addresses, indices
+    and the loop state."""
+    c = config
+    per_wg = 128  # threads of one warpgroup
+    acc = 2 * c.block_n * head_dim // per_wg
+    st = c.block_n * c.block_m // per_wg
+    op16 = st // 2
+    dq = c.block_m * head_dim // (per_wg * c.consumers // c.parts)
+    if c.split and c.dq_mode == "tma" and head_dim >= 128:
+        dq //= 2  # two column halves
+    return acc + max(2 * st + op16, dq + 2 * op16) + 32
+
+
+def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> list[str]:
+    """Why ``config`` cannot serve (head_dim, dtype, mask); empty when it can.  Each rule
+    mirrors a constraint of the template or of the hardware."""
+    c, out = config, []
+    if dtype not in DTYPES:
+        out.append(f"dtype {dtype!r} is not one of {DTYPES}")
+    if mask not in MASKS:
+        out.append(f"mask {mask!r} is not one of {MASKS}")
+    if head_dim not in HEAD_DIMS:
+        out.append(f"head_dim {head_dim} is not one of {HEAD_DIMS} (gl.arange needs a power of two; "
+                   "wgmma n = head_dim)")
+    if c.block_m not in (64, 128):
+        out.append(f"block_m {c.block_m} must be 64 or 128 (the dQ wgmma's M is at least one warpgroup's 64 rows)")
+    if c.block_n != 64:
+        out.append(f"block_n {c.block_n} must be 64 (one wgmma M tile per consumer warpgroup)")
+    if c.consumers not in (1, 2):
+        out.append(f"consumers {c.consumers} must be 1 or 2 (the partition's warp count is a power of two)")
+    if not 1 <= c.stages <= 4:
+        out.append(f"stages {c.stages} must be 1 to 4")
+    if c.row_load not in ROW_LOADS:
+        out.append(f"row_load {c.row_load!r} is not one of {ROW_LOADS}")
+    if c.producer_warps not in (1, 4):
+        out.append(f"producer_warps {c.producer_warps} must be 1 or 4")
+    if c.split and c.consumers != 2:
+        out.append(f"split needs 2 consumers (got {c.consumers}): one 4-warp partition each")
+    if c.dq_mode not in DQ_MODES:
+        out.append(f"dq_mode {c.dq_mode!r} is not one of {DQ_MODES}")
+    for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
+        if r % 8 or not 24 <= r <= MAX_REGS:
+            out.append(f"{name} {r} must be a multiple of 8 in 24..{MAX_REGS} (setmaxnreg)")
+    if c.consumers in (1, 2):
+        total = 32 * (4 * c.consumers * c.consumer_regs + 4 * c.producer_regs)
+        if total > REGS_PER_SM:
+            out.append(f"register budgets need {total} registers per block, more than the SM's {REGS_PER_SM}")
+        if c.consumer_regs < c.maxnreg or c.producer_regs > c.maxnreg:
+            out.append(f"setmaxnreg moves registers from the producer to the consumers: producer_regs "
+                       f"{c.producer_regs} <= maxnreg {c.maxnreg} <= consumer_regs {c.consumer_regs}")
+    if head_dim in HEAD_DIMS and c.block_n == 64 and c.consumers in (1, 2):
+        if not c.split and head_dim % (8 * c.consumers):
+            out.append(f"head_dim {head_dim} must split over {c.consumers} consumers in multiples of 8 (dQ wgmma)")
+        need = consumer_regs_estimate(c, head_dim)
+        if need > c.consumer_regs:
+            out.append(f"the consumer needs about {need} registers per thread, over its budget {c.consumer_regs}")
+        smem = smem_bytes(c, head_dim)
+        if smem > SMEM_LIMIT_BYTES:
+            terms = ", ".join(f"{k} {v}" for k, v in smem_terms(c, head_dim).items())
+            out.append(f"shared memory {smem} bytes over the limit {SMEM_LIMIT_BYTES} ({terms})")
+    return out
+
+
+def is_valid(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> bool:
+    return not invalid_reasons(config, head_dim, dtype, mask)
+
+
+def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> list[GluonBwdConfig]:
+    """Every valid config for (head_dim, dtype, mask).  LSE2 / delta come through the ring
+    ("tma" or "producer"); the consumers' own pointer loads ("ptr") cost registers and
+    spill at head_dim 128 (0.67x the "tma" variant on the H200), so they are left out."""
+    out = []
+    for block_m in (64, 128):
+        for consumers in (1, 2):
+            for split in ((False, True) if consumers == 2 else (False,)):
+                for stages in (1, 2, 3, 4):
+                    for dq_mode in DQ_MODES:
+                        for row_load in ("tma", "producer"):
+                            c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
+                                               240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split)
+                            if is_valid(c, head_dim, dtype, mask):
+                                out.append(c)
+    return out
+
+
+def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> GluonBwdConfig:
+    """The untuned choice, the fastest config measured on the H200 that passed the float64
+    checks (docs/results/h200/gluon_bwd/rows2d_split_gluon_bwd.json): two consumers,
+    BLOCK_M 64, dQ by TMA reduce-add, LSE2/delta by the producer's 2-D TMA; at head_dim 128
+    one lock-step consumer partition and a 2-stage ring (the split partitions measured
+    0.92x of it: twice the dQ reduce-add bytes, dQ in two halves), at 64 split consumer
+    partitions and 4 stages (1.02-1.07x the lock-step one)."""
+    split = head_dim < 128
+    c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if head_dim >= 128 else 4, dq_mode="tma",
+                       row_load="tma", producer_warps=1, split=split)
+    reasons = invalid_reasons(c, head_dim, dtype, mask)
+    if reasons:
+        raise ValueError(f"no Gluon backward for head_dim={head_dim} dtype={dtype} mask={mask}: {reasons[0]}")
+    return c
+
+
+# --------------------------------------------------------------------------- render / load
+
+def _templates_dir() -> Path:
+    return Path(__file__).resolve().parents[3] / "templates"
+
+
+@functools.lru_cache(maxsize=None)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(_templates_dir())), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+
+
+@functools.lru_cache(maxsize=None)
+def template_hash() -> str:
+    return hashlib.sha256((_templates_dir() / TEMPLATE).read_bytes()).hexdigest()[:16]
+
+
+def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True) -> str:
+    """The Gluon source of one variant (pure text).  Raises ValueError for an invalid one
+    (``check=False``: probes render a config the rules reject, e.g. row_load "tma")."""
+    reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
+    if reasons:
+        raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
+                         + "; ".join(reasons))
+    c = config
+    # dQ (block_m x head_dim): split along M when block_m covers every warpgroup's 64 rows,
+    # else along head_dim.
+    # Split partitions at head_dim 128 compute dQ (TMA mode) in two column halves.
+    dq_halves = c.split and c.dq_mode == "tma" and head_dim >= 128
+    if dq_halves:
+        dq_warps, dq_n = [c.num_warps, 1], head_dim // 2
+    elif c.split or c.block_m >= 64 * c.consumers:
+        dq_warps, dq_n = [c.num_warps, 1], head_dim
+    else:
+        dq_warps, dq_n = [4, c.consumers], head_dim // c.consumers
+    return _env().get_template(TEMPLATE).render(
+        template_hash=template_hash(), variant_id=variant_id(c, dtype, head_dim, mask), dtype=dtype,
+        head_dim=head_dim, mask=mask, BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
+        NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
+        MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
+        PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
+        NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves)
+
+
+_modules: dict = {}
+
+
+def load(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True):
+    """The imported module of one variant (written under its content hash, memoized)."""
+    key = (config, dtype, head_dim, mask)
+    mod = _modules.get(key)
+    if mod is None:
+        import importlib.util
+        import sys
+
+        from flashgen import compile as _compile
+
+        src = render(config, dtype, head_dim, mask, check)
+        vid = variant_id(config, dtype, head_dim, mask)
+        digest = hashlib.sha256(src.encode()).hexdigest()[:20]
+        path = _compile.cache_dir() / "generated" / digest / f"{vid}.py"
+        _compile.write_source(path, src)
+        name = f"flashgen_generated.{digest}.{vid}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        _modules[key] = mod
+    return mod
+
+
+# --------------------------------------------------------------------------- launcher
+
+def _layout(block, dtype_name):
+    from .shim import nvmma_layout
+
+    return nvmma_layout(block, dtype_name)
+
+
+def _desc4(t, rows: int, dtype_name: str):
+    from .shim import TensorDescriptor
+
+    block = [1, 1, rows, t.shape[-1]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype_name))
+
+
+def _desc_rows(t, rows: int):
+    """2-D descriptor over a (z * h, m_pad) float32 buffer, box (1, rows)."""
+    from .shim import TensorDescriptor, gl
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows], layout)
+
+
+def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, config: GluonBwdConfig,
+                dq=None, dk=None, dv=None):
+    """Everything the three launches take, without launching (also used to compile on a
+    machine without a GPU): a dict with the outputs (dq, dk, dv), the scratch buffers,
+    and for each kernel its grid and argument tuple."""
+    import torch
+
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    dtype_name = str(q.dtype).removeprefix("torch.")
+    dev = q.device
+    do = do if do.is_contiguous() else do.contiguous()
+    o = o if o.is_contiguous() else o.contiguous()
+    lse = lse if lse.is_contiguous() else lse.contiguous()
+    dq = torch.empty((b, h, sq, d), dtype=q.dtype, device=dev) if dq is None else dq
+    dk = torch.empty((b, hk, sk, d), dtype=k.dtype, device=dev) if dk is None else dk
+    dv = torch.empty((b, hk, sk, d), dtype=v.dtype, device=dev) if dv is None else dv
+    rows = b * h * sq
+    m_pad = -(-sq // ROW_PAD) * ROW_PAD
+    lse2 = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
+    delta = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
+    dqacc = torch.empty((b, h, sq, d), dtype=torch.float32, device=dev)
+    c = config
+    pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
+    main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
+            _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
+            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, dk, dv, float(softmax_scale) * 1.4426950408889634,
+            float(softmax_scale), h, hk, sq, sk, int(diag_lo), int(diag_hi), m_pad)
+    return {
+        "dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc,
+        "preprocess": (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True)),
+        "main": ((math.ceil(sk / c.block_nt), b * hk), main),
+        "convert": ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale))),
+    }
+
+
+def check_inputs(do, q, k, v, o, lse) -> None:
+    """Raise ValueError naming the argument and the rule it breaks."""
+    import torch
+
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be 4-D (batch, heads, seqlen, head_dim)")
+    b, h, sq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, num_kv_heads, seqlen_k, {d})")
+    if h % k.shape[1]:
+        raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {k.shape[1]}")
+    for name, t in (("do", do), ("o", o)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} must have q's shape {tuple(q.shape)}")
+    if lse.shape != (b, h, sq) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 ({b}, {h}, {sq}), got {lse.dtype} {tuple(lse.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("o", o)):
+        if t.dtype != q.dtype or str(t.dtype).removeprefix("torch.") not in DTYPES:
+            raise ValueError(f"{name} must be float16 or bfloat16 like q, got {t.dtype}")
+        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"{name} needs last stride 1 and 16-byte aligned strides and base (TMA)")
+
+
+def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, mask: str,
+                  config: GluonBwdConfig | None = None, dq=None, dk=None, dv=None, stage_sync: bool = False):
+    """dQ, dK, dV of softmax(Q K^T * softmax_scale) V on sm_90.
+
+    Shapes as :func:`flashgen.ops.bwd`; ``mask`` ("none" | "causal" | "window") names
+    which bounds the kernel tests (diag_lo/diag_hi are tested in every masked mode).
+    Returns (dq, dk, dv) in the inputs' dtype, contiguous.  dK/dV summed over each GQA
+    group.  Raises ValueError for inputs or a config the kernels cannot take.
+    ``stage_sync``: synchronize after each launch and raise RuntimeError naming the
+    launch that failed (for the GPU checks)."""
+    check_inputs(do, q, k, v, o, lse)
+    dtype = str(q.dtype).removeprefix("torch.")
+    d = q.shape[-1]
+    config = config or default_config(d, dtype, mask)
+    mod = load(config, dtype, d, mask)
+    a = launch_args(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+                    config=config, dq=dq, dk=dk, dv=dv)
+    for stage, fn, opts in (("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4}),
+                            ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
+                            ("convert", mod.attn_bwd_convert, {"num_warps": 4})):
+        grid, args = a[stage]
+        fn[grid](*args, **opts)
+        if stage_sync:
+            import torch
+
+            try:
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - re-raised with the launch named
+                raise RuntimeError(f"attn_bwd {stage} launch failed: {e}") from e
+    return a["dq"], a["dk"], a["dv"]
+
+
+# --------------------------------------------------------------------------- sm_90 compile (no GPU needed)
+
+def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, kernel: str = "attn_bwd",
+                 check: bool = True):
+    """Triton's compiled ``kernel`` of one variant for sm_90, from CPU tensors' argument
+    types (no GPU needed; run without TRITON_INTERPRET)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    mod = load(config, dtype, head_dim, mask, check)
+    tdt = getattr(torch, dtype)
+    b, h, hk, s = 1, 2, 1, 256
+    q = torch.empty(b, h, s, head_dim, dtype=tdt)
+    k = torch.empty(b, hk, s, head_dim, dtype=tdt)
+    lse = torch.empty(b, h, s, dtype=torch.float32)
+    a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=config)
+    fn = getattr(mod, kernel)
+    args = a["main" if kernel == "attn_bwd" else kernel.removeprefix("attn_bwd_")][1]
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
+        if fn.params[i].is_constexpr:
+            sig[name], consts[(i,)] = "constexpr", arg
+            continue
+        sig[name] = mangle_type(arg)
+        if isinstance(arg, torch.Tensor):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = {"num_warps": config.num_warps if kernel == "attn_bwd" else 4}
+    if kernel == "attn_bwd":
+        opts["maxnreg"] = config.maxnreg
+    src = GluonASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)

@@ -1,0 +1,258 @@
+"""The Gluon forward's knobs, their validity rules, and its shared-memory and register
+models.  Pure: imports neither torch nor triton.
+
+A :class:`GluonFwdVariant` is a :class:`GluonFwdSpec` (what is compiled in: dtype, head
+dims, mask mode) plus a :class:`GluonFwdConfig` (what is tuned).  :func:`check` returns
+the reasons a variant cannot be built (empty when it can); nothing infeasible is
+rendered or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+DTYPES = ("float16", "bfloat16")
+MASKS = ("none", "causal", "window")
+#: Head dims the kernel is built and checked for.  Tiles are padded to a power of two
+#: (D_PAD, DV_PAD; Gluon's tensor shapes are powers of two): TMA boxes of at most 256
+#: columns, a wgmma K multiple of 16 and an O accumulator whose N is at most 256.
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def pad(d: int) -> int:
+    """A head dim's tile width: the next power of two, at least 16."""
+    return max(16, 1 << (d - 1).bit_length())
+
+#: Hopper: registers per SM, the most one thread may hold, the opt-in shared memory of
+#: one block (227 KB) and threads per warpgroup.
+REGS_PER_SM = 65536
+MAX_REGS_PER_THREAD = 255
+SMEM_LIMIT_BYTES = 232448
+#: Shared memory of one SM, and what the driver reserves per resident block.
+SMEM_PER_SM_BYTES = 233472
+SMEM_RESERVED_PER_CTA_BYTES = 1024
+WARPGROUP_THREADS = 128
+#: Registers a consumer thread needs beyond its tiles (indices, row vectors, barriers,
+#: addresses), and more for the mask arithmetic of masked modes; calibrated against
+#: ptxas on compiled variants (d64 BLOCK_N 128 with 3 consumers at 160 registers: no
+#: spill unmasked, 184 B of spills causal, 1.7 KB pinned).
+CONSUMER_OVERHEAD_REGS = 32
+MASK_OVERHEAD_REGS = 8
+#: Shared memory Triton adds beyond the named buffers (alignment of the allocations).
+SMEM_SLACK_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class GluonFwdSpec:
+    """What a Gluon forward binary is compiled for."""
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: int = 128
+    mask: str = "none"
+
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    """The tuned knobs of the Gluon forward.
+
+    BLOCK_M        query rows per consumer warpgroup (64: one m64 wgmma row block).
+    num_consumers  consumer warpgroups per program (1-3); a program owns
+                   BLOCK_M * num_consumers query rows and they share each K/V tile.
+    BLOCK_N        key rows per K/V tile.
+    num_stages     depth of the K and V shared-memory rings.
+    consumer_regs, producer_regs  setmaxnreg budgets (registers per thread) of each
+                   consumer warpgroup and of the producer's warpgroup.
+    pin_exps       keep the exponentials between the two wgmma waits in the SASS (a
+                   never-taken predicated shared store; measure on vs off).
+    persistent     one program per SM slot walks the (query block, z * h) tiles
+                   round-robin instead of one program per tile (mask none only).
+    ctas_per_sm    programs resident on one SM (1 or 2): the launch register cap and
+                   the shared memory of a program are the SM's divided by it (two
+                   one-consumer programs overlap one's prologue and epilogue with the
+                   other's matrix work).
+    """
+
+    BLOCK_M: int = 64
+    num_consumers: int = 2
+    BLOCK_N: int = 128
+    num_stages: int = 2
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    pin_exps: bool = False
+    persistent: bool = False
+    ctas_per_sm: int = 1
+
+
+@dataclass(frozen=True)
+class GluonFwdVariant:
+    spec: GluonFwdSpec
+    config: GluonFwdConfig
+
+    @property
+    def id(self) -> str:
+        """The identity string: generated file, module cache entry, log line."""
+        s, c = self.spec, self.config
+        dv = "" if s.head_dim_v == s.head_dim else f"_dv{s.head_dim_v}"
+        dt = {"float16": "fp16", "bfloat16": "bf16"}.get(s.dtype, s.dtype)
+        tail = ("_pin" if c.pin_exps else "") + ("_pers" if c.persistent else "") + \
+            (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
+        return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{s.mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
+                f"_s{c.num_stages}_r{c.consumer_regs}-{c.producer_regs}{tail}")
+
+
+def warpgroups(c: GluonFwdConfig) -> int:
+    """Warpgroups of a program: the consumers plus the producer's (its one warp is
+    padded to a warpgroup for setmaxnreg)."""
+    return c.num_consumers + 1
+
+
+def maxnreg(c: GluonFwdConfig) -> int:
+    """The launch register cap (a multiple of 8) that lets one program hold the whole
+    register file: setmaxnreg moves registers between warpgroups only when the kernel
+    starts with a cap."""
+    return min(MAX_REGS_PER_THREAD, REGS_PER_SM // (c.ctas_per_sm * warpgroups(c) * WARPGROUP_THREADS)) // 8 * 8
+
+
+def smem_limit(c: GluonFwdConfig) -> int:
+    """Shared memory one program may use: the block limit, or the SM's share per
+    resident program when several are."""
+    if c.ctas_per_sm == 1:
+        return SMEM_LIMIT_BYTES
+    return SMEM_PER_SM_BYTES // c.ctas_per_sm - SMEM_RESERVED_PER_CTA_BYTES
+
+
+def consumer_regs_needed(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
+    """A consumer thread's register demand: the O accumulator (BLOCK_M x DV_PAD
+    float32), one score tile (BLOCK_M x BLOCK_N float32), P of the previous tile in 16
+    bits while its P V product is in flight, a fixed overhead, and with pin_exps half a
+    score tile more (every exponential is live before the wait)."""
+    per = c.BLOCK_M // 64  # a warpgroup holds 64 rows per register set
+    o = per * pad(s.head_dim_v) // 2
+    sc = per * c.BLOCK_N // 2
+    p16 = per * c.BLOCK_N // 4
+    return (o + sc + p16 + CONSUMER_OVERHEAD_REGS + (MASK_OVERHEAD_REGS if s.mask != "none" else 0)
+            + (sc // 2 if c.pin_exps else 0))
+
+
+def smem_terms(s: GluonFwdSpec, c: GluonFwdConfig) -> dict[str, int]:
+    """Shared memory in bytes, as named buffers."""
+    es = 2
+    d, dv = pad(s.head_dim), pad(s.head_dim_v)
+    terms = {
+        "q": c.num_consumers * c.BLOCK_M * d * es,
+        "k_ring": c.num_stages * c.BLOCK_N * d * es,
+        "v_ring": c.num_stages * c.BLOCK_N * dv * es,
+        "barriers": 8 * (2 * c.num_consumers + 4 * c.num_stages),
+        "slack": SMEM_SLACK_BYTES,
+    }
+    if dv != d:  # O is staged in the Q buffer only when the tile shapes agree
+        terms["o_staging"] = c.num_consumers * c.BLOCK_M * dv * es
+    return terms
+
+
+def smem_bytes(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
+    return sum(smem_terms(s, c).values())
+
+
+def check(v: GluonFwdVariant) -> list[str]:
+    """Why ``v`` cannot be built (an empty list when it can).  Each rule mirrors what
+    the kernel, wgmma, TMA or setmaxnreg requires."""
+    s, c = v.spec, v.config
+    why = []
+    if s.dtype not in DTYPES:
+        why.append(f"dtype {s.dtype!r}: the Gluon forward takes {DTYPES}")
+    if s.mask not in MASKS:
+        why.append(f"mask {s.mask!r}: one of {MASKS}")
+    for name, d in (("head_dim", s.head_dim), ("head_dim_v", s.head_dim_v)):
+        if d not in HEAD_DIMS:
+            why.append(f"{name}={d}: the Gluon forward is built for {HEAD_DIMS}")
+    if c.BLOCK_M != 64:
+        why.append(f"BLOCK_M={c.BLOCK_M}: a consumer warpgroup owns 64 query rows")
+    if c.num_consumers not in (1, 2, 3):
+        why.append(f"num_consumers={c.num_consumers}: 1, 2 or 3 consumer warpgroups")
+    if c.BLOCK_N not in (64, 128):
+        why.append(f"BLOCK_N={c.BLOCK_N}: 64 or 128 (a power of two, the scores' wgmma N <= 256)")
+    if c.persistent and s.mask != "none":
+        why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
+                   "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
+    if c.ctas_per_sm not in (1, 2):
+        why.append(f"ctas_per_sm={c.ctas_per_sm}: 1 or 2 programs per SM")
+    if not 2 <= c.num_stages <= 8:
+        why.append(f"num_stages={c.num_stages}: 2..8 ring slots")
+    for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
+        if r % 8 or not 24 <= r <= 256:
+            why.append(f"{name}={r}: setmaxnreg takes a multiple of 8 in [24, 256]")
+    if why:
+        return why
+    cap = maxnreg(c)
+    pool = cap * warpgroups(c)
+    if c.num_consumers * c.consumer_regs + c.producer_regs > pool:
+        why.append(f"registers: {c.num_consumers} x {c.consumer_regs} + {c.producer_regs} per thread exceeds the "
+                   f"pool of {warpgroups(c)} warpgroups x maxnreg {cap} = {pool}")
+    need = consumer_regs_needed(s, c)
+    if need > c.consumer_regs:
+        why.append(f"registers: a consumer needs about {need} (O {s.head_dim_v} cols, S/P {c.BLOCK_N} cols) "
+                   f"> consumer_regs {c.consumer_regs}")
+    if c.producer_regs < 24:
+        why.append("producer_regs < 24")
+    total = smem_bytes(s, c)
+    if total > smem_limit(c):
+        terms = ", ".join(f"{k} {b}" for k, b in smem_terms(s, c).items())
+        why.append(f"shared memory {total} B > {smem_limit(c)} B for {c.ctas_per_sm} program(s) per SM ({terms})")
+    return why
+
+
+def valid(v: GluonFwdVariant) -> bool:
+    return not check(v)
+
+
+def default_regs(num_consumers: int, ctas_per_sm: int = 1) -> tuple[int, int]:
+    """(consumer_regs, producer_regs) that fill the register pool of
+    ``num_consumers`` consumers: 1 -> (240, 24), 2 -> (240, 24), 3 -> (160, 32); two
+    one-consumer programs per SM -> (232, 24)."""
+    c = GluonFwdConfig(num_consumers=num_consumers, ctas_per_sm=ctas_per_sm)
+    pool = maxnreg(c) * warpgroups(c)
+    producer = 24 if num_consumers < 3 else 32
+    return min(240, (pool - producer) // num_consumers // 8 * 8), producer
+
+
+def default_config(s: GluonFwdSpec) -> GluonFwdConfig:
+    """The heuristic default: two consumers (ping-pong), BLOCK_N 128 where it fits
+    (else 64), as many K/V stages as fit up to 2 at head_dim >= 128 and 4 below."""
+    cr, pr = default_regs(2)
+    for bn in (128, 64):
+        top = 2 if s.head_dim >= 128 else 4
+        for stages in range(top, 1, -1):
+            cfg = GluonFwdConfig(num_consumers=2, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr)
+            if valid(GluonFwdVariant(s, cfg)):
+                return cfg
+    raise ValueError(f"no Gluon forward config fits {s}: " + "; ".join(check(GluonFwdVariant(s, GluonFwdConfig()))))
+
+
+def space(s: GluonFwdSpec):
+    """Every valid config of the search space for ``s`` (the knob domains, filtered by
+    :func:`check`)."""
+    for nc, bn, stages, pin, pers, ctas in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True),
+                                                             (False, True), (1, 2)):
+        cr, pr = default_regs(nc, ctas)
+        cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
+                             pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
+        if valid(GluonFwdVariant(s, cfg)):
+            yield cfg
+
+
+def template_vars(v: GluonFwdVariant) -> dict:
+    """The Jinja variables of the template (besides variant_id and template_hash)."""
+    s, c = v.spec, v.config
+    return dict(dtype=s.dtype, head_dim=s.head_dim, head_dim_v=s.head_dim_v, head_dim_pad=pad(s.head_dim),
+                head_dim_v_pad=pad(s.head_dim_v), mask=s.mask, BLOCK_M=c.BLOCK_M,
+                NUM_CONSUMERS=c.num_consumers, BLOCK_N=c.BLOCK_N, NUM_STAGES=c.num_stages,
+                CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
+                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent, CTAS_PER_SM=c.ctas_per_sm)
+
+
+def replace(c: GluonFwdConfig, **kw) -> GluonFwdConfig:
+    return dataclasses.replace(c, **kw)

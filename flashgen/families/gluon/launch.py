@@ -1,0 +1,141 @@
+"""Launcher of the Gluon (Hopper, sm_90) attention forward: tensors in, (O, LSE) out.
+
+Same contract as :func:`flashgen.ops.fwd`: q (batch, num_heads, seqlen_q, head_dim),
+k (batch, num_kv_heads, seqlen_k, head_dim), v (batch, num_kv_heads, seqlen_k,
+head_dim_v), float16 or bfloat16, any strides a tensor descriptor accepts
+(:func:`flashgen.ops.tma_ok`: last stride 1, the others multiples of 16 bytes, a 16-byte
+aligned base); num_heads a multiple of num_kv_heads (GQA/MQA: query head h reads kv
+head h // (num_heads // num_kv_heads)).  Returns O (batch, num_heads, seqlen_q,
+head_dim_v) in q's dtype and LSE (batch, num_heads, seqlen_q) float32, natural log; a
+row that sees no key gets O = 0 and LSE = -inf.  The mask is given as bounds on j - i
+(:func:`flashgen.masks.mask_bounds`): query i sees key j iff diag_lo <= j - i <= diag_hi.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, pad
+
+LOG2E = 1.4426950408889634
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_SM_COUNT: dict[int, int] = {}
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    from ...ops import tma_ok
+
+    return tma_ok(t)
+
+
+def unsupported(q, k, v, *, mask: str, config: GluonFwdConfig | None = None, out=None) -> str | None:
+    """Why the Gluon forward cannot serve this call (None when it can): the reason names
+    the argument and the rule, for ``explain`` and for the fallback to the Triton family."""
+    from .shim import IMPORT_ERROR
+
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
+    cc = torch.cuda.get_device_capability(q.device)
+    if cc[0] != 9:
+        return f"the Gluon forward is built for sm_90 (wgmma, setmaxnreg); this GPU is sm_{cc[0]}{cc[1]}"
+    if q.dtype not in _DTYPES:
+        return f"q.dtype {q.dtype}: float16 or bfloat16"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"k and v must have q's dtype {q.dtype} (got {k.dtype}, {v.dtype})"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (batch, heads, seqlen, head_dim)"
+    b, h, _, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2] or k.shape[3] != d:
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+    if h % k.shape[1]:
+        return f"num_heads {h} is not a multiple of num_kv_heads {k.shape[1]}"
+    for name, t in (("q", q), ("k", k), ("v", v)) + ((("out", out),) if out is not None else ()):
+        if not _tma_ok(t):
+            return f"{name} (strides {t.stride()}) cannot be addressed by a tensor descriptor"
+    spec = GluonFwdSpec(_DTYPES[q.dtype], d, v.shape[3], mask)
+    why = _spec_why(spec) or check(GluonFwdVariant(spec, config or default_config(spec)))
+    return "; ".join(why) if why else None
+
+
+def _spec_why(spec: GluonFwdSpec) -> list[str]:
+    from .config import HEAD_DIMS, MASKS
+
+    why = []
+    if spec.head_dim not in HEAD_DIMS or spec.head_dim_v not in HEAD_DIMS:
+        why.append(f"head dims ({spec.head_dim}, {spec.head_dim_v}): the Gluon forward is built for {HEAD_DIMS}")
+    if spec.mask not in MASKS:
+        why.append(f"mask {spec.mask!r}: one of {MASKS}")
+    return why
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    from .shim import TensorDescriptor, nvmma_layout
+
+    block = [1, 1, rows, cols]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, nvmma_layout(block, _DTYPES[t.dtype]))
+
+
+def _sm_count(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
+        config: GluonFwdConfig | None = None, out=None, lse=None, check_inputs: bool = True):
+    """O and LSE of softmax(q k^T * softmax_scale) v under the mask (see the module
+    docstring for shapes and layout).  ``config``: the knobs (default:
+    :func:`flashgen.families.gluon.config.default_config`).  ``out``/``lse``: buffers to
+    write (e.g. NaN-poisoned by a test); ``lse`` must be contiguous float32.
+    ``check_inputs=False`` skips :func:`unsupported` (the caller has run it).
+
+    Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
+    if check_inputs:
+        why = unsupported(q, k, v, mask=mask, config=config, out=out)
+        if why:
+            raise ValueError(f"gluon fwd: {why}")
+    from .render import load
+
+    b, h, sq, d = q.shape
+    hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    spec = GluonFwdSpec(_DTYPES[q.dtype], d, dv, mask)
+    config = config or default_config(spec)
+    if out is None:
+        out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if sq == 0 or b * h == 0:
+        return out, lse
+    if sk == 0:  # no key at all: every row is empty (a descriptor cannot have a 0 extent)
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    mod = load(GluonFwdVariant(spec, config))
+    rows = config.BLOCK_M
+    num_m_blocks = -(-sq // (rows * config.num_consumers))
+    num_tiles = num_m_blocks * b * h
+    grid = (min(num_tiles, _sm_count(q.device) * config.ctas_per_sm) if config.persistent else num_tiles,)
+    mod.attn_fwd[grid](
+        _descriptor(q, rows, pad(d)), _descriptor(k, config.BLOCK_N, pad(d)), _descriptor(v, config.BLOCK_N, pad(dv)),
+        _descriptor(out, rows, pad(dv)), lse, softmax_scale * LOG2E,
+        num_tiles, num_m_blocks, h, h // hk, sq, sk, diag_lo, diag_hi,
+        num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG,
+    )
+    return out, lse
+
+
+def attention(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+              align: str = "bottom_right", config: GluonFwdConfig | None = None, out=None, lse=None):
+    """:func:`fwd` with FlashAttention's mask conventions (:func:`flashgen.masks.mask_bounds`:
+    bottom-right causal by default, ``window=(left, right)`` inclusive, -1 unbounded).
+    softmax_scale defaults to head_dim ** -0.5."""
+    from ...masks import mask_bounds
+
+    mode, lo, hi = mask_bounds(q.shape[2], k.shape[2], causal=causal, window=window, align=align)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return fwd(q, k, v, softmax_scale=scale, mask=mode, diag_lo=lo, diag_hi=hi, config=config, out=out, lse=lse)

@@ -1,0 +1,287 @@
+"""flashgen's attention inside Hugging Face transformers (5.x): one call registers it.
+
+    import flashgen.integrations.transformers as fg_tf
+    name = fg_tf.register()                      # "fg_attention"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name, dtype=torch.bfloat16)
+
+:func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface`` and
+:func:`attention_mask` to its ``AttentionMaskInterface`` under one name.  Both are needed:
+``masking_utils`` builds no mask at all for an implementation without a mask function
+(padding would be lost).
+
+The name.  It must not contain "flash": transformers 5.x reads any implementation
+name containing "flash" (``utils.generic.is_flash_attention_requested``) as a
+FlashAttention kernel: ``PreTrainedModel._check_and_adjust_attn_implementation`` then
+calls ``lazy_import_flash_attention(name)``, which tries to fetch the name from the
+kernels hub ("Could not find the currently requested flash attention implementation at
+'flashgen'"), and masking and generation switch to FlashAttention's 2D padding masks
+and unpadding.  So ``flashgen`` cannot be used as the name through transformers' public
+interfaces; the default is ``"fg_attention"``.  :func:`register` also refuses names
+that contain "sdpa" or "flex_attention" (transformers runs those implementations'
+dispatch checks on them), a "/" or ":" (read as a hub kernel, "org/repo:function"),
+a "|" ("paged|..." prefixes), and transformers' own "eager".
+
+What transformers passes and what flashgen runs (query (batch, num_heads, seqlen_q,
+head_dim), key/value (batch, num_kv_heads, seqlen_k, head_dim), as the model's
+attention module hands them to ``sdpa_attention_forward``):
+
+* no mask (a causal LM without padding: :func:`attention_mask` returns None where
+  transformers' ``sdpa_mask`` does, and where the mask it would build is exactly the
+  causal or causal sliding-window band): ``causal=True`` (query i sees key j iff
+  j <= i + seqlen_k - seqlen_q; with seqlen_q = 1 every key, as sdpa's
+  ``is_causal=False`` there), and for 1 < seqlen_q < seqlen_k the keys are cut to the
+  first seqlen_q, as ``sdpa_attention_forward`` does (an empty static cache's prefill);
+* ``sliding_window=W`` with no mask: ``window=(W - 1, 0)``, transformers' causal
+  sliding-window pattern (key j visible iff i - W < j <= i), so the kernels skip the
+  tiles outside the band;
+* a mask (padding, packed sequences, static caches, custom 4D masks): the bool (True =
+  attend) or additive mask goes to flashgen's ``bias`` (read tile by tile, exact;
+  ``sliding_window`` is then already in the mask, as for sdpa).  A query row that sees
+  no key (left padding) gives 0.  The other exact route, unpadding into
+  :func:`flashgen.attention_varlen`, needs the 2D padding mask and a gather and scatter
+  per layer and serves causal padding only; it is not used;
+* ``softcap`` (Gemma 2's ``attn_logit_softcapping``): flashgen's ``softcap``;
+* GQA / MQA (num_kv_heads < num_heads): natively, no ``repeat_kv``;
+* ``scaling``: ``softmax_scale``; ``dropout`` (training): flashgen's Philox dropout.
+
+Everything else falls back, with the reason from :func:`fallback_reason` (also given
+in a one-time warning per reason): to transformers' ``sdpa_attention_forward`` with the
+same arguments, or, for what sdpa lacks (``softcap``, attention sinks ``s_aux``), to
+the model's own ``eager_attention_forward``.  Reasons: a ``position_bias`` (learned,
+needs a gradient), ``s_aux``, a mask that is not a tensor (a flex ``BlockMask``) or
+that requires grad, of another dtype than bool / the query's, inputs flashgen does not
+take (dtype, head dims not a multiple of 8 in [8, 256], empty), dropout where flashgen's
+kernels do not run (CPU tensors without ``TRITON_INTERPRET=1``, bfloat16 in the
+interpreter).
+
+Returns, as ``sdpa_attention_forward``: (output of shape (batch, seqlen_q, num_heads,
+head_dim_v), contiguous, None).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+import warnings
+
+import torch
+
+from .. import api
+from ..errors import InputError, UnsupportedError
+
+#: The name :func:`register` uses by default (see the module docstring for why not "flashgen").
+DEFAULT_NAME = "fg_attention"
+
+_warned: set[str] = set()
+
+
+def _check_name(name) -> None:
+    if not isinstance(name, str) or not name:
+        raise InputError(f"name must be a non-empty str, got {name!r}")
+    low = name.lower()
+    if "flash" in low:
+        raise InputError(f"name {name!r} contains 'flash': transformers reads such names as a FlashAttention "
+                         "kernel to fetch from its hub and builds FlashAttention's masks for them; pick a name "
+                         f"without it (default {DEFAULT_NAME!r})")
+    for part, why in (("sdpa", "transformers runs sdpa's dispatch checks on names containing 'sdpa'"),
+                      ("flex_attention", "transformers runs flex attention's checks on such names"),
+                      ("/", "transformers reads 'org/repo' names as hub kernels"),
+                      (":", "transformers reads 'org/repo:function' names as hub kernels"),
+                      ("|", "transformers reads 'wrapper|name' as a prefixed implementation")):
+        if part in low:
+            raise InputError(f"name {name!r} contains {part!r}: {why}; pick another (default {DEFAULT_NAME!r})")
+    if low == "eager":
+        raise InputError("name 'eager' is transformers' built-in implementation; pick another "
+                         f"(default {DEFAULT_NAME!r})")
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register flashgen's attention with transformers under ``name``; returns ``name``.
+
+    Adds :func:`attention_forward` to ``transformers.AttentionInterface`` and
+    :func:`attention_mask` to ``transformers.masking_utils.AttentionMaskInterface``
+    (process-wide; registering again is harmless).  Then
+    ``attn_implementation=name`` in ``from_pretrained`` / ``from_config``, or
+    ``model.set_attn_implementation(name)``, selects it.
+
+    Raises:
+        InputError: ``name`` is not a non-empty str, or transformers would read it as
+            something else (contains "flash", "sdpa", "flex_attention", "/", ":" or
+            "|", or is "eager"; see the module docstring).
+        ImportError: transformers is not installed.
+    """
+    _check_name(name)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+# -- the mask function -----------------------------------------------------------------
+
+def _band(seqlen_q: int, seqlen_k: int, window_left: int | None, device, top_left: bool = False) -> torch.Tensor:
+    """bool (seqlen_q, seqlen_k): the causal pattern flashgen runs for no mask, bottom-right
+    (query i sees key j iff j - i <= seqlen_k - seqlen_q; top-left: j <= i), with
+    ``window_left`` keys before the diagonal when not None."""
+    off = 0 if top_left else seqlen_k - seqlen_q
+    rel = torch.arange(seqlen_k, device=device)[None, :] - torch.arange(seqlen_q, device=device)[:, None]
+    seen = rel <= off
+    if window_left is not None:
+        seen &= rel >= off - window_left
+    return seen
+
+
+def attention_mask(*args, **kwargs):
+    """transformers' mask function for flashgen (``AttentionMaskInterface``).
+
+    Takes what ``masking_utils.create_causal_mask`` and its siblings pass (batch_size,
+    q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+    local_size, allow_is_causal_skip, use_vmap, device, config, ...) and returns what
+    ``transformers.masking_utils.sdpa_mask`` returns (a bool mask (batch, 1, q_length,
+    kv_length), True = attend, or None), except that a mask that is exactly the pattern
+    :func:`attention_forward` runs without one (causal, and for a sliding-window mask
+    with ``local_size`` equal to ``config.sliding_window`` the window of that size;
+    q_length equal to kv_length or 1) is replaced by None, so no mask is read.  Not
+    when ``allow_is_causal_skip`` is False (the caller wants the mask) or while
+    torch.compile traces (the check reads the mask's values).
+
+    Dropping the sliding-window mask relies on the model passing its ``sliding_window``
+    to the attention function, as transformers' FlashAttention integration does.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
+            or not kwargs.get("allow_is_causal_skip", True) or torch.compiler.is_compiling()):
+        return mask
+    sq, sk = mask.shape[-2], mask.shape[-1]
+    if sq != sk and sq != 1:
+        return mask
+    local = kwargs.get("local_size")
+    if local is not None:
+        config = kwargs.get("config")
+        if (isinstance(local, bool) or not isinstance(local, int) or local < 1 or config is None
+                or getattr(config, "sliding_window", None) != local):
+            return mask
+    expected = _band(sq, sk, None if local is None else local - 1, mask.device)
+    return None if torch.equal(mask, expected.expand_as(mask)) else mask
+
+
+# -- the attention function ------------------------------------------------------------
+
+def _module_causal(module, is_causal) -> bool:
+    return bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+
+
+def fallback_reason(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                    is_causal: bool | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                    **kwargs) -> str | None:
+    """Why :func:`attention_forward` hands this call to transformers' implementations
+    (sdpa, or the model's eager one where sdpa lacks a feature), or None when flashgen
+    runs it.  Takes the arguments the attention function takes."""
+    if kwargs.get("position_bias") is not None:
+        return "position_bias (a learned per-layer bias; flashgen's bias gets no gradient)"
+    if kwargs.get("s_aux") is not None:
+        return "s_aux (attention sinks) is not a flashgen score modification"
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        return f"attention_mask of type {type(attention_mask).__name__} (flashgen takes a bool or additive tensor)"
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not math.isfinite(softcap) or softcap < 0):
+        return f"softcap = {softcap!r} (flashgen: a finite real >= 0)"
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        return f"sliding_window = {sliding_window!r} (flashgen: an int >= 1)"
+    if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)
+                                or not math.isfinite(scaling) or not api._scale_in_range(scaling)):
+        return (f"scaling = {scaling!r} (flashgen: 0 or a magnitude in [{api.SCALE_MIN:g}, {api.SCALE_MAX:g}])")
+    reason = api.sdpa_fallback_reason(query, key, value, attention_mask, dropout, False, scaling, enable_gqa=True)
+    if reason is not None:
+        return reason
+    if attention_mask is None and _module_causal(module, is_causal) and query.shape[2] > key.shape[2]:
+        return (f"causal without a mask and seqlen_q ({query.shape[2]}) > seqlen_k ({key.shape[2]}): sdpa's "
+                "top-left alignment")
+    return None
+
+
+def _eager_mask(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """An additive float mask (0 / dtype's min) for the models' eager functions."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window,
+              softcap, kwargs):
+    causal = _module_causal(module, is_causal)
+    sq, sk = query.shape[2], key.shape[2]
+    mask = attention_mask
+    needs_eager = softcap is not None or kwargs.get("s_aux") is not None
+    if mask is None and causal and (needs_eager or sliding_window is not None):
+        # The pattern attention_forward would run: :func:`attention_mask` may have dropped
+        # a sliding-window mask that sdpa and eager need spelled out.
+        top_left = 1 < sq < sk
+        window = sliding_window - 1 if sliding_window is not None else None
+        mask = _band(sq, sk, window, query.device, top_left=top_left)[None, None]
+    if needs_eager:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise UnsupportedError(f"{type(module).__name__}: flashgen cannot serve this call ({reason}), "
+                                   "transformers' sdpa has no softcap / s_aux, and the model's module defines no "
+                                   "eager_attention_forward")
+        if mask is not None:
+            mask = _eager_mask(mask, query.dtype)
+        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, softcap=softcap,
+                     sliding_window=sliding_window, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """flashgen's attention with transformers' attention-function signature
+    (``AttentionInterface``; the module docstring says what runs for what).
+
+    Args:
+        module: the model's attention module (its ``is_causal`` is the default of
+            ``is_causal``).
+        query: (batch, num_heads, seqlen_q, head_dim); key, value: (batch, num_kv_heads,
+            seqlen_k, head_dim[_v]), num_heads a multiple of num_kv_heads; float16,
+            bfloat16 or float32, one device.
+        attention_mask: None, or bool (True = attend) / additive (query's dtype),
+            broadcastable to (batch, num_heads, seqlen_q, seqlen_k).
+        dropout: probability in [0, 1) (training).
+        scaling: the softmax scale; None means 1 / sqrt(head_dim).
+        sliding_window: W: with no mask, query i sees keys i - W < j <= i.
+        softcap: > 0: scores s <- softcap * tanh(s / softcap) before the mask.
+
+    Returns:
+        (O of shape (batch, seqlen_q, num_heads, head_dim_v), contiguous, in the
+        query's dtype; None): the attention weights are never materialized.
+    """
+    reason = fallback_reason(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                             sliding_window, softcap, **kwargs)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"flashgen: {type(module).__name__} runs transformers' attention: {reason}", stacklevel=2)
+        return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                         sliding_window, softcap, kwargs)
+    causal = attention_mask is None and _module_causal(module, is_causal)
+    window = (-1, -1)
+    if causal:
+        sq, sk = query.shape[2], key.shape[2]
+        if 1 < sq < sk:  # sdpa's is_causal is top-left: the keys past seqlen_q are never seen
+            key, value = key[:, :, :sq], value[:, :, :sq]
+        if sliding_window is not None:
+            window = (sliding_window - 1, 0)
+    out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
+                        softcap=float(softcap) if softcap else 0.0, bias=attention_mask,
+                        dropout_p=float(dropout) if dropout else 0.0)
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,704 @@
+"""User score and mask functions (FlexAttention's ``score_mod`` / ``mask_mod``) compiled
+into flashgen's kernels, block sparsity from the mask function, and learnable sinks.
+
+``score_mod(score, b, h, q_idx, kv_idx) -> score`` and ``mask_mod(b, h, q_idx, kv_idx)
+-> bool`` are written with torch operations on their arguments (score: float, the
+scaled dot product s = softmax_scale * q.k in natural units; b, h, q_idx, kv_idx:
+integer batch, query head, query row and key column) and may read captured tensors by
+indexing them with integer expressions (``table[bucket, h]``, ``doc_id[q_idx]``).
+flashgen traces each function once with ``torch.fx`` (:class:`_Tracer`) into the
+expression IR of :mod:`flashgen.user_render`, differentiates it there (the score's
+derivative, the captured tensors' gradients) and renders it into the dense kernels.
+Python control flow on the traced values (``if score > 0``), reductions, indexing a
+traced value, and operations outside :data:`SUPPORTED` raise UnsupportedError naming
+the operation.
+
+The mask function also gives the block mask: for each (BLOCK_M, BLOCK_N) tile of the
+running config, whether it is empty (skipped), entirely visible (run with no mask
+arithmetic) or partial; per query block (forward, dQ) and per key block and kv head
+(dK/dV) the kernels read the visited range and its interior run.  It is computed once
+per (mask function, captured tensors' versions, sizes, tile shape) by evaluating the
+user's function with torch on the index grid, and cached (:func:`block_ranges`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from . import library, user_render
+from .errors import InputError, UnsupportedError
+from .user_render import Buffer, Graph, Lowered, Ref, derivative
+
+# -- tracing -------------------------------------------------------------------------
+
+_F = "float"
+
+
+def _canon():
+    """fx call targets -> IR operation names."""
+    t = {}
+
+    def add(name, *targets):
+        for x in targets:
+            if x is not None:
+                t[x] = name
+
+    g = lambda n: getattr(torch, n, None)  # noqa: E731
+    add("add", operator.add, g("add"))
+    add("sub", operator.sub, g("sub"), g("subtract"))
+    add("mul", operator.mul, g("mul"), g("multiply"))
+    add("truediv", operator.truediv, g("true_divide"))
+    add("div", g("div"), g("divide"))
+    add("floordiv", operator.floordiv, g("floor_divide"))
+    add("mod", operator.mod, g("remainder"))
+    add("pow", operator.pow, g("pow"))
+    add("neg", operator.neg, g("neg"), g("negative"))
+    add("abs", operator.abs, g("abs"), g("absolute"))
+    for op in ("lt", "le", "gt", "ge", "eq", "ne"):
+        add(op, getattr(operator, op), g(op))
+    add("lt", g("less"))
+    add("le", g("less_equal"))
+    add("gt", g("greater"))
+    add("ge", g("greater_equal"))
+    add("ne", g("not_equal"))
+    add("and", operator.and_, g("bitwise_and"))
+    add("or", operator.or_, g("bitwise_or"))
+    add("xor", operator.xor, g("bitwise_xor"))
+    add("not", operator.invert, g("bitwise_not"))
+    add("land", g("logical_and"))
+    add("lor", g("logical_or"))
+    add("lxor", g("logical_xor"))
+    add("lnot", g("logical_not"))
+    add("lshift", operator.lshift, g("bitwise_left_shift"))
+    add("rshift", operator.rshift, g("bitwise_right_shift"))
+    add("getitem", operator.getitem)
+    for op in ("tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "sin", "cos", "floor", "ceil",
+               "trunc", "sign", "minimum", "maximum", "clamp", "where", "full_like", "zeros_like", "ones_like"):
+        add(op, g(op))
+    add("clamp", g("clip"))
+    add("min2", g("min"))
+    add("max2", g("max"))
+    add("sigmoid", torch.nn.functional.sigmoid)
+    add("tanh", torch.nn.functional.tanh)
+    for op in ("exp", "log", "log2", "sqrt", "floor", "ceil", "trunc", "sin", "cos", "tanh"):
+        add(op, getattr(math, op))
+    return t
+
+
+_TARGETS = _canon()
+_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "true_divide": "truediv",
+            "floor_divide": "floordiv", "remainder": "mod", "pow": "pow", "neg": "neg", "abs": "abs",
+            "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "logical_and": "land",
+            "logical_or": "lor", "logical_not": "lnot", "logical_xor": "lxor", "bitwise_and": "and",
+            "bitwise_or": "or", "bitwise_xor": "xor", "bitwise_not": "not", "__getitem__": "getitem",
+            "clamp": "clamp", "clip": "clamp", "clamp_min": "clamp_min", "clamp_max": "clamp_max",
+            "minimum": "minimum", "maximum": "maximum", "where": "mwhere", "to": "to", "type": "to",
+            "float": "float32", "double": "float64", "half": "float16", "bfloat16": "bfloat16", "long": "int64",
+            "int": "int32", "short": "int16", "bool": "bool", "sign": "sign"}
+for _op in ("tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "sin", "cos", "floor", "ceil", "trunc"):
+    _METHODS[_op] = _op
+
+#: The operations a score or mask function may use (torch functions, tensor methods,
+#: Python operators and math functions of the same names).
+SUPPORTED = tuple(sorted(set(_METHODS) | {"where", "full_like", "zeros_like", "ones_like", "min", "max"}))
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer with every tensor the function reads (closure, globals, created
+    inside) recorded by identity as a captured buffer (nn.Parameters included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.captured: list[torch.Tensor] = []
+        self._names: dict[int, str] = {}
+
+    def create_arg(self, a):
+        if isinstance(a, torch.Tensor):
+            name = self._names.get(id(a))
+            if name is None:
+                name = self._names[id(a)] = f"_captured{len(self.captured)}"
+                self.captured.append(a)
+            return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+    n: int
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+_BUF_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+class Traced:
+    """One user function, traced: its graph and result, its captured tensors, and (score
+    functions) the derivatives the backward needs."""
+
+    def __init__(self, fn, kind: str):
+        self.fn, self.kind = fn, kind
+        arg = "score_mod" if kind == "score" else "mask_mod"
+        names = ("score", "b", "h", "q_idx", "kv_idx") if kind == "score" else ("b", "h", "q_idx", "kv_idx")
+        try:
+            inspect.signature(fn).bind(*names)
+        except TypeError:
+            raise InputError(f"{arg} must take {len(names)} positional arguments ({', '.join(names)}), got "
+                             f"{_describe(fn)}") from None
+        except ValueError:
+            pass  # builtins without a signature: let the trace decide
+        src = f"def traced({', '.join(names)}):\n    return fn({', '.join(names)})\n"
+        scope = {"fn": fn}
+        exec(src, scope)  # a plain function of exactly these arguments for fx
+        tracer = _Tracer()
+        try:
+            graph = tracer.trace(scope["traced"])
+        except fx.proxy.TraceError as e:
+            raise UnsupportedError(f"{arg} {_describe(fn)} uses data-dependent Python control flow on a traced "
+                                   f"value ({e}): write conditions with torch.where and masks with boolean "
+                                   "operators (&, |, ~), not if/and/or/bool()") from None
+        except UnsupportedError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the user's code failed on proxies)
+            raise UnsupportedError(f"{arg} {_describe(fn)} cannot be traced: {type(e).__name__}: {e}") from None
+        self.captured = tracer.captured
+        for t in self.captured:
+            if _dtype_name(t.dtype) not in _BUF_DTYPES:
+                raise UnsupportedError(f"{arg} reads a captured tensor of dtype {t.dtype} (flashgen: "
+                                       f"{', '.join(_BUF_DTYPES)})")
+        self.bufs = tuple(Buffer("int8" if t.dtype == torch.bool else _dtype_name(t.dtype), t.dim())
+                          for t in self.captured)
+        self.graph = Graph()
+        self.out = self._lower(graph, names, arg)
+        g = self.graph
+        if kind == "score":
+            self.guard = any(n.op in ("log", "log2", "exp", "exp2", "truediv", "pow", "rsqrt")
+                             or any(isinstance(a, float) and not math.isfinite(a) for a in n.args)
+                             for n in (g.nodes[i] for i in g.uses([self.out])))
+            s = g.input("s", _F)
+            self.dscore = derivative(g, self.out, s) if isinstance(self.out, Ref) else None
+            self.loads = [(i, g.nodes[i].args[0]) for i in g.uses([self.out])
+                          if g.nodes[i].op == "load" and self.bufs[g.nodes[i].args[0]].category == "float"
+                          and self.captured[g.nodes[i].args[0]].dtype != torch.bool]
+            self.dloads = {i: derivative(g, self.out, Ref(i)) for i, _ in self.loads}
+        elif isinstance(self.out, Ref) and g.dtype(self.out) == "float":
+            raise UnsupportedError(f"mask_mod {_describe(fn)} returns a float value: it must return a bool tensor")
+
+    # -- fx graph -> IR
+    def _lower(self, graph: fx.Graph, names, arg):
+        g = self.graph
+        env: dict = {}
+        inputs = dict(zip(names, ("s", "b", "h", "q", "k") if self.kind == "score" else ("b", "h", "q", "k")))
+        out = None
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                env[node] = g.input(inputs[node.target], _F if inputs[node.target] == "s" else "int")
+            elif node.op == "get_attr":
+                env[node] = _Captured(int(node.target.removeprefix("_captured")))
+            elif node.op in ("call_function", "call_method"):
+                args = fx.node.map_arg(node.args, lambda n: env[n])
+                kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+                if node.op == "call_function":
+                    op = _TARGETS.get(node.target)
+                    what = getattr(node.target, "__name__", str(node.target))
+                else:
+                    op = _METHODS.get(node.target)
+                    what = f"Tensor.{node.target}"
+                if op is None:
+                    raise UnsupportedError(f"{arg} uses {what}, which flashgen cannot compile into its kernels "
+                                           f"(supported: {', '.join(SUPPORTED)})")
+                if op in ("min2", "max2") and (len(node.args) != 2 or node.kwargs
+                                               or not isinstance(node.args[1], fx.Node)):
+                    raise UnsupportedError(f"{arg} uses torch.{op[:3]} as a reduction: use torch.{op[:3]}(a, b) of "
+                                           f"two tensors, torch.minimum or torch.maximum")
+                try:
+                    env[node] = self._apply(op, list(args), dict(kwargs), what)
+                except UnsupportedError as e:
+                    raise UnsupportedError(f"{arg}: {what}: {e}") from None
+            elif node.op == "output":
+                out = env[node.args[0]] if not isinstance(node.args[0], (tuple, list)) else None
+                if out is None:
+                    raise UnsupportedError(f"{arg} must return one tensor, got {node.args[0]!r}")
+                out = self._value(out)
+            else:
+                raise UnsupportedError(f"{arg} calls a module ({node.target}); use torch functions")
+        return out
+
+    def _value(self, v):
+        """A captured 0-dim tensor read as a value; others must be indexed."""
+        g = self.graph
+        if isinstance(v, _Captured):
+            t = self.captured[v.n]
+            if t.dim() != 0:
+                raise UnsupportedError(f"a captured tensor of shape {tuple(t.shape)} is used whole: index it with "
+                                       "b, h, q_idx, kv_idx expressions (e.g. table[bucket, h])")
+            return g.load(v.n, self.bufs[v.n], ())
+        if isinstance(v, (bool, int, float)) or isinstance(v, Ref):
+            return v
+        raise UnsupportedError(f"a value of type {type(v).__name__} ({v!r})")
+
+    def _apply(self, op, args, kwargs, what):
+        g = self.graph
+        if op == "getitem":
+            base, index = args
+            if not isinstance(base, _Captured):
+                raise UnsupportedError("indexing a traced value (only captured tensors can be indexed)")
+            t = self.captured[base.n]
+            index = index if isinstance(index, tuple) else (index,)
+            if len(index) != t.dim():
+                raise UnsupportedError(f"a captured tensor of shape {tuple(t.shape)} indexed with {len(index)} "
+                                       f"indices: give one integer index per dim")
+            idx = []
+            for a in index:
+                if isinstance(a, (slice, type(None), type(Ellipsis), _Captured)) or isinstance(a, float):
+                    raise UnsupportedError(f"index {a!r} (each index must be an integer expression)")
+                idx.append(self._value(a))
+            return g.load(base.n, self.bufs[base.n], tuple(idx))
+        if op in ("full_like", "zeros_like", "ones_like"):
+            x = self._value(args[0])
+            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
+            if fill is None:
+                fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
+            dt = kwargs.get("dtype")
+            cat = user_render.CASTS[_dtype_name(dt)] if dt is not None else g.dtype(x)
+            if not isinstance(fill, (bool, int, float)):
+                raise UnsupportedError(f"{op} with a fill value of type {type(fill).__name__}")
+            if cat != "float" and isinstance(fill, float) and not math.isfinite(fill):
+                raise UnsupportedError(f"{op}: {fill} in an integer tensor")
+            return {"float": float, "int": int, "bool": bool}[cat](fill)
+        if op in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "bool"):
+            return g.cast(self._value(args[0]), op)
+        if op == "to":
+            x = self._value(args[0])
+            dt = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+            if isinstance(dt, torch.dtype):
+                return g.cast(x, _dtype_name(dt))
+            if dt is None or isinstance(dt, (torch.device, str)):
+                return x
+            raise UnsupportedError(f".to({dt!r})")
+        vals = [self._value(a) for a in args]
+        if op == "where" or op == "mwhere":
+            if op == "mwhere":  # x.where(cond, other)
+                vals = [vals[1], vals[0], vals[2] if len(vals) > 2 else self._value(kwargs["other"])]
+            if len(vals) != 3:
+                raise UnsupportedError("torch.where needs (condition, input, other)")
+            return g.where(*vals)
+        if op in ("clamp", "clamp_min", "clamp_max"):
+            x, rest = vals[0], vals[1:]
+
+            def bound(name, pos):
+                v = rest[pos] if len(rest) > pos else kwargs.get(name)
+                return None if v is None else self._value(v)
+            lo = bound("min", 0) if op in ("clamp", "clamp_min") else None
+            hi = bound("max", 1 if op == "clamp" else 0) if op in ("clamp", "clamp_max") else None
+            if isinstance(lo, Ref) or isinstance(hi, Ref):
+                if lo is not None:
+                    x = g.binary("maximum", x, lo)
+                if hi is not None:
+                    x = g.binary("minimum", x, hi)
+                return x
+            return g.clamp(x, lo, hi)
+        if op in ("min2", "max2"):
+            return g.binary("minimum" if op == "min2" else "maximum", *vals)
+        if op in ("add", "sub") and kwargs.get("alpha", 1) != 1:
+            vals[1] = g.binary("mul", vals[1], kwargs.pop("alpha"))
+        kwargs.pop("alpha", None)
+        if op == "div":
+            mode = kwargs.pop("rounding_mode", None)
+            if mode is None:
+                op = "truediv"
+            elif mode == "floor":
+                op = "floordiv"
+            elif mode == "trunc":
+                a, b = vals
+                if promote_int(g, a, b):
+                    q = g.binary("floordiv", g.unary("abs", a), g.unary("abs", b))
+                    same = g.binary("eq", g.binary("lt", a, 0), g.binary("lt", b, 0))
+                    return g.where(same, q, g.unary("neg", q))
+                return g.unary("trunc", g.binary("truediv", a, b))
+            else:
+                raise UnsupportedError(f"rounding_mode={mode!r}")
+        if kwargs:
+            raise UnsupportedError(f"keyword arguments {sorted(kwargs)}")
+        if op in ("land", "lor", "lxor"):
+            a, b = (g.cast(x, "bool") for x in vals)
+            return g.binary(op[1:], a, b)
+        if op == "lnot":
+            return g.unary("not", g.cast(vals[0], "bool"))
+        if len(vals) == 1:
+            return g.unary(op, vals[0])
+        if len(vals) == 2:
+            return g.binary(op, *vals)
+        raise UnsupportedError(f"{len(vals)} arguments")
+
+
+def promote_int(g: Graph, a, b) -> bool:
+    return g.dtype(a) != "float" and g.dtype(b) != "float"
+
+
+def _describe(fn) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return f"'{name}'"
+
+
+_traces: collections.OrderedDict = collections.OrderedDict()
+_TRACES_MAX = 256
+
+
+def _trace_key(fn) -> tuple:
+    """What identifies a function for the trace cache: a Python function by its code and
+    the identities of its closure cells' contents and defaults (a closure made again on
+    every forward call, over the same objects, hits), anything else by identity."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("obj", id(fn))
+    cells = []
+    for c in getattr(fn, "__closure__", None) or ():
+        try:
+            cells.append(id(c.cell_contents))
+        except ValueError:
+            cells.append(None)
+    return ("code", code, tuple(cells), id(getattr(fn, "__defaults__", None)), id(fn.__globals__))
+
+
+def trace(fn, kind: str) -> Traced:
+    """The traced function, cached (:func:`_trace_key`; the cache holds the function, so
+    the identities stay valid).  ``kind``: "score" or "mask"."""
+    if not callable(fn):
+        raise InputError(f"{kind}_mod must be callable, got {type(fn).__name__}")
+    key = (_trace_key(fn), kind)
+    hit = _traces.get(key)
+    if hit is not None:
+        _traces.move_to_end(key)
+        return hit[1]
+    tr = Traced(fn, kind)
+    _traces[key] = (fn, tr)
+    if len(_traces) > _TRACES_MAX:
+        _traces.popitem(last=False)
+    return tr
+
+
+# -- block mask ----------------------------------------------------------------------
+
+def _versions(tensors) -> tuple | None:
+    try:
+        return tuple((id(t), t._version) for t in tensors)
+    except RuntimeError:  # inference tensors have no version counter: not cached
+        return None
+
+
+_block_cache: collections.OrderedDict = collections.OrderedDict()
+_BLOCK_CACHE_MAX = 64
+
+
+def _tiles(mask_mod, batch, heads, sq, sk, lo, hi, block_m, block_n, device):
+    """(any, all) visibility per (block_m, block_n) tile, bool (Bx, Hx, nm, nn), where
+    Bx / Hx are 1 when the mask does not depend on the batch / head.  Rows past seqlen_q
+    do not count; a tile reaching past seqlen_k is never all visible."""
+    nm, nn = -(-sq // block_m), -(-sk // block_n)
+    B = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    H = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    J = torch.arange(nn * block_n, device=device).view(1, 1, 1, -1)
+    chunk = max(1, (1 << 24) // max(1, nn * block_n * block_m * batch * heads))
+    anys, alls = [], []
+    for m0 in range(0, nm, chunk):
+        m1 = min(nm, m0 + chunk)
+        I = torch.arange(m0 * block_m, m1 * block_m, device=device).view(1, 1, -1, 1)
+        # the user's function sees in-range indices only (it may index tensors with them)
+        vis = torch.as_tensor(mask_mod(B, H, I.clamp(max=sq - 1), J.clamp(max=sk - 1)), device=device)
+        if vis.dtype != torch.bool:
+            vis = vis != 0
+        vis = vis & ((J - I) >= lo) & ((J - I) <= hi) & (J < sk)
+        shape = torch.broadcast_shapes(vis.shape, (1, 1, I.shape[2], J.shape[3]))
+        if len(shape) != 4:
+            raise InputError(f"mask_mod returned a tensor of shape {tuple(vis.shape)} for index tensors of shapes "
+                             f"{tuple(B.shape)}, {tuple(H.shape)}, {tuple(I.shape)}, {tuple(J.shape)}: it must "
+                             "broadcast elementwise")
+        vis = vis.expand(shape)
+        rows = I < sq
+        bx, hx = shape[0], shape[1]
+        v_any = (vis & rows).reshape(bx, hx, m1 - m0, block_m, nn, block_n)
+        v_all = (vis | ~rows).reshape(bx, hx, m1 - m0, block_m, nn, block_n)
+        anys.append(v_any.any(5).any(3))
+        alls.append(v_all.all(5).all(3))
+    bx = max(a.shape[0] for a in anys)
+    hx = max(a.shape[1] for a in anys)
+    any_ = torch.cat([a.expand(bx, hx, *a.shape[2:]) for a in anys], 2)
+    all_ = torch.cat([a.expand(bx, hx, *a.shape[2:]) for a in alls], 2)
+    return any_, all_
+
+
+def _ranges(any_, full, block: int, extent: int):
+    """(..., nb) tile flags -> (..., 4) int32 [first visited, interior start, interior
+    end, end) in rows/columns: the visited span is first..last non-empty tile, the
+    interior the longest run of full tiles (none: start = end = the span's end)."""
+    nb = any_.shape[-1]
+    idx = torch.arange(nb, device=any_.device)
+    first = torch.where(any_, idx, nb).amin(-1)
+    last = torch.where(any_, idx, -1).amax(-1)
+    cs = full.to(torch.int32).cumsum(-1)
+    run = cs - torch.where(full, 0, cs).cummax(-1).values
+    best = run.amax(-1)
+    best_end = run.argmax(-1)
+    end = torch.clamp((last + 1) * block, max=extent)
+    start = first * block
+    flo = torch.where(best > 0, (best_end - best + 1) * block, end)
+    fhi = torch.where(best > 0, (best_end + 1) * block, end)
+    out = torch.stack([start, flo, fhi, end], -1)
+    return torch.where((last >= 0)[..., None], out, 0).to(torch.int32).contiguous()
+
+
+def block_ranges(traced: Traced, kind: str, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int,
+                 lo: int, hi: int, block_m: int, block_n: int, device) -> torch.Tensor:
+    """The block mask of ``traced`` (a mask function) with the built-in bounds lo <= j - i
+    <= hi, for tiles (block_m, block_n): int32 (Bx, Hx, blocks, 4) of [first visited,
+    interior start, interior end, end).  ``kind`` "q": per query block over key columns
+    (fwd, bwd_dq; Hx over query heads); "k": per key block over query rows (bwd_dkdv;
+    Hx over kv heads, the union over each GQA group).  Cached per (function, captured
+    tensors' identities and versions, sizes, tile shape)."""
+    ver = _versions(traced.captured)
+    key = (id(traced), ver, kind, batch, heads, kv_heads, seqlen_q, seqlen_k, lo, hi, block_m, block_n, str(device))
+    hit = _block_cache.get(key) if ver is not None else None
+    if hit is not None and hit[0] is traced:
+        _block_cache.move_to_end(key)
+        return hit[1]
+    with torch.no_grad():
+        any_, all_ = _tiles(traced.fn, batch, heads, seqlen_q, seqlen_k, lo, hi, block_m, block_n, device)
+        nm, nn = any_.shape[2], any_.shape[3]
+        full = all_.clone()
+        if seqlen_k % block_n:
+            full[..., nn - 1] = False
+        if kind == "q":
+            out = _ranges(any_, full, block_n, seqlen_k)
+        else:
+            if seqlen_q % block_m:
+                full[:, :, nm - 1, :] = False
+            group = heads // kv_heads
+            if any_.shape[1] == heads and group > 1:
+                any_ = any_.view(any_.shape[0], kv_heads, group, nm, nn).any(2)
+                full = full.view(full.shape[0], kv_heads, group, nm, nn).all(2)
+            out = _ranges(any_.transpose(-1, -2), full.transpose(-1, -2), block_m, seqlen_q)
+    if ver is not None:
+        _block_cache[key] = (traced, out)
+        if len(_block_cache) > _BLOCK_CACHE_MAX:
+            _block_cache.popitem(last=False)
+    return out
+
+
+# -- launch arguments ----------------------------------------------------------------
+
+def _kernel_of(mod) -> str:
+    vid = mod.VARIANT_ID
+    for k in ("bwd_dkdv", "bwd_dq", "fwd"):
+        if vid.startswith(f"attn_{k}_"):
+            return k
+    raise ValueError(f"not a dense kernel: {vid}")
+
+
+@dataclasses.dataclass
+class UserArgs:
+    """The runtime arguments of a user variant (what :class:`flashgen.ops.ScoreMods` is
+    to the built-in mods): ``name`` its ``KernelSpec.mods``, the buffers (captured
+    tensors as the kernels read them), the gradient buffers (float32, bwd_dq), the mask
+    function and sizes for the block mask, the sinks."""
+
+    low: Lowered
+    bufs: list
+    grads: list
+    mask: Traced | None
+    sizes: tuple  # (batch, heads, kv_heads, seqlen_q, seqlen_k, lo, hi)
+    sinks: torch.Tensor | None
+    device: torch.device
+
+    @property
+    def name(self) -> str:
+        return self.low.name
+
+    def kernel_args(self, softmax_scale: float, with_scale: bool, mod=None, config=None) -> list:
+        """In the order of :meth:`flashgen.user_render.Context.kernel_params`."""
+        kernel = _kernel_of(mod)
+        out: list = [softmax_scale] if with_scale and self.low.score is not None else []
+        for t in self.bufs:
+            out += [t, *t.stride()]
+        if kernel == "bwd_dq":
+            out += [g for g in self.grads if g is not None]
+        if self.low.mask is not None:
+            b, h, hk, sq, sk, lo, hi = self.sizes
+            bm = block_ranges(self.mask, "k" if kernel == "bwd_dkdv" else "q", b, h, hk, sq, sk, lo, hi,
+                              config.BLOCK_M, config.BLOCK_N, self.device)
+            out += [bm, bm.stride(0) if bm.shape[0] > 1 else 0, bm.stride(1) if bm.shape[1] > 1 else 0]
+        if self.low.sinks and kernel == "fwd":
+            out.append(self.sinks)
+        return out
+
+
+def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool) -> Lowered:
+    sbufs = score.bufs if score is not None else ()
+    if direction == "bwd":
+        sbufs = tuple(dataclasses.replace(b, grad=f) for b, f in zip(sbufs, grad_flags))
+    bufs = sbufs + (mask.bufs if mask is not None else ())
+    grads = ()
+    if score is not None and direction == "bwd":
+        grads = tuple((i, n, score.dloads[i]) for i, n in score.loads if grad_flags[n])
+    return Lowered(direction, score.graph if score else None, score.out if score else None,
+                   score.dscore if score else None, grads, mask.graph if mask else None,
+                   mask.out if mask else None, len(sbufs), bufs, sinks, bool(score and score.guard))
+
+
+# -- reference (torch, materialized) -------------------------------------------------
+
+def reference(q, k, v, scale, lo, hi, score_mod=None, mask_mod=None, sinks=None, dtype=torch.float64):
+    """(O, LSE) in ``dtype`` by materializing the scores: S = scale·QKᵀ, then
+    ``score_mod`` on the whole (batch, heads, seqlen_q, seqlen_k) grid, masked where
+    the built-in bounds (lo <= j - i <= hi) or ``mask_mod`` hide a key, softmax with one
+    extra logit ``sinks[h]`` per row when given (its probability multiplies no value;
+    LSE includes it).  Differentiable (autograd) in q, k, v, sinks and the captured
+    tensors.  A row that sees no key and has no sink gives O = 0, LSE = -inf."""
+    b, h, sq, _ = q.shape
+    sk, group = k.shape[2], q.shape[1] // k.shape[1]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    dev = q.device
+    B = torch.arange(b, device=dev).view(-1, 1, 1, 1)
+    H = torch.arange(h, device=dev).view(1, -1, 1, 1)
+    I = torch.arange(sq, device=dev).view(1, 1, -1, 1)
+    J = torch.arange(sk, device=dev).view(1, 1, 1, -1)
+    if score_mod is not None:
+        s = (score_mod(s, B, H, I, J) + torch.zeros_like(s)).to(dtype)
+    vis = ((J - I) >= lo) & ((J - I) <= hi)
+    if mask_mod is not None:
+        vis = vis & torch.as_tensor(mask_mod(B, H, I, J), device=dev).to(torch.bool)
+    vis = vis.expand(b, h, sq, sk)
+    s = s.masked_fill(~vis, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(dtype)[None, :, None, None].expand(b, h, sq, 1)
+        lse = torch.logsumexp(torch.cat([s, sink], -1), -1)
+    else:
+        lse = torch.logsumexp(s, -1) if sk else torch.full((b, h, sq), float("-inf"), dtype=dtype, device=dev)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.where(vis, torch.exp(s - safe[..., None]), torch.zeros_like(s))
+    return p @ v, lse
+
+
+# -- autograd ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Call:
+    scale: float
+    mask: str
+    lo: int
+    hi: int
+    fwd: UserArgs | None
+    bwd: UserArgs | None
+    sinks: torch.Tensor | None
+    grad_shapes: list  # (index into bufs, original tensor) of captured tensors that get a gradient
+
+
+class _Attention(torch.autograd.Function):
+    """(q, k, v, sinks, call, *captured tensors with gradients) -> (O, LSE); the
+    captured tensors are inputs only so that autograd routes their gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, call, *captured):
+        o, lse = _forward(q, k, v, call)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        call = ctx.call
+        delta = torch.zeros_like(lse)
+        bwd = call.bwd
+        if bwd is not None:
+            for n, g in enumerate(bwd.grads):
+                if g is not None:
+                    g.zero_()
+        dq, dk, dv = library.backward(do, q, k, v, o, lse, call.scale, call.mask, call.lo, call.hi, bwd, delta=delta)
+        dsinks = None
+        if call.sinks is not None and ctx.needs_input_grad[3]:
+            # d LSE-softmax / d sink = -P_sink * delta per row (the sink multiplies no value)
+            dsinks = -(torch.exp(call.sinks[None, :, None] - lse) * delta).sum((0, 2)).to(call.sinks.dtype)
+        grads = []
+        for n, t in call.grad_shapes:
+            grads.append(bwd.grads[n].to(t.dtype).view(t.shape))
+        return (dq, dk, dv, dsinks, None, *grads)
+
+
+def _forward(q, k, v, call: _Call):
+    o, lse = library.forward(q, k, v, call.scale, call.mask, call.lo, call.hi, call.fwd)
+    if library.is_empty(q, k) and call.sinks is not None and q.shape[2]:
+        lse = call.sinks[None, :, None].expand_as(lse).contiguous()
+    return o, lse
+
+
+def _kernel_buffer(t: torch.Tensor, name: str, device) -> torch.Tensor:
+    if t.device != device:
+        raise InputError(f"{name} reads a captured tensor on {t.device}; q is on {device}: move it there")
+    t = t.detach()
+    if t.dtype == torch.bool:
+        t = t.to(torch.int8)
+    elif t.dtype == torch.float64:
+        t = t.to(torch.float32)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+@torch.compiler.disable
+def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=None, mask_mod=None, sinks=None):
+    """(O, LSE) of :func:`flashgen.attention` with user functions (the caller has checked
+    q, k, v and turned causal/window into ``mask``, ``lo``, ``hi``).  See the module
+    docstring and :func:`flashgen.attention`."""
+    b, h, sq, _ = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or tuple(sinks.shape) != (h,):
+            got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise InputError(f"sinks must be a float32 tensor of shape (num_heads,) = ({h},), got {got}")
+        if sinks.device != q.device:
+            raise InputError(f"sinks.device ({sinks.device}) must equal q.device ({q.device})")
+    st = trace(score_mod, "score") if score_mod is not None else None
+    mt = trace(mask_mod, "mask") if mask_mod is not None else None
+    if not library.use_kernels(q):
+        # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
+        o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)
+        return o.to(q.dtype), lse.detach()
+    grad_on = torch.is_grad_enabled()
+    sflags = [grad_on and t.requires_grad and t.is_floating_point() for t in (st.captured if st else ())]
+    dev = q.device
+    sbufs = [_kernel_buffer(t, "score_mod", dev) for t in (st.captured if st else ())]
+    mbufs = [_kernel_buffer(t, "mask_mod", dev) for t in (mt.captured if mt else ())]
+    bufs = sbufs + mbufs
+    sizes = (b, h, hk, sq, sk, lo, hi)
+    has_fn = st is not None or mt is not None
+    fwd_low = _lowered("fwd", st, mt, sflags, sinks is not None)
+    user_render.register(fwd_low)
+    fwd = UserArgs(fwd_low, bufs, [], mt, sizes, sinks.detach() if sinks is not None else None, dev)
+    bwd = None
+    grad_shapes = []
+    needs_grad = grad_on and (q.requires_grad or k.requires_grad or v.requires_grad or any(sflags)
+                              or (sinks is not None and sinks.requires_grad))
+    if has_fn and needs_grad:
+        bwd_low = _lowered("bwd", st, mt, sflags, False)
+        user_render.register(bwd_low)
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=dev) if f else None
+                 for t, f in zip(sbufs, sflags)] + [None] * len(mbufs)
+        bwd = UserArgs(bwd_low, bufs, grads, mt, sizes, None, dev)
+        grad_shapes = [(n, t) for n, (t, f) in enumerate(zip(st.captured if st else (), sflags)) if f]
+    call = _Call(scale, mask, lo, hi, fwd, bwd, sinks.detach() if sinks is not None else None, grad_shapes)
+    if not needs_grad:
+        return _forward(q, k, v, call)
+    captured = [t for _, t in grad_shapes]
+    return _Attention.apply(q, k, v, sinks, call, *captured)

@@ -1,0 +1,867 @@
+"""User score and mask functions in the generated kernels: a small expression IR, its
+derivatives, its Triton code, and the rendering of the variants that carry it.  Pure:
+no torch, no triton (:mod:`flashgen.user_mods` traces the functions into this IR).
+
+The IR is a list of SSA nodes (:class:`Graph`); a value is a :class:`Ref` to a node or a
+Python constant (bool, int, float).  Every node has a dtype category (``bool``,
+``int``, ``float``: float32 in the kernels) and the set of inputs it depends on
+(``s`` the score, ``b`` batch, ``h`` query head, ``q`` query row, ``k`` key column),
+which says its shape in a tile: ``s``/``q``+``k`` a (rows, cols) tile, ``q`` a column
+vector, ``k`` a row vector, neither a scalar.  Captured tensors are read by ``load``
+nodes (buffers ``UT<n>`` with strides ``ut<n>_s<d>``).
+
+A user variant's ``KernelSpec.mods`` is ``u`` + 12 hex digits of the sha256 of its IR
+(and of this rendering machinery), + ``m`` when it has a mask function
+(:func:`flashgen.spec.is_user_mods`).  Its source is the dense kernels' own templates
+rendered with ``templates/_user_mods.j2`` appended to ``_common.j2`` (it redefines the
+score-mod hooks: the score point, the mask predicate, the key/query block ranges) and
+three hook lines inserted at fixed anchors (:data:`PATCHES`): the templates' files are
+not changed, so no existing variant's code or hash changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from pathlib import Path
+
+import jinja2
+
+from .errors import UnsupportedError
+from .spec import is_user_mods
+
+LOG2E = 1.4426950408889634
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A reference to node ``i`` of a :class:`Graph`."""
+
+    i: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    op: str
+    args: tuple
+    dtype: str  # bool | int | float
+    deps: frozenset
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A captured tensor as the kernels see it: its dtype name (float32, float16,
+    bfloat16, int64, int32, int16, int8, uint8; bool tensors arrive as int8), its number
+    of dims, and whether its gradient is accumulated (float32, by atomics in bwd_dq)."""
+
+    dtype: str
+    ndim: int
+    grad: bool = False
+
+    @property
+    def category(self) -> str:
+        return "float" if self.dtype.startswith(("float", "bfloat")) else "int"
+
+
+CASTS = {"float32": "float", "float64": "float", "float16": "float", "bfloat16": "float", "int64": "int",
+         "int32": "int", "int16": "int", "int8": "int", "uint8": "int", "bool": "bool"}
+_TL = {"float32": "tl.float32", "float64": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16",
+       "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8"}
+_BIN = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+        "and": "&", "or": "|", "xor": "^", "lshift": "<<", "rshift": ">>"}
+_CMP = ("lt", "le", "gt", "ge", "eq", "ne")
+_FLOAT_UNARY = {"exp": "tl.exp({})", "log": "tl.log({})", "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})",
+                "sigmoid": "tl.sigmoid({})", "exp2": "tl.math.exp2({})", "log2": "tl.math.log2({})",
+                "sin": "tl.sin({})", "cos": "tl.cos({})", "tanh": None}
+_PY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+       "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
+       "eq": lambda a, b: a == b, "ne": lambda a, b: a != b}
+
+
+def _cat(v) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    return "int" if isinstance(v, int) else "float"
+
+
+def promote(a: str, b: str) -> str:
+    """torch's promotion, by category (bool < int < float)."""
+    if "float" in (a, b):
+        return "float"
+    if "int" in (a, b):
+        return "int"
+    return "bool"
+
+
+class Graph:
+    """SSA expression graph (see the module docstring); identical nodes are shared."""
+
+    def __init__(self):
+        self.nodes: list[Node] = []
+        self._index: dict = {}
+
+    # -- queries
+    def dtype(self, v) -> str:
+        return self.nodes[v.i].dtype if isinstance(v, Ref) else _cat(v)
+
+    def deps(self, v) -> frozenset:
+        return self.nodes[v.i].deps if isinstance(v, Ref) else frozenset()
+
+    def uses(self, outs) -> list[int]:
+        """Indices of the nodes the values ``outs`` need, in order."""
+        need, todo = set(), [o.i for o in outs if isinstance(o, Ref)]
+        while todo:
+            i = todo.pop()
+            if i in need:
+                continue
+            need.add(i)
+            todo += [a.i for a in self.nodes[i].args if isinstance(a, Ref)]
+        return sorted(need)
+
+    def describe(self, outs) -> str:
+        """A canonical text of the nodes ``outs`` need (what the hash covers)."""
+        def arg(a):
+            return f"%{a.i}" if isinstance(a, Ref) else f"{type(a).__name__}:{a!r}"
+        lines = [f"%{i} = {self.nodes[i].op}({', '.join(arg(a) for a in self.nodes[i].args)}): {self.nodes[i].dtype}"
+                 for i in self.uses(outs)]
+        return "\n".join(lines + ["-> " + ", ".join(arg(o) if o is not None else "None" for o in outs)])
+
+    # -- construction
+    def _add(self, op, args, dtype):
+        key = (op, tuple((type(a).__name__, a) for a in args), dtype)
+        hit = self._index.get(key)
+        if hit is not None:
+            return hit
+        if op == "input":
+            deps = frozenset([args[0]])
+        else:
+            deps = frozenset().union(*(self.deps(a) for a in args if isinstance(a, Ref)))
+        self.nodes.append(Node(op, tuple(args), dtype, deps))
+        ref = self._index[key] = Ref(len(self.nodes) - 1)
+        return ref
+
+    def input(self, name: str, dtype: str) -> Ref:
+        return self._add("input", (name,), dtype)
+
+    def load(self, buf: int, bufinfo: Buffer, index: tuple) -> Ref:
+        for a in index:
+            if self.dtype(a) == "float":
+                raise UnsupportedError("a captured tensor is indexed by a float value: convert the index with "
+                                       ".long() / .to(torch.int64) (or torch.floor first)")
+        dt = "bool" if bufinfo.dtype == "bool" else bufinfo.category
+        return self._add("load", (buf, *index), dt)
+
+    def binary(self, op: str, a, b):
+        da, db = self.dtype(a), self.dtype(b)
+        if op in _CMP:
+            dt = "bool"
+        elif op in ("and", "or", "xor"):
+            dt = "bool" if da == db == "bool" else promote(da, db)
+            if dt == "float":
+                raise UnsupportedError(f"bitwise '{op}' of a float value")
+            if dt == "bool":
+                for x, y in ((a, b), (b, a)):
+                    if isinstance(x, bool):
+                        if op == "and":
+                            return y if x else False
+                        if op == "or":
+                            return True if x else y
+        elif op in ("lshift", "rshift"):
+            if "float" in (da, db):
+                raise UnsupportedError(f"'{op}' of a float value")
+            dt = "int"
+        elif op == "truediv":
+            dt = "float"
+        elif op == "pow":
+            return self.pow(a, b)
+        else:  # add sub mul floordiv mod minimum maximum
+            dt = promote(da, db)
+            if dt == "bool" and op in ("add", "sub", "mul", "floordiv", "mod"):
+                dt = "int"
+        if not isinstance(a, Ref) and not isinstance(b, Ref):
+            return self._fold(op, a, b)
+        return self._add(op, (a, b), dt)
+
+    def _fold(self, op, a, b):
+        if op in _PY:
+            return _PY[op](a, b)
+        if op == "truediv":
+            return float(a) / float(b)
+        if op == "floordiv":
+            return a // b
+        if op == "mod":
+            return a % b
+        if op == "minimum":
+            return min(a, b)
+        if op == "maximum":
+            return max(a, b)
+        if op == "and":
+            return a & b
+        if op == "or":
+            return a | b
+        if op == "xor":
+            return a ^ b
+        if op == "lshift":
+            return a << b
+        if op == "rshift":
+            return a >> b
+        raise UnsupportedError(f"constant {op}")
+
+    def unary(self, op: str, a):
+        dt = self.dtype(a)
+        if not isinstance(a, Ref):
+            return self._fold_unary(op, a)
+        if op in _FLOAT_UNARY:
+            return self._add(op, (a,), "float")
+        if op in ("floor", "ceil", "trunc"):
+            return a if dt != "float" else self._add(op, (a,), "float")
+        if op == "neg":
+            if dt == "bool":
+                raise UnsupportedError("negation of a bool value (use ~ or torch.logical_not)")
+            return self._add("neg", (a,), dt)
+        if op == "abs":
+            return a if dt == "bool" else self._add("abs", (a,), dt)
+        if op == "not":
+            return self._add("not", (a,), dt)
+        if op == "sign":
+            zero = 0.0 if dt == "float" else 0
+            one = 1.0 if dt == "float" else 1
+            return self.where(self.binary("gt", a, zero), one,
+                              self.where(self.binary("lt", a, zero), -one, zero))
+        raise UnsupportedError(f"operation '{op}'")
+
+    def _fold_unary(self, op, a):
+        f = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt, "sigmoid": lambda x: 1 / (1 + math.exp(-x)),
+             "exp2": lambda x: 2.0 ** x, "log2": math.log2, "sin": math.sin, "cos": math.cos, "tanh": math.tanh,
+             "rsqrt": lambda x: x ** -0.5, "floor": math.floor, "ceil": math.ceil, "trunc": math.trunc,
+             "neg": lambda x: -x, "abs": abs, "not": lambda x: (not x) if isinstance(x, bool) else ~x,
+             "sign": lambda x: (x > 0) - (x < 0)}[op]
+        return f(a)
+
+    def pow(self, a, b):
+        if not isinstance(b, Ref):
+            if b == 1:
+                return a
+            if b == 0:
+                return 1.0 if self.dtype(a) == "float" or isinstance(b, float) else 1
+            if b == 0.5:
+                return self.unary("sqrt", a)
+            if b == -0.5:
+                return self.unary("rsqrt", a)
+            if b == -1:
+                return self.binary("truediv", 1.0, a)
+            if isinstance(b, int) and 2 <= b <= 4:
+                out = a
+                for _ in range(b - 1):
+                    out = self.binary("mul", out, a)
+                return out
+            if isinstance(b, int) and b < 0:
+                return self.binary("truediv", 1.0, self.pow(a, -b))
+        if not isinstance(a, Ref) and not isinstance(b, Ref):
+            return a ** b
+        return self._add("pow", (a, b), "float")
+
+    def where(self, c, a, b):
+        if isinstance(c, bool):
+            return a if c else b
+        if self.dtype(c) != "bool":
+            c = self.binary("ne", c, 0)
+        return self._add("where", (c, a, b), promote(self.dtype(a), self.dtype(b)))
+
+    def clamp(self, x, lo=None, hi=None):
+        """torch.clamp with constant bounds (None: unbounded)."""
+        dt = promote(self.dtype(x), promote(_cat(lo) if lo is not None else "bool",
+                                            _cat(hi) if hi is not None else "bool"))
+        if lo is None and hi is None:
+            raise UnsupportedError("torch.clamp with neither min nor max")
+        return self._add("clamp", (x, lo, hi), dt)
+
+    def cast(self, a, target: str):
+        if target not in CASTS:
+            raise UnsupportedError(f"conversion to {target}")
+        cat = CASTS[target]
+        if not isinstance(a, Ref):
+            return {"float": float, "int": int, "bool": bool}[cat](a)
+        if self.dtype(a) == cat and target in ("float32", "float64", "int64", "int32", "bool"):
+            return a
+        return self._add("cast", (a, target), cat)
+
+
+# -- derivatives (forward mode over the graph) ---------------------------------------
+
+def derivative(g: Graph, out, wrt: Ref):
+    """d out / d wrt as a value of ``g`` (None: identically zero).  ``wrt``: the score
+    input or a load node.  torch's conventions where the derivative is undefined: abs'(0)
+    = 0, clamp passes the gradient where lo <= x <= hi, ties of minimum/maximum split it."""
+    if not isinstance(out, Ref):
+        return None
+    t: dict[int, object] = {}
+
+    def T(v):
+        return t.get(v.i) if isinstance(v, Ref) else None
+
+    def add(x, y):
+        if x is None:
+            return y
+        if y is None:
+            return x
+        return g.binary("add", x, y)
+
+    def mul(x, y):
+        if x is None or y is None:
+            return None
+        if not isinstance(x, Ref) and x == 1:
+            return y
+        if not isinstance(y, Ref) and y == 1:
+            return x
+        return g.binary("mul", x, y)
+
+    def neg(x):
+        return None if x is None else g.unary("neg", x)
+
+    def z(x):
+        return 0.0 if x is None else x
+
+    for i in range(out.i + 1):
+        n = g.nodes[i]
+        r = Ref(i)
+        if r == wrt:
+            t[i] = 1.0
+            continue
+        if n.dtype != "float" or n.op in ("input", "load", "floor", "ceil", "trunc"):
+            continue
+        a = n.args[0] if n.args else None
+        b = n.args[1] if len(n.args) > 1 else None
+        ta, tb = T(a), (T(b) if n.op not in ("clamp", "cast") else None)
+        op = n.op
+        if op == "add":
+            d = add(ta, tb)
+        elif op == "sub":
+            d = add(ta, neg(tb))
+        elif op == "neg":
+            d = neg(ta)
+        elif op == "mul":
+            d = add(mul(ta, b), mul(a, tb))
+        elif op == "truediv":
+            # d(a / b) = (da - (a / b) db) / b
+            num = add(ta, neg(mul(r, tb)))
+            d = None if num is None else g.binary("truediv", num, b)
+        elif op == "pow":
+            if tb is None:
+                d = mul(ta, g.binary("mul", b, g.pow(a, g.binary("sub", b, 1))))
+            else:
+                d = mul(r, add(mul(tb, g.unary("log", a)), mul(ta, g.binary("truediv", b, a))))
+        elif op == "tanh":
+            d = mul(ta, g.binary("sub", 1.0, g.binary("mul", r, r)))
+        elif op == "exp":
+            d = mul(ta, r)
+        elif op == "exp2":
+            d = mul(ta, g.binary("mul", r, LN2))
+        elif op == "log":
+            d = mul(ta, g.binary("truediv", 1.0, a))
+        elif op == "log2":
+            d = mul(ta, g.binary("truediv", 1.0 / LN2, a))
+        elif op == "sqrt":
+            d = mul(ta, g.binary("truediv", 0.5, r))
+        elif op == "rsqrt":
+            d = mul(ta, g.binary("mul", -0.5, g.binary("truediv", r, a)))
+        elif op == "sigmoid":
+            d = mul(ta, g.binary("mul", r, g.binary("sub", 1.0, r)))
+        elif op == "sin":
+            d = mul(ta, g.unary("cos", a))
+        elif op == "cos":
+            d = mul(ta, g.unary("neg", g.unary("sin", a)))
+        elif op == "abs":
+            d = mul(ta, g.unary("sign", a))
+        elif op in ("minimum", "maximum"):
+            if ta is None and tb is None:
+                d = None
+            else:
+                first, second = ("lt", "gt") if op == "minimum" else ("gt", "lt")
+                half = g.binary("mul", 0.5, add(ta, tb))
+                d = g.where(g.binary(first, a, b), z(ta), g.where(g.binary(second, a, b), z(tb), half))
+        elif op == "clamp":
+            lo, hi = n.args[1], n.args[2]
+            inside = True
+            if lo is not None:
+                inside = g.binary("and", inside, g.binary("ge", a, lo))
+            if hi is not None:
+                inside = g.binary("and", inside, g.binary("le", a, hi))
+            d = None if ta is None else g.where(inside, ta, 0.0)
+        elif op == "where":
+            tx, ty = T(n.args[1]), T(n.args[2])
+            d = None if tx is None and ty is None else g.where(a, z(tx), z(ty))
+        elif op == "cast":
+            d = ta if g.dtype(a) == "float" else None
+        elif op == "floordiv":
+            d = None
+        elif op == "mod":
+            d = add(ta, neg(mul(tb, g.unary("floor", g.binary("truediv", a, b)))))
+        else:
+            raise UnsupportedError(f"the derivative of operation '{op}'")
+        if d is not None:
+            t[i] = d
+    return t.get(out.i)
+
+
+# -- Triton code ------------------------------------------------------------------------
+
+def _lit(v) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, int):
+        return str(v)
+    if math.isnan(v):
+        return 'float("nan")'
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    return repr(float(v))
+
+
+class _Code:
+    """Emits the nodes of ``g`` as Triton statements ``<prefix><i> = ...``.  ``names``
+    maps the inputs to expressions; ``valid`` gives the in-range predicates of the
+    query rows ('q') and key columns ('k') that mask captured-tensor loads;
+    ``offsets``: load nodes whose offset is kept in ``u_off<i>`` (gradients)."""
+
+    def __init__(self, g: Graph, names: dict, prefix: str, bufs: tuple, valid: dict, offsets=(), base: int = 0):
+        self.g, self.names, self.prefix, self.bufs, self.valid, self.base = g, names, prefix, bufs, valid, base
+        self.offsets = set(offsets)
+        self.lines: list[str] = []
+        self.done: set[int] = set()
+
+    def name(self, v) -> str:
+        if not isinstance(v, Ref):
+            return _lit(v)
+        n = self.g.nodes[v.i]
+        if n.op == "input":
+            return self.names[n.args[0]]
+        return f"{self.prefix}{v.i}"
+
+    def f(self, v) -> str:
+        """``v`` as a float32 expression."""
+        if not isinstance(v, Ref):
+            return _lit(float(v))
+        return self.name(v) if self.g.dtype(v) == "float" else f"{self.name(v)}.to(tl.float32)"
+
+    def i(self, v) -> str:
+        """``v`` as an integer expression (bools become 0/1)."""
+        if not isinstance(v, Ref):
+            return _lit(int(v))
+        return f"{self.name(v)}.to(tl.int32)" if self.g.dtype(v) == "bool" else self.name(v)
+
+    def num(self, v, dtype) -> str:
+        return self.f(v) if dtype == "float" else self.i(v)
+
+    def emit(self, outs) -> None:
+        for i in self.g.uses(outs):
+            if i in self.done:
+                continue
+            self.done.add(i)
+            n = self.g.nodes[i]
+            if n.op == "input":
+                continue
+            if n.op == "load":
+                self.lines += self._load(i, n)
+            else:
+                self.lines.append(f"{self.prefix}{i} = {self._expr(n)}")
+
+    def _floordiv_int(self, a, b) -> str:
+        A, B = self.i(a), self.i(b)
+        if not isinstance(b, Ref) and b > 0:
+            return f"tl.where({A} >= 0, {A} // {B}, -((-{A} + {b - 1}) // {B}))"
+        aa = _lit(abs(a)) if not isinstance(a, Ref) else f"tl.abs({A})"
+        ab = _lit(abs(b)) if not isinstance(b, Ref) else f"tl.abs({B})"
+        return f"tl.where(({A} < 0) == ({B} < 0), {aa} // {ab}, -(({aa} + {ab} - 1) // {ab}))"
+
+    def _expr(self, n: Node) -> str:
+        op, args, dt = n.op, n.args, n.dtype
+        if op in ("add", "sub", "mul"):
+            return f"{self.num(args[0], dt)} {_BIN[op]} {self.num(args[1], dt)}"
+        if op in _CMP:
+            return f"{self.name(args[0])} {_BIN[op]} {self.name(args[1])}"
+        if op in ("and", "or", "xor", "lshift", "rshift"):
+            return f"{self.name(args[0])} {_BIN[op]} {self.name(args[1])}"
+        if op == "truediv":
+            return f"{self.f(args[0])} / {self.f(args[1])}"
+        if op == "floordiv":
+            if dt == "float":
+                return f"tl.floor({self.f(args[0])} / {self.f(args[1])})"
+            return self._floordiv_int(*args)
+        if op == "mod":
+            a, b = args
+            if dt == "float":
+                return f"{self.f(a)} - {self.f(b)} * tl.floor({self.f(a)} / {self.f(b)})"
+            return f"{self.i(a)} - {self.i(b)} * ({self._floordiv_int(a, b)})"
+        if op == "pow":
+            return f"tl.math.exp2({self.f(args[1])} * tl.math.log2({self.f(args[0])}))"
+        if op == "neg":
+            return f"-{self.name(args[0])}"
+        if op == "abs":
+            return f"tl.abs({self.name(args[0])})"
+        if op == "not":
+            return f"{self.name(args[0])} == 0" if self.g.dtype(args[0]) == "bool" else f"~{self.name(args[0])}"
+        if op == "tanh":
+            # As the built-in softcap: Taylor series for |x| < 1/4, else 1 - 2 / (e^(2x) + 1).
+            x = self.f(args[0])
+            return (f"tl.where({x} * {x} < 0.0625, {x} * (1.0 + {x} * {x} * (-0.3333333333333333 + {x} * {x} * "
+                    f"(0.13333333333333333 + {x} * {x} * (-0.05396825396825397 + {x} * {x} * 0.021869488536155203)))), "
+                    f"1.0 - 2.0 / (tl.math.exp2({x} * 2.8853900817779268) + 1.0))")
+        if op in _FLOAT_UNARY:
+            return _FLOAT_UNARY[op].format(self.f(args[0]))
+        if op in ("floor", "ceil"):
+            return f"tl.{op}({self.f(args[0])})"
+        if op == "trunc":
+            x = self.f(args[0])
+            return f"tl.where({x} >= 0, tl.floor({x}), tl.ceil({x}))"
+        if op == "minimum":
+            a, b = self.num(args[0], dt), self.num(args[1], dt)
+            return f"tl.where({a} < {b}, {a}, {b})"
+        if op == "maximum":
+            a, b = self.num(args[0], dt), self.num(args[1], dt)
+            return f"tl.where({a} > {b}, {a}, {b})"
+        if op == "clamp":
+            x, lo, hi = self.num(args[0], dt), args[1], args[2]
+            if lo is not None:
+                L = _lit(float(lo) if dt == "float" else lo)
+                x = f"tl.where({x} < {L}, {L}, {x})"
+            if hi is not None:
+                H = _lit(float(hi) if dt == "float" else hi)
+                x = f"tl.where({x} > {H}, {H}, {x})"
+            return x
+        if op == "where":
+            c, a, b = args
+            A = self.num(a, dt) if dt != "bool" else self.name(a)
+            B = self.num(b, dt) if dt != "bool" else self.name(b)
+            return f"tl.where({self.name(c)}, {A}, {B})"
+        if op == "cast":
+            a, target = args
+            src = self.g.dtype(a)
+            if target == "bool":
+                return f"{self.name(a)} != 0"
+            if target in ("float16", "bfloat16"):
+                return f"{self.f(a)}.to({_TL[target]}).to(tl.float32)"
+            if CASTS[target] == "float":
+                return self.f(a)
+            x = f"{self.name(a)}.to(tl.int32)" if src == "bool" else self.name(a)
+            return f"{x}.to({_TL[target]})"
+        raise UnsupportedError(f"operation '{op}'")
+
+    def _load(self, i: int, n: Node) -> list[str]:
+        buf, index = self.base + n.args[0], n.args[1:]
+        info = self.bufs[buf]
+        terms = [f"{self.i(a) if isinstance(a, Ref) else _lit(int(a))}"
+                 + (".to(tl.int64)" if isinstance(a, Ref) else "") + f" * ut{buf}_s{d}" for d, a in enumerate(index)]
+        off = " + ".join(terms) if terms else "0"
+        out = []
+        if i in self.offsets:
+            out.append(f"u_off{i} = {off}")
+            off = f"u_off{i}"
+        deps = n.deps
+        masks = [self.valid[x] for x in ("q", "k") if x in deps]
+        mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
+        expr = f"tl.load(UT{buf} + {off}{mask})"
+        if info.dtype in ("float16", "bfloat16"):
+            expr += ".to(tl.float32)"
+        elif info.dtype == "bool":
+            expr = f"{expr} != 0"
+        out.append(f"{self.prefix}{i} = {expr}")
+        return out
+
+
+# -- what a variant carries ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Lowered:
+    """One direction's user functions, lowered: ``direction`` "fwd" (the forward kernel)
+    or "bwd" (bwd_dq and bwd_dkdv).  ``score``: the score function's graph with
+    ``score_out`` its result, ``dscore`` d out / d score and ``grads`` the (load node,
+    buffer, d out / d load) of captured tensors whose gradient bwd_dq accumulates;
+    ``mask``/``mask_out`` the mask function's; ``bufs`` the captured tensors, the score
+    function's then the mask function's (its loads' buffer n is ``mask_base + n``); ``sinks``: one learnable logit per head in the softmax denominator;
+    ``guard``: the score function may produce -inf or overflow (clamped as a bias is)."""
+
+    direction: str
+    score: Graph | None
+    score_out: object
+    dscore: object
+    grads: tuple
+    mask: Graph | None
+    mask_out: object
+    mask_base: int
+    bufs: tuple
+    sinks: bool
+    guard: bool
+
+    def describe(self) -> str:
+        parts = [f"direction {self.direction}", f"sinks {self.sinks}", f"guard {self.guard}",
+                 "bufs " + ", ".join(f"{b.dtype}[{b.ndim}]{'+grad' if b.grad else ''}" for b in self.bufs)]
+        if self.score is not None:
+            outs = [self.score_out]
+            if self.direction == "bwd":
+                outs += [self.dscore] + [d for _, _, d in self.grads]
+            parts += ["score:", self.score.describe(outs), f"grads {[(i, b) for i, b, _ in self.grads]}"]
+        if self.mask is not None:
+            parts += [f"mask (buffers from {self.mask_base}):", self.mask.describe([self.mask_out])]
+        return "\n".join(parts)
+
+    @functools.cached_property
+    def name(self) -> str:
+        """The ``KernelSpec.mods`` of this lowering (:func:`flashgen.spec.is_user_mods`)."""
+        h = hashlib.sha256((machinery_hash() + "\n" + self.describe()).encode()).hexdigest()[:12]
+        return f"u{h}" + ("m" if self.mask is not None else "")
+
+
+_registry: dict[str, Lowered] = {}
+
+
+def register(low: Lowered) -> str:
+    """Make ``low`` renderable under its name (process-wide); returns the name."""
+    _registry.setdefault(low.name, low)
+    return low.name
+
+
+def lowered(mods: str) -> Lowered:
+    try:
+        return _registry[mods]
+    except KeyError:
+        raise UnsupportedError(f"user score/mask functions {mods!r} are not known to this process: they are "
+                               "registered when flashgen.attention is called with them") from None
+
+
+# -- render-time context (the `user` object the overlay macros call) -----------------
+
+_DENSE = ("fwd", "bwd_dq", "bwd_dkdv")
+
+
+class Context:
+    """What ``templates/_user_mods.j2`` asks while one kernel of a user variant renders."""
+
+    def __init__(self, low: Lowered, kernel: str):
+        if kernel not in _DENSE:
+            raise UnsupportedError(f"user score/mask functions are compiled into {_DENSE}, not {kernel!r}")
+        self.low, self.kernel = low, kernel
+
+    @property
+    def modifies_scores(self) -> bool:
+        return self.low.score is not None or self.low.mask is not None
+
+    @property
+    def mask(self) -> bool:
+        return self.low.mask is not None
+
+    @property
+    def guard(self) -> bool:
+        return self.low.score is not None and self.low.guard
+
+    def _grad_bufs(self):
+        return [n for n, b in enumerate(self.low.bufs) if b.grad] if self.kernel == "bwd_dq" else []
+
+    def _buf_params(self) -> str:
+        out = ""
+        for n, b in enumerate(self.low.bufs):
+            out += f"UT{n}, " + "".join(f"ut{n}_s{d}, " for d in range(b.ndim))
+        return out + "".join(f"UG{n}, " for n in self._grad_bufs())
+
+    def tile_args(self, params: bool) -> str:
+        """The extra arguments of the kernels' _tile() (``params``: its def)."""
+        if not self.modifies_scores:
+            return ""
+        out = "sm_scale, " if self.low.score is not None else ""
+        out += "u_z, u_h, " if params else "off_z, off_h, "
+        return out + self._buf_params()
+
+    def kernel_params(self, scale: bool) -> str:
+        """The extra kernel parameters (after diag_lo, diag_hi); the order of
+        :meth:`flashgen.user_mods.UserArgs.kernel_args`."""
+        out = "sm_scale, " if scale and self.low.score is not None else ""
+        out += self._buf_params()
+        if self.mask:
+            out += "UBM, ubm_sz, ubm_sh, "
+        if self.low.sinks and self.kernel == "fwd":
+            out += "SINKS, "
+        return out
+
+    def _names(self, qi, kj, t, var):
+        Q = qi + ("[None, :]" if t else "[:, None]")
+        K = kj + ("[:, None]" if t else "[None, :]")
+        return {"s": var, "b": "u_z", "h": "u_h", "q": Q, "k": K}, {"q": f"({Q} < seqlen_q)", "k": f"({K} < seqlen_k)"}
+
+    def score_block(self, var: str, qi: str, kj: str, t: bool) -> str:
+        """The score point: the score function (and, backward, its derivatives), then the
+        mask function's predicate ``u_keep`` in masked tiles."""
+        low, ind = self.low, "    "
+        names, valid = self._names(qi, kj, t, var)
+        lines = []
+        if low.score is not None:
+            lines.append("# user score function on s = softmax_scale * q.k (natural units), then base 2")
+            lines.append(f"{var} = {var} * sm_scale")
+            outs = [low.score_out]
+            bwd = self.kernel != "fwd"
+            if bwd:
+                outs.append(low.dscore)
+            grads = low.grads if self.kernel == "bwd_dq" else ()
+            outs += [d for _, _, d in grads]
+            code = _Code(low.score, names, "u", low.bufs, valid, offsets=[i for i, _, _ in grads])
+            code.emit(outs)
+            lines += code.lines
+            if bwd and _nonunit(low.dscore):
+                lines.append(f"u_g = {code.f(low.dscore)}")
+            for i, _, d in grads:
+                lines.append(f"u_d{i} = {code.f(d) if d is not None else '0.0'}")
+            res = code.f(low.score_out)
+            if not (isinstance(low.score_out, Ref) and "s" in low.score.deps(low.score_out)):
+                res = f"{res} + tl.zeros_like({var})"
+            lines.append(f"{var} = {res}")
+            if low.guard:
+                lines.append(f"{var} = tl.where({var} == float(\"-inf\"), {var}, "
+                             f"tl.minimum(tl.maximum({var}, -2.3e38), 2.3e38))")
+            lines.append(f"{var} = {var} * {LOG2E!r}")
+        else:
+            lines.append(f"{var} = {var} * qk_scale")
+        if low.mask is not None:
+            code = _Code(low.mask, names, "um", low.bufs, valid, base=low.mask_base)
+            code.emit([low.mask_out])
+            out = low.mask_out
+            if isinstance(out, Ref):
+                keep = code.name(out) if low.mask.dtype(out) == "bool" else f"{code.name(out)} != 0"
+            else:
+                keep = f"tl.full([1, 1], {bool(out)}, tl.int1)"
+            lines.append("# user mask function (masked tiles only; interior tiles are entirely visible)")
+            lines.append("if MASKED:")
+            lines += [ind + x for x in code.lines] + [ind + f"u_keep = {keep}"]
+        return "\n".join(ind + x for x in lines) + "\n"
+
+    def after_ds(self, var: str, qi: str, kj: str, t: bool) -> str:
+        """After dS: captured tensors' gradients (bwd_dq, atomics into float32 buffers),
+        then the score function's derivative."""
+        low = self.low
+        if low.score is None:
+            return ""
+        ind = "    "
+        names, valid = self._names(qi, kj, t, var)
+        lines = []
+        if self.kernel == "bwd_dq" and low.grads:
+            lines.append(f"u_gv = {valid['q']} & {valid['k']}")
+            for i, buf, _ in low.grads:
+                deps = low.score.deps(Ref(i)) & {"q", "k"}  # the shape of the load's offsets
+                val = f"tl.where(u_gv, {var} * u_d{i}, 0.0)"
+                if deps == {"q", "k"}:
+                    lines.append(f"tl.atomic_add(UG{buf} + tl.broadcast_to(u_off{i}, (BLOCK_M, BLOCK_N)), {val}, "
+                                 "mask=u_gv, sem=\"relaxed\")")
+                elif deps == {"q"}:
+                    lines.append(f"tl.atomic_add(UG{buf} + u_off{i}, tl.sum({val}, 1, keep_dims=True), "
+                                 f"mask={valid['q']}, sem=\"relaxed\")")
+                elif deps == {"k"}:
+                    lines.append(f"tl.atomic_add(UG{buf} + u_off{i}, tl.sum({val}, 0, keep_dims=True), "
+                                 f"mask={valid['k']}, sem=\"relaxed\")")
+                else:
+                    lines.append(f"tl.atomic_add(UG{buf} + u_off{i}, tl.sum(tl.sum({val}, 1), 0), sem=\"relaxed\")")
+        if _nonunit(low.dscore):
+            lines.append(f"{var} = {var} * u_g")
+        return "\n".join(ind + x for x in lines)
+
+    def key_ranges(self) -> str:
+        """fwd / bwd_dq: the query block's key ranges from the block mask (int32 (.., 4):
+        first visited key, first and end of the interior run, end)."""
+        return ("    m_last = m0 + BLOCK_M - 1\n"
+                "    u_bm = UBM + off_z * ubm_sz + off_h * ubm_sh + m_blk * 4\n"
+                "    n_start = tl.load(u_bm)\n    n_full_lo = tl.load(u_bm + 1)\n"
+                "    n_full_hi = tl.load(u_bm + 2)\n    n_end = tl.load(u_bm + 3)\n")
+
+    def query_ranges(self) -> str:
+        """bwd_dkdv: the key block's query ranges from the block mask (per kv head)."""
+        return ("    n_last = n0 + BLOCK_N - 1\n"
+                "    u_bm = UBM + off_z * ubm_sz + off_hkv * ubm_sh + n_blk * 4\n"
+                "    m_start = tl.load(u_bm)\n    m_full_lo = tl.load(u_bm + 1)\n"
+                "    m_full_hi = tl.load(u_bm + 2)\n    m_end = tl.load(u_bm + 3)\n")
+
+    def sink_init(self) -> str:
+        """fwd with sinks: the online softmax starts from the sink's logit (m = sink, l = 1),
+        so every row's denominator holds exp(sink) and the LSE includes it."""
+        if not (self.low.sinks and self.kernel == "fwd"):
+            return ""
+        return ("    # learnable sink: one extra logit per head in every row's softmax denominator\n"
+                f"    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINKS + off_h) * {LOG2E!r}\n"
+                "    l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)\n")
+
+
+def _nonunit(d) -> bool:
+    return isinstance(d, Ref) or (d is not None and d != 1)
+
+
+# -- rendering -----------------------------------------------------------------------
+
+#: Hook lines inserted into the dense templates' text when a user variant renders:
+#: (template, anchor, replacement); each anchor occurs exactly once.
+PATCHES = (
+    ("attn_fwd.py.j2", '{% if "bias" in mods %}\n', '{% if "bias" in mods or user.guard %}\n'),
+    ("attn_bwd_dq.py.j2", "    ds = p * (dp - delta[:, None])\n",
+     '    ds = p * (dp - delta[:, None])\n{{ user.after_ds("ds", "offs_m", "cols", False) }}\n'),
+    ("attn_bwd_dkdv.py.j2", "    dst = pt * (dpt - delta[None, :])\n",
+     '    dst = pt * (dpt - delta[None, :])\n{{ user.after_ds("dst", "rows", "offs_n", True) }}\n'),
+)
+OVERLAY = "_user_mods.j2"
+
+
+@functools.lru_cache(maxsize=None)
+def _templates_dir() -> Path:
+    """:func:`flashgen.render.templates_dir`, or the source checkout's ``templates/``
+    when that one lacks the overlay (an installed flashgen.templates of another tree)."""
+    from .render import templates_dir
+
+    for d in (templates_dir(), Path(__file__).resolve().parent.parent / "templates"):
+        if (d / OVERLAY).exists():
+            return d
+    raise FileNotFoundError(f"templates/{OVERLAY} not found next to {templates_dir()}")
+
+
+def _source(name: str) -> str:
+    d = _templates_dir()
+    text = (d / name).read_text()
+    if name == "_common.j2":
+        return text + (d / OVERLAY).read_text()
+    for tmpl, anchor, repl in PATCHES:
+        if tmpl == name:
+            if text.count(anchor) != 1:
+                raise RuntimeError(f"flashgen.user_render: the hook anchor {anchor.strip()!r} occurs "
+                                   f"{text.count(anchor)} times in templates/{name} (expected once)")
+            text = text.replace(anchor, repl)
+    return text
+
+
+@functools.lru_cache(maxsize=None)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FunctionLoader(_source), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+
+
+@functools.lru_cache(maxsize=None)
+def machinery_hash() -> str:
+    """sha256 of what turns a lowering into source: this module, the overlay, and the
+    dense templates with their macros (a change there gives every user variant a new
+    name, so no row measured with other code is reused)."""
+    from .render import text_hash
+
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update((_templates_dir() / OVERLAY).read_bytes())
+    for k in _DENSE:
+        h.update(text_hash(k).encode())
+    return h.hexdigest()[:16]
+
+
+def render(variant) -> str:
+    """Triton source of a user variant (``variant.spec.mods`` a user name)."""
+    from . import render as _render
+    from .spec import compiled_variant
+
+    s = variant.spec
+    if not is_user_mods(s.mods):
+        raise ValueError(f"{variant.id} carries no user functions")
+    low = lowered(s.mods)
+    variant = compiled_variant(variant)
+    return _render._render(variant, _render.template_hash(s.kernel, s.mods), env=_env(),
+                           user=Context(low, s.kernel))

@@ -1,0 +1,112 @@
+"""benchmarks/ as one entry point (``python -m benchmarks <suite>``): the registry names
+scripts that exist, a missing script stops its suite with a message, extra arguments
+reach the script, and the plots are drawn from the shipped H200 results."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "h200"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import suites  # noqa: E402
+
+
+def _run(*args, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_every_suite_runs_a_script_that_exists_except_the_model_step():
+    assert {"grid", "llama", "mods", "varlen", "decode", "overhead", "exactness", "model"} <= set(suites.SUITES)
+    for s in suites.SUITES.values():
+        for step in s.steps:
+            if step[0] == "-m":
+                continue
+            if s.needs == step[0]:
+                continue  # the model suite's script is checked at run time
+            assert (ROOT / step[0]).is_file(), (s.name, step[0])
+        assert any("{out}" in a for a in s.steps[0]), s.name  # every suite writes into its directory
+
+
+def test_list_prints_every_suite_and_its_command():
+    r = _run("list")
+    assert r.returncode == 0, r.stderr
+    for name, s in suites.SUITES.items():
+        assert name in r.stdout and " ".join(s.steps[0]) in r.stdout
+
+
+def test_a_missing_script_stops_the_suite_with_a_message(tmp_path):
+    s = suites.Suite("x", "nothing", (("benchmarks/no_such_step.py", "--out", "{out}/x.json"),), ("x.json",),
+                     needs="benchmarks/no_such_step.py")
+    import importlib
+
+    main = importlib.import_module("benchmarks.__main__")
+    assert main.run_suite(s, tmp_path / "o", []) == 2
+    assert not (tmp_path / "o").exists()
+
+
+def test_extra_arguments_go_to_the_first_step_only(tmp_path):
+    import importlib
+
+    main = importlib.import_module("benchmarks.__main__")
+    cmds = main.commands(suites.SUITES["exactness"], tmp_path, ["--smoke"])
+    assert cmds[0][1:] == ["benchmarks/gpu_exactness.py", "--out", f"{tmp_path}/exactness.json", "--smoke"]
+    assert cmds[1][1:] == ["benchmarks/gpu_op_checks.py"]
+
+
+def test_unknown_suite_is_refused():
+    r = _run("nosuch")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.parametrize("kind, inputs, files", [
+    ("dense", ["fa-grid/five-backends/d64_none.log", "fa-grid/five-backends/d64_causal/bench.json"],
+     ["tflops_fwd.png", "tflops_bwd.png", "tflops_fwdbwd.png", "memory.png"]),
+    ("mods", ["mods/d64/mods_d64.json"], ["mods.png"]),
+    ("varlen", ["varlen/varlen.json"], ["varlen.png"]),
+    ("decode", ["decode/tuned/decode.json"], ["decode.png"]),
+])
+def test_plots_from_the_shipped_results(kind, inputs, files, tmp_path):
+    pytest.importorskip("matplotlib")
+    import plots
+
+    kw = {"memory": True} if kind == "dense" else {}
+    written = plots.KINDS[kind]([str(RESULTS / p) for p in inputs], tmp_path, **kw)
+    assert sorted(p.name for p in written) == sorted(files)
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def test_every_backend_of_the_memory_plot_is_drawn(tmp_path):
+    """flashgen's peak memory (262 MiB) and FlexAttention's (260 MiB) differ by 1%: as
+    bars each keeps its own patch, so neither hides the other."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    import plots
+
+    src = RESULTS / "fa-grid" / "pointer-loads-eight-backends" / "bench.json"
+    seen = {}
+    real = plt.Figure.savefig
+
+    def spy(fig, *a, **k):
+        for ax in fig.axes:
+            for c in ax.containers:
+                seen.setdefault(c.get_label(), 0)
+                seen[c.get_label()] += sum(1 for p in c.patches if p.get_height() > 0)
+        return real(fig, *a, **k)
+
+    plt.Figure.savefig = spy
+    try:
+        plots._memory([str(src)], tmp_path, "")
+    finally:
+        plt.Figure.savefig = real
+    backends = json.loads(src.read_text())["meta"]["backends"]
+    assert set(backends) <= set(seen) and all(seen[b] > 0 for b in backends)

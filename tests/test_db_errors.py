@@ -1,0 +1,178 @@
+"""tune / merge / import / export against a database they cannot write, a --db in a
+missing directory, and rows that are not measurements: one line naming the path and
+the rule, exit 2, nothing left behind."""
+
+import json
+import os
+import sqlite3
+import stat
+
+import pytest
+from typer.testing import CliRunner
+
+from flashgen import db as fdb
+from flashgen import presets, render, space
+from flashgen.cli import app
+from flashgen.db import TuningDB
+from flashgen.env import Environment
+from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant
+
+runner = CliRunner(env={"COLUMNS": "250"})
+ENV = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+
+
+@pytest.fixture(autouse=True)
+def template_hashes(monkeypatch):
+    monkeypatch.setattr(render, "template_hash", lambda k, mods="": f"tmpl-{k}-{mods}")
+
+
+@pytest.fixture(autouse=True)
+def permission_bits_as_a_user_sees_them(monkeypatch):
+    """root may write anything whatever its mode bits say; the check must see what a
+    user sees, so under root os.access reads the owner's write bit (as a non-root owner
+    would get it)."""
+    if os.geteuid() == 0:
+        real = os.access
+
+        def access(path, mode, **kw):
+            if mode & os.W_OK and os.path.exists(path) and not os.stat(path).st_mode & stat.S_IWUSR:
+                return False
+            return real(path, mode, **kw)
+
+        monkeypatch.setattr(fdb.os, "access", access)
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def listing(d):
+    return sorted(p.name for p in d.iterdir())
+
+
+@pytest.fixture
+def timings(tmp_path):
+    t = {Variant(key.spec, cfg).id: 1.0 + i / 100 for key, _ in presets.expand(["small"], "bfloat16", ["fwd"])
+         for i, cfg in enumerate(space.configs("fwd"))}
+    p = tmp_path / "timings.json"
+    p.write_text(json.dumps(t))
+    return p
+
+
+def tune(timings, db, *extra):
+    return invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake", timings, "--db", db, "--trials", 2, *extra)
+
+
+def one_error_line(res, *words):
+    """Exit 2 with one line "error: ..." holding ``words`` (progress lines of a run that
+    had started may precede it), no traceback."""
+    errors = [x for x in res.output.splitlines() if x.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    for w in words:
+        assert w in errors[0], (w, res.output)
+
+
+def test_tune_into_a_read_only_directory(tmp_path, timings):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        one_error_line(tune(timings, ro / "t.sqlite"), str(ro), "not writable", "-wal")
+        assert listing(ro) == []
+    finally:
+        ro.chmod(stat.S_IRWXU)
+
+
+def test_tune_into_a_read_only_file(tmp_path, timings):
+    db = tmp_path / "t.sqlite"
+    assert tune(timings, db).exit_code == 0
+    before = db.read_bytes()
+    db.chmod(stat.S_IRUSR)
+    names = listing(tmp_path)
+    for cmd in (("tune", "--preset", "small", "--kernels", "fwd", "--fake", timings, "--db", db, "--trials", 4),
+                ("merge", db, db), ("import", db, "--db", db)):
+        one_error_line(invoke(*cmd), str(db), "is not writable")
+        assert listing(tmp_path) == names and db.read_bytes() == before  # no -wal, -shm, .optuna.journal
+
+
+@pytest.mark.parametrize("cmd", ["tune", "merge", "import", "export-json", "export-sqlite"])
+def test_a_database_in_a_missing_directory_is_refused_naming_it(tmp_path, timings, cmd):
+    src = tmp_path / "src.sqlite"
+    assert tune(timings, src).exit_code == 0
+    target = tmp_path / "no" / "such" / ("t.json" if cmd == "export-json" else "t.sqlite")
+    args = {"tune": ("tune", "--preset", "small", "--kernels", "fwd", "--fake", timings, "--db", target),
+            "merge": ("merge", target, src), "import": ("import", src, "--db", target),
+            "export-json": ("export", target, src), "export-sqlite": ("export", target, src)}[cmd]
+    one_error_line(invoke(*args), f"directory {tmp_path / 'no' / 'such'} does not exist", "create it first")
+    assert not (tmp_path / "no").exists()
+
+
+def test_a_failure_while_writing_is_one_line_and_leaves_nothing(tmp_path, timings, monkeypatch):
+    """SQLite refusing a write mid-run (what a read-only mount gives root too)."""
+    def refuse(*a, **kw):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    monkeypatch.setattr(TuningDB, "record", refuse)
+    names = listing(tmp_path)
+    one_error_line(tune(timings, tmp_path / "t.sqlite"), "cannot write the tuning database",
+                   "attempt to write a readonly database")
+    assert listing(tmp_path) == names  # no t.sqlite, -wal, -shm or .optuna.journal
+
+
+# -- import validates every row ----------------------------------------------------------
+
+def _export(tmp_path):
+    src = tmp_path / "src.sqlite"
+    spec = KernelSpec("fwd", "bfloat16", 64, 64, "causal")
+    shape = Shape(2, 8, 8, 1024, 1024)
+    with TuningDB(src) as d:
+        for cfg, ms in ((TileConfig(64, 64, 4, 2), 2.0), (TileConfig(128, 64, 4, 2), 1.5)):
+            d.record(shape.key(spec), shape, Variant(spec, cfg), Measurement("ok", median_ms=ms), ENV, 1000)
+    out = tmp_path / "e.json"
+    assert invoke("export", out, src).exit_code == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("status", "bogus", "status 'bogus' is not one of ok, invalid"),
+    ("median_ms", -5, "finite positive median_ms"),
+    ("median_ms", None, "finite positive median_ms"),
+    ("kernel", "fwd_turbo", "bad kernel or config fields"),
+    ("BLOCK_M", "big", "bad kernel or config fields"),
+    ("BLOCK_N", 0, "knob out of range"),
+    ("variant_id", "attn_fwd_d64_bf16_causal_m1_n1_w1_s1", "disagrees with its columns"),
+])
+def test_import_refuses_rows_that_are_not_measurements_and_writes_nothing(tmp_path, field, value, rule):
+    data = _export(tmp_path)
+    data["rows"][0][field] = value
+    bad = tmp_path / "edited.json"
+    bad.write_text(json.dumps(data))
+    names = listing(tmp_path)
+    new_db = tmp_path / "mine.sqlite"
+    one_error_line(invoke("import", bad, "--db", new_db), str(bad), "row 0", rule, "nothing was imported")
+    assert listing(tmp_path) == names  # no empty mine.sqlite
+    # into an existing database: refused whole, its rows unchanged
+    good = tmp_path / "good.sqlite"
+    assert invoke("import", tmp_path / "src.sqlite", "--db", good).exit_code == 0
+    n = len(TuningDB(good, readonly=True).rows())
+    one_error_line(invoke("import", bad, "--db", good), rule)
+    assert len(TuningDB(good, readonly=True).rows()) == n
+
+
+def test_import_from_a_database_checks_its_rows_first(tmp_path):
+    _export(tmp_path)
+    src = tmp_path / "src.sqlite"
+    with sqlite3.connect(src) as c:
+        c.execute("UPDATE measurements SET median_ms = 'NaN' WHERE id = 1")
+    c.close()
+    one_error_line(invoke("import", src, "--db", tmp_path / "mine.sqlite"), "row 0", "median_ms")
+    assert not (tmp_path / "mine.sqlite").exists()
+
+
+def test_the_shipped_rows_pass_the_import_check():
+    from pathlib import Path
+
+    for p in sorted((Path(__file__).resolve().parent.parent / "tuning_db").glob("*.sqlite")):
+        with TuningDB(p, readonly=True) as d:
+            fdb.check_rows(d.rows(), p)

@@ -1,0 +1,173 @@
+"""The Gluon backward (flashgen/families/gluon/bwd.py) without a GPU: validity rules, the
+shared-memory model, and representative variants compiled for sm_90 with Triton's
+bundled ptxas (no spills, no wgmma serialization info C7514/C7515) and cuobjdump (HGMMA,
+USETMAXREG: warp-specialized with register budgets)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from flashgen.families.gluon import bwd as B  # noqa: E402
+
+#: (config fields, head_dim, mask): compiled and checked for sm_90; the defaults of both
+#: head dims (lock-step partition at 128, split partitions at 64; LSE2/delta by 2-D TMA)
+#: first.  Fields in GluonBwdConfig's order (block_m, block_n, consumers, stages,
+#: dq_mode, consumer_regs, producer_regs, row_load, producer_warps, split).
+CASES = [
+    ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, "causal"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, "none"),
+    ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, "none"),
+    ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, "causal"),
+    ((64, 64, 2, 3, "tma", 240, 24, "tma"), 128, "window"),
+    ((64, 64, 2, 2, "atomic", 240, 24, "producer"), 128, "causal"),
+    ((64, 64, 2, 4, "tma", 240, 24, "producer", 1, True), 64, "window"),
+]
+
+_SCRIPT = r'''
+import json, os, re, subprocess, sys, tempfile
+sys.path.insert(0, ROOT)
+import triton
+from flashgen.families.gluon import bwd as B
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+for fields, d, mask in CASES:
+    cfg = B.GluonBwdConfig(*fields)
+    k = B.compile_sm90(cfg, "bfloat16", d, mask)
+    with tempfile.TemporaryDirectory() as t:
+        ptx, cubin = os.path.join(t, "k.ptx"), os.path.join(t, "k.cubin")
+        open(ptx, "w").write(k.asm["ptx"])
+        info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                              capture_output=True, text=True).stderr
+        open(cubin, "wb").write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", info)]
+    print("CASE", json.dumps({"id": cfg.id, "d": d, "mask": mask, "smem": k.metadata.shared,
+                              "model": B.smem_bytes(cfg, d), "spill": max(spills) if spills else None,
+                              "c751x": re.findall(r"C751[45]", info), "hgmma": sass.count("HGMMA"),
+                              "usetmaxreg": sass.count("USETMAXREG"), "num_warps": k.metadata.num_warps,
+                              "split": cfg.split, "tma1d": "cp.async.bulk.tensor.1d" in k.asm["ptx"],
+                              "tma2d": k.asm["ptx"].count("cp.async.bulk.tensor.2d")}))
+for kern in ("attn_bwd_preprocess", "attn_bwd_convert"):
+    B.compile_sm90(B.default_config(128), "float16", 128, "none", kern)
+    print("AUX", kern)
+'''
+
+
+def _have_ptxas():
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not _have_ptxas():
+        pytest.skip("triton's bundled ptxas is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"ROOT = {ROOT!r}\nCASES = {CASES!r}\n" + _SCRIPT], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = [json.loads(line[5:]) for line in r.stdout.splitlines() if line.startswith("CASE ")]
+    aux = [line for line in r.stdout.splitlines() if line.startswith("AUX ")]
+    assert len(cases) == len(CASES) and len(aux) == 2, r.stdout
+    return cases
+
+
+def test_variants_compile_without_spills_or_serialized_wgmma(compiled):
+    for c in compiled:
+        assert c["spill"] == 0, c
+        assert c["c751x"] == [], c
+
+
+def test_sass_is_warp_specialized_hgmma(compiled):
+    for c in compiled:
+        assert c["hgmma"] > 0, c
+        assert c["usetmaxreg"] > 0, c
+        # consumers' warps plus the producer's warpgroup
+        assert c["num_warps"] in (4, 8, 12), c
+
+
+def test_rows_come_by_2d_tma_never_1d(compiled):
+    # The 1-D TMA copy of LSE2/delta faulted on the H200; "tma" rows are 2-D copies.
+    for c, (fields, _, _) in zip(compiled, CASES):
+        assert not c["tma1d"], c
+        row_load = fields[7]
+        assert (c["tma2d"] >= 2) == (row_load == "tma"), c
+
+
+def test_shared_memory_model_matches_the_compiler(compiled):
+    for c in compiled:
+        assert abs(c["model"] - c["smem"]) <= 256, c
+        assert c["smem"] <= B.SMEM_LIMIT_BYTES
+
+
+def test_rules_reject_what_the_kernels_cannot_take():
+    ok = B.default_config(128)
+    assert B.is_valid(ok, 128) and B.is_valid(B.default_config(64), 64)
+    assert B.is_valid(B.GluonBwdConfig(row_load="tma"), 128) and B.is_valid(B.GluonBwdConfig(row_load="producer"), 128)
+    assert any("row_load" in r for r in B.invalid_reasons(B.GluonBwdConfig(row_load="1d"), 128))
+    assert any("split needs 2 consumers" in r for r in B.invalid_reasons(B.GluonBwdConfig(consumers=1, split=True), 64))
+    # a whole BLOCK_M 128 dQ tile per split partition does not fit the register budget at d64
+    assert any("registers per thread" in r for r in B.invalid_reasons(B.GluonBwdConfig(block_m=128, split=True), 64))
+    assert any("shared memory" in r for r in B.invalid_reasons(B.GluonBwdConfig(block_m=128, stages=4), 128))
+    assert any("registers per thread" in r for r in B.invalid_reasons(B.GluonBwdConfig(block_m=128), 64))
+    assert any("head_dim" in r for r in B.invalid_reasons(ok, 96))
+    assert any("dq_mode" in r for r in B.invalid_reasons(B.GluonBwdConfig(dq_mode="x"), 128))
+    assert any("setmaxnreg" in r for r in B.invalid_reasons(B.GluonBwdConfig(consumer_regs=244), 128))
+    with pytest.raises(ValueError, match="invalid Gluon backward config"):
+        B.render(B.GluonBwdConfig(block_m=128, stages=4), "bfloat16", 128, "none")
+    for d in B.HEAD_DIMS:
+        for c in B.search_space(d):
+            assert B.smem_bytes(c, d) <= B.SMEM_LIMIT_BYTES
+
+
+def test_render_names_the_knobs():
+    src = B.render(B.default_config(64), "float16", 64, "causal")
+    vid = B.variant_id(B.default_config(64), "float16", 64, "causal")
+    assert f'VARIANT_ID = "{vid}"' in src and "SPLIT=True" in src and "DQ_MODE=tma" in src
+    assert "tma_load(lse_desc, [bh, m0]" in src and "def _consumer_1(" in src
+    assert re.search(r"mask=causal", src)
+
+
+def test_input_errors_name_the_argument():
+    import torch
+
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="lse"):
+        B.check_inputs(q, q, k, k, q, lse.double())
+    with pytest.raises(ValueError, match="num_heads"):
+        B.check_inputs(q, q, torch.zeros(1, 3, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 3, 8, 64, dtype=torch.bfloat16), q, lse)
+    with pytest.raises(ValueError, match="do"):
+        B.check_inputs(q[:, :, :4], q, k, k, q, lse)
+
+
+def test_default_rows_buffer_meets_the_tma_rules():
+    """LSE2 / delta: (batch * heads, m_pad) float32 with m_pad a multiple of ROW_PAD (every
+    query block's box inside the buffer), a 16-byte-aligned row stride and a (1, block_m)
+    box of a multiple of 16 bytes; the defaults: 2-D TMA rows, split partitions at d64."""
+    import torch
+
+    assert B.default_config(128).row_load == "tma" and not B.default_config(128).split
+    assert B.default_config(64).row_load == "tma" and B.default_config(64).split
+    for sq in (17, 1000, 4097):
+        cfg = B.default_config(128)
+        q = torch.empty(2, 3, sq, 128, dtype=torch.bfloat16)
+        k = torch.empty(2, 1, 300, 128, dtype=torch.bfloat16)
+        lse = torch.empty(2, 3, sq)
+        a = B.launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-sq, diag_hi=300, config=cfg)
+        m_pad = a["lse2"].shape[1]
+        assert a["lse2"].shape == a["delta"].shape == (6, m_pad)
+        assert m_pad >= sq and m_pad % B.ROW_PAD == 0 and B.ROW_PAD % cfg.block_m == 0
+        desc = a["main"][1][4]
+        assert list(desc.block_shape) == [1, cfg.block_m] and (cfg.block_m * 4) % 16 == 0
+        assert (desc.strides[0] * 4) % 16 == 0
+        pre_args = a["preprocess"][1]
+        assert pre_args[6:9] == (6 * m_pad, sq, m_pad)

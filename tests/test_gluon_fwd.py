@@ -1,0 +1,129 @@
+"""The Gluon forward family (flashgen/families/gluon) on CPU: every variant of the
+search space renders; the validity rules and the shared-memory model; and a
+representative handful compiles for sm_90 (Triton's real compiler and bundled ptxas,
+in a subprocess without TRITON_INTERPRET) with what each variant is for in its binary:
+HGMMA, setmaxnreg (USETMAXREG), a partial wgmma wait, no spills, no serialized wgmma
+(ptxas C7514/C7515) or ignored setmaxnreg (C7508), the exponentials between the two
+waits where the variant pins them, and shared memory within the model."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flashgen.families.gluon import shim
+from flashgen.families.gluon.config import (
+    HEAD_DIMS, SMEM_LIMIT_BYTES, GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, maxnreg,
+    smem_bytes, space,
+)
+from flashgen.families.gluon.render import render
+
+SPECS = [GluonFwdSpec(dt, d, dv, m) for dt in ("bfloat16", "float16") for d, dv in
+         [(d, d) for d in HEAD_DIMS] + [(128, 64), (64, 128), (192, 128)] for m in ("none", "causal", "window")]
+
+
+def test_every_space_variant_renders():
+    n = 0
+    for s in SPECS:
+        cfgs = list(space(s))
+        assert cfgs, s
+        assert not check(GluonFwdVariant(s, default_config(s)))
+        for c in cfgs:
+            v = GluonFwdVariant(s, c)
+            src = render(v)
+            ast.parse(src)
+            assert f'VARIANT_ID = "{v.id}"' in src
+            assert f"MAXNREG = {maxnreg(c)}" in src
+            assert ("pin = _pin(" in src) == c.pin_exps
+            assert ("num_tiles, gl.num_programs(0)" in src) == c.persistent
+            n += 1
+    assert n > 500
+
+
+def test_validity_rules_say_why():
+    s = GluonFwdSpec("bfloat16", 256, 256, "none")
+    why = check(GluonFwdVariant(s, GluonFwdConfig(BLOCK_N=128, num_stages=3)))
+    assert any("shared memory" in w and "k_ring" in w for w in why)
+    assert any("registers" in w for w in why)
+    s = GluonFwdSpec("bfloat16", 64, 64, "none")
+    assert any("pool" in w for w in check(GluonFwdVariant(s, GluonFwdConfig(num_consumers=3, consumer_regs=240))))
+    assert any("BLOCK_N" in w for w in check(GluonFwdVariant(s, GluonFwdConfig(BLOCK_N=96))))
+    assert any("multiple of 8" in w for w in check(GluonFwdVariant(s, GluonFwdConfig(consumer_regs=236))))
+    assert any("head_dim=80" in w for w in check(GluonFwdVariant(GluonFwdSpec(head_dim=80, head_dim_v=80),
+                                                                  GluonFwdConfig())))
+    # the pinned d64 three-consumer tile spills (1.7 KB at 160 registers): the model rejects it
+    assert any("registers" in w for w in check(GluonFwdVariant(s, GluonFwdConfig(
+        num_consumers=3, consumer_regs=160, producer_regs=32, num_stages=4, pin_exps=True))))
+    # persistent programs only without a mask (measured: unbalanced longest-first tiles)
+    assert any("persistent" in w for w in check(GluonFwdVariant(GluonFwdSpec(mask="causal"),
+                                                                 GluonFwdConfig(persistent=True))))
+    # two programs per SM share its registers and shared memory
+    assert any("2 program(s) per SM" in w for w in check(GluonFwdVariant(GluonFwdSpec(), GluonFwdConfig(
+        num_consumers=1, consumer_regs=232, ctas_per_sm=2))))
+    with pytest.raises(ValueError, match="cannot be built"):
+        render(GluonFwdVariant(s, GluonFwdConfig(BLOCK_N=96)))
+    for s in SPECS:
+        for c in space(s):
+            assert smem_bytes(s, c) <= SMEM_LIMIT_BYTES
+
+
+def test_shim_maps_the_installed_names():
+    assert shim.available(), shim.IMPORT_ERROR
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    assert shim.tma_load is getattr(tma, "async_copy_global_to_shared", None) or getattr(tma, "async_load")
+    assert shim.tma_store is getattr(tma, "async_copy_shared_to_global", None) or getattr(tma, "async_store")
+
+
+def test_launcher_refuses_what_it_cannot_serve():
+    import torch
+
+    from flashgen.families.gluon.launch import unsupported
+
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    assert "CUDA" in unsupported(q, q, q, mask="none")
+
+
+# Each: (dtype, head_dim, head_dim_v, mask, config kwargs).  Pinned and unpinned, 1/2/3
+# consumers, BLOCK_N 64/128, persistent, padded and unequal head dims, every mask.
+COMPILE_CASES = [
+    ("bfloat16", 128, 128, "causal", dict(pin_exps=True)),
+    ("float16", 64, 64, "none", dict(num_consumers=3, consumer_regs=160, producer_regs=32, BLOCK_N=64, num_stages=6)),
+    ("bfloat16", 128, 128, "window", dict(BLOCK_N=64, num_stages=2, num_consumers=1, consumer_regs=232, ctas_per_sm=2)),
+    ("bfloat16", 96, 96, "causal", dict(num_consumers=1, num_stages=3)),
+    ("bfloat16", 128, 64, "none", dict(persistent=True, pin_exps=True)),
+]
+
+_SCRIPT = r'''
+import json, sys
+from flashgen.families.gluon.config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, smem_bytes
+from flashgen.families.gluon.sm90 import compile_sm90, report
+for dt, d, dv, mask, kw in CASES:
+    v = GluonFwdVariant(GluonFwdSpec(dt, d, dv, mask), GluonFwdConfig(**kw))
+    r = report(compile_sm90(v))
+    print("OK " + json.dumps(dict(id=v.id, problems=r.problems(v), spill=r.spill_bytes, shared=r.shared_bytes,
+                                  model=smem_bytes(v.spec, v.config), setmaxnreg=r.setmaxnreg, hgmma=r.hgmma,
+                                  exps=r.exps_between_waits, pin=v.config.pin_exps)))
+'''
+
+
+def test_compiles_for_sm90_with_what_each_variant_is_for():
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    assert os.path.exists(ptxas), "triton's bundled ptxas is missing"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"CASES = {COMPILE_CASES!r}\n" + _SCRIPT], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line[3:]) for line in r.stdout.splitlines() if line.startswith("OK ")]
+    assert len(rows) == len(COMPILE_CASES), r.stdout
+    for row in rows:
+        assert row["problems"] == [], row
+        assert row["spill"] == 0 and row["hgmma"] > 0 and row["setmaxnreg"], row
+        assert row["shared"] <= row["model"] <= row["shared"] + 2048, row
+        if row["pin"]:
+            assert row["exps"] >= 64, row  # one tile's P (64 x 128 / 128 threads) between the waits

@@ -1,0 +1,259 @@
+"""flashgen.integrations.transformers: tiny random Llama, Mistral (sliding window shorter
+than the sequence) and Gemma 2 (attention soft-capping) models, float32, training mode
+without dropout: logits, loss and every parameter's gradient through flashgen match
+transformers' own implementation (sdpa; eager for Gemma 2's softcap, which sdpa lacks),
+with and without a padding mask; the mask function; the fallbacks and their reasons.
+
+CPU tensors run flashgen's Triton kernels in the interpreter (conftest sets
+TRITON_INTERPRET=1; float32 takes the kernels, flashgen.library.use_kernels)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import transformers  # flashgen's test extra (never skipped: a missing install is an error)
+
+import flashgen
+from flashgen import api
+from flashgen.integrations import transformers as fg_tf
+
+SEQ = 24
+NAME = fg_tf.register()
+
+
+def _llama():
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _mistral():
+    return transformers.MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=64, sliding_window=7)
+
+
+def _gemma2():
+    return transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     query_pre_attn_scalar=16, max_position_embeddings=64, sliding_window=9,
+                                     attn_logit_softcapping=5.0, final_logit_softcapping=None,
+                                     layer_types=["sliding_attention", "full_attention"])
+
+
+CONFIGS = {"llama": (_llama, "sdpa"), "mistral": (_mistral, "sdpa"), "gemma2": (_gemma2, "eager")}
+
+
+def _pair(make, reference):
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(make(), attn_implementation=reference)
+    got = transformers.AutoModelForCausalLM.from_config(make(), attn_implementation=NAME)
+    got.load_state_dict(ref.state_dict())
+    assert ref.config._attn_implementation == reference and got.config._attn_implementation == NAME
+    return ref, got
+
+
+def _step(model, ids, mask):
+    """Logits, loss and parameter gradients of one training step (no optimizer).  The
+    loss leaves out every label predicted from a padded position (label -100 where the
+    position or the one before it is padding): a left-padded query row sees no key,
+    and there eager averages the masked scores while flashgen (and sdpa) give 0."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    labels = ids
+    if mask is not None:
+        prev = torch.cat([mask[:, :1], mask[:, :-1]], dim=1)
+        labels = ids.masked_fill((mask == 0) | (prev == 0), -100)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The keyword arguments of every flashgen.attention call the integration makes."""
+    seen = []
+    real = api.attention
+
+    def spy(q, k, v, **kw):
+        seen.append(dict(kw, shapes=(tuple(q.shape), tuple(k.shape))))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(api, "attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padding"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_training_step_matches_transformers(arch, padded, calls):
+    make, reference = CONFIGS[arch]
+    ref, got = _pair(make, reference)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (2, SEQ), generator=g)
+    mask = None
+    if padded:
+        mask = torch.ones(2, SEQ, dtype=torch.long)
+        mask[1, :5] = 0  # left padding of entry 1
+        mask[0, -3:] = 0  # right padding of entry 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashgen:")  # no fallback
+        l_ref, loss_ref, g_ref = _step(ref, ids, mask)
+        l_got, loss_got, g_got = _step(got, ids, mask)
+    layers = make().num_hidden_layers
+    assert len(calls) == layers  # every layer's forward ran flashgen
+    if not padded:
+        assert all(c["bias"] is None and c["causal"] for c in calls)
+        if arch == "mistral":  # the sliding-window mask was dropped for window=
+            assert [c["window"] for c in calls] == [(6, 0)] * layers
+        if arch == "gemma2":  # layer 0 slides, layer 1 is global; both soft-capped
+            assert [c["window"] for c in calls] == [(8, 0), (-1, -1)]
+            assert all(c["softcap"] == 5.0 for c in calls)
+    else:
+        assert all(c["bias"] is not None and c["bias"].dtype == torch.bool and not c["causal"] for c in calls)
+    valid = torch.ones(2, SEQ, dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(l_got[valid], l_ref[valid], rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(loss_got, loss_ref, rtol=1e-5, atol=1e-6)
+    assert g_got.keys() == g_ref.keys()
+    for n in g_ref:
+        torch.testing.assert_close(g_got[n], g_ref[n], rtol=1e-4, atol=2e-5, msg=lambda m: f"{n}: {m}")
+
+
+def test_register_names():
+    assert fg_tf.register() == fg_tf.DEFAULT_NAME == NAME
+    assert fg_tf.register("fg_other") == "fg_other"
+    assert transformers.AttentionInterface()["fg_other"] is fg_tf.attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionMaskInterface()["fg_other"] is fg_tf.attention_mask
+    for bad, word in (("flashgen", "flash"), ("my_FlashGen", "flash"), ("sdpa_fg", "sdpa"), ("org/repo", "/"),
+                      ("kernels:fn", ":"), ("paged|fg", "|"), ("eager", "eager"), ("", "non-empty"), (3, "str")):
+        with pytest.raises(flashgen.InputError, match=word):
+            fg_tf.register(bad)
+
+
+def _mask_kwargs(**kw):
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    base = dict(batch_size=2, q_length=6, kv_length=6, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                attention_mask=None, allow_is_causal_skip=True, dtype=torch.float32, config=None, use_vmap=False,
+                device="cpu")
+    if "local_size" in kw:
+        base["mask_function"] = sliding_window_causal_mask_function(kw["local_size"])
+        base["config"] = copy.deepcopy(_mistral())
+        base["config"].sliding_window = kw["local_size"]
+    base.update(kw)
+    return base
+
+
+def test_mask_function():
+    from transformers.masking_utils import sdpa_mask
+
+    assert fg_tf.attention_mask(**_mask_kwargs()) is None  # causal, no padding: sdpa's own skip
+    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is None  # the exact band: window=(2, 0)
+    # decode step against 5 cached keys with a window of 3: the band again (bottom-right)
+    assert fg_tf.attention_mask(**_mask_kwargs(q_length=1, kv_length=6, q_offset=5, local_size=3)) is None
+    pad = torch.ones(2, 6, dtype=torch.bool)
+    pad[0, 0] = False
+    for kw in (dict(attention_mask=pad), dict(attention_mask=pad, local_size=3),
+               dict(local_size=3, allow_is_causal_skip=False),
+               dict(q_length=4, kv_length=6, q_offset=2)):  # a prefill chunk after 2 cached keys: bottom-right,
+        # but sdpa's convention without a mask is top-left, so the mask stays
+        got = fg_tf.attention_mask(**_mask_kwargs(**kw))
+        want = sdpa_mask(**_mask_kwargs(**kw))
+        assert got is not None and got.dtype == torch.bool and torch.equal(got, want), kw
+    # local_size that is not the config's sliding_window (another kind of local mask): kept
+    kw = _mask_kwargs(local_size=3)
+    kw["config"].sliding_window = 4
+    assert fg_tf.attention_mask(**kw) is not None
+
+
+class _Attn(torch.nn.Module):
+    """The attributes of a transformers attention module the functions read."""
+
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def _qkv(b=1, h=4, hk=2, sq=8, sk=8, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, sq, d, generator=g), torch.randn(b, hk, sk, d, generator=g),
+            torch.randn(b, hk, sk, d, generator=g))
+
+
+def test_fallbacks_and_reasons(calls):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mod = _Attn()
+    q, k, v = _qkv()
+    assert fg_tf.fallback_reason(mod, q, k, v, None) is None
+    bias = torch.randn(1, 4, 8, 8)
+    cases = [
+        (dict(position_bias=bias), "position_bias"),
+        (dict(dropout=1.5), "dropout_p"),
+        (dict(scaling=float("inf")), "scaling"),
+        (dict(sliding_window=0), "sliding_window"),
+    ]
+    for kw, word in cases:
+        reason = fg_tf.fallback_reason(mod, q, k, v, None, **kw)
+        assert reason is not None and word in reason, (kw, reason)
+    # head_dim 12 (flashgen: a multiple of 8): sdpa runs it, same result, one warning
+    q12, k12, v12 = (t[..., :12] for t in (q, k, v))
+    assert "head_dim 12" in fg_tf.fallback_reason(mod, q12, k12, v12, None)
+    with pytest.warns(UserWarning, match="head_dim 12"):
+        out, w = fg_tf.attention_forward(mod, q12, k12, v12, None, scaling=0.3)
+    want, _ = sdpa_attention_forward(mod, q12, k12, v12, None, scaling=0.3)
+    assert w is None and torch.equal(out, want)
+    # a position_bias goes to sdpa with it
+    out, _ = fg_tf.attention_forward(mod, q, k, v, None, position_bias=bias)
+    want, _ = sdpa_attention_forward(mod, q, k, v, None, position_bias=bias)
+    assert torch.equal(out, want)
+    # a mask that is not a tensor
+    assert "attention_mask of type" in fg_tf.fallback_reason(mod, q, k, v, object())
+    assert calls == []  # flashgen ran none of these
+
+
+def test_fallback_keeps_a_dropped_window_and_softcap():
+    """Falling back with no mask but a sliding window (a mask the mask function dropped)
+    spells the band out for sdpa; a softcap (which sdpa lacks) falls back to the model's
+    eager function."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    mod = _Attn()
+    mod.training = False
+    q, k, v = (t.double() for t in _qkv(sq=12, sk=12))  # float64: flashgen falls back
+    band = fg_tf._band(12, 12, 3, "cpu")[None, None]
+    out, _ = fg_tf.attention_forward(mod, q, k, v, None, sliding_window=4)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    want, _ = sdpa_attention_forward(mod, q, k, v, band)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+    class GemmaLike(_Attn):
+        pass
+
+    GemmaLike.__module__ = modeling_gemma2.__name__
+    g = GemmaLike()
+    g.training = False
+    out, _ = fg_tf.attention_forward(g, q, k, v, None, scaling=0.25, sliding_window=4, softcap=3.0)
+    want, _ = modeling_gemma2.eager_attention_forward(g, q, k, v, fg_tf._eager_mask(band, q.dtype), scaling=0.25,
+                                                      softcap=3.0)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    # and flashgen itself, in float32, agrees with that eager result
+    out32, _ = fg_tf.attention_forward(g, q.float(), k.float(), v.float(), None, scaling=0.25, sliding_window=4,
+                                       softcap=3.0)
+    torch.testing.assert_close(out32.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_is_flashgens():
+    """dropout > 0 runs flashgen's Philox dropout (the interpreter runs it): the same mask
+    as flashgen.attention with the same seed."""
+    mod = _Attn()
+    q, k, v = _qkv()
+    flashgen.manual_seed(7)
+    out, _ = fg_tf.attention_forward(mod, q, k, v, None, dropout=0.25, scaling=0.3)
+    flashgen.manual_seed(7)
+    want = flashgen.attention(q, k, v, causal=True, softmax_scale=0.3, dropout_p=0.25)
+    assert torch.equal(out, want.transpose(1, 2).contiguous())
+    plain, _ = fg_tf.attention_forward(mod, q, k, v, None, scaling=0.3)
+    assert not torch.equal(out, plain)

@@ -1,0 +1,87 @@
+"""What ships in tuning_db/: rollback-journal files that are read without writing
+anything beside them, even from a read-only directory."""
+
+import hashlib
+import shutil
+import sqlite3
+import stat
+import warnings
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flashgen import arch, dispatch
+from flashgen.cli import app
+from flashgen.db import TuningDB
+from flashgen.dispatch import Dispatcher
+from flashgen.env import Environment
+from flashgen.spec import KernelSpec, Shape
+
+REPO_DBS = sorted((Path(__file__).resolve().parent.parent / "tuning_db").glob("*.sqlite"))
+
+
+def _journal_mode_byte(path: Path) -> int:
+    """Bytes 18-19 of an SQLite header: 1 = rollback journal, 2 = WAL."""
+    head = path.read_bytes()[:20]
+    assert head[:16] == b"SQLite format 3\x00"
+    assert head[18] == head[19]
+    return head[18]
+
+
+def test_shipped_databases_are_in_rollback_journal_mode():
+    assert REPO_DBS, "tuning_db/ ships at least one database"
+    for p in REPO_DBS:
+        assert _journal_mode_byte(p) == 1, f"{p} is in WAL mode: reading it would create -wal/-shm beside it"
+
+
+@pytest.fixture
+def read_only_copy(tmp_path, monkeypatch):
+    """A copy of the shipped H200 database in a read-only directory, standing in for the
+    shipped one."""
+    d = tmp_path / "site-packages" / "tuning_db"
+    d.mkdir(parents=True)
+    copy = d / "h200.sqlite"
+    shutil.copyfile(REPO_DBS[0], copy)
+    d.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    copy.chmod(stat.S_IRUSR)
+    monkeypatch.setattr(dispatch, "shipped_databases", lambda: [copy])
+    yield copy
+    d.chmod(stat.S_IRWXU)
+
+
+def _snapshot(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir()}
+
+
+def test_reading_a_shipped_copy_in_a_read_only_directory_creates_nothing(read_only_copy):
+    before = _snapshot(read_only_copy.parent)
+    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    key = Shape(1, 32, 8, 4096, 4096).key(KernelSpec("fwd", "bfloat16", 128, 128, "causal"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # this test reads; which rows apply is test_dispatch's
+        Dispatcher(env=env, arch=arch.TABLE["sm_90"]).choose(key)
+    with TuningDB(read_only_copy) as db:  # readonly=None: a file it may not write is opened read-only
+        assert db.readonly or db.count_ok() > 0
+        n = len(db.rows())
+    with sqlite3.connect(f"file:{read_only_copy}?mode=ro", uri=True) as c:
+        assert c.execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == n > 0
+    runner = CliRunner()
+    r = runner.invoke(app, ["show", "--db", str(read_only_copy)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["explain", "--batch", "1", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "4096",
+                            "--seqlen-k", "4096", "--head-dim", "128", "--causal", "--gpu", "NVIDIA H200"])
+    assert r.exit_code == 0 and str(read_only_copy) in r.output, r.output
+    assert _snapshot(read_only_copy.parent) == before  # no -wal, -shm or -journal; the file unchanged
+
+
+def test_a_rollback_journal_database_keeps_its_mode_when_written(tmp_path):
+    p = tmp_path / "ship.sqlite"
+    with TuningDB(p) as db:
+        assert db.db.journal_mode == "wal"  # a new database: concurrent tuning workers
+        db.use_rollback_journal()
+    with TuningDB(p) as db:  # a writable open of an existing file keeps its journal mode
+        assert db.db.journal_mode == "delete" and not db.readonly
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ship.sqlite"]
+    with TuningDB(p, readonly=True) as db, pytest.raises(Exception, match="read-only"):
+        db.use_rollback_journal()

@@ -1,0 +1,394 @@
+"""User score and mask functions (score_mod / mask_mod, FlexAttention's signatures) and
+learnable sinks, through the Triton interpreter: forward and backward (captured
+tensors' and sinks' gradients included) against a float64 materialized reference with
+the exactness rule of the dense path; functions equal to built-in mods or masks give
+the built-in's output; block ranges; variant identity; clear errors."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import InputError, UnsupportedError, bench, heuristics, user_mods, user_render
+from flashgen.masks import mask_bounds
+from flashgen.spec import KernelSpec, TileConfig, Variant, compiled_variant, is_user_mods
+
+pytestmark = pytest.mark.usefixtures("hermetic_dispatcher")
+F16, F32 = torch.float16, torch.float32
+
+
+@pytest.fixture(params=[(16, 16)], ids=lambda t: f"m{t[0]}n{t[1]}")
+def tiles(request, monkeypatch):
+    """Small tiles for every dense kernel, so that the test sizes span several blocks
+    (block ranges with skipped, partial and interior tiles)."""
+    bm, bn = request.param
+    base = heuristics.default_config
+
+    def small(spec, arch, key=None):
+        if spec.kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+            return TileConfig(bm, bn, 4, 1)
+        return base(spec, arch, key)
+    monkeypatch.setattr(heuristics, "default_config", small)
+    return bm, bn
+
+
+def _qkv(b=2, h=4, hk=2, sq=37, sk=45, d=16, dtype=F16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, sq, d, generator=g).to(dtype), torch.randn(b, hk, sk, d, generator=g).to(dtype),
+            torch.randn(b, hk, sk, d, generator=g).to(dtype)]
+
+
+def _run(make, tensors=(), *, causal=False, window=(-1, -1), sinks=None, dtype=F16, check=True, **sizes):
+    """flashgen vs the float64 reference (and torch at the input dtype as the error
+    baseline): O, LSE, dQ, dK, dV, the gradients of ``tensors`` (captured by the
+    functions ``make(*tensors)`` returns as (score_mod, mask_mod)) and of ``sinks``."""
+    q, k, v = _qkv(dtype=dtype, **sizes)
+    sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
+    do = torch.randn(q.shape[0], q.shape[1], sq, v.shape[3], generator=torch.Generator().manual_seed(7)).to(dtype)
+    _, lo, hi = mask_bounds(sq, sk, causal=causal, window=window)
+
+    def run(kind, qkv, caps, snk):
+        qkv = [t.detach().clone().requires_grad_() for t in qkv]
+        caps = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in caps]
+        snk = None if snk is None else snk.detach().clone().requires_grad_()
+        sm, mm = make(*caps)
+        if kind == "flashgen":
+            o, lse = flashgen.attention(*qkv, causal=causal, window=window, score_mod=sm, mask_mod=mm, sinks=snk,
+                                        return_lse=True)
+        else:
+            o, lse = user_mods.reference(*qkv, d ** -0.5, lo, hi, sm, mm, snk, kind)
+        o.backward(do.to(o.dtype))
+        out = {"O": o.detach(), "LSE": lse.detach(), "dQ": qkv[0].grad, "dK": qkv[1].grad, "dV": qkv[2].grad}
+        out.update({f"d{n}": t.grad for n, t in enumerate(caps) if t.is_floating_point()})
+        if snk is not None:
+            out["dsinks"] = snk.grad
+        return out
+
+    got = run("flashgen", (q, k, v), tensors, sinks)
+    ref = run(torch.float64, (q, k, v), [t.double() if t.is_floating_point() else t for t in tensors],
+              None if sinks is None else sinks.double())
+    base = run(dtype, (q, k, v), tensors, sinks)
+    res = bench._ratios(got, {n: (ref[n], base[n]) for n in got}, dtype)
+    if check:
+        assert all(r <= 1.0 for _, _, r in res.values()), res
+    return got, res
+
+
+# -- the examples ------------------------------------------------------------------------
+
+def t5_bucket(rel, num_buckets=16, max_distance=100):
+    """T5's bidirectional relative-position bucket (transformers' _relative_position_bucket)."""
+    num_buckets //= 2
+    buckets = (rel > 0).to(torch.long) * num_buckets
+    rel = torch.abs(rel)
+    max_exact = num_buckets // 2
+    is_small = rel < max_exact
+    large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, num_buckets - 1))
+    return buckets + torch.where(is_small, rel, large)
+
+
+def t5_bias(table):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[t5_bucket(kv_idx - q_idx), h]
+    return score_mod, None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_relative_position_bias_with_a_learned_table(tiles, causal):
+    table = torch.randn(16, 4, generator=torch.Generator().manual_seed(3))
+    got, _ = _run(t5_bias, [table], causal=causal)
+    assert got["d0"].abs().max() > 0.1  # the table's gradient is there (and checked above)
+
+
+def _same_as_builtin(q, k, v, user_kw, builtin_kw, causal):
+    """O, LSE, dQ, dK, dV of a user function equal the built-in's (both flashgen)."""
+    outs = []
+    for kw in (user_kw, builtin_kw):
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = flashgen.attention(*qkv, causal=causal, return_lse=True, **kw)
+        o.float().sum().backward()
+        outs.append([o, lse] + [t.grad for t in qkv])
+    for a, b in zip(*outs):
+        assert (a.float() - b.float()).abs().max() <= 2e-3
+
+
+def test_alibi_written_as_a_score_mod_equals_alibi_slopes(tiles):
+    q, k, v = _qkv()
+    slopes = torch.rand(4, generator=torch.Generator().manual_seed(1))
+    sq, sk = q.shape[2], k.shape[2]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * torch.abs(q_idx + (sk - sq) - kv_idx)
+    for causal in (False, True):
+        _same_as_builtin(q, k, v, dict(score_mod=alibi), dict(alibi_slopes=slopes), causal)
+
+
+def test_tanh_soft_cap_written_as_a_score_mod_equals_softcap(tiles):
+    q, k, v = _qkv()
+
+    def cap(score, b, h, q_idx, kv_idx):
+        return 1.5 * torch.tanh(score / 1.5)
+    _same_as_builtin(q * 2, k, v, dict(score_mod=cap), dict(softcap=1.5), True)
+    _run(lambda: (cap, None), causal=True)
+
+
+def test_prefix_lm_mask(tiles):
+    prefix = torch.tensor([13, 29])  # per batch entry
+
+    def make(prefix):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) | (kv_idx < prefix[b])
+        return None, mask_mod
+    _run(make, [prefix], sq=45, sk=45)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_mask_from_a_document_id_tensor(tiles, causal):
+    doc = torch.tensor([0] * 10 + [1] * 20 + [2] * 15)  # 45 tokens, boundaries inside tiles
+
+    def make(doc):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+        return None, mask_mod
+    got, _ = _run(make, [doc], causal=causal, sq=45, sk=45)
+
+
+def test_a_mask_mod_written_as_causal_equals_causal(tiles):
+    q, k, v = _qkv(sq=37, sk=45)
+    off = 45 - 37
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + off
+    a = flashgen.attention(q, k, v, mask_mod=causal, return_lse=True)
+    b = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    for x, y in zip(a, b):
+        assert (x.float() - y.float()).abs().max() <= 1e-3
+
+
+def test_a_mask_mod_written_as_a_window_equals_window(tiles):
+    q, k, v = _qkv(sq=45, sk=45)
+
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx >= q_idx - 7) & (kv_idx <= q_idx + 3)
+    a = flashgen.attention(q, k, v, mask_mod=window, return_lse=True)
+    b = flashgen.attention(q, k, v, window=(7, 3), return_lse=True)
+    for x, y in zip(a, b):
+        assert (x.float() - y.float()).abs().max() <= 1e-3
+
+
+def test_sliding_window_plus_causal(tiles):
+    def make():
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx <= 9
+        return None, mask_mod
+    _run(make, causal=True, sq=45, sk=45)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (11, -1)], ids=["causal", "causal-window"])
+def test_sinks_with_causal_and_a_window(tiles, window):
+    sinks = torch.tensor([0.5, -1.0, 2.0, 4.0])
+    got, _ = _run(lambda: (None, None), causal=True, window=window, sinks=sinks, sq=45, sk=45)
+    assert got["dsinks"].abs().min() > 0
+
+
+def test_sinks_with_a_score_and_mask_function_in_float32(tiles):
+    doc = torch.tensor([0] * 20 + [1] * 25)
+
+    def make(table, doc):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h] * (q_idx - kv_idx).float() / 16
+        def mask_mod(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+        return score_mod, mask_mod
+    _run(make, [torch.randn(4), doc], causal=True, sinks=torch.randn(4), dtype=F32, sq=45, sk=45)
+
+
+def test_lse_includes_the_sink_and_an_empty_row_gets_the_sink(tiles):
+    """seqlen_q > seqlen_k with bottom-right causal: the first rows see no key."""
+    q, k, v = _qkv(sq=40, sk=20)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 4.0])
+    o, lse = flashgen.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    assert torch.equal(lse[:, :, :20], sinks[None, :, None].expand(2, 4, 20))
+    assert (o[:, :, :20] == 0).all()
+    _, plain = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    want = torch.logaddexp(plain[:, :, 20:], sinks[None, :, None])
+    assert (lse[:, :, 20:] - want).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("tiles", [(32, 16), (16, 32)], indirect=True, ids=["m32n16", "m16n32"])
+def test_block_mask_follows_the_tile_config(tiles):
+    doc = torch.tensor([0] * 10 + [1] * 20 + [2] * 15)
+
+    def make(doc):
+        return None, lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx]
+    _run(make, [doc], causal=True, sq=45, sk=45)
+
+
+# -- block ranges ---------------------------------------------------------------------
+
+def _brute(vis, bm, bn, sq, sk):
+    nm, nn = -(-sq // bm), -(-sk // bn)
+    status = torch.zeros(nm, nn, dtype=torch.int64)
+    for i in range(nm):
+        for j in range(nn):
+            t = vis[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+            status[i, j] = 2 if (t.all() and (j + 1) * bn <= sk) else int(t.any())
+    return status
+
+
+def test_block_ranges_skip_empty_tiles_and_run_full_ones_unmasked():
+    doc = torch.tensor([0] * 10 + [1] * 40 + [2] * 30)
+    mt = user_mods.trace(lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx], "mask")
+    sq = sk = 80
+    _, lo, hi = mask_bounds(sq, sk, causal=True, window=(-1, -1))
+    r = user_mods.block_ranges(mt, "q", 1, 2, 1, sq, sk, lo, hi, 16, 16, "cpu")
+    assert r.shape == (1, 1, 5, 4)  # no dependence on batch or head: one row of ranges
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    vis = (doc[i] == doc[j]) & (j <= i)
+    status = _brute(vis, 16, 16, sq, sk)
+    for m in range(5):
+        start, flo, fhi, end = r[0, 0, m].tolist()
+        for n in range(5):
+            inside = start <= n * 16 < end
+            assert inside or status[m, n] == 0, (m, n)  # only empty tiles are skipped
+            if flo <= n * 16 < fhi:
+                assert status[m, n] == 2, (m, n)  # the interior run is entirely visible
+    # rows 64..79 (document 2, keys 50..79): key blocks 0..2 are skipped
+    assert r[0, 0, 4].tolist()[0] == 48
+    # the key-block view (dK/dV) covers the same tiles
+    rk = user_mods.block_ranges(mt, "k", 1, 2, 1, sq, sk, lo, hi, 16, 16, "cpu")
+    for n in range(5):
+        start, flo, fhi, end = rk[0, 0, n].tolist()
+        for m in range(5):
+            assert start <= m * 16 < end or status[m, n] == 0
+
+
+def test_block_ranges_are_cached_and_follow_in_place_updates():
+    doc = torch.tensor([0] * 24 + [1] * 24)
+    mt = user_mods.trace(lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx], "mask")
+    args = ("q", 1, 1, 1, 48, 48, -48, 48, 16, 16, "cpu")
+    a = user_mods.block_ranges(mt, *args)
+    assert user_mods.block_ranges(mt, *args) is a
+    doc.fill_(0)  # one document: every tile visible
+    b = user_mods.block_ranges(mt, *args)
+    assert b is not a and b[0, 0, :, 1:3].tolist() == [[0, 48]] * 3
+
+
+def test_a_mask_depending_on_the_head_is_united_over_each_gqa_group():
+    mt = user_mods.trace(lambda b, h, q_idx, kv_idx: kv_idx < 16 * (h + 1), "mask")
+    r = user_mods.block_ranges(mt, "k", 1, 4, 2, 64, 64, -64, 64, 16, 16, "cpu")
+    assert r.shape == (1, 2, 4, 4)
+    # kv head 0 serves query heads 0 (keys < 16) and 1 (keys < 32)
+    assert r[0, 0, :, 3].tolist() == [64, 64, 0, 0]
+    assert r[0, 0, :, 1:3].tolist() == [[0, 64], [64, 64], [0, 0], [0, 0]]
+
+
+# -- identity ----------------------------------------------------------------------------
+
+def _name(fn, kind="score"):
+    t = user_mods.trace(fn, kind)
+    low = user_mods._lowered("fwd", t if kind == "score" else None, t if kind == "mask" else None,
+                             [False] * len(t.bufs), False)
+    return low.name
+
+
+def test_each_function_gets_its_own_stable_variant_name():
+    a = _name(lambda s, b, h, q, k: s * 0.5)
+    assert is_user_mods(a) and a == _name(lambda s, b, h, q, k: s * 0.5)
+    assert a != _name(lambda s, b, h, q, k: s * 0.25)
+    m = _name(lambda b, h, q, k: q >= k, "mask")
+    assert m.endswith("m") and m != a
+    spec = KernelSpec("fwd", "float16", 64, 64, "causal", m)
+    assert spec.id.endswith("_causal_" + m)
+    assert compiled_variant(Variant(spec, TileConfig(64, 32, 4, 1))).spec.mask == "window"
+    # the same name in another process (what keys the tuner's and the database's rows)
+    code = ("from flashgen import user_mods\n"
+            "t = user_mods.trace(lambda s, b, h, q, k: s * 0.5, 'score')\n"
+            "print(user_mods._lowered('fwd', t, None, [], False).name)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == a
+
+
+def test_plain_variants_render_as_before():
+    """The user-function machinery leaves the built-in variants' sources alone."""
+    from flashgen import render
+
+    v = Variant(KernelSpec("fwd", "float16", 64, 64, "causal"), TileConfig(64, 32, 4, 1))
+    src = render.render(v)
+    assert "user" not in src and "UBM" not in src
+    assert render._code_hash("fwd", "") == render.template_hash("fwd", "")
+
+
+def test_user_source_has_the_hooks():
+    mt = user_mods.trace(lambda b, h, q, k: q >= k, "mask")
+    st = user_mods.trace(t5_bias(torch.zeros(16, 4, requires_grad=True))[0], "score")
+    low = user_mods._lowered("bwd", st, mt, [True], False)
+    user_render.register(low)
+    from flashgen import render
+
+    dq = render.render(Variant(KernelSpec("bwd_dq", "float16", 64, 64, "none", low.name), TileConfig(64, 32, 4, 1)))
+    assert "tl.atomic_add(UG0" in dq and "u_keep" in dq and "UBM" in dq and "ds = ds * u_g" not in dq
+    kv = render.render(Variant(KernelSpec("bwd_dkdv", "float16", 64, 64, "none", low.name), TileConfig(32, 64, 4, 1)))
+    assert "atomic_add" not in kv and "m_start = tl.load(u_bm)" in kv
+
+
+# -- errors ------------------------------------------------------------------------------
+
+def _call(**kw):
+    q, k, v = _qkv(b=1, h=2, hk=1, sq=8, sk=8)
+    return flashgen.attention(q, k, v, **kw)
+
+
+def test_data_dependent_control_flow_is_a_clear_error():
+    def bad(score, b, h, q_idx, kv_idx):
+        if score > 0:
+            return score
+        return -score
+    with pytest.raises(UnsupportedError, match="control flow.*torch.where"):
+        _call(score_mod=bad)
+
+
+@pytest.mark.parametrize("fn, op", [
+    (lambda s, b, h, q, k: torch.softmax(s, -1), "softmax"),
+    (lambda s, b, h, q, k: s.cumsum(0), "cumsum"),
+    (lambda s, b, h, q, k: torch.erf(s), "erf"),
+])
+def test_an_unsupported_operation_is_named(fn, op):
+    with pytest.raises(UnsupportedError, match=op):
+        _call(score_mod=fn)
+
+
+def test_other_bad_functions():
+    table = torch.randn(8)
+    with pytest.raises(UnsupportedError, match="float value"):
+        _call(score_mod=lambda s, b, h, q, k: s + table[(q - k).float()])
+    with pytest.raises(UnsupportedError, match="used whole"):
+        _call(score_mod=lambda s, b, h, q, k: s + table)
+    with pytest.raises(UnsupportedError, match="indexing a traced value"):
+        _call(score_mod=lambda s, b, h, q, k: s[0])
+    with pytest.raises(UnsupportedError, match="bool"):
+        _call(mask_mod=lambda b, h, q, k: (q - k) * 0.5)
+    with pytest.raises(InputError, match="score_mod must take 5"):
+        _call(score_mod=lambda s, q, k: s)
+    with pytest.raises(InputError, match="sinks must be a float32 tensor of shape"):
+        _call(sinks=torch.zeros(3))
+    with pytest.raises(InputError, match="not combined with softcap"):
+        _call(score_mod=lambda s, b, h, q, k: s, softcap=2.0)
+
+
+def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
+    def make(table):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h]
+        return score_mod
+    t1, t2 = torch.zeros(4), torch.zeros(4)
+    a = user_mods.trace(make(t1), "score")
+    assert user_mods.trace(make(t1), "score") is a
+    b = user_mods.trace(make(t2), "score")
+    assert b is not a and b.captured[0] is t2
