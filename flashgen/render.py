@@ -11,25 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.resources
 import json
 from pathlib import Path
 
 import jinja2
 
-from .spec import DTYPES, MASKS, KernelSpec, Variant, is_decode, is_user_mods, kernel_mods, mods_set, supports
-
-
-def templates_dir() -> Path:
-    """The directory holding the Jinja templates (package data when installed, the
-    repository's ``templates/`` in a source checkout)."""
-    try:
-        p = Path(str(importlib.resources.files("flashgen.templates")))
-        if (p / "_common.j2").exists():
-            return p
-    except ModuleNotFoundError:
-        pass
-    return Path(__file__).resolve().parent.parent / "templates"
+from .spec import (DTYPES, MASKS, KernelSpec, Variant, compiled_variant, is_decode, is_user_mods, kernel_mods,
+                   mods_set, supports)
+from .template_files import macros_name, template_files, template_name, templates_dir, text_hash  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,36 +30,6 @@ def _env(directory: str | None = None) -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-
-
-def template_name(kernel: str) -> str:
-    return f"attn_{kernel}.py.j2"
-
-
-def macros_name(kernel: str) -> str:
-    """The shared-macro file every kernel's template imports."""
-    return "_common.j2"
-
-
-#: Templates that include another: ``attn_decode_paged.py.j2`` is the paged mode of
-#: ``attn_decode.py.j2``.
-_INCLUDES = {"decode_paged": ("attn_decode.py.j2",)}
-
-
-def template_files(kernel: str) -> tuple[str, ...]:
-    """Every template file a kernel's source depends on: its template, the templates it
-    includes and the shared macros."""
-    return (template_name(kernel), *_INCLUDES.get(kernel, ()), macros_name(kernel))
-
-
-def text_hash(kernel: str, directory: str | None = None) -> str:
-    """sha256 (16 hex digits) of the kernel's template files (:func:`template_files`)
-    in ``directory`` (default :func:`templates_dir`).  Before code hashes (flashgen
-    0.1 rows of 2026-11) tuning rows carried this as their ``template_hash``."""
-    h = hashlib.sha256()
-    for name in template_files(kernel):
-        h.update((Path(directory or templates_dir()) / name).read_bytes())
-    return h.hexdigest()[:16]
 
 
 #: Head-dim pairs (head_dim, head_dim_v) of the code-hash probes: every padding case
@@ -165,11 +124,13 @@ def write_code_hashes(path: Path | None = None) -> dict:
 
 def render(variant: Variant) -> str:
     """Triton source for ``variant``."""
-    if is_user_mods(variant.spec.mods):
+    s = variant.spec
+    if is_user_mods(s.mods):
+        # the dense templates with the user functions' overlay and hook lines
         from . import user_render
 
-        return user_render.render(variant)
-    return _render(variant, template_hash(variant.spec.kernel, variant.spec.mods))
+        return _render(compiled_variant(variant), template_hash(s.kernel, s.mods), **user_render.render_args(s))
+    return _render(variant, template_hash(s.kernel, s.mods))
 
 
 def _render(variant: Variant, header_hash: str, directory: str | None = None, env: jinja2.Environment | None = None,

@@ -31,6 +31,7 @@ import jinja2
 
 from .errors import UnsupportedError
 from .spec import is_user_mods
+from .template_files import templates_dir, text_hash
 
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
@@ -809,10 +810,8 @@ OVERLAY = "_user_mods.j2"
 
 @functools.lru_cache(maxsize=None)
 def _templates_dir() -> Path:
-    """:func:`flashgen.render.templates_dir`, or the source checkout's ``templates/``
+    """:func:`flashgen.template_files.templates_dir`, or the source checkout's ``templates/``
     when that one lacks the overlay (an installed flashgen.templates of another tree)."""
-    from .render import templates_dir
-
     for d in (templates_dir(), Path(__file__).resolve().parent.parent / "templates"):
         if (d / OVERLAY).exists():
             return d
@@ -844,8 +843,6 @@ def machinery_hash() -> str:
     """sha256 of what turns a lowering into source: this module, the overlay, and the
     dense templates with their macros (a change there gives every user variant a new
     name, so no row measured with other code is reused)."""
-    from .render import text_hash
-
     h = hashlib.sha256(Path(__file__).read_bytes())
     h.update((_templates_dir() / OVERLAY).read_bytes())
     for k in _DENSE:
@@ -853,15 +850,11 @@ def machinery_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def render(variant) -> str:
-    """Triton source of a user variant (``variant.spec.mods`` a user name)."""
-    from . import render as _render
-    from .spec import compiled_variant
-
-    s = variant.spec
-    if not is_user_mods(s.mods):
-        raise ValueError(f"{variant.id} carries no user functions")
-    low = lowered(s.mods)
-    variant = compiled_variant(variant)
-    return _render._render(variant, _render.template_hash(s.kernel, s.mods), env=_env(),
-                           user=Context(low, s.kernel))
+def render_args(spec) -> dict:
+    """What :func:`flashgen.render.render` renders a user variant of ``spec`` with
+    (``spec.mods`` a user name): ``env``, the Jinja environment of the dense templates
+    with the overlay and the hook lines, and ``user``, the templates' view of the
+    lowered functions."""
+    if not is_user_mods(spec.mods):
+        raise ValueError(f"{spec.id} carries no user functions")
+    return {"env": _env(), "user": Context(lowered(spec.mods), spec.kernel)}
