@@ -52,7 +52,7 @@ COLUMNS: dict[str, type] = {
     "torch_version": str, "flashgen_version": str, "template_hash": str,
 }
 #: Columns added after the first release: a file without them is still a tuning DB
-#: (they read as NULL, i.e. the knob's default; a writable open adds them).
+#: (they read as NULL, i.e. the knob's default; the first write adds them).
 OPTIONAL_COLUMNS = ("tma", "ws", "num_splits", "layout", "mods", "family")
 ENV_COLUMNS = ("gpu_name", "compute_capability", "sm_count", "triton_version", "torch_version",
                "flashgen_version", "template_hash")
@@ -258,6 +258,7 @@ class TuningDB:
             self._conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
         self.db = sqlite_utils.Database(self._conn)
         self._t = self.db.table(TABLE)
+        self._columns_added = False  # see _add_missing_columns
         if not readonly:
             # Several processes may open a new file at once; switching to WAL and
             # creating the table take locks that SQLite's busy handler does not always
@@ -271,11 +272,6 @@ class TuningDB:
                         self.db.enable_wal()
                     self._t.create(COLUMNS, pk="id", if_not_exists=True)
                     self._t.create_index(["key"], if_not_exists=True)
-                    # Files written before a column existed get it (NULL in old rows).
-                    have = set(self._t.columns_dict)
-                    for col, typ in COLUMNS.items():
-                        if col not in have:
-                            self._t.add_column(col, typ)
                     break
                 except sqlite3.OperationalError as e:
                     if "locked" not in str(e) or attempt == 49:
@@ -284,6 +280,29 @@ class TuningDB:
 
     def close(self) -> None:
         self._conn.close()
+
+    def _add_missing_columns(self) -> None:
+        """Before the first write: a file written before a column existed gets it (NULL
+        in its old rows, i.e. the default).  Opening and reading never change a file
+        (e.g. a shipped database that a root process could write)."""
+        if self._columns_added:
+            return
+        for attempt in range(50):
+            try:
+                have = set(self._t.columns_dict)
+                for col, typ in COLUMNS.items():
+                    if col not in have:
+                        self._t.add_column(col, typ)
+                break
+            except sqlite3.OperationalError as e:
+                if "duplicate column" in str(e):
+                    continue  # another process added it meanwhile
+                if "locked" not in str(e) or attempt == 49:
+                    raise
+                time.sleep(0.1)
+        if self._conn.in_transaction:
+            self._conn.commit()
+        self._columns_added = True
 
     def use_rollback_journal(self) -> None:
         """Checkpoint the WAL into the file and switch it to rollback-journal mode
@@ -338,6 +357,7 @@ class TuningDB:
             "smem_bytes_compiled": m.smem_bytes_compiled, "n_spills": m.n_spills,
             "n_regs": m.n_regs, "error": m.error, **env.as_row(s.kernel, s.mods, variant.family),
         }
+        self._add_missing_columns()
         if not dedupe:
             return self._t.insert(row).last_rowid
         where, params = self._filters(key=key, variant_id=variant.id, env=env)
@@ -415,6 +435,7 @@ class TuningDB:
         finally:
             src.close()
         check_rows(new, other_path)
+        self._add_missing_columns()
         with self._conn:
             self._conn.executemany(
                 f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
@@ -428,6 +449,7 @@ class TuningDB:
         are not measurements (:func:`check_rows`) refuse the whole import."""
         cols = [c for c in COLUMNS if c != "id"]
         check_rows(rows, "rows to import")
+        self._add_missing_columns()
         have = {tuple(r) for r in self._conn.execute(
             f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
         new = []

@@ -192,3 +192,21 @@ def test_readonly_reads_and_refuses_writes(tmp_path):
     assert len(TuningDB(path).rows()) == 2
     with pytest.raises(FileNotFoundError):
         TuningDB(tmp_path / "absent.sqlite", readonly=True)
+
+
+def test_a_file_without_a_later_column_is_changed_only_by_its_first_write(tmp_path):
+    path = tmp_path / "old.sqlite"
+    with TuningDB(path) as w:
+        rec(w, C1, 1.0)
+    with sqlite3.connect(path) as c:  # a file written before the family column existed
+        c.execute("ALTER TABLE measurements DROP COLUMN family")
+    c.close()
+    before = path.read_bytes()
+    with TuningDB(path) as w:  # a writable open that only reads leaves the file as it was
+        assert not w.readonly and "family" not in w.rows()[0]
+        assert w.best_configs(ENV)[KEY.id][0] == C1  # the row reads as the Triton family's
+    assert path.read_bytes() == before
+    with TuningDB(path) as w:
+        rec(w, C2, 0.5)  # the first write adds the column (NULL in the old row)
+        assert [r["family"] for r in w.rows()] == [None, "triton"]
+        assert w.best_configs(ENV)[KEY.id][0] == C2
