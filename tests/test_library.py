@@ -419,6 +419,12 @@ def test_wheel_contains_tuning_db_and_templates(tmp_path):
         assert f"flashgen/templates/{t}" in names
     assert "flashgen/library.py" in names and "flashgen/api.py" in names
     assert "flashgen/integrations/transformers.py" in names
+    assert "flashgen/templates/_user_mods.j2" in names  # the user functions' overlay
+    # the kernel families: their modules, and the Gluon templates (templates/gluon/)
+    assert {"flashgen/families/__init__.py", "flashgen/families/triton/launch.py",
+            "flashgen/families/gluon/render.py", "flashgen/families/gluon/bwd.py"} <= names
+    for t in ("attn_fwd.py.j2", "attn_bwd.py.j2"):
+        assert f"flashgen/templates/gluon/{t}" in names
     with zipfile.ZipFile(whl) as z:
         assert z.read("flashgen/tuning_db/h200.sqlite") == (ROOT / "tuning_db" / "h200.sqlite").read_bytes()
 
