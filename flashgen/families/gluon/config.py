@@ -220,15 +220,27 @@ def default_regs(num_consumers: int, ctas_per_sm: int = 1) -> tuple[int, int]:
 
 
 def default_config(s: GluonFwdSpec) -> GluonFwdConfig:
-    """The heuristic default: two consumers (ping-pong), BLOCK_N 128 where it fits
-    (else 64), as many K/V stages as fit up to 2 at head_dim >= 128 and 4 below."""
+    """The heuristic default, from the H200 measurements (docs/results/h200/gluon_fwd):
+    head_dim < 128 unmasked: three consumers, BLOCK_N 128, 4 stages (FlashAttention-3's
+    d64 tile; 0.98-1.00x SDPA cuDNN); otherwise two consumers (ping-pong), BLOCK_N 128
+    where it fits (else 64), as many stages as fit up to 2 at head_dim >= 128 and 4
+    below, exponentials pinned between the waits at head_dim 128 (+1-14% there; not
+    measured at other head dims)."""
+    first = []
+    if pad(s.head_dim) < 128 and s.mask == "none":
+        cr, pr = default_regs(3)
+        first.append(GluonFwdConfig(num_consumers=3, BLOCK_N=128, num_stages=4, consumer_regs=cr, producer_regs=pr))
     cr, pr = default_regs(2)
+    pin = s.head_dim == 128 and s.head_dim_v == 128
     for bn in (128, 64):
         top = 2 if s.head_dim >= 128 else 4
         for stages in range(top, 1, -1):
-            cfg = GluonFwdConfig(num_consumers=2, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr)
-            if valid(GluonFwdVariant(s, cfg)):
-                return cfg
+            for p in ((True, False) if pin else (False,)):
+                first.append(GluonFwdConfig(num_consumers=2, BLOCK_N=bn, num_stages=stages, consumer_regs=cr,
+                                            producer_regs=pr, pin_exps=p))
+    for cfg in first:
+        if valid(GluonFwdVariant(s, cfg)):
+            return cfg
     raise ValueError(f"no Gluon forward config fits {s}: " + "; ".join(check(GluonFwdVariant(s, GluonFwdConfig()))))
 
 
