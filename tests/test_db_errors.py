@@ -142,6 +142,7 @@ def _export(tmp_path):
     ("BLOCK_M", "big", "bad kernel or config fields"),
     ("BLOCK_N", 0, "knob out of range"),
     ("variant_id", "attn_fwd_d64_bf16_causal_m1_n1_w1_s1", "disagrees with its columns"),
+    ("family", "cuda", "family 'cuda' is not a registered kernel family"),
 ])
 def test_import_refuses_rows_that_are_not_measurements_and_writes_nothing(tmp_path, field, value, rule):
     data = _export(tmp_path)
@@ -176,3 +177,15 @@ def test_the_shipped_rows_pass_the_import_check():
     for p in sorted((Path(__file__).resolve().parent.parent / "tuning_db").glob("*.sqlite")):
         with TuningDB(p, readonly=True) as d:
             fdb.check_rows(d.rows(), p)
+
+
+def test_import_takes_rows_without_a_family_as_the_triton_family(tmp_path):
+    data = _export(tmp_path)
+    for r in data["rows"]:
+        del r["family"]  # exported before kernel families existed
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    db = tmp_path / "mine.sqlite"
+    assert invoke("import", old, "--db", db).exit_code == 0
+    rows = TuningDB(db, readonly=True).rows()
+    assert len(rows) == len(data["rows"]) and all(TileConfig.from_dict(r).family == "triton" for r in rows)
