@@ -97,6 +97,17 @@ COMPILE_CASES = [
     ("bfloat16", 128, 64, "none", dict(persistent=True, pin_exps=True)),
 ]
 
+#: ptxas spill-store bytes of COMPILE_CASES under a Triton other than 3.6 (3.6: none; the
+#: defaults were measured on 3.6).  Triton 3.9 assembles sm_90 with ptxas 13.x and
+#: ``--regAllocOptLevel=2`` (shim.ptxas_sm90): with that flag the pinned d128 tile
+#: spills one register (the same 4 B from 3.6's PTX; 0 B without the flag), reloaded
+#: outside the key loop; the persistent pinned tile also spills from 3.9's own PTX
+#: (12 B with ptxas 12.8 too), one reload inside the key loop.  Any other spill fails.
+SPILL_BYTES = {
+    "3.9": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin": 4,
+            "gluon_fwd_d128_dv64_bf16_none_m64x2_n128_s2_r240-24_pin_pers": 16},
+}
+
 _SCRIPT = r'''
 import json, sys
 from flashgen.families.gluon.config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, smem_bytes
@@ -121,9 +132,12 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line[3:]) for line in r.stdout.splitlines() if line.startswith("OK ")]
     assert len(rows) == len(COMPILE_CASES), r.stdout
+    spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     for row in rows:
-        assert row["problems"] == [], row
-        assert row["spill"] == 0 and row["hgmma"] > 0 and row["setmaxnreg"], row
+        assert row["spill"] == spills.get(row["id"], 0), row
+        known = spills.get(row["id"], 0)
+        assert [p for p in row["problems"] if not (known and p.startswith("spills "))] == [], row
+        assert row["hgmma"] > 0 and row["setmaxnreg"], row
         assert row["shared"] <= row["model"] <= row["shared"] + 2048, row
         if row["pin"]:
             assert row["exps"] >= 64, row  # one tile's P (64 x 128 / 128 threads) between the waits
