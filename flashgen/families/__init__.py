@@ -74,6 +74,7 @@ from ..spec import DEFAULT_FAMILY, ProblemKey, TileConfig, Variant
 #: and gives the heuristic default) first.
 REGISTRY = (
     "triton",  # plain Triton: every kernel, sm_80+ and the CPU interpreter
+    "gluon",  # Gluon (FlashAttention-3's Hopper schedule): fwd and the whole backward on sm_90
 )
 
 
