@@ -751,6 +751,8 @@ def explain(
                                              "this machine's device.")] = None,
     gpu: Annotated[str | None, typer.Option(help="Match tuning rows of this GPU name (e.g. 'NVIDIA H200') "
                                             "instead of this machine's.")] = None,
+    deterministic: Annotated[bool, typer.Option("--deterministic", help="The backward of "
+                                                "flashgen.attention(..., deterministic=True).")] = False,
 ) -> None:
     """Which kernels and tile configs flashgen.attention would run for these sizes, where
     each config came from (tuned row, nearest bucket, default), its measured TFLOP/s and
@@ -790,7 +792,7 @@ def explain(
     try:
         report = explain_sizes(batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
-                               window=(left, right), dispatcher=disp)
+                               window=(left, right), dispatcher=disp, deterministic=deterministic or None)
     except (InputError, UnsupportedError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
