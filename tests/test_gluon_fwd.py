@@ -72,10 +72,31 @@ def test_validity_rules_say_why():
 
 def test_shim_maps_the_installed_names():
     assert shim.available(), shim.IMPORT_ERROR
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import shared_memory_descriptor
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
-    assert shim.tma_load is getattr(tma, "async_copy_global_to_shared", None) or getattr(tma, "async_load")
-    assert shim.tma_store is getattr(tma, "async_copy_shared_to_global", None) or getattr(tma, "async_store")
+    # the later names where they exist (3.9 keeps the 3.6 TMA names as stubs that raise)
+    later = hasattr(tma, "async_load")
+    assert shim.tma_load is (tma.async_load if later else tma.async_copy_global_to_shared)
+    assert shim.tma_store is (tma.async_store if later else tma.async_copy_shared_to_global)
+    assert shim.thread_barrier is (gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier)
+    if hasattr(tma, "async_atomic_add"):
+        assert shim.tma_reduce_add is tma.async_atomic_add
+    assert hasattr(shared_memory_descriptor, "_reinterpret")
+    ptxas = shim.ptxas_sm90()
+    assert os.path.exists(ptxas[0]) and set(ptxas[1:]) <= {"--regAllocOptLevel=2"}, ptxas
+    assert os.path.exists(shim.cuobjdump())
+
+
+def test_generated_kernels_import_only_the_shim():
+    from flashgen.families.gluon import bwd
+
+    for src in (render(GluonFwdVariant(GluonFwdSpec(), GluonFwdConfig())),
+                bwd.render(bwd.default_config(128), "bfloat16", 128, "causal")):
+        imports = [n for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert imports and all(isinstance(n, ast.ImportFrom) and n.module == "flashgen.families.gluon.shim"
+                               for n in imports), [ast.unparse(n) for n in imports]
 
 
 def test_launcher_refuses_what_it_cannot_serve():
@@ -96,6 +117,17 @@ COMPILE_CASES = [
     ("bfloat16", 96, 96, "causal", dict(num_consumers=1, num_stages=3)),
     ("bfloat16", 128, 64, "none", dict(persistent=True, pin_exps=True)),
 ]
+
+#: ptxas spill-store bytes of COMPILE_CASES under a Triton other than 3.6 (3.6: none; the
+#: defaults were measured on 3.6).  Triton 3.9 assembles sm_90 with ptxas 13.x and
+#: ``--regAllocOptLevel=2`` (shim.ptxas_sm90): with that flag the pinned d128 tile
+#: spills one register (the same 4 B from 3.6's PTX; 0 B without the flag), reloaded
+#: outside the key loop; the persistent pinned tile also spills from 3.9's own PTX
+#: (12 B with ptxas 12.8 too), one reload inside the key loop.  Any other spill fails.
+SPILL_BYTES = {
+    "3.9": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin": 4,
+            "gluon_fwd_d128_dv64_bf16_none_m64x2_n128_s2_r240-24_pin_pers": 16},
+}
 
 _SCRIPT = r'''
 import json, sys
@@ -121,9 +153,12 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line[3:]) for line in r.stdout.splitlines() if line.startswith("OK ")]
     assert len(rows) == len(COMPILE_CASES), r.stdout
+    spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     for row in rows:
-        assert row["problems"] == [], row
-        assert row["spill"] == 0 and row["hgmma"] > 0 and row["setmaxnreg"], row
+        assert row["spill"] == spills.get(row["id"], 0), row
+        known = spills.get(row["id"], 0)
+        assert [p for p in row["problems"] if not (known and p.startswith("spills "))] == [], row
+        assert row["hgmma"] > 0 and row["setmaxnreg"], row
         assert row["shared"] <= row["model"] <= row["shared"] + 2048, row
         if row["pin"]:
             assert row["exps"] >= 64, row  # one tile's P (64 x 128 / 128 threads) between the waits

@@ -1,5 +1,6 @@
 """Compile Gluon forward variants for sm_90 without a GPU, and read what the binary is:
-registers and spills (Triton's bundled ``ptxas -v``), ptxas warnings (C7514/C7515:
+registers and spills (``ptxas -v`` with the ptxas and flags Triton assembles sm_90
+with: :func:`flashgen.families.gluon.shim.ptxas_sm90`), ptxas warnings (C7514/C7515:
 wgmma serialized; C7508: setmaxnreg ignored), and the SASS (``cuobjdump``): HGMMA,
 USETMAXREG, the partial wgmma wait, and the exponentials between the two waits.
 
@@ -54,12 +55,6 @@ def compile_sm90(v: GluonFwdVariant):
                           options={"num_warps": mod.NUM_WARPS, "maxnreg": maxnreg(c)})
 
 
-def _tool(name: str) -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
 @dataclasses.dataclass
 class Report:
     """What ptxas and the SASS say about one compiled variant."""
@@ -112,16 +107,18 @@ def _exps_between_waits(sass: str) -> int:
 
 def report(kernel) -> Report:
     """ptxas -v and cuobjdump -sass over the compiled kernel's PTX."""
+    from .shim import cuobjdump, ptxas_sm90
+
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
             f.write(ptx)
-        r = subprocess.run([_tool("ptxas"), "-v", "--gpu-name", "sm_90a", p, "-o", p + ".o"], capture_output=True,
+        r = subprocess.run([*ptxas_sm90(), "-v", "--gpu-name", "sm_90a", p, "-o", p + ".o"], capture_output=True,
                            text=True)
         if r.returncode:
             raise RuntimeError("ptxas failed: " + r.stderr[-2000:])
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", p + ".o"], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump(), "-sass", p + ".o"], capture_output=True, text=True).stdout
     err = r.stderr
     regs = re.search(r"Used (\d+) registers", err)
     spills = re.search(r"(\d+) bytes spill stores", err)
