@@ -175,9 +175,11 @@ class Dispatcher:
         if variant.id not in _failed:
             why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
             _failed[variant.id] = why
-            warnings.warn(f"flashgen: the {variant.family} kernel {variant.id} failed to build or launch with the "
-                          f"installed Triton ({why[:300]}); the {families.portable().name} family serves its "
-                          "calls instead (warned once per variant)", stacklevel=3)
+            # a family's typed build error (the Gluon family's GluonBuildError) has warned once already
+            if getattr(error, "variant_id", None) is None:
+                warnings.warn(f"flashgen: the {variant.family} kernel {variant.id} failed to build or launch with "
+                              f"the installed Triton ({why[:300]}); the {families.portable().name} family serves "
+                              "its calls instead (warned once per variant)", stacklevel=3)
         self._cache.clear()
         self._capture_defaults.clear()
         self._backward.clear()

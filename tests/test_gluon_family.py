@@ -330,3 +330,33 @@ def test_wheel_carries_the_gluon_family_and_templates():
     assert "flashgen.families.gluon" in pyproject["tool"]["setuptools"]["packages"]
     assert "gluon/*.j2" in pyproject["tool"]["setuptools"]["package-data"]["flashgen.templates"]
     assert {"attn_fwd.py.j2", "attn_bwd.py.j2"} <= {p.name for p in (root / "templates" / "gluon").glob("*.j2")}
+
+
+def test_a_gluon_build_error_warns_once_through_the_family(monkeypatch):
+    """The family's launcher turns a build failure into GluonBuildError (flashgen's
+    Gluon build module warns once); the dispatcher then skips the variant without a
+    second warning."""
+    from flashgen.families.gluon import build
+
+    monkeypatch.setattr(build, "_failed", {})
+    monkeypatch.setattr(dispatch, "_failed", {})
+    monkeypatch.setattr(GLUON, "load", lambda v: f"module of {v.id}")
+
+    def renamed(*a, **kw):
+        raise ImportError("cannot import name 'async_copy_global_to_shared'")
+
+    monkeypatch.setattr("flashgen.families.gluon.launch.fwd", renamed)
+    dispatch.set_default_dispatcher(Dispatcher([], env=H200, arch=SM90))
+    try:
+        q, k, v = (t.detach() for t in _inputs())
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = flashgen.attention(q, k, v, causal=True)
+            out2 = flashgen.attention(q, k, v, causal=True)
+        mine = [x for x in w if issubclass(x.category, UserWarning) and "build" in str(x.message)]
+        assert len(mine) == 1 and issubclass(mine[0].category, build.GluonFallbackWarning)
+        assert "async_copy_global_to_shared" in str(mine[0].message) and len(dispatch._failed) == 1
+        ref = reference.forward(q, k, v, causal=True)[0]
+        assert (out.double() - ref).abs().max().item() < 2e-3 and torch.equal(out, out2)
+    finally:
+        dispatch.set_default_dispatcher(None)

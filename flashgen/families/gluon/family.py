@@ -230,12 +230,14 @@ class GluonFamily:
         return B.render(bwd_config(v.config), s.dtype, s.head_dim, s.mask)
 
     def load(self, v: Variant):
+        """The imported module; :class:`.build.GluonBuildError` (warned once per variant)
+        when it does not build on the installed Triton."""
+        from . import build
+
         s = v.spec
         if s.kernel == "fwd":
-            from .render import load
-
-            return load(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
-        return B.load(bwd_config(v.config), s.dtype, s.head_dim, s.mask)
+            return build.load_fwd(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
+        return build.load_bwd(bwd_config(v.config), s.dtype, s.head_dim, s.mask)
 
     def launcher(self, name: str):
         """``fwd`` (:func:`fwd`) or ``bwd`` (:func:`bwd`, the whole backward)."""
@@ -261,10 +263,14 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     :func:`.launch.unsupported`.  Raises ValueError for score mods (the Triton family's)."""
     if mods is not None:
         raise ValueError(f"gluon fwd: score modifications ({mods.name}) are the Triton family's")
-    from .launch import fwd as launch
+    from .build import building
+    from .launch import _DTYPES, fwd as launch
 
-    return launch(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
-                  config=fwd_config(config), out=out, lse=lse, check_inputs=not addressable, module=module)
+    g = fwd_config(config)
+    # the first launch compiles: a build failure is a GluonBuildError (warned once per variant)
+    with building(C.GluonFwdVariant(C.GluonFwdSpec(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask), g).id):
+        return launch(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
+                      config=g, out=out, lse=lse, check_inputs=not addressable, module=module)
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,
@@ -276,8 +282,12 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     family's)."""
     if mods is not None:
         raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's")
-    return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-                           mask=mask, config=bwd_config(config), dq=dq, dk=dk, dv=dv)
+    from .build import building
+
+    g = bwd_config(config)
+    with building(B.variant_id(g, str(q.dtype).removeprefix("torch."), q.shape[3], mask)):
+        return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+                               mask=mask, config=g, dq=dq, dk=dk, dv=dv)
 
 
 FAMILY = GluonFamily()
