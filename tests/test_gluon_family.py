@@ -360,3 +360,22 @@ def test_a_gluon_build_error_warns_once_through_the_family(monkeypatch):
         assert (out.double() - ref).abs().max().item() < 2e-3 and torch.equal(out, out2)
     finally:
         dispatch.set_default_dispatcher(None)
+
+
+def test_the_backward_launcher_takes_an_expanded_do(monkeypatch):
+    """autograd hands a sum's gradient as an expanded (stride 0) view: the launcher
+    passes the kernels a descriptor-addressable copy instead of failing."""
+    seen = {}
+
+    def attention_bwd(do, q, k, v, o, lse, **kw):
+        B.check_inputs(do, q, k, v, o, lse)
+        seen["do"] = do
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    monkeypatch.setattr(B, "attention_bwd", attention_bwd)
+    q, k, v = (torch.randn(1, 2, 64, 64, dtype=torch.float16) for _ in range(3))
+    o, lse = torch.randn_like(q), torch.zeros(1, 2, 64)
+    do = torch.ones((), dtype=torch.float16).expand_as(q)
+    dq, dk, dv = GLUON.launcher("bwd")(do, q, k, v, o, lse, softmax_scale=0.125, mask="none", diag_lo=-64,
+                                       diag_hi=64, config=GBWD)
+    assert seen["do"].is_contiguous() and torch.equal(seen["do"], do) and dq.shape == q.shape

@@ -256,6 +256,11 @@ def _gluon_missing() -> str | None:
     return None if IMPORT_ERROR is None else f"the installed Triton's Gluon is not usable: {IMPORT_ERROR}"
 
 
+@functools.lru_cache(maxsize=4096)
+def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig) -> str:
+    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask), g).id
+
+
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,
         module=None, addressable: bool = False, mods=None, out=None, lse=None):
     """The family's forward launcher, in :func:`flashgen.ops.fwd`'s form: (O, LSE).
@@ -268,7 +273,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
 
     g = fwd_config(config)
     # the first launch compiles: a build failure is a GluonBuildError (warned once per variant)
-    with building(C.GluonFwdVariant(C.GluonFwdSpec(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask), g).id):
+    with building(_fwd_id(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g)):
         return launch(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
                       config=g, out=out, lse=lse, check_inputs=not addressable, module=module)
 
@@ -283,7 +288,12 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     if mods is not None:
         raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's")
     from .build import building
+    from .launch import _tma_ok
 
+    # dO from autograd may be an expanded view (a sum's gradient); O a slice: the
+    # descriptors need 16-byte aligned strides
+    do = do if _tma_ok(do) else do.contiguous()
+    o = o if _tma_ok(o) else o.contiguous()
     g = bwd_config(config)
     with building(B.variant_id(g, str(q.dtype).removeprefix("torch."), q.shape[3], mask)):
         return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
