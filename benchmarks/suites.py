@@ -61,4 +61,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           (("benchmarks/probe_fwd_configs.py", "--out", "{out}/fwd_configs.json"),), ("fwd_configs.json",)),
     Suite("dq-atomic", "a single-pass backward with dQ atomics against the two-pass backward",
           (("benchmarks/probe_dq_atomic.py", "--out", "{out}/dq_atomic.json"),), ("dq_atomic.json",)),
+    Suite("gluon", "the Gluon family's forward and backward variants (each checked against float64 first) "
+          "against SDPA cuDNN / FlashAttention-2 and flashgen's Triton family",
+          (("benchmarks/gluon_fwd.py", "--out", "{out}"), ("benchmarks/gluon_bwd.py", "--out", "{out}")),
+          ("gluon_fwd.json", "gluon_bwd.json")),
 )}

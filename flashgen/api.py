@@ -149,12 +149,17 @@ def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
     return entry
 
 
-def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
+def _check_deterministic(deterministic):
+    if deterministic is not None and type(deterministic) is not bool:
+        raise InputError(f"deterministic must be None or a bool, got {type(deterministic).__name__}")
+
+
+def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align, deterministic=None):
     _check_return_lse(return_lse)
     if torch.compiler.is_compiling():
         # Traced by dynamo: the checks run at trace time, the op is one graph node.
         q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
-        o, lse = library.FWD(q, k, v, scale, mask, lo, hi)
+        o, lse = library.FWD(q, k, v, scale, mask, lo, hi, deterministic)
         return (o, lse) if return_lse else o
     disp = dispatch._default or dispatch.default_dispatcher()
     entry = ekey = None
@@ -188,19 +193,23 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align):
         if ekey is not None:
             _, _, _, _, cfg, mod, dev = _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path)
     if not plain or _dispatch_modes():  # plain excludes functorch transforms
-        o, lse = library.FWD(q, k, v, scale, mask, lo, hi)
+        o, lse = library.FWD(q, k, v, scale, mask, lo, hi, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, None)
+        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, None, deterministic)
     elif mod is not None and scale > 0:
         # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
         launch = families.launcher(cfg.family, "fwd")
-        if dev is None or dev == torch.cuda.current_device():
-            o, lse = launch(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg, module=mod,
-                            addressable=True)
-        else:
-            with torch.cuda.device(dev):
+        try:
+            if dev is None or dev == torch.cuda.current_device():
                 o, lse = launch(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
                                 module=mod, addressable=True)
+            else:
+                with torch.cuda.device(dev):
+                    o, lse = launch(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
+                                    module=mod, addressable=True)
+        except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: warn, fall back
+            library.fall_back(cfg, "fwd", q, e, (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, ""))
+            o, lse = library.forward(q, k, v, scale, mask, lo, hi)
     else:
         o, lse = library.forward(q, k, v, scale, mask, lo, hi)
     return (o, lse) if return_lse else o
@@ -252,7 +261,8 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
 
 def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align, softcap, alibi_slopes, bias,
                     dropout_p, rng_state):
-    """The path of calls with score modifications (no per-call memo: the checks run each call)."""
+    """The path of calls with score modifications (no per-call memo: the checks run each call).
+    Their backward is the Triton family's two kernels, deterministic whatever is asked."""
     _check_return_lse(return_lse)
     q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
     softcap, alibi, bias, dropout_p, rng_state = _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state)
@@ -276,7 +286,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
               return_lse: bool = False, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
               bias: torch.Tensor | None = None, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
-              score_mod=None, mask_mod=None, sinks: torch.Tensor | None = None):
+              score_mod=None, mask_mod=None, sinks: torch.Tensor | None = None,
+              deterministic: bool | None = None):
     """Exact attention ``softmax(q @ k^T * softmax_scale) @ v``, FlashAttention-style.
 
     Args:
@@ -304,6 +315,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             as given (uniform attention over the visible keys); any other value needs a
             magnitude in [1e-30, 1e30] (it is applied in float32).
         return_lse: a bool: also return the log-sum-exp of each score row.
+        deterministic: None (default) follows ``torch.are_deterministic_algorithms_enabled()``
+            when the backward runs; True makes the backward bitwise repeatable (the
+            Triton family's bwd_dq + bwd_dkdv kernels, dQ by its own pass); False lets
+            the dispatcher pick the fastest backward, which on sm_90 may be the Gluon
+            family's (dQ accumulated in float32 by TMA reduce-add, in an order that varies
+            from run to run: repeated gradients can differ in the last bits).  The
+            forward is deterministic either way.  ``explain`` says which backward runs.
 
     Score modifications, each compiled into the kernels only when used (a separate
     tuned variant; :data:`flashgen.spec.MODS`), applied to s = softmax_scale * q.k in
@@ -386,6 +404,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             cannot compile (the message names the operation), e.g. Python control flow
             on traced values.
     """
+    if deterministic is not None:
+        _check_deterministic(deterministic)
     if score_mod is not None or mask_mod is not None or sinks is not None:
         return _attention_user(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                                return_lse=return_lse, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
@@ -395,7 +415,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                                return_lse=return_lse, align="bottom_right", softcap=softcap,
                                alibi_slopes=alibi_slopes, bias=bias, dropout_p=dropout_p, rng_state=rng_state)
     return _attention(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
-                      return_lse=return_lse, align="bottom_right")
+                      return_lse=return_lse, align="bottom_right", deterministic=deterministic)
 
 
 def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score_mod, mask_mod, sinks, builtin):
@@ -861,6 +881,7 @@ class KernelChoice:
     family: str = "triton"
     unserved: tuple[tuple[str, str], ...] = ()
     tuned_under: str | None = None  # the row's versions where not the installed ones ("triton 3.6.0")
+    note: str | None = None  # why another family's default serves an untuned key
 
     def __str__(self) -> str:
         row = "no tuned row" if self.tuned_key is None else (
@@ -868,9 +889,15 @@ class KernelChoice:
             + ("" if self.tflops is None else f", {self.tflops:.1f} TFLOP/s")
             + ("" if self.tuned_under is None else f"; tuned under {self.tuned_under}"))
         why = "".join(f"; {name} does not serve it: {reason}" for name, reason in self.unserved)
+        note = "" if self.note is None else f" ({self.note})"
         return (f"{self.kernel}: key {self.key}\n    config {self.config} ({self.source}; {row})\n"
-                f"    kernel family {self.family}{why}\n"
+                f"    kernel family {self.family}{note}{why}\n"
                 f"    shared memory (model): {self.smem_breakdown}")
+
+    @classmethod
+    def of(cls, c: "dispatch.Choice") -> "KernelChoice":
+        return cls(c.key.spec.kernel, c.key.id, c.config.id, c.source, c.tuned_key, c.database, c.median_ms,
+                   c.tflops, c.smem_bytes, c.smem_breakdown, c.family, c.unserved, c.tuned_under, c.note)
 
 
 @dataclass(frozen=True)
@@ -885,21 +912,29 @@ class Explanation:
     diag_hi: int | None
     softmax_scale: float | None
     kernels: tuple[KernelChoice, ...]
+    #: Which backward runs: "<family> whole backward (bwd)" or "<family> bwd_dq + bwd_dkdv",
+    #: whether it is bitwise repeatable, and why it was chosen; None where no kernel runs.
+    backward: str | None = None
 
     def __str__(self) -> str:
         if self.backend != "flashgen":
             return f"{self.backend}: {self.reason}"
         lines = [f"flashgen: {self.path}; mask {self.mask} ({self.diag_lo} <= j - i <= {self.diag_hi}), "
                  f"softmax_scale {self.softmax_scale:.6g}"]
+        if self.backward is not None:
+            lines.append(f"backward: {self.backward}")
         lines += [str(c) for c in self.kernels]
         return "\n".join(lines)
 
 
 def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
             softmax_scale: float | None = None, sdpa: bool = False, attn_mask=None, dropout_p: float = 0.0,
-            enable_gqa: bool = False, dispatcher: "dispatch.Dispatcher | None" = None) -> Explanation:
-    """What ``attention(q, k, v, causal=..., window=..., softmax_scale=...)`` runs, per
-    kernel (fwd, bwd_dq, bwd_dkdv): the ProblemKey, the kernel family (and why each
+            enable_gqa: bool = False, dispatcher: "dispatch.Dispatcher | None" = None,
+            deterministic: bool | None = None) -> Explanation:
+    """What ``attention(q, k, v, causal=..., window=..., softmax_scale=...,
+    deterministic=...)`` runs, per kernel (fwd, then the backward's: bwd_dq and bwd_dkdv,
+    or one family's whole backward ``bwd``; ``backward`` says which, whether it is
+    bitwise repeatable and why): the ProblemKey, the kernel family (and why each
     other registered family cannot serve it), the TileConfig, its source (a tuned
     row, the nearest tuned bucket, or the heuristic default), the row's measured median
     time and TFLOP/s, and the modelled shared memory by buffer.  ``str()`` of the result
@@ -913,6 +948,7 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
 
     Raises InputError for arguments :func:`attention` rejects (``sdpa=False``).
     """
+    _check_deterministic(deterministic)
     if not sdpa and (attn_mask is not None or dropout_p != 0.0 or enable_gqa):
         raise InputError("attn_mask, dropout_p and enable_gqa are scaled_dot_product_attention's "
                          "arguments: pass sdpa=True with them")
@@ -944,21 +980,26 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     else:
         path = f"reference (no kernel: {q.device} tensors, float32 math)"
     kernels: tuple[KernelChoice, ...] = ()
+    backward = None
     if not library.is_empty(q, k) and not path.startswith("reference"):
         disp = dispatcher or dispatch.default_dispatcher()
         dtype = ops.dtype_name(q.dtype)
-        choices = []
         layout = "" if q.is_meta else library.layout_signature(q, k, v)
-        for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
-            mods = _sdpa_mods(attn_mask, dropout_p) if sdpa else ""
-            key = ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask, mods), batch=b, num_heads=h,
-                                        num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk, layout=layout)
-            c = disp.choose(key, capturing=False)
-            choices.append(KernelChoice(kernel, key.id, c.config.id, c.source, c.tuned_key, c.database,
-                                        c.median_ms, c.tflops, c.smem_bytes, c.smem_breakdown, c.family,
-                                        c.unserved, c.tuned_under))
-        kernels = tuple(choices)
-    return Explanation("flashgen", path, None, mask, lo, hi, scale, kernels)
+        mods = _sdpa_mods(attn_mask, dropout_p) if sdpa else ""
+
+        def key_of(kernel):
+            return ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask, mods), batch=b, num_heads=h,
+                                         num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk, layout=layout)
+
+        det = library.deterministic_backward(deterministic)
+        plan = disp.backward(key_of("bwd_dq"), deterministic=det, capturing=False)
+        kernels = tuple(KernelChoice.of(c) for c in (disp.choose(key_of("fwd"), capturing=False), *plan.choices))
+        how = "whole backward (bwd)" if plan.whole else "bwd_dq + bwd_dkdv"
+        repeat = "not bitwise repeatable (dQ by reduce-add)" if plan.whole else "bitwise repeatable"
+        asked = ("deterministic=True" if deterministic else "deterministic=False" if deterministic is False
+                 else f"torch.are_deterministic_algorithms_enabled() is {det}")
+        backward = f"{plan.family} {how}, {repeat}; {asked}; {plan.reason}"
+    return Explanation("flashgen", path, None, mask, lo, hi, scale, kernels, backward)
 
 
 def _sdpa_mods(attn_mask, dropout_p) -> str:
@@ -971,7 +1012,7 @@ def _sdpa_mods(attn_mask, dropout_p) -> str:
 def explain_sizes(*, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                   head_dim_v: int | None = None, dtype: str = "bfloat16", causal: bool = False,
                   window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
-                  dispatcher: "dispatch.Dispatcher | None" = None) -> Explanation:
+                  dispatcher: "dispatch.Dispatcher | None" = None, deterministic: bool | None = None) -> Explanation:
     """:func:`explain` from sizes alone (meta tensors; what ``flashgen explain`` prints)."""
     try:
         tdtype = getattr(torch, dtype)
@@ -987,4 +1028,5 @@ def explain_sizes(*, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqle
     q = torch.empty(batch, heads, seqlen_q, head_dim, **meta)
     k = torch.empty(batch, kv_heads, seqlen_k, head_dim, **meta)
     v = torch.empty(batch, kv_heads, seqlen_k, head_dim if head_dim_v is None else head_dim_v, **meta)
-    return explain(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale, dispatcher=dispatcher)
+    return explain(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale, dispatcher=dispatcher,
+                   deterministic=deterministic)

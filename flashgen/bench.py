@@ -194,6 +194,13 @@ def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | No
     arch = arch or _arch()
     fspec = KernelSpec("fwd", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask, spec.mods)
     o, lse = ops.fwd(q, k, v, config=default_config(fspec, arch), **kw)
+    if spec.kernel == "bwd":  # a family's whole backward: dQ, dK, dV (every launch it makes)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        launch = families.launcher(cfg.family, "bwd")
+
+        def fn():
+            launch(do, q, k, v, o, lse, config=cfg, dq=dq, dk=dk, dv=dv, **kw)
+        return fn, {"dQ": dq, "dK": dk, "dV": dv}
     if spec.kernel == "bwd_dq":
         dq = torch.empty_like(q)
         delta = torch.empty_like(lse)

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from .spec import DENSE_KERNELS, DTYPES, KERNELS, TileConfig
+from .spec import ALL_KERNELS, DENSE_KERNELS, DTYPES, KERNELS, TileConfig
 
 #: The user's tuning DB.  The shipped one (tuning_db/h200.sqlite) is written only when
 #: --db names it.
@@ -66,9 +66,20 @@ DtypeName = Literal[DTYPES]
 
 def _check_kernels(kernels: str) -> str:
     names = [k.strip() for k in kernels.split(",") if k.strip()]
-    bad = [k for k in names if k not in KERNELS]
+    bad = [k for k in names if k not in ALL_KERNELS]
     if bad or not names:
-        raise typer.BadParameter(f"{kernels!r}: give a comma-separated subset of {','.join(KERNELS)}")
+        raise typer.BadParameter(f"{kernels!r}: give a comma-separated subset of {','.join(ALL_KERNELS)}")
+    return ",".join(names)
+
+
+def _check_family(family: str) -> str:
+    from . import families
+
+    names = [f.strip() for f in family.split(",") if f.strip()]
+    bad = [f for f in names if f != "all" and f not in families.FAMILIES]
+    if bad or not names:
+        raise typer.BadParameter(f"{family!r}: give all or a comma-separated subset of "
+                                 f"{','.join(families.FAMILIES)}")
     return ",".join(names)
 
 
@@ -97,7 +108,16 @@ def tune(
     dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     kernels: Annotated[str, typer.Option(callback=_check_kernels,
                                          help="Comma-separated kernels to tune (default: all; a preset "
-                                              "only yields keys of its own kernels).")] = ",".join(KERNELS),
+                                              "only yields keys of its own kernels; bwd is the whole "
+                                              "backward of the families that compile it in one launch "
+                                              "sequence, e.g. gluon).")] = ",".join(ALL_KERNELS),
+    family: Annotated[str, typer.Option(callback=_check_family,
+                                        help="Kernel families to search: all (default) or a comma-separated "
+                                             "subset (triton, gluon); keys none of them serves on this GPU "
+                                             "are left out.")] = "all",
+    arch: Annotated[str | None, typer.Option(help="With --fake/--fake-model/--fake-template: tune for this "
+                                             "architecture's rules and families (e.g. sm_90) instead of the "
+                                             "current device's.")] = None,
     trials: Annotated[int, typer.Option(min=1, help="Completed trials per key (earlier runs count).")] = 40,
     timeout_per_key: Annotated[float | None, typer.Option(min=0, help="Seconds per key.")] = None,
     fake: Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
@@ -136,16 +156,34 @@ def tune(
             "keys of its own kernels (e.g. decode presets: decode, decode_paged; the others: fwd, bwd_dq, "
             "bwd_dkdv and their varlen forms)", param_hint="'--kernels'")
     env = Environment.current()
-    arch = arch_mod.current()
+    if arch is not None:
+        if fake is None and not fake_model and fake_template is None:
+            raise typer.BadParameter("--arch pretends an architecture for simulated runs only (--fake, "
+                                     "--fake-model, --fake-template); a GPU run tunes its own", param_hint="'--arch'")
+        try:
+            arch_obj = arch_mod.by_sm(arch)
+        except KeyError as e:
+            raise typer.BadParameter(str(e.args[0]), param_hint="'--arch'") from None
+        env = dataclasses.replace(env, compute_capability="%d.%d" % arch_obj.compute_capability,
+                                  sm_count=arch_obj.sm_count)
+    else:
+        arch_obj = arch_mod.current()
+    arch = arch_obj
+    family_names = None if "all" in family.split(",") else tuple(family.split(","))
+    items = tuner.servable(items, arch, family_names)
+    if not items:
+        raise typer.BadParameter(f"no kernel family of {family} serves the keys of these presets and kernels on "
+                                 f"{arch.name} ({arch.sm})", param_hint="'--family'")
     if fake_template is not None:
-        _write_fake_template(fake_template, items, arch)
+        _write_fake_template(fake_template, items, arch, family_names)
         return
     with _user_errors():  # a foreign, corrupt or unwritable --db is refused before anything runs
         check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
         validate_db(db)
     if fake is not None:
         timings = _read_timings(fake)
-        missing = [v.id for v in tuner.feasible_variants([k for k, _ in items], arch) if v.id not in timings]
+        missing = [v.id for v in tuner.feasible_variants([k for k, _ in items], arch, family_names)
+                   if v.id not in timings]
         if missing:
             console.print(Text.assemble(("error: ", "red"), f"{fake} lacks timings for {len(missing)} variant(s) "
                                         "this run may measure; add them all (or write a template with "
@@ -172,7 +210,7 @@ def tune(
         bench = KernelBenchmarker()
         precompile = getattr(bench, "precompile", None)
         if callable(precompile):
-            variants = tuner.feasible_variants([k for k, _ in items], arch)
+            variants = tuner.feasible_variants([k for k, _ in items], arch, family_names)
             with Progress(TextColumn("precompiling"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=console) as progress:
                 task = progress.add_task("precompile", total=len(variants))
@@ -196,7 +234,7 @@ def tune(
                                          timeout_per_key=timeout_per_key, seed=seed, workers=workers,
                                          storage=storage, sampler=sampler,
                                          fake_timings=_read_timings(fake) if fake is not None else None,
-                                         fake_model=fake_model)
+                                         fake_model=fake_model, family_names=family_names)
             _print_results(console, env, results)
             _print_explain_hint(console, env, db, items, fake is not None or fake_model)
             return
@@ -217,13 +255,14 @@ def tune(
             with _user_errors():
                 results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
                                      timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
-                                     on_trial=on_trial, storage=storage, sampler=sampler)
+                                     on_trial=on_trial, storage=storage, sampler=sampler,
+                                     family_names=family_names)
             progress.update(keys_task, completed=len(items))
         _print_results(console, env, results)
         _print_explain_hint(console, env, db, items, fake is not None or fake_model)
 
 
-def _write_fake_template(path: Path, items, arch) -> None:
+def _write_fake_template(path: Path, items, arch, family_names=None) -> None:
     """Write {variant_id: ms} for every variant a run over ``items`` may measure (valid,
     fitting ``arch``), with the model's ms (:class:`flashgen.tuner.ModelBenchmarker`)."""
     from . import tuner
@@ -234,7 +273,7 @@ def _write_fake_template(path: Path, items, arch) -> None:
     model = tuner.ModelBenchmarker(arch)
     out: dict[str, float] = {}
     for key, shape in items:
-        for v in tuner.feasible_variants([key], arch):
+        for v in tuner.feasible_variants([key], arch, family_names):
             out.setdefault(v.id, round(model.median_ms(v, shape), 6))
     with _user_errors():
         path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
@@ -257,7 +296,7 @@ def _print_explain_hint(console, env, db: Path, items, simulated: bool) -> None:
 
 
 def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key, seed, workers,
-                       storage, sampler, fake_timings, fake_model=False):
+                       storage, sampler, fake_timings, fake_model=False, family_names=None):
     """``workers`` processes over the same keys, sharing each key's study (Optuna's
     distributed optimization); then the results read back from the DB and studies."""
     import time
@@ -276,7 +315,7 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
     storage = storage or f"{db}.optuna.journal"
     configs = [tuner.WorkerConfig(i, str(db), storage, env, arch, trials, timeout_per_key, seed, sampler,
                                   gpu=i % gpus if gpus else None, fake_timings=fake_timings,
-                                  fake_model=fake_model)
+                                  fake_model=fake_model, family_names=family_names)
                for i in range(workers)]
     t0 = time.perf_counter()
 
@@ -288,7 +327,7 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
     console.print(f"{workers} workers done in {time.perf_counter() - t0:.1f} s "
                   f"(exit codes {sorted(codes.values())})", markup=False)
     with TuningDB(db) as tdb:
-        return tuner.summarize(items, db=tdb, env=env, arch=arch, storage=storage)
+        return tuner.summarize(items, db=tdb, env=env, arch=arch, storage=storage, family_names=family_names)
 
 
 def _print_results(console, env, results) -> None:
@@ -712,6 +751,8 @@ def explain(
                                              "this machine's device.")] = None,
     gpu: Annotated[str | None, typer.Option(help="Match tuning rows of this GPU name (e.g. 'NVIDIA H200') "
                                             "instead of this machine's.")] = None,
+    deterministic: Annotated[bool, typer.Option("--deterministic", help="The backward of "
+                                                "flashgen.attention(..., deterministic=True).")] = False,
 ) -> None:
     """Which kernels and tile configs flashgen.attention would run for these sizes, where
     each config came from (tuned row, nearest bucket, default), its measured TFLOP/s and
@@ -751,7 +792,7 @@ def explain(
     try:
         report = explain_sizes(batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
-                               window=(left, right), dispatcher=disp)
+                               window=(left, right), dispatcher=disp, deterministic=deterministic or None)
     except (InputError, UnsupportedError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

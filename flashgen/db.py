@@ -26,10 +26,15 @@ import sqlite_utils
 from . import families
 from .env import MATCH_COLUMNS, VERSION_COLUMNS, Environment
 from .errors import InputError
-from .spec import (KERNELS, STATUSES, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant,
+from .spec import (ALL_KERNELS, KERNELS, STATUSES, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant,
                    attention_flops)
 
 TABLE = "measurements"
+#: TileConfig knobs of the Gluon family (:class:`flashgen.spec.TileConfig`): a row stores
+#: NULL for a knob at its default 0, so the Triton family's rows hold exactly what they
+#: held before the Gluon family existed.
+GLUON_KNOBS = ("consumer_regs", "producer_regs", "pin", "persistent", "ctas_per_sm", "dq_atomic", "row_load",
+               "producer_warps", "split")
 BUSY_TIMEOUT_S = 60.0
 
 COLUMNS: dict[str, type] = {
@@ -41,6 +46,7 @@ COLUMNS: dict[str, type] = {
     # Variant
     "variant_id": str, "BLOCK_M": int, "BLOCK_N": int, "num_warps": int, "num_stages": int,
     "tma": int, "ws": int, "num_splits": int, "family": str,  # OPTIONAL_COLUMNS
+    **{c: int for c in GLUON_KNOBS},  # OPTIONAL_COLUMNS (NULL in the Triton family's rows)
     # the exact shape measured
     "batch": int, "num_heads": int, "num_kv_heads": int, "seqlen_q": int, "seqlen_k": int,
     # Measurement
@@ -53,7 +59,7 @@ COLUMNS: dict[str, type] = {
 }
 #: Columns added after the first release: a file without them is still a tuning DB
 #: (they read as NULL, i.e. the knob's default; the first write adds them).
-OPTIONAL_COLUMNS = ("tma", "ws", "num_splits", "layout", "mods", "family")
+OPTIONAL_COLUMNS = ("tma", "ws", "num_splits", "layout", "mods", "family", *GLUON_KNOBS)
 ENV_COLUMNS = ("gpu_name", "compute_capability", "sm_count", "triton_version", "torch_version",
                "flashgen_version", "template_hash")
 #: A row's identity across databases (``merge_from`` skips rows already present).
@@ -218,7 +224,7 @@ def _env_where(env: Environment, versions: bool = True) -> tuple[str, list]:
         cond += " AND IFNULL([triton_version], '') != ?"
         params.append(env.triton_version)
     per_kernel = []
-    for k in KERNELS:
+    for k in ALL_KERNELS:
         # one code hash per kernel family and score-modification set the kernel compiles
         hashes = families.hashes(k, kernel_mods(k))
         per_kernel.append(f"([kernel] = ? AND [template_hash] IN ({', '.join('?' * len(hashes))}))")
@@ -349,7 +355,7 @@ class TuningDB:
             tflops = flops / (m.median_ms * 1e-3) / 1e12
         row = {
             "created_at": _now(), **key.as_row(), "variant_id": variant.id,
-            **variant.config.as_dict(),
+            **{c: val for c, val in variant.config.as_dict().items() if val or c not in GLUON_KNOBS},
             "batch": shape.batch, "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
             "seqlen_q": shape.seqlen_q, "seqlen_k": shape.seqlen_k,
             "status": m.status, "median_ms": m.median_ms, "tflops": tflops,

@@ -40,7 +40,12 @@ from pathlib import Path
 from . import families
 from .arch import INTERPRETER
 from .errors import InputError, UnsupportedError
-from .spec import ProblemKey, TileConfig, Variant
+from .spec import WHOLE_BWD, ProblemKey, TileConfig, Variant
+
+#: Variants of a non-portable family that failed to build or launch in this process
+#: (variant id -> the error): the dispatcher never picks them again, and each was warned
+#: about once (:meth:`Dispatcher.mark_failed`).
+_failed: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,31 @@ class Choice:
     #: The versions the row was measured under where they differ from the installed
     #: ones (e.g. "triton 3.6.0"); None for a default or a row of these versions.
     tuned_under: str | None = None
+    #: Why a family other than the portable one serves an untuned key (the measurement
+    #: its default rests on); None otherwise.
+    note: str | None = None
 
     @property
     def family(self) -> str:
         """The kernel family of the chosen config."""
         return self.config.family
+
+
+@dataclass(frozen=True)
+class BackwardChoice:
+    """How a dense backward runs (:meth:`Dispatcher.backward`): by one family's whole
+    backward (``choices`` = its ``bwd`` Choice) or by the two kernels ``bwd_dq`` and
+    ``bwd_dkdv`` (``choices`` = their Choices), and why."""
+
+    family: str
+    choices: tuple[Choice, ...]
+    reason: str
+    deterministic: bool
+
+    @property
+    def whole(self) -> bool:
+        """Whether one family's whole-backward kernel runs (else bwd_dq + bwd_dkdv)."""
+        return len(self.choices) == 1
 
 
 def graph_capturing() -> bool:
@@ -100,6 +125,7 @@ class Dispatcher:
         # path -> (file state, tables): tables = ({key_id: (cfg, row)} of this Triton
         # version, the same of another Triton version, ok rows of this GPU in any environment)
         self._tables: dict[Path, tuple[tuple, tuple[dict, dict, int]]] = {}
+        self._backward: dict[tuple[ProblemKey, bool], BackwardChoice] = {}
         self._warned: set[Path] = set()
         self._lock = threading.Lock()
 
@@ -138,6 +164,25 @@ class Dispatcher:
         self._cache.clear()
         self._capture_defaults.clear()
         self._tables.clear()
+        self._backward.clear()
+        self.fast.clear()
+
+    def mark_failed(self, variant: Variant, error: BaseException | str) -> None:
+        """``variant`` (of a non-portable family) failed to build or launch: warn once
+        per variant per process, never pick it again (the family's other rows, then the
+        portable family, serve its keys) and forget the choices made so far (the
+        databases stay loaded)."""
+        if variant.id not in _failed:
+            why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            _failed[variant.id] = why
+            # a family's typed build error (the Gluon family's GluonBuildError) has warned once already
+            if getattr(error, "variant_id", None) is None:
+                warnings.warn(f"flashgen: the {variant.family} kernel {variant.id} failed to build or launch with "
+                              f"the installed Triton ({why[:300]}); the {families.portable().name} family serves "
+                              "its calls instead (warned once per variant)", stacklevel=3)
+        self._cache.clear()
+        self._capture_defaults.clear()
+        self._backward.clear()
         self.fast.clear()
 
     # -- database reading --------------------------------------------------------
@@ -220,9 +265,14 @@ class Dispatcher:
         return near
 
     def _family(self, cfg: TileConfig, key: ProblemKey):
-        """The family of ``cfg`` when it is registered and serves ``key`` on this arch, else None."""
+        """The family of ``cfg`` when it is registered and serves ``key`` on this arch
+        (and the variant has not failed in this process), else None."""
         fam = families.FAMILIES.get(cfg.family)
-        return fam if fam is not None and fam.unsupported(key, self.arch) is None else None
+        if fam is None or fam.unsupported(key, self.arch) is not None:
+            return None
+        if _failed and Variant(key.spec, cfg).id in _failed:
+            return None
+        return fam
 
     def _nearest(self, key: ProblemKey, tables) -> Choice | None:
         """The nearest tuned bucket of ``key``'s kernel spec and GQA group (log2 distance
@@ -277,9 +327,128 @@ class Dispatcher:
                                    unserved=families.reasons(choice.key, self.arch))
 
     def _default(self, key: ProblemKey) -> Choice:
-        """The heuristic default: the portable family's (other families run only where
-        a measured row says they win)."""
-        return Choice(key, families.portable().default_config(key, self.arch), "default")
+        """The heuristic default: the default of the first other family (registry order)
+        whose measurements put its default ahead of the portable family's for ``key``
+        (``prefers_default``; e.g. the Gluon forward on sm_90), else the portable
+        family's.  Other families' tuned rows compete by measurement as usual."""
+        port = families.portable()
+        for fam in families.FAMILIES.values():
+            prefer = getattr(fam, "prefers_default", None)
+            if fam is port or prefer is None:
+                continue
+            why = prefer(key, self.arch)
+            if why:
+                cfg = fam.default_config(key, self.arch)
+                if cfg is not None and self._family(cfg, key) is not None:
+                    return Choice(key, cfg, "default", note=f"{fam.name}'s default, measured ahead: {why}")
+        return Choice(key, port.default_config(key, self.arch), "default")
+
+    # -- the backward ------------------------------------------------------------
+    def _exact(self, key_id: str) -> Choice | None:
+        """The fastest row of exactly ``key_id`` (this Triton version's rows first) whose
+        family serves its key here; None when there is none."""
+        loaded = [(p, self._table(p)) for p in self.databases()]
+        for i in (0, 1):
+            best = None
+            for path, t in loaded:
+                hit = t[i].get(key_id)
+                if hit is None:
+                    continue
+                cfg, row = hit
+                key = ProblemKey.from_row(row)
+                if self._family(cfg, key) is None:
+                    continue
+                if best is None or row["median_ms"] < best.median_ms:
+                    best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
+                                  tuned_under=self.env.version_note(row))
+            if best is not None:
+                return best
+        return None
+
+    def backward(self, key: ProblemKey, *, deterministic: bool = False,
+                 capturing: bool | None = None) -> BackwardChoice:
+        """How the dense backward of ``key`` (a ``bwd_dq``, ``bwd_dkdv`` or ``bwd`` key)
+        runs, memoized.  The rule, in order:
+
+        1. ``deterministic``: the two kernels ``bwd_dq`` + ``bwd_dkdv`` (the Triton
+           family's separate dQ pass is bitwise repeatable; a whole-backward family's dQ
+           accumulation by reduce-add is not).
+        2. No family that compiles the whole backward (``bwd``) serves the key here: the
+           two kernels (the families' reasons are kept).
+        3. Its best ``bwd`` row (the key's, else its nearest bucket's) against the sum of
+           the best ``bwd_dq`` and ``bwd_dkdv`` rows of the same bucket, all measured on
+           this GPU: the faster.
+        4. Otherwise (no such pair of measurements): that family's row or default where
+           its measurements put its default ahead (``prefers_default``; the Gluon
+           backward on sm_90 at head_dim 128, and 64 causal), else the two kernels.
+
+        The two kernels' configs are :meth:`choose`'s for their own keys."""
+        whole = ("bwd_dq", "bwd_dkdv") if key.spec.mods else ("bwd_dq", "bwd_dkdv", WHOLE_BWD)
+        kernels = {k: dataclasses.replace(key, spec=dataclasses.replace(key.spec, kernel=k)) for k in whole}
+        memo = (kernels["bwd_dq"], bool(deterministic))
+        hit = self._backward.get(memo)
+        if hit is not None:
+            return hit
+        if capturing is None:
+            capturing = graph_capturing()
+        choice = self._backward_uncached(kernels, bool(deterministic), capturing)
+        if not capturing:
+            self._backward[memo] = choice
+        return choice
+
+    def _backward_uncached(self, kernels: dict, deterministic: bool, capturing: bool) -> BackwardChoice:
+        whole_key = kernels.get(WHOLE_BWD)
+
+        def two(reason: str) -> BackwardChoice:
+            cs = tuple(self.choose(kernels[k], capturing=capturing) for k in ("bwd_dq", "bwd_dkdv"))
+            fam = cs[0].family if cs[0].family == cs[1].family else f"{cs[0].family}+{cs[1].family}"
+            return BackwardChoice(fam, cs, reason, deterministic)
+
+        def whole(choice: Choice, reason: str) -> BackwardChoice:
+            choice = self._with_smem(choice)
+            return BackwardChoice(choice.family, (choice,), reason, deterministic)
+
+        if deterministic:
+            return two("deterministic: dQ by a separate pass (bwd_dq), bitwise repeatable; a whole-backward "
+                       "kernel's dQ accumulation by reduce-add is not")
+        if whole_key is None:
+            return two(f"score modifications ({kernels['bwd_dq'].spec.mods}) are compiled into bwd_dq and "
+                       "bwd_dkdv only")
+        fams = [f for f in families.FAMILIES.values() if WHOLE_BWD in f.kernels]
+        serving = [f for f in fams if f.unsupported(whole_key, self.arch) is None]
+        if not serving:
+            why = "; ".join(f"{f.name} does not serve the whole backward: {f.unsupported(whole_key, self.arch)}"
+                            for f in fams)
+            return two(why or "no registered family compiles the whole backward")
+        fam = serving[0]
+        measured = None if capturing else self._lookup(whole_key)
+        if measured is not None and measured.family != fam.name:
+            measured = None
+        if measured is not None:
+            bucket = measured.tuned_key or whole_key.id
+            prefix = f"attn_{WHOLE_BWD}_"
+            pair = [self._exact(bucket.replace(prefix, f"attn_{k}_", 1)) for k in ("bwd_dq", "bwd_dkdv")]
+            if all(c is not None for c in pair):
+                other_ms = pair[0].median_ms + pair[1].median_ms
+                facts = (f"measured at {bucket}: {fam.name} bwd {measured.median_ms:.4f} ms vs "
+                         f"{pair[0].family} bwd_dq + bwd_dkdv {pair[0].median_ms:.4f} + {pair[1].median_ms:.4f} = "
+                         f"{other_ms:.4f} ms")
+                if measured.median_ms <= other_ms:
+                    return whole(measured, facts)
+                return two(facts)
+        prefer = getattr(fam, "prefers_default", None)
+        why = prefer(whole_key, self.arch) if prefer is not None else None
+        if not why:
+            return two(f"untuned: no measurement puts the {fam.name} backward ahead for head_dim "
+                       f"{whole_key.spec.head_dim}, mask {whole_key.spec.mask}")
+        if measured is not None:
+            return whole(measured, f"{fam.name} row without a two-kernel row of its bucket to compare; its "
+                                   f"backward measured ahead: {why}")
+        cfg = fam.default_config(whole_key, self.arch)
+        if cfg is None or self._family(cfg, whole_key) is None:
+            return two(f"the {fam.name} default is not available here")
+        return whole(Choice(whole_key, cfg, "default", note=why), f"untuned: the {fam.name} default measured "
+                     f"ahead: {why}")
 
     def choose(self, key: ProblemKey, *, capturing: bool | None = None) -> Choice:
         """The Choice for ``key`` (memoized).  ``capturing`` (default: ask CUDA whether

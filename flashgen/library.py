@@ -76,17 +76,48 @@ def layout_signature(q: Tensor, k: Tensor, v: Tensor) -> str:
     return "" if ops.tma_ok(q) and ops.tma_ok(k) and ops.tma_ok(v) else "strided"
 
 
+def load_or_fall_back(disp, key: ProblemKey, cfg, choose):
+    """(cfg, module): ``cfg``'s module for ``key``; when a non-portable family's load
+    raises (a Gluon build failure on the installed Triton, of any exception type), the
+    variant is marked failed (one warning per variant per process) and ``choose()``
+    answers again (the dispatcher then skips it; ``choose()`` may answer None: then
+    ``(None, None)``)."""
+    while True:
+        try:
+            return cfg, families.load(Variant(key.spec, cfg))
+        except Exception as e:  # noqa: BLE001 - any build failure of a non-portable family
+            if cfg.family == families.portable().name:
+                raise
+            disp.mark_failed(Variant(key.spec, cfg), e)
+            cfg = choose()
+            if cfg is None:
+                return None, None
+
+
 def _choose(disp, fk, key: ProblemKey, capturing: bool):
     """(TileConfig, loaded module) of ``key``: the dispatcher's family and config, the
     module loaded by that family; memoized under ``fk`` in the dispatcher's ``fast`` table
     unless ``capturing`` (a CUDA graph capture's answer may be the default)."""
     cfg = disp.choose(key, capturing=capturing).config
-    hit = (cfg, families.load(Variant(key.spec, cfg)))
+    hit = load_or_fall_back(disp, key, cfg, lambda: disp.choose(key, capturing=capturing).config)
     if not capturing:
         if len(disp.fast) >= FAST_TABLE_MAX:  # e.g. a decode loop with a growing seqlen_k
             disp.fast.clear()
         disp.fast[fk] = hit
     return hit
+
+
+def _dense_key(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str) -> ProblemKey:
+    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, mods)
+    return ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
+                                 seqlen_q=q.shape[2], seqlen_k=k.shape[2], layout=layout_signature(q, k, v))
+
+
+def _fast_key(kernel, q, k, v, mask, mods):
+    # Strides, dtype and the bases' low address bits decide the layout signature, so
+    # a hit needs no layout_signature() call.
+    return (kernel, mask, q.dtype, q.shape, k.shape, v.shape[3], not q.is_cuda and interpreting(), q.stride(),
+            k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, mods)
 
 
 def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str = ""):
@@ -95,19 +126,56 @@ def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: st
     with it); inside a CUDA graph capture a miss takes the dispatcher's capture-safe
     answer (cache or default) and is not memoized."""
     disp = dispatch.default_dispatcher()
-    interp = not q.is_cuda and interpreting()
-    # Strides, dtype and the bases' low address bits decide the layout signature, so
-    # a hit needs no layout_signature() call.
-    fk = (kernel, mask, q.dtype, q.shape, k.shape, v.shape[3], interp, q.stride(), k.stride(), v.stride(),
-          (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, mods)
+    fk = _fast_key(kernel, q, k, v, mask, mods)
+    hit = disp.fast.get(fk)
+    if hit is not None:
+        return hit
+    return _choose(disp, fk, _dense_key(kernel, q, k, v, mask, mods), dispatch.graph_capturing())
+
+
+def deterministic_backward(deterministic: "bool | None") -> bool:
+    """Whether the backward must be bitwise repeatable: ``deterministic`` when it is a
+    bool, else torch's flag (``torch.use_deterministic_algorithms``) when the backward
+    runs."""
+    return torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
+
+
+def backward_kernels(q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str, deterministic: bool):
+    """The backward's kernels for these inputs, from the default dispatcher
+    (:meth:`flashgen.dispatch.Dispatcher.backward`): ``(cfg, module)`` of one family's
+    whole backward, or ``((cfg_dq, module_dq), (cfg_dkdv, module_dkdv))``.  Memoized per
+    exact sizes like :func:`kernel_for`."""
+    disp = dispatch.default_dispatcher()
+    fk = _fast_key(("bwd", deterministic), q, k, v, mask, mods)
     hit = disp.fast.get(fk)
     if hit is not None:
         return hit
     capturing = dispatch.graph_capturing()
-    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, mods)
-    key = ProblemKey.from_sizes(spec, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k.shape[1],
-                                seqlen_q=q.shape[2], seqlen_k=k.shape[2], layout=layout_signature(q, k, v))
-    return _choose(disp, fk, key, capturing)
+    key = _dense_key("bwd_dq", q, k, v, mask, mods)
+    plan = disp.backward(key, deterministic=deterministic, capturing=capturing)
+    if plan.whole:
+        c = plan.choices[0]
+        hit = load_or_fall_back(disp, c.key, c.config, lambda: None)
+        if hit[0] is None:  # it failed to build: the two kernels (mark_failed forgot the choice)
+            return backward_kernels(q, k, v, mask, mods, deterministic)
+    else:
+        hit = tuple(load_or_fall_back(disp, c.key, c.config, lambda c=c: disp.choose(c.key, capturing=capturing).config)
+                    for c in plan.choices)
+    if not capturing:
+        if len(disp.fast) >= FAST_TABLE_MAX:
+            disp.fast.clear()
+        disp.fast[fk] = hit
+    return hit
+
+
+def fall_back(cfg, kernel: str, q: Tensor, error: BaseException, spec_args) -> None:
+    """A launch of ``cfg`` (a non-portable family's) raised ``error`` (its first launch
+    compiles it): re-raise for the portable family, else mark the variant failed (one
+    warning per variant per process; the dispatcher then skips it)."""
+    if cfg.family == families.portable().name:
+        raise error
+    spec = KernelSpec(kernel, *spec_args)
+    dispatch.default_dispatcher().mark_failed(Variant(spec, cfg), error)
 
 
 class _on_device:
@@ -202,18 +270,28 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
     if not use_kernels(q):
         return reference_forward(q, k, v, scale, lo, hi, mods)
     q, scale, _ = _signed_q(q, scale)
+    name = mods.name if mods is not None else ""
     with _on_device(q):
-        cfg, mod = kernel_for("fwd", q, k, v, mask, mods.name if mods is not None else "")
-        # kernel_for gives a tma config only to inputs a descriptor can address
-        return families.launcher(cfg.family, "fwd")(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo,
-                                                    diag_hi=hi, config=cfg, module=mod, addressable=True, mods=mods)
+        while True:
+            cfg, mod = kernel_for("fwd", q, k, v, mask, name)
+            # kernel_for gives a tma config only to inputs a descriptor can address
+            try:
+                return families.launcher(cfg.family, "fwd")(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo,
+                                                            diag_hi=hi, config=cfg, module=mod, addressable=True,
+                                                            mods=mods)
+            except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
+                fall_back(cfg, "fwd", q, e, (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, name))
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
-             lo: int, hi: int, mods: "ops.ScoreMods | None" = None, delta: Optional[Tensor] = None):
+             lo: int, hi: int, mods: "ops.ScoreMods | None" = None, delta: Optional[Tensor] = None,
+             deterministic: Optional[bool] = None):
     """(dQ, dK, dV): the backward ops' real implementation.  ``delta``: a float32 buffer
     like lse that receives rowsum(dO * O) when the kernels run (the sinks' gradient
-    reads it)."""
+    reads it).  ``deterministic`` (None: torch's ``use_deterministic_algorithms`` flag
+    now): True runs the bwd_dq + bwd_dkdv kernels (bitwise repeatable); otherwise the
+    dispatcher may pick a family's whole backward (:meth:`flashgen.dispatch.Dispatcher.backward`;
+    the Gluon one on sm_90, whose dQ accumulation order varies)."""
     if is_empty(q, k):
         return _zeros_like(q), _zeros_like(k), _zeros_like(v)
     if do.stride(-1) != 1:
@@ -223,10 +301,21 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         return _into(q, dq), _into(k, dk), _into(v, dv)
     q, scale, sign = _signed_q(q, scale)
     name = mods.name if mods is not None else ""
+    # delta is read by the caller (the sinks' gradient): the two kernels write it
+    det = delta is not None or deterministic_backward(deterministic)
     with _on_device(q):
-        cfg_dq, mod_dq = kernel_for("bwd_dq", q, k, v, mask, name)
-        cfg_kv, mod_kv = kernel_for("bwd_dkdv", q, k, v, mask, name)
         kw = dict(softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, addressable=True, mods=mods)
+        while True:
+            plan = backward_kernels(q, k, v, mask, name, det)
+            if len(plan) == 2 and isinstance(plan[0], tuple):
+                break
+            cfg, mod = plan  # one family's whole backward
+            try:
+                dq, dk, dv = families.launcher(cfg.family, "bwd")(do, q, k, v, o, lse, config=cfg, module=mod, **kw)
+                return _signed_dq(dq, sign), dk, dv
+            except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
+                fall_back(cfg, "bwd", q, e, (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, name))
+        (cfg_dq, mod_dq), (cfg_kv, mod_kv) = plan
         if cfg_dq.family == cfg_kv.family:
             dq, dk, dv = families.launcher(cfg_dq.family, "bwd")(do, q, k, v, o, lse, config_dq=cfg_dq,
                                                                  config_dkdv=cfg_kv, module_dq=mod_dq,
@@ -236,11 +325,16 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                                                                    module=mod_dq, delta=delta, **kw)
             dk, dv = families.launcher(cfg_kv.family, "bwd_dkdv")(do, q, k, v, lse, delta, config=cfg_kv,
                                                                   module=mod_kv, **kw)
+    return _signed_dq(dq, sign), dk, dv
+
+
+def _signed_dq(dq: Tensor, sign: int) -> Tensor:
+    """dQ of the launched (non-negative) scale back to the caller's (see :func:`_signed_q`)."""
     if sign == -1:
         dq = dq.neg_()
     elif sign == 0:
         dq = dq.zero_()
-    return dq, dk, dv
+    return dq
 
 
 # -- the ops --------------------------------------------------------------------------
@@ -248,40 +342,40 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 # annotations to infer the schema.)
 
 @torch.library.custom_op("flashgen::fwd", mutates_args=())
-def fwd_op(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+def fwd_op(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int,
+           deterministic: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     return forward(q, k, v, scale, mask, lo, hi)
 
 
 @fwd_op.register_fake
-def _fwd_fake(q, k, v, scale, mask, lo, hi):
+def _fwd_fake(q, k, v, scale, mask, lo, hi, deterministic=None):
     b, h, sq, _ = q.shape
     return q.new_empty((b, h, sq, v.shape[3])), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgen::bwd", mutates_args=())
 def bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
-           lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor]:
-    return backward(do, q, k, v, o, lse, scale, mask, lo, hi)
+           lo: int, hi: int, deterministic: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return backward(do, q, k, v, o, lse, scale, mask, lo, hi, deterministic=deterministic)
 
 
 @bwd_op.register_fake
-def _bwd_fake(do, q, k, v, o, lse, scale, mask, lo, hi):
+def _bwd_fake(do, q, k, v, o, lse, scale, mask, lo, hi, deterministic=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, mask, lo, hi = inputs
+    q, k, v, scale, mask, lo, hi, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = (scale, mask, lo, hi)
+    ctx.args = (scale, mask, lo, hi, deterministic)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    scale, mask, lo, hi = ctx.args
-    dq, dk, dv = torch.ops.flashgen.bwd(do, q, k, v, o, lse, scale, mask, lo, hi)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = torch.ops.flashgen.bwd(do, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
 
 
 fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -293,23 +387,25 @@ class EagerAttention(torch.autograd.Function):
     host_cost.py``).  torch.compile, TorchDispatchModes and functorch transforms still
     go through the ops (:func:`flashgen.api._attention` decides).
 
-    apply(q, k, v, scale, mask, lo, hi, mods) -> (O, LSE), ``mods`` a ScoreMods or None
-    (the eager path of both ``flashgen::fwd`` and ``flashgen::fwd_mods``); LSE is not
+    apply(q, k, v, scale, mask, lo, hi, mods, deterministic=None) -> (O, LSE), ``mods`` a
+    ScoreMods or None (the eager path of both ``flashgen::fwd`` and
+    ``flashgen::fwd_mods``), ``deterministic`` as :func:`backward` takes it; LSE is not
     differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, mask, lo, hi, mods):
+    def forward(ctx, q, k, v, scale, mask, lo, hi, mods, deterministic=None):
         o, lse = forward(q, k, v, scale, mask, lo, hi, mods)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (scale, mask, lo, hi, mods)
+        ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args, deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # -- score modifications (softcap, ALiBi, bias, dropout) -----------------------------
@@ -577,11 +673,7 @@ def backward_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
             do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
             mask=mask, win_left=left, win_right=right, config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq,
             module_dkdv=mod_kv)
-    if sign == -1:
-        dq = dq.neg_()
-    elif sign == 0:
-        dq = dq.zero_()
-    return dq, dk, dv
+    return _signed_dq(dq, sign), dk, dv
 
 
 @torch.library.custom_op("flashgen::fwd_varlen", mutates_args=())

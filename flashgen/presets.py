@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .spec import DENSE_KERNELS, KernelSpec, ProblemKey, Shape, base_kernel, is_decode
+from .spec import DENSE_KERNELS, WHOLE_BWD, KernelSpec, ProblemKey, Shape, base_kernel, is_decode
 
 Entry = tuple  # (head_dim (= head_dim_v), mask, Shape[, kernel in decode presets | mods in dense ones])
 
@@ -126,7 +126,8 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
     """(ProblemKey, Shape) for every entry of the named presets and every kernel, in
     preset order; a key already produced keeps its first shape.  Dense presets tune
     the dense kernels and varlen presets the varlen ones, whichever of the two names
-    of a kernel ``kernels`` gives; decode presets tune each entry's own kernel (only
+    of a kernel ``kernels`` gives (``bwd``, the whole backward, only in dense presets
+    without score mods); decode presets tune each entry's own kernel (only
     those ``kernels`` names when it names a decode kernel).  Raises KeyError naming
     the known presets for an unknown name."""
     kernels = tuple(kernels)
@@ -142,9 +143,13 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
                     out.setdefault(shape.key(KernelSpec(k, dtype, d, d, mask)), shape)
             continue
         varlen = name in VARLEN_PRESETS
-        kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in training))
+        # the whole backward (``bwd``, one family's single launch sequence) has no varlen form
+        kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in training
+                                    if not (varlen and k == WHOLE_BWD)))
         for d, mask, shape, *mods in PRESETS[name]():
             for k in kinds:
+                if k == WHOLE_BWD and any(mods):
+                    continue  # score mods are compiled into bwd_dq and bwd_dkdv only
                 key = shape.key(KernelSpec(k, dtype, d, d, mask, *mods))
                 out.setdefault(key, shape)
     return list(out.items())

@@ -35,6 +35,15 @@ DENSE_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 VARLEN_KERNELS = ("fwd_varlen", "bwd_dkdv_varlen", "bwd_dq_varlen")
 DECODE_KERNELS = ("decode", "decode_paged")
 KERNELS = DENSE_KERNELS + VARLEN_KERNELS + DECODE_KERNELS
+#: The whole dense backward as one kernel name (dQ, dK and dV of one call): what a
+#: family whose backward is one launch sequence tunes (the Gluon family: preprocess,
+#: main kernel, dQ convert, timed together).  Not in :data:`KERNELS`, the Triton
+#: family's, whose backward is ``bwd_dq`` + ``bwd_dkdv`` under their own keys; the
+#: dispatcher compares a ``bwd`` row against the sum of those two
+#: (:meth:`flashgen.dispatch.Dispatcher.backward`).
+WHOLE_BWD = "bwd"
+#: Every kernel name a KernelSpec, a ProblemKey or a DB row may carry.
+ALL_KERNELS = KERNELS + (WHOLE_BWD,)
 #: The mask modes the decode kernels compile (a sliding window is not served).
 DECODE_MASKS = ("none", "causal")
 
@@ -179,8 +188,8 @@ class KernelSpec:
             if self.kernel not in DENSE_KERNELS:
                 raise ValueError(f"score modifications ({self.mods}) are compiled into {DENSE_KERNELS} only, "
                                  f"not {self.kernel!r}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel not in ALL_KERNELS:
+            raise ValueError(f"kernel must be one of {ALL_KERNELS}, got {self.kernel!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mask not in MASKS:
@@ -211,6 +220,11 @@ class KernelSpec:
         return f"{base}_{self.mods}" if self.mods else base
 
 
+#: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
+_FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"))
+_INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"))
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """What the tuner searches: tile sizes, warps per program, software-pipeline depth,
@@ -231,7 +245,23 @@ class TileConfig:
     the dispatcher picks between families by measured rows like any other knob).  It
     defaults to :data:`DEFAULT_FAMILY` and is a prefix of ``id`` only when it is not the
     default, so the ids (and the DB rows, generated files and code hashes) of the plain
-    Triton family never change: ``m128_n64_w8_s3`` vs ``gluon_m128_n128_w4_s2``.
+    Triton family never change: ``m128_n64_w8_s3`` vs ``gluon_m64_n128_w8_s2``.
+
+    The Gluon family's knobs (:mod:`flashgen.families.gluon`) follow, each 0 unless set
+    and in ``id`` only when set, so no Triton id changes.  For that family BLOCK_M is the
+    query rows per consumer warpgroup (forward) or per step (backward), BLOCK_N the key
+    rows per K/V tile (forward) or per consumer (backward), ``num_warps`` the consumer
+    warps (4 per consumer warpgroup; the producer's warpgroup comes on top) and
+    ``num_stages`` the depth of the shared-memory ring.  ``consumer_regs`` /
+    ``producer_regs``: setmaxnreg budgets (0: the family's default split for the consumer
+    count; ``_r240-24``); ``pin`` 1 keeps the forward's exponentials between its two
+    wgmma waits (``_pin``); ``persistent`` 1: one forward program per SM slot (``_pers``);
+    ``ctas_per_sm``: forward programs resident per SM (0 = 1; ``_x2``); ``dq_atomic`` 1:
+    the backward adds dQ by float32 atomics instead of TMA reduce-add (``_dqat``);
+    ``row_load``: how the backward's consumers get LSE and delta (0 TMA through the ring,
+    1 the producer's loads, 2 their own pointer loads; ``_rows1``); ``producer_warps``
+    (0 = 1; ``_p4``); ``split`` 1: one partition per backward consumer warpgroup
+    (``_split``).
     """
 
     BLOCK_M: int
@@ -242,6 +272,15 @@ class TileConfig:
     ws: int = 0
     num_splits: int = 0
     family: str = DEFAULT_FAMILY
+    consumer_regs: int = 0
+    producer_regs: int = 0
+    pin: int = 0
+    persistent: int = 0
+    ctas_per_sm: int = 0
+    dq_atomic: int = 0
+    row_load: int = 0
+    producer_warps: int = 0
+    split: int = 0
 
     @property
     def id(self) -> str:
@@ -254,6 +293,15 @@ class TileConfig:
             s += "_ws"
         if self.num_splits:
             s += f"_sp{self.num_splits}"
+        if self.consumer_regs or self.producer_regs:
+            s += f"_r{self.consumer_regs}-{self.producer_regs}"
+        for name, tag in _FLAG_TAGS:
+            if getattr(self, name):
+                s += tag
+        for name, tag in _INT_TAGS:
+            val = getattr(self, name)
+            if val:
+                s += f"_{tag}{val}"
         return s
 
     def as_dict(self) -> dict:

@@ -91,7 +91,11 @@ class ModelBenchmarker:
     and by 64 resident warps per SM.  Defaults: an H200's 4.8 TB/s of HBM and 989 TFLOP/s
     of dense 16-bit tensor-core math (its datasheet), 5 us per launch.  A window mask
     (sizes not in the key) is modelled as no mask; decode kernels read their K/V once
-    and run batch x kv heads x num_splits programs.
+    and run batch x kv heads x num_splits programs.  Gluon variants: a forward program
+    owns BLOCK_M x consumers query rows (consumers = num_warps / 4) and ``ctas_per_sm``
+    programs (default 1) share an SM (setmaxnreg hands them the register file); the
+    whole backward (``bwd``) is the dK/dV kernel's traffic over BLOCK_N x consumers key
+    rows plus a float32 dQ tile added per (key block, query block), and 3 launches.
     """
 
     def __init__(self, arch, hbm_bytes_per_s: float = 4.8e12, tensor_flops_per_s: float = 989e12,
@@ -109,7 +113,20 @@ class ModelBenchmarker:
         p = iomodel.Problem(shape.seqlen_q, shape.seqlen_k, s.head_dim, s.head_dim_v, shape.batch,
                             shape.num_heads, shape.num_kv_heads, s.dtype_bytes, causal=causal)
         kv_heads = shape.batch * shape.num_kv_heads
-        if is_decode(s.kernel):
+        gluon = variant.family == "gluon"
+        launches = 1
+        if gluon and kernel == "bwd":
+            nt = c.BLOCK_N * max(1, c.num_warps // 4)
+            io = iomodel.tiled_bwd_dkdv(p, c.BLOCK_M, nt)
+            io.add("dQ float32 reduce-add, one tile per (key block, query block)", "write",
+                   -(-shape.seqlen_k // nt) * shape.batch * shape.num_heads * shape.seqlen_q * s.head_dim * 4)
+            programs = kv_heads * -(-shape.seqlen_k // nt)
+            launches = 3
+        elif gluon:
+            rows = c.BLOCK_M * max(1, c.num_warps // 4)
+            io = iomodel.tiled_forward(p, rows, c.BLOCK_N)
+            programs = shape.batch * shape.num_heads * -(-shape.seqlen_q // rows)
+        elif is_decode(s.kernel):
             io = iomodel.tiled_forward(iomodel.Problem(shape.seqlen_q, shape.seqlen_k, s.head_dim,
                                                        s.head_dim_v, shape.batch, shape.num_heads,
                                                        shape.num_kv_heads, s.dtype_bytes),
@@ -127,12 +144,17 @@ class ModelBenchmarker:
         flops = attention_flops(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k, s.head_dim,
                                 s.head_dim_v, causal=causal, kernel=s.kernel)
         smem = max(1, families.get(variant.family).estimate(variant, self.arch).total_bytes)
-        per_sm = max(1, min(self.arch.smem_per_block_optin // smem, 64 // c.num_warps))
+        if gluon:
+            per_sm = c.ctas_per_sm or 1
+            if c.persistent:
+                programs = min(programs, self.arch.sm_count * per_sm)
+        else:
+            per_sm = max(1, min(self.arch.smem_per_block_optin // smem, 64 // c.num_warps))
         slots = self.arch.sm_count * per_sm
         waves = -(-programs // slots)
         occupancy = programs / (waves * slots)
         busy_s = max(io.total_bytes / self.hbm_bytes_per_s, flops / self.tensor_flops_per_s)
-        return (busy_s / occupancy + self.launch_s) * 1e3
+        return (busy_s / occupancy + launches * self.launch_s) * 1e3
 
     def __call__(self, variant: Variant, shape: Shape) -> Measurement:
         self.calls.append(variant.id)
@@ -156,11 +178,19 @@ class TuneResult:
     wall_s: float
 
 
-def study_name(env: Environment, key: ProblemKey) -> str:
+def study_name(env: Environment, key: ProblemKey, family_names: Iterable[str] | None = None) -> str:
     """``<gpu slug>/<key id>/triton<version>/<template hash>``: a new Triton or template
-    starts a new study, as it invalidates the old rows."""
+    starts a new study, as it invalidates the old rows.  The hash is the Triton family's
+    where it is searched; each other searched family (``family_names``, default: every
+    registered one that compiles the kernel) adds ``+<name>-<its hash>``, so a study
+    over other families is another study (and the Triton-only names never change)."""
     slug = re.sub(r"[^a-z0-9]+", "-", env.gpu_name.lower()).strip("-")
-    return f"{slug}/{key.id}/triton{env.triton_version}/{env.template_hash(key.spec.kernel)}"
+    kernel = key.spec.kernel
+    names = [f.name for f in families.FAMILIES.values() if kernel in f.kernels
+             and (family_names is None or f.name in set(family_names))]
+    parts = [env.template_hash(kernel) if n == DEFAULT_FAMILY else f"+{n}-{env.template_hash(kernel, '', n)}"
+             for n in names]
+    return f"{slug}/{key.id}/triton{env.triton_version}/{''.join(parts)}"
 
 
 def open_storage(storage: str | Path | optuna.storages.BaseStorage | None,
@@ -208,10 +238,33 @@ def _sampler(name: str, kernel: str, seed: int) -> optuna.samplers.BaseSampler:
     raise ValueError(f"sampler must be 'tpe' or 'grid', got {name!r}")
 
 
-def search_space(key: ProblemKey, arch: Arch) -> dict[str, dict[str, tuple]]:
+def search_space(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None
+                 ) -> dict[str, dict[str, tuple]]:
     """family name -> its knob domains for ``key``, for each registered family that serves
-    ``key`` on ``arch`` (registry order: the portable family first)."""
-    return {f.name: f.domain(key) for f in families.serving(key, arch)}
+    ``key`` on ``arch`` (registry order: the portable family first), only those of
+    ``family_names`` when given (``flashgen tune --family``)."""
+    names = None if family_names is None else set(family_names)
+    return {f.name: f.domain(key) for f in families.serving(key, arch) if names is None or f.name in names}
+
+
+def default_config(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None) -> TileConfig | None:
+    """The config a study measures first: the dispatcher's heuristic default among the
+    families searched (a family whose measurements put its default ahead of the
+    portable one's, ``prefers_default``, else the portable family's), else the first
+    searched family's default; None when no searched family serves ``key``."""
+    space = search_space(key, arch, family_names)
+    fams = [families.get(n) for n in space]
+    for fam in fams:
+        prefer = getattr(fam, "prefers_default", None)
+        if fam.name != DEFAULT_FAMILY and prefer is not None and prefer(key, arch):
+            cfg = fam.default_config(key, arch)
+            if cfg is not None:
+                return cfg
+    for fam in sorted(fams, key=lambda f: f.name != DEFAULT_FAMILY):
+        cfg = fam.default_config(key, arch)
+        if cfg is not None:
+            return cfg
+    return None
 
 
 def _param(family: str, knob: str) -> str:
@@ -234,13 +287,17 @@ def _suggest(trial: optuna.Trial, space: dict[str, dict[str, tuple]]) -> TileCon
     return TileConfig(**knobs, **({} if family == DEFAULT_FAMILY else {"family": family}))
 
 
-def feasible_variants(keys: Iterable[ProblemKey], arch: Arch) -> list[Variant]:
+def feasible_variants(keys: Iterable[ProblemKey], arch: Arch, family_names: Iterable[str] | None = None
+                      ) -> list[Variant]:
     """Every valid variant of the keys' specs whose shared-memory estimate fits ``arch``
-    (what a benchmarker may precompile), over the families that serve each key, without
-    duplicates, in registry and domain order."""
+    (what a benchmarker may precompile), over the families that serve each key (those of
+    ``family_names`` when given), without duplicates, in registry and domain order."""
     out: dict[str, Variant] = {}
+    names = None if family_names is None else set(family_names)
     for key in keys:
         for fam in families.serving(key, arch):
+            if names is not None and fam.name not in names:
+                continue
             for cfg in families.configs(fam, key):
                 v = Variant(key.spec, cfg)
                 if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
@@ -323,7 +380,8 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
              env: Environment, arch: Arch, n_trials: int, timeout_s: float | None = None,
              storage: str | Path | optuna.storages.BaseStorage | None = None, seed: int = 0,
              on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None,
-             sampler: str = "tpe", worker: str | None = None) -> TuneResult:
+             sampler: str = "tpe", worker: str | None = None,
+             family_names: Iterable[str] | None = None) -> TuneResult:
     """Tune ``key`` by measuring ``shape`` until the study has ``n_trials`` completed
     trials (earlier runs and other workers sharing the storage count) or ``timeout_s``
     seconds have passed.  ``sampler``: ``tpe`` (Optuna's TPE) or ``grid`` (every config
@@ -333,17 +391,22 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     The heuristic default config is measured first and enqueued as the study's first
     trial, followed by :func:`transfer_configs` (the winners of the nearest keys
     already tuned in ``db``).  ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its
-    DB row.  Never raises for a failing candidate.
+    DB row.  ``family_names``: search only these kernel families (default: every one
+    that serves ``key`` on ``arch``); a key none of them serves raises InputError.
+    Never raises for a failing candidate.
     """
     t0 = time.perf_counter()
-    space = search_space(key, arch)
+    space = search_space(key, arch, family_names)
+    if not space:
+        raise InputError(f"no kernel family of {sorted(family_names or families.FAMILIES)} serves {key.id} on "
+                         f"{arch.sm}: " + "; ".join(f"{n}: {why}" for n, why in families.reasons(key, arch)))
     kw = dict(benchmarker=benchmarker, db=db, env=env, arch=arch)
     study = optuna.create_study(storage=open_storage(storage, db),
                                 sampler=_sampler(sampler, key.spec.kernel, seed),
-                                study_name=study_name(env, key), direction="minimize",
+                                study_name=study_name(env, key, space), direction="minimize",
                                 load_if_exists=True)
 
-    default = families.portable().default_config(key, arch)
+    default = default_config(key, arch, space)
     try:
         default_row = _measure(key, shape, default, **kw)
     except MissingTiming:
@@ -352,7 +415,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     # grid point it does not evaluate).
     if sampler != "grid" and not study.trials:
         # The default first, then what won for the nearest keys already tuned here.
-        firsts = [default, *transfer_configs(key, db, env, arch)]
+        firsts = [default, *(c for c in transfer_configs(key, db, env, arch) if c.family in space)]
         for params in (_params(c, space) for c in dict.fromkeys(firsts)):
             if params is not None:
                 study.enqueue_trial(params)
@@ -416,10 +479,13 @@ def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker,
          storage: str | Path | optuna.storages.BaseStorage | None = None, seed: int = 0,
          on_key: Callable[[int, int, ProblemKey], None] | None = None,
          on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None,
-         sampler: str = "tpe", worker: str | None = None) -> list[TuneResult]:
+         sampler: str = "tpe", worker: str | None = None,
+         family_names: Iterable[str] | None = None) -> list[TuneResult]:
     """:func:`tune_key` for each (key, shape) in order, sharing one storage.
     ``on_key(index, n_keys, key)`` is called before each key (e.g. to drive a progress
-    bar)."""
+    bar).  ``family_names``: as :func:`tune_key`; keys none of them serves on ``arch``
+    are left out (:func:`servable`)."""
+    items = servable(items, arch, family_names)
     items = list(items)
     st = open_storage(storage, db)
     results = []
@@ -428,8 +494,17 @@ def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker,
             on_key(i, len(items), key)
         results.append(tune_key(key, shape, benchmarker=benchmarker, db=db, env=env, arch=arch,
                                 n_trials=n_trials, timeout_s=timeout_per_key_s, storage=st,
-                                seed=seed, on_trial=on_trial, sampler=sampler, worker=worker))
+                                seed=seed, on_trial=on_trial, sampler=sampler, worker=worker,
+                                family_names=family_names))
     return results
+
+
+def servable(items: Iterable[tuple[ProblemKey, Shape]], arch: Arch, family_names: Iterable[str] | None = None
+             ) -> list[tuple[ProblemKey, Shape]]:
+    """The (key, shape) pairs that some family of ``family_names`` (default: any
+    registered one) serves on ``arch``."""
+    names = None if family_names is None else tuple(family_names)
+    return [(k, s) for k, s in items if search_space(k, arch, names)]
 
 
 # -- several worker processes sharing the studies (Optuna's distributed optimization) --
@@ -458,6 +533,7 @@ class WorkerConfig:
     fake_timings: dict | None = None
     fake_delay_s: float = 0.0
     fake_model: bool = False
+    family_names: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -496,7 +572,7 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
         order = items[k % len(items):] + items[:k % len(items)] if items else items
         tune(order, benchmarker=bench, db=db, env=cfg.env, arch=cfg.arch, n_trials=cfg.n_trials,
              timeout_per_key_s=cfg.timeout_per_key_s, storage=cfg.storage, seed=cfg.seed + k,
-             sampler=cfg.sampler, worker=cfg.name)
+             sampler=cfg.sampler, worker=cfg.name, family_names=cfg.family_names)
 
 
 def fail_trials_of(storage: str | optuna.storages.BaseStorage, worker: str) -> int:
@@ -555,18 +631,19 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
 
 
 def summarize(items: Iterable[tuple[ProblemKey, Shape]], *, db: TuningDB, env: Environment,
-              arch: Arch, storage: str | Path | optuna.storages.BaseStorage | None = None
-              ) -> list[TuneResult]:
+              arch: Arch, storage: str | Path | optuna.storages.BaseStorage | None = None,
+              family_names: Iterable[str] | None = None) -> list[TuneResult]:
     """TuneResults of keys already tuned (by any number of workers), from the DB and the
     studies, without measuring anything."""
     st = open_storage(storage, db)
     out = []
     for key, _ in items:
-        default = families.portable().default_config(key, arch)
-        drow = db.lookup(key, Variant(key.spec, default).id, env)
+        names = list(search_space(key, arch, family_names))
+        default = default_config(key, arch, names)
+        drow = None if default is None else db.lookup(key, Variant(key.spec, default).id, env)
         best = db.best(key, env)
         try:
-            study = optuna.load_study(study_name=study_name(env, key), storage=st)
+            study = optuna.load_study(study_name=study_name(env, key, names), storage=st)
             n = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         except KeyError:
             n = 0

@@ -80,7 +80,8 @@ def test_merge(tmp_path, timings):
 
 @pytest.mark.parametrize("args, name", [
     (["tune", "--preset", "nope"], "--preset"),
-    (["tune", "--kernels", "fwd,bwd"], "--kernels"),
+    (["tune", "--kernels", "fwd,backward"], "--kernels"),  # (bwd is the whole backward: a kernel name)
+    (["tune", "--family", "cuda"], "--family"),
     (["tune", "--preset", "mods-dropout", "--kernels", "decode"], "--kernels"),  # no keys: not a silent no-op
     (["tune", "--dtype", "int8"], "--dtype"),
     (["tune", "--trials", "0"], "--trials"),

@@ -11,7 +11,7 @@ import torch
 import flashgen
 from flashgen import arch as farch
 from flashgen import compile as fcompile
-from flashgen import dispatch, heuristics, ops, reference, resources
+from flashgen import dispatch, families, heuristics, ops, reference, resources
 from flashgen.db import TuningDB
 from flashgen.dispatch import Dispatcher
 from flashgen.env import Environment
@@ -25,6 +25,9 @@ KEY = SHAPE.key(SPEC)
 OTHER_BUCKET = Shape(2, 8, 8, 4096, 4096).key(SPEC)
 FAR_BUCKET = Shape(2, 8, 8, 16384, 16384).key(SPEC)
 C1, C2, C3 = TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 2), TileConfig(64, 32, 4, 1)
+#: An untuned forward key on sm_90 runs the Gluon family's default (it measured ahead of
+#: the Triton family's tuned forward on the H200, docs/results/h200/gluon_fwd).
+DEFAULT = families.get("gluon").default_config(KEY, ARCH)
 
 
 def rec(db, cfg, ms, key=KEY, env=ENV, status="ok"):
@@ -45,10 +48,16 @@ def test_no_database_gives_the_heuristic_default(db_path):
     for d in (disp(), disp(db_path)):  # no databases / a path that does not exist
         ch = d.choose(KEY)
         assert ch.source == "default" and ch.tuned_key is None and ch.median_ms is None
-        assert ch.config == heuristics.default_config(SPEC, ARCH)
-        est = resources.estimate(Variant(SPEC, ch.config), ARCH)
+        assert ch.config == DEFAULT and ch.family == "gluon" and "docs/results/h200/gluon_fwd" in ch.note
+        est = families.get("gluon").estimate(Variant(SPEC, ch.config), ARCH)
         assert ch.smem_bytes == est.total_bytes and ch.smem_breakdown == est.breakdown()
         assert d.config_for(KEY) == ch.config
+    # where the Gluon family does not serve (sm_80, the interpreter), the Triton heuristic
+    for a in (farch.TABLE["sm_80"], farch.INTERPRETER):
+        ch = disp(arch=a).choose(KEY)
+        assert ch.config == heuristics.default_config(SPEC, a) and ch.family == "triton" and ch.note is None
+        est = resources.estimate(Variant(SPEC, ch.config), a)
+        assert ch.smem_bytes == est.total_bytes and ch.smem_breakdown == est.breakdown()
     # the default depends on the architecture
     big = KernelSpec("fwd", "bfloat16", 128, 128, "none")
     k = SHAPE.key(big)
@@ -93,7 +102,7 @@ def test_nearest_bucket_of_the_same_spec(db_path):
     gqa = Shape(2, 8, 2, 1024, 1024).key(SPEC)
     assert gqa.group == 4
     ch = disp(db_path).choose(gqa)
-    assert ch.source == "default" and ch.config == heuristics.default_config(SPEC, ARCH)
+    assert ch.source == "default" and ch.config == DEFAULT
 
 
 @pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("compute_capability", "8.0")])
@@ -105,7 +114,7 @@ def test_rows_of_another_environment_are_ignored_with_a_warning(db_path, field, 
     d = disp(db_path)
     with pytest.warns(UserWarning, match="no rows for this environment"):
         ch = d.choose(KEY)
-    assert ch.source == "default" and ch.config == heuristics.default_config(SPEC, ARCH)
+    assert ch.source == "default" and ch.config == DEFAULT
     # one warning per database, not per call
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -45,8 +45,9 @@ def _qkv(b=1, h=4, hk=2, sq=9, sk=13, d=16, dv=24, dtype=torch.float32, grad=Fal
 def test_ops_are_registered():
     assert torch.ops.flashgen.fwd.default is library.FWD and torch.ops.flashgen.bwd.default is library.BWD
     schema = str(library.FWD._schema)
-    assert schema.startswith("flashgen::fwd(Tensor q, Tensor k, Tensor v, float scale, str mask, SymInt lo, SymInt hi)")
-    assert str(library.BWD._schema).endswith("-> (Tensor, Tensor, Tensor)")
+    assert schema.startswith("flashgen::fwd(Tensor q, Tensor k, Tensor v, float scale, str mask, SymInt lo, SymInt hi, "
+                             "bool? deterministic=None)")  # None: torch's flag when the backward runs
+    assert str(library.BWD._schema).endswith("bool? deterministic=None) -> (Tensor, Tensor, Tensor)")
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"])

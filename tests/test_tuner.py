@@ -5,7 +5,7 @@ import random
 import optuna
 import pytest
 
-from flashgen import heuristics, presets, render, resources, space, tuner
+from flashgen import families, heuristics, presets, render, resources, space, tuner
 from flashgen.arch import Arch
 from flashgen.db import TuningDB
 from flashgen.env import Environment
@@ -24,6 +24,10 @@ SMALL = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "num_warps": (4, 8), "num_s
 @pytest.fixture(autouse=True)
 def template_hashes(monkeypatch):
     monkeypatch.setattr(render, "template_hash", lambda k, mods="": f"tmpl-{k}-{mods}")
+    # The Triton family's search alone (ARCH is sm_90-like, where the Gluon family also
+    # serves fwd keys; tests/test_gluon_family.py tunes both).
+    for name in [n for n in families.FAMILIES if n != "triton"]:
+        monkeypatch.delitem(families.FAMILIES, name)
 
 
 @pytest.fixture

@@ -56,6 +56,28 @@ subclass it, and must not import this package, which imports it):
     ``lse``, ``dq``, ``delta``, ``dk``, ``dv`` that the benchmarker passes,
     :func:`flashgen.bench.run_variant`).  Only the names of the kernels it serves.
 
+Optional: ``prefers_default(key, arch) -> str | None``: the measurement that puts this
+family's default ahead of the portable family's for an untuned ``key`` (the dispatcher
+then serves that default, :meth:`flashgen.dispatch.Dispatcher._default`, and ``explain``
+prints the reason); absent or None: the portable default serves untuned keys.
+
+The backward of two shapes
+--------------------------
+The Triton family's backward is two kernels, ``bwd_dq`` and ``bwd_dkdv``, each with its
+own ProblemKey, rows and tiles.  A family whose backward is one launch sequence writing
+dQ, dK and dV (Gluon: preprocess, main kernel, dQ convert) lists the kernel name ``bwd``
+(:data:`flashgen.spec.WHOLE_BWD`, in :data:`flashgen.spec.ALL_KERNELS`, not in the
+Triton family's :data:`flashgen.spec.KERNELS`) and times the whole sequence as one row
+of the ``bwd`` key; its ``launcher("bwd")`` takes ``(do, q, k, v, o, lse, *, ...,
+config, dq, dk, dv)``.  (The Triton family's ``launcher("bwd")`` is its two kernels in
+a row, taking ``config_dq``/``config_dkdv``.)  :meth:`flashgen.dispatch.Dispatcher.backward`
+chooses per key: the two kernels when the caller asks for a deterministic backward;
+else the best ``bwd`` row (key or nearest bucket) against the sum of the best ``bwd_dq``
+and ``bwd_dkdv`` rows of that same bucket, both measured on this GPU, the faster wins;
+without such a pair, the family's ``prefers_default`` decides (Gluon: head_dim 128,
+and 64 causal, where the H200 measurements put its default ahead), else the two
+kernels.  The Triton keys, rows and ids are untouched by this.
+
 Then add its name to :data:`REGISTRY` (and its package to ``packages`` in
 pyproject.toml, so wheels carry it; tests/test_families.py checks that).
 tests/test_families.py also registers an in-test family and checks the tuner, the
@@ -74,6 +96,7 @@ from ..spec import DEFAULT_FAMILY, ProblemKey, TileConfig, Variant
 #: and gives the heuristic default) first.
 REGISTRY = (
     "triton",  # plain Triton: every kernel, sm_80+ and the CPU interpreter
+    "gluon",  # Gluon (FlashAttention-3's Hopper schedule): fwd and the whole backward on sm_90
 )
 
 

@@ -263,7 +263,10 @@ def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -
 # --------------------------------------------------------------------------- render / load
 
 def _templates_dir() -> Path:
-    return Path(__file__).resolve().parents[3] / "templates"
+    """Where the templates are, in a checkout and in an installed wheel alike."""
+    from ...render import templates_dir
+
+    return templates_dir()
 
 
 @functools.lru_cache(maxsize=None)

@@ -87,12 +87,13 @@ def _sm_count(device: torch.device) -> int:
 
 
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-        config: GluonFwdConfig | None = None, out=None, lse=None, check_inputs: bool = True):
+        config: GluonFwdConfig | None = None, out=None, lse=None, check_inputs: bool = True, module=None):
     """O and LSE of softmax(q k^T * softmax_scale) v under the mask (see the module
     docstring for shapes and layout).  ``config``: the knobs (default:
     :func:`flashgen.families.gluon.config.default_config`).  ``out``/``lse``: buffers to
     write (e.g. NaN-poisoned by a test); ``lse`` must be contiguous float32.
     ``check_inputs=False`` skips :func:`unsupported` (the caller has run it).
+    ``module``: the variant's loaded module when the caller holds it (skips the lookup).
 
     Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
     if check_inputs:
@@ -115,7 +116,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    mod = load(GluonFwdVariant(spec, config))
+    mod = module if module is not None else load(GluonFwdVariant(spec, config))
     rows = config.BLOCK_M
     num_m_blocks = -(-sq // (rows * config.num_consumers))
     num_tiles = num_m_blocks * b * h

@@ -28,8 +28,12 @@ class TritonFamily:
     _launch = None  # the launch module, once imported
 
     def unsupported(self, key: ProblemKey, arch) -> str | None:
-        """None: it serves every kernel, mask, mods and layout (a config's shared memory
-        is checked per config)."""
+        """None: it serves every kernel of :data:`KERNELS`, mask, mods and layout (a
+        config's shared memory is checked per config).  The whole backward as one kernel
+        (``bwd``) is not one of them: its backward is ``bwd_dq`` + ``bwd_dkdv``, each
+        tuned under its own key."""
+        if key.spec.kernel not in KERNELS:
+            return f"its backward is two kernels, bwd_dq and bwd_dkdv, with keys of their own, not {key.spec.kernel}"
         return None
 
     def domain(self, key: ProblemKey) -> dict[str, tuple]:

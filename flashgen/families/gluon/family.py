@@ -1,0 +1,304 @@
+"""The Gluon family behind :class:`flashgen.families.Family`: what the tuner, the
+dispatcher and ``explain`` see of the Gluon forward (:mod:`.config`, :mod:`.render`,
+:mod:`.launch`) and backward (:mod:`.bwd`).
+
+Kernels: ``fwd`` and ``bwd``, the whole backward (:data:`flashgen.spec.WHOLE_BWD`:
+preprocess, main kernel and dQ convert, one row timing all three).  Served on sm_90
+only (compute capability 9.0 exactly: wgmma, setmaxnreg and TMA as these kernels use
+them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, the head
+dims the configs allow, inputs a tensor descriptor can address (layout ""), no score
+mods; masks none, causal and window.  Everything else is the Triton family's, and
+:meth:`GluonFamily.unsupported` says why.
+
+The knobs live in :class:`flashgen.spec.TileConfig` (its Gluon fields, 0 unless set):
+:func:`fwd_config` / :func:`bwd_config` turn one into the kernels' own config and
+:func:`tile_config` back.  ``num_warps`` is 4 per consumer warpgroup; a register budget
+of 0 is the default split for the consumer count (:func:`.config.default_regs`, and the
+backward's 240/24 for two consumers, 248/24 for one, as :func:`.bwd.search_space`).
+
+This module imports neither torch nor triton (the launchers import them when called).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ...arch import INTERPRETER
+from ...resources import SmemEstimate
+from ...spec import DEFAULT_FAMILY, WHOLE_BWD, ProblemKey, TileConfig, Variant
+from . import bwd as B
+from . import config as C
+
+NAME = "gluon"
+_ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
+#: The TileConfig knobs each Gluon kernel reads (the others must stay 0).
+_FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
+              "persistent", "ctas_per_sm", "family"}
+_BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
+              "row_load", "producer_warps", "split", "family"}
+
+#: Where the Gluon backward's default measured ahead of the Triton family's backward on
+#: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
+#: the whole backward, both families in one run): (head_dim, mask) -> the measurement.
+#: d64 non-causal measured a tie (359 vs 359 at 8,32,2048,64) and windows were not
+#: timed, so those keys keep the Triton backward until a tuned row says otherwise.
+BWD_DEFAULT_AHEAD = {
+    (128, "none"): "514 vs 411 TFLOP/s at 4,16,4096,128",
+    (128, "causal"): "530 vs 421 at 1,16,16384,128; 431 vs 367 at 4,16,4096,128",
+    (64, "causal"): "367 vs 319 at 4,32,4096,64; 307 vs 272 at 8,32,2048,64",
+}
+#: The Gluon forward's default against the Triton family's tuned forward on the H200
+#: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.80-0.91x in the
+#: same run): the default for every forward key it serves.
+FWD_DEFAULT_AHEAD = "0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.80-0.91x (docs/results/h200/gluon_fwd)"
+
+
+def fwd_spec(key_or_spec) -> C.GluonFwdSpec:
+    s = getattr(key_or_spec, "spec", key_or_spec)
+    return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, s.mask)
+
+
+@functools.lru_cache(maxsize=4096)
+def fwd_config(c: TileConfig) -> C.GluonFwdConfig:
+    """The Gluon forward config a TileConfig names (memoized: the launcher's hot path)."""
+    nc, ctas = c.num_warps // 4, c.ctas_per_sm or 1
+    cr, pr = (c.consumer_regs, c.producer_regs) if c.consumer_regs or c.producer_regs else \
+        C.default_regs(nc, ctas) if nc in (1, 2, 3) and ctas in (1, 2) else (0, 0)
+    return C.GluonFwdConfig(BLOCK_M=c.BLOCK_M, num_consumers=nc, BLOCK_N=c.BLOCK_N, num_stages=c.num_stages,
+                            consumer_regs=cr, producer_regs=pr, pin_exps=bool(c.pin),
+                            persistent=bool(c.persistent), ctas_per_sm=ctas)
+
+
+def _bwd_default_regs(consumers: int) -> tuple[int, int]:
+    return (240 if consumers == 2 else B.MAX_REGS), 24
+
+
+@functools.lru_cache(maxsize=4096)
+def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
+    """The Gluon backward config a TileConfig names."""
+    n = c.num_warps // 4
+    cr, pr = (c.consumer_regs, c.producer_regs) if c.consumer_regs or c.producer_regs else _bwd_default_regs(n)
+    row_load = _ROW_LOADS[c.row_load] if 0 <= c.row_load < len(_ROW_LOADS) else f"code {c.row_load}"
+    return B.GluonBwdConfig(block_m=c.BLOCK_M, block_n=c.BLOCK_N, consumers=n, stages=c.num_stages,
+                            dq_mode="atomic" if c.dq_atomic else "tma", consumer_regs=cr, producer_regs=pr,
+                            row_load=row_load, producer_warps=c.producer_warps or 1, split=bool(c.split))
+
+
+def tile_config(g) -> TileConfig:
+    """The TileConfig of a GluonFwdConfig or a GluonBwdConfig (register budgets at their
+    default split, and other knobs at their default, are stored as 0)."""
+    if isinstance(g, C.GluonFwdConfig):
+        regs = (g.consumer_regs, g.producer_regs)
+        default = C.default_regs(g.num_consumers, g.ctas_per_sm)
+        return TileConfig(g.BLOCK_M, g.BLOCK_N, 4 * g.num_consumers, g.num_stages, family=NAME,
+                          consumer_regs=0 if regs == default else regs[0],
+                          producer_regs=0 if regs == default else regs[1], pin=int(g.pin_exps),
+                          persistent=int(g.persistent), ctas_per_sm=0 if g.ctas_per_sm == 1 else g.ctas_per_sm)
+    regs = (g.consumer_regs, g.producer_regs)
+    default = _bwd_default_regs(g.consumers)
+    return TileConfig(g.block_m, g.block_n, 4 * g.consumers, g.stages, family=NAME,
+                      consumer_regs=0 if regs == default else regs[0],
+                      producer_regs=0 if regs == default else regs[1], dq_atomic=int(g.dq_mode == "atomic"),
+                      row_load=_ROW_LOADS.index(g.row_load), producer_warps=0 if g.producer_warps == 1 else
+                      g.producer_warps, split=int(g.split))
+
+
+def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
+    return [f"{f.name}={getattr(c, f.name)}: not a knob of this Gluon kernel (must be 0)"
+            for f in dataclasses.fields(c) if f.name not in allowed and getattr(c, f.name) != f.default]
+
+
+class GluonFamily:
+    name = NAME
+    kernels = ("fwd", WHOLE_BWD)
+    _launch = None
+
+    # -- what it serves ---------------------------------------------------------------
+    def unsupported(self, key: ProblemKey, arch) -> str | None:
+        """Why the Gluon family cannot serve ``key`` on ``arch`` (None when it can)."""
+        s = key.spec
+        if s.kernel not in self.kernels:
+            return (f"compiles fwd and the whole backward (bwd: dQ, dK, dV in one launch sequence), not "
+                    f"{s.kernel}")
+        if arch.name == INTERPRETER.name:
+            return "its kernels do not run in Triton's interpreter (CPU)"
+        if tuple(arch.compute_capability) != (9, 0):
+            return f"built for sm_90 (wgmma, setmaxnreg, TMA as Hopper has them); this is {arch.sm}"
+        if s.dtype not in C.DTYPES:
+            return f"dtype {s.dtype}: float16 or bfloat16 only"
+        if key.layout == "strided":
+            return "needs inputs a tensor descriptor can address (layout strided)"
+        if s.mods:
+            return f"score modifications ({s.mods}) are the Triton family's"
+        if s.mask not in C.MASKS:
+            return f"mask {s.mask}: one of {C.MASKS}"
+        if s.kernel == "fwd":
+            if s.head_dim not in C.HEAD_DIMS or s.head_dim_v not in C.HEAD_DIMS:
+                return f"head dims ({s.head_dim}, {s.head_dim_v}): the Gluon forward is built for {C.HEAD_DIMS}"
+            try:
+                C.default_config(fwd_spec(key))
+            except ValueError as e:
+                return str(e)
+        else:
+            if s.head_dim not in B.HEAD_DIMS or s.head_dim_v != s.head_dim:
+                return (f"head dims ({s.head_dim}, {s.head_dim_v}): the Gluon backward is built for "
+                        f"head_dim = head_dim_v in {B.HEAD_DIMS}")
+        return _gluon_missing()
+
+    def domain(self, key: ProblemKey) -> dict[str, tuple]:
+        """The knob domains; their product filtered by :meth:`violated_rules` is exactly
+        :func:`.config.space` (forward) / :func:`.bwd.search_space` (backward)."""
+        if key.spec.kernel == "fwd":
+            return {"BLOCK_M": (64,), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12), "num_stages": (2, 3, 4, 5, 6),
+                    "pin": (0, 1), "persistent": (0, 1), "ctas_per_sm": (0, 2)}
+        return {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
+                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1)}
+
+    def violated_rules(self, v: Variant) -> list[str]:
+        s, c = v.spec, v.config
+        if s.kernel == "fwd":
+            why = _foreign_knobs(c, _FWD_KNOBS)
+            if c.num_warps % 4:
+                why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
+            return why + C.check(C.GluonFwdVariant(fwd_spec(s), fwd_config(c)))
+        if s.kernel == WHOLE_BWD:
+            why = _foreign_knobs(c, _BWD_KNOBS)
+            if c.num_warps % 4:
+                why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
+            if s.head_dim_v != s.head_dim:
+                why.append(f"head_dim_v {s.head_dim_v} != head_dim {s.head_dim}")
+            if not 0 <= c.row_load < len(_ROW_LOADS):
+                why.append(f"row_load={c.row_load}: 0 (TMA), 1 (producer) or 2 (pointer loads)")
+                return why
+            return why + B.invalid_reasons(bwd_config(c), s.head_dim, s.dtype, s.mask)
+        return [f"kernel {s.kernel}: the Gluon family compiles {self.kernels}"]
+
+    def estimate(self, v: Variant, arch) -> SmemEstimate:
+        s = v.spec
+        if s.kernel == "fwd":
+            g = fwd_config(v.config)
+            limit = min(arch.smem_per_block_optin, C.smem_limit(g)) if g.ctas_per_sm in (1, 2) else \
+                arch.smem_per_block_optin
+            note = f"{g.ctas_per_sm} programs per SM" if g.ctas_per_sm == 2 else ""
+            return SmemEstimate(C.smem_terms(fwd_spec(s), g), limit, note)
+        return SmemEstimate(B.smem_terms(bwd_config(v.config), s.head_dim), arch.smem_per_block_optin)
+
+    def adapt(self, config: TileConfig, key: ProblemKey) -> TileConfig:
+        """A Gluon row of another bucket runs as tuned (its tiles do not depend on the sizes)."""
+        return config
+
+    def default_config(self, key: ProblemKey, arch) -> TileConfig | None:
+        """The Gluon default (:func:`.config.default_config`, :func:`.bwd.default_config`)
+        where the family serves ``key``, else None."""
+        if self.unsupported(key, arch) is not None:
+            return None
+        s = key.spec
+        if s.kernel == "fwd":
+            return tile_config(C.default_config(fwd_spec(s)))
+        return tile_config(B.default_config(s.head_dim, s.dtype, s.mask))
+
+    def prefers_default(self, key: ProblemKey, arch) -> str | None:
+        """The measurement that puts this family's default ahead of the portable family's
+        for an untuned ``key`` (None: the portable default serves it)."""
+        if self.unsupported(key, arch) is not None:
+            return None
+        s = key.spec
+        if s.kernel == "fwd":
+            return FWD_DEFAULT_AHEAD
+        seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
+        return None if seen is None else f"H200, {seen} (docs/results/h200/gluon_bwd)"
+
+    # -- code ---------------------------------------------------------------------------
+    def template_hash(self, kernel: str, mods: str = "") -> str:
+        """The hash of the Gluon template text of ``kernel`` (templates/gluon/): a
+        template edit invalidates exactly the rows of that kernel's Gluon variants."""
+        if kernel == "fwd":
+            from .render import template_hash
+
+            return "g" + template_hash()[1:]
+        if kernel == WHOLE_BWD:
+            return "g" + B.template_hash()[1:]
+        raise KeyError(f"the Gluon family compiles {self.kernels}, not {kernel!r}")
+
+    def render(self, v: Variant) -> str:
+        s = v.spec
+        if s.kernel == "fwd":
+            from .render import render
+
+            return render(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
+        return B.render(bwd_config(v.config), s.dtype, s.head_dim, s.mask)
+
+    def load(self, v: Variant):
+        """The imported module; :class:`.build.GluonBuildError` (warned once per variant)
+        when it does not build on the installed Triton."""
+        from . import build
+
+        s = v.spec
+        if s.kernel == "fwd":
+            return build.load_fwd(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
+        return build.load_bwd(bwd_config(v.config), s.dtype, s.head_dim, s.mask)
+
+    def launcher(self, name: str):
+        """``fwd`` (:func:`fwd`) or ``bwd`` (:func:`bwd`, the whole backward)."""
+        if name == "fwd":
+            return fwd
+        if name == WHOLE_BWD:
+            return bwd
+        raise KeyError(f"the Gluon family launches {self.kernels}, not {name!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_missing() -> str | None:
+    """Why the installed Triton's Gluon cannot build these kernels (None: it can)."""
+    from .shim import IMPORT_ERROR
+
+    return None if IMPORT_ERROR is None else f"the installed Triton's Gluon is not usable: {IMPORT_ERROR}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig) -> str:
+    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask), g).id
+
+
+def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,
+        module=None, addressable: bool = False, mods=None, out=None, lse=None):
+    """The family's forward launcher, in :func:`flashgen.ops.fwd`'s form: (O, LSE).
+    ``addressable=True`` (the dispatcher's key has layout "") skips the input checks of
+    :func:`.launch.unsupported`.  Raises ValueError for score mods (the Triton family's)."""
+    if mods is not None:
+        raise ValueError(f"gluon fwd: score modifications ({mods.name}) are the Triton family's")
+    from .build import building
+    from .launch import _DTYPES, fwd as launch
+
+    g = fwd_config(config)
+    # the first launch compiles: a build failure is a GluonBuildError (warned once per variant)
+    with building(_fwd_id(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g)):
+        return launch(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
+                      config=g, out=out, lse=lse, check_inputs=not addressable, module=module)
+
+
+def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,
+        module=None, addressable: bool = False, mods=None, dq=None, dk=None, dv=None, delta=None):
+    """The family's whole backward: (dQ, dK, dV) with the shapes and dtypes of q, k, v
+    (:func:`.bwd.attention_bwd`: preprocess, main kernel, dQ convert; dQ accumulated in
+    float32 by reduce-add, not bitwise repeatable).  ``delta``, when given, is not
+    written (no caller of this family reads it: the sinks' gradient is the Triton
+    family's)."""
+    if mods is not None:
+        raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's")
+    from .build import building
+    from .launch import _tma_ok
+
+    # dO from autograd may be an expanded view (a sum's gradient); O a slice: the
+    # descriptors need 16-byte aligned strides
+    do = do if _tma_ok(do) else do.contiguous()
+    o = o if _tma_ok(o) else o.contiguous()
+    g = bwd_config(config)
+    with building(B.variant_id(g, str(q.dtype).removeprefix("torch."), q.shape[3], mask)):
+        return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
+                               mask=mask, config=g, dq=dq, dk=dk, dv=dv)
+
+
+FAMILY = GluonFamily()
+assert FAMILY.name != DEFAULT_FAMILY

@@ -1,0 +1,381 @@
+"""The Gluon kernel family through the registry, without a GPU: what it serves and why
+not, its search space, the dispatcher's choice between families (forward rows, the
+whole backward against bwd_dq + bwd_dkdv, untuned defaults), the deterministic
+backward, the fallback to the Triton family on a build failure, the tuner's Gluon rows
+through the DB and explain, and the launchers with the arguments bench and the library
+pass (kernels replaced by recorders: shapes and grids only)."""
+
+import dataclasses
+import tomllib
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import bench, dispatch, families, library, reference, tuner
+from flashgen.api import explain
+from flashgen.arch import INTERPRETER, by_sm
+from flashgen.db import TuningDB
+from flashgen.dispatch import Dispatcher
+from flashgen.env import Environment
+from flashgen.families.gluon import bwd as B
+from flashgen.families.gluon import config as C
+from flashgen.families.gluon import family as F
+from flashgen.spec import KernelSpec, Measurement, ProblemKey, Shape, TileConfig, Variant
+
+GLUON = families.get("gluon")
+SM90 = by_sm("sm_90")
+H200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+SHAPE = Shape(1, 2, 2, 64, 64)
+
+
+def key(kernel="fwd", dtype="float16", d=64, dv=None, mask="causal", mods="", layout="", shape=SHAPE):
+    k = shape.key(KernelSpec(kernel, dtype, d, d if dv is None else dv, mask, mods))
+    return dataclasses.replace(k, layout=layout)
+
+
+# -- what it serves ---------------------------------------------------------------------
+
+def test_unsupported_reasons():
+    assert GLUON.unsupported(key(), SM90) is None
+    assert GLUON.unsupported(key("bwd", "bfloat16", 128, mask="window"), SM90) is None
+    assert GLUON.unsupported(key(d=96, dv=192, mask="none"), SM90) is None  # d != dv in the forward
+    cases = {
+        "compiles fwd and the whole backward": (key("bwd_dq"), SM90),
+        "Triton's interpreter": (key(), INTERPRETER),
+        "this is sm_80": (key(), by_sm("sm_80")),
+        "this is sm_89": (key(), by_sm("sm_89")),
+        "this is sm_100": (key(), by_sm("sm_100")),
+        "this is sm_120": (key(), by_sm("sm_120")),
+        "float16 or bfloat16 only": (key(dtype="float32"), SM90),
+        "tensor descriptor can address (layout strided)": (key(layout="strided"), SM90),
+        "score modifications (softcap) are the Triton family's": (key(mods="softcap"), SM90),
+        "the Gluon forward is built for": (key(d=80), SM90),
+        "head_dim = head_dim_v in (64, 128)": (key("bwd", d=96), SM90),
+    }
+    for words, (k, arch) in cases.items():
+        why = GLUON.unsupported(k, arch)
+        assert why is not None and words in why, (words, why)
+    assert "bwd_dq and bwd_dkdv" in families.portable().unsupported(key("bwd"), SM90)
+    assert families.portable().unsupported(key("bwd_dq"), SM90) is None
+
+
+def test_search_space_is_the_gluon_space_and_ids_round_trip():
+    for k, space in ((key("fwd", d=128, mask="none"), set(C.space(F.fwd_spec(key("fwd", d=128, mask="none"))))),
+                     (key("bwd", d=64, mask="causal"), set(B.search_space(64, "float16", "causal")))):
+        ok = [c for c in families.configs(GLUON, k) if not GLUON.violated_rules(Variant(k.spec, c))]
+        conv = F.fwd_config if k.spec.kernel == "fwd" else F.bwd_config
+        assert {conv(c) for c in ok} == space and len(ok) == len(space) > 10
+        assert all(c.family == "gluon" and c.id.startswith("gluon_m") for c in ok)
+        assert all(F.tile_config(conv(c)) == c for c in ok)
+        # infeasible or invalid configs are rejected by the rules, never compiled
+        assert len(list(families.configs(GLUON, k))) > len(ok)
+    assert TileConfig(64, 64, 4, 2).id == "m64_n64_w4_s2"  # Triton ids unchanged
+    c = F.tile_config(C.default_config(C.GluonFwdSpec("bfloat16", 128, 128, "causal")))
+    assert c.id == "gluon_m64_n128_w8_s2_pin" and TileConfig.from_dict(c.as_dict()) == c
+
+
+# -- the dispatcher ---------------------------------------------------------------------
+
+def _record(db, k, cfg, ms, env=H200):
+    db.record(k, SHAPE, Variant(k.spec, cfg), Measurement("ok", median_ms=ms), env, 0)
+
+
+GFWD = F.tile_config(C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=2, consumer_regs=240,
+                                      producer_regs=24))
+GBWD = GLUON.default_config(key("bwd"), SM90)
+T1, T2 = TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1)
+
+
+@pytest.mark.parametrize("gluon_ms, winner", [(0.5, GFWD), (2.0, T1)])
+def test_dispatch_forward_by_measurement(tmp_path, gluon_ms, winner):
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key(), T1, 1.0)
+        _record(db, key(), GFWD, gluon_ms)
+    c = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90).choose(key(), capturing=False)
+    assert (c.config, c.source) == (winner, "tuned")
+
+
+@pytest.mark.parametrize("gluon_ms, whole", [(1.5, True), (2.5, False)])
+def test_dispatch_backward_compares_the_whole_backward_with_the_two_kernels(tmp_path, gluon_ms, whole):
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key("bwd_dq"), T1, 1.0)
+        _record(db, key("bwd_dkdv"), T2, 1.0)
+        _record(db, key("bwd"), GBWD, gluon_ms)
+    d = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
+    plan = d.backward(key("bwd_dq"), capturing=False)
+    assert plan.whole is whole and "measured at attn_bwd_d64_fp16_causal" in plan.reason
+    if whole:
+        assert plan.family == "gluon" and plan.choices[0].config == GBWD
+    else:
+        assert plan.family == "triton" and [c.config for c in plan.choices] == [T1, T2]
+    det = d.backward(key("bwd_dq"), deterministic=True, capturing=False)
+    assert not det.whole and det.reason.startswith("deterministic") and det.family == "triton"
+
+
+def test_untuned_defaults_follow_the_measurements():
+    d = Dispatcher([], env=H200, arch=SM90)
+    fwd = d.choose(key(), capturing=False)
+    assert fwd.family == "gluon" and fwd.source == "default" and "gluon_fwd" in fwd.note
+    for k, whole in ((key("bwd_dq", d=128, mask="none"), True), (key("bwd_dq", d=64, mask="causal"), True),
+                     (key("bwd_dq", d=64, mask="none"), False), (key("bwd_dq", d=128, mask="window"), False)):
+        plan = d.backward(k, capturing=False)
+        assert plan.whole is whole, (k.id, plan.reason)
+        assert ("gluon_bwd" in plan.reason) if whole else ("no measurement puts the gluon backward" in plan.reason)
+    # where Gluon does not serve: the Triton family, with its reason
+    for arch in (by_sm("sm_80"), INTERPRETER):
+        d = Dispatcher([], env=H200, arch=arch)
+        assert d.choose(key(), capturing=False).family == "triton"
+        plan = d.backward(key("bwd_dq", d=128, mask="none"), capturing=False)
+        assert not plan.whole and "gluon does not serve the whole backward" in plan.reason
+    plan = Dispatcher([], env=H200, arch=SM90).backward(key("bwd_dq", mods="softcap"), capturing=False)
+    assert not plan.whole and "score modifications" in plan.reason
+
+
+# -- the runtime path: deterministic backward, fallback --------------------------------
+
+class Recorder:
+    """The Gluon family's launchers replaced by the float32 reference (and a log)."""
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def launcher(self, name):
+        def fwd(q, k, v, *, softmax_scale, mask, diag_lo, diag_hi, config, module=None, addressable=False,
+                mods=None, out=None, lse=None):
+            self.calls.append(("fwd", config))
+            if self.fail:
+                raise RuntimeError("simulated Gluon build failure")
+            return library.reference_forward(q, k, v, softmax_scale, diag_lo, diag_hi)
+
+        def bwd(do, q, k, v, o, lse, *, softmax_scale, mask, diag_lo, diag_hi, config, module=None,
+                addressable=False, mods=None, **out):
+            self.calls.append(("bwd", config))
+            if self.fail:
+                raise RuntimeError("simulated Gluon build failure")
+            dq, dk, dv = library.reference_backward(do, q, k, v, softmax_scale, diag_lo, diag_hi)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+        return {"fwd": fwd, "bwd": bwd}[name]
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(GLUON, "launcher", rec.launcher)
+    monkeypatch.setattr(GLUON, "load", lambda v: f"module of {v.id}")
+    monkeypatch.setattr(dispatch, "_failed", {})
+    dispatch.set_default_dispatcher(Dispatcher([], env=H200, arch=SM90))
+    yield rec
+    dispatch.set_default_dispatcher(None)
+
+
+def _inputs(d=64):
+    torch.manual_seed(0)
+    return [torch.randn(1, 2, 64, d, dtype=torch.float16, requires_grad=True) for _ in range(3)]
+
+
+def _run(deterministic=None, d=64):
+    q, k, v = _inputs(d)
+    flashgen.attention(q, k, v, causal=True, deterministic=deterministic).float().square().sum().backward()
+    return q.grad, k.grad, v.grad
+
+
+def test_deterministic_selects_the_two_kernels(sm90):
+    _run()  # default: Gluon forward and (d64 causal: measured ahead) Gluon backward
+    assert [c[0] for c in sm90.calls] == ["fwd", "bwd"]
+    sm90.calls.clear()
+    g = _run(deterministic=True)  # forward Gluon, backward the Triton kernels (interpreter)
+    assert [c[0] for c in sm90.calls] == ["fwd"]
+    assert all(torch.equal(a, b) for a, b in zip(g, _run(deterministic=True)))  # bitwise repeatable
+    sm90.calls.clear()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert library.deterministic_backward(None) is True
+        _run()
+        assert [c[0] for c in sm90.calls] == ["fwd"]
+        sm90.calls.clear()
+        _run(deterministic=False)  # an explicit False wins over torch's flag
+        assert [c[0] for c in sm90.calls] == ["fwd", "bwd"]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert library.deterministic_backward(None) is False
+    q, k, v = _inputs()
+    e = str(explain(q, k, v, causal=True, dispatcher=dispatch.default_dispatcher(), deterministic=True))
+    assert "backward: triton bwd_dq + bwd_dkdv, bitwise repeatable; deterministic=True" in e
+    e = str(explain(q, k, v, causal=True, dispatcher=dispatch.default_dispatcher()))
+    assert "backward: gluon whole backward (bwd), not bitwise repeatable" in e and "kernel family gluon" in e
+    with pytest.raises(flashgen.InputError, match="deterministic must be None or a bool"):
+        flashgen.attention(q, k, v, deterministic=1)
+
+
+def test_build_failure_falls_back_with_one_warning(sm90):
+    sm90.fail = True
+    q, k, v = _inputs()
+    ref = reference.forward(q.detach(), k.detach(), v.detach(), causal=True)[0]
+    with pytest.warns(UserWarning, match="failed to build or launch.*simulated Gluon build failure") as w:
+        q2, k2, v2 = _inputs()
+        flashgen.attention(q2, k2, v2, causal=True).float().sum().backward()
+    assert len([x for x in w if "failed to build" in str(x.message)]) == 2  # the fwd and the bwd variant
+    assert {c[0] for c in sm90.calls} == {"fwd", "bwd"} and len(dispatch._failed) == 2
+    sm90.calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # once per variant per process
+        with torch.no_grad():
+            out = flashgen.attention(q, k, v, causal=True)
+    assert sm90.calls == [] and (out.double() - ref).abs().max().item() < 2e-3
+    assert dispatch.default_dispatcher().choose(key(), capturing=False).family == "triton"
+
+
+def test_load_failure_falls_back(sm90, monkeypatch):
+    def broken(v):
+        raise ImportError("gluon kernel does not build here")
+
+    monkeypatch.setattr(GLUON, "load", broken)
+    q, k, v = _inputs()
+    with pytest.warns(UserWarning, match="does not build here"):
+        with torch.no_grad():
+            flashgen.attention(q, k, v, causal=True)
+    assert sm90.calls == []
+
+
+# -- the tuner, the DB and explain ------------------------------------------------------
+
+def test_tuner_writes_gluon_rows_that_round_trip(tmp_path):
+    items = [(key(k, d=128, mask="none", shape=Shape(1, 2, 2, 128, 128)), Shape(1, 2, 2, 128, 128))
+             for k in ("fwd", "bwd", "bwd_dq", "bwd_dkdv")]
+    fast_bwd = F.tile_config(B.GluonBwdConfig(64, 64, 2, 3, "atomic", 240, 24, "producer", 1, False))
+    timings = {Variant(items[1][0].spec, fast_bwd).id: 0.5}
+    bench_ = tuner.FakeBenchmarker(timings, default=1.0)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        assert list(tuner.search_space(items[0][0], SM90)) == ["triton", "gluon"]
+        assert list(tuner.search_space(items[0][0], SM90, ("gluon",))) == ["gluon"]
+        assert tuner.servable(items, SM90, ("gluon",)) == items[:2]
+        grid = len(families.configs(GLUON, items[0][0]))  # the larger of the two grids
+        res = tuner.tune(items[:2], benchmarker=bench_, db=db, env=H200, arch=SM90, n_trials=grid,
+                         sampler="grid", family_names=("gluon",))
+        assert all(v.startswith("attn_fwd_d128_fp16_none_gluon_") or v.startswith("attn_bwd_d128_fp16_none_gluon_")
+                   for v in bench_.calls)
+        assert res[1].best_config == fast_bwd and res[1].best_median_ms == 0.5
+        best = db.best_configs(H200)
+        assert best[items[1][0].id][0] == fast_bwd and best[items[1][0].id][1]["family"] == "gluon"
+        assert best[items[1][0].id][1]["dq_atomic"] == 1 and best[items[1][0].id][1]["row_load"] == 1
+        n_fwd = len([c for c in families.configs(GLUON, items[0][0])
+                     if not GLUON.violated_rules(Variant(items[0][0].spec, c))])
+        assert len({v for v in bench_.calls if "_fwd_" in v}) == n_fwd  # every valid config once, no invalid one
+        # the Triton family's two backward kernels, slower in sum than the Gluon row
+        _record(db, items[2][0], T1, 0.4)
+        _record(db, items[3][0], T2, 0.3)
+        row = db.lookup(items[2][0], Variant(items[2][0].spec, T1).id, H200)
+        assert row["consumer_regs"] is None and row["family"] == "triton"  # Triton rows: no Gluon knobs
+    d = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
+    q, k, v = (torch.empty(1, 2, 128, 128, dtype=torch.float16, device="meta") for _ in range(3))
+    e = explain(q, k, v, dispatcher=d)
+    assert [c.kernel for c in e.kernels] == ["fwd", "bwd"] and e.kernels[1].config == fast_bwd.id
+    assert "gluon bwd 0.5000 ms vs triton bwd_dq + bwd_dkdv 0.4000 + 0.3000 = 0.7000 ms" in e.backward
+    assert "kernel family gluon" in str(e) and "triton does not serve it: its backward is two kernels" in str(e)
+
+
+# -- the launchers with the arguments bench and the library pass ----------------------
+
+class _Kernel:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.log.append((self.name, grid, args, kw))
+
+
+class _Module:
+    NUM_WARPS, MAXNREG = 8, 168
+
+    def __init__(self):
+        self.log = []
+        for n in ("attn_fwd", "attn_bwd_preprocess", "attn_bwd", "attn_bwd_convert"):
+            setattr(self, n, _Kernel(self.log, n))
+
+
+def test_launchers_take_the_bench_arguments(monkeypatch):
+    mod = _Module()
+    spec = KernelSpec("fwd", "float16", 128, 128, "causal")
+    cfg = GLUON.default_config(key("fwd", d=128), SM90)
+    q, k, v, do = bench.make_inputs(spec, Shape(2, 4, 2, 200, 300), device="cpu")
+    fn, outs = bench.run_variant(Variant(spec, cfg), q, k, v, do, arch=SM90)
+    monkeypatch.setattr("flashgen.families.gluon.render.load", lambda variant: mod)
+    checked = []  # the input checks run (their "q is not on a CUDA device" is this machine's)
+    monkeypatch.setattr("flashgen.families.gluon.launch.unsupported", lambda *a, **kw: checked.append(kw) or None)
+    fn()
+    assert checked and checked[0]["mask"] == "causal" and checked[0]["out"] is outs["O"]
+    (name, grid, args, kw), = mod.log
+    assert name == "attn_fwd" and grid == (-(-200 // 128) * 2 * 4,) and kw == {"num_warps": 8, "maxnreg": 168}
+    assert outs["O"].shape == (2, 4, 200, 128) and outs["LSE"].shape == (2, 4, 200)
+    assert args[4] is outs["LSE"] and args[6:10] == (-(-200 // 128) * 2 * 4, -(-200 // 128), 4, 2)
+    # the whole backward: preprocess, main kernel (one program per 128 key rows and kv head), convert
+    bspec = KernelSpec("bwd", "float16", 128, 128, "causal")
+    bcfg = GLUON.default_config(key("bwd", d=128), SM90)
+    monkeypatch.setattr(B, "load", lambda *a, **kw: mod)
+    mod.log.clear()
+    fn, outs = bench.run_variant(Variant(bspec, bcfg), q, k, v, do, arch=SM90)
+    fn()
+    assert [e[0] for e in mod.log] == ["attn_bwd_preprocess", "attn_bwd", "attn_bwd_convert"]
+    assert mod.log[1][1] == (-(-300 // 128), 2 * 2)
+    assert [outs[n].shape for n in ("dQ", "dK", "dV")] == [q.shape, k.shape, v.shape]
+
+
+def test_wheel_carries_the_gluon_family_and_templates():
+    root = Path(__file__).resolve().parent.parent
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "flashgen.families.gluon" in pyproject["tool"]["setuptools"]["packages"]
+    assert "gluon/*.j2" in pyproject["tool"]["setuptools"]["package-data"]["flashgen.templates"]
+    assert {"attn_fwd.py.j2", "attn_bwd.py.j2"} <= {p.name for p in (root / "templates" / "gluon").glob("*.j2")}
+
+
+def test_a_gluon_build_error_warns_once_through_the_family(monkeypatch):
+    """The family's launcher turns a build failure into GluonBuildError (flashgen's
+    Gluon build module warns once); the dispatcher then skips the variant without a
+    second warning."""
+    from flashgen.families.gluon import build
+
+    monkeypatch.setattr(build, "_failed", {})
+    monkeypatch.setattr(dispatch, "_failed", {})
+    monkeypatch.setattr(GLUON, "load", lambda v: f"module of {v.id}")
+
+    def renamed(*a, **kw):
+        raise ImportError("cannot import name 'async_copy_global_to_shared'")
+
+    monkeypatch.setattr("flashgen.families.gluon.launch.fwd", renamed)
+    dispatch.set_default_dispatcher(Dispatcher([], env=H200, arch=SM90))
+    try:
+        q, k, v = (t.detach() for t in _inputs())
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = flashgen.attention(q, k, v, causal=True)
+            out2 = flashgen.attention(q, k, v, causal=True)
+        mine = [x for x in w if issubclass(x.category, UserWarning) and "build" in str(x.message)]
+        assert len(mine) == 1 and issubclass(mine[0].category, build.GluonFallbackWarning)
+        assert "async_copy_global_to_shared" in str(mine[0].message) and len(dispatch._failed) == 1
+        ref = reference.forward(q, k, v, causal=True)[0]
+        assert (out.double() - ref).abs().max().item() < 2e-3 and torch.equal(out, out2)
+    finally:
+        dispatch.set_default_dispatcher(None)
+
+
+def test_the_backward_launcher_takes_an_expanded_do(monkeypatch):
+    """autograd hands a sum's gradient as an expanded (stride 0) view: the launcher
+    passes the kernels a descriptor-addressable copy instead of failing."""
+    seen = {}
+
+    def attention_bwd(do, q, k, v, o, lse, **kw):
+        B.check_inputs(do, q, k, v, o, lse)
+        seen["do"] = do
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    monkeypatch.setattr(B, "attention_bwd", attention_bwd)
+    q, k, v = (torch.randn(1, 2, 64, 64, dtype=torch.float16) for _ in range(3))
+    o, lse = torch.randn_like(q), torch.zeros(1, 2, 64)
+    do = torch.ones((), dtype=torch.float16).expand_as(q)
+    dq, dk, dv = GLUON.launcher("bwd")(do, q, k, v, o, lse, softmax_scale=0.125, mask="none", diag_lo=-64,
+                                       diag_hi=64, config=GBWD)
+    assert seen["do"].is_contiguous() and torch.equal(seen["do"], do) and dq.shape == q.shape
