@@ -119,6 +119,9 @@ def test_untuned_defaults_follow_the_measurements():
     d = Dispatcher([], env=H200, arch=SM90)
     fwd = d.choose(key(), capturing=False)
     assert fwd.family == "gluon" and fwd.source == "default" and "gluon_fwd" in fwd.note
+    # head dims the Gluon forward was checked for but never timed keep the portable default
+    for d_, dv_ in ((96, 96), (256, 256), (128, 64)):
+        assert d.choose(key(d=d_, dv=dv_), capturing=False).family == "triton", (d_, dv_)
     for k, whole in ((key("bwd_dq", d=128, mask="none"), True), (key("bwd_dq", d=64, mask="causal"), True),
                      (key("bwd_dq", d=64, mask="none"), False), (key("bwd_dq", d=128, mask="window"), False)):
         plan = d.backward(k, capturing=False)
