@@ -905,7 +905,7 @@ class Explanation:
     """What a call would run (see :func:`explain`)."""
 
     backend: str  # "flashgen" | "torch-sdpa-fallback"
-    path: str  # e.g. "triton kernels on cuda:0", "reference (CPU, float32 math)"
+    path: str  # e.g. "generated kernels on cuda:0 (...)", "reference (CPU, float32 math)"
     reason: str | None  # why torch's SDPA runs it (backend torch-sdpa-fallback)
     mask: str | None  # none | causal | window
     diag_lo: int | None  # query i sees key j iff diag_lo <= j - i <= diag_hi
@@ -972,7 +972,7 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     if library.is_empty(q, k):
         path = "no launch (an empty input: O = 0, LSE = -inf)"
     elif q.is_cuda:
-        path = f"triton kernels on {q.device}"
+        path = f"generated kernels on {q.device} (each kernel's family below)"
     elif q.is_meta:
         path = "sizes only (meta tensors): the kernels a GPU run would launch"
     elif library.interpreting():

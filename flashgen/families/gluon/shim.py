@@ -32,6 +32,8 @@ Triton has no Gluon or a warp_specialize of another form.
 
 from __future__ import annotations
 
+import functools
+
 import inspect
 
 try:
@@ -94,8 +96,15 @@ def require() -> None:
 
 def nvmma_layout(block_shape, dtype_name: str):
     """The NVMMA shared layout Gluon picks by default for a TMA box of ``block_shape``
-    with elements of ``dtype_name`` ("float16" / "bfloat16")."""
+    with elements of ``dtype_name`` ("float16" / "bfloat16").  Memoized: the layout is
+    a frozen value, and building it costs about a tenth of a Gluon launch's host time
+    (every call builds four to eleven tensor descriptors)."""
     require()
+    return _nvmma_layout(tuple(block_shape), dtype_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _nvmma_layout(block_shape: tuple, dtype_name: str):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, dtype_name))
 
 
