@@ -555,12 +555,19 @@ class TuningDB:
         ``versions=False``: the same over the rows of ``env``'s GPU, compute capability
         and code hashes measured under another Triton version (what the dispatcher serves
         next, flagged)."""
-        out: dict[str, tuple[TileConfig, dict]] = {}
+        return {k: rows[0] for k, rows in self.best_configs_by_family(env, versions).items()}
+
+    def best_configs_by_family(self, env: Environment,
+                               versions: bool = True) -> dict[str, tuple[tuple[TileConfig, dict], ...]]:
+        """key id -> the best (TileConfig, row) of each kernel family with an ok row in
+        ``env``, fastest first (``versions`` as in :meth:`best_configs`).  What the
+        dispatcher loads: the fastest family's row may not serve the key on the arch at
+        hand (the Gluon family on sm_80, or in the interpreter), and then the next
+        family's row does."""
+        out: dict[str, list[tuple[TileConfig, dict]]] = {}
         for r in self.best_rows(env, versions=versions):
-            have = out.get(r["key"])
-            if have is None or (r["median_ms"], r["id"]) < (have[1]["median_ms"], have[1]["id"]):
-                out[r["key"]] = (TileConfig.from_dict(r), r)
-        return out
+            out.setdefault(r["key"], []).append((TileConfig.from_dict(r), r))
+        return {k: tuple(sorted(v, key=lambda cr: (cr[1]["median_ms"], cr[1]["id"]))) for k, v in out.items()}
 
     def ok_rows_of_gpu(self, gpu_name: str, compute_capability: str) -> dict[str, int]:
         """Triton version -> number of ok rows measured on ``gpu_name`` with

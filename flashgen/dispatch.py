@@ -122,8 +122,9 @@ class Dispatcher:
         #: Per-call memo of the op's hot path (exact sizes -> launch facts), owned by
         #: :mod:`flashgen.library` and :mod:`flashgen.api`; cleared with the rest.
         self.fast: dict = {}
-        # path -> (file state, tables): tables = ({key_id: (cfg, row)} of this Triton
-        # version, the same of another Triton version, ok rows of this GPU in any environment)
+        # path -> (file state, tables): tables = ({key_id: ((cfg, row) of each family,
+        # fastest first)} of this Triton version, the same of another Triton version, ok
+        # rows of this GPU in any environment)
         self._tables: dict[Path, tuple[tuple, tuple[dict, dict, int]]] = {}
         self._backward: dict[tuple[ProblemKey, bool], BackwardChoice] = {}
         self._warned: set[Path] = set()
@@ -218,8 +219,8 @@ class Dispatcher:
         try:
             # never writes to a shipped file, nor beside it (immutable: no locks, no -shm)
             with TuningDB(path, readonly=True, immutable=path in shipped_databases()) as db:
-                table = db.best_configs(self.env)
-                other = db.best_configs(self.env, versions=False)
+                table = db.best_configs_by_family(self.env)
+                other = db.best_configs_by_family(self.env, versions=False)
                 n_gpu = sum(db.ok_rows_of_gpu(self.env.gpu_name, self.env.compute_capability).values())
                 n_ok = db.count_ok() if not (table or other) else 0
         except NotATuningDB as e:
@@ -240,9 +241,7 @@ class Dispatcher:
         best = None
         for tables in tiers:
             for path, table in tables:
-                hit = table.get(key.id)
-                if hit is not None:
-                    cfg, row = hit
+                for cfg, row in table.get(key.id, ()):
                     if self._family(cfg, key) is None:
                         continue  # its family does not serve this key on this arch
                     if best is None or row["median_ms"] < best.median_ms:
@@ -286,7 +285,7 @@ class Dispatcher:
         s = key.spec
         best = {True: (None, math.inf), False: (None, math.inf)}  # same spec? -> (choice, distance)
         for path, table in tables:
-            for key_id, (cfg, row) in table.items():
+            for key_id, cfg, row in ((k, c, r) for k, rows in table.items() for c, r in rows):
                 other = ProblemKey.from_row(row)
                 o = other.spec
                 if other.group != key.group:
@@ -351,16 +350,13 @@ class Dispatcher:
         for i in (0, 1):
             best = None
             for path, t in loaded:
-                hit = t[i].get(key_id)
-                if hit is None:
-                    continue
-                cfg, row = hit
-                key = ProblemKey.from_row(row)
-                if self._family(cfg, key) is None:
-                    continue
-                if best is None or row["median_ms"] < best.median_ms:
-                    best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
-                                  tuned_under=self.env.version_note(row))
+                for cfg, row in t[i].get(key_id, ()):
+                    key = ProblemKey.from_row(row)
+                    if self._family(cfg, key) is None:
+                        continue
+                    if best is None or row["median_ms"] < best.median_ms:
+                        best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
+                                      tuned_under=self.env.version_note(row))
             if best is not None:
                 return best
         return None

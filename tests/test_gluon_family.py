@@ -98,6 +98,18 @@ def test_dispatch_forward_by_measurement(tmp_path, gluon_ms, winner):
     assert (c.config, c.source) == (winner, "tuned")
 
 
+@pytest.mark.parametrize("arch", [by_sm("sm_80"), INTERPRETER])
+def test_a_faster_row_of_a_family_that_cannot_serve_does_not_hide_the_others(tmp_path, arch):
+    """The Gluon row is the key's fastest, but Gluon does not run on this arch: the Triton
+    row of the same key serves as a tuned row (not a nearest bucket, not the default)."""
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key(), T1, 1.0)
+        _record(db, key(), GFWD, 0.5)
+        _record(db, key(shape=Shape(1, 2, 2, 256, 256)), T2, 0.7)  # a nearer-looking bucket
+    c = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=arch).choose(key(), capturing=False)
+    assert (c.config, c.source, c.tuned_key) == (T1, "tuned", key().id)
+
+
 @pytest.mark.parametrize("gluon_ms, whole", [(1.5, True), (2.5, False)])
 def test_dispatch_backward_compares_the_whole_backward_with_the_two_kernels(tmp_path, gluon_ms, whole):
     with TuningDB(tmp_path / "t.sqlite") as db:
