@@ -394,3 +394,20 @@ def test_the_backward_launcher_takes_an_expanded_do(monkeypatch):
     dq, dk, dv = GLUON.launcher("bwd")(do, q, k, v, o, lse, softmax_scale=0.125, mask="none", diag_lo=-64,
                                        diag_hi=64, config=GBWD)
     assert seen["do"].is_contiguous() and torch.equal(seen["do"], do) and dq.shape == q.shape
+
+
+def test_the_backward_returns_the_layout_of_q_k_v(monkeypatch):
+    """The kernels write contiguous gradients; for (batch, seqlen, heads, d) inputs seen
+    through .transpose(1, 2) the family returns q's, k's and v's layout, which is what the
+    op's fake kernel promises torch.compile (torch.empty_like)."""
+    def attention_bwd(do, q, k, v, o, lse, **kw):
+        return tuple(torch.full(t.shape, float(i + 1), dtype=t.dtype) for i, t in enumerate((q, k, v)))
+
+    monkeypatch.setattr(B, "attention_bwd", attention_bwd)
+    q, k, v = (torch.randn(1, 64, 2, 64, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+    o, lse, do = torch.randn(1, 2, 64, 64, dtype=torch.float16), torch.zeros(1, 2, 64), torch.randn_like(q)
+    grads = GLUON.launcher("bwd")(do, q, k, v, o, lse, softmax_scale=0.125, mask="none", diag_lo=-64,
+                                  diag_hi=64, config=GBWD)
+    for i, (g, like) in enumerate(zip(grads, (q, k, v))):
+        assert g.stride() == torch.empty_like(like).stride() != torch.empty(like.shape).stride()
+        assert torch.equal(g, torch.full(like.shape, float(i + 1), dtype=like.dtype))

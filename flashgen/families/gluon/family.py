@@ -292,6 +292,8 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     family's)."""
     if mods is not None:
         raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's")
+    import torch
+
     from .build import building
     from .launch import _tma_ok
 
@@ -301,8 +303,12 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     o = o if _tma_ok(o) else o.contiguous()
     g = bwd_config(config)
     with building(B.variant_id(g, str(q.dtype).removeprefix("torch."), q.shape[3], mask)):
-        return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-                               mask=mask, config=g, dq=dq, dk=dk, dv=dv)
+        grads = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo,
+                                diag_hi=diag_hi, mask=mask, config=g, dq=dq, dk=dk, dv=dv)
+    # The kernels write contiguous gradients; the op's contract (and its fake kernel under
+    # torch.compile) is the layout of q, k, v (torch.empty_like), as the Triton family's.
+    return tuple(gr if given is not None or like.is_contiguous() else torch.empty_like(like).copy_(gr)
+                 for gr, like, given in zip(grads, (q, k, v), (dq, dk, dv)))
 
 
 FAMILY = GluonFamily()
