@@ -19,6 +19,15 @@ from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant
 
 ENV = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.13.0", "0.1.0")
 ARCH = farch.TABLE["sm_90"]
+@pytest.fixture(autouse=True)
+def _large_enough_for_gluon_defaults(monkeypatch):
+    """The small keys of these tests stand for problems large enough for the Gluon
+    defaults (the size threshold itself: tests/test_gluon_family.py)."""
+    from flashgen.families.gluon import family
+
+    monkeypatch.setattr(family, "DEFAULT_MIN_FLOPS", {"fwd": 0, "bwd": 0})
+
+
 SPEC = KernelSpec("fwd", "bfloat16", 64, 64, "causal")
 SHAPE = Shape(2, 8, 8, 1024, 1024)
 KEY = SHAPE.key(SPEC)

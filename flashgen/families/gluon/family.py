@@ -26,7 +26,7 @@ import functools
 
 from ...arch import INTERPRETER
 from ...resources import SmemEstimate
-from ...spec import DEFAULT_FAMILY, WHOLE_BWD, ProblemKey, TileConfig, Variant
+from ...spec import DEFAULT_FAMILY, WHOLE_BWD, ProblemKey, TileConfig, Variant, attention_flops
 from . import bwd as B
 from . import config as C
 
@@ -56,6 +56,16 @@ FWD_DEFAULT_AHEAD = "0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.73-0.9
 #: exact (checked against float64 on the H200) but untimed, so their untuned default
 #: stays the portable family's.
 FWD_DEFAULT_HEAD_DIMS = (64, 128)
+#: The least work (FLOPs of the key's size buckets, FlashAttention's count) at which an
+#: untuned key takes the Gluon default.  A Gluon launch costs more host time than the
+#: Triton family's (H200, benchmarks/profile_call.py, docs/results/h200/probes/call-profile:
+#: about 250 us per forward and 600-900 us per whole backward, against 100-115 us for a
+#: Triton forward), so below about twice that in kernel time a synchronizing caller waits
+#: on the host: at 2x16x2048 d128 and 4x32x2048 d64 causal the Gluon backward took
+#: 0.59-0.93 ms against the Triton backward's 0.50-0.72 ms
+#: (docs/results/h200/exactness/determinism/determinism.log).  Tuned rows decide by
+#: their own measurements.
+DEFAULT_MIN_FLOPS = {"fwd": 2.5e11, "bwd": 6e11}
 
 
 def fwd_spec(key_or_spec) -> C.GluonFwdSpec:
@@ -208,6 +218,10 @@ class GluonFamily:
         if self.unsupported(key, arch) is not None:
             return None
         s = key.spec
+        which = "fwd" if s.kernel == "fwd" else "bwd"
+        if attention_flops(1, key.batch_heads, key.seqlen_q, key.seqlen_k, s.head_dim, s.head_dim_v,
+                           causal=s.mask != "none", kernel=which) < DEFAULT_MIN_FLOPS[which]:
+            return None
         if s.kernel == "fwd":
             timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS
             return FWD_DEFAULT_AHEAD if timed else None
