@@ -121,23 +121,33 @@ def test_tma_configs_are_infeasible_before_sm90_and_preferred_after():
 
 def test_shipped_db_is_keyed_on_the_current_templates():
     """A template edit without a re-tune would leave the shipped H200 rows unused (the
-    dispatcher ignores rows of another template hash): re-tune when this fails."""
+    dispatcher ignores rows of another template hash): re-tune when this fails.  Each
+    row's hash is its kernel family's (the Triton templates, or the Gluon ones)."""
     from pathlib import Path
 
-    from flashgen import render
+    from flashgen import families
     from flashgen.spec import kernel_mods
 
     path = Path(__file__).resolve().parent.parent / "tuning_db" / "h200.sqlite"
     con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        pairs = set(con.execute("SELECT DISTINCT kernel, template_hash FROM measurements"))
+        rows = set(con.execute("SELECT DISTINCT COALESCE(family, 'triton'), kernel, template_hash FROM measurements"))
     finally:
         con.close()
-    kernels = {k for k, _ in pairs}
-    assert {"fwd", "bwd_dq", "bwd_dkdv", "fwd_varlen", "bwd_dq_varlen", "bwd_dkdv_varlen"} <= kernels
-    current = {(k, render.template_hash(k, m)) for k in kernels for m in kernel_mods(k)}
-    assert pairs <= current
-    assert {(k, render.template_hash(k)) for k in kernels} <= pairs
+    fams = {f for f, _, _ in rows}
+    assert fams == {"triton", "gluon"}
+    for fam in fams:
+        F = families.get(fam)
+        pairs = {(k, h) for f, k, h in rows if f == fam}
+        kernels = {k for k, _ in pairs}
+        if fam == "triton":
+            assert {"fwd", "bwd_dq", "bwd_dkdv", "fwd_varlen", "bwd_dq_varlen", "bwd_dkdv_varlen"} <= kernels
+            current = {(k, F.template_hash(k, m)) for k in kernels for m in kernel_mods(k)}
+        else:
+            assert kernels == {"fwd", "bwd"}
+            current = {(k, F.template_hash(k)) for k in kernels}
+        assert pairs <= current, fam
+        assert {(k, F.template_hash(k)) for k in kernels} <= pairs, fam
 
 
 def test_tma_kernels_compile_for_sm90_with_bulk_copies_and_wgmma():
