@@ -94,6 +94,11 @@ class BackwardChoice:
         return len(self.choices) == 1
 
 
+def _any_size(key: ProblemKey) -> bool:
+    """A family without a size rule serves keys of any size."""
+    return True
+
+
 def graph_capturing() -> bool:
     """Whether the current CUDA stream is capturing a CUDA graph (False without CUDA)."""
     import torch
@@ -303,6 +308,8 @@ class Dispatcher:
                 fam = self._family(cfg, key)
                 if fam is None:
                     continue  # a family that cannot serve this key (arch, layout, mode)
+                if not getattr(fam, "large_enough", _any_size)(key):
+                    continue  # another bucket's row of a family whose host time this key would not hide
                 # Another head dim's tile can break this one's rules (e.g. the float32
                 # accumulators of d128's m64 n64 w4 dK/dV at d256) as well as its shared memory.
                 if o != s and (fam.violated_rules(Variant(s, cfg))
@@ -435,6 +442,9 @@ class Dispatcher:
         prefer = getattr(fam, "prefers_default", None)
         why = prefer(whole_key, self.arch) if prefer is not None else None
         if not why:
+            if not getattr(fam, "large_enough", _any_size)(whole_key):
+                return two(f"untuned: too little work in this key's size buckets to hide the host time of the "
+                           f"{fam.name} whole backward's launches")
             return two(f"untuned: no measurement puts the {fam.name} backward ahead for head_dim "
                        f"{whole_key.spec.head_dim}, mask {whole_key.spec.mask}")
         if measured is not None:

@@ -423,3 +423,22 @@ def test_the_backward_returns_the_layout_of_q_k_v(monkeypatch):
     for i, (g, like) in enumerate(zip(grads, (q, k, v))):
         assert g.stride() == torch.empty_like(like).stride() != torch.empty(like.shape).stride()
         assert torch.equal(g, torch.full(like.shape, float(i + 1), dtype=like.dtype))
+
+
+def test_a_small_key_takes_no_gluon_row_of_another_bucket(tmp_path):
+    """Below the work threshold the Gluon launch's host time is not hidden: another
+    bucket's Gluon row does not serve a small key (the Triton row of that bucket does),
+    and the backward says why; a tuned row of the key itself still counts."""
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        for kernel, cfg, ms in (("fwd", GFWD, 0.5), ("fwd", T1, 1.0), ("bwd", GBWD, 1.0),
+                                ("bwd_dq", T1, 1.0), ("bwd_dkdv", T2, 1.0)):
+            _record(db, key(kernel, shape=BIG), cfg, ms)
+    d = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
+    small = key(shape=Shape(2, 16, 16, 2048, 2048))
+    assert not GLUON.large_enough(small) and GLUON.large_enough(key(shape=BIG))
+    c = d.choose(small, capturing=False)
+    assert (c.config, c.source, c.tuned_key) == (T1, "nearest", key(shape=BIG).id)
+    plan = d.backward(key("bwd_dq", shape=Shape(2, 16, 16, 2048, 2048)), capturing=False)
+    assert not plan.whole and "too little work" in plan.reason
+    assert d.choose(key(shape=BIG), capturing=False).config == GFWD
+    assert d.backward(key("bwd_dq", shape=BIG), capturing=False).whole

@@ -212,15 +212,22 @@ class GluonFamily:
             return tile_config(C.default_config(fwd_spec(s)))
         return tile_config(B.default_config(s.head_dim, s.dtype, s.mask))
 
+    def large_enough(self, key: ProblemKey) -> bool:
+        """Whether ``key``'s size buckets hold enough work (:data:`DEFAULT_MIN_FLOPS`) to
+        hide a Gluon launch's host time: below it an untuned key takes neither this
+        family's default nor its rows of another (nearest) bucket."""
+        s = key.spec
+        which = "fwd" if s.kernel == "fwd" else "bwd"
+        return attention_flops(1, key.batch_heads, key.seqlen_q, key.seqlen_k, s.head_dim, s.head_dim_v,
+                               causal=s.mask != "none", kernel=which) >= DEFAULT_MIN_FLOPS[which]
+
     def prefers_default(self, key: ProblemKey, arch) -> str | None:
         """The measurement that puts this family's default ahead of the portable family's
         for an untuned ``key`` (None: the portable default serves it)."""
         if self.unsupported(key, arch) is not None:
             return None
         s = key.spec
-        which = "fwd" if s.kernel == "fwd" else "bwd"
-        if attention_flops(1, key.batch_heads, key.seqlen_q, key.seqlen_k, s.head_dim, s.head_dim_v,
-                           causal=s.mask != "none", kernel=which) < DEFAULT_MIN_FLOPS[which]:
+        if not self.large_enough(key):
             return None
         if s.kernel == "fwd":
             timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS
