@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from host_cost import per_call_us  # noqa: E402  (wall time per call, synchronized, best of reps)
 
 SHAPES = ("32,16,16,512,128,causal", "8,16,16,2048,128,causal", "4,16,4,2048,128,causal",
           "1,32,8,2048,128,causal", "4,16,16,4096,128")
@@ -30,20 +32,6 @@ def parse(s: str):
     parts = s.split(",")
     b, h, hk, n, d = (int(x) for x in parts[:5])
     return b, h, hk, n, d, "causal" in parts[5:]
-
-
-def wall_us(fn, n=50, reps=5) -> float:
-    import torch
-
-    best = float("inf")
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / n * 1e6)
-    return best
 
 
 def kernels_of(fn) -> list[tuple[str, int, float]]:
@@ -111,7 +99,7 @@ def main() -> int:
 
             row = {"shape": spec, "backend": name}
             for what, fn in (("fwd", fwd), ("bwd", bwd), ("fwdbwd", fwdbwd)):
-                row[f"{what}_wall_us"] = round(wall_us(fn), 1)
+                row[f"{what}_wall_us"] = round(per_call_us(fn, n=50), 1)
                 row[f"{what}_gpu_us"] = round(triton.testing.do_bench(fn, warmup=25, rep=100,
                                                                       return_mode="median") * 1e3, 1)
                 row[f"{what}_kernels"] = kernels_of(fn)
