@@ -1,8 +1,8 @@
 """``python -m benchmarks <suite> [--out DIR] [-- ARGS...]``: run one benchmark suite.
 
 Suites (``python -m benchmarks list``): grid, llama, mods, varlen, decode, overhead,
-exactness, model, fwd-configs, dq-atomic.  Each checks flashgen against the float64
-reference before timing, writes JSON into ``--out`` (default ``bench_out/<suite>``),
+exactness, model, fwd-configs, dq-atomic, user-mods, profile, gluon.  Each checks
+flashgen against the float64 reference before timing, writes JSON into ``--out`` (default ``bench_out/<suite>``),
 draws its plots there and prints its table last.  ARGS after ``--`` go to the suite's
 script (e.g. ``python -m benchmarks mods -- --shapes 64:2048 --causal yes``; ``--smoke``
 runs the mods, varlen, decode, exactness and probe scripts on the CPU interpreter).

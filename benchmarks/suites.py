@@ -50,9 +50,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("overhead", "host time per call on decode-like shapes against a raw launch and torch SDPA",
           (("benchmarks/overhead.py", "--out", "{out}/overhead.json"),), ("overhead.json",)),
     Suite("exactness", "the float64 matrix at GPU sizes and every search-space config, then the op under "
-          "torch.compile, CUDA graphs and SDPA semantics",
-          (("benchmarks/gpu_exactness.py", "--out", "{out}/exactness.json"), ("benchmarks/gpu_op_checks.py",)),
-          ("exactness.json",)),
+          "torch.compile, CUDA graphs and SDPA semantics, then the deterministic backward's bitwise repeatability",
+          (("benchmarks/gpu_exactness.py", "--out", "{out}/exactness.json"), ("benchmarks/gpu_op_checks.py",),
+           ("benchmarks/determinism.py", "--out", "{out}/determinism.json")),
+          ("exactness.json", "determinism.json")),
     Suite("model", "a transformers model's training step with flashgen's attention against SDPA's",
           (("benchmarks/transformers_step.py", "--out", "{out}/model.json"),), ("model.json",),
           needs="benchmarks/transformers_step.py"),
@@ -61,6 +62,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           (("benchmarks/probe_fwd_configs.py", "--out", "{out}/fwd_configs.json"),), ("fwd_configs.json",)),
     Suite("dq-atomic", "a single-pass backward with dQ atomics against the two-pass backward",
           (("benchmarks/probe_dq_atomic.py", "--out", "{out}/dq_atomic.json"),), ("dq_atomic.json",)),
+    Suite("user-mods", "user-written score_mod / mask_mod functions and sinks against compiled FlexAttention "
+          "with its BlockMask and the built-in equivalents",
+          (("benchmarks/user_mods_bench.py", "--out", "{out}/user_mods.json"),), ("user_mods.json",)),
+    Suite("profile", "where one call's time goes: wall vs GPU time per call and the kernels of one call, "
+          "flashgen against SDPA cuDNN (--cprofile N: the host functions)",
+          (("benchmarks/profile_call.py", "--out", "{out}/profile.json"),), ("profile.json",)),
     Suite("gluon", "the Gluon family's forward and backward variants (each checked against float64 first) "
           "against SDPA cuDNN / FlashAttention-2 and flashgen's Triton family",
           (("benchmarks/gluon_fwd.py", "--out", "{out}"), ("benchmarks/gluon_bwd.py", "--out", "{out}")),
