@@ -107,13 +107,18 @@ def graph_capturing() -> bool:
 
 
 def shipped_databases() -> list[Path]:
-    """The tuning databases shipped with flashgen (``tuning_db/*.sqlite``)."""
-    try:
-        d = Path(str(importlib.resources.files("flashgen.tuning_db")))
-    except ModuleNotFoundError:
-        d = Path(__file__).resolve().parent.parent / "tuning_db"
-    if not d.is_dir():
-        d = Path(__file__).resolve().parent.parent / "tuning_db"
+    """The tuning databases shipped with flashgen (``tuning_db/*.sqlite``): the
+    repository's ``tuning_db/`` beside this package in a source checkout (also one
+    imported through PYTHONPATH while pip's editable install points at another
+    checkout), else the installed package data."""
+    here = Path(__file__).resolve().parent.parent / "tuning_db"
+    if (here / "__init__.py").is_file() and any(here.glob("*.sqlite")):
+        d = here
+    else:
+        try:
+            d = Path(str(importlib.resources.files("flashgen.tuning_db")))
+        except ModuleNotFoundError:
+            d = here
     return sorted(d.glob("*.sqlite")) if d.is_dir() else []
 
 

@@ -13,16 +13,19 @@ from pathlib import Path
 
 
 def templates_dir() -> Path:
-    """The directory holding the Jinja templates (package data when installed, the
-    repository's ``templates/`` in a source checkout)."""
+    """The directory holding the Jinja templates: the repository's ``templates/`` beside
+    this package in a source checkout (also one imported through PYTHONPATH while pip's
+    editable install points at another checkout), else the installed package data."""
+    here = Path(__file__).resolve().parent.parent / "templates"
+    if (here / "_common.j2").is_file() and (here / "attn_fwd.py.j2").is_file():
+        return here
     try:
         p = Path(str(importlib.resources.files("flashgen.templates")))
         if (p / "_common.j2").exists():
             return p
     except ModuleNotFoundError:
         pass
-    return Path(__file__).resolve().parent.parent / "templates"
-
+    return here
 
 
 def template_name(kernel: str) -> str:
