@@ -63,6 +63,25 @@ def current(device_index: int | None = None) -> Arch:
                 int(getattr(p, "regs_per_multiprocessor", 65536) or 65536))
 
 
+#: Substrings of CUDA device names and the architecture of those parts (for naming a GPU
+#: without it present: ``flashgen explain --gpu 'NVIDIA H200'``).
+_NAME_PARTS = (("H100", "sm_90"), ("H200", "sm_90"), ("H800", "sm_90"), ("H20", "sm_90"), ("GH200", "sm_90"),
+               ("A100", "sm_80"), ("A800", "sm_80"), ("A30", "sm_80"), ("B200", "sm_100"), ("B100", "sm_100"),
+               ("L40", "sm_89"), ("L4", "sm_89"), ("RTX 4090", "sm_89"), ("RTX 5090", "sm_120"),
+               ("RTX 3090", "sm_86"), ("A10", "sm_86"), ("A40", "sm_86"), ("RTX A6000", "sm_86"))
+
+
+def by_gpu_name(name: str) -> Arch | None:
+    """The architecture of a CUDA device name (``torch.cuda.get_device_name``, e.g.
+    "NVIDIA H200") as an Arch named ``name``, from :data:`TABLE`'s limits; None for a
+    name it does not know."""
+    for part, sm in _NAME_PARTS:
+        if part in name:
+            a = TABLE[sm]
+            return Arch(name, a.compute_capability, a.sm_count, a.smem_per_block_optin, a.regs_per_sm)
+    return None
+
+
 def by_sm(sm: str) -> Arch:
     """Look up ``TABLE`` by ``"sm_90"``-style name; raises KeyError naming the choices."""
     try:

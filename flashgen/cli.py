@@ -750,7 +750,8 @@ def explain(
     arch: Annotated[str | None, typer.Option(help="Explain for this architecture (e.g. sm_90) instead of "
                                              "this machine's device.")] = None,
     gpu: Annotated[str | None, typer.Option(help="Match tuning rows of this GPU name (e.g. 'NVIDIA H200') "
-                                            "instead of this machine's.")] = None,
+                                            "instead of this machine's; without a GPU here and without "
+                                            "--arch, also explain for that GPU's architecture.")] = None,
     deterministic: Annotated[bool, typer.Option("--deterministic", help="The backward of "
                                                 "flashgen.attention(..., deterministic=True).")] = False,
 ) -> None:
@@ -784,6 +785,10 @@ def explain(
                                   sm_count=a.sm_count)
     if gpu is not None:
         env = dataclasses.replace(env, gpu_name=gpu)
+        named = arch_mod.by_gpu_name(gpu) if arch is None and a.name == arch_mod.INTERPRETER.name else None
+        if named is not None:  # no GPU here: explain for the named GPU's architecture
+            a = named
+            env = dataclasses.replace(env, compute_capability="%d.%d" % a.compute_capability, sm_count=a.sm_count)
     disp = Dispatcher(env=env, arch=a)
     if db is not None:
         if not db.exists():

@@ -155,3 +155,20 @@ def test_explain_says_when_a_head_dim_is_padded():
     assert "padded" not in r.output
     r = runner.invoke(app, args + ["--head-dim", "64", "--head-dim-v", "40"])
     assert "head_dim_v 40 runs as d64 tiles" in r.output and "head_dim 64 runs" not in r.output
+
+
+def test_cli_explain_for_a_named_gpu_takes_its_architecture_without_a_gpu_here():
+    """No GPU on this machine and no --arch: --gpu 'NVIDIA H200' explains for sm_90 (the
+    Gluon family's rows count), not for the interpreter; an unknown name keeps this
+    machine's architecture; --arch still wins."""
+    from flashgen import arch
+
+    assert arch.by_gpu_name("NVIDIA H200").compute_capability == (9, 0)
+    assert arch.by_gpu_name("NVIDIA A100-SXM4-80GB").compute_capability == (8, 0)
+    assert arch.by_gpu_name("Some Future GPU") is None
+    args = ["explain", "--batch", "2", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "4096",
+            "--seqlen-k", "4096", "--head-dim", "128", "--causal"]
+    r = runner.invoke(app, args + ["--gpu", "NVIDIA H200"])
+    assert r.exit_code == 0 and "kernel family gluon" in r.output and "interpreter" not in r.output, r.output
+    r = runner.invoke(app, args + ["--gpu", "NVIDIA H200", "--arch", "sm_80"])
+    assert r.exit_code == 0 and "kernel family gluon" not in r.output and "sm_80" in r.output, r.output
