@@ -177,7 +177,7 @@ def tune(
     if fake_template is not None:
         _write_fake_template(fake_template, items, arch, family_names)
         return
-    with _user_errors():  # a foreign, corrupt or unwritable --db is refused before anything runs
+    with _user_errors(db):  # a foreign, corrupt or unwritable --db is refused before anything runs
         check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
         validate_db(db)
     if fake is not None:
@@ -252,7 +252,7 @@ def tune(
                 progress.update(trials_task, completed=n_done,
                                 description=f"{row['variant_id']} {row['status']}")
 
-            with _user_errors():
+            with _user_errors(db):
                 results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
                                      timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
                                      on_trial=on_trial, storage=storage, sampler=sampler,
@@ -365,7 +365,7 @@ def show(
             db = shipped[0]
     if not db.exists():
         raise typer.BadParameter(f"{db} does not exist", param_hint="'--db'")
-    with _user_errors():
+    with _user_errors(db):
         TuningDB(db, readonly=True).close()
     with TuningDB(db, readonly=True) as tdb:
         if all_:
@@ -392,9 +392,10 @@ def show(
 
 
 @contextlib.contextmanager
-def _user_errors():
+def _user_errors(db: Path | None = None):
     """A user's mistake (a foreign DB file, a bad export, a database SQLite cannot
-    write) is one line and exit code 2, not a traceback."""
+    write) is one line and exit code 2, not a traceback; ``db``: the database the
+    message names when SQLite cannot open or write it."""
     import sqlite3
 
     from .errors import InputError, UnsupportedError
@@ -407,7 +408,9 @@ def _user_errors():
     except sqlite3.OperationalError as e:
         if not any(w in str(e) for w in ("readonly", "unable to open", "disk I/O", "read-only")):
             raise
-        _console().print(Text.assemble(("error: ", "red"), f"cannot write the tuning database: SQLite says: {e}"),
+        where = f" {db}" if db is not None else ""
+        _console().print(Text.assemble(("error: ", "red"), f"cannot write the tuning database{where} (its directory "
+                                        f"must be writable and the file a writable SQLite file): SQLite says: {e}"),
                          soft_wrap=True)
         raise typer.Exit(2) from None
 
@@ -421,12 +424,12 @@ def _writing(db: Path, what: str = "--db"):
     holds no rows are removed.  Errors are one line, exit 2 (:func:`_user_errors`)."""
     from .db import SIDE_FILES, check_writable, row_count
 
-    with _user_errors():
+    with _user_errors(db):
         check_writable(db, what)
     side = [Path(f"{db}{sfx}") for sfx in SIDE_FILES]
     existed = {p for p in (db, *side) if p.exists()}
     try:
-        with _user_errors():
+        with _user_errors(db):
             yield
     except BaseException:
         if row_count(db) == 0:  # nothing was measured or imported: leave nothing behind
