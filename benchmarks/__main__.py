@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in SUITES.values():
             print(f"{s.name:12} {s.what}")
             for step in s.steps:
-                print(f"{'':12}   python3 {' '.join(step)}")
+                print(f"{'':12}   python3 {' '.join(step).replace('{out}', f'bench_out/{s.name}')}")
         return 0
     return run_suite(SUITES[a.suite], a.out or Path("bench_out") / a.suite, extra)
 
