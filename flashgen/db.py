@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 import sqlite3
 import time
 import urllib.parse
@@ -191,6 +192,15 @@ def _row_problem(r) -> str | None:
         return f"config {cfg.id} has a knob out of range"
     if Variant(key.spec, cfg).id != r["variant_id"]:
         return f"variant_id {r['variant_id']!r} disagrees with its columns ({Variant(key.spec, cfg).id})"
+    for col in ("gpu_name", "template_hash", "triton_version"):
+        if not (isinstance(r[col], str) and r[col]):
+            return f"{col} must name what the row was measured with, got {r[col]!r}"
+    cc = r["compute_capability"]
+    if not (isinstance(cc, str) and re.fullmatch(r"\d+\.\d+", cc)):
+        return f"compute_capability must read like '9.0', got {cc!r}"
+    for col in ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k", "sm_count"):
+        if col in r and r[col] is not None and not (isinstance(r[col], int) and r[col] >= 0):
+            return f"{col} must be a whole number >= 0, got {r[col]!r}"
     ms = r["median_ms"]
     if r["status"] == "ok" and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
         return f"an ok row needs a finite positive median_ms, got {ms!r}"

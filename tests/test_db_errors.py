@@ -143,6 +143,11 @@ def _export(tmp_path):
     ("BLOCK_N", 0, "knob out of range"),
     ("variant_id", "attn_fwd_d64_bf16_causal_m1_n1_w1_s1", "disagrees with its columns"),
     ("family", "cuda", "family 'cuda' is not a registered kernel family"),
+    ("template_hash", None, "template_hash must name what the row was measured with"),
+    ("gpu_name", "", "gpu_name must name what the row was measured with"),
+    ("compute_capability", "banana", "compute_capability must read like '9.0'"),
+    ("seqlen_q", -3, "seqlen_q must be a whole number >= 0"),
+    ("sm_count", -1, "sm_count must be a whole number >= 0"),
 ])
 def test_import_refuses_rows_that_are_not_measurements_and_writes_nothing(tmp_path, field, value, rule):
     data = _export(tmp_path)
