@@ -100,7 +100,7 @@ def _read_timings(path: Path) -> dict[str, float]:
 
 @app.command()
 def tune(
-    preset: Annotated[list[str], typer.Option(callback=_check_presets,
+    preset: Annotated[list[str], typer.Option(metavar="NAME", callback=_check_presets,
                                               help="Preset(s) of shapes: fa-grid, llama3-8b, small, varlen-docs, varlen-small, "
                                                    "decode, decode-small, mods-bench, mods-d64, mods-small, mods-softcap, mods-alibi, mods-bias, "
                                                    "mods-dropout.")] = ["fa-grid"],
@@ -441,10 +441,12 @@ def _writing(db: Path, what: str = "--db"):
 
 @app.command()
 def export(
-    out: Annotated[Path, typer.Argument(dir_okay=False, help="Where to write: *.json (reviews well in a "
-                                        "diff) or *.sqlite (a small DB the dispatcher reads).")],
-    dbs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="Tuning DBs to read.")],
-    gpu: Annotated[list[str], typer.Option(help="Only rows measured on this GPU (repeatable).")] = [],
+    out: Annotated[Path, typer.Argument(metavar="OUT", dir_okay=False,
+                                        help="Where to write: *.json (reviews well in a diff) or *.sqlite (a small "
+                                        "DB the dispatcher reads).")],
+    dbs: Annotated[list[Path], typer.Argument(metavar="DB", exists=True, dir_okay=False,
+                                              help="Tuning DBs to read.")],
+    gpu: Annotated[list[str], typer.Option(metavar="NAME", help="Only rows measured on this GPU (repeatable).")] = [],
 ) -> None:
     """Write the best config per (key, environment) of DBS, with provenance, to OUT.
     OUT must not exist (nothing is overwritten)."""
@@ -475,7 +477,7 @@ def export(
 
 @app.command(name="import")
 def import_(
-    source: Annotated[Path, typer.Argument(exists=True, dir_okay=False,
+    source: Annotated[Path, typer.Argument(metavar="SOURCE", exists=True, dir_okay=False,
                                            help="An export (*.json) or a tuning DB (*.sqlite).")],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
 ) -> None:
@@ -507,9 +509,10 @@ def import_(
 
 @app.command()
 def merge(
-    out: Annotated[Path, typer.Argument(dir_okay=False, help="DB to append to (created if missing, in an "
-                                        "existing directory).")],
-    inputs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="DBs to read.")],
+    out: Annotated[Path, typer.Argument(metavar="OUT", dir_okay=False,
+                                        help="DB to append to (created if missing, in an existing directory).")],
+    inputs: Annotated[list[Path], typer.Argument(metavar="IN", exists=True, dir_okay=False,
+                                                 help="DBs to read.")],
 ) -> None:
     """Append to OUT the rows of each IN that OUT lacks."""
     from .db import TuningDB
@@ -524,10 +527,10 @@ def merge(
 
 @app.command()
 def bench(
-    preset: Annotated[list[str], typer.Option(callback=_check_presets,
+    preset: Annotated[list[str], typer.Option(metavar="NAME", callback=_check_presets,
                                               help="Preset(s) of shapes: fa-grid, llama3-8b, small "
                                                    "(fa-grid when neither --preset nor --shape is given).")] = [],
-    shape: Annotated[list[str], typer.Option(help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
+    shape: Annotated[list[str], typer.Option(metavar="SHAPE", help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
                                                   "(repeatable).")] = [],
     dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     backends: Annotated[str, typer.Option(help="Comma-separated subset of flashgen, flashgen-default, sdpa-flash, "

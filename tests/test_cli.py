@@ -87,7 +87,7 @@ def test_merge(tmp_path, timings):
     (["tune", "--trials", "0"], "--trials"),
     (["tune", "--fake", "missing.json"], "--fake"),
     (["show", "--db", "missing.sqlite"], "--db"),
-    (["merge", "out.sqlite", "missing.sqlite"], "'inputs'"),
+    (["merge", "out.sqlite", "missing.sqlite"], "'IN'"),  # the name the help gives it (Append to OUT the rows of each IN)
 ])
 def test_bad_arguments_are_named(tmp_path, monkeypatch, args, name):
     monkeypatch.chdir(tmp_path)
