@@ -287,6 +287,11 @@ def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig) -> str:
     return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask), g).id
 
 
+@functools.lru_cache(maxsize=4096)
+def _bwd_id(g: B.GluonBwdConfig, dtype: str, d: int, mask: str) -> str:
+    return B.variant_id(g, dtype, d, mask)
+
+
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,
         module=None, addressable: bool = False, mods=None, out=None, lse=None):
     """The family's forward launcher, in :func:`flashgen.ops.fwd`'s form: (O, LSE).
@@ -316,14 +321,14 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     import torch
 
     from .build import building
-    from .launch import _tma_ok
+    from .launch import _DTYPES, _tma_ok
 
     # dO from autograd may be an expanded view (a sum's gradient); O a slice: the
     # descriptors need 16-byte aligned strides
     do = do if _tma_ok(do) else do.contiguous()
     o = o if _tma_ok(o) else o.contiguous()
     g = bwd_config(config)
-    with building(B.variant_id(g, str(q.dtype).removeprefix("torch."), q.shape[3], mask)):
+    with building(_bwd_id(g, _DTYPES[q.dtype], q.shape[3], mask)):
         grads = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo,
                                 diag_hi=diag_hi, mask=mask, config=g, dq=dq, dk=dk, dv=dv)
     # The kernels write contiguous gradients; the op's contract (and its fake kernel under
