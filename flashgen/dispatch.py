@@ -247,18 +247,10 @@ class Dispatcher:
 
     def _lookup(self, key: ProblemKey) -> Choice | None:
         loaded = [(p, self._table(p)) for p in self.databases()]
+        best = self._exact(key.id, loaded)
+        if best is not None:
+            return best
         tiers = [[(p, t[i]) for p, t in loaded] for i in (0, 1)]  # this Triton version, then others
-        best = None
-        for tables in tiers:
-            for path, table in tables:
-                for cfg, row in table.get(key.id, ()):
-                    if self._family(cfg, key) is None:
-                        continue  # its family does not serve this key on this arch
-                    if best is None or row["median_ms"] < best.median_ms:
-                        best = Choice(key, cfg, "tuned", key.id, row["median_ms"], row.get("tflops"), str(path),
-                                      tuned_under=self.env.version_note(row))
-            if best is not None:
-                return best
         near = self._nearest(key, tiers[0]) or self._nearest(key, tiers[1])
         if near is None and key.spec.mods:
             # Score mods nobody tuned: the tiles tuned for the same problem without them.
@@ -355,10 +347,12 @@ class Dispatcher:
         return Choice(key, port.default_config(key, self.arch), "default")
 
     # -- the backward ------------------------------------------------------------
-    def _exact(self, key_id: str) -> Choice | None:
+    def _exact(self, key_id: str, loaded: list | None = None) -> Choice | None:
         """The fastest row of exactly ``key_id`` (this Triton version's rows first) whose
-        family serves its key here; None when there is none."""
-        loaded = [(p, self._table(p)) for p in self.databases()]
+        family serves its key here; None when there is none.  ``loaded``: the databases'
+        tables, when the caller has them."""
+        if loaded is None:
+            loaded = [(p, self._table(p)) for p in self.databases()]
         for i in (0, 1):
             best = None
             for path, t in loaded:
