@@ -49,7 +49,7 @@ BWD_DEFAULT_AHEAD = {
     (64, "causal"): "367 vs 319 at 4,32,4096,64; 307 vs 272 at 8,32,2048,64",
 }
 #: The Gluon forward's default against the Triton family's tuned forward on the H200
-#: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.80-0.91x in the
+#: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.73-0.94x in the
 #: same run): the default for every forward key it serves.
 FWD_DEFAULT_AHEAD = "0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.73-0.94x (docs/results/h200/gluon_fwd)"
 #: The head dims (head_dim == head_dim_v) whose Gluon forward was timed; the others are
