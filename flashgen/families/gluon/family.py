@@ -50,7 +50,8 @@ BWD_DEFAULT_AHEAD = {
 }
 #: The Gluon forward's default against the Triton family's tuned forward on the H200
 #: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.73-0.94x in the
-#: same run): the default for every forward key it serves.
+#: same run): the default of the forward keys it serves at FWD_DEFAULT_HEAD_DIMS with
+#: enough work (DEFAULT_MIN_FLOPS).
 FWD_DEFAULT_AHEAD = "0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.73-0.94x (docs/results/h200/gluon_fwd)"
 #: The head dims (head_dim == head_dim_v) whose Gluon forward was timed; the others are
 #: exact (checked against float64 on the H200) but untimed, so their untuned default
