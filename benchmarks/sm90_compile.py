@@ -73,14 +73,13 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, 
 
 def ptxas_report(ptx: str) -> tuple[int | None, int | None]:
     """(registers, spill-store bytes) per thread that ptxas -v reports for ``ptx``."""
-    import triton
+    from flashgen.families.gluon.shim import ptxas_sm90  # the ptxas (and flags) Triton assembles sm_90 with
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
             f.write(ptx)
-        err = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", p, "-o", p + ".o"], capture_output=True,
+        err = subprocess.run([*ptxas_sm90(), "-v", "--gpu-name", "sm_90a", p, "-o", p + ".o"], capture_output=True,
                              text=True).stderr
     regs = re.search(r"Used (\d+) registers", err)
     spills = re.search(r"(\d+) bytes spill stores", err)
