@@ -60,6 +60,9 @@ Optional: ``prefers_default(key, arch) -> str | None``: the measurement that put
 family's default ahead of the portable family's for an untuned ``key`` (the dispatcher
 then serves that default, :meth:`flashgen.dispatch.Dispatcher._default`, and ``explain``
 prints the reason); absent or None: the portable default serves untuned keys.
+Optional: ``large_enough(key) -> bool``: whether ``key`` holds enough work for this
+family's per-call host time; when False the key takes neither its default nor its rows
+of another (nearest) size bucket, only its own tuned rows; absent: any size.
 
 The backward of two shapes
 --------------------------
