@@ -370,9 +370,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.args = (scale, mask, lo, hi, deterministic)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # see EagerAttention.forward
 
 
 def _backward(ctx, do, _dlse):
+    if do is None:
+        return None, None, None, None, None, None, None, None
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashgen.bwd(do, q, k, v, o, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
@@ -399,10 +402,17 @@ class EagerAttention(torch.autograd.Function):
         ctx.args = (scale, mask, lo, hi, mods)
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
+        # LSE's incoming gradient is never read: without this autograd fills a zero
+        # tensor for it on every backward (a fill kernel, and 0.2 ms of host time per
+        # call on the H200's host, benchmarks/launch_cost.py --profile); dO is then None
+        # when O does not reach the loss
+        ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
+        if do is None:
+            return None, None, None, None, None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args, deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None, None, None, None
@@ -465,9 +475,12 @@ def _setup_context_mods(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, alibi, bias, rng)
     ctx.args = (scale, mask, lo, hi, softcap, dropout_p)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # see EagerAttention.forward
 
 
 def _backward_mods(ctx, do, _dlse):
+    if do is None:
+        return (None,) * 12
     q, k, v, o, lse, alibi, bias, rng = ctx.saved_tensors
     scale, mask, lo, hi, softcap, dropout_p = ctx.args
     dq, dk, dv = torch.ops.flashgen.bwd_mods(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias,
@@ -708,9 +721,12 @@ def _setup_context_varlen(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
     ctx.args = (max_sq, max_sk, scale, mask, left, right)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # see EagerAttention.forward
 
 
 def _backward_varlen(ctx, do, _dlse):
+    if do is None:
+        return (None,) * 11
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashgen.bwd_varlen(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None, None

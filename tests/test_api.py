@@ -210,3 +210,18 @@ def test_reference_path_without_interpreter(monkeypatch, dtype):
         _check_against_reference(q, k, v, do, o, lse, grads, **kw)
         o2, lse2, grads2 = _run(q, k, v, do, **kw)
         assert torch.equal(o, o2) and all(torch.equal(x, y) for x, y in zip(grads, grads2))
+
+
+def test_lse_in_the_loss_leaves_the_gradients_of_o_alone():
+    """LSE is not differentiable and its incoming gradient is never materialized: a
+    loss that also adds LSE gives the same gradients as the loss on O alone."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    w = torch.randn(1, 2, 16, 16, dtype=torch.float16)
+    grads = []
+    for with_lse in (False, True):
+        o, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+        ((o * w).float().sum() + (lse.sum() if with_lse else 0)).backward()
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        q.grad = k.grad = v.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import jinja2
 
+from ...fastlaunch import launch
+
 TEMPLATE = "gluon/attn_bwd.py.j2"
 DTYPES = ("float16", "bfloat16")
 MASKS = ("none", "causal", "window")
@@ -343,18 +345,24 @@ def _layout(block, dtype_name):
 
 
 def _desc4(t, rows: int, dtype_name: str):
-    from .shim import TensorDescriptor
+    from .shim import descriptor
 
     block = [1, 1, rows, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype_name))
+    return descriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype_name))
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_layout():
+    from .shim import gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def _desc_rows(t, rows: int):
     """2-D descriptor over a (z * h, m_pad) float32 buffer, box (1, rows)."""
-    from .shim import TensorDescriptor, gl
+    from .shim import descriptor
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows], layout)
+    return descriptor(t, list(t.shape), list(t.stride()), [1, rows], _rows_layout())
 
 
 def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, config: GluonBwdConfig,
@@ -437,7 +445,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
                             ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
                             ("convert", mod.attn_bwd_convert, {"num_warps": 4})):
         grid, args = a[stage]
-        fn[grid](*args, **opts)
+        launch(fn, grid, args, **opts)
         if stage_sync:
             import torch
 

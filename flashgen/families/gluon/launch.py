@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ...fastlaunch import launch
 from .config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, pad
 
 LOG2E = 1.4426950408889634
@@ -73,10 +74,10 @@ def _spec_why(spec: GluonFwdSpec) -> list[str]:
 
 
 def _descriptor(t: torch.Tensor, rows: int, cols: int):
-    from .shim import TensorDescriptor, nvmma_layout
+    from .shim import descriptor, nvmma_layout
 
     block = [1, 1, rows, cols]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, nvmma_layout(block, _DTYPES[t.dtype]))
+    return descriptor(t, list(t.shape), list(t.stride()), block, nvmma_layout(block, _DTYPES[t.dtype]))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -121,12 +122,11 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     num_m_blocks = -(-sq // (rows * config.num_consumers))
     num_tiles = num_m_blocks * b * h
     grid = (min(num_tiles, _sm_count(q.device) * config.ctas_per_sm) if config.persistent else num_tiles,)
-    mod.attn_fwd[grid](
+    launch(mod.attn_fwd, grid, (
         _descriptor(q, rows, pad(d)), _descriptor(k, config.BLOCK_N, pad(d)), _descriptor(v, config.BLOCK_N, pad(dv)),
         _descriptor(out, rows, pad(dv)), lse, softmax_scale * LOG2E,
         num_tiles, num_m_blocks, h, h // hk, sq, sk, diag_lo, diag_hi,
-        num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG,
-    )
+    ), num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
     return out, lse
 
 

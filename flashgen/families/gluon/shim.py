@@ -108,6 +108,38 @@ def _nvmma_layout(block_shape: tuple, dtype_name: str):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, dtype_name))
 
 
+def descriptor(base, shape: list, strides: list, block_shape: list, layout):
+    """``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its
+    ``__post_init__`` checks (rank, 16-byte alignment of base and strides, last stride
+    1, positive extents, block shape), which every caller has established for ``base``
+    (:func:`flashgen.families.gluon.launch.unsupported`, the dispatcher's layout check,
+    :func:`flashgen.families.gluon.bwd.check_inputs`, or its own allocation): they cost
+    several microseconds per descriptor and a call builds four to eleven.  Falls back
+    to the checked constructor where the class keeps no ``__dict__``."""
+    require()
+    if _DESC_DEFAULTS is None:
+        return TensorDescriptor(base, shape, strides, block_shape, layout)
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(_DESC_DEFAULTS)
+    d.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout)
+    return d
+
+
+def _desc_defaults():
+    import dataclasses
+
+    if TensorDescriptor is None or not dataclasses.is_dataclass(TensorDescriptor) \
+            or "__slots__" in TensorDescriptor.__dict__:
+        return None
+    names = {f.name for f in dataclasses.fields(TensorDescriptor)}
+    if not {"base", "shape", "strides", "block_shape", "layout"} <= names:
+        return None
+    return {f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING}
+
+
+_DESC_DEFAULTS = _desc_defaults()
+
+
 def ptxas_sm90() -> list[str]:
     """The ptxas command prefix Triton assembles sm_90 kernels with: the binary Triton
     picks for sm_90 (``get_ptxas(90)``: ``bin/ptxas`` in 3.6, ``bin/ptxas-blackwell``

@@ -17,6 +17,7 @@ import math
 import torch
 
 from ... import compile as _compile
+from ...fastlaunch import launch
 from ...spec import KernelSpec, TileConfig, Variant, mods_name
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -192,7 +193,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
     grid = (num_m_blocks * b * h,)
-    _record(mod, mod.attn_fwd[grid](
+    _record(mod, launch(mod.attn_fwd, grid, (
         q, k_arg, v_arg, out, lse, softmax_scale * LOG2E,
         *q.stride()[:3],
         *k.stride()[:3],
@@ -200,8 +201,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         *out.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
         *(mods.kernel_args(softmax_scale, True, mod, config) if mods is not None else ()),
-        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
-    ))
+    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     return out, lse
 
 
@@ -216,7 +216,7 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
     dq = torch.empty_like(q) if dq is None else dq
     delta = torch.empty_like(lse) if delta is None else delta
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
-    _record(mod, mod.attn_bwd_dq[(num_m_blocks * b * h,)](
+    _record(mod, launch(mod.attn_bwd_dq, (num_m_blocks * b * h,), (
         q, k_arg, v_arg, o, do, dq, lse, delta, softmax_scale * LOG2E, softmax_scale,
         *q.stride()[:3],
         *k.stride()[:3],
@@ -226,8 +226,7 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
         *dq.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
         *(mods.kernel_args(softmax_scale, False, mod, config) if mods is not None else ()),
-        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
-    ))
+    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     return dq, delta
 
 
@@ -244,7 +243,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     num_n_blocks = _cdiv(sk, config.BLOCK_N)
-    _record(mod, mod.attn_bwd_dkdv[(num_n_blocks * b * hk,)](
+    _record(mod, launch(mod.attn_bwd_dkdv, (num_n_blocks * b * hk,), (
         q_arg, k, v, do_arg, dk, dv, lse, delta, softmax_scale * LOG2E, softmax_scale,
         *q.stride()[:3],
         *k.stride()[:3],
@@ -254,8 +253,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
         *dv.stride()[:3],
         h, h // hk, sq, sk, num_n_blocks, diag_lo, diag_hi,
         *(mods.kernel_args(softmax_scale, False, mod, config) if mods is not None else ()),
-        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
-    ))
+    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     return dk, dv
 
 
@@ -299,13 +297,12 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     grid = (num_m_blocks * batch * h,)
     if grid[0] == 0:
         return out, lse
-    _record(mod, mod.attn_fwd_varlen[grid](
+    _record(mod, launch(mod.attn_fwd_varlen, grid, (
         q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), softmax_scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         h, h // hk, tq, num_m_blocks, win_left, win_right,
-        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
-    ))
+    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     return out, lse
 
 
@@ -323,13 +320,12 @@ def bwd_dq_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     grid = (num_m_blocks * batch * h,)
     if grid[0] == 0:
         return dq, delta
-    _record(mod, mod.attn_bwd_dq_varlen[grid](
+    _record(mod, launch(mod.attn_bwd_dq_varlen, grid, (
         q, k, v, o, do, dq, lse, delta, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), softmax_scale * LOG2E, softmax_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         h, h // hk, tq, num_m_blocks, win_left, win_right,
-        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
-    ))
+    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     return dq, delta
 
 
@@ -348,13 +344,12 @@ def bwd_dkdv_varlen(do, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seq
     grid = (num_n_blocks * batch * hk,)
     if grid[0] == 0:
         return dk, dv
-    _record(mod, mod.attn_bwd_dkdv_varlen[grid](
+    _record(mod, launch(mod.attn_bwd_dkdv_varlen, grid, (
         q, k, v, do, dk, dv, lse, delta, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), softmax_scale * LOG2E, softmax_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         h, h // hk, tq, num_n_blocks, win_left, win_right,
-        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
-    ))
+    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     return dk, dv
 
 
@@ -442,14 +437,13 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
     op = out if o_part is None else o_part
     lp = lse if lse_part is None else lse_part
     grid = (b * hk * num_m_blocks * splits,)
-    _record(mod, mod.attn_decode[grid](
+    _record(mod, launch(mod.attn_decode, grid, (
         q, k_cache, v_cache, cache_seqlens, bt, out, lse, op, lp, softmax_scale * LOG2E,
         *q.stride()[:3],
         kb, kp, kn, kh, vb, vp, vn, vh, stride_bt,
         *out.stride()[:3],
         h, hk, group, sq, capacity, num_m_blocks, page_size, rows,
-        num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES,
-    ))
+    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     if splits > 1:
         mod.attn_decode_combine[(_cdiv(rows, mod.COMBINE_ROWS),)](
             o_part, lse_part, out, lse, *out.stride()[:3], h, sq, rows,
