@@ -185,3 +185,36 @@ def test_default_rows_buffer_meets_the_tma_rules():
         assert (desc.strides[0] * 4) % 16 == 0
         pre_args = a["preprocess"][1]
         assert pre_args[6:9] == (6 * m_pad, sq, m_pad)
+
+
+def test_code_id_record_is_current():
+    """templates/gluon/attn_bwd.code_id.json matches the template: run ``python3 -m
+    flashgen.families.gluon`` after a template edit when this fails (the id stays
+    while the probe variants' code is unchanged)."""
+    rec = json.loads((B._templates_dir() / B.CODE_ID_RECORD).read_text())
+    assert rec["text"] == B.text_hash() and rec["probes"] == B.probe_digest()
+    assert B.template_hash() == rec["code"] == B.code_id()
+    src = B.render(B.default_config(128), "bfloat16", 128, "causal")
+    assert f"template_hash: {rec['code']}" in src and f'TEMPLATE_HASH = "{rec["code"]}"' in src
+
+
+def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
+    """A Jinja comment or a branch no recorded variant renders keeps the id (and the
+    tuned rows); a change to the code of a recorded variant gives a new one."""
+    import shutil
+
+    def edited(name, old, new):
+        d = tmp_path / name
+        shutil.copytree(B._templates_dir(), d)
+        t = d / B.TEMPLATE
+        t.write_text(t.read_text().replace(old, new, 1))
+        return str(d)
+
+    anchor = "VARIANT_ID = "
+    same = edited("same", anchor, "{# a comment #}\n{% if DQ_MODE == 'nothing' %}x = 1\n{% endif %}" + anchor)
+    assert B.text_hash(same) != B.text_hash() and B.code_id(same) == B.template_hash()
+    other = edited("other", anchor, "# changed\n" + anchor)
+    assert B.code_id(other) not in (B.template_hash(), B.text_hash(other))
+    assert B.write_code_id(other)["code"] == B.code_id(other) == B.probe_digest(other)
+    B.template_hash.cache_clear()
+    assert B.template_hash() == json.loads((B._templates_dir() / B.CODE_ID_RECORD).read_text())["code"]

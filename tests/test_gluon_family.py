@@ -354,7 +354,7 @@ def test_wheel_carries_the_gluon_family_and_templates():
     root = Path(__file__).resolve().parent.parent
     pyproject = tomllib.loads((root / "pyproject.toml").read_text())
     assert "flashgen.families.gluon" in pyproject["tool"]["setuptools"]["packages"]
-    assert "gluon/*.j2" in pyproject["tool"]["setuptools"]["package-data"]["flashgen.templates"]
+    assert {"gluon/*.j2", "gluon/*.json"} <= set(pyproject["tool"]["setuptools"]["package-data"]["flashgen.templates"])
     assert {"attn_fwd.py.j2", "attn_bwd.py.j2"} <= {p.name for p in (root / "templates" / "gluon").glob("*.j2")}
 
 

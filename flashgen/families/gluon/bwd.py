@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -270,19 +271,93 @@ def _templates_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(_templates_dir())), undefined=jinja2.StrictUndefined,
-                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+def _env(directory: str | None = None) -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(directory or str(_templates_dir())),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
+                              lstrip_blocks=True)
+
+
+#: The record of the backward's code id, beside the template (JSON: "text", the
+#: template's sha256; "probes", :func:`probe_digest`; "code", the id).
+CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
+
+
+def text_hash(directory: str | None = None) -> str:
+    """sha256 (16 hex digits) of the template file."""
+    return hashlib.sha256((Path(directory or _templates_dir()) / TEMPLATE).read_bytes()).hexdigest()[:16]
+
+
+def probe_variants() -> list[tuple[GluonBwdConfig, str, int, str]]:
+    """(config, dtype, head_dim, mask) of every variant the tuner can record (the search
+    space of each head dim, dtype and mask, GQA group 1), and one variant of each LSE2 /
+    delta load and producer width outside it: the sources whose code defines the code id."""
+    out = []
+    for d in HEAD_DIMS:
+        for dtype in DTYPES:
+            for mask in MASKS:
+                out += [(c, dtype, d, mask) for c in search_space(d, dtype, mask)]
+                base = default_config(d, dtype, mask)
+                for extra in (dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)):
+                    out.append((extra, dtype, d, mask))
+    return out
+
+
+def probe_digest(directory: str | None = None) -> str:
+    """sha256 (16 hex digits) of the sources of :func:`probe_variants`, rendered from the
+    template in ``directory`` (default: the package's) with the header hash left out."""
+    h = hashlib.sha256()
+    for c, dtype, d, mask in probe_variants():
+        h.update(render(c, dtype, d, mask, check=False, header_hash="-", directory=directory).encode())
+    return h.hexdigest()[:16]
+
+
+def _record(directory: str | None = None) -> dict:
+    try:
+        return json.loads((Path(directory or _templates_dir()) / CODE_ID_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def code_id(directory: str | None = None) -> str:
+    """The code id of the template in ``directory``: the recorded id while the template's
+    text is the recorded one, or while its probe sources (:func:`probe_digest`) are the
+    recorded ones (an edit that leaves every recorded variant's code as it was: a new
+    mode behind a Jinja switch, a Jinja comment); else the new probe digest."""
+    rec = _record(directory)
+    if rec and rec.get("text") == text_hash(directory):
+        return rec["code"]
+    digest = probe_digest(directory)
+    return rec["code"] if rec and rec.get("probes") == digest else digest
 
 
 @functools.lru_cache(maxsize=None)
 def template_hash() -> str:
-    return hashlib.sha256((_templates_dir() / TEMPLATE).read_bytes()).hexdigest()[:16]
+    """The code id of the backward's template (:func:`code_id`): generated sources carry it
+    in their header, and tuning rows (the family's ``template_hash``) carry it, so an edit
+    that changes the code of a variant the tuner can record invalidates the rows, while
+    one that adds code only new variants render keeps them.  It began as the template's
+    text hash at the time (3e9b5b10c914d761, what the H200 rows carry); ``python3 -m
+    flashgen.families.gluon`` rewrites the record after an edit."""
+    return code_id()
 
 
-def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True) -> str:
+def write_code_id(directory: str | None = None) -> dict:
+    """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is: the id stays
+    while the probe sources are the recorded ones, else it becomes their digest."""
+    rec, digest = _record(directory), probe_digest(directory)
+    new = {"text": text_hash(directory), "probes": digest,
+           "code": rec["code"] if rec and rec.get("probes") == digest else digest}
+    (Path(directory or _templates_dir()) / CODE_ID_RECORD).write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
+    template_hash.cache_clear()
+    return new
+
+
+def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, *,
+           header_hash: str | None = None, directory: str | None = None) -> str:
     """The Gluon source of one variant (pure text).  Raises ValueError for an invalid one
-    (``check=False``: probes render a config the rules reject, e.g. row_load "tma")."""
+    (``check=False``: probes render a config the rules reject, e.g. row_load "tma").
+    ``header_hash``: the hash the header names (default :func:`template_hash`);
+    ``directory``: another templates directory (the code-id checks)."""
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
     if reasons:
         raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
@@ -298,8 +373,9 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         dq_warps, dq_n = [c.num_warps, 1], head_dim
     else:
         dq_warps, dq_n = [4, c.consumers], head_dim // c.consumers
-    return _env().get_template(TEMPLATE).render(
-        template_hash=template_hash(), variant_id=variant_id(c, dtype, head_dim, mask), dtype=dtype,
+    return _env(directory).get_template(TEMPLATE).render(
+        template_hash=template_hash() if header_hash is None else header_hash,
+        variant_id=variant_id(c, dtype, head_dim, mask), dtype=dtype,
         head_dim=head_dim, mask=mask, BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
@@ -482,3 +558,4 @@ def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, k
         opts["maxnreg"] = config.maxnreg
     src = GluonASTSource(fn, sig, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
