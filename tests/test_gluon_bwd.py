@@ -3,6 +3,7 @@ shared-memory model, and representative variants compiled for sm_90 with Triton'
 bundled ptxas (no spills, no wgmma serialization info C7514/C7515) and cuobjdump (HGMMA,
 USETMAXREG: warp-specialized with register budgets)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -18,8 +20,9 @@ from flashgen.families.gluon import bwd as B  # noqa: E402
 
 #: (config fields, head_dim, mask): compiled and checked for sm_90; the defaults of both
 #: head dims (lock-step partition at 128, split partitions at 64; LSE2/delta by 2-D TMA)
-#: first.  Fields in GluonBwdConfig's order (block_m, block_n, consumers, stages,
-#: dq_mode, consumer_regs, producer_regs, row_load, producer_warps, split).
+#: first, the group-split variants (float32 dK/dV partials) last.  Fields in
+#: GluonBwdConfig's order (block_m, block_n, consumers, stages, dq_mode, consumer_regs,
+#: producer_regs, row_load, producer_warps, split, group_split).
 CASES = [
     ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, "causal"),
     ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, "none"),
@@ -28,6 +31,10 @@ CASES = [
     ((64, 64, 2, 3, "tma", 240, 24, "tma"), 128, "window"),
     ((64, 64, 2, 2, "atomic", 240, 24, "producer"), 128, "causal"),
     ((64, 64, 2, 4, "tma", 240, 24, "producer", 1, True), 64, "window"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 4), 128, "causal"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 2), 128, "none"),
+    ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 2), 64, "causal"),
+    ((64, 64, 2, 3, "tma", 240, 24, "tma", 1, False, 8), 128, "window"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -35,7 +42,8 @@ CASES = [
 #: ``--regAllocOptLevel=2`` (shim.ptxas_sm90); the d128 causal default spills 8 B only
 #: with that flag; the three-stage window variant (24 B) and the atomic dQ variant
 #: (8 B, 28 B with the flag) spill from 3.9's own PTX (the same with ptxas 12.8).
-#: Any other spill fails.
+#: Any other spill fails.  A group split (``_gs``) changes only the epilogue's stores, so
+#: its variants are held to their unsplit variant's numbers.
 SPILL_BYTES = {
     "3.9": {("m64_n64_c2_s2_tma_r240-24_rows-tma", 128, "causal"): 8,
             ("m64_n64_c2_s3_tma_r240-24_rows-tma", 128, "window"): 24,
@@ -67,6 +75,9 @@ for fields, d, mask in CASES:
 for kern in ("attn_bwd_preprocess", "attn_bwd_convert"):
     B.compile_sm90(B.default_config(128), "float16", 128, "none", kern)
     print("AUX", kern)
+for gs in (2, 4):
+    r = B.compile_sm90(B.GluonBwdConfig(group_split=gs, row_load="tma"), "bfloat16", 128, "causal", "group_reduce")
+    print("AUX", "group_reduce", gs, int("ld.global.v4" in r.asm["ptx"]))
 '''
 
 
@@ -86,7 +97,9 @@ def compiled():
     assert r.returncode == 0, r.stderr[-3000:]
     cases = [json.loads(line[5:]) for line in r.stdout.splitlines() if line.startswith("CASE ")]
     aux = [line for line in r.stdout.splitlines() if line.startswith("AUX ")]
-    assert len(cases) == len(CASES) and len(aux) == 2, r.stdout
+    assert len(cases) == len(CASES) and len(aux) == 4, r.stdout
+    # the reduction's loads are 16-byte vectors
+    assert all(line.endswith(" 1") for line in aux if "group_reduce" in line), aux
     return cases
 
 
@@ -95,7 +108,8 @@ def test_variants_compile_without_spills_or_serialized_wgmma(compiled):
 
     spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     for c in compiled:
-        assert c["spill"] == spills.get((c["id"], c["d"], c["mask"]), 0), c
+        unsplit = re.sub(r"_gs\d+$", "", c["id"])
+        assert c["spill"] == spills.get((unsplit, c["d"], c["mask"]), 0), c
         assert c["c751x"] == [], c
 
 
@@ -218,3 +232,114 @@ def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
     assert B.write_code_id(other)["code"] == B.code_id(other) == B.probe_digest(other)
     B.template_hash.cache_clear()
     assert B.template_hash() == json.loads((B._templates_dir() / B.CODE_ID_RECORD).read_text())["code"]
+
+
+# -- group_split: programs sharing one kv head's GQA group ----------------------------------
+
+def test_group_split_rules_and_search_space():
+    assert B.group_splits(1) == (1,) and B.group_splits(4) == (1, 2, 4) and B.group_splits(6) == (1, 2, 3, 6)
+    assert B.group_splits(32) == (1, 2, 4, 8, 16)
+    for bad in (0, -2, B.MAX_GROUP_SPLIT + 1, 2.0):
+        assert any("group_split" in r for r in B.invalid_reasons(B.GluonBwdConfig(group_split=bad), 128)), bad
+    gs4 = B.GluonBwdConfig(row_load="tma", group_split=4)
+    assert B.is_valid(gs4, 128, "bfloat16", "causal") and gs4.id.endswith("_rows-tma_gs4")
+    assert B.GluonBwdConfig(row_load="tma").id == B.default_config(128).id  # no tag at 1
+    assert B.group_reasons(gs4, 8) == [] and "must divide the GQA group" in B.group_reasons(gs4, 6)[0]
+    # the shared memory and registers of a split variant are its unsplit one's
+    assert B.smem_terms(gs4, 128) == B.smem_terms(B.GluonBwdConfig(row_load="tma"), 128)
+    for d in B.HEAD_DIMS:
+        mha = B.search_space(d, "bfloat16", "causal")
+        assert all(c.group_split == 1 for c in mha)
+        assert B.search_space(d, "bfloat16", "causal", group=1) == mha
+        gqa = B.search_space(d, "bfloat16", "causal", group=4)
+        assert len(gqa) == 3 * len(mha)
+        assert {c.group_split for c in gqa} == {1, 2, 4}
+        assert {dataclasses.replace(c, group_split=1) for c in gqa} == set(mha)
+
+
+def test_group_split_renders_only_in_its_variants():
+    base = B.GluonBwdConfig(row_load="tma")
+    plain = B.render(base, "bfloat16", 128, "causal")
+    assert "GROUP_SPLIT" not in plain and "off_kv" not in plain
+    assert "(dk * softmax_scale).to(DTYPE)" in plain
+    src = B.render(dataclasses.replace(base, group_split=4), "bfloat16", 128, "causal")
+    assert "GROUP_SPLIT=4" in src and "off_kv = off_hk // 4" in src
+    assert "tma_load(k_desc, [off_z, off_kv, n0, 0]" in src and "tma_load(v_desc, [off_z, off_kv, n0, 0]" in src
+    assert "gl.store(DK + base + offs, dk, mask=keep)" in src and "(dk * softmax_scale)" not in src
+    assert src.count("\n") - plain.count("\n") < 20
+
+
+def _launch(gs, b=2, h=8, hk=2, sq=300, sk=200, d=128, dtype=torch.bfloat16):
+    q = torch.empty(b, h, sq, d, dtype=dtype)
+    k = torch.empty(b, hk, sk, d, dtype=dtype)
+    lse = torch.empty(b, h, sq)
+    cfg = B.GluonBwdConfig(row_load="tma", group_split=gs)
+    return cfg, B.launch_args(q, q, k, k, q, lse, softmax_scale=0.125, diag_lo=-sq, diag_hi=sk, config=cfg)
+
+
+def test_group_split_launch_sizes_the_scratch_and_the_reduction():
+    from flashgen.families.gluon import reduce as R
+
+    b, h, hk, sq, sk, d = 2, 8, 2, 300, 200, 128
+    _, one = _launch(1)
+    assert "reduce" not in one and "dk_partial" not in one
+    assert one["main"][0] == (2, b * hk) and one["main"][1][15] == hk and one["main"][1][10] is one["dk"]
+    for gs in (2, 4):
+        cfg, a = _launch(gs)
+        grid, args = a["main"]
+        # batch * num_kv_heads * gs programs per key block, told hk * gs kv heads
+        assert grid == (-(-sk // cfg.block_nt), b * hk * gs) and args[15] == hk * gs and args[14] == h
+        dkp, dvp = a["dk_partial"], a["dv_partial"]
+        assert args[10] is dkp and args[11] is dvp
+        for p in (dkp, dvp):
+            assert p.shape == (b, hk, gs, sk, d) and p.dtype == torch.float32 and p.is_contiguous()
+        assert dvp.data_ptr() - dkp.data_ptr() == dkp.numel() * 4  # one allocation
+        assert a["dk"].shape == (b, hk, sk, d) and a["dk"].dtype == torch.bfloat16
+        rgrid, rargs = a["reduce"]
+        assert rgrid == R.grid(b, hk, sk, d) == (-(-(sk * d) // R.BLOCK), b * hk, 2)
+        assert rargs[:4] == (dkp, dvp, a["dk"], a["dv"]) and rargs[4:] == (sk * d, 0.125, gs, R.BLOCK)
+        # The kernel's arithmetic (attn_bwd, _producer, the epilogue) over this grid: every
+        # (batch, kv head)'s query heads once, K/V of that kv head, partial slab pid_zh.
+        nkv = args[15]
+        seen = {}
+        for pid_zh in range(grid[1]):
+            off_z, off_hk = pid_zh // nkv, pid_zh % nkv
+            group = h // nkv
+            kv, sp = off_hk // gs, off_hk % gs
+            seen.setdefault((off_z, kv), []).extend(off_hk * group + g for g in range(group))
+            assert pid_zh == (off_z * hk + kv) * gs + sp  # slab (off_z, kv, sp) of (b, hk, gs, sk, d)
+        assert all(sorted(v) == list(range(kv * (h // hk), (kv + 1) * (h // hk))) for (_, kv), v in seen.items())
+        assert len(seen) == b * hk
+    with pytest.raises(ValueError, match="group_split 3 must divide the GQA group"):
+        _launch(3)
+    with pytest.raises(ValueError, match="grid limit"):
+        _launch(16, b=4097, h=16, hk=1, sq=1, sk=1, d=64)
+
+
+@pytest.mark.parametrize("gs, sk, d, dtype", [(2, 200, 128, torch.bfloat16), (4, 17, 64, torch.float16),
+                                              (3, 33, 64, torch.float32), (4, 200, 128, torch.float32)])
+def test_group_reduce_sums_the_partials_in_order(gs, sk, d, dtype):
+    """The reduction (Triton's interpreter on CPU): dK = (P0 + P1 + ...) * softmax_scale and
+    dV = P0 + P1 + ... in float32, in split order, cast once: into float32 outputs bit for
+    bit the sequential float32 sum; into 16-bit ones within one rounding of it (the
+    interpreter's float32 -> 16-bit cast need not round as the GPU's does)."""
+    from flashgen.families.gluon import reduce as R
+
+    b, hk, scale = 2, 3, 0.0883883
+    g = torch.Generator().manual_seed(gs * 1000 + sk)
+    partials = torch.randn(2, b, hk, gs, sk, d, generator=g) * 4
+    dk = torch.full((b, hk, sk, d), float("nan"), dtype=dtype)
+    dv = torch.full((b, hk, sk, d), float("nan"), dtype=dtype)
+    R.group_reduce[R.grid(b, hk, sk, d)](partials[0], partials[1], dk, dv, sk * d, scale, gs, R.BLOCK,
+                                          num_warps=R.NUM_WARPS)
+    for out, p, s in ((dk, partials[0], scale), (dv, partials[1], 1.0)):
+        acc = p[:, :, 0].clone()
+        for i in range(1, gs):
+            acc = acc + p[:, :, i]
+        want = acc * torch.tensor(s, dtype=torch.float32)
+        if dtype == torch.float32:
+            assert torch.equal(out, want)
+        else:
+            ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+            torch.testing.assert_close(out.float(), want, rtol=ulp, atol=0)
+        torch.testing.assert_close(out.float(), p.sum(2) * s, rtol=1e-2, atol=1e-5)

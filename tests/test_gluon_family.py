@@ -442,3 +442,108 @@ def test_a_small_key_takes_no_gluon_row_of_another_bucket(tmp_path):
     assert not plan.whole and "too little work" in plan.reason
     assert d.choose(key(shape=BIG), capturing=False).config == GFWD
     assert d.backward(key("bwd_dq", shape=BIG), capturing=False).whole
+
+
+# -- group_split: the tuner searches it for GQA keys only --------------------------------
+
+GQA = Shape(4, 16, 4, 2048, 2048)
+
+
+def test_group_split_is_searched_for_gqa_keys_only():
+    mha = key("bwd", "bfloat16", 128, shape=Shape(2, 16, 16, 2048, 2048))
+    assert "group_split" not in GLUON.domain(mha)
+    for group, splits in ((4, (0, 2, 4)), (6, (0, 2, 3, 6)), (2, (0, 2))):
+        k = key("bwd", "bfloat16", 128, shape=Shape(1, 6 * group if group == 6 else 4 * group, 6 if group == 6
+                                                     else 4, 2048, 2048))
+        assert k.group == group and GLUON.domain(k)["group_split"] == splits
+        ok = [c for c in families.configs(GLUON, k) if not GLUON.violated_rules(Variant(k.spec, c))]
+        assert {F.bwd_config(c) for c in ok} == set(B.search_space(128, "bfloat16", "causal", group))
+        assert all(F.tile_config(F.bwd_config(c)) == c for c in ok)
+        assert {c.group_split for c in ok} == set(splits)
+    c = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=4))
+    assert c.group_split == 4 and c.id == "gluon_m64_n64_w8_s2_gs4" and TileConfig.from_dict(c.as_dict()) == c
+    assert F.tile_config(B.GluonBwdConfig(row_load="tma")).group_split == 0
+    assert "group_split 0 must be a whole number" not in " ".join(GLUON.violated_rules(Variant(key("bwd").spec, c)))
+    # a row of another GQA group runs with a split that divides this key's group
+    k6 = key("bwd", "bfloat16", 128, shape=Shape(1, 12, 2, 2048, 2048))
+    assert GLUON.adapt(c, k6).group_split == 2 and GLUON.adapt(c, key("bwd", shape=GQA)) == c
+    assert GLUON.adapt(c, key("bwd", shape=Shape(1, 3, 1, 64, 64))).group_split == 0
+
+
+def test_group_split_rows_round_trip_and_explain_says_so(tmp_path):
+    k = key("bwd", "bfloat16", 128, shape=GQA)
+    gs = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=2))
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        db.record(k, GQA, Variant(k.spec, gs), Measurement("ok", median_ms=0.5), H200, 0)
+        row = db.lookup(k, Variant(k.spec, gs).id, H200)
+        assert row["group_split"] == 2 and row["variant_id"].endswith("_gs2")
+        plain = F.tile_config(B.GluonBwdConfig(row_load="tma"))
+        db.record(k, GQA, Variant(k.spec, plain), Measurement("ok", median_ms=0.6), H200, 0)
+        assert db.lookup(k, Variant(k.spec, plain).id, H200)["group_split"] is None  # NULL at its default
+        assert db.best_configs(H200)[k.id][0] == gs
+        for kernel, cfg in (("bwd_dq", T1), ("bwd_dkdv", T2)):
+            kk = key(kernel, "bfloat16", 128, shape=GQA)
+            db.record(kk, GQA, Variant(kk.spec, cfg), Measurement("ok", median_ms=0.4), H200, 0)
+    d = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
+    q = torch.empty(4, 16, 2048, 128, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(4, 4, 2048, 128, dtype=torch.bfloat16, device="meta")
+    e = explain(q, kv, kv, causal=True, dispatcher=d)
+    assert e.kernels[1].config == gs.id and "_gs2" in str(e)
+    assert "float32 partials of the 2 programs (group_split)" in e.backward
+
+
+def test_the_shipped_database_reads_without_a_group_split_column(tmp_path):
+    """A database written before group_split existed reads as it did (the knob at its
+    default), and its first write adds the column."""
+    import shutil
+    import sqlite3
+
+    src = Path(__file__).resolve().parent.parent / "tuning_db" / "h200.sqlite"
+    con = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+    try:
+        assert "group_split" not in {r[1] for r in con.execute("PRAGMA table_info(measurements)")}
+    finally:
+        con.close()
+    dst = tmp_path / "old.sqlite"
+    shutil.copy(src, dst)
+    with TuningDB(dst) as db:
+        before = {k: c for k, (c, _) in db.best_configs(H200).items()}
+        k = key("bwd", "bfloat16", 128, shape=GQA)
+        gs = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=4))
+        db.record(k, GQA, Variant(k.spec, gs), Measurement("ok", median_ms=0.01), H200, 0)
+        assert db.lookup(k, Variant(k.spec, gs).id, H200)["group_split"] == 4
+    con = sqlite3.connect(dst)
+    try:
+        assert "group_split" in {r[1] for r in con.execute("PRAGMA table_info(measurements)")}
+    finally:
+        con.close()
+    with TuningDB(dst, readonly=True) as db:
+        after = {kk: c for kk, (c, _) in db.best_configs(H200).items()}
+    assert after[k.id] == gs and after[k.id] != before.get(k.id)
+    assert {kk: c for kk, c in after.items() if kk != k.id} == {kk: c for kk, c in before.items() if kk != k.id}
+
+
+def test_the_backward_launches_the_reduction_for_a_split(monkeypatch):
+    mod = _Module()
+    log = mod.log
+    monkeypatch.setattr(B, "load", lambda *a, **kw: mod)
+    from flashgen.families.gluon import reduce as R
+
+    monkeypatch.setattr(R, "group_reduce", _Kernel(log, "group_reduce"))
+    spec = KernelSpec("bwd", "bfloat16", 128, 128, "causal")
+    shape = Shape(2, 8, 2, 200, 300)
+    q, k, v, do = bench.make_inputs(spec, shape, device="cpu")
+    for gs, launches in ((1, 3), (2, 4), (4, 4)):
+        log.clear()
+        cfg = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=gs))
+        fn, outs = bench.run_variant(Variant(spec, cfg), q, k, v, do, arch=SM90)
+        fn()
+        names = [e[0] for e in log]
+        assert names == ["attn_bwd_preprocess", "attn_bwd", "attn_bwd_convert", "group_reduce"][:launches]
+        assert log[1][1] == (-(-300 // 128), 2 * 2 * gs) and log[1][2][15] == 2 * gs
+        if gs > 1:
+            (_, grid, args, kw) = log[3]
+            assert grid == R.grid(2, 2, 300, 128) and kw == {"num_warps": R.NUM_WARPS}
+            assert args[2] is outs["dK"] and args[3] is outs["dV"] and args[6] == gs
+            assert args[0].shape == (2, 2, gs, 300, 128) and args[0].dtype == torch.float32
+            assert log[1][2][10] is args[0] and log[1][2][11] is args[1]

@@ -50,6 +50,10 @@ REGS_PER_SM = 65536
 MAX_REGS = 248
 #: Rows per program of the preprocess and convert kernels.
 PRE_ROWS = 64
+#: The most programs that may share one kv head's GQA group (group_split).
+MAX_GROUP_SPLIT = 16
+#: CUDA's limit on grid axis 1 (batch * num_kv_heads * group_split programs).
+MAX_GRID_Y = 65535
 _SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -76,6 +80,13 @@ class GluonBwdConfig:
     split:          each consumer warpgroup is a partition of its own (they drift apart;
                     each has its own dS^T tile and dQ reduce-add), instead of one
                     lock-step partition of 4 * consumers warps.
+    group_split:    programs that share one kv head's GQA group (1 to MAX_GROUP_SPLIT,
+                    dividing num_heads // num_kv_heads): each takes group // group_split
+                    query heads and writes float32 partial sums of dK and dV (dK not
+                    yet scaled) into a (batch, num_kv_heads, group_split, seqlen_k,
+                    head_dim) scratch that a reduction kernel sums in split order,
+                    scales and casts (:mod:`.reduce`); 1: one program per kv head
+                    writes dK and dV itself.
     """
 
     block_m: int = 64
@@ -88,6 +99,7 @@ class GluonBwdConfig:
     row_load: str = "ptr"
     producer_warps: int = 1
     split: bool = False
+    group_split: int = 1
 
     @property
     def block_nt(self) -> int:
@@ -125,7 +137,8 @@ class GluonBwdConfig:
                 f"_r{self.consumer_regs}-{self.producer_regs}"
                 + ("" if self.row_load == "ptr" else f"_rows-{self.row_load}")
                 + ("" if self.producer_warps == 1 else f"_p{self.producer_warps}")
-                + ("_split" if self.split else ""))
+                + ("_split" if self.split else "")
+                + ("" if self.group_split == 1 else f"_gs{self.group_split}"))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -200,6 +213,9 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"split needs 2 consumers (got {c.consumers}): one 4-warp partition each")
     if c.dq_mode not in DQ_MODES:
         out.append(f"dq_mode {c.dq_mode!r} is not one of {DQ_MODES}")
+    if not (isinstance(c.group_split, int) and 1 <= c.group_split <= MAX_GROUP_SPLIT):
+        out.append(f"group_split {c.group_split!r} must be a whole number in 1..{MAX_GROUP_SPLIT} (programs per kv "
+                   "head's GQA group)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
         if r % 8 or not 24 <= r <= MAX_REGS:
             out.append(f"{name} {r} must be a multiple of 8 in 24..{MAX_REGS} (setmaxnreg)")
@@ -227,9 +243,44 @@ def is_valid(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat16", mas
     return not invalid_reasons(config, head_dim, dtype, mask)
 
 
-def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> list[GluonBwdConfig]:
-    """Every valid config for (head_dim, dtype, mask).  LSE2 / delta come through the ring
-    ("tma" or "producer"); the consumers' own pointer loads ("ptr") cost registers and
+def group_splits(group: int) -> tuple[int, ...]:
+    """The group_split values a GQA group of ``group`` query heads per kv head takes: its
+    divisors up to MAX_GROUP_SPLIT (1 alone for multi-head attention)."""
+    return tuple(s for s in range(1, min(group, MAX_GROUP_SPLIT) + 1) if group % s == 0)
+
+
+def group_reasons(config: GluonBwdConfig, group: int) -> list[str]:
+    """Why ``config`` cannot serve a GQA group of ``group`` query heads per kv head (the
+    rule :func:`invalid_reasons` cannot see: the group is a size, not compiled in)."""
+    if group % config.group_split:
+        return [f"group_split {config.group_split} must divide the GQA group num_heads // num_kv_heads = {group}"]
+    return []
+
+
+def group_split_bytes(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: int, group_split: int,
+                      elem_bytes: int = 2) -> dict[str, int]:
+    """Bytes of memory traffic a group split adds to the backward, by named term (a model;
+    the scratch is float32, dK and dV ``elem_bytes`` each):
+
+    ``kv_reloaded``        K and V loaded by the other group_split - 1 programs of a kv head;
+    ``partials_written``   the main kernel's float32 partials of dK and dV, less the dK
+                           and dV it writes itself when unsplit;
+    ``partials_read``      the reduction reading them;
+    ``outputs_written``    the reduction writing dK and dV.
+
+    All 0 for group_split 1."""
+    n = batch * num_kv_heads * seqlen_k * head_dim
+    if group_split == 1:
+        return dict.fromkeys(("kv_reloaded", "partials_written", "partials_read", "outputs_written"), 0)
+    return {"kv_reloaded": 2 * n * elem_bytes * (group_split - 1),
+            "partials_written": 2 * n * (4 * group_split - elem_bytes), "partials_read": 2 * n * 4 * group_split,
+            "outputs_written": 2 * n * elem_bytes}
+
+
+def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", group: int = 1) -> list[GluonBwdConfig]:
+    """Every valid config for (head_dim, dtype, mask) and a GQA group of ``group`` query
+    heads per kv head (group_split: :func:`group_splits`).  LSE2 / delta come through the
+    ring ("tma" or "producer"); the consumers' own pointer loads ("ptr") cost registers and
     spill at head_dim 128 (0.67x the "tma" variant on the H200), so they are left out."""
     out = []
     for block_m in (64, 128):
@@ -238,10 +289,11 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> 
                 for stages in (1, 2, 3, 4):
                     for dq_mode in DQ_MODES:
                         for row_load in ("tma", "producer"):
-                            c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
-                                               240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split)
-                            if is_valid(c, head_dim, dtype, mask):
-                                out.append(c)
+                            for gs in group_splits(group):
+                                c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
+                                                   240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split, gs)
+                                if is_valid(c, head_dim, dtype, mask):
+                                    out.append(c)
     return out
 
 
@@ -380,7 +432,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
-        NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves)
+        NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split)
 
 
 _modules: dict = {}
@@ -435,13 +487,27 @@ def _desc_rows(t, rows: int):
 
 def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, config: GluonBwdConfig,
                 dq=None, dk=None, dv=None):
-    """Everything the three launches take, without launching (also used to compile on a
+    """Everything the launches take, without launching (also used to compile on a
     machine without a GPU): a dict with the outputs (dq, dk, dv), the scratch buffers,
-    and for each kernel its grid and argument tuple."""
+    and for each kernel its grid and argument tuple ("preprocess", "main", "convert",
+    and with ``config.group_split`` S > 1 "reduce": the main kernel then runs
+    batch * num_kv_heads * S programs per key block, told num_kv_heads * S kv heads, and
+    writes float32 partials ``dk_partial`` / ``dv_partial`` of shape (batch,
+    num_kv_heads, S, seqlen_k, head_dim) that :func:`.reduce.group_reduce` sums into
+    dk, dv).  Raises ValueError when S does not divide the GQA group or the grid is too
+    tall."""
     import torch
 
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
+    c = config
+    gs = c.group_split
+    why = group_reasons(c, h // hk)
+    if why:
+        raise ValueError(f"Gluon backward config {c.id}: {why[0]}")
+    if b * hk * gs > MAX_GRID_Y:
+        raise ValueError(f"Gluon backward config {c.id}: batch * num_kv_heads * group_split = {b * hk * gs} "
+                         f"programs per key block, over CUDA's grid limit {MAX_GRID_Y}")
     dtype_name = str(q.dtype).removeprefix("torch.")
     dev = q.device
     do = do if do.is_contiguous() else do.contiguous()
@@ -455,18 +521,27 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     lse2 = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     delta = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     dqacc = torch.empty((b, h, sq, d), dtype=torch.float32, device=dev)
-    c = config
     pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
+    out = {"dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc}
+    main_dk, main_dv = dk, dv
+    if gs > 1:
+        # one allocation for both scratches; every element is written by the main kernel
+        partials = torch.empty((2, b, hk, gs, sk, d), dtype=torch.float32, device=dev)
+        main_dk, main_dv = out["dk_partial"], out["dv_partial"] = partials[0], partials[1]
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
             _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
-            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, dk, dv, float(softmax_scale) * 1.4426950408889634,
-            float(softmax_scale), h, hk, sq, sk, int(diag_lo), int(diag_hi), m_pad)
-    return {
-        "dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc,
-        "preprocess": (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True)),
-        "main": ((math.ceil(sk / c.block_nt), b * hk), main),
-        "convert": ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale))),
-    }
+            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, main_dk, main_dv,
+            float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
+            int(diag_hi), m_pad)
+    out["preprocess"] = (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True))
+    out["main"] = ((math.ceil(sk / c.block_nt), b * hk * gs), main)
+    out["convert"] = ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale)))
+    if gs > 1:
+        from . import reduce
+
+        out["reduce"] = (reduce.grid(b, hk, sk, d), (main_dk, main_dv, dk, dv, sk * d, float(softmax_scale), gs,
+                                                     reduce.BLOCK))
+    return out
 
 
 def check_inputs(do, q, k, v, o, lse) -> None:
@@ -499,7 +574,8 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     Shapes as :func:`flashgen.ops.bwd`; ``mask`` ("none" | "causal" | "window") names
     which bounds the kernel tests (diag_lo/diag_hi are tested in every masked mode).
     Returns (dq, dk, dv) in the inputs' dtype, contiguous.  dK/dV summed over each GQA
-    group.  Raises ValueError for inputs or a config the kernels cannot take.
+    group (``config.group_split`` > 1: over float32 partials by a fourth launch,
+    :mod:`.reduce`).  Raises ValueError for inputs or a config the kernels cannot take.
     ``stage_sync``: synchronize after each launch and raise RuntimeError naming the
     launch that failed (for the GPU checks)."""
     check_inputs(do, q, k, v, o, lse)
@@ -509,9 +585,14 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     mod = load(config, dtype, d, mask)
     a = launch_args(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
                     config=config, dq=dq, dk=dk, dv=dv)
-    for stage, fn, opts in (("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4}),
-                            ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
-                            ("convert", mod.attn_bwd_convert, {"num_warps": 4})):
+    stages = [("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4}),
+              ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
+              ("convert", mod.attn_bwd_convert, {"num_warps": 4})]
+    if "reduce" in a:
+        from . import reduce
+
+        stages.append(("reduce", reduce.group_reduce, {"num_warps": reduce.NUM_WARPS}))
+    for stage, fn, opts in stages:
         grid, args = a[stage]
         fn[grid](*args, **opts)
         if stage_sync:
@@ -528,34 +609,41 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
 
 def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, kernel: str = "attn_bwd",
                  check: bool = True):
-    """Triton's compiled ``kernel`` of one variant for sm_90, from CPU tensors' argument
-    types (no GPU needed; run without TRITON_INTERPRET)."""
+    """Triton's compiled ``kernel`` of one variant for sm_90 ("attn_bwd", "attn_bwd_preprocess",
+    "attn_bwd_convert", or "group_reduce", the Triton kernel of a group_split > 1 variant),
+    from CPU tensors' argument types (no GPU needed; run without TRITON_INTERPRET)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     mod = load(config, dtype, head_dim, mask, check)
     tdt = getattr(torch, dtype)
-    b, h, hk, s = 1, 2, 1, 256
+    b, h, hk, s = 1, 2 * config.group_split, 1, 256
     q = torch.empty(b, h, s, head_dim, dtype=tdt)
     k = torch.empty(b, hk, s, head_dim, dtype=tdt)
     lse = torch.empty(b, h, s, dtype=torch.float32)
     a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=config)
-    fn = getattr(mod, kernel)
-    args = a["main" if kernel == "attn_bwd" else kernel.removeprefix("attn_bwd_")][1]
+    if kernel == "group_reduce":
+        from . import reduce
+
+        fn, stage, source = reduce.group_reduce, "reduce", ASTSource
+    else:
+        fn, stage, source = getattr(mod, kernel), "main" if kernel == "attn_bwd" else kernel.removeprefix("attn_bwd_"), \
+            GluonASTSource
+    args = a[stage][1]
     sig, consts, attrs = {}, {}, {}
     for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
         if fn.params[i].is_constexpr:
             sig[name], consts[(i,)] = "constexpr", arg
             continue
         sig[name] = mangle_type(arg)
-        if isinstance(arg, torch.Tensor):
+        # the reduction's sizes are specialized as a launch does (a multiple of 16 is known to be one)
+        if isinstance(arg, torch.Tensor) or (source is ASTSource and isinstance(arg, int) and arg % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]
     opts = {"num_warps": config.num_warps if kernel == "attn_bwd" else 4}
     if kernel == "attn_bwd":
         opts["maxnreg"] = config.maxnreg
-    src = GluonASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-
+    return triton.compile(source(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
