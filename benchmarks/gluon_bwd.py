@@ -8,8 +8,8 @@ current backward (flashgen.attention + autograd, tuned rows of tuning_db/h200.sq
 on the FA-grid shapes of issue 16.  Writes gluon_bwd.json under --out and prints a
 short table last.
 
-``--gqa``: the GQA run instead: the head_dim 128 default with group_split 1, 2 and 4
-(GQA_CONFIGS), checked against float64 on GQA cases (GQA_CHECKS: groups 4 and 8, odd
+``--gqa``: the GQA run instead: the head_dim 128 default with group_split 1, 2 and 4,
+float32 or 16-bit partials (GQA_CONFIGS), checked against float64 on GQA cases (GQA_CHECKS: groups 4 and 8, odd
 sizes, both causal alignments, a window, NaN past seqlen_k), then timed on GQA_SHAPES
 (bf16, causal) against SDPA cuDNN (enable_gqa): the whole backward, its main kernel
 alone and the dK/dV reduction alone; writes gluon_bwd_gqa.json.
@@ -64,8 +64,10 @@ CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),
 #: The GQA run (--gqa).  (batch, num_heads, num_kv_heads, seqlen, head_dim, causal).
 GQA_SHAPES = [(4, 16, 4, 2048, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 4096, 128, True)]
 #: The head_dim 128 default (lock-step consumers, LSE2/delta by 2-D TMA) at group_split
-#: 1, 2, 4; "full" adds the window and float16 checks.
-GQA_CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, gs), 128, True) for gs in (1, 2, 4)]
+#: 1, 2, 4 with float32 partials, and 2, 4 with 16-bit ones (half_partials); "full" adds
+#: the window and float16 checks.
+GQA_CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, gs, half), 128, True)
+               for gs, half in ((1, False), (2, False), (4, False), (2, True), (4, True))]
 #: Groups 4 and 8 (every group_split of GQA_CONFIGS divides them); fields as CHECKS.
 GQA_CHECKS = [(1, 8, 2, 17, 17, False, (-1, -1), "bottom_right", False),
               (2, 8, 2, 1000, 1000, False, (-1, -1), "bottom_right", True),
@@ -206,7 +208,7 @@ def _time_gqa(cfg, b, h, hk, s, d, causal) -> dict:
 
         rgrid, rargs = a["reduce"]
         out["reduce_ms"] = bench(lambda: R.group_reduce[rgrid](*rargs, num_warps=R.NUM_WARPS))
-    nbytes = B.group_split_bytes(b, hk, s, d, cfg.group_split)
+    nbytes = B.group_split_bytes(b, hk, s, d, cfg.group_split, half_partials=cfg.half_partials)
     out["reduce_pred_ms"] = (nbytes["partials_read"] + nbytes["outputs_written"]) / HBM_BYTES_PER_S * 1e3
     out["tflops"] = tflops(b, h, s, d, causal, out["ms"])
     return out

@@ -221,7 +221,8 @@ class KernelSpec:
 
 
 #: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
-_FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"))
+_FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
+              ("half_partials", "_hp"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -263,7 +264,8 @@ class TileConfig:
     (0 = 1; ``_p4``); ``split`` 1: one partition per backward consumer warpgroup
     (``_split``); ``group_split``: backward programs sharing one kv head's GQA group,
     dK/dV summed from float32 partials afterwards (0 = 1; ``_gs4``; a divisor of the
-    key's group).
+    key's group); ``half_partials`` 1: those partials in the inputs' 16-bit dtype
+    (``_hp``).
     """
 
     BLOCK_M: int
@@ -284,6 +286,7 @@ class TileConfig:
     producer_warps: int = 0
     split: int = 0
     group_split: int = 0
+    half_partials: int = 0
 
     @property
     def id(self) -> str:

@@ -96,8 +96,8 @@ class ModelBenchmarker:
     programs (default 1) share an SM (setmaxnreg hands them the register file); the
     whole backward (``bwd``) is the dK/dV kernel's traffic over BLOCK_N x consumers key
     rows plus a float32 dQ tile added per (key block, query block), and 3 launches
-    (``group_split`` S > 1: S times the programs, each loading its K and V, the float32
-    dK/dV partials written and read back, and 4 launches).
+    (``group_split`` S > 1: S times the programs, each loading its K and V, the dK/dV
+    partials, float32 or ``half_partials``, written and read back, and 4 launches).
     """
 
     def __init__(self, arch, hbm_bytes_per_s: float = 4.8e12, tensor_flops_per_s: float = 989e12,
@@ -129,8 +129,9 @@ class ModelBenchmarker:
                 n = kv_heads * shape.seqlen_k * s.head_dim
                 io.add("group_split: K, V loaded again by the other programs of a kv head", "read",
                        2 * n * s.dtype_bytes * (split - 1))
-                io.add("group_split: float32 dK, dV partials", "write", 2 * n * 4 * split)
-                io.add("group_split: the partials read by the reduction", "read", 2 * n * 4 * split)
+                part = s.dtype_bytes if c.half_partials else 4
+                io.add("group_split: dK, dV partials", "write", 2 * n * part * split)
+                io.add("group_split: the partials read by the reduction", "read", 2 * n * part * split)
                 launches = 4
         elif gluon:
             rows = c.BLOCK_M * max(1, c.num_warps // 4)

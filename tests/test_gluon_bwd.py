@@ -20,9 +20,9 @@ from flashgen.families.gluon import bwd as B  # noqa: E402
 
 #: (config fields, head_dim, mask): compiled and checked for sm_90; the defaults of both
 #: head dims (lock-step partition at 128, split partitions at 64; LSE2/delta by 2-D TMA)
-#: first, the group-split variants (float32 dK/dV partials) last.  Fields in
+#: first, the group-split variants (float32, then 16-bit dK/dV partials) last.  Fields in
 #: GluonBwdConfig's order (block_m, block_n, consumers, stages, dq_mode, consumer_regs,
-#: producer_regs, row_load, producer_warps, split, group_split).
+#: producer_regs, row_load, producer_warps, split, group_split, half_partials).
 CASES = [
     ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, "causal"),
     ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, "none"),
@@ -35,6 +35,8 @@ CASES = [
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 2), 128, "none"),
     ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 2), 64, "causal"),
     ((64, 64, 2, 3, "tma", 240, 24, "tma", 1, False, 8), 128, "window"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 4, True), 128, "causal"),
+    ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 2, True), 64, "causal"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -108,7 +110,7 @@ def test_variants_compile_without_spills_or_serialized_wgmma(compiled):
 
     spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     for c in compiled:
-        unsplit = re.sub(r"_gs\d+$", "", c["id"])
+        unsplit = re.sub(r"_gs\d+h?$", "", c["id"])
         assert c["spill"] == spills.get((unsplit, c["d"], c["mask"]), 0), c
         assert c["c751x"] == [], c
 
@@ -252,9 +254,14 @@ def test_group_split_rules_and_search_space():
         assert all(c.group_split == 1 for c in mha)
         assert B.search_space(d, "bfloat16", "causal", group=1) == mha
         gqa = B.search_space(d, "bfloat16", "causal", group=4)
-        assert len(gqa) == 3 * len(mha)
-        assert {c.group_split for c in gqa} == {1, 2, 4}
-        assert {dataclasses.replace(c, group_split=1) for c in gqa} == set(mha)
+        assert len(gqa) == 5 * len(mha)  # group_split 1, and 2 and 4 with float32 or 16-bit partials
+        assert {(c.group_split, c.half_partials) for c in gqa} == {(1, False), (2, False), (2, True), (4, False),
+                                                                    (4, True)}
+        assert {dataclasses.replace(c, group_split=1, half_partials=False) for c in gqa} == set(mha)
+    half = B.GluonBwdConfig(row_load="tma", group_split=2, half_partials=True)
+    assert half.id.endswith("_gs2h") and B.is_valid(half, 128)
+    assert any("half_partials needs group_split > 1" in r
+               for r in B.invalid_reasons(dataclasses.replace(half, group_split=1), 128))
 
 
 def test_group_split_renders_only_in_its_variants():
@@ -266,14 +273,17 @@ def test_group_split_renders_only_in_its_variants():
     assert "GROUP_SPLIT=4" in src and "off_kv = off_hk // 4" in src
     assert "tma_load(k_desc, [off_z, off_kv, n0, 0]" in src and "tma_load(v_desc, [off_z, off_kv, n0, 0]" in src
     assert "gl.store(DK + base + offs, dk, mask=keep)" in src and "(dk * softmax_scale)" not in src
+    half = B.render(dataclasses.replace(base, group_split=4, half_partials=True), "bfloat16", 128, "causal")
+    assert "HALF_PARTIALS" in half and "off_kv = off_hk // 4" in half
+    assert "gl.store(DK + base + offs, (dk * softmax_scale).to(DTYPE), mask=keep)" in half
     assert src.count("\n") - plain.count("\n") < 20
 
 
-def _launch(gs, b=2, h=8, hk=2, sq=300, sk=200, d=128, dtype=torch.bfloat16):
+def _launch(gs, b=2, h=8, hk=2, sq=300, sk=200, d=128, dtype=torch.bfloat16, half=False):
     q = torch.empty(b, h, sq, d, dtype=dtype)
     k = torch.empty(b, hk, sk, d, dtype=dtype)
     lse = torch.empty(b, h, sq)
-    cfg = B.GluonBwdConfig(row_load="tma", group_split=gs)
+    cfg = B.GluonBwdConfig(row_load="tma", group_split=gs, half_partials=half)
     return cfg, B.launch_args(q, q, k, k, q, lse, softmax_scale=0.125, diag_lo=-sq, diag_hi=sk, config=cfg)
 
 
@@ -284,20 +294,22 @@ def test_group_split_launch_sizes_the_scratch_and_the_reduction():
     _, one = _launch(1)
     assert "reduce" not in one and "dk_partial" not in one
     assert one["main"][0] == (2, b * hk) and one["main"][1][15] == hk and one["main"][1][10] is one["dk"]
-    for gs in (2, 4):
-        cfg, a = _launch(gs)
+    for gs, half in ((2, False), (4, False), (4, True)):
+        cfg, a = _launch(gs, half=half)
         grid, args = a["main"]
         # batch * num_kv_heads * gs programs per key block, told hk * gs kv heads
         assert grid == (-(-sk // cfg.block_nt), b * hk * gs) and args[15] == hk * gs and args[14] == h
         dkp, dvp = a["dk_partial"], a["dv_partial"]
         assert args[10] is dkp and args[11] is dvp
+        part = torch.bfloat16 if half else torch.float32
         for p in (dkp, dvp):
-            assert p.shape == (b, hk, gs, sk, d) and p.dtype == torch.float32 and p.is_contiguous()
-        assert dvp.data_ptr() - dkp.data_ptr() == dkp.numel() * 4  # one allocation
+            assert p.shape == (b, hk, gs, sk, d) and p.dtype == part and p.is_contiguous()
+        assert dvp.data_ptr() - dkp.data_ptr() == dkp.numel() * dkp.element_size()  # one allocation
         assert a["dk"].shape == (b, hk, sk, d) and a["dk"].dtype == torch.bfloat16
         rgrid, rargs = a["reduce"]
         assert rgrid == R.grid(b, hk, sk, d) == (-(-(sk * d) // R.BLOCK), b * hk, 2)
-        assert rargs[:4] == (dkp, dvp, a["dk"], a["dv"]) and rargs[4:] == (sk * d, 0.125, gs, R.BLOCK)
+        # 16-bit partials carry dK already scaled (rounded once, after the scaling)
+        assert rargs[:4] == (dkp, dvp, a["dk"], a["dv"]) and rargs[4:] == (sk * d, 1.0 if half else 0.125, gs, R.BLOCK)
         # The kernel's arithmetic (attn_bwd, _producer, the epilogue) over this grid: every
         # (batch, kv head)'s query heads once, K/V of that kv head, partial slab pid_zh.
         nkv = args[15]
@@ -316,23 +328,28 @@ def test_group_split_launch_sizes_the_scratch_and_the_reduction():
         _launch(16, b=4097, h=16, hk=1, sq=1, sk=1, d=64)
 
 
-@pytest.mark.parametrize("gs, sk, d, dtype", [(2, 200, 128, torch.bfloat16), (4, 17, 64, torch.float16),
-                                              (3, 33, 64, torch.float32), (4, 200, 128, torch.float32)])
-def test_group_reduce_sums_the_partials_in_order(gs, sk, d, dtype):
+@pytest.mark.parametrize("gs, sk, d, dtype, part", [(2, 200, 128, torch.bfloat16, torch.float32),
+                                                    (4, 17, 64, torch.float16, torch.float32),
+                                                    (3, 33, 64, torch.float32, torch.float32),
+                                                    (4, 200, 128, torch.float32, torch.float32),
+                                                    (4, 200, 128, torch.float32, torch.bfloat16),
+                                                    (2, 17, 64, torch.float32, torch.float16)])
+def test_group_reduce_sums_the_partials_in_order(gs, sk, d, dtype, part):
     """The reduction (Triton's interpreter on CPU): dK = (P0 + P1 + ...) * softmax_scale and
     dV = P0 + P1 + ... in float32, in split order, cast once: into float32 outputs bit for
     bit the sequential float32 sum; into 16-bit ones within one rounding of it (the
-    interpreter's float32 -> 16-bit cast need not round as the GPU's does)."""
+    interpreter's float32 -> 16-bit cast need not round as the GPU's does); 16-bit
+    partials (``half_partials``) are read into float32 first."""
     from flashgen.families.gluon import reduce as R
 
     b, hk, scale = 2, 3, 0.0883883
     g = torch.Generator().manual_seed(gs * 1000 + sk)
-    partials = torch.randn(2, b, hk, gs, sk, d, generator=g) * 4
+    partials = (torch.randn(2, b, hk, gs, sk, d, generator=g) * 4).to(part)
     dk = torch.full((b, hk, sk, d), float("nan"), dtype=dtype)
     dv = torch.full((b, hk, sk, d), float("nan"), dtype=dtype)
     R.group_reduce[R.grid(b, hk, sk, d)](partials[0], partials[1], dk, dv, sk * d, scale, gs, R.BLOCK,
                                           num_warps=R.NUM_WARPS)
-    for out, p, s in ((dk, partials[0], scale), (dv, partials[1], 1.0)):
+    for out, p, s in ((dk, partials[0].float(), scale), (dv, partials[1].float(), 1.0)):
         acc = p[:, :, 0].clone()
         for i in range(1, gs):
             acc = acc + p[:, :, i]

@@ -87,6 +87,9 @@ class GluonBwdConfig:
                     head_dim) scratch that a reduction kernel sums in split order,
                     scales and casts (:mod:`.reduce`); 1: one program per kv head
                     writes dK and dV itself.
+    half_partials:  with group_split > 1, the partials in the inputs' 16-bit dtype, dK
+                    scaled (each rounded once, as PyTorch's own GQA backward rounds each
+                    query head's dK and dV before summing them): half the scratch bytes.
     """
 
     block_m: int = 64
@@ -100,6 +103,7 @@ class GluonBwdConfig:
     producer_warps: int = 1
     split: bool = False
     group_split: int = 1
+    half_partials: bool = False
 
     @property
     def block_nt(self) -> int:
@@ -138,7 +142,8 @@ class GluonBwdConfig:
                 + ("" if self.row_load == "ptr" else f"_rows-{self.row_load}")
                 + ("" if self.producer_warps == 1 else f"_p{self.producer_warps}")
                 + ("_split" if self.split else "")
-                + ("" if self.group_split == 1 else f"_gs{self.group_split}"))
+                + ("" if self.group_split == 1 else f"_gs{self.group_split}")
+                + ("h" if self.half_partials else ""))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -216,6 +221,8 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
     if not (isinstance(c.group_split, int) and 1 <= c.group_split <= MAX_GROUP_SPLIT):
         out.append(f"group_split {c.group_split!r} must be a whole number in 1..{MAX_GROUP_SPLIT} (programs per kv "
                    "head's GQA group)")
+    if c.half_partials and c.group_split == 1:
+        out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
         if r % 8 or not 24 <= r <= MAX_REGS:
             out.append(f"{name} {r} must be a multiple of 8 in 24..{MAX_REGS} (setmaxnreg)")
@@ -258,13 +265,14 @@ def group_reasons(config: GluonBwdConfig, group: int) -> list[str]:
 
 
 def group_split_bytes(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: int, group_split: int,
-                      elem_bytes: int = 2) -> dict[str, int]:
+                      elem_bytes: int = 2, half_partials: bool = False) -> dict[str, int]:
     """Bytes of memory traffic a group split adds to the backward, by named term (a model;
-    the scratch is float32, dK and dV ``elem_bytes`` each):
+    dK and dV ``elem_bytes`` each, the partials float32 or, ``half_partials``, that size):
 
-    ``kv_reloaded``        K and V loaded by the other group_split - 1 programs of a kv head;
-    ``partials_written``   the main kernel's float32 partials of dK and dV, less the dK
-                           and dV it writes itself when unsplit;
+    ``kv_reloaded``        K and V loaded by the other group_split - 1 programs of a kv head
+                           (an upper bound: those programs run side by side, mostly from L2);
+    ``partials_written``   the main kernel's partials of dK and dV, less the dK and dV it
+                           writes itself when unsplit;
     ``partials_read``      the reduction reading them;
     ``outputs_written``    the reduction writing dK and dV.
 
@@ -272,8 +280,9 @@ def group_split_bytes(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: in
     n = batch * num_kv_heads * seqlen_k * head_dim
     if group_split == 1:
         return dict.fromkeys(("kv_reloaded", "partials_written", "partials_read", "outputs_written"), 0)
+    part = elem_bytes if half_partials else 4
     return {"kv_reloaded": 2 * n * elem_bytes * (group_split - 1),
-            "partials_written": 2 * n * (4 * group_split - elem_bytes), "partials_read": 2 * n * 4 * group_split,
+            "partials_written": 2 * n * (part * group_split - elem_bytes), "partials_read": 2 * n * part * group_split,
             "outputs_written": 2 * n * elem_bytes}
 
 
@@ -290,10 +299,12 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", gro
                     for dq_mode in DQ_MODES:
                         for row_load in ("tma", "producer"):
                             for gs in group_splits(group):
-                                c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
-                                                   240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split, gs)
-                                if is_valid(c, head_dim, dtype, mask):
-                                    out.append(c)
+                                for half in ((False, True) if gs > 1 else (False,)):
+                                    c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
+                                                       240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split,
+                                                       gs, half)
+                                    if is_valid(c, head_dim, dtype, mask):
+                                        out.append(c)
     return out
 
 
@@ -432,7 +443,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
-        NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split)
+        NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
+        HALF_PARTIALS=c.half_partials)
 
 
 _modules: dict = {}
@@ -492,9 +504,9 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     and for each kernel its grid and argument tuple ("preprocess", "main", "convert",
     and with ``config.group_split`` S > 1 "reduce": the main kernel then runs
     batch * num_kv_heads * S programs per key block, told num_kv_heads * S kv heads, and
-    writes float32 partials ``dk_partial`` / ``dv_partial`` of shape (batch,
-    num_kv_heads, S, seqlen_k, head_dim) that :func:`.reduce.group_reduce` sums into
-    dk, dv).  Raises ValueError when S does not divide the GQA group or the grid is too
+    writes partials ``dk_partial`` / ``dv_partial`` of shape (batch, num_kv_heads, S,
+    seqlen_k, head_dim), float32 (dK unscaled) or with ``half_partials`` the inputs'
+    dtype (dK scaled), that :func:`.reduce.group_reduce` sums into dk, dv).  Raises ValueError when S does not divide the GQA group or the grid is too
     tall."""
     import torch
 
@@ -526,7 +538,8 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     main_dk, main_dv = dk, dv
     if gs > 1:
         # one allocation for both scratches; every element is written by the main kernel
-        partials = torch.empty((2, b, hk, gs, sk, d), dtype=torch.float32, device=dev)
+        partials = torch.empty((2, b, hk, gs, sk, d), dtype=q.dtype if c.half_partials else torch.float32,
+                               device=dev)
         main_dk, main_dv = out["dk_partial"], out["dv_partial"] = partials[0], partials[1]
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
             _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
@@ -539,8 +552,9 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     if gs > 1:
         from . import reduce
 
-        out["reduce"] = (reduce.grid(b, hk, sk, d), (main_dk, main_dv, dk, dv, sk * d, float(softmax_scale), gs,
-                                                     reduce.BLOCK))
+        # half partials: dK was scaled before its rounding
+        dk_scale = 1.0 if c.half_partials else float(softmax_scale)
+        out["reduce"] = (reduce.grid(b, hk, sk, d), (main_dk, main_dv, dk, dv, sk * d, dk_scale, gs, reduce.BLOCK))
     return out
 
 
@@ -574,8 +588,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     Shapes as :func:`flashgen.ops.bwd`; ``mask`` ("none" | "causal" | "window") names
     which bounds the kernel tests (diag_lo/diag_hi are tested in every masked mode).
     Returns (dq, dk, dv) in the inputs' dtype, contiguous.  dK/dV summed over each GQA
-    group (``config.group_split`` > 1: over float32 partials by a fourth launch,
-    :mod:`.reduce`).  Raises ValueError for inputs or a config the kernels cannot take.
+    group (``config.group_split`` > 1: over partials by a fourth launch, :mod:`.reduce`).  Raises ValueError for inputs or a config the kernels cannot take.
     ``stage_sync``: synchronize after each launch and raise RuntimeError naming the
     launch that failed (for the GPU checks)."""
     check_inputs(do, q, k, v, o, lse)
