@@ -8,7 +8,13 @@ current backward (flashgen.attention + autograd, tuned rows of tuning_db/h200.sq
 on the FA-grid shapes of issue 16.  Writes gluon_bwd.json under --out and prints a
 short table last.
 
-Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT
+``--gqa``: the GQA run instead: the head_dim 128 default with group_split 1, 2 and 4,
+float32 or 16-bit partials (GQA_CONFIGS), checked against float64 on GQA cases (GQA_CHECKS: groups 4 and 8, odd
+sizes, both causal alignments, a window, NaN past seqlen_k), then timed on GQA_SHAPES
+(bf16, causal) against SDPA cuDNN (enable_gqa): the whole backward, its main kernel
+alone and the dK/dV reduction alone; writes gluon_bwd_gqa.json.
+
+Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa]
 """
 
 from __future__ import annotations
@@ -55,6 +61,23 @@ CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),
           (1, 2, 2, 1000, 300, True, (-1, -1), "top_left", False),
           (1, 4, 2, 1000, 1000, False, (200, 64), "bottom_right", True),
           (1, 2, 2, 1000, 1000, True, (300, -1), "bottom_right", False)]
+#: The GQA run (--gqa).  (batch, num_heads, num_kv_heads, seqlen, head_dim, causal).
+GQA_SHAPES = [(4, 16, 4, 2048, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 4096, 128, True)]
+#: The head_dim 128 default (lock-step consumers, LSE2/delta by 2-D TMA) at group_split
+#: 1, 2, 4 with float32 partials, and 2, 4 with 16-bit ones (half_partials); "full" adds
+#: the window and float16 checks.
+GQA_CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, gs, half), 128, True)
+               for gs, half in ((1, False), (2, False), (4, False), (2, True), (4, True))]
+#: Groups 4 and 8 (every group_split of GQA_CONFIGS divides them); fields as CHECKS.
+GQA_CHECKS = [(1, 8, 2, 17, 17, False, (-1, -1), "bottom_right", False),
+              (2, 8, 2, 1000, 1000, False, (-1, -1), "bottom_right", True),
+              (1, 8, 1, 4097, 4097, True, (-1, -1), "bottom_right", False),
+              (2, 16, 4, 1000, 1000, True, (-1, -1), "bottom_right", True),
+              (1, 8, 2, 300, 1000, True, (-1, -1), "bottom_right", False),
+              (1, 8, 2, 1000, 300, True, (-1, -1), "top_left", False),
+              (1, 8, 2, 1000, 1000, False, (200, 64), "bottom_right", True)]
+#: HBM bandwidth the reduction's prediction divides its bytes by (bytes/s).
+HBM_BYTES_PER_S = 3.3e12
 FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
 
 
@@ -64,8 +87,9 @@ def tflops(b, h, s, d, causal, ms):
 
 # ------------------------------------------------------------------------------- child side
 
-def _child_variants(specs: list[str], timing: bool) -> None:
-    """Per variant: the float64 checks (``timing`` False) or the timings (True)."""
+def _child_variants(specs: list[str], timing: bool, gqa: bool = False) -> None:
+    """Per variant: the float64 checks (``timing`` False) or the timings (True); ``gqa``:
+    GQA_CHECKS and GQA_SHAPES (with the main kernel and the reduction also timed alone)."""
     import torch
     import triton.testing
 
@@ -117,7 +141,7 @@ def _child_variants(specs: list[str], timing: bool) -> None:
             worst = 0.0
             # Every config is checked in the modes it is timed in (none, causal); a "full"
             # one also in window mode and in float16.
-            cases = [] if timing else [c for c in CHECKS if full or c[6] == (-1, -1)]
+            cases = [] if timing else [c for c in (GQA_CHECKS if gqa else CHECKS) if full or c[6] == (-1, -1)]
             for case in cases:
                 for dtype_name in (("bfloat16", "float16") if full and case[3] == 1000 and not case[5]
                                    else ("bfloat16",)):
@@ -128,7 +152,9 @@ def _child_variants(specs: list[str], timing: bool) -> None:
                                           "ok": bool(r <= 1.0)})
             row["check_ok"] = all(c["ok"] for c in row["checks"])
             row["check_worst"] = worst
-            if timing:
+            if timing and gqa:
+                row["times"] = [_time_gqa(cfg, *shape) for shape in GQA_SHAPES if shape[4] == d]
+            elif timing:
                 for (b, h, s, dd, causal) in SHAPES:
                     if dd != d:
                         continue
@@ -148,6 +174,70 @@ def _child_variants(specs: list[str], timing: bool) -> None:
             row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
             print("RESULT", json.dumps(row), flush=True)
             sys.exit(3)  # a CUDA error poisons the context: the parent starts a new child
+        print("RESULT", json.dumps(row), flush=True)
+
+
+def _time_gqa(cfg, b, h, hk, s, d, causal) -> dict:
+    """Median ms of the whole backward, of its main kernel alone and of the dK/dV
+    reduction alone (group_split > 1), bf16, at one GQA shape."""
+    import torch
+    import triton.testing
+
+    from flashgen.families.gluon import bwd as B
+    from flashgen.masks import mask_bounds
+
+    dt = torch.bfloat16
+    q, do, o = (torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(3))
+    k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=dt) for _ in range(2))
+    lse = torch.randn(b, h, s, device="cuda", dtype=torch.float32).abs() + 5.0
+    mode, lo, hi = mask_bounds(s, s, causal=causal, window=(-1, -1))
+    kw = dict(softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi)
+    whole = lambda: B.attention_bwd(do, q, k, v, o, lse, mask=mode, config=cfg, **kw)  # noqa: E731
+    whole()
+    mod = B.load(cfg, "bfloat16", d, mode)
+    a = B.launch_args(do, q, k, v, o, lse, config=cfg, **kw)
+    grid, args = a["preprocess"]
+    mod.attn_bwd_preprocess[grid](*args, num_warps=4)
+    grid, args = a["main"]
+    main = lambda: mod.attn_bwd[grid](*args, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)  # noqa: E731
+    torch.cuda.synchronize()
+    bench = lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))  # noqa: E731
+    out = {"shape": [b, h, hk, s, d, causal], "ms": bench(whole), "main_ms": bench(main)}
+    if "reduce" in a:
+        from flashgen.families.gluon import reduce as R
+
+        rgrid, rargs = a["reduce"]
+        out["reduce_ms"] = bench(lambda: R.group_reduce[rgrid](*rargs, num_warps=R.NUM_WARPS))
+    nbytes = B.group_split_bytes(b, hk, s, d, cfg.group_split, half_partials=cfg.half_partials)
+    out["reduce_pred_ms"] = (nbytes["partials_read"] + nbytes["outputs_written"]) / HBM_BYTES_PER_S * 1e3
+    out["tflops"] = tflops(b, h, s, d, causal, out["ms"])
+    return out
+
+
+def _child_baselines_gqa() -> None:
+    """SDPA cuDNN's backward (enable_gqa) per GQA shape."""
+    import torch
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    for (b, h, hk, s, d, causal) in GQA_SHAPES:
+        dt = torch.bfloat16
+        q = torch.randn(b, h, s, d, device="cuda", dtype=dt, requires_grad=True)
+        k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(2))
+        do = torch.randn(b, h, s, d, device="cuda", dtype=dt)
+        row = {"shape": [b, h, hk, s, d, causal]}
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                out = sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+            fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            ms = float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+            row["cudnn"] = {"ms": ms, "tflops": tflops(b, h, s, d, causal, ms)}
+        except Exception as e:  # noqa: BLE001
+            row["cudnn"] = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+        out = None
         print("RESULT", json.dumps(row), flush=True)
 
 
@@ -238,18 +328,21 @@ def main() -> int:
     ap.add_argument("--child-baselines", action="store_true")
     ap.add_argument("--timing", action="store_true", help="child: time instead of check")
     ap.add_argument("--warm-only", action="store_true", help="child: baselines run once, untimed")
+    ap.add_argument("--gqa", action="store_true", help="the GQA run (group_split 1, 2, 4 against cuDNN)")
     ap.add_argument("items", nargs="*")
     a = ap.parse_args()
     if a.child_variants:
-        _child_variants(a.items, a.timing)
+        _child_variants(a.items, a.timing, a.gqa)
         return 0
     if a.child_baselines:
-        _child_baselines(a.warm_only)
+        _child_baselines_gqa() if a.gqa else _child_baselines(a.warm_only)
         return 0
-    t0 = time.time()
-    deadline = t0 + a.budget_s
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.gqa:
+        return _main_gqa(out, min(a.budget_s, 170.0))
+    t0 = time.time()
+    deadline = t0 + a.budget_s
     with open(out / "gluon_bwd.log", "w") as log, open(out / "baseline_warm.log", "w") as wlog:
         # flashgen's Triton kernels compile (one untimed call per shape) while the Gluon
         # variants compile and run their checks.
@@ -299,6 +392,52 @@ def main() -> int:
                                                    else f"{n}:ERR" for n in ("cudnn", "flash", "flashgen")))
         else:
             print("baseline", r)
+    print(f"wall {time.time() - t0:.0f} s")
+    return 0
+
+
+def _main_gqa(out: Path, budget_s: float) -> int:
+    """The GQA run: checks, then timings of the variants that passed, then cuDNN; writes
+    gluon_bwd_gqa.json and prints the table last."""
+    t0 = time.time()
+    deadline = t0 + budget_s
+    with open(out / "gluon_bwd_gqa.log", "w") as log:
+        specs = [json.dumps([list(f), d, full]) for f, d, full in GQA_CONFIGS]
+        checked = _run_child(["--child-variants", "--gqa"], specs, 90.0, deadline - 50.0, log)
+        passed = [sp for sp, r in zip(specs, checked) if r.get("check_ok")]
+        timed = _run_child(["--child-variants", "--timing", "--gqa"], passed, 60.0, deadline - 20.0, log)
+        base = _run_child(["--child-baselines", "--gqa"], ["all"], 60.0, deadline + 20.0, log)
+    res = {"checked": checked, "timed": timed, "baselines": base, "wall_s": time.time() - t0}
+    (out / "gluon_bwd_gqa.json").write_text(json.dumps(res, indent=1))
+    cudnn = {tuple(r["shape"]): r["cudnn"].get("ms") for r in base if "shape" in r}
+    print("\nchecks against float64 (worst error / (2 x PyTorch's + floor), <= 1 passes)")
+    for r in checked:
+        if "config" not in r:
+            print(f"  {r.get('item', '?')[:60]} ERROR {r.get('error', '')[:100]}")
+            continue
+        bad = [f"{c['mode']}{c['case'][3]}x{c['case'][4]}:{max(x[2] for x in c['res'].values()):.2f}"
+               for c in r["checks"] if not c["ok"]][:3]
+        print(f"  {r['config']:<46} ok {r.get('check_ok')} worst {r.get('check_worst', 0):.3f} "
+              f"({len(r['checks'])} cases)" + (" FAIL " + " ".join(bad) if bad else "")
+              + (" ERR " + r["error"][:80] if "error" in r else ""))
+    print(f"\nGQA backward, bf16, ms: whole (preprocess + main + convert [+ reduce]) [cuDNN / whole], main "
+          f"kernel, dK/dV reduction (predicted: its bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+    for shape in GQA_SHAPES:
+        b, h, hk, s, d, causal = shape
+        name = f"{b}x{h}/{hk}x{s} d{d}{' causal' if causal else ''}"
+        ref = cudnn.get(tuple(shape))
+        print(f"  {name}: cuDNN {ref:.3f}" if ref else f"  {name}: cuDNN ERR "
+              + str([r.get("cudnn") for r in base if r.get("shape") == list(shape)])[:100])
+        for r in timed:
+            if "config" not in r:
+                print(f"    {r.get('item', '?')[:60]} ERROR {r.get('error', '')[:100]}")
+                continue
+            for t in r["times"]:
+                if t["shape"] != list(shape):
+                    continue
+                red = (f" reduce {t['reduce_ms']:.3f} (pred {t['reduce_pred_ms']:.3f})" if "reduce_ms" in t else "")
+                ratio = f" [{ref / t['ms']:.2f}]" if ref else ""
+                print(f"    {r['config']:<46} whole {t['ms']:.3f}{ratio} main {t['main_ms']:.3f}{red}")
     print(f"wall {time.time() - t0:.0f} s")
     return 0
 

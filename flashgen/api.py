@@ -996,6 +996,11 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         kernels = tuple(KernelChoice.of(c) for c in (disp.choose(key_of("fwd"), capturing=False), *plan.choices))
         how = "whole backward (bwd)" if plan.whole else "bwd_dq + bwd_dkdv"
         repeat = "not bitwise repeatable (dQ by reduce-add)" if plan.whole else "bitwise repeatable"
+        most = max(plan.choices, key=lambda c: c.config.group_split).config if plan.choices else None
+        if most is not None and most.group_split > 1:
+            repeat += (f"; dK, dV summed in order over the {'16-bit' if most.half_partials else 'float32'} "
+                       f"partials of the {most.group_split} programs (group_split) that share each kv head's "
+                       "GQA group")
         asked = ("deterministic=True" if deterministic else "deterministic=False" if deterministic is False
                  else f"torch.are_deterministic_algorithms_enabled() is {det}")
         backward = f"{plan.family} {how}, {repeat}; {asked}; {plan.reason}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import itertools
+import math
 import multiprocessing as mp
 import os
 
@@ -491,9 +492,21 @@ def compare(outs: dict, q, k, v, do, *, mask: dict, softmax_scale: float,
     return _ratios(outs, refs, dt)
 
 
+def check_shape(variant: Variant, shape: Shape) -> Shape:
+    """``shape``, or with the least multiple of its query heads per kv head that the
+    variant's ``group_split`` divides (a whole backward that splits each kv head's GQA
+    group over that many programs serves only such groups)."""
+    split = variant.config.group_split
+    ratio = shape.num_heads // shape.num_kv_heads
+    if split <= 1 or ratio % split == 0:
+        return shape
+    return dataclasses.replace(shape, num_heads=shape.num_kv_heads * ratio * split // math.gcd(ratio, split))
+
+
 def check_variant_detail(variant: Variant, group: int = 1, device: str | None = None) -> dict:
     """Run ``variant`` on each of :func:`mask_cases` (inputs k, v slices of buffers
-    holding NaN past seqlen_k; outputs poisoned with NaN) against the float64 reference.
+    holding NaN past seqlen_k; outputs poisoned with NaN; each shape as
+    :func:`check_shape` makes it) against the float64 reference.
 
     Returns {"ok", "ratio" (worst), "ratios" ({output: worst ratio}), "message",
     "cases" ([{shape, mask, outputs: {name: (err, torch_err, ratio)}}])}."""
@@ -505,6 +518,7 @@ def check_variant_detail(variant: Variant, group: int = 1, device: str | None = 
         return _check_decode_detail(variant, group, device)
     worst, ratios, msgs, cases = 0.0, {}, [], []
     for i, (shape, mask) in enumerate(mask_cases(spec, group)):
+        shape = check_shape(variant, shape)
         q, k, v, do = make_inputs(spec, shape, device=device, seed=1234 + i)
         k, v = _beyond(k), _beyond(v)
         mods = mod_inputs(spec, shape, device=device, seed=i)

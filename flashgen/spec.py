@@ -221,8 +221,9 @@ class KernelSpec:
 
 
 #: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
-_FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"))
-_INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"))
+_FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
+              ("half_partials", "_hp"))
+_INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,10 @@ class TileConfig:
     ``row_load``: how the backward's consumers get LSE and delta (0 TMA through the ring,
     1 the producer's loads, 2 their own pointer loads; ``_rows1``); ``producer_warps``
     (0 = 1; ``_p4``); ``split`` 1: one partition per backward consumer warpgroup
-    (``_split``).
+    (``_split``); ``group_split``: backward programs sharing one kv head's GQA group,
+    dK/dV summed from float32 partials afterwards (0 = 1; ``_gs4``; a divisor of the
+    key's group); ``half_partials`` 1: those partials in the inputs' 16-bit dtype
+    (``_hp``).
     """
 
     BLOCK_M: int
@@ -281,6 +285,8 @@ class TileConfig:
     row_load: int = 0
     producer_warps: int = 0
     split: int = 0
+    group_split: int = 0
+    half_partials: int = 0
 
     @property
     def id(self) -> str:

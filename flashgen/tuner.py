@@ -95,7 +95,9 @@ class ModelBenchmarker:
     owns BLOCK_M x consumers query rows (consumers = num_warps / 4) and ``ctas_per_sm``
     programs (default 1) share an SM (setmaxnreg hands them the register file); the
     whole backward (``bwd``) is the dK/dV kernel's traffic over BLOCK_N x consumers key
-    rows plus a float32 dQ tile added per (key block, query block), and 3 launches.
+    rows plus a float32 dQ tile added per (key block, query block), and 3 launches
+    (``group_split`` S > 1: S times the programs, each loading its K and V, the dK/dV
+    partials, float32 or ``half_partials``, written and read back, and 4 launches).
     """
 
     def __init__(self, arch, hbm_bytes_per_s: float = 4.8e12, tensor_flops_per_s: float = 989e12,
@@ -120,8 +122,17 @@ class ModelBenchmarker:
             io = iomodel.tiled_bwd_dkdv(p, c.BLOCK_M, nt)
             io.add("dQ float32 reduce-add, one tile per (key block, query block)", "write",
                    -(-shape.seqlen_k // nt) * shape.batch * shape.num_heads * shape.seqlen_q * s.head_dim * 4)
-            programs = kv_heads * -(-shape.seqlen_k // nt)
+            split = max(1, c.group_split)
+            programs = kv_heads * split * -(-shape.seqlen_k // nt)
             launches = 3
+            if split > 1:
+                n = kv_heads * shape.seqlen_k * s.head_dim
+                io.add("group_split: K, V loaded again by the other programs of a kv head", "read",
+                       2 * n * s.dtype_bytes * (split - 1))
+                part = s.dtype_bytes if c.half_partials else 4
+                io.add("group_split: dK, dV partials", "write", 2 * n * part * split)
+                io.add("group_split: the partials read by the reduction", "read", 2 * n * part * split)
+                launches = 4
         elif gluon:
             rows = c.BLOCK_M * max(1, c.num_warps // 4)
             io = iomodel.tiled_forward(p, rows, c.BLOCK_N)

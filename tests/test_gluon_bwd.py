@@ -3,6 +3,7 @@ shared-memory model, and representative variants compiled for sm_90 with Triton'
 bundled ptxas (no spills, no wgmma serialization info C7514/C7515) and cuobjdump (HGMMA,
 USETMAXREG: warp-specialized with register budgets)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -18,8 +20,9 @@ from flashgen.families.gluon import bwd as B  # noqa: E402
 
 #: (config fields, head_dim, mask): compiled and checked for sm_90; the defaults of both
 #: head dims (lock-step partition at 128, split partitions at 64; LSE2/delta by 2-D TMA)
-#: first.  Fields in GluonBwdConfig's order (block_m, block_n, consumers, stages,
-#: dq_mode, consumer_regs, producer_regs, row_load, producer_warps, split).
+#: first, the group-split variants (float32, then 16-bit dK/dV partials) last.  Fields in
+#: GluonBwdConfig's order (block_m, block_n, consumers, stages, dq_mode, consumer_regs,
+#: producer_regs, row_load, producer_warps, split, group_split, half_partials).
 CASES = [
     ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, "causal"),
     ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, "none"),
@@ -28,6 +31,12 @@ CASES = [
     ((64, 64, 2, 3, "tma", 240, 24, "tma"), 128, "window"),
     ((64, 64, 2, 2, "atomic", 240, 24, "producer"), 128, "causal"),
     ((64, 64, 2, 4, "tma", 240, 24, "producer", 1, True), 64, "window"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 4), 128, "causal"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 2), 128, "none"),
+    ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 2), 64, "causal"),
+    ((64, 64, 2, 3, "tma", 240, 24, "tma", 1, False, 8), 128, "window"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 4, True), 128, "causal"),
+    ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 2, True), 64, "causal"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -35,7 +44,8 @@ CASES = [
 #: ``--regAllocOptLevel=2`` (shim.ptxas_sm90); the d128 causal default spills 8 B only
 #: with that flag; the three-stage window variant (24 B) and the atomic dQ variant
 #: (8 B, 28 B with the flag) spill from 3.9's own PTX (the same with ptxas 12.8).
-#: Any other spill fails.
+#: Any other spill fails.  A group split (``_gs``) changes only the epilogue's stores, so
+#: its variants are held to their unsplit variant's numbers.
 SPILL_BYTES = {
     "3.9": {("m64_n64_c2_s2_tma_r240-24_rows-tma", 128, "causal"): 8,
             ("m64_n64_c2_s3_tma_r240-24_rows-tma", 128, "window"): 24,
@@ -67,6 +77,9 @@ for fields, d, mask in CASES:
 for kern in ("attn_bwd_preprocess", "attn_bwd_convert"):
     B.compile_sm90(B.default_config(128), "float16", 128, "none", kern)
     print("AUX", kern)
+for gs in (2, 4):
+    r = B.compile_sm90(B.GluonBwdConfig(group_split=gs, row_load="tma"), "bfloat16", 128, "causal", "group_reduce")
+    print("AUX", "group_reduce", gs, int("ld.global.v4" in r.asm["ptx"]))
 '''
 
 
@@ -86,7 +99,9 @@ def compiled():
     assert r.returncode == 0, r.stderr[-3000:]
     cases = [json.loads(line[5:]) for line in r.stdout.splitlines() if line.startswith("CASE ")]
     aux = [line for line in r.stdout.splitlines() if line.startswith("AUX ")]
-    assert len(cases) == len(CASES) and len(aux) == 2, r.stdout
+    assert len(cases) == len(CASES) and len(aux) == 4, r.stdout
+    # the reduction's loads are 16-byte vectors
+    assert all(line.endswith(" 1") for line in aux if "group_reduce" in line), aux
     return cases
 
 
@@ -95,7 +110,8 @@ def test_variants_compile_without_spills_or_serialized_wgmma(compiled):
 
     spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     for c in compiled:
-        assert c["spill"] == spills.get((c["id"], c["d"], c["mask"]), 0), c
+        unsplit = re.sub(r"_gs\d+h?$", "", c["id"])
+        assert c["spill"] == spills.get((unsplit, c["d"], c["mask"]), 0), c
         assert c["c751x"] == [], c
 
 
@@ -185,3 +201,162 @@ def test_default_rows_buffer_meets_the_tma_rules():
         assert (desc.strides[0] * 4) % 16 == 0
         pre_args = a["preprocess"][1]
         assert pre_args[6:9] == (6 * m_pad, sq, m_pad)
+
+
+def test_code_id_record_is_current():
+    """templates/gluon/attn_bwd.code_id.json matches the template: run ``python3 -m
+    flashgen.families.gluon`` after a template edit when this fails (the id stays
+    while the probe variants' code is unchanged)."""
+    rec = json.loads((B._templates_dir() / B.CODE_ID_RECORD).read_text())
+    assert rec["text"] == B.text_hash() and rec["probes"] == B.probe_digest()
+    assert B.template_hash() == rec["code"] == B.code_id()
+    src = B.render(B.default_config(128), "bfloat16", 128, "causal")
+    assert f"template_hash: {rec['code']}" in src and f'TEMPLATE_HASH = "{rec["code"]}"' in src
+
+
+def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
+    """A Jinja comment or a branch no recorded variant renders keeps the id (and the
+    tuned rows); a change to the code of a recorded variant gives a new one."""
+    import shutil
+
+    def edited(name, old, new):
+        d = tmp_path / name
+        shutil.copytree(B._templates_dir(), d)
+        t = d / B.TEMPLATE
+        t.write_text(t.read_text().replace(old, new, 1))
+        return str(d)
+
+    anchor = "VARIANT_ID = "
+    same = edited("same", anchor, "{# a comment #}\n{% if DQ_MODE == 'nothing' %}x = 1\n{% endif %}" + anchor)
+    assert B.text_hash(same) != B.text_hash() and B.code_id(same) == B.template_hash()
+    other = edited("other", anchor, "# changed\n" + anchor)
+    assert B.code_id(other) not in (B.template_hash(), B.text_hash(other))
+    assert B.write_code_id(other)["code"] == B.code_id(other) == B.probe_digest(other)
+    B.template_hash.cache_clear()
+    assert B.template_hash() == json.loads((B._templates_dir() / B.CODE_ID_RECORD).read_text())["code"]
+
+
+# -- group_split: programs sharing one kv head's GQA group ----------------------------------
+
+def test_group_split_rules_and_search_space():
+    assert B.group_splits(1) == (1,) and B.group_splits(4) == (1, 2, 4) and B.group_splits(6) == (1, 2, 3, 6)
+    assert B.group_splits(32) == (1, 2, 4, 8, 16)
+    for bad in (0, -2, B.MAX_GROUP_SPLIT + 1, 2.0):
+        assert any("group_split" in r for r in B.invalid_reasons(B.GluonBwdConfig(group_split=bad), 128)), bad
+    gs4 = B.GluonBwdConfig(row_load="tma", group_split=4)
+    assert B.is_valid(gs4, 128, "bfloat16", "causal") and gs4.id.endswith("_rows-tma_gs4")
+    assert B.GluonBwdConfig(row_load="tma").id == B.default_config(128).id  # no tag at 1
+    assert B.group_reasons(gs4, 8) == [] and "must divide the GQA group" in B.group_reasons(gs4, 6)[0]
+    # the shared memory and registers of a split variant are its unsplit one's
+    assert B.smem_terms(gs4, 128) == B.smem_terms(B.GluonBwdConfig(row_load="tma"), 128)
+    for d in B.HEAD_DIMS:
+        mha = B.search_space(d, "bfloat16", "causal")
+        assert all(c.group_split == 1 for c in mha)
+        assert B.search_space(d, "bfloat16", "causal", group=1) == mha
+        gqa = B.search_space(d, "bfloat16", "causal", group=4)
+        assert len(gqa) == 5 * len(mha)  # group_split 1, and 2 and 4 with float32 or 16-bit partials
+        assert {(c.group_split, c.half_partials) for c in gqa} == {(1, False), (2, False), (2, True), (4, False),
+                                                                    (4, True)}
+        assert {dataclasses.replace(c, group_split=1, half_partials=False) for c in gqa} == set(mha)
+    half = B.GluonBwdConfig(row_load="tma", group_split=2, half_partials=True)
+    assert half.id.endswith("_gs2h") and B.is_valid(half, 128)
+    assert any("half_partials needs group_split > 1" in r
+               for r in B.invalid_reasons(dataclasses.replace(half, group_split=1), 128))
+
+
+def test_group_split_renders_only_in_its_variants():
+    base = B.GluonBwdConfig(row_load="tma")
+    plain = B.render(base, "bfloat16", 128, "causal")
+    assert "GROUP_SPLIT" not in plain and "off_kv" not in plain
+    assert "(dk * softmax_scale).to(DTYPE)" in plain
+    src = B.render(dataclasses.replace(base, group_split=4), "bfloat16", 128, "causal")
+    assert "GROUP_SPLIT=4" in src and "off_kv = off_hk // 4" in src
+    assert "tma_load(k_desc, [off_z, off_kv, n0, 0]" in src and "tma_load(v_desc, [off_z, off_kv, n0, 0]" in src
+    assert "gl.store(DK + base + offs, dk, mask=keep)" in src and "(dk * softmax_scale)" not in src
+    half = B.render(dataclasses.replace(base, group_split=4, half_partials=True), "bfloat16", 128, "causal")
+    assert "HALF_PARTIALS" in half and "off_kv = off_hk // 4" in half
+    assert "gl.store(DK + base + offs, (dk * softmax_scale).to(DTYPE), mask=keep)" in half
+    assert src.count("\n") - plain.count("\n") < 20
+
+
+def _launch(gs, b=2, h=8, hk=2, sq=300, sk=200, d=128, dtype=torch.bfloat16, half=False):
+    q = torch.empty(b, h, sq, d, dtype=dtype)
+    k = torch.empty(b, hk, sk, d, dtype=dtype)
+    lse = torch.empty(b, h, sq)
+    cfg = B.GluonBwdConfig(row_load="tma", group_split=gs, half_partials=half)
+    return cfg, B.launch_args(q, q, k, k, q, lse, softmax_scale=0.125, diag_lo=-sq, diag_hi=sk, config=cfg)
+
+
+def test_group_split_launch_sizes_the_scratch_and_the_reduction():
+    from flashgen.families.gluon import reduce as R
+
+    b, h, hk, sq, sk, d = 2, 8, 2, 300, 200, 128
+    _, one = _launch(1)
+    assert "reduce" not in one and "dk_partial" not in one
+    assert one["main"][0] == (2, b * hk) and one["main"][1][15] == hk and one["main"][1][10] is one["dk"]
+    for gs, half in ((2, False), (4, False), (4, True)):
+        cfg, a = _launch(gs, half=half)
+        grid, args = a["main"]
+        # batch * num_kv_heads * gs programs per key block, told hk * gs kv heads
+        assert grid == (-(-sk // cfg.block_nt), b * hk * gs) and args[15] == hk * gs and args[14] == h
+        dkp, dvp = a["dk_partial"], a["dv_partial"]
+        assert args[10] is dkp and args[11] is dvp
+        part = torch.bfloat16 if half else torch.float32
+        for p in (dkp, dvp):
+            assert p.shape == (b, hk, gs, sk, d) and p.dtype == part and p.is_contiguous()
+        assert dvp.data_ptr() - dkp.data_ptr() == dkp.numel() * dkp.element_size()  # one allocation
+        assert a["dk"].shape == (b, hk, sk, d) and a["dk"].dtype == torch.bfloat16
+        rgrid, rargs = a["reduce"]
+        assert rgrid == R.grid(b, hk, sk, d) == (-(-(sk * d) // R.BLOCK), b * hk, 2)
+        # 16-bit partials carry dK already scaled (rounded once, after the scaling)
+        assert rargs[:4] == (dkp, dvp, a["dk"], a["dv"]) and rargs[4:] == (sk * d, 1.0 if half else 0.125, gs, R.BLOCK)
+        # The kernel's arithmetic (attn_bwd, _producer, the epilogue) over this grid: every
+        # (batch, kv head)'s query heads once, K/V of that kv head, partial slab pid_zh.
+        nkv = args[15]
+        seen = {}
+        for pid_zh in range(grid[1]):
+            off_z, off_hk = pid_zh // nkv, pid_zh % nkv
+            group = h // nkv
+            kv, sp = off_hk // gs, off_hk % gs
+            seen.setdefault((off_z, kv), []).extend(off_hk * group + g for g in range(group))
+            assert pid_zh == (off_z * hk + kv) * gs + sp  # slab (off_z, kv, sp) of (b, hk, gs, sk, d)
+        assert all(sorted(v) == list(range(kv * (h // hk), (kv + 1) * (h // hk))) for (_, kv), v in seen.items())
+        assert len(seen) == b * hk
+    with pytest.raises(ValueError, match="group_split 3 must divide the GQA group"):
+        _launch(3)
+    with pytest.raises(ValueError, match="grid limit"):
+        _launch(16, b=4097, h=16, hk=1, sq=1, sk=1, d=64)
+
+
+@pytest.mark.parametrize("gs, sk, d, dtype, part", [(2, 200, 128, torch.bfloat16, torch.float32),
+                                                    (4, 17, 64, torch.float16, torch.float32),
+                                                    (3, 33, 64, torch.float32, torch.float32),
+                                                    (4, 200, 128, torch.float32, torch.float32),
+                                                    (4, 200, 128, torch.float32, torch.bfloat16),
+                                                    (2, 17, 64, torch.float32, torch.float16)])
+def test_group_reduce_sums_the_partials_in_order(gs, sk, d, dtype, part):
+    """The reduction (Triton's interpreter on CPU): dK = (P0 + P1 + ...) * softmax_scale and
+    dV = P0 + P1 + ... in float32, in split order, cast once: into float32 outputs bit for
+    bit the sequential float32 sum; into 16-bit ones within one rounding of it (the
+    interpreter's float32 -> 16-bit cast need not round as the GPU's does); 16-bit
+    partials (``half_partials``) are read into float32 first."""
+    from flashgen.families.gluon import reduce as R
+
+    b, hk, scale = 2, 3, 0.0883883
+    g = torch.Generator().manual_seed(gs * 1000 + sk)
+    partials = (torch.randn(2, b, hk, gs, sk, d, generator=g) * 4).to(part)
+    dk = torch.full((b, hk, sk, d), float("nan"), dtype=dtype)
+    dv = torch.full((b, hk, sk, d), float("nan"), dtype=dtype)
+    R.group_reduce[R.grid(b, hk, sk, d)](partials[0], partials[1], dk, dv, sk * d, scale, gs, R.BLOCK,
+                                          num_warps=R.NUM_WARPS)
+    for out, p, s in ((dk, partials[0].float(), scale), (dv, partials[1].float(), 1.0)):
+        acc = p[:, :, 0].clone()
+        for i in range(1, gs):
+            acc = acc + p[:, :, i]
+        want = acc * torch.tensor(s, dtype=torch.float32)
+        if dtype == torch.float32:
+            assert torch.equal(out, want)
+        else:
+            ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+            torch.testing.assert_close(out.float(), want, rtol=ulp, atol=0)
+        torch.testing.assert_close(out.float(), p.sum(2) * s, rtol=1e-2, atol=1e-5)

@@ -354,7 +354,7 @@ def test_wheel_carries_the_gluon_family_and_templates():
     root = Path(__file__).resolve().parent.parent
     pyproject = tomllib.loads((root / "pyproject.toml").read_text())
     assert "flashgen.families.gluon" in pyproject["tool"]["setuptools"]["packages"]
-    assert "gluon/*.j2" in pyproject["tool"]["setuptools"]["package-data"]["flashgen.templates"]
+    assert {"gluon/*.j2", "gluon/*.json"} <= set(pyproject["tool"]["setuptools"]["package-data"]["flashgen.templates"])
     assert {"attn_fwd.py.j2", "attn_bwd.py.j2"} <= {p.name for p in (root / "templates" / "gluon").glob("*.j2")}
 
 
@@ -442,3 +442,143 @@ def test_a_small_key_takes_no_gluon_row_of_another_bucket(tmp_path):
     assert not plan.whole and "too little work" in plan.reason
     assert d.choose(key(shape=BIG), capturing=False).config == GFWD
     assert d.backward(key("bwd_dq", shape=BIG), capturing=False).whole
+
+
+# -- group_split: the tuner searches it for GQA keys only --------------------------------
+
+GQA = Shape(4, 16, 4, 2048, 2048)
+
+
+def test_group_split_is_searched_for_gqa_keys_only():
+    mha = key("bwd", "bfloat16", 128, shape=Shape(2, 16, 16, 2048, 2048))
+    assert "group_split" not in GLUON.domain(mha) and "half_partials" not in GLUON.domain(mha)
+    for group, splits in ((4, (0, 2, 4)), (6, (0, 2, 3, 6)), (2, (0, 2))):
+        k = key("bwd", "bfloat16", 128, shape=Shape(1, 6 * group if group == 6 else 4 * group, 6 if group == 6
+                                                     else 4, 2048, 2048))
+        assert k.group == group and GLUON.domain(k)["group_split"] == splits
+        assert GLUON.domain(k)["half_partials"] == (0, 1)
+        ok = [c for c in families.configs(GLUON, k) if not GLUON.violated_rules(Variant(k.spec, c))]
+        assert {F.bwd_config(c) for c in ok} == set(B.search_space(128, "bfloat16", "causal", group))
+        assert all(F.tile_config(F.bwd_config(c)) == c for c in ok)
+        assert {c.group_split for c in ok} == set(splits)
+        assert {c.half_partials for c in ok if c.group_split} == {0, 1}
+        assert not any(c.half_partials for c in ok if not c.group_split)  # a rule: no partials without a split
+    c = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=4))
+    assert c.group_split == 4 and c.id == "gluon_m64_n64_w8_s2_gs4" and TileConfig.from_dict(c.as_dict()) == c
+    assert F.tile_config(B.GluonBwdConfig(row_load="tma")).group_split == 0
+    assert "group_split 0 must be a whole number" not in " ".join(GLUON.violated_rules(Variant(key("bwd").spec, c)))
+    # a row of another GQA group runs with a split that divides this key's group
+    k6 = key("bwd", "bfloat16", 128, shape=Shape(1, 12, 2, 2048, 2048))
+    assert GLUON.adapt(c, k6).group_split == 2 and GLUON.adapt(c, key("bwd", shape=GQA)) == c
+    assert GLUON.adapt(c, key("bwd", shape=Shape(1, 3, 1, 64, 64))).group_split == 0
+    hp = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=4, half_partials=True))
+    assert hp.id == "gluon_m64_n64_w8_s2_hp_gs4" and F.bwd_config(hp).half_partials
+    assert GLUON.adapt(hp, k6) == dataclasses.replace(hp, group_split=2)
+    assert GLUON.adapt(hp, key("bwd", shape=Shape(1, 3, 1, 64, 64))) == dataclasses.replace(hp, group_split=0,
+                                                                                             half_partials=0)
+
+
+def test_group_split_rows_round_trip_and_explain_says_so(tmp_path):
+    k = key("bwd", "bfloat16", 128, shape=GQA)
+    gs = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=2))
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        db.record(k, GQA, Variant(k.spec, gs), Measurement("ok", median_ms=0.5), H200, 0)
+        row = db.lookup(k, Variant(k.spec, gs).id, H200)
+        assert row["group_split"] == 2 and row["variant_id"].endswith("_gs2")
+        plain = F.tile_config(B.GluonBwdConfig(row_load="tma"))
+        db.record(k, GQA, Variant(k.spec, plain), Measurement("ok", median_ms=0.6), H200, 0)
+        assert db.lookup(k, Variant(k.spec, plain).id, H200)["group_split"] is None  # NULL at its default
+        assert db.best_configs(H200)[k.id][0] == gs
+        for kernel, cfg in (("bwd_dq", T1), ("bwd_dkdv", T2)):
+            kk = key(kernel, "bfloat16", 128, shape=GQA)
+            db.record(kk, GQA, Variant(kk.spec, cfg), Measurement("ok", median_ms=0.4), H200, 0)
+    d = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
+    q = torch.empty(4, 16, 2048, 128, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(4, 4, 2048, 128, dtype=torch.bfloat16, device="meta")
+    e = explain(q, kv, kv, causal=True, dispatcher=d)
+    assert e.kernels[1].config == gs.id and "_gs2" in str(e)
+    assert "float32 partials of the 2 programs (group_split)" in e.backward
+    hp = dataclasses.replace(gs, group_split=4, half_partials=1)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        db.record(k, GQA, Variant(k.spec, hp), Measurement("ok", median_ms=0.3), H200, 0)
+        row = db.lookup(k, Variant(k.spec, hp).id, H200)
+        assert (row["group_split"], row["half_partials"]) == (4, 1) and TileConfig.from_dict(row) == hp
+    e = explain(q, kv, kv, causal=True, dispatcher=Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90))
+    assert e.kernels[1].config == hp.id and "16-bit partials of the 4 programs" in e.backward
+
+
+def test_the_shipped_database_reads_without_a_group_split_column(tmp_path):
+    """A database written before group_split existed reads as it did (the knob at its
+    default), and its first write adds the column."""
+    import shutil
+    import sqlite3
+
+    src = Path(__file__).resolve().parent.parent / "tuning_db" / "h200.sqlite"
+    con = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+    try:
+        assert not {"group_split", "half_partials"} & {r[1] for r in con.execute("PRAGMA table_info(measurements)")}
+    finally:
+        con.close()
+    dst = tmp_path / "old.sqlite"
+    shutil.copy(src, dst)
+    with TuningDB(dst) as db:
+        before = {k: c for k, (c, _) in db.best_configs(H200).items()}
+        k = key("bwd", "bfloat16", 128, shape=GQA)
+        gs = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=4))
+        db.record(k, GQA, Variant(k.spec, gs), Measurement("ok", median_ms=0.01), H200, 0)
+        assert db.lookup(k, Variant(k.spec, gs).id, H200)["group_split"] == 4
+    con = sqlite3.connect(dst)
+    try:
+        assert {"group_split", "half_partials"} <= {r[1] for r in con.execute("PRAGMA table_info(measurements)")}
+    finally:
+        con.close()
+    with TuningDB(dst, readonly=True) as db:
+        after = {kk: c for kk, (c, _) in db.best_configs(H200).items()}
+    assert after[k.id] == gs and after[k.id] != before.get(k.id)
+    assert {kk: c for kk, c in after.items() if kk != k.id} == {kk: c for kk, c in before.items() if kk != k.id}
+
+
+def test_the_backward_launches_the_reduction_for_a_split(monkeypatch):
+    mod = _Module()
+    log = mod.log
+    monkeypatch.setattr(B, "load", lambda *a, **kw: mod)
+    from flashgen.families.gluon import reduce as R
+
+    monkeypatch.setattr(R, "group_reduce", _Kernel(log, "group_reduce"))
+    spec = KernelSpec("bwd", "bfloat16", 128, 128, "causal")
+    shape = Shape(2, 8, 2, 200, 300)
+    q, k, v, do = bench.make_inputs(spec, shape, device="cpu")
+    for gs, half, launches in ((1, False, 3), (2, False, 4), (4, False, 4), (4, True, 4)):
+        log.clear()
+        cfg = F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=gs, half_partials=half))
+        fn, outs = bench.run_variant(Variant(spec, cfg), q, k, v, do, arch=SM90)
+        fn()
+        names = [e[0] for e in log]
+        assert names == ["attn_bwd_preprocess", "attn_bwd", "attn_bwd_convert", "group_reduce"][:launches]
+        assert log[1][1] == (-(-300 // 128), 2 * 2 * gs) and log[1][2][15] == 2 * gs
+        if gs > 1:
+            (_, grid, args, kw) = log[3]
+            assert grid == R.grid(2, 2, 300, 128) and kw == {"num_warps": R.NUM_WARPS}
+            assert args[2] is outs["dK"] and args[3] is outs["dV"] and args[6] == gs
+            assert args[0].shape == (2, 2, gs, 300, 128)
+            assert args[0].dtype == (torch.bfloat16 if half else torch.float32)
+            assert log[1][2][10] is args[0] and log[1][2][11] is args[1]
+
+
+def test_checks_of_a_split_variant_take_a_group_it_divides():
+    """The float64 checks (``bench.check_variant``, what ``flashgen tune`` precompiles)
+    run GQA group 2: a split variant whose group_split does not divide it is checked on
+    the least multiple of that group it divides, so its check runs instead of failing on
+    the launcher's rule; other variants keep their shapes."""
+    spec = KernelSpec("bwd", "bfloat16", 128, 128, "causal")
+    for gs, want in ((1, 2), (2, 2), (4, 4), (8, 8), (3, 6)):
+        v = Variant(spec, F.tile_config(B.GluonBwdConfig(row_load="tma", group_split=gs)))
+        for kv in (1, 2):
+            for shape, _ in bench.mask_cases(spec, kv):
+                got = bench.check_shape(v, shape)
+                assert got == dataclasses.replace(shape, num_heads=want * shape.num_kv_heads)
+                q, k, _, _ = bench.make_inputs(spec, got, device="cpu")
+                B.launch_args(q, q, k, k, q, torch.zeros(q.shape[:3]), softmax_scale=0.1, diag_lo=-1, diag_hi=1,
+                              config=F.bwd_config(v.config))
+    shape = Shape(2, 6, 2, 17, 17)
+    assert bench.check_shape(Variant(KernelSpec("fwd", "bfloat16", 64, 64, "none"), T1), shape) is shape

@@ -426,6 +426,8 @@ def test_wheel_contains_tuning_db_and_templates(tmp_path):
             "flashgen/families/gluon/render.py", "flashgen/families/gluon/bwd.py"} <= names
     for t in ("attn_fwd.py.j2", "attn_bwd.py.j2"):
         assert f"flashgen/templates/gluon/{t}" in names
+    # the Gluon backward's code id (without it an installed package's id would not be the shipped rows')
+    assert "flashgen/templates/gluon/attn_bwd.code_id.json" in names
     with zipfile.ZipFile(whl) as z:
         assert z.read("flashgen/tuning_db/h200.sqlite") == (ROOT / "tuning_db" / "h200.sqlite").read_bytes()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -51,6 +52,10 @@ REGS_PER_SM = 65536
 MAX_REGS = 248
 #: Rows per program of the preprocess and convert kernels.
 PRE_ROWS = 64
+#: The most programs that may share one kv head's GQA group (group_split).
+MAX_GROUP_SPLIT = 16
+#: CUDA's limit on grid axis 1 (batch * num_kv_heads * group_split programs).
+MAX_GRID_Y = 65535
 _SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -77,6 +82,16 @@ class GluonBwdConfig:
     split:          each consumer warpgroup is a partition of its own (they drift apart;
                     each has its own dS^T tile and dQ reduce-add), instead of one
                     lock-step partition of 4 * consumers warps.
+    group_split:    programs that share one kv head's GQA group (1 to MAX_GROUP_SPLIT,
+                    dividing num_heads // num_kv_heads): each takes group // group_split
+                    query heads and writes float32 partial sums of dK and dV (dK not
+                    yet scaled) into a (batch, num_kv_heads, group_split, seqlen_k,
+                    head_dim) scratch that a reduction kernel sums in split order,
+                    scales and casts (:mod:`.reduce`); 1: one program per kv head
+                    writes dK and dV itself.
+    half_partials:  with group_split > 1, the partials in the inputs' 16-bit dtype, dK
+                    scaled (each rounded once, as PyTorch's own GQA backward rounds each
+                    query head's dK and dV before summing them): half the scratch bytes.
     """
 
     block_m: int = 64
@@ -89,6 +104,8 @@ class GluonBwdConfig:
     row_load: str = "ptr"
     producer_warps: int = 1
     split: bool = False
+    group_split: int = 1
+    half_partials: bool = False
 
     @property
     def block_nt(self) -> int:
@@ -126,7 +143,9 @@ class GluonBwdConfig:
                 f"_r{self.consumer_regs}-{self.producer_regs}"
                 + ("" if self.row_load == "ptr" else f"_rows-{self.row_load}")
                 + ("" if self.producer_warps == 1 else f"_p{self.producer_warps}")
-                + ("_split" if self.split else ""))
+                + ("_split" if self.split else "")
+                + ("" if self.group_split == 1 else f"_gs{self.group_split}")
+                + ("h" if self.half_partials else ""))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -201,6 +220,11 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"split needs 2 consumers (got {c.consumers}): one 4-warp partition each")
     if c.dq_mode not in DQ_MODES:
         out.append(f"dq_mode {c.dq_mode!r} is not one of {DQ_MODES}")
+    if not (isinstance(c.group_split, int) and 1 <= c.group_split <= MAX_GROUP_SPLIT):
+        out.append(f"group_split {c.group_split!r} must be a whole number in 1..{MAX_GROUP_SPLIT} (programs per kv "
+                   "head's GQA group)")
+    if c.half_partials and c.group_split == 1:
+        out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
         if r % 8 or not 24 <= r <= MAX_REGS:
             out.append(f"{name} {r} must be a multiple of 8 in 24..{MAX_REGS} (setmaxnreg)")
@@ -228,9 +252,46 @@ def is_valid(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat16", mas
     return not invalid_reasons(config, head_dim, dtype, mask)
 
 
-def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> list[GluonBwdConfig]:
-    """Every valid config for (head_dim, dtype, mask).  LSE2 / delta come through the ring
-    ("tma" or "producer"); the consumers' own pointer loads ("ptr") cost registers and
+def group_splits(group: int) -> tuple[int, ...]:
+    """The group_split values a GQA group of ``group`` query heads per kv head takes: its
+    divisors up to MAX_GROUP_SPLIT (1 alone for multi-head attention)."""
+    return tuple(s for s in range(1, min(group, MAX_GROUP_SPLIT) + 1) if group % s == 0)
+
+
+def group_reasons(config: GluonBwdConfig, group: int) -> list[str]:
+    """Why ``config`` cannot serve a GQA group of ``group`` query heads per kv head (the
+    rule :func:`invalid_reasons` cannot see: the group is a size, not compiled in)."""
+    if group % config.group_split:
+        return [f"group_split {config.group_split} must divide the GQA group num_heads // num_kv_heads = {group}"]
+    return []
+
+
+def group_split_bytes(batch: int, num_kv_heads: int, seqlen_k: int, head_dim: int, group_split: int,
+                      elem_bytes: int = 2, half_partials: bool = False) -> dict[str, int]:
+    """Bytes of memory traffic a group split adds to the backward, by named term (a model;
+    dK and dV ``elem_bytes`` each, the partials float32 or, ``half_partials``, that size):
+
+    ``kv_reloaded``        K and V loaded by the other group_split - 1 programs of a kv head
+                           (an upper bound: those programs run side by side, mostly from L2);
+    ``partials_written``   the main kernel's partials of dK and dV, less the dK and dV it
+                           writes itself when unsplit;
+    ``partials_read``      the reduction reading them;
+    ``outputs_written``    the reduction writing dK and dV.
+
+    All 0 for group_split 1."""
+    n = batch * num_kv_heads * seqlen_k * head_dim
+    if group_split == 1:
+        return dict.fromkeys(("kv_reloaded", "partials_written", "partials_read", "outputs_written"), 0)
+    part = elem_bytes if half_partials else 4
+    return {"kv_reloaded": 2 * n * elem_bytes * (group_split - 1),
+            "partials_written": 2 * n * (part * group_split - elem_bytes), "partials_read": 2 * n * part * group_split,
+            "outputs_written": 2 * n * elem_bytes}
+
+
+def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", group: int = 1) -> list[GluonBwdConfig]:
+    """Every valid config for (head_dim, dtype, mask) and a GQA group of ``group`` query
+    heads per kv head (group_split: :func:`group_splits`).  LSE2 / delta come through the
+    ring ("tma" or "producer"); the consumers' own pointer loads ("ptr") cost registers and
     spill at head_dim 128 (0.67x the "tma" variant on the H200), so they are left out."""
     out = []
     for block_m in (64, 128):
@@ -239,10 +300,13 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> 
                 for stages in (1, 2, 3, 4):
                     for dq_mode in DQ_MODES:
                         for row_load in ("tma", "producer"):
-                            c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
-                                               240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split)
-                            if is_valid(c, head_dim, dtype, mask):
-                                out.append(c)
+                            for gs in group_splits(group):
+                                for half in ((False, True) if gs > 1 else (False,)):
+                                    c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
+                                                       240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split,
+                                                       gs, half)
+                                    if is_valid(c, head_dim, dtype, mask):
+                                        out.append(c)
     return out
 
 
@@ -272,19 +336,93 @@ def _templates_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(_templates_dir())), undefined=jinja2.StrictUndefined,
-                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+def _env(directory: str | None = None) -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(directory or str(_templates_dir())),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
+                              lstrip_blocks=True)
+
+
+#: The record of the backward's code id, beside the template (JSON: "text", the
+#: template's sha256; "probes", :func:`probe_digest`; "code", the id).
+CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
+
+
+def text_hash(directory: str | None = None) -> str:
+    """sha256 (16 hex digits) of the template file."""
+    return hashlib.sha256((Path(directory or _templates_dir()) / TEMPLATE).read_bytes()).hexdigest()[:16]
+
+
+def probe_variants() -> list[tuple[GluonBwdConfig, str, int, str]]:
+    """(config, dtype, head_dim, mask) of every variant the tuner can record (the search
+    space of each head dim, dtype and mask, GQA group 1), and one variant of each LSE2 /
+    delta load and producer width outside it: the sources whose code defines the code id."""
+    out = []
+    for d in HEAD_DIMS:
+        for dtype in DTYPES:
+            for mask in MASKS:
+                out += [(c, dtype, d, mask) for c in search_space(d, dtype, mask)]
+                base = default_config(d, dtype, mask)
+                for extra in (dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)):
+                    out.append((extra, dtype, d, mask))
+    return out
+
+
+def probe_digest(directory: str | None = None) -> str:
+    """sha256 (16 hex digits) of the sources of :func:`probe_variants`, rendered from the
+    template in ``directory`` (default: the package's) with the header hash left out."""
+    h = hashlib.sha256()
+    for c, dtype, d, mask in probe_variants():
+        h.update(render(c, dtype, d, mask, check=False, header_hash="-", directory=directory).encode())
+    return h.hexdigest()[:16]
+
+
+def _record(directory: str | None = None) -> dict:
+    try:
+        return json.loads((Path(directory or _templates_dir()) / CODE_ID_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def code_id(directory: str | None = None) -> str:
+    """The code id of the template in ``directory``: the recorded id while the template's
+    text is the recorded one, or while its probe sources (:func:`probe_digest`) are the
+    recorded ones (an edit that leaves every recorded variant's code as it was: a new
+    mode behind a Jinja switch, a Jinja comment); else the new probe digest."""
+    rec = _record(directory)
+    if rec and rec.get("text") == text_hash(directory):
+        return rec["code"]
+    digest = probe_digest(directory)
+    return rec["code"] if rec and rec.get("probes") == digest else digest
 
 
 @functools.lru_cache(maxsize=None)
 def template_hash() -> str:
-    return hashlib.sha256((_templates_dir() / TEMPLATE).read_bytes()).hexdigest()[:16]
+    """The code id of the backward's template (:func:`code_id`): generated sources carry it
+    in their header, and tuning rows (the family's ``template_hash``) carry it, so an edit
+    that changes the code of a variant the tuner can record invalidates the rows, while
+    one that adds code only new variants render keeps them.  It began as the template's
+    text hash at the time (3e9b5b10c914d761, what the H200 rows carry); ``python3 -m
+    flashgen.families.gluon`` rewrites the record after an edit."""
+    return code_id()
 
 
-def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True) -> str:
+def write_code_id(directory: str | None = None) -> dict:
+    """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is: the id stays
+    while the probe sources are the recorded ones, else it becomes their digest."""
+    rec, digest = _record(directory), probe_digest(directory)
+    new = {"text": text_hash(directory), "probes": digest,
+           "code": rec["code"] if rec and rec.get("probes") == digest else digest}
+    (Path(directory or _templates_dir()) / CODE_ID_RECORD).write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
+    template_hash.cache_clear()
+    return new
+
+
+def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, *,
+           header_hash: str | None = None, directory: str | None = None) -> str:
     """The Gluon source of one variant (pure text).  Raises ValueError for an invalid one
-    (``check=False``: probes render a config the rules reject, e.g. row_load "tma")."""
+    (``check=False``: probes render a config the rules reject, e.g. row_load "tma").
+    ``header_hash``: the hash the header names (default :func:`template_hash`);
+    ``directory``: another templates directory (the code-id checks)."""
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
     if reasons:
         raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
@@ -300,13 +438,15 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         dq_warps, dq_n = [c.num_warps, 1], head_dim
     else:
         dq_warps, dq_n = [4, c.consumers], head_dim // c.consumers
-    return _env().get_template(TEMPLATE).render(
-        template_hash=template_hash(), variant_id=variant_id(c, dtype, head_dim, mask), dtype=dtype,
+    return _env(directory).get_template(TEMPLATE).render(
+        template_hash=template_hash() if header_hash is None else header_hash,
+        variant_id=variant_id(c, dtype, head_dim, mask), dtype=dtype,
         head_dim=head_dim, mask=mask, BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
-        NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves)
+        NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
+        HALF_PARTIALS=c.half_partials)
 
 
 _modules: dict = {}
@@ -367,13 +507,27 @@ def _desc_rows(t, rows: int):
 
 def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, config: GluonBwdConfig,
                 dq=None, dk=None, dv=None):
-    """Everything the three launches take, without launching (also used to compile on a
+    """Everything the launches take, without launching (also used to compile on a
     machine without a GPU): a dict with the outputs (dq, dk, dv), the scratch buffers,
-    and for each kernel its grid and argument tuple."""
+    and for each kernel its grid and argument tuple ("preprocess", "main", "convert",
+    and with ``config.group_split`` S > 1 "reduce": the main kernel then runs
+    batch * num_kv_heads * S programs per key block, told num_kv_heads * S kv heads, and
+    writes partials ``dk_partial`` / ``dv_partial`` of shape (batch, num_kv_heads, S,
+    seqlen_k, head_dim), float32 (dK unscaled) or with ``half_partials`` the inputs'
+    dtype (dK scaled), that :func:`.reduce.group_reduce` sums into dk, dv).  Raises ValueError when S does not divide the GQA group or the grid is too
+    tall."""
     import torch
 
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
+    c = config
+    gs = c.group_split
+    why = group_reasons(c, h // hk)
+    if why:
+        raise ValueError(f"Gluon backward config {c.id}: {why[0]}")
+    if b * hk * gs > MAX_GRID_Y:
+        raise ValueError(f"Gluon backward config {c.id}: batch * num_kv_heads * group_split = {b * hk * gs} "
+                         f"programs per key block, over CUDA's grid limit {MAX_GRID_Y}")
     dtype_name = str(q.dtype).removeprefix("torch.")
     dev = q.device
     do = do if do.is_contiguous() else do.contiguous()
@@ -387,18 +541,29 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     lse2 = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     delta = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     dqacc = torch.empty((b, h, sq, d), dtype=torch.float32, device=dev)
-    c = config
     pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
+    out = {"dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc}
+    main_dk, main_dv = dk, dv
+    if gs > 1:
+        # one allocation for both scratches; every element is written by the main kernel
+        partials = torch.empty((2, b, hk, gs, sk, d), dtype=q.dtype if c.half_partials else torch.float32,
+                               device=dev)
+        main_dk, main_dv = out["dk_partial"], out["dv_partial"] = partials[0], partials[1]
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
             _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
-            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, dk, dv, float(softmax_scale) * 1.4426950408889634,
-            float(softmax_scale), h, hk, sq, sk, int(diag_lo), int(diag_hi), m_pad)
-    return {
-        "dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc,
-        "preprocess": (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True)),
-        "main": ((math.ceil(sk / c.block_nt), b * hk), main),
-        "convert": ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale))),
-    }
+            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, main_dk, main_dv,
+            float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
+            int(diag_hi), m_pad)
+    out["preprocess"] = (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True))
+    out["main"] = ((math.ceil(sk / c.block_nt), b * hk * gs), main)
+    out["convert"] = ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale)))
+    if gs > 1:
+        from . import reduce
+
+        # half partials: dK was scaled before its rounding
+        dk_scale = 1.0 if c.half_partials else float(softmax_scale)
+        out["reduce"] = (reduce.grid(b, hk, sk, d), (main_dk, main_dv, dk, dv, sk * d, dk_scale, gs, reduce.BLOCK))
+    return out
 
 
 def check_inputs(do, q, k, v, o, lse) -> None:
@@ -431,7 +596,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     Shapes as :func:`flashgen.ops.bwd`; ``mask`` ("none" | "causal" | "window") names
     which bounds the kernel tests (diag_lo/diag_hi are tested in every masked mode).
     Returns (dq, dk, dv) in the inputs' dtype, contiguous.  dK/dV summed over each GQA
-    group.  Raises ValueError for inputs or a config the kernels cannot take.
+    group (``config.group_split`` > 1: over partials by a fourth launch, :mod:`.reduce`).  Raises ValueError for inputs or a config the kernels cannot take.
     ``stage_sync``: synchronize after each launch and raise RuntimeError naming the
     launch that failed (for the GPU checks)."""
     check_inputs(do, q, k, v, o, lse)
@@ -441,9 +606,14 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     mod = load(config, dtype, d, mask)
     a = launch_args(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
                     config=config, dq=dq, dk=dk, dv=dv)
-    for stage, fn, opts in (("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4}),
-                            ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
-                            ("convert", mod.attn_bwd_convert, {"num_warps": 4})):
+    stages = [("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4}),
+              ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
+              ("convert", mod.attn_bwd_convert, {"num_warps": 4})]
+    if "reduce" in a:
+        from . import reduce
+
+        stages.append(("reduce", reduce.group_reduce, {"num_warps": reduce.NUM_WARPS}))
+    for stage, fn, opts in stages:
         grid, args = a[stage]
         launch(fn, grid, args, **opts)
         if stage_sync:
@@ -460,33 +630,41 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
 
 def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, kernel: str = "attn_bwd",
                  check: bool = True):
-    """Triton's compiled ``kernel`` of one variant for sm_90, from CPU tensors' argument
-    types (no GPU needed; run without TRITON_INTERPRET)."""
+    """Triton's compiled ``kernel`` of one variant for sm_90 ("attn_bwd", "attn_bwd_preprocess",
+    "attn_bwd_convert", or "group_reduce", the Triton kernel of a group_split > 1 variant),
+    from CPU tensors' argument types (no GPU needed; run without TRITON_INTERPRET)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     mod = load(config, dtype, head_dim, mask, check)
     tdt = getattr(torch, dtype)
-    b, h, hk, s = 1, 2, 1, 256
+    b, h, hk, s = 1, 2 * config.group_split, 1, 256
     q = torch.empty(b, h, s, head_dim, dtype=tdt)
     k = torch.empty(b, hk, s, head_dim, dtype=tdt)
     lse = torch.empty(b, h, s, dtype=torch.float32)
     a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=config)
-    fn = getattr(mod, kernel)
-    args = a["main" if kernel == "attn_bwd" else kernel.removeprefix("attn_bwd_")][1]
+    if kernel == "group_reduce":
+        from . import reduce
+
+        fn, stage, source = reduce.group_reduce, "reduce", ASTSource
+    else:
+        fn, stage, source = getattr(mod, kernel), "main" if kernel == "attn_bwd" else kernel.removeprefix("attn_bwd_"), \
+            GluonASTSource
+    args = a[stage][1]
     sig, consts, attrs = {}, {}, {}
     for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
         if fn.params[i].is_constexpr:
             sig[name], consts[(i,)] = "constexpr", arg
             continue
         sig[name] = mangle_type(arg)
-        if isinstance(arg, torch.Tensor):
+        # the reduction's sizes are specialized as a launch does (a multiple of 16 is known to be one)
+        if isinstance(arg, torch.Tensor) or (source is ASTSource and isinstance(arg, int) and arg % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]
     opts = {"num_warps": config.num_warps if kernel == "attn_bwd" else 4}
     if kernel == "attn_bwd":
         opts["maxnreg"] = config.maxnreg
-    src = GluonASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return triton.compile(source(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)

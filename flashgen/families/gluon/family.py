@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from ...arch import INTERPRETER
 from ...resources import SmemEstimate
@@ -36,7 +37,7 @@ _ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
 _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
               "persistent", "ctas_per_sm", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
-              "row_load", "producer_warps", "split", "family"}
+              "row_load", "producer_warps", "split", "group_split", "half_partials", "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -97,7 +98,8 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
     row_load = _ROW_LOADS[c.row_load] if 0 <= c.row_load < len(_ROW_LOADS) else f"code {c.row_load}"
     return B.GluonBwdConfig(block_m=c.BLOCK_M, block_n=c.BLOCK_N, consumers=n, stages=c.num_stages,
                             dq_mode="atomic" if c.dq_atomic else "tma", consumer_regs=cr, producer_regs=pr,
-                            row_load=row_load, producer_warps=c.producer_warps or 1, split=bool(c.split))
+                            row_load=row_load, producer_warps=c.producer_warps or 1, split=bool(c.split),
+                            group_split=c.group_split or 1, half_partials=bool(c.half_partials))
 
 
 def tile_config(g) -> TileConfig:
@@ -116,7 +118,8 @@ def tile_config(g) -> TileConfig:
                       consumer_regs=0 if regs == default else regs[0],
                       producer_regs=0 if regs == default else regs[1], dq_atomic=int(g.dq_mode == "atomic"),
                       row_load=_ROW_LOADS.index(g.row_load), producer_warps=0 if g.producer_warps == 1 else
-                      g.producer_warps, split=int(g.split))
+                      g.producer_warps, split=int(g.split), group_split=0 if g.group_split == 1 else g.group_split,
+                      half_partials=int(g.half_partials))
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -163,12 +166,20 @@ class GluonFamily:
 
     def domain(self, key: ProblemKey) -> dict[str, tuple]:
         """The knob domains; their product filtered by :meth:`violated_rules` is exactly
-        :func:`.config.space` (forward) / :func:`.bwd.search_space` (backward)."""
+        :func:`.config.space` (forward) / :func:`.bwd.search_space` (backward, for the
+        key's GQA group: ``group_split`` and ``half_partials`` only for a group > 1, the
+        split over the group's divisors, so the domain of multi-head keys is what it
+        was)."""
         if key.spec.kernel == "fwd":
             return {"BLOCK_M": (64,), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12), "num_stages": (2, 3, 4, 5, 6),
                     "pin": (0, 1), "persistent": (0, 1), "ctas_per_sm": (0, 2)}
-        return {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
-                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1)}
+        dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
+               "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1)}
+        splits = B.group_splits(key.group)
+        if len(splits) > 1:
+            dom["group_split"] = tuple(0 if s == 1 else s for s in splits)
+            dom["half_partials"] = (0, 1)
+        return dom
 
     def violated_rules(self, v: Variant) -> list[str]:
         s, c = v.spec, v.config
@@ -200,7 +211,14 @@ class GluonFamily:
         return SmemEstimate(B.smem_terms(bwd_config(v.config), s.head_dim), arch.smem_per_block_optin)
 
     def adapt(self, config: TileConfig, key: ProblemKey) -> TileConfig:
-        """A Gluon row of another bucket runs as tuned (its tiles do not depend on the sizes)."""
+        """A Gluon row of another bucket runs as tuned (its tiles do not depend on the
+        sizes), its group_split cut to one that divides ``key``'s GQA group (the largest
+        common divisor; the dispatcher's nearest buckets share the group, so only a row
+        of another group is changed)."""
+        if config.group_split and key.group % config.group_split:
+            g = math.gcd(config.group_split, key.group)
+            config = dataclasses.replace(config, group_split=0 if g == 1 else g,
+                                         half_partials=config.half_partials if g > 1 else 0)
         return config
 
     def default_config(self, key: ProblemKey, arch) -> TileConfig | None:
