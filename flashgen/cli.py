@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from .spec import ALL_KERNELS, DENSE_KERNELS, DTYPES, KERNELS, TileConfig
+from .spec import ALL_KERNELS, DENSE_KERNELS, DTYPES, KERNELS, TileConfig, Variant
 
 #: The user's tuning DB.  The shipped one (tuning_db/h200.sqlite) is written only when
 #: --db names it.
@@ -138,10 +138,18 @@ def tune(
              ".optuna.journal) or an RDB URL (e.g. postgresql://...) that workers on several "
              "machines join.")] = None,
     sampler: Annotated[str, typer.Option(help="tpe (Optuna's TPE) or grid (every config once).")] = "tpe",
+    refine: Annotated[str | None, typer.Option(
+        metavar="KNOBS", help="Instead of a search: measure each key's best tuned config of each family with "
+                              "every value the family gives these comma-separated knobs (e.g. "
+                              "group_split,half_partials; tuner.refine); keys without a tuned row are left "
+                              "out.")] = None,
 ) -> None:
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
     if sampler not in ("tpe", "grid"):
         raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
+    knobs = _check_refine(refine) if refine is not None else None
+    if knobs is not None and workers > 1:
+        raise typer.BadParameter("--refine measures a few configs per key in one process", param_hint="'--workers'")
     from . import arch as arch_mod, presets, tuner
     from .db import TuningDB, check_writable, validate as validate_db
     from .env import Environment
@@ -210,7 +218,13 @@ def tune(
         bench = KernelBenchmarker()
         precompile = getattr(bench, "precompile", None)
         if callable(precompile):
-            variants = tuner.feasible_variants([k for k, _ in items], arch, family_names)
+            if knobs is not None:
+                with TuningDB(db) as tdb:
+                    variants = [Variant(k.spec, c) for k, _ in items
+                                for _, cands in tuner.refine_configs(k, tdb, env, arch, knobs, family_names)
+                                for c in cands]
+            else:
+                variants = tuner.feasible_variants([k for k, _ in items], arch, family_names)
             with Progress(TextColumn("precompiling"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=console) as progress:
                 task = progress.add_task("precompile", total=len(variants))
@@ -226,7 +240,8 @@ def tune(
                               f"float64; worst error ratio {ratios[worst]:.3f} ({worst}; <= 1 passes)",
                               markup=False)
 
-    console.print(f"tuning {len(items)} keys, {trials} trials each, on {env.gpu_name} -> {db}"
+    console.print(f"tuning {len(items)} keys, " + (f"refining {', '.join(knobs)}" if knobs else f"{trials} trials each")
+                  + f", on {env.gpu_name} -> {db}"
                   f"{f' with {workers} workers' if workers > 1 else ''}", markup=False)
     with _writing(db):  # nothing is left beside --db when the run fails before a row is written
         if workers > 1:
@@ -253,10 +268,14 @@ def tune(
                                 description=f"{row['variant_id']} {row['status']}")
 
             with _user_errors(db):
-                results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
-                                     timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
-                                     on_trial=on_trial, storage=storage, sampler=sampler,
-                                     family_names=family_names)
+                if knobs is not None:
+                    results = tuner.refine(items, knobs=knobs, benchmarker=bench, db=tdb, env=env, arch=arch,
+                                           family_names=family_names, on_key=on_key, on_trial=on_trial)
+                else:
+                    results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
+                                         timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
+                                         on_trial=on_trial, storage=storage, sampler=sampler,
+                                         family_names=family_names)
             progress.update(keys_task, completed=len(items))
         _print_results(console, env, results)
         _print_explain_hint(console, env, db, items, fake is not None or fake_model)
@@ -328,6 +347,18 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
                   f"(exit codes {sorted(codes.values())})", markup=False)
     with TuningDB(db) as tdb:
         return tuner.summarize(items, db=tdb, env=env, arch=arch, storage=storage, family_names=family_names)
+
+
+def _check_refine(value: str) -> tuple[str, ...]:
+    import dataclasses
+
+    names = tuple(x.strip() for x in value.split(",") if x.strip())
+    fields = {f.name for f in dataclasses.fields(TileConfig)} - {"family"}
+    bad = [n for n in names if n not in fields]
+    if not names or bad:
+        raise typer.BadParameter(f"knobs must be TileConfig fields ({', '.join(sorted(fields))}); got "
+                                 f"{', '.join(bad) or repr(value)}", param_hint="'--refine'")
+    return names
 
 
 def _print_results(console, env, results) -> None:

@@ -14,6 +14,7 @@ Optuna journal file next to the DB, so an interrupted run resumes where it stopp
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -507,6 +508,76 @@ def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker,
                                 n_trials=n_trials, timeout_s=timeout_per_key_s, storage=st,
                                 seed=seed, on_trial=on_trial, sampler=sampler, worker=worker,
                                 family_names=family_names))
+    return results
+
+
+def refine_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch, knobs: Iterable[str],
+                   family_names: Iterable[str] | None = None, by_family: dict | None = None
+                   ) -> list[tuple[TileConfig, list[TileConfig]]]:
+    """For each family of ``family_names`` that serves ``key`` on ``arch`` and has an ok
+    row for it in ``db`` (``env``): (its best config, that config with every combination
+    of the values the family's domain gives ``knobs`` for this key, other than itself,
+    valid and feasible).  Knobs the family's domain lacks for this key keep their value.
+    ``by_family``: :meth:`TuningDB.best_configs_by_family` of ``env``, when the caller
+    holds it."""
+    import itertools
+
+    knobs = tuple(knobs)
+    space = search_space(key, arch, family_names)
+    rows = (by_family if by_family is not None else db.best_configs_by_family(env)).get(key.id, ())
+    out = []
+    for best, _ in rows:
+        fam = families.FAMILIES.get(best.family)
+        if fam is None or best.family not in space:
+            continue
+        dom = fam.domain(key)
+        axes = [(k, dom[k]) for k in knobs if k in dom]
+        cands = []
+        for values in itertools.product(*(vals for _, vals in axes)):
+            cfg = dataclasses.replace(best, **dict(zip((k for k, _ in axes), values)))
+            v = Variant(key.spec, cfg)
+            if cfg != best and cfg not in cands and not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
+                cands.append(cfg)
+        out.append((best, cands))
+    return out
+
+
+def refine(items: Iterable[tuple[ProblemKey, Shape]], *, knobs: Iterable[str], benchmarker: Benchmarker,
+           db: TuningDB, env: Environment, arch: Arch, family_names: Iterable[str] | None = None,
+           on_key: Callable[[int, int, ProblemKey], None] | None = None,
+           on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None) -> list[TuneResult]:
+    """Measure, for each (key, shape), the neighbours of each family's best row that
+    differ in ``knobs`` only (:func:`refine_configs`), recording every measurement in
+    ``db`` like :func:`tune_key` (float64 check first, through the benchmarker).  For a
+    knob added to a family after its keys were tuned: the tuned winners with each value
+    of the new knob, instead of a new search.  A key without an ok row of a family to
+    start from is left out.  Each result's ``default_*`` fields hold the starting
+    config (the best before), so ``speedup`` is what the refinement gained."""
+    kw = dict(benchmarker=benchmarker, db=db, env=env, arch=arch)
+    by_family = db.best_configs_by_family(env)
+    results = []
+    items = list(items)
+    for i, (key, shape) in enumerate(items):
+        t0 = time.perf_counter()
+        starts = refine_configs(key, db, env, arch, knobs, family_names, by_family)
+        if not starts:
+            continue
+        if on_key is not None:
+            on_key(i, len(items), key)
+        before = db.best(key, env)
+        cands = [c for _, cs in starts for c in cs]
+        for n, cfg in enumerate(cands, 1):
+            row = _measure(key, shape, cfg, **kw)
+            if on_trial is not None:
+                on_trial(key, n, len(cands), row)
+        best = db.best(key, env)
+        before_ms = before["median_ms"] if before else None
+        results.append(TuneResult(
+            key=key, best_config=TileConfig.from_dict(best) if best else None,
+            best_median_ms=best["median_ms"] if best else None, tflops=best["tflops"] if best else None,
+            default_config=TileConfig.from_dict(before) if before else starts[0][0], default_median_ms=before_ms,
+            speedup=before_ms / best["median_ms"] if before_ms and best else None,
+            n_trials=len(cands), wall_s=time.perf_counter() - t0))
     return results
 
 

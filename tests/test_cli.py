@@ -163,3 +163,29 @@ def test_help_shows_flags_as_flags_and_lists_the_dtypes(command):
              "show": ["--all "], "iomodel": ["--causal / --no-causal"], "tune": ["--fake-model "]}
     for f in flags.get(command, []):
         assert f"  {f}" in r.output, (f, r.output)
+
+
+def test_refine_measures_the_tuned_winners_with_each_value_of_the_named_knobs(tmp_path):
+    db = tmp_path / "t.sqlite"
+    base = ["tune", "--preset", "llama3-8b", "--kernels", "bwd", "--family", "gluon", "--fake-model",
+            "--arch", "sm_90", "--db", db]
+    assert invoke(*base, "--trials", "1").exit_code == 0  # the heuristic default of each key
+    con = sqlite3.connect(db)
+    keys = {k for (k,) in con.execute("SELECT DISTINCT key FROM measurements")}
+    assert keys and not con.execute("SELECT COUNT(*) FROM measurements WHERE variant_id LIKE '%_gs%'").fetchone()[0]
+    r = invoke(*base, "--refine", "group_split,half_partials")
+    assert r.exit_code == 0, r.output
+    assert "refining group_split, half_partials" in r.output
+    # GQA group 4: splits 2 and 4, each with float32 and 16-bit partials, per key
+    per_key = dict(con.execute("SELECT key, COUNT(DISTINCT variant_id) FROM measurements "
+                               "WHERE variant_id LIKE '%_gs%' GROUP BY key").fetchall())
+    assert per_key == {k: 4 for k in keys}
+    # refining again measures nothing new (the rows are reused)
+    n = con.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+    assert invoke(*base, "--refine", "group_split,half_partials").exit_code == 0
+    assert con.execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == n
+
+
+def test_refine_names_a_bad_knob(tmp_path):
+    r = invoke("tune", "--fake-model", "--arch", "sm_90", "--db", tmp_path / "t.sqlite", "--refine", "warp_count")
+    assert r.exit_code == 2 and "--refine" in r.output and "warp_count" in r.output
