@@ -179,7 +179,8 @@ class Dispatcher:
         self.fast.clear()
 
     def mark_failed(self, variant: Variant, error: BaseException | str) -> None:
-        """``variant`` (of a non-portable family) failed to build or launch: warn once
+        """``variant`` (of a non-portable family, or a user variant whose config ran out of
+        resources: :func:`flashgen.library.fall_back`) failed to build or launch: warn once
         per variant per process, never pick it again (the family's other rows, then the
         portable family, serve its keys) and forget the choices made so far (the
         databases stay loaded)."""
@@ -188,9 +189,11 @@ class Dispatcher:
             _failed[variant.id] = why
             # a family's typed build error (the Gluon family's GluonBuildError) has warned once already
             if getattr(error, "variant_id", None) is None:
+                instead = (f"the {families.portable().name} family serves its calls instead"
+                           if variant.family != families.portable().name else
+                           "the dispatcher's next choice for its key (another row, else the default) serves its calls")
                 warnings.warn(f"flashgen: the {variant.family} kernel {variant.id} failed to build or launch with "
-                              f"the installed Triton ({why[:300]}); the {families.portable().name} family serves "
-                              "its calls instead (warned once per variant)", stacklevel=3)
+                              f"the installed Triton ({why[:300]}); {instead} (warned once per variant)", stacklevel=3)
         self._cache.clear()
         self._capture_defaults.clear()
         self._backward.clear()
@@ -506,6 +509,11 @@ class Dispatcher:
 
     def config_for(self, key: ProblemKey, *, capturing: bool | None = None) -> TileConfig:
         return self.choose(key, capturing=capturing).config
+
+
+def has_failed(variant: Variant) -> bool:
+    """Whether ``variant`` failed to build or launch in this process (:meth:`Dispatcher.mark_failed`)."""
+    return variant.id in _failed
 
 
 _default: Dispatcher | None = None
