@@ -515,3 +515,27 @@ def test_a_user_variant_out_of_resources_at_launch_falls_back_once_with_a_warnin
         _run(t5_bias, [table], causal=True)
     assert sum("OutOfResources" in str(x.message) for x in w) == 1
     assert seen[0] == refused and seen[-1] != refused
+
+
+def test_an_untuned_user_forward_takes_the_plain_keys_fastest_triton_row():
+    """The plain d128 causal forward's fastest H200 row is the Gluon family's, which does
+    not compile user functions: an untuned user forward takes the fastest row of the
+    Triton family (m64 n64 w4 s3 tma, 0.319 ms), not the heuristic default."""
+    import dataclasses
+
+    from flashgen import arch, dispatch, user_examples
+    from flashgen.env import Environment
+    from flashgen.spec import ProblemKey
+
+    ex = user_examples.make("softcap", 16, 2048)
+    low = user_mods.lowering("fwd", user_mods.trace(ex.functions()[0], "score"), None, [], False)
+    key = ProblemKey.from_sizes(KernelSpec("fwd", "bfloat16", 128, 128, "causal", low.name), batch=8, num_heads=16,
+                                num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+    env = dataclasses.replace(Environment.current(), gpu_name="NVIDIA H200", compute_capability="9.0", sm_count=132)
+    d = dispatch.Dispatcher(None, env=env, arch=arch.by_sm("sm_90"))
+    plain = d.choose(dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods="")))
+    assert plain.family == "gluon"
+    choice = d.choose(key)
+    assert choice.source == "nearest" and choice.family == "triton" and choice.tuned_key == plain.key.id
+    c = choice.config
+    assert (c.BLOCK_M, c.BLOCK_N, c.num_warps, c.num_stages, c.tma) == (64, 64, 4, 3, 1)
