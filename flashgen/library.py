@@ -294,8 +294,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
              lo: int, hi: int, mods: "ops.ScoreMods | None" = None, delta: Optional[Tensor] = None,
              deterministic: Optional[bool] = None):
     """(dQ, dK, dV): the backward ops' real implementation.  ``delta``: a float32 buffer
-    like lse that receives rowsum(dO * O) when the kernels run (the sinks' gradient
-    reads it).  ``deterministic`` (None: torch's ``use_deterministic_algorithms`` flag
+    like lse that receives rowsum(dO * O) when the kernels run, whichever run (bwd_dq,
+    or a whole backward's first pass; the sinks' gradient reads it).  ``deterministic``
+    (None: torch's ``use_deterministic_algorithms`` flag
     now): True runs the bwd_dq + bwd_dkdv kernels (bitwise repeatable); otherwise the
     dispatcher may pick a family's whole backward (:meth:`flashgen.dispatch.Dispatcher.backward`;
     the Gluon one on sm_90, whose dQ accumulation order varies)."""
@@ -308,8 +309,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         return _into(q, dq), _into(k, dk), _into(v, dv)
     q, scale, sign = _signed_q(q, scale)
     name = mods.name if mods is not None else ""
-    # delta is read by the caller (the sinks' gradient): the two kernels write it
-    det = delta is not None or deterministic_backward(deterministic)
+    det = deterministic_backward(deterministic)
     with _on_device(q):
         kw = dict(softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, addressable=True, mods=mods)
         spec_args = (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, name)
@@ -320,7 +320,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                 cfg, mod = plan  # one family's whole backward
                 try:
                     dq, dk, dv = families.launcher(cfg.family, "bwd")(do, q, k, v, o, lse, config=cfg, module=mod,
-                                                                       **kw)
+                                                                       delta=delta, **kw)
                     return _signed_dq(dq, sign), dk, dv
                 except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
                     fall_back(cfg, "bwd", q, e, spec_args)

@@ -196,6 +196,41 @@ def test_sinks_with_causal_and_a_window(tiles, window):
     assert got["dsinks"].abs().min() > 0
 
 
+def test_sinks_take_the_backward_the_dispatcher_picks_and_its_delta(tiles, monkeypatch):
+    """Sinks alone run the plain backward: the dispatcher's plan, a whole-backward
+    family's too (the Gluon one on sm_90; here a stand-in running the Triton kernels),
+    not forced onto the two deterministic kernels; the whole backward writes delta, from
+    which d(sinks) comes (checked against float64)."""
+    import dataclasses
+
+    from flashgen import families, library
+
+    real_kernels, real_launcher = library.backward_kernels, families.launcher
+    whole = []
+
+    def plan(q, k, v, mask, mods, deterministic):
+        two = real_kernels(q, k, v, mask, mods, deterministic)
+        if deterministic or mods:
+            return two
+        return dataclasses.replace(two[0][0], family="gluon"), two  # a whole backward's (cfg, module)
+
+    def launcher(family, name):
+        if (family, name) != ("gluon", "bwd"):
+            return real_launcher(family, name)
+
+        def bwd(do, q, k, v, o, lse, *, config, module, delta=None, **kw):
+            whole.append(delta is not None)
+            (cfg_dq, mod_dq), (cfg_kv, mod_kv) = module
+            return real_launcher("triton", "bwd")(do, q, k, v, o, lse, config_dq=cfg_dq, config_dkdv=cfg_kv,
+                                                  module_dq=mod_dq, module_dkdv=mod_kv, delta=delta, **kw)
+        return bwd
+    monkeypatch.setattr(library, "backward_kernels", plan)
+    monkeypatch.setattr(families, "launcher", launcher)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 4.0])
+    got, _ = _run(lambda: (None, None), causal=True, sinks=sinks, sq=45, sk=45)
+    assert whole == [True] and got["dsinks"].abs().min() > 0
+
+
 def test_sinks_with_a_score_and_mask_function_in_float32(tiles):
     doc = torch.tensor([0] * 20 + [1] * 25)
 
