@@ -22,6 +22,8 @@ score_mod / mask_mod:
 * ``sinks``: learnable sinks (float32 (heads,), gradient included) with causal and a
   window of seqlen / 16 (gpt-oss): flashgen, and flashgen without sinks
   (``flashgen-builtin``: the sinks' cost over the plain kernels, forward and backward).
+* ``sinks-causal``: the same sinks with causal alone (gpt-oss's full-attention layers),
+  whose backward the dispatcher may give to the Gluon whole backward on the H200.
 
 FlexAttention is compiled per case: ``torch.compile(flex_attention, dynamic=False,
 fullgraph=True)`` after ``torch._dynamo.reset()``, its block mask made once per case
@@ -35,7 +37,7 @@ SDPA cuDNN serves only ``plain-causal`` here: the others need a materialized
 seqlen_q x seqlen_k mask or bias (no learned-bias gradient, no sinks).
 
 Before timing, every backend's output and gradients (q, k, v, and the table or sinks)
-are checked on batch entry 0 against the float64 reference
+are checked on batch entry 0 (``--check-batch N``: the first N) against the float64 reference
 (``flashgen.user_mods.reference``) with the project's rule: max error <= 2 x the error
 of the same computation in torch at bf16 + floor.  A failed flashgen check makes the
 exit status 1.  Then forward and forward+backward are timed (triton.testing.do_bench,
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -71,6 +74,9 @@ def _parse(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--cases", default="all", help="comma-separated case names, or all")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter run at a tiny size")
+    p.add_argument("--check-batch", type=int, default=1,
+                   help="batch entries the float64 check runs (default 1; the batch size makes the dispatcher's "
+                        "choices: --check-batch 8 checks the timed path itself)")
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=400)
     return p.parse_args(argv)
@@ -81,7 +87,7 @@ def cases() -> tuple:
     (imported here, after --smoke has turned the interpreter on)."""
     from flashgen import user_examples
 
-    return ("plain-causal",) + user_examples.NAMES
+    return ("plain-causal",) + user_examples.NAMES + ("sinks-causal",)
 
 
 def _example(name, h, s, device):
@@ -91,6 +97,9 @@ def _example(name, h, s, device):
 
     if name == "plain-causal":
         return user_examples.Example(name, lambda: (None, None), [], causal=True)
+    if name == "sinks-causal":  # sinks with causal alone (gpt-oss's full-attention layers)
+        ex = user_examples.make("sinks", h, s, device, requires_grad=False)
+        return dataclasses.replace(ex, name=name, window=(-1, -1))
     return user_examples.make(name, h, s, device, requires_grad=False)
 
 
@@ -162,7 +171,7 @@ def main(argv=None) -> int:
                 kw = dict(causal=causal, window=window, softmax_scale=scale)
                 kw.update(c.builtin)
                 yield "flashgen-builtin", lambda qkv, fns, snk: flashgen.attention(*qkv, **kw)
-            if name != "sinks":  # FlexAttention has no sinks
+            if not name.startswith("sinks"):  # FlexAttention has no sinks
                 flex = _Flex(mm, lo, hi, s, scale, device, compiled=device == "cuda")
                 yield "flex", flex
             if name == "plain-causal" and device == "cuda":
@@ -174,7 +183,8 @@ def main(argv=None) -> int:
                 fwd_only = backend == "flex" and device != "cuda"
                 # float64 check on batch entry 0 (the builtin: the same function, without sinks)
                 snk = sinks if backend != "flashgen-builtin" else None
-                ratio = _check(run, q[:1], k[:1], v[:1], do[:1], c, snk, lo, hi, scale, dtype, fwd_only)
+                nb = min(args.check_batch, b)
+                ratio = _check(run, q[:nb], k[:nb], v[:nb], do[:nb], c, snk, lo, hi, scale, dtype, fwd_only)
                 res["check_ratio"] = ratio
                 if backend == "flashgen" and not ratio <= 1.0:
                     failed = True

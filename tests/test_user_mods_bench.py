@@ -28,12 +28,13 @@ def test_smoke_runs_every_example_and_checks_it_against_float64(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["flex"].startswith("eager")  # the smoke run says its Flex rows are the unfused path
-    assert list(data["cases"]) == ["plain-causal", *user_examples.NAMES]
+    assert list(data["cases"]) == ["plain-causal", *user_examples.NAMES, "sinks-causal"]
     for name, rec in data["cases"].items():
         fg = rec["results"]["flashgen"]
         assert "error" not in fg and fg["check_ratio"] <= 1.0 and fg["fwd_bwd_ms"] > 0, (name, fg)
-        assert ("flex" in rec["results"]) == (name != "sinks")
-        assert ("flashgen-builtin" in rec["results"]) == (name in ("alibi", "softcap", "window-causal", "sinks"))
+        assert ("flex" in rec["results"]) == (not name.startswith("sinks"))
+        assert ("flashgen-builtin" in rec["results"]) == (name in ("alibi", "softcap", "window-causal", "sinks",
+                                                                    "sinks-causal"))
 
 
 def test_flex_compiled_per_size_without_the_unfused_fallback():
