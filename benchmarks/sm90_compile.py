@@ -47,6 +47,7 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, 
                  if kernel.startswith("bwd_dkdv") else
                  {"K": (cfg.BLOCK_N, mod.D_PAD.value), "V": (cfg.BLOCK_N, mod.DV_PAD.value)})
     sig, attrs, consts = {}, {}, {}
+    user = _user_pointer_types(v)
     if "BIAS_TMA" in fn.arg_names and bias_tma:
         descs["BIAS"] = (cfg.BLOCK_M, cfg.BLOCK_N)  # ops.bias_descriptor
     for i, n in enumerate(fn.arg_names):
@@ -56,6 +57,9 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, 
             sig[n] = "tensordesc<%s[1,1,%d,%d]>" % ((short,) + descs[n])
         elif n == "DQACC" and extra.get("dq_atomic") == "tma":
             sig[n] = "tensordesc<fp32[1,%d,%d]>" % (cfg.BLOCK_M, mod.D_PAD.value)
+        elif n in user:
+            sig[n] = user[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif n[0].isupper():
             sig[n] = ("*i32" if n.startswith("CU_") else "*fp32" if n in ("LSE", "DELTA", "ALIBI", "DQACC") else
                       "*i64" if n == "RNG" else "*" + short)
@@ -69,6 +73,27 @@ def compile_sm90(v, *, launch_like: bool = False, templates: str | None = None, 
     return triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+_POINTER = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp32", "int64": "*i64",
+            "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i8"}
+
+
+def _user_pointer_types(v) -> dict:
+    """The pointer types of a user variant's extra arguments (its functions registered in
+    this process): captured tensors UT<n> as :class:`flashgen.user_mods.UserArgs` passes
+    them (float64 as float32, bool as int8), gradient buffers UG<n> and sinks float32,
+    the block mask int32; {} for other variants."""
+    from flashgen.spec import is_user_mods
+
+    if not is_user_mods(v.spec.mods):
+        return {}
+    from flashgen import user_render
+
+    low = user_render.lowered(v.spec.mods)
+    out = {f"UT{n}": _POINTER[b.dtype] for n, b in enumerate(low.bufs)}
+    out.update({f"UG{n}": "*fp32" for n in range(len(low.bufs))})
+    return {**out, "UBM": "*i32", "SINKS": "*fp32"}
 
 
 def ptxas_report(ptx: str) -> tuple[int | None, int | None]:

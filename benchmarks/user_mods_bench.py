@@ -2,29 +2,42 @@
 sinks compiled into its kernels) against FlexAttention (compiled, with its BlockMask)
 and, where it has the feature, SDPA's cuDNN backend, side by side in one run (issue 19).
 
-Cases (bf16, batch 8, 16 heads, head_dim 128, seqlen 2048 by default):
+Cases (bf16, batch 8, 16 heads, head_dim 128, seqlen 2048 by default): ``plain-causal``
+(no function, for reference: flashgen, Flex, SDPA cuDNN), then the examples of
+:mod:`flashgen.user_examples` (defined there once; ``flashgen tune --preset
+user-examples`` tunes the same functions), with FlexAttention running the same
+score_mod / mask_mod:
 
-* ``plain-causal``: no function, for reference: flashgen, Flex, SDPA cuDNN.
 * ``relpos``: T5's bucketed relative-position bias with a learned (32, heads) float32
-  table (its gradient included in forward+backward): flashgen, Flex (same score_mod).
+  table (its gradient included in forward+backward): flashgen, Flex.
 * ``alibi``: ALiBi as a score_mod: flashgen, flashgen's built-in ``alibi_slopes``
   (``flashgen-builtin``: the user function should be within 5% of it), Flex.
 * ``softcap``: 30 tanh(s / 30) as a score_mod: flashgen, flashgen ``softcap=30``, Flex.
-* ``prefix-lm``: mask_mod (kv <= q) | (kv < 512): flashgen, Flex.
+* ``prefix-lm``: mask_mod (kv <= q) | (kv < seqlen / 4): flashgen, Flex.
 * ``document`` / ``document-causal``: mask_mod doc[q] == doc[kv] from a per-token
-  document id tensor (documents of 128..1024 tokens), without and with causal:
-  flashgen, Flex.
-* ``window-causal``: mask_mod q - kv <= 256 with causal=True: flashgen, flashgen's
-  ``window=(256, 0)`` (``flashgen-builtin``), Flex.
+  document id tensor (documents of seqlen/16 .. seqlen/2 tokens), without and with
+  causal: flashgen, Flex.
+* ``window-causal``: mask_mod q - kv <= seqlen / 8 with causal=True: flashgen,
+  flashgen's ``window=(seqlen / 8, 0)`` (``flashgen-builtin``), Flex.
 * ``sinks``: learnable sinks (float32 (heads,), gradient included) with causal and a
-  window of 128 (gpt-oss): flashgen, and flashgen without sinks (``flashgen-builtin``:
-  the sinks' cost over the plain kernels, forward and backward).
+  window of seqlen / 16 (gpt-oss): flashgen, and flashgen without sinks
+  (``flashgen-builtin``: the sinks' cost over the plain kernels, forward and backward).
+* ``sinks-causal``: the same sinks with causal alone (gpt-oss's full-attention layers),
+  whose backward the dispatcher may give to the Gluon whole backward on the H200.
+
+FlexAttention is compiled per case: ``torch.compile(flex_attention, dynamic=False,
+fullgraph=True)`` after ``torch._dynamo.reset()``, its block mask made once per case
+with ``create_block_mask(..., _compile=True)`` where torch has that flag.  It is run at
+the timed size for both grad modes before timing with FlexAttention's "called without
+torch.compile()" warning turned into an error, dynamo's recompile limit raising rather
+than falling back, and a timing that compiled another graph is an error too: a Flex
+row is a compiled kernel's time or an error, never the unfused eager path.
 
 SDPA cuDNN serves only ``plain-causal`` here: the others need a materialized
 seqlen_q x seqlen_k mask or bias (no learned-bias gradient, no sinks).
 
 Before timing, every backend's output and gradients (q, k, v, and the table or sinks)
-are checked on batch entry 0 against the float64 reference
+are checked on batch entry 0 (``--check-batch N``: the first N) against the float64 reference
 (``flashgen.user_mods.reference``) with the project's rule: max error <= 2 x the error
 of the same computation in torch at bf16 + floor.  A failed flashgen check makes the
 exit status 1.  Then forward and forward+backward are timed (triton.testing.do_bench,
@@ -35,15 +48,16 @@ that forward+backward.  JSON goes to --out; a table is printed last.
     PYTHONPATH=. python3 benchmarks/user_mods_bench.py --smoke --out /tmp/u.json   # CPU, interpreter
 
 ``--smoke`` runs flashgen's code paths and checks on the CPU in Triton's interpreter
-(float16, b1 h2 seqlen 64 d16; FlexAttention uncompiled, forward only; wall-clock
-timing).
+(float16, b1 h2 seqlen 64 d16; FlexAttention uncompiled, forward only, which the JSON's
+"flex" says; wall-clock timing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -60,75 +74,33 @@ def _parse(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--cases", default="all", help="comma-separated case names, or all")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter run at a tiny size")
+    p.add_argument("--check-batch", type=int, default=1,
+                   help="batch entries the float64 check runs (default 1; the batch size makes the dispatcher's "
+                        "choices: --check-batch 8 checks the timed path itself)")
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=400)
     return p.parse_args(argv)
 
 
-CASES = ("plain-causal", "relpos", "alibi", "softcap", "prefix-lm", "document", "document-causal",
-         "window-causal", "sinks")
+def cases() -> tuple:
+    """The case names: the plain causal problem, then flashgen.user_examples' examples
+    (imported here, after --smoke has turned the interpreter on)."""
+    from flashgen import user_examples
+
+    return ("plain-causal",) + user_examples.NAMES + ("sinks-causal",)
 
 
-def t5_bucket(rel, num_buckets=32, max_distance=128):
-    import torch
+def _example(name, h, s, device):
+    """The flashgen.user_examples example ``name`` (learned tensors without grad: each
+    run makes its own copies), or the plain causal problem."""
+    from flashgen import user_examples
 
-    num_buckets //= 2
-    buckets = (rel > 0).to(torch.long) * num_buckets
-    rel = torch.abs(rel)
-    max_exact = num_buckets // 2
-    large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
-                         * (num_buckets - max_exact)).to(torch.long)
-    large = torch.min(large, torch.full_like(large, num_buckets - 1))
-    return buckets + torch.where(rel < max_exact, rel, large)
-
-
-def _case(name, b, h, s, device):
-    """(flashgen kwargs maker, builtin kwargs or None, flex (score_mod, mask_mod) maker,
-    causal, window, extra tensors with gradients).  Makers take the extra tensors."""
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(5)
     if name == "plain-causal":
-        return dict(causal=True, extras=[], fn=lambda: (None, None), builtin=None)
-    if name == "relpos":
-        table = (torch.randn(32, h, generator=g) * 0.5).to(device)
-        def fn(table):
-            return (lambda score, b_, h_, q, kv: score + table[t5_bucket(kv - q), h_]), None
-        return dict(causal=False, extras=[table], fn=fn, builtin=None)
-    if name == "alibi":
-        slopes = torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)], device=device)
-        def fn():
-            return (lambda score, b_, h_, q, kv: score - slopes[h_] * torch.abs(q - kv)), None
-        return dict(causal=True, extras=[], fn=fn, builtin=dict(alibi_slopes=slopes))
-    if name == "softcap":
-        def fn():
-            return (lambda score, b_, h_, q, kv: 30.0 * torch.tanh(score / 30.0)), None
-        return dict(causal=True, extras=[], fn=fn, builtin=dict(softcap=30.0))
-    if name == "prefix-lm":
-        prefix = s // 4
-        def fn():
-            return None, (lambda b_, h_, q, kv: (kv <= q) | (kv < prefix))
-        return dict(causal=False, extras=[], fn=fn, builtin=None)
-    if name in ("document", "document-causal"):
-        lens, total = [], 0
-        while total < s:
-            n = min(s - total, int(torch.randint(s // 16, s // 2 + 1, (1,), generator=g)))
-            lens.append(n)
-            total += n
-        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
-        def fn():
-            return None, (lambda b_, h_, q, kv: doc[q] == doc[kv])
-        return dict(causal=name == "document-causal", extras=[], fn=fn, builtin=None)
-    if name == "window-causal":
-        w = s // 8
-        def fn():
-            return None, (lambda b_, h_, q, kv: q - kv <= w)
-        return dict(causal=True, extras=[], fn=fn, builtin=dict(window=(w, 0)))
-    if name == "sinks":
-        sinks = torch.randn(h, generator=g).to(device)
-        return dict(causal=True, window=(s // 16, 0), extras=[], fn=lambda: (None, None), sinks=sinks,
-                    builtin={})
-    raise ValueError(name)
+        return user_examples.Example(name, lambda: (None, None), [], causal=True)
+    if name == "sinks-causal":  # sinks with causal alone (gpt-oss's full-attention layers)
+        ex = user_examples.make("sinks", h, s, device, requires_grad=False)
+        return dataclasses.replace(ex, name=name, window=(-1, -1))
+    return user_examples.make(name, h, s, device, requires_grad=False)
 
 
 def main(argv=None) -> int:
@@ -138,17 +110,22 @@ def main(argv=None) -> int:
     import torch
 
     import flashgen
-    from flashgen import bench, user_mods
     from flashgen.masks import mask_bounds
 
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float16 if args.smoke else torch.bfloat16
     b, h, s, d = (1, 2, 64, 16) if args.smoke else (args.batch, args.heads, args.seqlen, args.head_dim)
-    names = CASES if args.cases == "all" else tuple(args.cases.split(","))
+    known = cases()
+    names = known if args.cases == "all" else tuple(args.cases.split(","))
+    bad = [n for n in names if n not in known]
+    if bad:
+        print(f"unknown cases {bad}; known: {', '.join(known)}", file=sys.stderr)
+        return 2
     scale = d ** -0.5
     out = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
            "torch": torch.__version__, "sizes": dict(batch=b, heads=h, seqlen=s, head_dim=d, dtype=str(dtype)),
-           "cases": {}}
+           "flex": "compiled (torch.compile(flex_attention, dynamic=False, fullgraph=True), compiled block mask)"
+           if device == "cuda" else "eager (smoke run: unfused, forward only)", "cases": {}}
     failed = False
 
     def timer(fn):
@@ -160,23 +137,19 @@ def main(argv=None) -> int:
         fn()
         return (time.perf_counter() - t0) * 1e3
 
-    flex_compiled = None
     if device == "cuda":
         import torch._functorch.config
-        from torch.nn.attention.flex_attention import flex_attention
 
-        torch._functorch.config.donated_buffer = False
-        flex_compiled = torch.compile(flex_attention)
+        torch._functorch.config.donated_buffer = False  # the timing runs backward on the same graph repeatedly
 
     for name in names:
-        c = _case(name, b, h, s, device)
-        causal, window = c["causal"], c.get("window", (-1, -1))
-        sinks = c.get("sinks")
+        c = _example(name, h, s, device)
+        causal, window, sinks = c.causal, c.window, c.sinks
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, generator=gen) for _ in range(3))
         do = torch.randn(b, h, s, d, device=device, dtype=dtype, generator=gen)
         _, lo, hi = mask_bounds(s, s, causal=causal, window=window)
-        sm, mm = c["fn"](*c["extras"])
+        sm, mm = c.functions(*c.tensors)
         with torch.no_grad():
             i = torch.arange(s, device=device)[:, None]
             j = torch.arange(s, device=device)[None, :]
@@ -188,16 +161,19 @@ def main(argv=None) -> int:
         rec = {"causal": causal, "window": list(window), "visible_fraction": visible / (b * h * s * s),
                "results": {}}
         out["cases"][name] = rec
+        flex = None
 
         def backends():
+            nonlocal flex
             yield "flashgen", lambda qkv, fns, snk: flashgen.attention(
                 *qkv, causal=causal, window=window, softmax_scale=scale, sinks=snk, score_mod=fns[0], mask_mod=fns[1])
-            if c["builtin"] is not None:
+            if c.builtin is not None:
                 kw = dict(causal=causal, window=window, softmax_scale=scale)
-                kw.update(c["builtin"])
+                kw.update(c.builtin)
                 yield "flashgen-builtin", lambda qkv, fns, snk: flashgen.attention(*qkv, **kw)
-            if name != "sinks":
-                yield "flex", lambda qkv, fns, snk: _flex(qkv, fns, lo, hi, scale, flex_compiled)
+            if not name.startswith("sinks"):  # FlexAttention has no sinks
+                flex = _Flex(mm, lo, hi, s, scale, device, compiled=device == "cuda")
+                yield "flex", flex
             if name == "plain-causal" and device == "cuda":
                 yield "sdpa-cudnn", lambda qkv, fns, snk: _cudnn(qkv, scale)
 
@@ -205,29 +181,43 @@ def main(argv=None) -> int:
             res = rec["results"][backend] = {}
             try:
                 fwd_only = backend == "flex" and device != "cuda"
-                # float64 check on batch entry 0 (the builtin without sinks: its own function)
+                # float64 check on batch entry 0 (the builtin: the same function, without sinks)
                 snk = sinks if backend != "flashgen-builtin" else None
-                ratio = _check(run, q[:1], k[:1], v[:1], do[:1], c, snk, lo, hi, scale, dtype, fwd_only,
-                               builtin=backend == "flashgen-builtin")
+                nb = min(args.check_batch, b)
+                ratio = _check(run, q[:nb], k[:nb], v[:nb], do[:nb], c, snk, lo, hi, scale, dtype, fwd_only)
                 res["check_ratio"] = ratio
                 if backend == "flashgen" and not ratio <= 1.0:
                     failed = True
                 # the functions are made once, as a model would (their tensors require grad)
-                fns = c["fn"](*[t.clone().requires_grad_() for t in c["extras"]])
+                fns = c.functions(*[t.clone().requires_grad_() for t in c.tensors])
                 snk_t = None if snk is None else snk.clone().requires_grad_()
                 qkv = [t.clone().requires_grad_(not fwd_only) for t in (q, k, v)]
+
+                def fb():
+                    o = run(qkv, fns, snk_t)
+                    o.backward(do)
+                if backend == "flex" and flex.compiled:
+                    # compile at the timed size (batch b) for both grad modes first, with the
+                    # detector of an unfused fallback on; the timing then must compile nothing
+                    with torch.no_grad(), flex.fused():
+                        run(qkv, fns, snk_t)
+                    with flex.fused():
+                        fb()
+                    graphs = flex.graphs()
                 with torch.no_grad():
                     res["fwd_ms"] = timer(lambda: run(qkv, fns, snk_t))
                 if not fwd_only:
-                    def fb():
-                        o = run(qkv, fns, snk_t)
-                        o.backward(do)
                     res["fwd_bwd_ms"] = timer(fb)
+                if backend == "flex" and flex.compiled and flex.graphs() != graphs:
+                    raise RuntimeError(f"FlexAttention compiled again while it was timed ({graphs} -> "
+                                       f"{flex.graphs()} graphs): the times may include compiles or the eager path")
                 flops = 4.0 * d * visible
                 res["fwd_tflops"] = flops / res["fwd_ms"] * 1e-9
                 if "fwd_bwd_ms" in res:
                     res["fwd_bwd_tflops"] = 3.5 * flops / res["fwd_bwd_ms"] * 1e-9
             except Exception as e:  # noqa: BLE001 (a failing backend is recorded, the run goes on)
+                for key in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops"):
+                    res.pop(key, None)
                 res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if backend == "flashgen":
                     failed = True
@@ -246,24 +236,79 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def _flex(qkv, fns, lo, hi, scale, compiled):
-    import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+class _Flex:
+    """FlexAttention for one case: its block mask (the built-in bounds lo <= kv - q <= hi
+    and ``mask_mod``) made once for the case's sizes (compiled where torch offers it),
+    and, on CUDA, a compiled flex_attention of its own: ``torch.compile(flex_attention,
+    dynamic=False, fullgraph=True)`` after ``torch._dynamo.reset()``, so that every size
+    it meets (the check's batch 1, the timing's batch b) gets its own static graph and
+    no case's graphs count against another's recompile limit.  A graph break, a
+    dynamic-shape fallback or hitting the recompile limit raises instead of running
+    the unfused path (``fail_on_recompile_limit_hit``); :meth:`fused` also turns
+    FlexAttention's "called without torch.compile()" warning into an error.  On the CPU
+    (the smoke run) it is flex_attention itself, unfused, forward only."""
 
-    q = qkv[0]
-    sm, mm = fns
-    s = q.shape[2]
+    def __init__(self, mask_mod, lo, hi, seqlen, scale, device, compiled: bool):
+        import inspect
 
-    def mask(b, h, qi, kv):
-        rel = kv - qi
-        m = (rel >= lo) & (rel <= hi)
-        return m & mm(b, h, qi, kv) if mm is not None else m
-    bm = create_block_mask(mask, B=None, H=None, Q_LEN=s, KV_LEN=s, device=q.device)
-    if compiled is None:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        self.compiled, self.scale = compiled, scale
+
+        def mask(b, h, q_idx, kv_idx):
+            rel = kv_idx - q_idx
+            m = (rel >= lo) & (rel <= hi)
+            return m & mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else m
+        kw = {}
+        if compiled:
+            import torch._dynamo
+
+            torch._dynamo.reset()
+            cfg = torch._dynamo.config
+            if hasattr(cfg, "fail_on_recompile_limit_hit"):
+                cfg.fail_on_recompile_limit_hit = True
+            cfg.cache_size_limit = max(cfg.cache_size_limit, 16)
+            if "_compile" in inspect.signature(create_block_mask).parameters:
+                kw["_compile"] = True
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return flex_attention(*(t.detach() for t in qkv), score_mod=sm, block_mask=bm, scale=scale)
-    return compiled(*qkv, score_mod=sm, block_mask=bm, scale=scale)
+            warnings.simplefilter("ignore", DeprecationWarning)  # newer torch: _compile -> torch.compile
+            warnings.simplefilter("ignore", FutureWarning)
+            self.block_mask = create_block_mask(mask, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=device,
+                                                **kw)
+        self.fn = torch.compile(flex_attention, dynamic=False, fullgraph=True) if compiled else flex_attention
+
+    def __call__(self, qkv, fns, snk):
+        if not self.compiled:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "called without torch.compile()": the smoke run's eager path
+                return self.fn(*(t.detach() for t in qkv), score_mod=fns[0], block_mask=self.block_mask,
+                               scale=self.scale)
+        return self.fn(*qkv, score_mod=fns[0], block_mask=self.block_mask, scale=self.scale)
+
+    @staticmethod
+    def graphs() -> int:
+        """Graphs dynamo has compiled in this process so far."""
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    @contextlib.contextmanager
+    def fused(self):
+        """Raise when FlexAttention runs its unfused eager implementation inside (its
+        warning, normally given once per process, is re-armed and recorded)."""
+        import torch.nn.attention.flex_attention as fa
+
+        shown = getattr(fa, "_WARNINGS_SHOWN", None)
+        if shown is not None:
+            shown.discard("flex_attention_performance")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        for w in caught:
+            if "without torch.compile" in str(w.message) or "unfused" in str(w.message):
+                raise RuntimeError("FlexAttention ran its unfused eager implementation, not a compiled kernel: "
+                                   + str(w.message).splitlines()[0])
 
 
 def _cudnn(qkv, scale):
@@ -274,8 +319,10 @@ def _cudnn(qkv, scale):
         return torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale)
 
 
-def _check(run, q, k, v, do, c, sinks, lo, hi, scale, dtype, fwd_only, builtin):
-    """Worst ratio err / (2 * torch's bf16 error + floor) over O and the gradients."""
+def _check(run, q, k, v, do, c, sinks, lo, hi, scale, dtype, fwd_only):
+    """Worst ratio err / (2 * torch's bf16 error + floor) over O and the gradients (q, k,
+    v, the learned tensors, the sinks) against the float64 reference of the example's
+    functions (a built-in equivalent computes the same function)."""
     import torch
 
     from flashgen import bench, user_mods
@@ -283,22 +330,12 @@ def _check(run, q, k, v, do, c, sinks, lo, hi, scale, dtype, fwd_only, builtin):
     def once(kind):
         qkv = [t.detach().clone().requires_grad_(not fwd_only) for t in (q, k, v)]
         ex = [t.detach().clone().to(torch.float64 if kind == torch.float64 else t.dtype).requires_grad_(not fwd_only)
-              for t in c["extras"]]
+              for t in c.tensors]
         snk = None if sinks is None else sinks.detach().clone().requires_grad_(not fwd_only)
         if kind == "run":
-            o = run(qkv, c["fn"](*ex), snk)
+            o = run(qkv, c.functions(*ex), snk)
         else:
-            sm, mm = c["fn"](*ex)
-            if builtin:
-                bkw = c["builtin"]
-                if "alibi_slopes" in bkw:
-                    sl = bkw["alibi_slopes"]
-                    sm = lambda s_, b_, h_, qi, kv: s_ - sl[h_] * torch.abs(qi - kv)  # noqa: E731
-                if "softcap" in bkw:
-                    sm = lambda s_, b_, h_, qi, kv: bkw["softcap"] * torch.tanh(s_ / bkw["softcap"])  # noqa: E731
-                if "window" in bkw:
-                    wl = bkw["window"][0]
-                    mm = lambda b_, h_, qi, kv: (qi - kv <= wl)  # noqa: E731
+            sm, mm = c.functions(*ex)
             o, _ = user_mods.reference(*qkv, scale, lo, hi, sm, mm, snk, kind)
         res = {"O": o.detach()}
         if not fwd_only:
@@ -310,6 +347,9 @@ def _check(run, q, k, v, do, c, sinks, lo, hi, scale, dtype, fwd_only, builtin):
         return res
 
     got, ref, base = once("run"), once(torch.float64), once(dtype)
+    missing = [n for n, t in got.items() if t is None]
+    if missing:
+        raise RuntimeError(f"no gradient for {', '.join(missing)}")
     return max(r for _, _, r in bench._ratios(got, {n: (ref[n], base[n]) for n in got}, dtype).values())
 
 

@@ -103,7 +103,9 @@ def tune(
     preset: Annotated[list[str], typer.Option(metavar="NAME", callback=_check_presets,
                                               help="Preset(s) of shapes: fa-grid, llama3-8b, small, varlen-docs, varlen-small, "
                                                    "decode, decode-small, mods-bench, mods-d64, mods-small, mods-softcap, mods-alibi, mods-bias, "
-                                                   "mods-dropout.")] = ["fa-grid"],
+                                                   "mods-dropout; user-examples, user-small (the user score/mask "
+                                                   "functions and sinks of flashgen.user_examples: their "
+                                                   "variants' fwd, bwd_dq, bwd_dkdv).")] = ["fa-grid"],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
     dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     kernels: Annotated[str, typer.Option(callback=_check_kernels,
@@ -157,7 +159,22 @@ def tune(
     if fake is not None and fake_model:
         raise typer.BadParameter("give one of --fake FILE and --fake-model", param_hint="'--fake' / '--fake-model'")
     console = _console()
-    items = presets.expand(preset, dtype, kernels.split(","))
+    user_presets = [p for p in preset if p in presets.USER_PRESETS]
+    items = presets.expand([p for p in preset if p not in presets.USER_PRESETS], dtype, kernels.split(","))
+    problems = []
+    if user_presets:
+        # traced here: their keys are the lowered functions' names (one process: --workers 1)
+        if workers > 1:
+            raise typer.BadParameter(f"the user-function presets ({', '.join(user_presets)}) are tuned in one "
+                                     "process (their functions are traced in it)", param_hint="'--workers'")
+        import torch
+
+        from . import user_tune
+
+        simulated = fake is not None or fake_model or fake_template is not None
+        device = "cuda" if not simulated and torch.cuda.is_available() else "cpu"
+        problems = user_tune.preset_problems(user_presets, dtype, device)
+        items += user_tune.items(problems, kernels.split(","))
     if not items:
         raise typer.BadParameter(
             f"preset(s) {', '.join(preset)} yield no problem keys of kernels {kernels}: a preset only yields "
@@ -214,17 +231,26 @@ def tune(
                           "(timings from flashgen's models) or --fake TIMINGS.json (recorded timings).")
             raise typer.Exit(2)
         from .bench import KernelBenchmarker
+        from .spec import is_user_mods
 
         bench = KernelBenchmarker()
-        precompile = getattr(bench, "precompile", None)
-        if callable(precompile):
+        checked = [bench]
+        if problems:
+            # user variants: compiled, checked against float64 and timed in this process
+            from . import user_tune
+
+            bench = user_tune.UserBenchmarker(problems, fallback=bench)
+            checked.append(bench)
+        precompile = getattr(checked[0], "precompile", None)
+        built_in = [k for k, _ in items if not is_user_mods(k.spec.mods)]
+        if callable(precompile) and built_in:
             if knobs is not None:
                 with TuningDB(db) as tdb:
-                    variants = [Variant(k.spec, c) for k, _ in items
+                    variants = [Variant(k.spec, c) for k in built_in
                                 for _, cands in tuner.refine_configs(k, tdb, env, arch, knobs, family_names)
                                 for c in cands]
             else:
-                variants = tuner.feasible_variants([k for k, _ in items], arch, family_names)
+                variants = tuner.feasible_variants(built_in, arch, family_names)
             with Progress(TextColumn("precompiling"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=console) as progress:
                 task = progress.add_task("precompile", total=len(variants))
@@ -233,12 +259,7 @@ def tune(
             console.print(f"precompiled {len(variants)} variants; {len(bad)} failed", markup=False)
             for vid, f in sorted(bad.items())[:20]:
                 console.print(f"  {vid}: {f[:300]}", markup=False)
-            ratios = bench.check_ratios()
-            if ratios:
-                worst = max(ratios, key=ratios.get)
-                console.print(f"correctness: {len(ratios)} variants checked on an awkward shape against "
-                              f"float64; worst error ratio {ratios[worst]:.3f} ({worst}; <= 1 passes)",
-                              markup=False)
+            _print_checks(console, checked[0])
 
     console.print(f"tuning {len(items)} keys, " + (f"refining {', '.join(knobs)}" if knobs else f"{trials} trials each")
                   + f", on {env.gpu_name} -> {db}"
@@ -278,7 +299,18 @@ def tune(
                                          family_names=family_names)
             progress.update(keys_task, completed=len(items))
         _print_results(console, env, results)
+        if problems and fake is None and not fake_model:
+            _print_checks(console, bench, "user-function variants")
         _print_explain_hint(console, env, db, items, fake is not None or fake_model)
+
+
+def _print_checks(console, bench, what: str = "variants") -> None:
+    """The worst error ratio of the float64 checks ``bench`` ran (check_ratios())."""
+    ratios = bench.check_ratios()
+    if ratios:
+        worst = max(ratios, key=ratios.get)
+        console.print(f"correctness: {len(ratios)} {what} checked on an awkward shape against "
+                      f"float64; worst error ratio {ratios[worst]:.3f} ({worst}; <= 1 passes)", markup=False)
 
 
 def _write_fake_template(path: Path, items, arch, family_names=None) -> None:
@@ -303,6 +335,9 @@ def _write_fake_template(path: Path, items, arch, family_names=None) -> None:
 def _print_explain_hint(console, env, db: Path, items, simulated: bool) -> None:
     """After a simulated run: the explain command that reads its rows (they carry the
     labelled device name, never this machine's)."""
+    from .spec import is_user_mods
+
+    items = [(k, s) for k, s in items if not is_user_mods(k.spec.mods)]  # explain runs no user functions
     if not simulated or not items:
         return
     key, shape = items[0]

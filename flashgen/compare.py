@@ -120,7 +120,7 @@ def parse_shape(text: str) -> Case:
 
 
 def cases_from_presets(names: Iterable[str]) -> list[Case]:
-    from .presets import DECODE_PRESETS, MODS_PRESETS, PRESETS, VARLEN_PRESETS
+    from .presets import DECODE_PRESETS, MODS_PRESETS, PRESETS, USER_PRESETS, VARLEN_PRESETS
 
     out = []
     for n in names:
@@ -129,6 +129,9 @@ def cases_from_presets(names: Iterable[str]) -> list[Case]:
         if n in VARLEN_PRESETS:
             raise KeyError(f"preset {n!r} is a ragged (varlen) batch: `flashgen tune` tunes it, but `flashgen "
                            "bench` has no varlen runner: benchmarks/varlen_bench.py measures ragged batches")
+        if n in USER_PRESETS:
+            raise KeyError(f"preset {n!r} holds user score/mask functions: `flashgen tune` tunes it, `flashgen "
+                           "bench` does not run it (benchmarks/user_mods_bench.py does)")
         if n in DECODE_PRESETS or n in MODS_PRESETS:
             what = "decode problems" if n in DECODE_PRESETS else "score mods"
             script = "decode_bench.py" if n in DECODE_PRESETS else "mods_bench.py"

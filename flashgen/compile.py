@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 from . import render
-from .spec import Variant, compiled_variant
+from .spec import Variant, compiled_variant, is_user_mods
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
@@ -70,7 +70,14 @@ def load_mode(variant: Variant, suffix: str, templates: str | None = None, **ext
     """``variant`` rendered with further template variables (probe modes that are not
     tuned knobs: attn_bwd_dkdv's ``dq_atomic``, attn_fwd's ``pipe_qk``) and/or from
     another template directory, imported as a new module named with ``suffix`` (not
-    cached: the probes and the sm_90 compile script call it once per variant)."""
+    cached: the probes and the sm_90 compile script call it once per variant).  A user
+    variant (:func:`flashgen.spec.is_user_mods`) renders as :func:`load` renders it, its
+    functions registered in this process (:func:`flashgen.user_render.register`)."""
+    if is_user_mods(variant.spec.mods):
+        if templates is not None or extra:
+            raise ValueError(f"{variant.id}: a user variant renders from the dense templates with its overlay "
+                             "only (no other template directory or probe modes)")
+        return import_source(compiled_variant(variant), render.render(variant), suffix)
     header = render.template_hash(variant.spec.kernel, variant.spec.mods)
     return import_source(variant, render._render(variant, header, templates, **extra), suffix)
 

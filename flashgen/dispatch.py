@@ -1,7 +1,8 @@
 """ProblemKey -> kernel family + TileConfig (``TileConfig.family``), memoized: in-memory
 cache <- tuning databases <- nearest tuned bucket <- heuristic default.  A key with score
 mods and no bucket of its own takes the same mods' nearest row at another head dim, else
-the plain key's tiles.
+the plain key's fastest tiles that serve it (a family that compiles its mods, a config
+that fits its shared memory).
 
 Kernel families are reached through :mod:`flashgen.families` only: a row counts when its
 family serves the key on this arch (else the family's reason is kept for ``explain``),
@@ -179,7 +180,8 @@ class Dispatcher:
         self.fast.clear()
 
     def mark_failed(self, variant: Variant, error: BaseException | str) -> None:
-        """``variant`` (of a non-portable family) failed to build or launch: warn once
+        """``variant`` (of a non-portable family, or a user variant whose config ran out of
+        resources: :func:`flashgen.library.fall_back`) failed to build or launch: warn once
         per variant per process, never pick it again (the family's other rows, then the
         portable family, serve its keys) and forget the choices made so far (the
         databases stay loaded)."""
@@ -188,9 +190,11 @@ class Dispatcher:
             _failed[variant.id] = why
             # a family's typed build error (the Gluon family's GluonBuildError) has warned once already
             if getattr(error, "variant_id", None) is None:
+                instead = (f"the {families.portable().name} family serves its calls instead"
+                           if variant.family != families.portable().name else
+                           "the dispatcher's next choice for its key (another row, else the default) serves its calls")
                 warnings.warn(f"flashgen: the {variant.family} kernel {variant.id} failed to build or launch with "
-                              f"the installed Triton ({why[:300]}); the {families.portable().name} family serves "
-                              "its calls instead (warned once per variant)", stacklevel=3)
+                              f"the installed Triton ({why[:300]}); {instead} (warned once per variant)", stacklevel=3)
         self._cache.clear()
         self._capture_defaults.clear()
         self._backward.clear()
@@ -245,25 +249,36 @@ class Dispatcher:
         self._tables[path] = (mtime, (table, other, n_gpu))
         return table, other, n_gpu
 
-    def _lookup(self, key: ProblemKey) -> Choice | None:
+    def _lookup(self, key: ProblemKey, serve: ProblemKey | None = None) -> Choice | None:
+        """The tuned or nearest row of ``key``; with ``serve``, only rows whose config
+        also serves ``serve`` (its family serves it and the config fits its shared
+        memory)."""
         loaded = [(p, self._table(p)) for p in self.databases()]
-        best = self._exact(key.id, loaded)
+        best = self._exact(key.id, loaded, serve)
         if best is not None:
             return best
         tiers = [[(p, t[i]) for p, t in loaded] for i in (0, 1)]  # this Triton version, then others
-        near = self._nearest(key, tiers[0]) or self._nearest(key, tiers[1])
+        near = self._nearest(key, tiers[0], serve) or self._nearest(key, tiers[1], serve)
         if near is None and key.spec.mods:
-            # Score mods nobody tuned: the tiles tuned for the same problem without them.
+            # Score mods nobody tuned: the fastest tiles tuned for the same problem without
+            # them that serve it (a family of its own, e.g. Gluon's forward, may not).
             plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
-            base = self._lookup(plain)
-            fam = None if base is None else self._family(base.config, key)
-            if fam is not None and fam.estimate(Variant(key.spec, base.config), self.arch).feasible:
+            base = self._lookup(plain, serve=key)
+            if base is not None:
                 near = dataclasses.replace(base, key=key, source="nearest", tuned_key=base.tuned_key)
         if near is not None:
             # Another bucket's tiles, made fit for this key by their family (e.g. pointer
             # loads for a strided layout, a decode tile's packed rows).
             near = dataclasses.replace(near, config=families.get(near.config.family).adapt(near.config, key))
         return near
+
+    def _serves(self, cfg: TileConfig, serve: ProblemKey | None) -> bool:
+        """Whether ``cfg`` can run ``serve`` (None: any key): its family serves it here and
+        the config fits its shared memory (a score mod's buffers included)."""
+        if serve is None:
+            return True
+        fam = self._family(cfg, serve)
+        return fam is not None and fam.estimate(Variant(serve.spec, cfg), self.arch).feasible
 
     def _family(self, cfg: TileConfig, key: ProblemKey):
         """The family of ``cfg`` when it is registered and serves ``key`` on this arch
@@ -275,7 +290,7 @@ class Dispatcher:
             return None
         return fam
 
-    def _nearest(self, key: ProblemKey, tables) -> Choice | None:
+    def _nearest(self, key: ProblemKey, tables, serve: ProblemKey | None = None) -> Choice | None:
         """The nearest tuned bucket of ``key``'s kernel spec and GQA group (log2 distance
         over the sizes; a row of the other layout counts one bucket further).  For a key
         with score mods and no such bucket: the nearest row of the same kernel, dtype,
@@ -303,7 +318,7 @@ class Dispatcher:
                 if d >= best[o == s][1]:
                     continue
                 fam = self._family(cfg, key)
-                if fam is None:
+                if fam is None or not self._serves(cfg, serve):
                     continue  # a family that cannot serve this key (arch, layout, mode)
                 if not getattr(fam, "large_enough", _any_size)(key):
                     continue  # another bucket's row of a family whose host time this key would not hide
@@ -347,10 +362,11 @@ class Dispatcher:
         return Choice(key, port.default_config(key, self.arch), "default")
 
     # -- the backward ------------------------------------------------------------
-    def _exact(self, key_id: str, loaded: list | None = None) -> Choice | None:
+    def _exact(self, key_id: str, loaded: list | None = None, serve: ProblemKey | None = None) -> Choice | None:
         """The fastest row of exactly ``key_id`` (this Triton version's rows first) whose
-        family serves its key here; None when there is none.  ``loaded``: the databases'
-        tables, when the caller has them."""
+        family serves its key here (and whose config serves ``serve``: :meth:`_serves`);
+        None when there is none.  ``loaded``: the databases' tables, when the caller has
+        them."""
         if loaded is None:
             loaded = [(p, self._table(p)) for p in self.databases()]
         for i in (0, 1):
@@ -358,7 +374,7 @@ class Dispatcher:
             for path, t in loaded:
                 for cfg, row in t[i].get(key_id, ()):
                     key = ProblemKey.from_row(row)
-                    if self._family(cfg, key) is None:
+                    if self._family(cfg, key) is None or not self._serves(cfg, serve):
                         continue
                     if best is None or row["median_ms"] < best.median_ms:
                         best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
@@ -506,6 +522,11 @@ class Dispatcher:
 
     def config_for(self, key: ProblemKey, *, capturing: bool | None = None) -> TileConfig:
         return self.choose(key, capturing=capturing).config
+
+
+def has_failed(variant: Variant) -> bool:
+    """Whether ``variant`` failed to build or launch in this process (:meth:`Dispatcher.mark_failed`)."""
+    return variant.id in _failed
 
 
 _default: Dispatcher | None = None

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch, families, ops, reference
-from .spec import KernelSpec, ProblemKey, Variant
+from .spec import KernelSpec, ProblemKey, Variant, is_user_mods
 
 
 #: Entries of a per-call memo table before it is emptied and refilled.
@@ -169,13 +169,20 @@ def backward_kernels(q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str, dete
 
 
 def fall_back(cfg, kernel: str, q: Tensor, error: BaseException, spec_args) -> None:
-    """A launch of ``cfg`` (a non-portable family's) raised ``error`` (its first launch
-    compiles it): re-raise for the portable family, else mark the variant failed (one
-    warning per variant per process; the dispatcher then skips it)."""
-    if cfg.family == families.portable().name:
-        raise error
+    """A launch of ``cfg`` (its first launch compiles it) raised ``error``: mark the
+    variant failed (one warning per variant per process; the dispatcher then skips it
+    and the caller asks again) when it is a non-portable family's, or a user variant's
+    (:func:`flashgen.spec.is_user_mods`) that ran out of shared memory or registers
+    (Triton's OutOfResources: a config the resource model let through); else, or when
+    the variant had failed before (the dispatcher's next answer was the same), re-raise."""
     spec = KernelSpec(kernel, *spec_args)
-    dispatch.default_dispatcher().mark_failed(Variant(spec, cfg), error)
+    variant = Variant(spec, cfg)
+    portable = cfg.family == families.portable().name
+    if portable and not (is_user_mods(spec.mods) and type(error).__name__ == "OutOfResources"):
+        raise error
+    if dispatch.has_failed(variant):
+        raise error
+    dispatch.default_dispatcher().mark_failed(variant, error)
 
 
 class _on_device:
@@ -287,8 +294,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
              lo: int, hi: int, mods: "ops.ScoreMods | None" = None, delta: Optional[Tensor] = None,
              deterministic: Optional[bool] = None):
     """(dQ, dK, dV): the backward ops' real implementation.  ``delta``: a float32 buffer
-    like lse that receives rowsum(dO * O) when the kernels run (the sinks' gradient
-    reads it).  ``deterministic`` (None: torch's ``use_deterministic_algorithms`` flag
+    like lse that receives rowsum(dO * O) when the kernels run, whichever run (bwd_dq,
+    or a whole backward's first pass; the sinks' gradient reads it).  ``deterministic``
+    (None: torch's ``use_deterministic_algorithms`` flag
     now): True runs the bwd_dq + bwd_dkdv kernels (bitwise repeatable); otherwise the
     dispatcher may pick a family's whole backward (:meth:`flashgen.dispatch.Dispatcher.backward`;
     the Gluon one on sm_90, whose dQ accumulation order varies)."""
@@ -301,31 +309,38 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         return _into(q, dq), _into(k, dk), _into(v, dv)
     q, scale, sign = _signed_q(q, scale)
     name = mods.name if mods is not None else ""
-    # delta is read by the caller (the sinks' gradient): the two kernels write it
-    det = delta is not None or deterministic_backward(deterministic)
+    det = deterministic_backward(deterministic)
     with _on_device(q):
         kw = dict(softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, addressable=True, mods=mods)
+        spec_args = (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, name)
+        dq_delta = None  # (dQ, delta) once bwd_dq ran: a failed bwd_dkdv launch does not run it again
         while True:
             plan = backward_kernels(q, k, v, mask, name, det)
-            if len(plan) == 2 and isinstance(plan[0], tuple):
-                break
-            cfg, mod = plan  # one family's whole backward
+            if not (len(plan) == 2 and isinstance(plan[0], tuple)):
+                cfg, mod = plan  # one family's whole backward
+                try:
+                    dq, dk, dv = families.launcher(cfg.family, "bwd")(do, q, k, v, o, lse, config=cfg, module=mod,
+                                                                       delta=delta, **kw)
+                    return _signed_dq(dq, sign), dk, dv
+                except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
+                    fall_back(cfg, "bwd", q, e, spec_args)
+                    continue
+            # dQ (and delta) by bwd_dq, then dK/dV by bwd_dkdv (each by its own family)
+            (cfg_dq, mod_dq), (cfg_kv, mod_kv) = plan
+            if dq_delta is None:
+                try:
+                    dq_delta = families.launcher(cfg_dq.family, "bwd_dq")(do, q, k, v, o, lse, config=cfg_dq,
+                                                                          module=mod_dq, delta=delta, **kw)
+                except Exception as e:  # noqa: BLE001 - see fall_back
+                    fall_back(cfg_dq, "bwd_dq", q, e, spec_args)
+                    continue
             try:
-                dq, dk, dv = families.launcher(cfg.family, "bwd")(do, q, k, v, o, lse, config=cfg, module=mod, **kw)
-                return _signed_dq(dq, sign), dk, dv
-            except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
-                fall_back(cfg, "bwd", q, e, (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, name))
-        (cfg_dq, mod_dq), (cfg_kv, mod_kv) = plan
-        if cfg_dq.family == cfg_kv.family:
-            dq, dk, dv = families.launcher(cfg_dq.family, "bwd")(do, q, k, v, o, lse, config_dq=cfg_dq,
-                                                                 config_dkdv=cfg_kv, module_dq=mod_dq,
-                                                                 module_dkdv=mod_kv, delta=delta, **kw)
-        else:  # dQ (and delta) by one family, dK/dV by another
-            dq, delta = families.launcher(cfg_dq.family, "bwd_dq")(do, q, k, v, o, lse, config=cfg_dq,
-                                                                   module=mod_dq, delta=delta, **kw)
-            dk, dv = families.launcher(cfg_kv.family, "bwd_dkdv")(do, q, k, v, lse, delta, config=cfg_kv,
-                                                                  module=mod_kv, **kw)
-    return _signed_dq(dq, sign), dk, dv
+                dk, dv = families.launcher(cfg_kv.family, "bwd_dkdv")(do, q, k, v, lse, dq_delta[1], config=cfg_kv,
+                                                                      module=mod_kv, **kw)
+            except Exception as e:  # noqa: BLE001 - see fall_back
+                fall_back(cfg_kv, "bwd_dkdv", q, e, spec_args)
+                continue
+            return _signed_dq(dq_delta[0], sign), dk, dv
 
 
 def _signed_dq(dq: Tensor, sign: int) -> Tensor:

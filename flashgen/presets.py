@@ -12,7 +12,8 @@ from collections.abc import Iterable
 
 from .spec import DENSE_KERNELS, WHOLE_BWD, KernelSpec, ProblemKey, Shape, base_kernel, is_decode
 
-Entry = tuple  # (head_dim (= head_dim_v), mask, Shape[, kernel in decode presets | mods in dense ones])
+Entry = tuple  # (head_dim (= head_dim_v), mask, Shape[, kernel in decode presets | mods in dense ones]);
+#               user presets: (head_dim, example name, Shape)
 
 
 def _fa_grid() -> list[Entry]:
@@ -106,11 +107,28 @@ def _decode_small() -> list[Entry]:
     return [(64, "none", Shape(2, 4, 1, 1, 100), "decode"), (64, "causal", Shape(2, 4, 2, 3, 96), "decode_paged")]
 
 
+def _user_examples() -> list[Entry]:
+    """The examples of :mod:`flashgen.user_examples` (user score/mask functions and sinks)
+    at ``benchmarks/user_mods_bench.py``'s default size: batch 8, 16 heads, seqlen
+    2048, head_dim 128.  Entries are (head_dim, example name, Shape); tuned by
+    :mod:`flashgen.user_tune` (their keys' ``mods`` are the lowered functions' names)."""
+    from .user_examples import NAMES
+
+    return [(128, name, Shape(8, 16, 16, 2048, 2048)) for name in NAMES]
+
+
+def _user_small() -> list[Entry]:
+    """Three of the user examples (a learned table with its gradient, a document mask
+    with causal, sinks) at a tiny size, for CPU smoke tests."""
+    return [(16, name, Shape(1, 2, 2, 64, 64)) for name in ("relpos", "document-causal", "sinks")]
+
+
 PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
            "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
            "decode": _decode, "decode-small": _decode_small, "mods-bench": _mods_bench,
            "mods-small": _mods_small, "mods-d64": _mods_d64,
-           **{f"mods-{m}": _mods_one(m) for m in ("softcap", "alibi", "bias", "dropout")}}
+           **{f"mods-{m}": _mods_one(m) for m in ("softcap", "alibi", "bias", "dropout")},
+           "user-examples": _user_examples, "user-small": _user_small}
 #: Presets of ragged batches: their entries are tuned with the varlen kernels
 #: (``fwd`` given to ``--kernels`` means ``fwd_varlen`` there, and the reverse).
 VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
@@ -118,6 +136,10 @@ VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
 #: ``--kernels`` selects among them when it names a decode kernel, else all run.
 DECODE_PRESETS = {"decode", "decode-small"}
 #: Presets whose entries carry score mods (a 4th element: KernelSpec.mods).
+#: Presets of user functions (:mod:`flashgen.user_examples`): :func:`expand` does not
+#: take them (their keys come from tracing the functions: :func:`flashgen.user_tune.items`
+#: of :func:`flashgen.user_tune.preset_problems`).
+USER_PRESETS = {"user-examples", "user-small"}
 MODS_PRESETS = {"mods-bench", "mods-d64", "mods-small", "mods-softcap", "mods-alibi", "mods-bias", "mods-dropout"}
 
 
@@ -137,6 +159,9 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
     for name in names:
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        if name in USER_PRESETS:
+            raise KeyError(f"preset {name!r} holds user functions: flashgen.user_tune.preset_problems makes its "
+                           "keys (flashgen tune --preset does)")
         if name in DECODE_PRESETS:
             for d, mask, shape, k in PRESETS[name]():
                 if not decode or k in decode:

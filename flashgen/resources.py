@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import Arch
-from .spec import Variant, base_kernel, mods_set
+from .spec import Variant, base_kernel, is_user_mods, mods_set
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,25 @@ def smem_buffers(variant: Variant) -> dict[str, int]:
         # this much more than without dropout in every variant compiled).
         c = variant.config
         bufs["dropout_mask_cvt"] = c.BLOCK_M * c.BLOCK_N
+    if is_user_mods(variant.spec.mods):
+        bufs.update(_user_buffers(variant))
     if variant.config.tma:
         bufs["tma_barriers"] = TMA_BARRIER_BYTES
     return bufs
+
+
+def _user_buffers(variant: Variant) -> dict[str, int]:
+    """What user score/mask functions add (:func:`flashgen.user_render.smem_buffers`):
+    their captured tensors' tiles and gradient scratch.  Known only in a process where
+    the functions are registered (``flashgen.attention`` or the tuner traced them);
+    elsewhere (e.g. ``flashgen explain``) nothing is added."""
+    from . import user_render
+
+    low = user_render.registered(variant.spec.mods)
+    if low is None or base_kernel(variant.spec.kernel) not in ("fwd", "bwd_dq", "bwd_dkdv"):
+        return {}
+    c = variant.config
+    return user_render.smem_buffers(low, base_kernel(variant.spec.kernel), c.BLOCK_M, c.BLOCK_N, c.num_stages)
 
 
 def _tile_buffers(variant: Variant) -> dict[str, int]:

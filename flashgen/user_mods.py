@@ -554,6 +554,42 @@ def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, s
                    mask.out if mask else None, len(sbufs), bufs, sinks, bool(score and score.guard))
 
 
+def score_grad_flags(score: Traced | None) -> list[bool]:
+    """Which captured tensors of a traced score function take a gradient (float tensors
+    that require grad; the kernels of a backward with grad mode on accumulate them)."""
+    return [t.requires_grad and t.is_floating_point() for t in (score.captured if score else ())]
+
+
+def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool) -> Lowered:
+    """The lowering that :func:`attention` compiles for ``direction`` ("fwd": the
+    forward kernel, with ``sinks``; "bwd": bwd_dq and bwd_dkdv, accumulating the
+    gradients of the captured tensors flagged in ``grad_flags``), registered in this
+    process; its ``name`` is the variants' ``KernelSpec.mods`` (what tuning rows are
+    keyed by)."""
+    low = _lowered(direction, score, mask, grad_flags, sinks and direction == "fwd")
+    user_render.register(low)
+    return low
+
+
+def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, sizes: tuple, device,
+                backward: bool) -> tuple[UserArgs, UserArgs | None]:
+    """(forward UserArgs, backward UserArgs or None) of the functions ``score`` / ``mask``
+    (traced) and ``sinks`` for ``sizes`` = (batch, heads, kv_heads, seqlen_q,
+    seqlen_k, lo, hi) on ``device``: their lowerings registered, the captured tensors
+    as the kernels read them, and, when ``backward`` and there is a function, zeroed
+    float32 gradient buffers of the captured tensors flagged in ``grad_flags``."""
+    sbufs = [_kernel_buffer(t, "score_mod", device) for t in (score.captured if score else ())]
+    mbufs = [_kernel_buffer(t, "mask_mod", device) for t in (mask.captured if mask else ())]
+    bufs = sbufs + mbufs
+    fwd = UserArgs(lowering("fwd", score, mask, grad_flags, sinks is not None), bufs, [], mask, sizes,
+                   sinks.detach() if sinks is not None else None, device)
+    if not backward or (score is None and mask is None):
+        return fwd, None  # sinks alone: the plain backward kernels (sinks' gradient from LSE and delta)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) if f else None
+             for t, f in zip(sbufs, grad_flags)] + [None] * len(mbufs)
+    return fwd, UserArgs(lowering("bwd", score, mask, grad_flags, False), bufs, grads, mask, sizes, None, device)
+
+
 # -- reference (torch, materialized) -------------------------------------------------
 
 def reference(q, k, v, scale, lo, hi, score_mod=None, mask_mod=None, sinks=None, dtype=torch.float64):
@@ -676,27 +712,12 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)
         return o.to(q.dtype), lse.detach()
     grad_on = torch.is_grad_enabled()
-    sflags = [grad_on and t.requires_grad and t.is_floating_point() for t in (st.captured if st else ())]
-    dev = q.device
-    sbufs = [_kernel_buffer(t, "score_mod", dev) for t in (st.captured if st else ())]
-    mbufs = [_kernel_buffer(t, "mask_mod", dev) for t in (mt.captured if mt else ())]
-    bufs = sbufs + mbufs
-    sizes = (b, h, hk, sq, sk, lo, hi)
-    has_fn = st is not None or mt is not None
-    fwd_low = _lowered("fwd", st, mt, sflags, sinks is not None)
-    user_render.register(fwd_low)
-    fwd = UserArgs(fwd_low, bufs, [], mt, sizes, sinks.detach() if sinks is not None else None, dev)
-    bwd = None
-    grad_shapes = []
+    sflags = [grad_on and f for f in score_grad_flags(st)]
     needs_grad = grad_on and (q.requires_grad or k.requires_grad or v.requires_grad or any(sflags)
                               or (sinks is not None and sinks.requires_grad))
-    if has_fn and needs_grad:
-        bwd_low = _lowered("bwd", st, mt, sflags, False)
-        user_render.register(bwd_low)
-        grads = [torch.zeros(t.shape, dtype=torch.float32, device=dev) if f else None
-                 for t, f in zip(sbufs, sflags)] + [None] * len(mbufs)
-        bwd = UserArgs(bwd_low, bufs, grads, mt, sizes, None, dev)
-        grad_shapes = [(n, t) for n, (t, f) in enumerate(zip(st.captured if st else (), sflags)) if f]
+    fwd, bwd = kernel_args(st, mt, sflags, sinks, (b, h, hk, sq, sk, lo, hi), q.device, needs_grad)
+    grad_shapes = [(n, t) for n, (t, f) in enumerate(zip(st.captured if st else (), sflags))
+                   if f and bwd is not None]
     call = _Call(scale, mask, lo, hi, fwd, bwd, sinks.detach() if sinks is not None else None, grad_shapes)
     if not needs_grad:
         return _forward(q, k, v, call)

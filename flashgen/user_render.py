@@ -609,6 +609,16 @@ class Lowered:
             parts += [f"mask (buffers from {self.mask_base}):", self.mask.describe([self.mask_out])]
         return "\n".join(parts)
 
+    def score_outs(self, kernel: str) -> list:
+        """The score graph's values ``kernel`` computes: the modified score, and in the
+        backward its derivative, and in bwd_dq the captured tensors' derivatives."""
+        outs = [self.score_out]
+        if kernel != "fwd":
+            outs.append(self.dscore)
+        if kernel == "bwd_dq":
+            outs += [d for _, _, d in self.grads]
+        return outs
+
     @functools.cached_property
     def name(self) -> str:
         """The ``KernelSpec.mods`` of this lowering (:func:`flashgen.spec.is_user_mods`)."""
@@ -623,6 +633,11 @@ def register(low: Lowered) -> str:
     """Make ``low`` renderable under its name (process-wide); returns the name."""
     _registry.setdefault(low.name, low)
     return low.name
+
+
+def registered(mods: str) -> Lowered | None:
+    """The lowering registered under ``mods``, or None."""
+    return _registry.get(mods)
 
 
 def lowered(mods: str) -> Lowered:
@@ -700,12 +715,9 @@ class Context:
         if low.score is not None:
             lines.append("# user score function on s = softmax_scale * q.k (natural units), then base 2")
             lines.append(f"{var} = {var} * sm_scale")
-            outs = [low.score_out]
+            outs = low.score_outs(self.kernel)
             bwd = self.kernel != "fwd"
-            if bwd:
-                outs.append(low.dscore)
             grads = low.grads if self.kernel == "bwd_dq" else ()
-            outs += [d for _, _, d in grads]
             code = _Code(low.score, names, "u", low.bufs, valid, offsets=[i for i, _, _ in grads])
             code.emit(outs)
             lines += code.lines
@@ -788,6 +800,76 @@ class Context:
         return ("    # learnable sink: one extra logit per head in every row's softmax denominator\n"
                 f"    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINKS + off_h) * {LOG2E!r}\n"
                 "    l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)\n")
+
+
+#: Bytes per element of a captured tensor as the kernels read it (float64 arrives as
+#: float32, bool as int8).
+_ELEM_BYTES = {"float32": 4, "float64": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1}
+
+
+def _kib(n: int) -> int:
+    return -(-n // 1024) * 1024
+
+
+def smem_buffers(low: Lowered, kernel: str, block_m: int, block_n: int, num_stages: int) -> dict[str, int]:
+    """Shared memory (bytes, named buffers) that ``low``'s functions add to ``kernel``
+    (fwd, bwd_dq, bwd_dkdv) with tiles (block_m, block_n) and ``num_stages``, on top of
+    the plain kernel's buffers (:func:`flashgen.resources.smem_buffers`).  Fitted to
+    ``metadata.shared`` of user variants compiled for sm_90 by Triton 3.6
+    (tests/test_user_mods.py), as upper bounds:
+
+    * ``user_gather_tiles``: the software pipeliner streams a captured tensor read at a
+      (query row, key column) index (``table[bucket(kv - q), h]``) through num_stages - 1
+      shared buffers of block_m x block_n elements (cp.async: a gather cannot use TMA),
+      each load its own; unpipelined (num_stages 1), a layout-conversion scratch of up
+      to 2 KiB.
+    * ``user_gather_rows``: the same for a vector read at the streamed index only (the
+      key column in fwd/bwd_dq, the query row in bwd_dkdv: ``doc[kv_idx]``), in 1 KiB
+      allocations; one read at the resident index or at (b, h) costs nothing.
+    * ``user_grad_cvt`` (bwd_dq): a captured tensor's gradient added by atomics at a
+      (row, column) index converts the tile's pointers (int64) to the atomics' layout
+      through a block_m x block_n x 8 byte scratch (the 131072 bytes that took the
+      relative-position table's d128 m128 n64 w8 s3 bwd_dq from 164864 to 295936 bytes,
+      over the H200's 232448); one summed over a row or column, the vector's pointers
+      and values (12 bytes each, 1 KiB allocations)."""
+    streamed = "q" if kernel == "bwd_dkdv" else "k"
+    extent = {"q": block_m, "k": block_n}
+    stages = max(1, num_stages)
+    parts = []
+    if low.score is not None:
+        parts.append((low.score, low.score_outs(kernel), 0))
+    if low.mask is not None:
+        parts.append((low.mask, [low.mask_out], low.mask_base))
+    tiles = rows = grads = 0
+    tile_loads = 0
+    for g, outs, base in parts:
+        for i in g.uses(outs):
+            n = g.nodes[i]
+            if n.op != "load":
+                continue
+            elem = _ELEM_BYTES[low.bufs[base + n.args[0]].dtype]
+            deps = n.deps & {"q", "k"}
+            if deps == {"q", "k"}:
+                tile_loads += 1
+                tiles += (stages - 1) * block_m * block_n * elem
+            elif deps == {streamed} and stages > 1:
+                rows += _kib((stages - 1) * extent[streamed] * elem)
+    if kernel == "bwd_dq":
+        for i, _, _ in low.grads:
+            deps = low.score.deps(Ref(i)) & {"q", "k"}
+            if deps == {"q", "k"}:
+                grads += block_m * block_n * 8
+            elif deps:
+                grads += _kib(extent[next(iter(deps))] * 12)
+    out = {}
+    if tile_loads:
+        out["user_gather_tiles"] = tiles if stages > 1 else 2048
+    if rows:
+        out["user_gather_rows"] = rows
+    if grads:
+        out["user_grad_cvt"] = grads
+    return out
 
 
 def _nonunit(d) -> bool:

@@ -360,3 +360,32 @@ def test_group_reduce_sums_the_partials_in_order(gs, sk, d, dtype, part):
             ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
             torch.testing.assert_close(out.float(), want, rtol=ulp, atol=0)
         torch.testing.assert_close(out.float(), p.sum(2) * s, rtol=1e-2, atol=1e-5)
+
+
+def test_delta_out_receives_the_preprocess_rows(monkeypatch):
+    """attention_bwd(delta_out=) copies delta = rowsum(dO * O) out of the padded (z * h,
+    m_pad) buffer the preprocess launch writes (the kernels stand in by torch: the copy's
+    indexing is what is checked; the sinks' gradient reads it)."""
+    import types
+
+    import torch
+
+    class Launch:
+        def __init__(self, fn=None):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **opts: self.fn(*args) if self.fn else None
+
+    def preprocess(o, do, lse, lse2, delta, dqacc, total_rows, sq, m_pad, zero):
+        z, h = o.shape[:2]
+        delta.fill_(float("nan")).view(z * h, m_pad)[:, :sq] = (o.float() * do.float()).sum(-1).view(z * h, sq)
+    fake = types.SimpleNamespace(attn_bwd_preprocess=Launch(preprocess), attn_bwd=Launch(), attn_bwd_convert=Launch())
+    monkeypatch.setattr(B, "load", lambda *a, **k: fake)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, o, do = (torch.randn(2, 3, 77, 64, generator=g).to(torch.bfloat16) for _ in range(5))
+    lse = torch.zeros(2, 3, 77)
+    delta = torch.full((2, 3, 77), float("nan"))
+    B.attention_bwd(do, q, k[:, :1], v[:, :1], o, lse, softmax_scale=0.125, diag_lo=-77, diag_hi=0, mask="causal",
+                    delta_out=delta)
+    assert torch.allclose(delta, (o.float() * do.float()).sum(-1))

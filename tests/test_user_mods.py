@@ -196,6 +196,41 @@ def test_sinks_with_causal_and_a_window(tiles, window):
     assert got["dsinks"].abs().min() > 0
 
 
+def test_sinks_take_the_backward_the_dispatcher_picks_and_its_delta(tiles, monkeypatch):
+    """Sinks alone run the plain backward: the dispatcher's plan, a whole-backward
+    family's too (the Gluon one on sm_90; here a stand-in running the Triton kernels),
+    not forced onto the two deterministic kernels; the whole backward writes delta, from
+    which d(sinks) comes (checked against float64)."""
+    import dataclasses
+
+    from flashgen import families, library
+
+    real_kernels, real_launcher = library.backward_kernels, families.launcher
+    whole = []
+
+    def plan(q, k, v, mask, mods, deterministic):
+        two = real_kernels(q, k, v, mask, mods, deterministic)
+        if deterministic or mods:
+            return two
+        return dataclasses.replace(two[0][0], family="gluon"), two  # a whole backward's (cfg, module)
+
+    def launcher(family, name):
+        if (family, name) != ("gluon", "bwd"):
+            return real_launcher(family, name)
+
+        def bwd(do, q, k, v, o, lse, *, config, module, delta=None, **kw):
+            whole.append(delta is not None)
+            (cfg_dq, mod_dq), (cfg_kv, mod_kv) = module
+            return real_launcher("triton", "bwd")(do, q, k, v, o, lse, config_dq=cfg_dq, config_dkdv=cfg_kv,
+                                                  module_dq=mod_dq, module_dkdv=mod_kv, delta=delta, **kw)
+        return bwd
+    monkeypatch.setattr(library, "backward_kernels", plan)
+    monkeypatch.setattr(families, "launcher", launcher)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 4.0])
+    got, _ = _run(lambda: (None, None), causal=True, sinks=sinks, sq=45, sk=45)
+    assert whole == [True] and got["dsinks"].abs().min() > 0
+
+
 def test_sinks_with_a_score_and_mask_function_in_float32(tiles):
     doc = torch.tensor([0] * 20 + [1] * 25)
 
@@ -392,3 +427,150 @@ def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
     assert user_mods.trace(make(t1), "score") is a
     b = user_mods.trace(make(t2), "score")
     assert b is not a and b.captured[0] is t2
+
+
+# -- shared memory of user variants --------------------------------------------------------
+
+_SM90_USER = '''
+import json, sys
+sys.path.insert(0, BENCHMARKS)
+import torch
+from sm90_compile import compile_sm90
+from flashgen import resources, user_examples, user_mods, user_render
+from flashgen.arch import by_sm
+from flashgen.spec import KernelSpec, TileConfig, Variant
+qb = torch.zeros(2048, requires_grad=True)
+fns = {"relpos": user_examples.make("relpos", 16, 2048).functions(*[torch.zeros(32, 16, requires_grad=True)]),
+       "document": user_examples.make("document", 16, 2048).functions(),
+       "kbias": (lambda s, b, h, q, kv: s + qb[kv], None)}
+for name, kernel, cfg in CASES:
+    sm, mm = fns[name]
+    st = user_mods.trace(sm, "score") if sm else None
+    mt = user_mods.trace(mm, "mask") if mm else None
+    low = user_mods._lowered("fwd" if kernel == "fwd" else "bwd", st, mt, [True] * len(st.bufs if st else ()), False)
+    user_render.register(low)
+    v = Variant(KernelSpec(kernel, "bfloat16", 128, 128, "causal", low.name), TileConfig(*cfg))
+    est = resources.estimate(v, by_sm("sm_90"))
+    print(json.dumps([name, kernel, cfg, compile_sm90(v).metadata.shared, est.total_bytes, est.feasible]))
+'''
+
+
+def test_the_shared_memory_model_of_user_variants_bounds_what_sm90_compiles():
+    """Triton compiles user variants for sm_90 (its bundled ptxas, no GPU): the model's
+    estimate is never below metadata.shared, and equals it on TMA configs.  The
+    relative-position table's bwd_dq at the plain d128 causal key's tuned config
+    (m128 n64 w8 s3 tma) needs 295936 bytes, which the model now says and refuses on
+    the H200 (232448)."""
+    import json
+    import os
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's bundled ptxas is missing")
+    cases = [("relpos", "bwd_dq", (128, 64, 8, 3, 1)), ("relpos", "fwd", (128, 64, 8, 3, 1)),
+             ("relpos", "bwd_dkdv", (64, 128, 8, 3, 1)), ("document", "bwd_dkdv", (64, 128, 8, 3, 1)),
+             ("kbias", "bwd_dq", (128, 64, 8, 3, 1))]
+    bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"CASES = {cases!r}\nBENCHMARKS = {bench_dir!r}\n" + _SM90_USER],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == len(cases), r.stdout
+    for name, kernel, cfg, compiled, model, feasible in rows:
+        assert model == compiled, (name, kernel, cfg, compiled, model)  # TMA configs: exact
+    assert rows[0][3] == 295936 and not rows[0][5]
+
+
+def _relpos_bwd_key(h=16, s=2048):
+    """The bwd_dq key of the relative-position example (its table with a gradient),
+    its lowering registered."""
+    from flashgen import user_examples
+    from flashgen.spec import ProblemKey
+
+    ex = user_examples.make("relpos", h, s)
+    st = user_mods.trace(ex.functions(*ex.tensors)[0], "score")
+    low = user_mods._lowered("bwd", st, None, [True], False)
+    user_render.register(low)
+    return ProblemKey.from_sizes(KernelSpec("bwd_dq", "bfloat16", 128, 128, "none", low.name), batch=8,
+                                 num_heads=h, num_kv_heads=h, seqlen_q=s, seqlen_k=s)
+
+
+def test_the_dispatcher_gives_a_user_variant_no_config_that_overflows_shared_memory():
+    """The H200 rows of the plain key (bwd_dq m128 n64 w8 s3 tma: 164864 bytes plain,
+    295936 with the table's gather and gradient) are not borrowed for the user variant:
+    its config fits by the model."""
+    import dataclasses
+
+    from flashgen import arch, dispatch
+    from flashgen.env import Environment
+
+    key = _relpos_bwd_key()
+    plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
+    env = dataclasses.replace(Environment.current(), gpu_name="NVIDIA H200", compute_capability="9.0", sm_count=132)
+    d = dispatch.Dispatcher(None, env=env, arch=arch.by_sm("sm_90"))
+    borrowed = d.choose(plain).config
+    assert (borrowed.BLOCK_M, borrowed.BLOCK_N, borrowed.num_stages) == (128, 64, 3)  # the plain row
+    choice = d.choose(key)
+    assert choice.config != borrowed and choice.smem_bytes <= arch.by_sm("sm_90").smem_per_block_optin
+    assert "user_grad_cvt" in choice.smem_breakdown and "user_gather_tiles" in choice.smem_breakdown
+
+
+def test_a_user_variant_out_of_resources_at_launch_falls_back_once_with_a_warning(tiles, monkeypatch):
+    """A config the model let through but Triton refuses (OutOfResources at its first
+    launch) is marked failed with one warning, and the dispatcher's next choice runs:
+    the results still pass the float64 check."""
+    from triton.runtime.errors import OutOfResources
+
+    from flashgen import dispatch, families
+
+    refused = TileConfig(32, 16, 4, 1)  # the default (the tiles fixture) is m16 n16
+    real = families.launcher
+    seen = []
+
+    def launcher(family, name):
+        fn = real(family, name)
+        if name != "bwd_dq":
+            return fn
+
+        def wrapped(*a, config, mods=None, **kw):
+            seen.append(config)
+            if config == refused and mods is not None:
+                raise OutOfResources(295936, 232448, "shared memory")
+            return fn(*a, config=config, mods=mods, **kw)
+        return wrapped
+    monkeypatch.setattr(families, "launcher", launcher)
+    monkeypatch.setattr(dispatch.Dispatcher, "_lookup", lambda self, key: (
+        dispatch.Choice(key, refused, "tuned") if key.spec.kernel == "bwd_dq" and is_user_mods(key.spec.mods)
+        and not dispatch.has_failed(Variant(key.spec, refused)) else None))
+    monkeypatch.setattr(dispatch, "_failed", {})
+    table = torch.randn(16, 4, generator=torch.Generator().manual_seed(3))
+    with pytest.warns(UserWarning, match="OutOfResources.*next choice") as w:
+        _run(t5_bias, [table], causal=True)
+    assert sum("OutOfResources" in str(x.message) for x in w) == 1
+    assert seen[0] == refused and seen[-1] != refused
+
+
+def test_an_untuned_user_forward_takes_the_plain_keys_fastest_triton_row():
+    """The plain d128 causal forward's fastest H200 row is the Gluon family's, which does
+    not compile user functions: an untuned user forward takes the fastest row of the
+    Triton family (m64 n64 w4 s3 tma, 0.319 ms), not the heuristic default."""
+    import dataclasses
+
+    from flashgen import arch, dispatch, user_examples
+    from flashgen.env import Environment
+    from flashgen.spec import ProblemKey
+
+    ex = user_examples.make("softcap", 16, 2048)
+    low = user_mods.lowering("fwd", user_mods.trace(ex.functions()[0], "score"), None, [], False)
+    key = ProblemKey.from_sizes(KernelSpec("fwd", "bfloat16", 128, 128, "causal", low.name), batch=8, num_heads=16,
+                                num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+    env = dataclasses.replace(Environment.current(), gpu_name="NVIDIA H200", compute_capability="9.0", sm_count=132)
+    d = dispatch.Dispatcher(None, env=env, arch=arch.by_sm("sm_90"))
+    plain = d.choose(dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods="")))
+    assert plain.family == "gluon"
+    choice = d.choose(key)
+    assert choice.source == "nearest" and choice.family == "triton" and choice.tuned_key == plain.key.id
+    c = choice.config
+    assert (c.BLOCK_M, c.BLOCK_N, c.num_warps, c.num_stages, c.tma) == (64, 64, 4, 3, 1)

@@ -590,7 +590,8 @@ def check_inputs(do, q, k, v, o, lse) -> None:
 
 
 def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, mask: str,
-                  config: GluonBwdConfig | None = None, dq=None, dk=None, dv=None, stage_sync: bool = False):
+                  config: GluonBwdConfig | None = None, dq=None, dk=None, dv=None, stage_sync: bool = False,
+                  delta_out=None):
     """dQ, dK, dV of softmax(Q K^T * softmax_scale) V on sm_90.
 
     Shapes as :func:`flashgen.ops.bwd`; ``mask`` ("none" | "causal" | "window") names
@@ -598,7 +599,8 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     Returns (dq, dk, dv) in the inputs' dtype, contiguous.  dK/dV summed over each GQA
     group (``config.group_split`` > 1: over partials by a fourth launch, :mod:`.reduce`).  Raises ValueError for inputs or a config the kernels cannot take.
     ``stage_sync``: synchronize after each launch and raise RuntimeError naming the
-    launch that failed (for the GPU checks)."""
+    launch that failed (for the GPU checks).  ``delta_out``: a float32 (z, h, seqlen_q)
+    tensor that receives delta = rowsum(dO * O) as the preprocess launch computed it."""
     check_inputs(do, q, k, v, o, lse)
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]
@@ -623,6 +625,9 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - re-raised with the launch named
                 raise RuntimeError(f"attn_bwd {stage} launch failed: {e}") from e
+    if delta_out is not None:
+        b, h, sq = q.shape[0], q.shape[1], q.shape[2]
+        delta_out.copy_(a["delta"].view(b, h, -1)[:, :, :sq])
     return a["dq"], a["dk"], a["dv"]
 
 

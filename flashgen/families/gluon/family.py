@@ -332,9 +332,9 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
         module=None, addressable: bool = False, mods=None, dq=None, dk=None, dv=None, delta=None):
     """The family's whole backward: (dQ, dK, dV) with the shapes and dtypes of q, k, v
     (:func:`.bwd.attention_bwd`: preprocess, main kernel, dQ convert; dQ accumulated in
-    float32 by reduce-add, not bitwise repeatable).  ``delta``, when given, is not
-    written (no caller of this family reads it: the sinks' gradient is the Triton
-    family's)."""
+    float32 by reduce-add, not bitwise repeatable).  ``delta``, when given (a float32
+    tensor like lse), receives rowsum(dO * O) from the preprocess launch (the sinks'
+    gradient reads it)."""
     if mods is not None:
         raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's")
     import torch
@@ -349,7 +349,7 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     g = bwd_config(config)
     with building(_bwd_id(g, _DTYPES[q.dtype], q.shape[3], mask)):
         grads = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo,
-                                diag_hi=diag_hi, mask=mask, config=g, dq=dq, dk=dk, dv=dv)
+                                diag_hi=diag_hi, mask=mask, config=g, dq=dq, dk=dk, dv=dv, delta_out=delta)
     # The kernels write contiguous gradients; the op's contract (and its fake kernel under
     # torch.compile) is the layout of q, k, v (torch.empty_like), as the Triton family's.
     return tuple(gr if given is not None or like.is_contiguous() else torch.empty_like(like).copy_(gr)

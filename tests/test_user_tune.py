@@ -1,0 +1,160 @@
+"""Tuning user score/mask functions and sinks (flashgen.user_tune): the user presets'
+keys, the benchmarker's float64 check and timing in the interpreter, the CLI with the
+model benchmarker, and rows found by the dispatcher of another process that calls the
+same functions."""
+
+import dataclasses
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import flashgen
+from flashgen import arch, families, heuristics, presets, tuner, user_examples, user_tune
+from flashgen.cli import app
+from flashgen.env import Environment
+from flashgen.spec import Variant, is_user_mods
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+pytestmark = pytest.mark.usefixtures("hermetic_dispatcher")
+
+
+def _wall_ms(fn):
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def test_the_user_presets_give_each_example_its_own_keys():
+    problems = user_tune.preset_problems(["user-examples"], "bfloat16", "cpu")
+    assert [p.label for p in problems] == list(user_examples.NAMES)
+    keys = [k for k, _ in user_tune.items(problems)]
+    # fwd for every example; bwd_dq and bwd_dkdv for those with a function (sinks alone: plain backward)
+    assert len(keys) == 3 * (len(problems) - 1) + 1
+    assert all(is_user_mods(k.spec.mods) for k in keys) and len({k.id for k in keys}) == len(keys)
+    by = {p.label: p for p in problems}
+    assert by["document-causal"].mask == "causal" and by["document"].mask == "none"
+    assert by["sinks"].mask == "window" and by["sinks"].bwd_mods is None
+    assert by["relpos"].bwd_mods != by["relpos"].fwd_mods  # the backward accumulates the table's gradient
+    with pytest.raises(KeyError, match="user functions"):
+        presets.expand(["user-small"])
+
+
+@pytest.mark.parametrize("dtype", ["float16"])
+def test_the_benchmarker_checks_each_kernel_against_float64_then_times_it(dtype):
+    problems = user_tune.preset_problems(["user-small"], dtype, "cpu")
+    b = user_tune.UserBenchmarker(problems, timer=_wall_ms)
+    a = arch.current()
+    for key, shape in user_tune.items(problems):
+        v = Variant(key.spec, heuristics.default_config(key.spec, a))
+        m = b(v, shape)
+        assert m.status == "ok" and m.median_ms > 0, (v.id, m)
+    ratios = b.check_ratios()
+    assert len(ratios) == 7 and max(ratios.values()) <= 1.0, ratios
+
+
+def test_a_wrong_captured_gradient_is_a_wrong_result_row(monkeypatch):
+    """The check covers the gradients of the captured tensors (bwd_dq's atomics)."""
+    (problem,) = [p for p in user_tune.preset_problems(["user-small"], "float16", "cpu") if p.label == "relpos"]
+    real = families.launcher
+
+    def launcher(family, name):
+        fn = real(family, name)
+        if name != "bwd_dq":
+            return fn
+
+        def off(*a, mods=None, **kw):
+            out = fn(*a, mods=mods, **kw)
+            mods.grads[0].add_(0.5)  # a table gradient that is off
+            return out
+        return off
+    monkeypatch.setattr(families, "launcher", launcher)
+    b = user_tune.UserBenchmarker([problem], timer=_wall_ms)
+    key, shape = [(k, s) for k, s in problem.keys() if k.spec.kernel == "bwd_dq"][0]
+    m = b(Variant(key.spec, heuristics.default_config(key.spec, arch.current())), shape)
+    assert m.status == "wrong_result" and " d0 err" in m.error, m
+
+
+def _model_env():
+    env = Environment.current()
+    return dataclasses.replace(env, gpu_name=f"{env.gpu_name} (model)")
+
+
+_OTHER_PROCESS = '''
+import dataclasses, torch
+import flashgen
+from flashgen import arch, dispatch, user_examples
+from flashgen.env import Environment
+from flashgen.spec import is_user_mods
+env = Environment.current()
+env = dataclasses.replace(env, gpu_name=env.gpu_name + " (model)")
+dispatch.set_default_dispatcher(dispatch.Dispatcher([DB], env=env, arch=arch.current()))
+ex = user_examples.make("relpos", 2, 64)
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 64, 16, generator=g).half().requires_grad_() for _ in range(3))
+o = flashgen.attention(q, k, v, causal=ex.causal, window=ex.window, **dict(zip(("score_mod", "mask_mod"),
+                       ex.functions(*ex.tensors))))
+o.float().sum().backward()
+assert ex.tensors[0].grad is not None
+for key, choice in dispatch.default_dispatcher()._cache.items():
+    if is_user_mods(key.spec.mods):
+        print("CHOICE", key.id, choice.source, choice.config.BLOCK_M, choice.config.BLOCK_N)
+'''
+
+
+def test_cli_tunes_the_user_presets_and_another_process_finds_the_rows(tmp_path):
+    """`flashgen tune --preset user-small --fake-model`: rows keyed by the user variants;
+    a fresh process that calls flashgen.attention with the same example functions
+    traces them to the same names and its dispatcher takes the tuned rows."""
+    db = tmp_path / "u.sqlite"
+    r = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["tune", "--preset", "user-small", "--fake-model", "--db",
+                                                       str(db), "--trials", "3", "--dtype", "float16"])
+    assert r.exit_code == 0, r.output
+    keys = {k for (k,) in sqlite3.connect(db).execute("SELECT DISTINCT key FROM measurements")}
+    problems = user_tune.preset_problems(["user-small"], "float16", "cpu")
+    assert keys == {k.id for k, _ in user_tune.items(problems)}
+    env = {**os.environ, "PYTHONPATH": ROOT, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-c", f"DB = {str(db)!r}\n" + _OTHER_PROCESS], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    chosen = {line.split()[1]: line.split()[2] for line in p.stdout.splitlines() if line.startswith("CHOICE")}
+    relpos = {k.id for k, _ in problems[0].keys()}
+    assert set(chosen) == relpos and set(chosen.values()) == {"tuned"}, p.stdout
+
+
+def test_user_presets_are_tuned_in_one_process(tmp_path):
+    r = CliRunner().invoke(app, ["tune", "--preset", "user-small", "--fake-model", "--db", str(tmp_path / "x.sqlite"),
+                                 "--workers", "2"])
+    assert r.exit_code == 2 and "--workers" in r.output, r.output
+
+
+def test_tune_mods_records_rows_the_dispatcher_then_uses(tmp_path):
+    """flashgen.tune_mods on a user's own functions (the model benchmarker in place of a
+    GPU): rows for fwd, bwd_dq and bwd_dkdv of their variants; this process's dispatcher
+    reads the database at once."""
+    from flashgen import dispatch
+
+    table = torch.randn(8, 2, requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[torch.clamp(kv_idx - q_idx, 0, 7), h]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) < 40
+    q, k, v = (torch.randn(1, 2, 50, 16, dtype=torch.float16) for _ in range(3))
+    env = _model_env()
+    results = flashgen.tune_mods(q, k, v, score_mod=score_mod, mask_mod=mask_mod, causal=True, db=tmp_path / "t.sqlite",
+                                 trials=2, benchmarker=tuner.ModelBenchmarker(arch.current()), env=env)
+    assert [r.key.spec.kernel for r in results] == ["fwd", "bwd_dq", "bwd_dkdv"]
+    assert all(r.best_config is not None and is_user_mods(r.key.spec.mods) for r in results)
+    d = dispatch.default_dispatcher()
+    d._env = env
+    for r in results:
+        assert d.choose(r.key).source == "tuned"
+    with pytest.raises(flashgen.InputError, match="CUDA"):
+        flashgen.tune_mods(q, k, v, score_mod=score_mod, db=tmp_path / "u.sqlite")
