@@ -59,6 +59,9 @@ def _parse(argv):
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
     p.add_argument("--steps", type=int, default=10, help="timed train steps / prefills per implementation")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles flashgen's kernels)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one train step per implementation: GPU time per kernel name (JSON "
+                        "step_kernels) and a table of the kernels whose time differs most")
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny float32 model in Triton's interpreter, "
                                                         "wall-clock timing (checks the script, times nothing real)")
     return p.parse_args(argv)
@@ -101,6 +104,23 @@ def _timed(fn, n: int, cuda: bool) -> list[float]:
             t = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def _step_kernels(step) -> dict:
+    """Kernel name (first 90 characters) -> [calls, total GPU us] of one train step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if t > 0:
+            out[e.key[:90]] = [e.count, round(t, 1)]
     return out
 
 
@@ -167,6 +187,8 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         times = _timed(step, args.steps, cuda)
         r["train_step_ms"] = statistics.median(times)
         r["train_step_ms_all"] = times
+        if args.profile and cuda:
+            r["step_kernels"] = _step_kernels(step)
         del opt
         model.zero_grad(set_to_none=True)
         # prefill: forward only
@@ -236,6 +258,17 @@ def main(argv=None) -> int:
         print(f"{name:8} {s['train_step_ms']:10.2f} {f_['train_step_ms']:9.2f} {r['train_step_ratio']:6.3f} "
               f"{s['prefill_ms']:13.2f} {f_['prefill_ms']:11.2f} {r['prefill_ratio']:6.3f} "
               f"{r['loss_rel_diff']:9.2e} {r['grad_rel_l2']['all_params']:11.2e} {'yes' if good else 'NO'}")
+    for name, r in result["configs"].items():
+        ks, kf = r["impl"]["sdpa"].get("step_kernels"), r["impl"][impl_fg].get("step_kernels")
+        if ks is None or kf is None:
+            continue
+        tot_s, tot_f = sum(t for _, t in ks.values()), sum(t for _, t in kf.values())
+        print(f"\n{name}: one train step's GPU time, sdpa {tot_s / 1e3:.2f} ms, flashgen {tot_f / 1e3:.2f} ms; "
+              "kernels by |difference| (calls, us: sdpa | flashgen)")
+        names = sorted(set(ks) | set(kf), key=lambda n: -abs(kf.get(n, [0, 0])[1] - ks.get(n, [0, 0])[1]))
+        for n in names[:14]:
+            a, b = ks.get(n, [0, 0.0]), kf.get(n, [0, 0.0])
+            print(f"  {a[0]:4d} {a[1]:10.1f} | {b[0]:4d} {b[1]:10.1f}  {n}")
     return 0 if ok else 1
 
 
