@@ -217,11 +217,13 @@ class UserBenchmarker:
 
     def __init__(self, problems: Iterable[UserProblem], fallback=None, timer: Callable | None = None,
                  warmup_ms: int = 10, rep_ms: int = 40):
-        self.problems: dict[str, UserProblem] = {}
+        # by (mods, mask): one function serves examples of several masks (document,
+        # document-causal), whose checks differ
+        self.problems: dict[tuple[str, str], UserProblem] = {}
         for p in problems:
             for mods in (p.fwd_mods, p.bwd_mods):
                 if mods is not None:
-                    self.problems.setdefault(mods, p)
+                    self.problems.setdefault((mods, p.mask), p)
         self.fallback = fallback
         self.timer = timer or (lambda fn: bench.time_ms(fn, warmup_ms, rep_ms))
         self._checked: dict[str, tuple[str | None, dict]] = {}
@@ -231,8 +233,13 @@ class UserBenchmarker:
         """variant id -> error ratio of its check (<= 1 passes)."""
         return {vid: r["check_ratio"] for vid, (_, r) in self._checked.items() if "check_ratio" in r}
 
+    def problem_of(self, variant: Variant) -> UserProblem | None:
+        """The problem whose user functions and mask ``variant`` compiles (None: none of
+        this run's)."""
+        return self.problems.get((variant.spec.mods, variant.spec.mask))
+
     def __call__(self, variant: Variant, shape: Shape) -> Measurement:
-        problem = self.problems.get(variant.spec.mods)
+        problem = self.problem_of(variant)
         if problem is None:
             if self.fallback is not None:
                 return self.fallback(variant, shape)

@@ -507,18 +507,28 @@ def test_group_split_rows_round_trip_and_explain_says_so(tmp_path):
     assert e.kernels[1].config == hp.id and "16-bit partials of the 4 programs" in e.backward
 
 
-def test_the_shipped_database_reads_without_a_group_split_column(tmp_path):
-    """A database written before group_split existed reads as it did (the knob at its
-    default), and its first write adds the column."""
+def test_a_database_without_a_group_split_column_reads_as_before(tmp_path):
+    """A database written before group_split existed (the shipped one without its split
+    rows and columns) reads as it did (the knob at its default), and its first write
+    adds the column."""
     import shutil
     import sqlite3
 
     src = Path(__file__).resolve().parent.parent / "tuning_db" / "h200.sqlite"
-    con = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+    old = tmp_path / "src.sqlite"
+    shutil.copy(src, old)
+    con = sqlite3.connect(old)
     try:
+        cols = {r[1] for r in con.execute("PRAGMA table_info(measurements)")}
+        if "group_split" in cols:
+            con.execute("DELETE FROM measurements WHERE group_split IS NOT NULL OR half_partials IS NOT NULL")
+            con.execute("ALTER TABLE measurements DROP COLUMN group_split")
+            con.execute("ALTER TABLE measurements DROP COLUMN half_partials")
+            con.commit()
         assert not {"group_split", "half_partials"} & {r[1] for r in con.execute("PRAGMA table_info(measurements)")}
     finally:
         con.close()
+    src = old
     dst = tmp_path / "old.sqlite"
     shutil.copy(src, dst)
     with TuningDB(dst) as db:

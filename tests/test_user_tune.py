@@ -45,6 +45,19 @@ def test_the_user_presets_give_each_example_its_own_keys():
         presets.expand(["user-small"])
 
 
+def test_each_variant_is_checked_with_its_own_example_where_two_share_a_function():
+    """document and document-causal compile the same mask function (one hash) under two
+    masks: each key's variant goes to the example of its mask, whose check runs at that
+    mask (a causal variant checked as the non-causal example is refused)."""
+    problems = user_tune.preset_problems(["user-examples"], "bfloat16", "cpu")
+    b = user_tune.UserBenchmarker(problems)
+    by = {p.label: p for p in problems}
+    assert by["document"].fwd_mods == by["document-causal"].fwd_mods
+    for p in problems:
+        for key, _ in p.keys():
+            assert b.problem_of(Variant(key.spec, heuristics.default_config(key.spec, arch.current()))) is p
+
+
 @pytest.mark.parametrize("dtype", ["float16"])
 def test_the_benchmarker_checks_each_kernel_against_float64_then_times_it(dtype):
     problems = user_tune.preset_problems(["user-small"], dtype, "cpu")
