@@ -40,7 +40,9 @@ def per_call_us(fn, n=300, reps=5):
 def cpu_stubbed(n: int = 200) -> dict:
     """Host us per flashgen.attention call on the CPU, launches stubbed: forward (no
     grad) and forward+backward (causal, b1 h2 s16 d64 float16), with the launches per
-    call."""
+    call; then the same for a window written as a mask function (``mask_mod`` q - kv <=
+    4 with causal) against ``window=(4, 0)``, and sinks with that window against none
+    (the user-function path's host time against the built-in's)."""
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"
@@ -56,13 +58,23 @@ def cpu_stubbed(n: int = 200) -> dict:
         q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
         qn, kn, vn = (t.detach() for t in (q, k, v))
 
-        def fwdbwd():
-            o = flashgen.attention(q, k, v, causal=True)
+        sinks = torch.zeros(2, requires_grad=True)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx <= 4
+
+        def fwdbwd(**kw):
+            o = flashgen.attention(q, k, v, causal=True, **kw)
             torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
 
+        cases = [("forward (no grad)", lambda: flashgen.attention(qn, kn, vn, causal=True)),
+                 ("forward+backward", fwdbwd)]
+        for label, kw in (("window=(4, 0)", dict(window=(4, 0))), ("mask_mod q - kv <= 4", dict(mask_mod=mask_mod)),
+                          ("window=(4, 0), sinks", dict(window=(4, 0), sinks=sinks))):
+            cases += [(f"{label}: forward (no grad)", lambda kw=kw: flashgen.attention(qn, kn, vn, causal=True, **kw)),
+                      (f"{label}: forward+backward", lambda kw=kw: fwdbwd(**kw))]
         out = {}
-        for name, fn in (("forward (no grad)", lambda: flashgen.attention(qn, kn, vn, causal=True)),
-                         ("forward+backward", fwdbwd)):
+        for name, fn in cases:
             for _ in range(20):
                 fn()
             best = float("inf")

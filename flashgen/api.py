@@ -127,6 +127,48 @@ def _prepare(q, k, v, causal, window, softmax_scale, align):
     return q, k, v, scale, mask, lo, hi
 
 
+def _fast_lookup(disp, q, k, v, causal, window, align, tag):
+    """(key, entry) of a call in the dispatcher's fast table (entry None: none yet); the
+    key holds what ``_check`` and ``mask_bounds`` read, plus ``tag`` (what else the entry
+    depends on).  The argument types are part of the key: 1 == True and (1.0, 0) ==
+    (1, 0), but only bools and ints pass the checks.  Strides and base alignment decide
+    the layout signature (a ProblemKey's layout).  (None, None) for a window that makes
+    no key (a list, a non-sequence): the checked path, which names the error."""
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               q.stride(), k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
+               causal, type(causal), window, tuple(map(type, window)), align, tag)
+        return key, disp.fast.get(key)
+    except TypeError:
+        return None, None
+
+
+def _fast_scale(softmax_scale) -> bool:
+    """Whether a call whose other arguments passed the checks before needs no check of
+    ``softmax_scale`` (None, or a float in range; anything else takes the checked path)."""
+    return softmax_scale is None or (type(softmax_scale) is float and _scale_in_range(softmax_scale))
+
+
+def _prepare_memo(q, k, v, causal, window, softmax_scale, align):
+    """:func:`_prepare` of the paths that launch through :mod:`flashgen.library` (user
+    functions), its checks and mask bounds memoized in the dispatcher's fast table per
+    :func:`_fast_lookup` (plain tensors only, as in :func:`_attention`)."""
+    disp = dispatch._default or dispatch.default_dispatcher()
+    ekey = None
+    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and not _functorch_active():
+        ekey, entry = _fast_lookup(disp, q, k, v, causal, window, align, "prepared")
+        if entry is not None and _fast_scale(softmax_scale):
+            mask, lo, hi, default = entry
+            scale = default if softmax_scale is None else float(softmax_scale)
+            return _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), scale, mask, lo, hi
+    q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
+    if ekey is not None:
+        if len(disp.fast) >= library.FAST_TABLE_MAX:
+            disp.fast.clear()
+        disp.fast[ekey] = (mask, lo, hi, q.shape[3] ** -0.5)
+    return q, k, v, scale, mask, lo, hi
+
+
 def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
     """The fast-path entry of a checked call: (mask, lo, hi, default scale, config,
     module, CUDA device index); config and module only where kernels run."""
@@ -167,26 +209,11 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align, det
     plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and not _functorch_active()
     if plain:
         kernel_path = library.use_kernels(q)
-        try:
-            # The argument types are part of the key: 1 == True and (1.0, 0) == (1, 0),
-            # but only bools and ints pass the checks.
-            # Strides and base alignment decide the layout signature (the key's layout).
-            ekey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                    q.stride(), k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
-                    causal, type(causal), window, tuple(map(type, window)), align, kernel_path)
-            entry = disp.fast.get(ekey)
-        except TypeError:  # an unhashable window (a list): the checked path
-            ekey = None
-    if entry is not None and (softmax_scale is None or (type(softmax_scale) is float
-                                                        and _scale_in_range(softmax_scale))):
+        ekey, entry = _fast_lookup(disp, q, k, v, causal, window, align, kernel_path)
+    if entry is not None and _fast_scale(softmax_scale):
         mask, lo, hi, default, cfg, mod, dev = entry
         scale = default if softmax_scale is None else softmax_scale
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        if k.stride(-1) != 1:
-            k = k.contiguous()
-        if v.stride(-1) != 1:
-            v = v.contiguous()
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     else:
         q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
         cfg = mod = dev = None
@@ -427,7 +454,7 @@ def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score
         raise InputError("score_mod, mask_mod and sinks are not combined with softcap, alibi_slopes, bias or "
                          "dropout_p: write those into score_mod")
     _check_return_lse(return_lse)
-    q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, "bottom_right")
+    q, k, v, scale, mask, lo, hi = _prepare_memo(q, k, v, causal, window, softmax_scale, "bottom_right")
     o, lse = user_mods.attention(q, k, v, scale, mask, lo, hi, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     return (o, lse) if return_lse else o
 

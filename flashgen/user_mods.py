@@ -560,14 +560,30 @@ def score_grad_flags(score: Traced | None) -> list[bool]:
     return [t.requires_grad and t.is_floating_point() for t in (score.captured if score else ())]
 
 
+_lowerings: collections.OrderedDict = collections.OrderedDict()
+_LOWERINGS_MAX = 256
+
+
 def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool) -> Lowered:
     """The lowering that :func:`attention` compiles for ``direction`` ("fwd": the
     forward kernel, with ``sinks``; "bwd": bwd_dq and bwd_dkdv, accumulating the
     gradients of the captured tensors flagged in ``grad_flags``), registered in this
     process; its ``name`` is the variants' ``KernelSpec.mods`` (what tuning rows are
-    keyed by)."""
-    low = _lowered(direction, score, mask, grad_flags, sinks and direction == "fwd")
+    keyed by).  Made once per (direction, traced functions, flags) and cached (the
+    cache holds the traced functions, so their identities stay valid): naming a
+    lowering hashes its whole code, which would otherwise be host time on every call."""
+    sinks = bool(sinks) and direction == "fwd"
+    flags = tuple(bool(f) for f in grad_flags) if direction == "bwd" else ()
+    key = (direction, id(score), id(mask), flags, sinks)
+    hit = _lowerings.get(key)
+    if hit is not None and hit[0] is score and hit[1] is mask:
+        _lowerings.move_to_end(key)
+        return hit[2]
+    low = _lowered(direction, score, mask, flags, sinks)
     user_render.register(low)
+    _lowerings[key] = (score, mask, low)
+    if len(_lowerings) > _LOWERINGS_MAX:
+        _lowerings.popitem(last=False)
     return low
 
 
@@ -657,7 +673,8 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         call = ctx.call
-        delta = torch.zeros_like(lse)
+        # bwd_dq (or a whole backward) writes every row's delta; nothing runs when empty
+        delta = torch.zeros_like(lse) if library.is_empty(q, k) else torch.empty_like(lse)
         bwd = call.bwd
         if bwd is not None:
             for n, g in enumerate(bwd.grads):

@@ -429,6 +429,72 @@ def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
     assert b is not a and b.captured[0] is t2
 
 
+
+def test_a_repeated_call_neither_lowers_nor_checks_its_functions_again(tiles, monkeypatch):
+    """A call repeated with the same sizes and a closure made again over the same objects
+    (as a model's forward makes its functions) names no lowering again (hashing the
+    lowered code; it was done twice per forward+backward call) and runs no input checks
+    again (host time the built-in masks never spent); its outputs equal the first's."""
+    from flashgen import api
+
+    doc = torch.tensor([0] * 20 + [1] * 25)
+
+    def make():
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx - kv_idx <= 20)
+        return mask_mod
+    q, k, v = _qkv(sq=45, sk=45)
+    do = torch.randn(q.shape[:3] + (v.shape[3],), generator=torch.Generator().manual_seed(3)).to(F16)
+
+    def call():
+        qkv = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        o = flashgen.attention(*qkv, causal=True, mask_mod=make(), sinks=torch.zeros(4))
+        o.backward(do)
+        return [o.detach()] + [t.grad for t in qkv]
+    first = call()
+    described, checked = [], []
+    describe, check = user_render.Lowered.describe, api._check
+    monkeypatch.setattr(user_render.Lowered, "describe", lambda self: described.append(self) or describe(self))
+    monkeypatch.setattr(api, "_check", lambda *a, **kw: checked.append(a) or check(*a, **kw))
+    second = call()
+    assert described == [] and checked == []
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_the_memoized_checks_of_user_calls_keep_every_check(tiles):
+    q, k, v = _qkv(sq=20, sk=20)
+
+    def mm(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= 4
+    flashgen.attention(q, k, v, mask_mod=mm)  # memoizes this call's checks
+    with pytest.raises(InputError, match="softmax_scale"):
+        flashgen.attention(q, k, v, mask_mod=mm, softmax_scale="0.1")
+    with pytest.raises(InputError, match=r"k\.dtype"):
+        flashgen.attention(q, k.float(), v, mask_mod=mm)
+    with pytest.raises(InputError, match="window must be a pair"):
+        flashgen.attention(q, k, v, mask_mod=mm, window=3)
+    with pytest.raises(InputError, match="num_heads"):
+        flashgen.attention(q[:, :3], k, v, mask_mod=mm)
+    # an int scale and a list window take the checked path and give the same output
+    assert torch.equal(flashgen.attention(q, k, v, mask_mod=mm, softmax_scale=1),
+                       flashgen.attention(q, k, v, mask_mod=mm, softmax_scale=1.0))
+    assert torch.equal(flashgen.attention(q, k, v, mask_mod=mm, window=[3, 0]),
+                       flashgen.attention(q, k, v, mask_mod=mm, window=(3, 0)))
+
+
+def test_a_lowering_is_made_once_per_functions_direction_and_gradient_flags():
+    table = torch.zeros(8, 2)
+    st = user_mods.trace(lambda s, b, h, q_idx, kv_idx: s + table[q_idx % 8, h], "score")
+    mt = user_mods.trace(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, "mask")
+    fwd = user_mods.lowering("fwd", st, mt, [True], True)
+    assert user_mods.lowering("fwd", st, mt, [False], True) is fwd  # the forward takes no gradients
+    assert user_mods.lowering("fwd", st, mt, [True], False) is not fwd  # sinks are compiled in
+    bwd = user_mods.lowering("bwd", st, mt, [True], False)
+    assert user_mods.lowering("bwd", st, mt, [True], True) is bwd  # the backward has no sinks
+    other = user_mods.lowering("bwd", st, mt, [False], False)
+    assert other is not bwd and other.name != bwd.name and not other.grads
+    assert user_render.registered(bwd.name) is bwd and user_render.registered(fwd.name) is fwd
+
 # -- shared memory of user variants --------------------------------------------------------
 
 _SM90_USER = '''
