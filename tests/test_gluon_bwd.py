@@ -45,7 +45,8 @@ CASES = [
 #: with that flag; the three-stage window variant (24 B) and the atomic dQ variant
 #: (8 B, 28 B with the flag) spill from 3.9's own PTX (the same with ptxas 12.8).
 #: Any other spill fails.  A group split (``_gs``) changes only the epilogue's stores, so
-#: its variants are held to their unsplit variant's numbers.
+#: its variants may spill no more than their unsplit variant (under 3.9 the window
+#: variant split 8 ways spills 20 B against its unsplit variant's 24).
 SPILL_BYTES = {
     "3.9": {("m64_n64_c2_s2_tma_r240-24_rows-tma", 128, "causal"): 8,
             ("m64_n64_c2_s3_tma_r240-24_rows-tma", 128, "window"): 24,
@@ -111,7 +112,11 @@ def test_variants_compile_without_spills_or_serialized_wgmma(compiled):
     spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     for c in compiled:
         unsplit = re.sub(r"_gs\d+h?$", "", c["id"])
-        assert c["spill"] == spills.get((unsplit, c["d"], c["mask"]), 0), c
+        known = spills.get((unsplit, c["d"], c["mask"]), 0)
+        if unsplit == c["id"]:
+            assert c["spill"] == known, c
+        else:  # a group split changes only the stores: no more spilling than its unsplit variant
+            assert c["spill"] <= known, c
         assert c["c751x"] == [], c
 
 
