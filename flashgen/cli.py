@@ -246,8 +246,10 @@ def tune(
         if callable(precompile) and built_in:
             if knobs is not None:
                 with TuningDB(db) as tdb:
+                    by_family = tdb.best_configs_by_family(env)  # one query for every key
                     variants = [Variant(k.spec, c) for k in built_in
-                                for _, cands in tuner.refine_configs(k, tdb, env, arch, knobs, family_names)
+                                for _, cands in tuner.refine_configs(k, tdb, env, arch, knobs, family_names,
+                                                                     by_family)
                                 for c in cands]
             else:
                 variants = tuner.feasible_variants(built_in, arch, family_names)
