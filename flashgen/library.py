@@ -264,6 +264,25 @@ def _into(like: Tensor, value: Tensor) -> Tensor:
     return out
 
 
+def out_like(q: Tensor, head_dim_v: int) -> Tensor:
+    """An uninitialized O of shape (batch, num_heads, seqlen_q, head_dim_v), q's dtype and
+    device, laid out like ``q``: its first three dims in the order of q's strides
+    (largest first), head_dim innermost.  A q that is a (batch, seqlen, heads, head_dim)
+    tensor seen through ``transpose(1, 2)`` (transformers' layout) gets an O of the same
+    memory order, which the caller's ``transpose(1, 2).contiguous()`` then returns
+    without a copy; a contiguous q gets a contiguous O.  The op's fake kernel uses the
+    same rule, so compiled graphs see the strides the kernels write."""
+    b, h, sq, _ = q.shape
+    st = q.stride()
+    if q.is_contiguous() or st[3] != 1:
+        return q.new_empty((b, h, sq, head_dim_v))
+    order = sorted(range(3), key=lambda i: (-st[i], i))
+    if order == [0, 1, 2]:
+        return q.new_empty((b, h, sq, head_dim_v))
+    t = q.new_empty([q.shape[i] for i in order] + [head_dim_v])
+    return t.permute(*[order.index(i) for i in range(3)], 3)
+
+
 # -- real implementations -----------------------------------------------------------
 
 def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int,
@@ -272,10 +291,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
     ``mods``: the score modifications of ``flashgen::fwd_mods`` (None: none)."""
     b, h, sq, _ = q.shape
     if is_empty(q, k):
-        return (q.new_zeros((b, h, sq, v.shape[3])),
+        return (out_like(q, v.shape[3]).zero_(),
                 torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
     if not use_kernels(q):
-        return reference_forward(q, k, v, scale, lo, hi, mods)
+        o, lse = reference_forward(q, k, v, scale, lo, hi, mods)
+        return out_like(q, v.shape[3]).copy_(o), lse
     q, scale, _ = _signed_q(q, scale)
     name = mods.name if mods is not None else ""
     with _on_device(q):
@@ -285,7 +305,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
             try:
                 return families.launcher(cfg.family, "fwd")(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo,
                                                             diag_hi=hi, config=cfg, module=mod, addressable=True,
-                                                            mods=mods)
+                                                            mods=mods, out=out_like(q, v.shape[3]))
             except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
                 fall_back(cfg, "fwd", q, e, (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, name))
 
@@ -365,7 +385,7 @@ def fwd_op(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi
 @fwd_op.register_fake
 def _fwd_fake(q, k, v, scale, mask, lo, hi, deterministic=None):
     b, h, sq, _ = q.shape
-    return q.new_empty((b, h, sq, v.shape[3])), q.new_empty((b, h, sq), dtype=torch.float32)
+    return out_like(q, v.shape[3]), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgen::bwd", mutates_args=())

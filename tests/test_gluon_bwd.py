@@ -314,7 +314,9 @@ def test_group_split_launch_sizes_the_scratch_and_the_reduction():
         rgrid, rargs = a["reduce"]
         assert rgrid == R.grid(b, hk, sk, d) == (-(-(sk * d) // R.BLOCK), b * hk, 2)
         # 16-bit partials carry dK already scaled (rounded once, after the scaling)
-        assert rargs[:4] == (dkp, dvp, a["dk"], a["dv"]) and rargs[4:] == (sk * d, 1.0 if half else 0.125, gs, R.BLOCK)
+        dk = a["dk"]
+        assert rargs[:4] == (dkp, dvp, dk, a["dv"]) and rargs[4:] == (
+            sk * d, 1.0 if half else 0.125, hk, *dk.stride()[:3], *a["dv"].stride()[:3], gs, d, R.BLOCK)
         # The kernel's arithmetic (attn_bwd, _producer, the epilogue) over this grid: every
         # (batch, kv head)'s query heads once, K/V of that kv head, partial slab pid_zh.
         nkv = args[15]
@@ -352,7 +354,7 @@ def test_group_reduce_sums_the_partials_in_order(gs, sk, d, dtype, part):
     partials = (torch.randn(2, b, hk, gs, sk, d, generator=g) * 4).to(part)
     dk = torch.full((b, hk, sk, d), float("nan"), dtype=dtype)
     dv = torch.full((b, hk, sk, d), float("nan"), dtype=dtype)
-    R.group_reduce[R.grid(b, hk, sk, d)](partials[0], partials[1], dk, dv, sk * d, scale, gs, R.BLOCK,
+    R.group_reduce[R.grid(b, hk, sk, d)](*R.args(partials[0], partials[1], dk, dv, scale, gs),
                                           num_warps=R.NUM_WARPS)
     for out, p, s in ((dk, partials[0].float(), scale), (dv, partials[1].float(), 1.0)):
         acc = p[:, :, 0].clone()
@@ -394,3 +396,69 @@ def test_delta_out_receives_the_preprocess_rows(monkeypatch):
     B.attention_bwd(do, q, k[:, :1], v[:, :1], o, lse, softmax_scale=0.125, diag_lo=-77, diag_hi=0, mask="causal",
                     delta_out=delta)
     assert torch.allclose(delta, (o.float() * do.float()).sum(-1))
+
+
+@pytest.mark.parametrize("d, dtype", [(64, torch.float16), (128, torch.bfloat16)])
+def test_strided_preprocess_and_convert_match_the_contiguous_rule(d, dtype):
+    """.strided (Triton's interpreter on CPU): O and dO as transformers hands them,
+    (batch, seqlen, heads, head_dim) memory seen through transpose(1, 2), give the delta,
+    LSE2 and zeroed dQ accumulator of the rule in the module docstring, and dQ is written
+    into a tensor of that layout, equal to the contiguous result."""
+    from flashgen.families.gluon import strided as S
+
+    b, h, sq, m_pad = 2, 3, 37, 128
+    g = torch.Generator().manual_seed(d)
+    o = torch.randn(b, sq, h, d, generator=g).to(dtype).transpose(1, 2)
+    do = torch.randn(b, sq, h, d, generator=g).to(dtype).transpose(1, 2)
+    lse = torch.randn(b, h, sq, generator=g)
+    lse[0, 1, 5] = float("-inf")
+    lse2 = torch.full((b * h, m_pad), float("nan"))
+    delta = torch.full((b * h, m_pad), float("nan"))
+    dqacc = torch.full((b, h, sq, d), float("nan"))
+    grid, args = S.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad)
+    S.preprocess[grid](*args, num_warps=S.NUM_WARPS)
+    want_delta = (o.float() * do.float()).sum(-1).reshape(b * h, sq)
+    torch.testing.assert_close(delta[:, :sq], want_delta, rtol=1e-5, atol=1e-5)
+    assert not delta[:, sq:].any() and not lse2[:, sq:].any() and not dqacc.any()
+    want_lse2 = torch.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634).reshape(b * h, sq)
+    torch.testing.assert_close(lse2[:, :sq], want_lse2)
+    acc = torch.randn(b, h, sq, d, generator=g)
+    dq = torch.empty(b, sq, h, d, dtype=dtype).transpose(1, 2)
+    grid, args = S.convert_launch(acc, dq, 0.125)
+    S.convert[grid](*args, num_warps=S.NUM_WARPS)
+    assert dq.stride() == (sq * h * d, d, h * d, 1)
+    ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+    assert ((dq.float() - acc * 0.125).abs() <= (acc * 0.125).abs() * ulp + 1e-30).all()
+
+
+def test_group_reduce_writes_outputs_of_any_layout():
+    from flashgen.families.gluon import reduce as R
+
+    b, hk, gs, sk, d = 2, 2, 2, 40, 64
+    g = torch.Generator().manual_seed(3)
+    partials = torch.randn(2, b, hk, gs, sk, d, generator=g)
+    dk = torch.full((b, sk, hk, d), float("nan")).transpose(1, 2)
+    dv = torch.full((b, hk, sk, d), float("nan"))
+    R.group_reduce[R.grid(b, hk, sk, d)](*R.args(partials[0], partials[1], dk, dv, 0.5, gs), num_warps=R.NUM_WARPS)
+    assert torch.equal(dk, (partials[0, :, :, 0] + partials[0, :, :, 1]) * 0.5)
+    assert torch.equal(dv, partials[1, :, :, 0] + partials[1, :, :, 1])
+
+
+def test_launch_args_keep_the_layouts_of_q_k_v_and_read_o_do_by_strides():
+    """Transposed (batch, seqlen, heads, head_dim) inputs: the gradients are allocated in
+    that layout; preprocess and convert are the strided ones; a group_split 1 config
+    stores dK, dV contiguous and copies them, a split one reduces into them."""
+    b, h, hk, s, d = 1, 4, 2, 256, 128
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.empty(b, s, hk, d, dtype=torch.bfloat16).transpose(1, 2)
+    lse = torch.empty(b, h, s)
+    for gs, copies in ((1, True), (2, False)):
+        cfg = B.GluonBwdConfig(row_load="tma", group_split=gs)
+        a = B.launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=cfg)
+        assert a["dq"].stride() == q.stride() and a["dk"].stride() == k.stride() and a["dv"].stride() == k.stride()
+        assert "preprocess_strided" in a and "convert_strided" in a and "preprocess" not in a and "convert" not in a
+        assert ("copy" in a) is copies and ("reduce" in a) is (gs > 1)
+    qc, kc = q.contiguous(), k.contiguous()
+    a = B.launch_args(qc, qc, kc, kc, qc, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s,
+                      config=B.GluonBwdConfig(row_load="tma"))
+    assert "preprocess" in a and "convert" in a and "copy" not in a

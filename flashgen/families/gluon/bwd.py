@@ -530,12 +530,12 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
                          f"programs per key block, over CUDA's grid limit {MAX_GRID_Y}")
     dtype_name = str(q.dtype).removeprefix("torch.")
     dev = q.device
-    do = do if do.is_contiguous() else do.contiguous()
-    o = o if o.is_contiguous() else o.contiguous()
     lse = lse if lse.is_contiguous() else lse.contiguous()
-    dq = torch.empty((b, h, sq, d), dtype=q.dtype, device=dev) if dq is None else dq
-    dk = torch.empty((b, hk, sk, d), dtype=k.dtype, device=dev) if dk is None else dk
-    dv = torch.empty((b, hk, sk, d), dtype=v.dtype, device=dev) if dv is None else dv
+    # the gradients in the layout of q, k, v (the op's contract); the template's
+    # preprocess and convert take contiguous O, dO and dQ, .strided's any layout
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
     rows = b * h * sq
     m_pad = -(-sq // ROW_PAD) * ROW_PAD
     lse2 = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
@@ -544,6 +544,11 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
     out = {"dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc}
     main_dk, main_dv = dk, dv
+    if gs == 1 and not (dk.is_contiguous() and dv.is_contiguous()):
+        # the main kernel stores contiguous dK, dV: into these, then copied ("copy")
+        main_dk, main_dv = torch.empty((b, hk, sk, d), dtype=k.dtype, device=dev), \
+            torch.empty((b, hk, sk, d), dtype=v.dtype, device=dev)
+        out["copy"] = ((main_dk, dk), (main_dv, dv))
     if gs > 1:
         # one allocation for both scratches; every element is written by the main kernel
         partials = torch.empty((2, b, hk, gs, sk, d), dtype=q.dtype if c.half_partials else torch.float32,
@@ -554,15 +559,25 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
             _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, main_dk, main_dv,
             float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
             int(diag_hi), m_pad)
-    out["preprocess"] = (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True))
+    if o.is_contiguous() and do.is_contiguous():
+        out["preprocess"] = (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True))
+    else:
+        from . import strided
+
+        out["preprocess_strided"] = strided.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad)
     out["main"] = ((math.ceil(sk / c.block_nt), b * hk * gs), main)
-    out["convert"] = ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale)))
+    if dq.is_contiguous():
+        out["convert"] = ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale)))
+    else:
+        from . import strided
+
+        out["convert_strided"] = strided.convert_launch(dqacc, dq, softmax_scale)
     if gs > 1:
         from . import reduce
 
         # half partials: dK was scaled before its rounding
         dk_scale = 1.0 if c.half_partials else float(softmax_scale)
-        out["reduce"] = (reduce.grid(b, hk, sk, d), (main_dk, main_dv, dk, dv, sk * d, dk_scale, gs, reduce.BLOCK))
+        out["reduce"] = (reduce.grid(b, hk, sk, d), reduce.args(main_dk, main_dv, dk, dv, dk_scale, gs))
     return out
 
 
@@ -596,7 +611,8 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
 
     Shapes as :func:`flashgen.ops.bwd`; ``mask`` ("none" | "causal" | "window") names
     which bounds the kernel tests (diag_lo/diag_hi are tested in every masked mode).
-    Returns (dq, dk, dv) in the inputs' dtype, contiguous.  dK/dV summed over each GQA
+    Returns (dq, dk, dv) in the inputs' dtype and in the layouts of q, k, v
+    (``torch.empty_like``; O, dO and dQ of any layout go through :mod:`.strided`).  dK/dV summed over each GQA
     group (``config.group_split`` > 1: over partials by a fourth launch, :mod:`.reduce`).  Raises ValueError for inputs or a config the kernels cannot take.
     ``stage_sync``: synchronize after each launch and raise RuntimeError naming the
     launch that failed (for the GPU checks).  ``delta_out``: a float32 (z, h, seqlen_q)
@@ -608,9 +624,19 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     mod = load(config, dtype, d, mask)
     a = launch_args(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
                     config=config, dq=dq, dk=dk, dv=dv)
-    stages = [("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4}),
-              ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
-              ("convert", mod.attn_bwd_convert, {"num_warps": 4})]
+    if "preprocess" in a:
+        stages = [("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4})]
+    else:
+        from . import strided
+
+        stages = [("preprocess_strided", strided.preprocess, {"num_warps": strided.NUM_WARPS})]
+    stages.append(("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}))
+    if "convert" in a:
+        stages.append(("convert", mod.attn_bwd_convert, {"num_warps": 4}))
+    else:
+        from . import strided
+
+        stages.append(("convert_strided", strided.convert, {"num_warps": strided.NUM_WARPS}))
     if "reduce" in a:
         from . import reduce
 
@@ -625,6 +651,8 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - re-raised with the launch named
                 raise RuntimeError(f"attn_bwd {stage} launch failed: {e}") from e
+    for src, dst in a.get("copy", ()):
+        dst.copy_(src)
     if delta_out is not None:
         b, h, sq = q.shape[0], q.shape[1], q.shape[2]
         delta_out.copy_(a["delta"].view(b, h, -1)[:, :, :sq])

@@ -337,8 +337,6 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     gradient reads it)."""
     if mods is not None:
         raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's")
-    import torch
-
     from .build import building
     from .launch import _DTYPES, _tma_ok
 
@@ -350,10 +348,9 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     with building(_bwd_id(g, _DTYPES[q.dtype], q.shape[3], mask)):
         grads = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo,
                                 diag_hi=diag_hi, mask=mask, config=g, dq=dq, dk=dk, dv=dv, delta_out=delta)
-    # The kernels write contiguous gradients; the op's contract (and its fake kernel under
-    # torch.compile) is the layout of q, k, v (torch.empty_like), as the Triton family's.
-    return tuple(gr if given is not None or like.is_contiguous() else torch.empty_like(like).copy_(gr)
-                 for gr, like, given in zip(grads, (q, k, v), (dq, dk, dv)))
+    # In the layout of q, k, v (torch.empty_like): the op's contract and its fake kernel
+    # under torch.compile, as the Triton family's
+    return grads
 
 
 FAMILY = GluonFamily()

@@ -1,0 +1,90 @@
+"""The Gluon backward's first and last pass for inputs and gradients of any layout.
+
+The template's ``attn_bwd_preprocess`` reads O and dO, and its ``attn_bwd_convert``
+writes dQ, as contiguous (batch, num_heads, seqlen_q, head_dim) tensors.  A caller whose
+tensors are views of another memory order (transformers' attention hands flashgen
+(batch, seqlen, heads, head_dim) tensors through ``transpose(1, 2)``; flashgen's forward
+then writes O in that order too, :func:`flashgen.library.out_like`) would otherwise pay
+a copy of O, one of dO and one of dQ per backward.  These two Triton kernels do the same
+work with the tensors' strides instead:
+
+* :func:`preprocess`: rows r of the padded (batch * num_heads, m_pad), bh = r // m_pad,
+  m = r % m_pad: DELTA[r] = sum_d dO[bh, m, d] * O[bh, m, d] in float32, LSE2[r] =
+  LSE[bh, m] * log2(e) (0 where LSE = -inf), both 0 for m >= seqlen_q; DQACC[bh, m, :] = 0
+  (DQACC: float32, contiguous (batch, num_heads, seqlen_q, head_dim); LSE contiguous).
+* :func:`convert`: DQ[z, h, m, :] = DQACC[z, h, m, :] * softmax_scale in DQ's dtype, DQ
+  of any strides (last stride 1).
+
+The same arithmetic as the template's kernels (float32 products summed over head_dim,
+one multiply per dQ element), so the gradients do not depend on the layout beyond the
+summation order of delta's reduction.  Plain Triton: they also run in Triton's
+interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+#: Rows per program: 64 rows of 128 float32 at 4 warps is 64 values per thread.
+ROWS = 64
+NUM_WARPS = 4
+
+
+@triton.jit
+def preprocess(O, DO, LSE, LSE2, DELTA, DQACC, total_rows, num_heads, seqlen_q, m_pad,
+               so_z, so_h, so_m, sdo_z, sdo_h, sdo_m, D: tl.constexpr, ROWS: tl.constexpr):
+    """Grid (cdiv(batch * num_heads * m_pad, ROWS),); see the module docstring."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, D)
+    rmask = rows < total_rows
+    bh = rows // m_pad
+    m = rows % m_pad
+    valid = rmask & (m < seqlen_q)
+    z = (bh // num_heads).to(tl.int64)
+    hh = (bh % num_heads).to(tl.int64)
+    m64 = m.to(tl.int64)
+    keep = valid[:, None]
+    o = tl.load(O + (z * so_z + hh * so_h + m64 * so_m)[:, None] + cols[None, :], mask=keep, other=0.0)
+    do = tl.load(DO + (z * sdo_z + hh * sdo_h + m64 * sdo_m)[:, None] + cols[None, :], mask=keep, other=0.0)
+    tl.store(DELTA + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rmask)
+    src = bh.to(tl.int64) * seqlen_q + m64
+    lse = tl.load(LSE + src, mask=valid, other=0.0)
+    tl.store(LSE2 + rows, tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634), mask=rmask)
+    tl.store(DQACC + (src * D)[:, None] + cols[None, :], tl.zeros([ROWS, D], tl.float32), mask=keep)
+
+
+@triton.jit
+def convert(DQACC, DQ, total_rows, num_heads, seqlen_q, sdq_z, sdq_h, sdq_m, softmax_scale,
+            D: tl.constexpr, ROWS: tl.constexpr):
+    """Grid (cdiv(batch * num_heads * seqlen_q, ROWS),); see the module docstring."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, D)
+    keep = (rows < total_rows)[:, None]
+    r64 = rows.to(tl.int64)
+    m = r64 % seqlen_q
+    bh = r64 // seqlen_q
+    z = bh // num_heads
+    hh = bh % num_heads
+    acc = tl.load(DQACC + (r64 * D)[:, None] + cols[None, :], mask=keep, other=0.0)
+    tl.store(DQ + (z * sdq_z + hh * sdq_h + m * sdq_m)[:, None] + cols[None, :],
+             (acc * softmax_scale).to(DQ.dtype.element_ty), mask=keep)
+
+
+def preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad: int):
+    """(grid, args) of :func:`preprocess` for O, dO (batch, num_heads, seqlen_q, head_dim)
+    of any strides with last stride 1."""
+    b, h, sq, d = o.shape
+    total = b * h * m_pad
+    return (math.ceil(total / ROWS),), (o, do, lse, lse2, delta, dqacc, total, h, sq, m_pad,
+                                         *o.stride()[:3], *do.stride()[:3], d, ROWS)
+
+
+def convert_launch(dqacc, dq, softmax_scale: float):
+    """(grid, args) of :func:`convert` into ``dq`` (batch, num_heads, seqlen_q, head_dim),
+    any strides with last stride 1."""
+    b, h, sq, d = dq.shape
+    total = b * h * sq
+    return (math.ceil(total / ROWS),), (dqacc, dq, total, h, sq, *dq.stride()[:3], float(softmax_scale), d, ROWS)
