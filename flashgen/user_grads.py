@@ -118,7 +118,7 @@ class ReducedContext(Context):
                 f"# gradient of captured tensor {buf}: summed over the tile per index value (extent {e}), "
                 "one atomic per value present",
                 f"u_rv{i} = tl.where(u_gv, {var} * u_d{i}, 0.0)",
-                f"u_ri{i} = tl.where(u_gv & ({ix} >= 0) & ({ix} < {e}), {ix}, -1).to(tl.int32)",
+                f"u_ri{i} = tl.where((u_rv{i} != 0.0) & ({ix} >= 0) & ({ix} < {e}), {ix}, -1).to(tl.int32)",
                 f"u_rlo{i} = tl.min(tl.min(tl.where(u_ri{i} >= 0, u_ri{i}, {e}), 1), 0)",
                 f"u_rhi{i} = tl.max(tl.max(u_ri{i}, 1), 0)",
                 f"u_rp{i} = UG{buf}" + "".join(f" + {x}" for x in rest),
