@@ -127,9 +127,9 @@ def render(variant: Variant) -> str:
     s = variant.spec
     if is_user_mods(s.mods):
         # the dense templates with the user functions' overlay and hook lines
-        from . import user_render
+        from . import user_grads
 
-        return _render(compiled_variant(variant), template_hash(s.kernel, s.mods), **user_render.render_args(s))
+        return _render(compiled_variant(variant), template_hash(s.kernel, s.mods), **user_grads.render_args(s))
     return _render(variant, template_hash(s.kernel, s.mods))
 
 

@@ -90,17 +90,17 @@ def smem_buffers(variant: Variant) -> dict[str, int]:
 
 
 def _user_buffers(variant: Variant) -> dict[str, int]:
-    """What user score/mask functions add (:func:`flashgen.user_render.smem_buffers`):
+    """What user score/mask functions add (:func:`flashgen.user_grads.smem_buffers`):
     their captured tensors' tiles and gradient scratch.  Known only in a process where
     the functions are registered (``flashgen.attention`` or the tuner traced them);
     elsewhere (e.g. ``flashgen explain``) nothing is added."""
-    from . import user_render
+    from . import user_grads, user_render
 
     low = user_render.registered(variant.spec.mods)
     if low is None or base_kernel(variant.spec.kernel) not in ("fwd", "bwd_dq", "bwd_dkdv"):
         return {}
     c = variant.config
-    return user_render.smem_buffers(low, base_kernel(variant.spec.kernel), c.BLOCK_M, c.BLOCK_N, c.num_stages)
+    return user_grads.smem_buffers(low, base_kernel(variant.spec.kernel), c.BLOCK_M, c.BLOCK_N, c.num_stages)
 
 
 def _tile_buffers(variant: Variant) -> dict[str, int]:

@@ -32,7 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from . import library, user_render
+from . import library, user_grads, user_render
 from .errors import InputError, UnsupportedError
 from .user_render import Buffer, Graph, Lowered, Ref, derivative
 
@@ -549,9 +549,14 @@ def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, s
     grads = ()
     if score is not None and direction == "bwd":
         grads = tuple((i, n, score.dloads[i]) for i, n in score.loads if grad_flags[n])
-    return Lowered(direction, score.graph if score else None, score.out if score else None,
-                   score.dscore if score else None, grads, mask.graph if mask else None,
-                   mask.out if mask else None, len(sbufs), bufs, sinks, bool(score and score.guard))
+    fields = (direction, score.graph if score else None, score.out if score else None,
+              score.dscore if score else None, grads, mask.graph if mask else None,
+              mask.out if mask else None, len(sbufs), bufs, sinks, bool(score and score.guard))
+    reductions = tuple(r for r in (user_grads.reduction(score.graph, i, n, tuple(score.captured[n].shape))
+                                   for i, n, _ in grads) if r is not None)
+    if reductions:  # small gathered extents: the gradient is summed per index value in the tile
+        return user_grads.Reduced(*fields, reductions=reductions)
+    return Lowered(*fields)
 
 
 def score_grad_flags(score: Traced | None) -> list[bool]:
@@ -574,7 +579,8 @@ def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_fla
     lowering hashes its whole code, which would otherwise be host time on every call."""
     sinks = bool(sinks) and direction == "fwd"
     flags = tuple(bool(f) for f in grad_flags) if direction == "bwd" else ()
-    key = (direction, id(score), id(mask), flags, sinks)
+    shapes = tuple(tuple(t.shape) for t in score.captured) if score is not None and direction == "bwd" else ()
+    key = (direction, id(score), id(mask), flags, sinks, shapes)
     hit = _lowerings.get(key)
     if hit is not None and hit[0] is score and hit[1] is mask:
         _lowerings.move_to_end(key)

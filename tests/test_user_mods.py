@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import InputError, UnsupportedError, bench, heuristics, user_mods, user_render
+from flashgen import InputError, UnsupportedError, bench, heuristics, user_grads, user_mods, user_render
 from flashgen.masks import mask_bounds
 from flashgen.spec import KernelSpec, TileConfig, Variant, compiled_variant, is_user_mods
 
@@ -98,11 +98,42 @@ def t5_bias(table):
     return score_mod, None
 
 
+def _bwd_lowering(make, tensors):
+    st = user_mods.trace(make(*[t.detach().clone().requires_grad_() for t in tensors])[0], "score")
+    return user_mods._lowered("bwd", st, None, [True] * len(st.bufs), False)
+
+
+@pytest.mark.parametrize("path", ["reduced", "per-element"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_relative_position_bias_with_a_learned_table(tiles, causal):
+def test_relative_position_bias_with_a_learned_table(tiles, causal, path, monkeypatch):
+    """The table's gradient summed per bucket inside the dQ tile (its 16 buckets <=
+    MAX_EXTENT) and, with MAX_EXTENT 0, by one atomic per score element."""
+    if path == "per-element":
+        monkeypatch.setattr(user_grads, "MAX_EXTENT", 0)
     table = torch.randn(16, 4, generator=torch.Generator().manual_seed(3))
+    assert isinstance(_bwd_lowering(t5_bias, [table]), user_grads.Reduced) == (path == "reduced")
     got, _ = _run(t5_bias, [table], causal=causal)
     assert got["d0"].abs().max() > 0.1  # the table's gradient is there (and checked above)
+
+
+def test_reduced_and_per_element_gradients_in_one_function(tiles):
+    """A table reduced in the tile (bucket, head), one whose second index depends on the
+    query row (per-element atomics: the reduction needs the other components constant
+    over the tile), one too large to reduce (extent 80 > MAX_EXTENT) and a per-key
+    vector (summed over the tile's rows), all with their gradients vs float64."""
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(16, 4, generator=g), torch.randn(16, 3, generator=g), torch.randn(80, generator=g),
+               torch.randn(45, generator=g)]
+
+    def make(t1, t2, t3, kb):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            bucket = t5_bucket(kv_idx - q_idx)
+            return score + t1[bucket, h] + t2[bucket, q_idx % 3] * 0.5 + t3[bucket * 5] - kb[kv_idx]
+        return score_mod, None
+    low = _bwd_lowering(make, tensors)
+    assert [(r.buf, r.dim, r.extent) for r in low.reductions] == [(0, 0, 16)]
+    got, _ = _run(make, tensors, causal=True)
+    assert all(got[f"d{n}"].abs().max() > 0.05 for n in range(4))
 
 
 def _same_as_builtin(q, k, v, user_kw, builtin_kw, causal):
@@ -368,7 +399,7 @@ def test_user_source_has_the_hooks():
     from flashgen import render
 
     dq = render.render(Variant(KernelSpec("bwd_dq", "float16", 64, 64, "none", low.name), TileConfig(64, 32, 4, 1)))
-    assert "tl.atomic_add(UG0" in dq and "u_keep" in dq and "UBM" in dq and "ds = ds * u_g" not in dq
+    assert "tl.atomic_add(u_rp" in dq and "u_keep" in dq and "UBM" in dq and "ds = ds * u_g" not in dq
     kv = render.render(Variant(KernelSpec("bwd_dkdv", "float16", 64, 64, "none", low.name), TileConfig(32, 64, 4, 1)))
     assert "atomic_add" not in kv and "m_start = tl.load(u_bm)" in kv
 
@@ -508,7 +539,8 @@ from flashgen.spec import KernelSpec, TileConfig, Variant
 qb = torch.zeros(2048, requires_grad=True)
 fns = {"relpos": user_examples.make("relpos", 16, 2048).functions(*[torch.zeros(32, 16, requires_grad=True)]),
        "document": user_examples.make("document", 16, 2048).functions(),
-       "kbias": (lambda s, b, h, q, kv: s + qb[kv], None)}
+       "kbias": (lambda s, b, h, q, kv: s + qb[kv], None),
+       "relpos-wide": user_examples.make("relpos", 16, 2048).functions(*[torch.zeros(128, 16, requires_grad=True)])}
 for name, kernel, cfg in CASES:
     sm, mm = fns[name]
     st = user_mods.trace(sm, "score") if sm else None
@@ -525,8 +557,11 @@ def test_the_shared_memory_model_of_user_variants_bounds_what_sm90_compiles():
     """Triton compiles user variants for sm_90 (its bundled ptxas, no GPU): the model's
     estimate is never below metadata.shared, and equals it on TMA configs.  The
     relative-position table's bwd_dq at the plain d128 causal key's tuned config
-    (m128 n64 w8 s3 tma) needs 295936 bytes, which the model now says and refuses on
-    the H200 (232448)."""
+    (m128 n64 w8 s3 tma) needs 230400 bytes with its gradient summed per bucket in the
+    tile (flashgen.user_grads), and 295936 with one atomic per score element (the same
+    function on a 128-row table, over MAX_EXTENT: the atomics' int64 pointer tile goes
+    through a layout-conversion scratch), which the model says and refuses on the H200
+    (232448)."""
     import json
     import os
 
@@ -536,7 +571,7 @@ def test_the_shared_memory_model_of_user_variants_bounds_what_sm90_compiles():
         pytest.skip("triton's bundled ptxas is missing")
     cases = [("relpos", "bwd_dq", (128, 64, 8, 3, 1)), ("relpos", "fwd", (128, 64, 8, 3, 1)),
              ("relpos", "bwd_dkdv", (64, 128, 8, 3, 1)), ("document", "bwd_dkdv", (64, 128, 8, 3, 1)),
-             ("kbias", "bwd_dq", (128, 64, 8, 3, 1))]
+             ("kbias", "bwd_dq", (128, 64, 8, 3, 1)), ("relpos-wide", "bwd_dq", (128, 64, 8, 3, 1))]
     bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", f"CASES = {cases!r}\nBENCHMARKS = {bench_dir!r}\n" + _SM90_USER],
@@ -546,7 +581,8 @@ def test_the_shared_memory_model_of_user_variants_bounds_what_sm90_compiles():
     assert len(rows) == len(cases), r.stdout
     for name, kernel, cfg, compiled, model, feasible in rows:
         assert model == compiled, (name, kernel, cfg, compiled, model)  # TMA configs: exact
-    assert rows[0][3] == 295936 and not rows[0][5]
+    assert rows[0][3] == 230400 and rows[0][5]
+    assert rows[-1][3] == 295936 and not rows[-1][5]
 
 
 def _relpos_bwd_key(h=16, s=2048):
@@ -563,10 +599,11 @@ def _relpos_bwd_key(h=16, s=2048):
                                  num_heads=h, num_kv_heads=h, seqlen_q=s, seqlen_k=s)
 
 
-def test_the_dispatcher_gives_a_user_variant_no_config_that_overflows_shared_memory():
+def test_the_dispatcher_gives_a_user_variant_no_config_that_overflows_shared_memory(monkeypatch):
     """The H200 rows of the plain key (bwd_dq m128 n64 w8 s3 tma: 164864 bytes plain,
-    295936 with the table's gather and gradient) are not borrowed for the user variant:
-    its config fits by the model."""
+    230400 with the table's gather and its gradient summed per bucket in the tile,
+    295936 with one atomic per score element) are borrowed for the user variant only
+    where its config fits by the model."""
     import dataclasses
 
     from flashgen import arch, dispatch
@@ -578,6 +615,11 @@ def test_the_dispatcher_gives_a_user_variant_no_config_that_overflows_shared_mem
     d = dispatch.Dispatcher(None, env=env, arch=arch.by_sm("sm_90"))
     borrowed = d.choose(plain).config
     assert (borrowed.BLOCK_M, borrowed.BLOCK_N, borrowed.num_stages) == (128, 64, 3)  # the plain row
+    reduced = d.choose(key)
+    assert reduced.config == borrowed and reduced.smem_bytes == 230400
+    assert "user_grad_cvt" not in reduced.smem_breakdown
+    monkeypatch.setattr(user_grads, "MAX_EXTENT", 0)  # the per-element atomics
+    key = _relpos_bwd_key()
     choice = d.choose(key)
     assert choice.config != borrowed and choice.smem_bytes <= arch.by_sm("sm_90").smem_per_block_optin
     assert "user_grad_cvt" in choice.smem_breakdown and "user_gather_tiles" in choice.smem_breakdown
@@ -641,3 +683,28 @@ def test_an_untuned_user_forward_takes_the_plain_keys_fastest_triton_row():
     assert choice.source == "nearest" and choice.family == "triton" and choice.tuned_key == plain.key.id
     c = choice.config
     assert (c.BLOCK_M, c.BLOCK_N, c.num_warps, c.num_stages, c.tma) == (64, 64, 4, 3, 1)
+
+
+def test_the_relpos_example_sums_its_table_gradient_per_bucket_in_the_tile():
+    """The relative-position example's backward reduces its (32, heads) table's gradient
+    in the dQ tile: one atomic per bucket present, none per score element; its forward
+    and the dK/dV kernel's code are the per-element lowering's."""
+    from flashgen import render, user_examples
+
+    ex = user_examples.make("relpos", 16, 2048)
+    st = user_mods.trace(ex.functions(*ex.tensors)[0], "score")
+    low = user_mods._lowered("bwd", st, None, [True], False)
+    assert isinstance(low, user_grads.Reduced) and [(r.dim, r.extent) for r in low.reductions] == [(0, 32)]
+    assert type(user_mods._lowered("fwd", st, None, [True], False)) is user_render.Lowered
+    user_render.register(low)
+    dq = render.render(Variant(KernelSpec("bwd_dq", "bfloat16", 128, 128, "none", low.name),
+                               TileConfig(128, 64, 8, 3, 1)))
+    assert "tl.static_range(32)" in dq and dq.count("tl.atomic_add(") == 1 and "broadcast_to(u_off" not in dq
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(user_grads, "MAX_EXTENT", 0)
+        elem = user_mods._lowered("bwd", st, None, [True], False)
+    assert type(elem) is user_render.Lowered and elem.name != low.name
+    user_render.register(elem)
+    kv = [render.render(Variant(KernelSpec("bwd_dkdv", "bfloat16", 128, 128, "none", x.name),
+                                TileConfig(64, 128, 8, 3, 1))) for x in (low, elem)]
+    assert kv[0].replace(low.name, elem.name) == kv[1]
