@@ -663,7 +663,10 @@ class Context:
 
     @property
     def modifies_scores(self) -> bool:
-        return self.low.score is not None or self.low.mask is not None
+        """Whether the scores reach the softmax already modified and in base 2 (a score
+        function); a mask function alone leaves the kernels' own scaling, qk_scale
+        folded into the exp2 argument as in the built-in kernels."""
+        return self.low.score is not None
 
     @property
     def mask(self) -> bool:
@@ -684,7 +687,7 @@ class Context:
 
     def tile_args(self, params: bool) -> str:
         """The extra arguments of the kernels' _tile() (``params``: its def)."""
-        if not self.modifies_scores:
+        if self.low.score is None and self.low.mask is None:
             return ""
         out = "sm_scale, " if self.low.score is not None else ""
         out += "u_z, u_h, " if params else "off_z, off_h, "
@@ -708,7 +711,9 @@ class Context:
 
     def score_block(self, var: str, qi: str, kj: str, t: bool) -> str:
         """The score point: the score function (and, backward, its derivatives), then the
-        mask function's predicate ``u_keep`` in masked tiles."""
+        mask function's predicate ``u_keep`` in masked tiles.  Without a score function
+        ``var`` is left as the raw dot products (the kernels scale them as the built-in
+        ones do)."""
         low, ind = self.low, "    "
         names, valid = self._names(qi, kj, t, var)
         lines = []
@@ -733,8 +738,6 @@ class Context:
                 lines.append(f"{var} = tl.where({var} == float(\"-inf\"), {var}, "
                              f"tl.minimum(tl.maximum({var}, -2.3e38), 2.3e38))")
             lines.append(f"{var} = {var} * {LOG2E!r}")
-        else:
-            lines.append(f"{var} = {var} * qk_scale")
         if low.mask is not None:
             code = _Code(low.mask, names, "um", low.bufs, valid, base=low.mask_base)
             code.emit([low.mask_out])
@@ -882,6 +885,8 @@ def _nonunit(d) -> bool:
 #: (template, anchor, replacement); each anchor occurs exactly once.
 PATCHES = (
     ("attn_fwd.py.j2", '{% if "bias" in mods %}\n', '{% if "bias" in mods or user.guard %}\n'),
+    *((f"attn_{k}.py.j2", "{% if sm %}\n{{ c.score_mods(", "{% if sm or user.mask %}\n{{ c.score_mods(")
+      for k in _DENSE),
     ("attn_bwd_dq.py.j2", "    ds = p * (dp - delta[:, None])\n",
      '    ds = p * (dp - delta[:, None])\n{{ user.after_ds("ds", "offs_m", "cols", False) }}\n'),
     ("attn_bwd_dkdv.py.j2", "    dst = pt * (dpt - delta[None, :])\n",

@@ -404,6 +404,28 @@ def test_user_source_has_the_hooks():
     assert "atomic_add" not in kv and "m_start = tl.load(u_bm)" in kv
 
 
+def test_a_mask_function_alone_leaves_the_built_in_score_scaling():
+    """Without a score function the kernels scale the scores as the built-in ones do
+    (qk_scale folded into the exp2 argument): no separate multiply per score element in
+    any tile, the interior tiles' code is the built-in window's; a score function still
+    hands the softmax base-2 scores."""
+    from flashgen import render
+
+    mt = user_mods.trace(lambda b, h, q, k: q - k <= 8, "mask")
+    st = user_mods.trace(lambda s, b, h, q, k: s * 0.5, "score")
+    exp2 = {"fwd": "exp2(qk * qk_scale - m_sub", "bwd_dq": "exp2(qk * qk_scale - lse", "bwd_dkdv": "exp2(qkt * qk_scale - lse"}
+    for kernel, direction in (("fwd", "fwd"), ("bwd_dq", "bwd"), ("bwd_dkdv", "bwd")):
+        cfg = TileConfig(64, 32, 4, 1)
+        low = user_mods.lowering(direction, None, mt, [], False)
+        src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "causal", low.name), cfg))
+        plain = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "window"), cfg))
+        assert exp2[kernel] in src and exp2[kernel] in plain and "u_keep" in src
+        assert "qk = qk * qk_scale" not in src and "qkt = qkt * qk_scale" not in src
+        both = user_mods.lowering(direction, st, mt, [], False)
+        src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "causal", both.name), cfg))
+        assert exp2[kernel] not in src and "* 1.4426950408889634" in src and "u_keep" in src
+
+
 # -- errors ------------------------------------------------------------------------------
 
 def _call(**kw):
