@@ -404,6 +404,47 @@ def check_bias_tma(device, dtype) -> list[Row]:
         ops.bias_descriptor = real
     return rows
 
+def _order(t) -> list[int]:
+    """t's dims from the largest stride to the smallest (a memory order)."""
+    return sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+
+
+def check_layouts(device, dtype, cases=None) -> list[Row]:
+    """Inputs in transformers' memory order ((batch, seqlen, heads, head_dim) seen through
+    ``transpose(1, 2)``; K and V as views of one packed tensor) through flashgen.attention,
+    forward and backward, against the float64 reference (bench.compare: FLOOR + 2x torch's
+    error), on shapes whose tuned rows are the Gluon family's and on an untuned seqlen.
+    PASS also needs O in q's memory order and dQ, dK, dV in q's, k's, v's memory order (no
+    copies around the call), and reports the kernel family of each kernel (explain)."""
+    from flashgen.bench import compare as fcompare
+
+    rows = []
+    cases = cases or [  # batch, heads, kv heads, seqlen, head_dim, causal
+        (1, 32, 8, 2048, 128, True), (8, 16, 16, 2048, 128, False), (4, 16, 4, 2048, 128, True),
+        (8, 32, 32, 2048, 64, True), (2, 8, 2, 1000, 128, True)]
+    for b, h, hk, s, d, causal in cases:
+        g = torch.Generator(device=device).manual_seed(b * 7 + s)
+        q = torch.randn(b, s, h, d, device=device, generator=g, dtype=dtype).transpose(1, 2)
+        kv = torch.randn(b, s, 2, hk, d, device=device, generator=g, dtype=dtype)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        do = torch.randn(b, s, h, d, device=device, generator=g, dtype=dtype).transpose(1, 2)
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        o = flashgen.attention(qg, kg, vg, causal=causal)
+        dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), do)
+        res = fcompare({"O": o.detach(), "dQ": dq, "dK": dk, "dV": dv}, q, k, v, do,
+                       mask=dict(causal=causal), softmax_scale=d ** -0.5)
+        worst = max(r[2] for r in res.values())
+        want_o = o.transpose(1, 2).is_contiguous()
+        strides = all(_order(t) == _order(ref) for t, ref in ((dq, q), (dk, k), (dv, v)))
+        why = flashgen.explain(q, k, v, causal=causal)
+        fams = ", ".join(f"{c.kernel} {c.family}" for c in why.kernels)
+        ok = worst <= 1 and want_o and strides
+        rows.append(Row(f"layouts: bshd views b{b} h{h}/{hk} s{s} d{d} causal={causal}",
+                        "PASS" if ok else "FAIL",
+                        f"worst ratio {worst:.3f} (<= 1); O in q's order {want_o}; grads in q/k/v order "
+                        f"{strides}; {fams}"))
+    return rows
+
 
 def run_checks(device, *, dtype=torch.bfloat16, backend="inductor") -> list[Row]:
     rows = check_compile(device, dtype, backend)
@@ -413,6 +454,7 @@ def run_checks(device, *, dtype=torch.bfloat16, backend="inductor") -> list[Row]
     rows += check_device1(dtype)
     rows += check_sdpa(device, dtype)
     rows += check_bias_tma(device, dtype)
+    rows += check_layouts(device, dtype)
     return rows
 
 
