@@ -9,7 +9,7 @@ profiler saw in one call with their GPU time, so host-bound calls (wall >> GPU) 
 extra kernels (copies, memsets, conversions) show.
 
 Usage (repository root, on a CUDA GPU):
-    python3 benchmarks/profile_call.py [--shape B,H,HKV,S,D[,causal]]... [--out FILE.json]
+    python3 benchmarks/profile_call.py [--shape B,H,HKV,S,D[,causal][,window=L][,sinks]]... [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -29,9 +29,13 @@ SHAPES = ("32,16,16,512,128,causal", "8,16,16,2048,128,causal", "4,16,4,2048,128
 
 
 def parse(s: str):
+    """(b, h, hk, n, d, causal, window_left, sinks) of ``B,H,HKV,S,D[,causal][,window=L][,sinks]``
+    (window_left -1: no window)."""
     parts = s.split(",")
     b, h, hk, n, d = (int(x) for x in parts[:5])
-    return b, h, hk, n, d, "causal" in parts[5:]
+    flags = parts[5:]
+    left = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("window=")), -1)
+    return b, h, hk, n, d, "causal" in flags, left, "sinks" in flags
 
 
 def kernels_of(fn) -> list[tuple[str, int, float]]:
@@ -54,7 +58,10 @@ def kernels_of(fn) -> list[tuple[str, int, float]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", action="append", help="B,H,HKV,S,D[,causal] (repeatable)")
+    ap.add_argument("--shape", action="append",
+                    help="B,H,HKV,S,D[,causal][,window=L][,sinks] (repeatable); window=L: a window of L keys "
+                         "to the left (with causal: to the diagonal); sinks: also flashgen with learnable "
+                         "sinks (backend flashgen-sinks); a window has no SDPA cuDNN row")
     ap.add_argument("--out", help="JSON file for every number")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also run N flashgen forward+backward calls of each shape under cProfile and "
@@ -68,22 +75,30 @@ def main() -> int:
 
     results = []
     for spec in args.shape or SHAPES:
-        b, h, hk, n, d, causal = parse(spec)
+        b, h, hk, n, d, causal, left, with_sinks = parse(spec)
+        window = (left, 0 if causal else -1) if left >= 0 else (-1, -1)
         torch.manual_seed(0)
         q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
 
+        sinks = torch.randn(h, device="cuda", dtype=torch.float32, requires_grad=True)
+
         def fg():
-            return flashgen.attention(q, k, v, causal=causal)
+            return flashgen.attention(q, k, v, causal=causal, window=window)
+
+        def fg_sinks():
+            return flashgen.attention(q, k, v, causal=causal, window=window, sinks=sinks)
 
         def cudnn():
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                         enable_gqa=hk != h)
 
-        for name, f in (("flashgen", fg), ("sdpa-cudnn", cudnn)):
+        backends = [("flashgen", fg)] + ([("flashgen-sinks", fg_sinks)] if with_sinks else []) + (
+            [("sdpa-cudnn", cudnn)] if left < 0 else [])
+        for name, f in backends:
             o = f()
             ref = o.detach()
 
@@ -104,9 +119,9 @@ def main() -> int:
                                                                       return_mode="median") * 1e3, 1)
                 row[f"{what}_kernels"] = kernels_of(fn)
             if name == "flashgen":
-                row["explain"] = str(flashgen.explain(q, k, v, causal=causal))
+                row["explain"] = str(flashgen.explain(q, k, v, causal=causal, window=window))
             results.append(row)
-            if name == "flashgen" and args.cprofile:
+            if name.startswith("flashgen") and args.cprofile:
                 import cProfile
                 import pstats
 
@@ -118,10 +133,10 @@ def main() -> int:
                         fn()
                     torch.cuda.synchronize()
                     prof.disable()
-                    print(f"\n== cProfile {spec} flashgen {label}, {args.cprofile} calls ==")
+                    print(f"\n== cProfile {spec} {name} {label}, {args.cprofile} calls ==")
                     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
             del o, ref
-            q.grad = k.grad = v.grad = None
+            q.grad = k.grad = v.grad = sinks.grad = None
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     for r in results:

@@ -83,7 +83,8 @@ def test_fake_shapes_and_strides_match_the_real_outputs(sizes, interpret, monkey
         fake = library.FWD(fq, fk, fv, 0.5, mask, lo, hi)
         do = torch.empty(b, h, sq, dv, dtype=F16)
         fake_g = library.BWD(do, fq, fk, fv, fake[0], fake[1], 0.5, mask, lo, hi)
-    assert real[0].shape == (b, h, sq, dv) and real[0].is_contiguous() and real[0].dtype == F16
+    # O is laid out like q (transformers' transpose(1, 2).contiguous() of it is then free)
+    assert real[0].shape == (b, h, sq, dv) and real[0].transpose(1, 2).is_contiguous() and real[0].dtype == F16
     assert real[1].shape == (b, h, sq) and real[1].is_contiguous() and real[1].dtype == torch.float32
     for r, f in zip(real, fake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
@@ -307,6 +308,7 @@ def test_gpu_op_checks_logic_on_cpu(no_interpreter):
     rows = gpu_op_checks.run_checks(torch.device("cpu"), dtype=torch.float32, backend="aot_eager")
     names = [r.name for r in rows]
     assert {"torch.compile fwd+bwd", "sdpa vs torch"} <= {n.split(" [")[0] for n in names}, names
+    assert sum(n.startswith("layouts: bshd views") for n in names) == 2, names
     bad = [r for r in rows if r.status == "FAIL"]
     assert not bad, bad
     assert any(r.status == "PASS" for r in rows)
