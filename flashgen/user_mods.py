@@ -141,6 +141,73 @@ def _dtype_name(dt: torch.dtype) -> str:
 _BUF_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
+#: Operations through which a value reaches the function's result continuously (a change
+#: of an ulp in an argument moves the result by about an ulp): a division by a constant
+#: that reaches the result only through these may become a multiplication by the
+#: constant's reciprocal.  Casts keep continuity only to float32/float64.
+_CONTINUOUS = frozenset({"add", "sub", "mul", "truediv", "neg", "abs", "minimum", "maximum", "clamp", "where",
+                         "pow", "exp", "log", "sqrt", "rsqrt", "sigmoid", "exp2", "log2", "sin", "cos", "tanh"})
+
+
+def _continuous_use(node, arg_index: int) -> bool:
+    if node.op == "where":
+        return arg_index > 0  # the condition is a comparison's input, not a value's
+    if node.op == "cast":
+        return node.args[1] in ("float32", "float64")
+    if node.op == "clamp":
+        return arg_index == 0
+    return node.op in _CONTINUOUS
+
+
+def reciprocal_divisions(g: Graph, out) -> int:
+    """Rewrite, in place, each division by a finite nonzero constant among the nodes
+    ``out`` needs into a multiplication by the constant's reciprocal (rounded once to
+    float32 as the kernels' literal), as the built-in score mods scale (softcap:
+    ``s * (1 / softcap)``): the kernels' division (``div.full.f32``, about 2 ulp) costs
+    several instructions per score element.  A power-of-two constant is exact either
+    way and always rewritten; another only when the quotient reaches ``out`` through
+    continuous operations alone (:data:`_CONTINUOUS`), so a quotient that is floored,
+    cast to an integer, compared or used as an index (T5's bucket: ``log(r / 8) /
+    log(16) * 8`` then ``.long()``) keeps the division.  A float result itself is
+    continuous; a bool result (a mask function) is not.  Returns the number of nodes
+    rewritten.  The derivative graphs built afterwards see the multiplications."""
+    if not isinstance(out, Ref):
+        return 0
+    need = g.uses([out])
+    users = collections.defaultdict(list)  # node -> [(user node, argument position)]
+    for i in need:
+        for pos, a in enumerate(g.nodes[i].args):
+            if isinstance(a, Ref):
+                users[a.i].append((i, pos))
+    memo = {}
+
+    def continuous(i: int) -> bool:
+        """Whether node i reaches ``out`` only through continuous operations."""
+        if i in memo:
+            return memo[i]
+        memo[i] = False  # a cycle cannot occur (SSA); guards recursion on shared nodes
+        if i == out.i:
+            ok = g.nodes[i].dtype == "float"
+        else:
+            ok = all(_continuous_use(g.nodes[u], pos) and continuous(u) for u, pos in users[i])
+        memo[i] = ok
+        return ok
+
+    done = 0
+    for i in need:
+        n = g.nodes[i]
+        if n.op != "truediv" or isinstance(n.args[1], Ref) or not isinstance(n.args[0], Ref):
+            continue
+        c = n.args[1]
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or c == 0 or not math.isfinite(c):
+            continue
+        exact = math.frexp(float(c))[0] == 0.5
+        if exact or continuous(i):
+            g.nodes[i] = dataclasses.replace(n, op="mul", args=(n.args[0], 1.0 / float(c)))
+            done += 1
+    return done
+
+
 class Traced:
     """One user function, traced: its graph and result, its captured tensors, and (score
     functions) the derivatives the backward needs."""
@@ -180,6 +247,7 @@ class Traced:
         self.graph = Graph()
         self.out = self._lower(graph, names, arg)
         g = self.graph
+        reciprocal_divisions(g, self.out)
         if kind == "score":
             self.guard = any(n.op in ("log", "log2", "exp", "exp2", "truediv", "pow", "rsqrt")
                              or any(isinstance(a, float) and not math.isfinite(a) for a in n.args)

@@ -730,3 +730,76 @@ def test_the_relpos_example_sums_its_table_gradient_per_bucket_in_the_tile():
     kv = [render.render(Variant(KernelSpec("bwd_dkdv", "bfloat16", 128, 128, "none", x.name),
                                 TileConfig(64, 128, 8, 3, 1))) for x in (low, elem)]
     assert kv[0].replace(low.name, elem.name) == kv[1]
+
+
+def _ops(traced):
+    g = traced.graph
+    return [g.nodes[i] for i in g.uses([traced.out])]
+
+
+def test_division_by_a_constant_becomes_a_multiplication_where_the_quotient_stays_continuous():
+    """softcap written as 30 * tanh(s / 30): the division becomes s * (1/30) (as the
+    built-in softcap scales), and with no division, log or exp left the score needs no
+    clamp (the built-in's code); T5's bucket keeps its division by log(16), whose
+    quotient is cast to an integer, and loses the exact one by 8."""
+    from flashgen.user_examples import t5_bucket
+
+    soft = user_mods.trace(lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0), "score")
+    ops = _ops(soft)
+    assert not any(n.op == "truediv" for n in ops)
+    assert any(n.op == "mul" and n.args[1] == 1.0 / 30.0 for n in ops)
+    assert not soft.guard
+    table = torch.randn(32, 4)
+    rel = user_mods.trace(lambda score, b, h, q_idx, kv_idx: score + table[t5_bucket(kv_idx - q_idx), h], "score")
+    divs = [n for n in _ops(rel) if n.op == "truediv"]
+    assert len(divs) == 1 and divs[0].args[1] == pytest.approx(math.log(16)), divs
+    assert any(n.op == "mul" and n.args[1] == 0.125 for n in _ops(rel))
+
+
+def test_division_by_a_constant_in_a_mask_is_kept_unless_exact():
+    """A mask's result is a bool: a quotient compared there keeps its division unless the
+    constant is a power of two (exact either way)."""
+    by3 = user_mods.trace(lambda b, h, q_idx, kv_idx: kv_idx / 3 <= q_idx / 3.0, "mask")
+    assert sum(n.op == "truediv" for n in _ops(by3)) == 2
+    by4 = user_mods.trace(lambda b, h, q_idx, kv_idx: kv_idx / 4 <= q_idx, "mask")
+    assert not any(n.op == "truediv" for n in _ops(by4))
+    assert any(n.op == "mul" and n.args[1] == 0.25 for n in _ops(by4))
+
+
+def test_reciprocal_divisions_keeps_quotients_that_reach_floor_or_an_index():
+    from flashgen.user_mods import reciprocal_divisions
+    from flashgen.user_render import Graph
+
+    g = Graph()
+    s = g.input("s", "float")
+    q = g.input("q", "int")
+    qf = g.cast(q, "float32")
+    cont = g.binary("truediv", s, 7.0)
+    floored = g.unary("floor", g.binary("truediv", qf, 7.0))
+    cond = g.binary("lt", g.binary("truediv", qf, 5.0), 2.0)
+    out = g.binary("add", cont, g.where(cond, floored, 0.0))
+    assert reciprocal_divisions(g, out) == 1
+    need = [g.nodes[i] for i in g.uses([out])]
+    assert sorted(n.args[1] for n in need if n.op == "truediv") == [5.0, 7.0]
+    assert [n.args[1] for n in need if n.op == "mul"] == [1.0 / 7.0]
+
+
+@pytest.mark.parametrize("divisor", [30.0, 7.0, 0.3])
+def test_score_divided_by_a_constant_matches_float64(divisor):
+    """The multiplication by the reciprocal stays within the exactness rule (forward and
+    backward through the interpreter, against the float64 reference)."""
+    q, k, v = (torch.randn(1, 2, 37, 16, dtype=torch.float32) for _ in range(3))
+    do = torch.randn(1, 2, 37, 16)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return divisor * torch.tanh(score / divisor) + kv_idx / divisor
+
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o = flashgen.attention(qg, kg, vg, causal=True, score_mod=mod)
+    got = [o.detach(), *torch.autograd.grad(o, (qg, kg, vg), do)]
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    _, lo, hi = mask_bounds(37, 37, causal=True, window=(-1, -1))
+    ref = user_mods.reference(qd, kd, vd, 16 ** -0.5, lo, hi, score_mod=mod)[0]
+    want = [ref.detach(), *torch.autograd.grad(ref, (qd, kd, vd), do.double())]
+    for a, b in zip(got, want):
+        assert (a.double() - b).abs().max().item() < 2e-4
