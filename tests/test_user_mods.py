@@ -482,6 +482,61 @@ def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
     assert b is not a and b.captured[0] is t2
 
 
+def test_a_function_whose_global_tensor_is_rebound_is_traced_again():
+    """A module-level function reading a module-level tensor (the README's T5 example):
+    rebinding the global (a re-run notebook cell, a loaded checkpoint), or a global a
+    helper it calls reads, gives a new trace reading the new tensor; an unchanged one
+    hits."""
+    ns = {"torch": torch, "table": torch.zeros(4), "offsets": torch.zeros(4, dtype=torch.long)}
+    exec("def bucket(x):\n    return x % 4 + offsets[x % 4]\n"
+         "def score_mod(score, b, h, q_idx, kv_idx):\n    return score + table[bucket(kv_idx)]\n", ns)
+    a = user_mods.trace(ns["score_mod"], "score")
+    assert user_mods.trace(ns["score_mod"], "score") is a
+    ns["table"] = torch.ones(4)
+    b = user_mods.trace(ns["score_mod"], "score")
+    assert b is not a and any(t is ns["table"] for t in b.captured)
+    ns["offsets"] = torch.ones(4, dtype=torch.long)
+    c = user_mods.trace(ns["score_mod"], "score")
+    assert c is not b and any(t is ns["offsets"] for t in c.captured)
+
+
+class _RelBias(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(45, generator=torch.Generator().manual_seed(seed)) * 3)
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[kv_idx]
+
+
+def test_bound_methods_of_two_modules_read_their_own_tensors(tiles):
+    """``self.score_mod`` of two instances (a new bound method on every access): each
+    call reads its own instance's table (forward and the table's gradient against
+    float64), a repeated access hits the cache, and a rebound attribute is traced
+    again."""
+    m1, m2 = _RelBias(1), _RelBias(2)
+    q, k, v = _qkv()
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(F16)
+    for m in (m1, m2):
+        o = flashgen.attention(q, k, v, score_mod=m.score_mod)
+        o.backward(do)
+        got = {"O": o.detach(), "dtable": m.table.grad}
+        refs = {}
+        for dt in (torch.float64, F16):
+            mr = _RelBias(0)
+            mr.table = torch.nn.Parameter(m.table.detach().to(dt))
+            r, _ = user_mods.reference(q, k, v, 16 ** -0.5, -10**9, 10**9, mr.score_mod, dtype=dt)
+            r.backward(do.to(dt))
+            refs[dt] = {"O": r.detach(), "dtable": mr.table.grad}
+        res = bench._ratios(got, {n: (refs[torch.float64][n], refs[F16][n]) for n in got}, F16)
+        assert all(r <= 1.0 for _, _, r in res.values()), res
+    a = user_mods.trace(m1.score_mod, "score")
+    assert user_mods.trace(m1.score_mod, "score") is a
+    assert user_mods.trace(m2.score_mod, "score") is not a
+    m1.table = torch.nn.Parameter(torch.zeros(45))
+    assert user_mods.trace(m1.score_mod, "score").captured[0] is m1.table
+
+
 
 def test_a_repeated_call_neither_lowers_nor_checks_its_functions_again(tiles, monkeypatch):
     """A call repeated with the same sizes and a closure made again over the same objects
