@@ -253,12 +253,15 @@ class Traced:
                              or any(isinstance(a, float) and not math.isfinite(a) for a in n.args)
                              for n in (g.nodes[i] for i in g.uses([self.out])))
             s = g.input("s", _F)
-            self.dscore = derivative(g, self.out, s) if isinstance(self.out, Ref) else None
+            # None is "identically zero" (a result that ignores the score, a floor, a
+            # comparison): 0.0, since the kernels read a missing derivative as 1
+            d = derivative(g, self.out, s)
+            self.dscore = 0.0 if d is None else d
             self.loads = [(i, g.nodes[i].args[0]) for i in g.uses([self.out])
                           if g.nodes[i].op == "load" and self.bufs[g.nodes[i].args[0]].category == "float"
                           and self.captured[g.nodes[i].args[0]].dtype != torch.bool]
             self.dloads = {i: derivative(g, self.out, Ref(i)) for i, _ in self.loads}
-        elif isinstance(self.out, Ref) and g.dtype(self.out) == "float":
+        elif isinstance(self.out, float) or isinstance(self.out, Ref) and g.dtype(self.out) == "float":
             raise UnsupportedError(f"mask_mod {_describe(fn)} returns a float value: it must return a bool tensor")
 
     # -- fx graph -> IR
@@ -293,7 +296,8 @@ class Traced:
                 except UnsupportedError as e:
                     raise UnsupportedError(f"{arg}: {what}: {e}") from None
             elif node.op == "output":
-                out = env[node.args[0]] if not isinstance(node.args[0], (tuple, list)) else None
+                res = node.args[0]
+                out = fx.node.map_arg(res, lambda n: env[n]) if not isinstance(res, (tuple, list)) else None
                 if out is None:
                     raise UnsupportedError(f"{arg} must return one tensor, got {node.args[0]!r}")
                 out = self._value(out)

@@ -61,7 +61,9 @@ def _run(make, tensors=(), *, causal=False, window=(-1, -1), sinks=None, dtype=F
         else:
             o, lse = user_mods.reference(*qkv, d ** -0.5, lo, hi, sm, mm, snk, kind)
         o.backward(do.to(o.dtype))
-        out = {"O": o.detach(), "LSE": lse.detach(), "dQ": qkv[0].grad, "dK": qkv[1].grad, "dV": qkv[2].grad}
+        # a reference whose result ignores q and k (a score function of positions only) leaves their grad None
+        grad = [torch.zeros_like(t) if t.grad is None else t.grad for t in qkv]
+        out = {"O": o.detach(), "LSE": lse.detach(), "dQ": grad[0], "dK": grad[1], "dV": grad[2]}
         out.update({f"d{n}": t.grad for n, t in enumerate(caps) if t.is_floating_point()})
         if snk is not None:
             out["dsinks"] = snk.grad
@@ -468,6 +470,30 @@ def test_other_bad_functions():
         _call(sinks=torch.zeros(3))
     with pytest.raises(InputError, match="not combined with softcap"):
         _call(score_mod=lambda s, b, h, q, k: s, softcap=2.0)
+    with pytest.raises(UnsupportedError, match="mask_mod .* returns a float value"):
+        _call(mask_mod=lambda b, h, q, k: 1.0)
+    with pytest.raises(UnsupportedError, match="score_mod must return one tensor, got None"):
+        _call(score_mod=lambda s, b, h, q, k: None)
+
+
+@pytest.mark.parametrize("sm", [
+    lambda s, b, h, q_idx, kv_idx: -0.25 * torch.abs(q_idx - kv_idx).float(),
+    lambda s, b, h, q_idx, kv_idx: torch.floor(s * 4),
+    lambda s, b, h, q_idx, kv_idx: torch.where(s > 0, 1.0, -1.0),
+    lambda s, b, h, q_idx, kv_idx: 1.5,
+], ids=["positions-only", "floor", "where-constants", "constant"])
+def test_a_score_function_with_a_zero_derivative_gives_zero_dq_dk(tiles, sm):
+    """A result that does not depend on the score (positions only, a constant) or
+    whose derivative in it is zero (floor, a comparison) passes no gradient to q and
+    k (it was read as a derivative of 1)."""
+    got, _ = _run(lambda: (sm, None), causal=True)
+    assert not got["dQ"].any() and not got["dK"].any()
+
+
+def test_a_mask_function_returning_a_constant(tiles):
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: True), causal=True)
+    got, _ = _run(lambda: (None, lambda b, h, q_idx, kv_idx: False))
+    assert not got["O"].any() and torch.isneginf(got["LSE"]).all()
 
 
 def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
