@@ -253,12 +253,15 @@ class Traced:
                              or any(isinstance(a, float) and not math.isfinite(a) for a in n.args)
                              for n in (g.nodes[i] for i in g.uses([self.out])))
             s = g.input("s", _F)
-            self.dscore = derivative(g, self.out, s) if isinstance(self.out, Ref) else None
+            # None is "identically zero" (a result that ignores the score, a floor, a
+            # comparison): 0.0, since the kernels read a missing derivative as 1
+            d = derivative(g, self.out, s)
+            self.dscore = 0.0 if d is None else d
             self.loads = [(i, g.nodes[i].args[0]) for i in g.uses([self.out])
                           if g.nodes[i].op == "load" and self.bufs[g.nodes[i].args[0]].category == "float"
                           and self.captured[g.nodes[i].args[0]].dtype != torch.bool]
             self.dloads = {i: derivative(g, self.out, Ref(i)) for i, _ in self.loads}
-        elif isinstance(self.out, Ref) and g.dtype(self.out) == "float":
+        elif isinstance(self.out, float) or isinstance(self.out, Ref) and g.dtype(self.out) == "float":
             raise UnsupportedError(f"mask_mod {_describe(fn)} returns a float value: it must return a bool tensor")
 
     # -- fx graph -> IR
@@ -293,7 +296,8 @@ class Traced:
                 except UnsupportedError as e:
                     raise UnsupportedError(f"{arg}: {what}: {e}") from None
             elif node.op == "output":
-                out = env[node.args[0]] if not isinstance(node.args[0], (tuple, list)) else None
+                res = node.args[0]
+                out = fx.node.map_arg(res, lambda n: env[n]) if not isinstance(res, (tuple, list)) else None
                 if out is None:
                     raise UnsupportedError(f"{arg} must return one tensor, got {node.args[0]!r}")
                 out = self._value(out)
@@ -422,34 +426,101 @@ _traces: collections.OrderedDict = collections.OrderedDict()
 _TRACES_MAX = 256
 
 
-def _trace_key(fn) -> tuple:
-    """What identifies a function for the trace cache: a Python function by its code and
-    the identities of its closure cells' contents and defaults (a closure made again on
-    every forward call, over the same objects, hits), anything else by identity."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ("obj", id(fn))
-    cells = []
-    for c in getattr(fn, "__closure__", None) or ():
+_MISSING = object()
+_READ_DEPTH = 3  # how deep the globals of Python functions a function calls are followed
+
+
+_names_of: dict = {}
+
+
+def _global_names(code) -> tuple:
+    """The names ``code`` and the code nested in it (lambdas, comprehensions) load;
+    a superset of the globals it reads (attribute names are among them).  Memoized."""
+    names = _names_of.get(code)
+    if names is None:
+        found = set(code.co_names)
+        for c in code.co_consts:
+            if inspect.iscode(c):
+                found.update(_global_names(c))
+        names = _names_of[code] = tuple(sorted(found))
+    return names
+
+
+def _reads(fn, out: list, seen: set, depth: int) -> None:
+    """Append to ``out`` what a Python function's result depends on besides its
+    arguments: its closure cells' contents, its defaults, and the current values of the
+    module globals its code names, following the Python functions among them (a helper
+    such as T5's bucket) ``depth`` levels down."""
+    values = []
+    for c in fn.__closure__ or ():
         try:
-            cells.append(id(c.cell_contents))
+            values.append(c.cell_contents)
         except ValueError:
-            cells.append(None)
-    return ("code", code, tuple(cells), id(getattr(fn, "__defaults__", None)), id(fn.__globals__))
+            values.append(None)
+    out.extend(values)
+    out.append(fn.__defaults__)
+    out.append(fn.__kwdefaults__)
+    g = fn.__globals__
+    for name in _global_names(fn.__code__):
+        val = g.get(name, _MISSING)
+        if val is not _MISSING:
+            out.append(val)
+            values.append(val)
+    if depth:
+        for val in values:
+            if (inspect.isfunction(val) and id(val) not in seen
+                    and not (getattr(val, "__module__", None) or "").startswith("torch")):
+                seen.add(id(val))
+                _reads(val, out, seen, depth - 1)
+
+
+def _trace_key(fn) -> tuple[tuple, list]:
+    """What identifies a function for the trace cache, and the objects that key names
+    by identity (the cache keeps them alive so the identities stay valid): a Python
+    function by its code and the identities of what it reads besides its arguments
+    (:func:`_reads`: closure contents, defaults, the module globals it names), so a
+    closure made again on every forward call over the same objects hits, and a
+    function whose global tensor was rebound (a re-run notebook cell, a loaded
+    checkpoint) is traced again; a bound method by its function, its instance and the
+    tensors the instance holds under the names its code reads; anything else by
+    identity."""
+    if inspect.ismethod(fn) and inspect.isfunction(fn.__func__):
+        # a bound method (``self.score_mod`` of a module) is made again on every access:
+        # keyed by its function, its instance and the tensors the instance holds under
+        # the names its code reads (``self.table``)
+        inner, reads = _trace_key(fn.__func__)
+        owner = fn.__self__
+        held = []
+        for name in _global_names(fn.__func__.__code__):
+            try:
+                val = getattr(owner, name, None)
+            except Exception:  # noqa: BLE001 (a property that fails is not read by the trace either)
+                val = None
+            if isinstance(val, torch.Tensor):
+                held.append(val)
+        reads = reads + [owner] + held
+        return ("method", inner, id(owner), tuple(map(id, held))), reads
+    if not inspect.isfunction(fn):
+        return ("obj", id(fn)), [fn]
+    reads: list = []
+    _reads(fn, reads, {id(fn)}, _READ_DEPTH)
+    return ("code", fn.__code__, tuple(map(id, reads)), id(fn.__globals__)), reads
 
 
 def trace(fn, kind: str) -> Traced:
-    """The traced function, cached (:func:`_trace_key`; the cache holds the function, so
-    the identities stay valid).  ``kind``: "score" or "mask"."""
+    """The traced function, cached (:func:`_trace_key`; the cache holds the function
+    and what its key names, so the identities stay valid).  ``kind``: "score" or
+    "mask"."""
     if not callable(fn):
         raise InputError(f"{kind}_mod must be callable, got {type(fn).__name__}")
-    key = (_trace_key(fn), kind)
+    tkey, reads = _trace_key(fn)
+    key = (tkey, kind)
     hit = _traces.get(key)
     if hit is not None:
         _traces.move_to_end(key)
         return hit[1]
     tr = Traced(fn, kind)
-    _traces[key] = (fn, tr)
+    _traces[key] = (fn, tr, reads)
     if len(_traces) > _TRACES_MAX:
         _traces.popitem(last=False)
     return tr

@@ -61,7 +61,9 @@ def _run(make, tensors=(), *, causal=False, window=(-1, -1), sinks=None, dtype=F
         else:
             o, lse = user_mods.reference(*qkv, d ** -0.5, lo, hi, sm, mm, snk, kind)
         o.backward(do.to(o.dtype))
-        out = {"O": o.detach(), "LSE": lse.detach(), "dQ": qkv[0].grad, "dK": qkv[1].grad, "dV": qkv[2].grad}
+        # a reference whose result ignores q and k (a score function of positions only) leaves their grad None
+        grad = [torch.zeros_like(t) if t.grad is None else t.grad for t in qkv]
+        out = {"O": o.detach(), "LSE": lse.detach(), "dQ": grad[0], "dK": grad[1], "dV": grad[2]}
         out.update({f"d{n}": t.grad for n, t in enumerate(caps) if t.is_floating_point()})
         if snk is not None:
             out["dsinks"] = snk.grad
@@ -468,6 +470,30 @@ def test_other_bad_functions():
         _call(sinks=torch.zeros(3))
     with pytest.raises(InputError, match="not combined with softcap"):
         _call(score_mod=lambda s, b, h, q, k: s, softcap=2.0)
+    with pytest.raises(UnsupportedError, match="mask_mod .* returns a float value"):
+        _call(mask_mod=lambda b, h, q, k: 1.0)
+    with pytest.raises(UnsupportedError, match="score_mod must return one tensor, got None"):
+        _call(score_mod=lambda s, b, h, q, k: None)
+
+
+@pytest.mark.parametrize("sm", [
+    lambda s, b, h, q_idx, kv_idx: -0.25 * torch.abs(q_idx - kv_idx).float(),
+    lambda s, b, h, q_idx, kv_idx: torch.floor(s * 4),
+    lambda s, b, h, q_idx, kv_idx: torch.where(s > 0, 1.0, -1.0),
+    lambda s, b, h, q_idx, kv_idx: 1.5,
+], ids=["positions-only", "floor", "where-constants", "constant"])
+def test_a_score_function_with_a_zero_derivative_gives_zero_dq_dk(tiles, sm):
+    """A result that does not depend on the score (positions only, a constant) or
+    whose derivative in it is zero (floor, a comparison) passes no gradient to q and
+    k (it was read as a derivative of 1)."""
+    got, _ = _run(lambda: (sm, None), causal=True)
+    assert not got["dQ"].any() and not got["dK"].any()
+
+
+def test_a_mask_function_returning_a_constant(tiles):
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: True), causal=True)
+    got, _ = _run(lambda: (None, lambda b, h, q_idx, kv_idx: False))
+    assert not got["O"].any() and torch.isneginf(got["LSE"]).all()
 
 
 def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
@@ -480,6 +506,61 @@ def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
     assert user_mods.trace(make(t1), "score") is a
     b = user_mods.trace(make(t2), "score")
     assert b is not a and b.captured[0] is t2
+
+
+def test_a_function_whose_global_tensor_is_rebound_is_traced_again():
+    """A module-level function reading a module-level tensor (the README's T5 example):
+    rebinding the global (a re-run notebook cell, a loaded checkpoint), or a global a
+    helper it calls reads, gives a new trace reading the new tensor; an unchanged one
+    hits."""
+    ns = {"torch": torch, "table": torch.zeros(4), "offsets": torch.zeros(4, dtype=torch.long)}
+    exec("def bucket(x):\n    return x % 4 + offsets[x % 4]\n"
+         "def score_mod(score, b, h, q_idx, kv_idx):\n    return score + table[bucket(kv_idx)]\n", ns)
+    a = user_mods.trace(ns["score_mod"], "score")
+    assert user_mods.trace(ns["score_mod"], "score") is a
+    ns["table"] = torch.ones(4)
+    b = user_mods.trace(ns["score_mod"], "score")
+    assert b is not a and any(t is ns["table"] for t in b.captured)
+    ns["offsets"] = torch.ones(4, dtype=torch.long)
+    c = user_mods.trace(ns["score_mod"], "score")
+    assert c is not b and any(t is ns["offsets"] for t in c.captured)
+
+
+class _RelBias(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(45, generator=torch.Generator().manual_seed(seed)) * 3)
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[kv_idx]
+
+
+def test_bound_methods_of_two_modules_read_their_own_tensors(tiles):
+    """``self.score_mod`` of two instances (a new bound method on every access): each
+    call reads its own instance's table (forward and the table's gradient against
+    float64), a repeated access hits the cache, and a rebound attribute is traced
+    again."""
+    m1, m2 = _RelBias(1), _RelBias(2)
+    q, k, v = _qkv()
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(F16)
+    for m in (m1, m2):
+        o = flashgen.attention(q, k, v, score_mod=m.score_mod)
+        o.backward(do)
+        got = {"O": o.detach(), "dtable": m.table.grad}
+        refs = {}
+        for dt in (torch.float64, F16):
+            mr = _RelBias(0)
+            mr.table = torch.nn.Parameter(m.table.detach().to(dt))
+            r, _ = user_mods.reference(q, k, v, 16 ** -0.5, -10**9, 10**9, mr.score_mod, dtype=dt)
+            r.backward(do.to(dt))
+            refs[dt] = {"O": r.detach(), "dtable": mr.table.grad}
+        res = bench._ratios(got, {n: (refs[torch.float64][n], refs[F16][n]) for n in got}, F16)
+        assert all(r <= 1.0 for _, _, r in res.values()), res
+    a = user_mods.trace(m1.score_mod, "score")
+    assert user_mods.trace(m1.score_mod, "score") is a
+    assert user_mods.trace(m2.score_mod, "score") is not a
+    m1.table = torch.nn.Parameter(torch.zeros(45))
+    assert user_mods.trace(m1.score_mod, "score").captured[0] is m1.table
 
 
 
