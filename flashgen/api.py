@@ -393,6 +393,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             ``mask_mod``).  A function is traced once (cached by its code and its
             closure's objects, so a closure made again on every call over the same
             objects is not traced again); captured tensors are read at each call.
+            Indices must lie in [0, size) of each dim (a negative index is not
+            wrapped as torch wraps it): on the kernel path every index that does not
+            depend on the score is checked over the whole (b, h, q_idx, kv_idx) grid
+            before the kernels run (once per function, sizes and, for an index read
+            from a captured tensor, the tensors' versions); InputError otherwise.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), ANDed with
             ``causal``/``window``.  It also gives the block mask: tiles it hides
             entirely are skipped, tiles it shows entirely run with no mask arithmetic
@@ -426,7 +431,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     capture it; inside a capture the dispatcher reads no database.
 
     Raises:
-        InputError (a ValueError): an argument breaks a rule; the message names it.
+        InputError (a ValueError): an argument breaks a rule; the message names it
+            (a score_mod / mask_mod indexing a captured tensor outside its size: the
+            function, the tensor's shape, the dim and the range of indices found).
         UnsupportedError (a NotImplementedError): a score_mod / mask_mod that flashgen
             cannot compile (the message names the operation), e.g. Python control flow
             on traced values.

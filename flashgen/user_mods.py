@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 import math
 import operator
@@ -32,7 +33,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from . import library, user_grads, user_render
+from . import dispatch, library, user_bounds, user_grads, user_render
 from .errors import InputError, UnsupportedError
 from .user_render import Buffer, Graph, Lowered, Ref, derivative
 
@@ -263,6 +264,11 @@ class Traced:
             self.dloads = {i: derivative(g, self.out, Ref(i)) for i, _ in self.loads}
         elif isinstance(self.out, float) or isinstance(self.out, Ref) and g.dtype(self.out) == "float":
             raise UnsupportedError(f"mask_mod {_describe(fn)} returns a float value: it must return a bool tensor")
+
+    @functools.cached_property
+    def reads(self) -> user_bounds.Reads:
+        """The captured-tensor reads whose indices :func:`check_reads` checks."""
+        return user_bounds.reads(self.graph, self.out)
 
     # -- fx graph -> IR
     def _lower(self, graph: fx.Graph, names, arg):
@@ -633,6 +639,47 @@ def block_ranges(traced: Traced, kind: str, batch: int, heads: int, kv_heads: in
     return out
 
 
+# -- captured-tensor index bounds ----------------------------------------------------
+
+_reads_cache: collections.OrderedDict = collections.OrderedDict()
+_READS_CACHE_MAX = 256
+
+
+def check_reads(traced: Traced | None, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device) -> None:
+    """Raise InputError when ``traced`` would read one of its captured tensors outside
+    its size: at an index >= the size along a dim (torch raises IndexError there) or a
+    negative one (torch wraps it; the kernels would read before the tensor), at any
+    (b, h, q_idx, kv_idx) of the (batch, heads, seqlen_q, seqlen_k) grid
+    (:mod:`flashgen.user_bounds`; indices that depend on the score are not checked).
+    Runs once per (function, sizes, captured tensors' shapes, and the versions of the
+    captured tensors an index is read from, ``idx`` of ``table[idx[q_idx]]``): a
+    repeated call costs a dict lookup.  Not run while a CUDA graph is being captured
+    (it reads the ranges back to the host; the warm-up call before a capture checks)."""
+    if traced is None or not traced.reads.loads or 0 in (batch, heads, seqlen_q, seqlen_k):
+        return
+    r = traced.reads
+    ver = _versions([traced.captured[n] for n in r.sources])
+    key = (id(traced), ver, tuple(tuple(t.shape) for t in traced.captured), batch, heads, seqlen_q, seqlen_k,
+           str(device))
+    hit = _reads_cache.get(key) if ver is not None else None
+    if hit is not None and hit is traced:
+        _reads_cache.move_to_end(key)
+        return
+    if dispatch.graph_capturing():
+        return
+    arg = f"{traced.kind}_mod"
+    with torch.no_grad():
+        ranges = user_bounds.read_ranges(traced.graph, r, traced.captured, batch, heads, seqlen_q, seqlen_k, device)
+        msg = user_bounds.bounds_error(arg, traced.captured, traced.graph, r, ranges,
+                                       (batch, heads, seqlen_q, seqlen_k), device)
+    if msg is not None:
+        raise InputError(msg)
+    if ver is not None:
+        _reads_cache[key] = traced
+        if len(_reads_cache) > _READS_CACHE_MAX:
+            _reads_cache.popitem(last=False)
+
+
 # -- launch arguments ----------------------------------------------------------------
 
 def _kernel_of(mod) -> str:
@@ -877,6 +924,8 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     sflags = [grad_on and f for f in score_grad_flags(st)]
     needs_grad = grad_on and (q.requires_grad or k.requires_grad or v.requires_grad or any(sflags)
                               or (sinks is not None and sinks.requires_grad))
+    check_reads(st, b, h, sq, sk, q.device)
+    check_reads(mt, b, h, sq, sk, q.device)
     fwd, bwd = kernel_args(st, mt, sflags, sinks, (b, h, hk, sq, sk, lo, hi), q.device, needs_grad)
     grad_shapes = [(n, t) for n, (t, f) in enumerate(zip(st.captured if st else (), sflags))
                    if f and bwd is not None]

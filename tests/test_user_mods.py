@@ -476,6 +476,143 @@ def test_other_bad_functions():
         _call(score_mod=lambda s, b, h, q, k: None)
 
 
+# -- captured tensors read outside their size ------------------------------------------
+
+def test_an_index_past_a_captured_tensor_is_an_input_error():
+    """torch raises IndexError at tab[8] of an (8,) tensor; the kernels would read past
+    it: the check names the function, the tensor, the dim and the range found."""
+    tab = torch.randn(8)
+    q, k, v = _qkv(b=1, h=2, hk=1, sq=12, sk=16)
+    with pytest.raises(InputError, match=r"score_mod reads a captured tensor of shape \(8,\) .*at indices 0\.\.15 "
+                                         r"along dim 0: indices must lie in \[0, 8\).*index 8 at kv_idx=8"):
+        flashgen.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[kv_idx])
+    doc = torch.zeros(12, dtype=torch.int64)  # fits the queries, not the keys
+    with pytest.raises(InputError, match=r"mask_mod reads a captured tensor of shape \(12,\) .*at indices 0\.\.15 "
+                                         r"along dim 0: indices must lie in \[0, 12\)"):
+        flashgen.attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx])
+    table = torch.randn(4, 1)  # one column for two heads
+    with pytest.raises(InputError, match=r"shape \(4, 1\) .*indices 0\.\.1 along dim 1: .*\[0, 1\).*index 1 at h=1"):
+        flashgen.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[q_idx % 4, h])
+
+
+def test_a_negative_index_is_an_input_error_not_wrapped():
+    """torch wraps tab[-1] to the last element; the kernels would read before the tensor."""
+    tab = torch.randn(8)
+    with pytest.raises(InputError, match=r"score_mod .*indices -8\.\.-1 along dim 0: indices must lie in \[0, 8\) "
+                                         r"\(flashgen does not wrap negative indices\); index -8 at kv_idx=0"):
+        _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[kv_idx - 8])
+    # floor division as the kernels round: (kv - q) // 4 reaches -2 (truncation: -1)
+    three = torch.randn(3)
+    with pytest.raises(InputError, match=r"indices -1\.\.2 along dim 0"):
+        _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + three[(kv_idx - q_idx) // 4 + 1])
+    doc = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(InputError, match=r"mask_mod .*indices -1\.\.6 .*index -1 at q_idx=0"):
+        _call(mask_mod=lambda b, h, q_idx, kv_idx: doc[q_idx - 1] == doc[kv_idx])
+
+
+def test_a_nested_gather_is_checked_with_its_inner_read_first(tiles):
+    """tab2[idx[q_idx]]: the outer index is read from a captured tensor, evaluated from
+    its values; an inner read past its own tensor is reported before the outer."""
+    idx = torch.tensor([0, 1, 2, 3, 4, 5, 6, 9])
+    tab2 = torch.randn(8)
+    with pytest.raises(InputError, match=r"score_mod reads a captured tensor of shape \(8,\) \(#1 .*at indices 0\.\.9 "
+                                         r"along dim 0: .*\[0, 8\).*index 9 at q_idx=7"):
+        _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab2[idx[q_idx]])
+    short = torch.tensor([0, 1, 2, 30])
+    with pytest.raises(InputError, match=r"shape \(4,\) \(#0 .*at indices 0\.\.7 along dim 0: .*\[0, 4\)"):
+        _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab2[short[q_idx]])
+    idx[7] = 7  # in range: runs and matches the reference
+    _run(lambda t: (lambda s, b, h, q_idx, kv_idx: s + t[idx[q_idx]], None), [tab2], sq=8, sk=8)
+
+
+def test_the_index_check_runs_once_per_function_and_sizes(monkeypatch):
+    """Evaluated once per (function, sizes); again when an index read from a captured
+    tensor changes in place (its version), not when a table's values do."""
+    from flashgen import user_bounds
+
+    evals = []
+    read_ranges = user_bounds.read_ranges
+    monkeypatch.setattr(user_bounds, "read_ranges", lambda *a: evals.append(a[3:7]) or read_ranges(*a))
+    tab = torch.randn(16)
+    idx = torch.arange(16)
+
+    def make():  # a closure made again on every call, as a model's forward makes it
+        return lambda s, b, h, q_idx, kv_idx: s + tab[idx[kv_idx]]
+    q, k, v = _qkv(b=1, h=2, hk=1, sq=8, sk=16)
+    for _ in range(3):
+        flashgen.attention(q, k, v, score_mod=make())
+    assert evals == [(1, 2, 8, 16)]
+    flashgen.attention(q[:, :, :4], k, v, score_mod=make())  # another seqlen_q
+    assert evals == [(1, 2, 8, 16), (1, 2, 4, 16)]
+    tab.mul_(2)  # values only: no index changes
+    flashgen.attention(q, k, v, score_mod=make())
+    assert len(evals) == 2
+    idx[3] = 16  # an index read from a captured tensor, changed in place
+    with pytest.raises(InputError, match=r"indices 0\.\.16 along dim 0.*index 16 at kv_idx=3"):
+        flashgen.attention(q, k, v, score_mod=make())
+    assert len(evals) == 3
+    with pytest.raises(InputError, match=r"indices 0\.\.16"):  # a failed check is not memoized
+        flashgen.attention(q, k, v, score_mod=make())
+    assert len(evals) == 4
+
+
+@pytest.mark.parametrize("seqlen", [64, 2048])
+def test_the_examples_read_inside_their_tensors(seqlen, monkeypatch):
+    """Every example of flashgen.user_examples passes the check at its sizes (T5's
+    buckets stay in its 32-row table over the whole 2048 x 2048 grid), each evaluated
+    once however often it is called."""
+    from flashgen import user_bounds, user_examples
+
+    evals = []
+    read_ranges = user_bounds.read_ranges
+    monkeypatch.setattr(user_bounds, "read_ranges", lambda *a: evals.append(a) or read_ranges(*a))
+    checked = 0
+    for name in user_examples.NAMES:
+        ex = user_examples.make(name, 16, seqlen)
+        for fn, kind in zip(ex.functions(*ex.tensors), ("score", "mask")):
+            if fn is not None:
+                tr = user_mods.trace(fn, kind)
+                for _ in range(2):
+                    user_mods.check_reads(tr, 2, 16, seqlen, seqlen, "cpu")
+                checked += bool(tr.reads.loads)
+    assert checked == 4 and len(evals) == 4  # relpos, alibi, document, document-causal read tensors
+
+
+def _t5(rel):
+    return t5_bucket(rel, 32, 128)
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 64])
+@pytest.mark.parametrize("index", [
+    lambda b, h, q, k: _t5(k - q),
+    lambda b, h, q, k: (k - q) // 3,
+    lambda b, h, q, k: (q - 2 * k) % 5 - b,
+    lambda b, h, q, k: torch.div(k - q, 3, rounding_mode="trunc"),
+    lambda b, h, q, k: torch.where(q > k, q * h, -k).clamp(-20, 20),
+    lambda b, h, q, k: ((q.float() + 0.5) * 1.7).long() - torch.minimum(k, 2 * h),
+    lambda b, h, q, k: torch.maximum(q - k, b) ^ h,
+    lambda b, h, q, k: (q >= k).to(torch.int8) * 3 + (k >> 2) - (~b),
+], ids=["t5", "floordiv", "mod", "trunc-div", "where-clamp", "float-cast", "max-xor", "bool-shift-not"])
+def test_the_index_ranges_are_those_torch_computes(index, chunk, monkeypatch):
+    """The check evaluates the lowered index expressions as the kernels compute them
+    (integer floor division and modulo, casts truncating toward zero, float math in
+    float32), chunked over batch and rows: the same min and max as torch's own
+    evaluation of the index over the (b, h, q_idx, kv_idx) grid.  An index that depends
+    on the score is not checked."""
+    from flashgen import user_bounds
+
+    monkeypatch.setattr(user_bounds, "CHUNK", chunk)
+    tab, sel = torch.zeros(1000), torch.zeros(2)
+    st = user_mods.trace(lambda s, b, h, q_idx, kv_idx: s + tab[index(b, h, q_idx, kv_idx) + 500]
+                         + sel[(s > 0).long()], "score")
+    assert len(st.reads.loads) == 1  # sel's index depends on the score
+    sizes = (2, 3, 37, 45)
+    B, H, I, J = (torch.arange(n).view([-1 if d == i else 1 for d in range(4)]) for i, n in enumerate(sizes))
+    want = index(B, H, I, J) + 500
+    got = user_bounds.read_ranges(st.graph, st.reads, st.captured, *sizes, "cpu")
+    assert list(got.values()) == [(want.min().item(), want.max().item())]
+
+
 @pytest.mark.parametrize("sm", [
     lambda s, b, h, q_idx, kv_idx: -0.25 * torch.abs(q_idx - kv_idx).float(),
     lambda s, b, h, q_idx, kv_idx: torch.floor(s * 4),
