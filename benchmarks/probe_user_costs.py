@@ -26,34 +26,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 
-def t5_bucket_int32(rel, num_buckets: int = 32, max_distance: int = 128):
-    """:func:`flashgen.user_examples.t5_bucket` with int32 casts (equal values)."""
-    import torch
-
-    num_buckets //= 2
-    buckets = (rel > 0).to(torch.int32) * num_buckets
-    rel = torch.abs(rel)
-    max_exact = num_buckets // 2
-    large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
-                         * (num_buckets - max_exact)).to(torch.int32)
-    large = torch.minimum(large, torch.full_like(large, num_buckets - 1))
-    return buckets + torch.where(rel < max_exact, rel, large)
-
-
 def variants(table, dist, seqlen: int) -> dict:
     """name -> score_mod (None: the plain forward)."""
+    import torch
+
     from flashgen.user_examples import t5_bucket
 
     return {
         "plain": None,
         "t5": lambda score, b, h, q_idx, kv_idx: score + table[t5_bucket(kv_idx - q_idx), h],
-        "t5-int32": lambda score, b, h, q_idx, kv_idx: score + table[t5_bucket_int32(kv_idx - q_idx), h],
+        "t5-int32": lambda score, b, h, q_idx, kv_idx: score + table[t5_bucket(kv_idx - q_idx, dtype=torch.int32), h],
         "bucket-no-table": lambda score, b, h, q_idx, kv_idx: score + t5_bucket(kv_idx - q_idx).float() * 0.01,
         "table-cheap-index": lambda score, b, h, q_idx, kv_idx: score + table[(kv_idx - q_idx) & 31, h],
         "per-distance": lambda score, b, h, q_idx, kv_idx: score + dist[kv_idx - q_idx + (seqlen - 1), h],

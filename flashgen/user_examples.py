@@ -58,16 +58,17 @@ class Example:
                     sinks=self.sinks if sinks is None else sinks)
 
 
-def t5_bucket(rel, num_buckets: int = 32, max_distance: int = 128):
+def t5_bucket(rel, num_buckets: int = 32, max_distance: int = 128, dtype=torch.long):
     """T5's bidirectional relative-position bucket of ``rel`` = kv - q (int64 tensor),
     as transformers' ``_relative_position_bucket``: half the buckets per direction,
-    exact below num_buckets / 4, logarithmic up to max_distance."""
+    exact below num_buckets / 4, logarithmic up to max_distance.  ``dtype``: the integer
+    type of the casts (T5's ``.long()``; the values are the same in int32)."""
     num_buckets //= 2
-    buckets = (rel > 0).to(torch.long) * num_buckets
+    buckets = (rel > 0).to(dtype) * num_buckets
     rel = torch.abs(rel)
     max_exact = num_buckets // 2
     large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
-                         * (num_buckets - max_exact)).to(torch.long)
+                         * (num_buckets - max_exact)).to(dtype)
     large = torch.min(large, torch.full_like(large, num_buckets - 1))
     return buckets + torch.where(rel < max_exact, rel, large)
 
