@@ -184,15 +184,10 @@ def reciprocal_divisions(g: Graph, out) -> int:
 
     def continuous(i: int) -> bool:
         """Whether node i reaches ``out`` only through continuous operations."""
-        if i in memo:
-            return memo[i]
-        memo[i] = False  # a cycle cannot occur (SSA); guards recursion on shared nodes
-        if i == out.i:
-            ok = g.nodes[i].dtype == "float"
-        else:
-            ok = all(_continuous_use(g.nodes[u], pos) and continuous(u) for u, pos in users[i])
-        memo[i] = ok
-        return ok
+        if i not in memo:  # the graph is acyclic: memo holds finished nodes only
+            memo[i] = (g.nodes[i].dtype == "float" if i == out.i else
+                       all(_continuous_use(g.nodes[u], pos) and continuous(u) for u, pos in users[i]))
+        return memo[i]
 
     done = 0
     for i in need:
