@@ -542,6 +542,12 @@ def test_ordered_is_outside_the_search_and_sizes_its_semaphores():
     src = B.render(cfg, "bfloat16", 128, "causal")
     assert "DK, DV, SEM, qk_scale" in src and "_sem_wait(SEM + tile, u)" in src
     assert "SEM" not in B.render(B.default_config(128), "bfloat16", 128, "causal")
+    # the schedule _ordered_model mirrors: masked, key blocks last to first and the
+    # predecessor's query blocks from the next key block's; without a mask, ascending
+    assert "pid_n = gl.cdiv(seqlen_k, BLOCK_NT) - 1 - gl.program_id(0)" in src
+    assert "_query_blocks(n0 + BLOCK_NT, seqlen_q, diag_lo, diag_hi)" in src and "if mb >= pred_from:" in src
+    plain = B.render(cfg, "bfloat16", 128, "none")
+    assert "pid_n = gl.program_id(0)" in plain and "pred_from = 0" in plain and "n0 + BLOCK_NT" not in plain
     q = torch.empty(2, 8, 1000, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16)
     a = B.launch_args(q, q, k, k, q, torch.empty(2, 8, 1000), softmax_scale=0.1, diag_lo=-1000, diag_hi=0,
@@ -550,3 +556,64 @@ def test_ordered_is_outside_the_search_and_sizes_its_semaphores():
     assert a["main"][1][12] is a["sem"] and len(a["main"][1]) == len(
         B.launch_args(q, q, k, k, q, torch.empty(2, 8, 1000), softmax_scale=0.1, diag_lo=-1000, diag_hi=0,
                       config=B.default_config(128))["main"][1]) + 1
+
+
+def _ordered_model(sq, sk, mode, lo, hi, block_m=64, block_nt=128, parts=1):
+    """The ordered variant's schedule as the template computes it, in Python: for each
+    (query block mb) the indices u = program_id(0) * parts + partition that add into it,
+    and for each (u, mb) whether u waits (mb >= pred_from)."""
+    m_pad = -(-sq // B.ROW_PAD) * B.ROW_PAD
+
+    def query_blocks(n0):  # _query_blocks
+        if mode == "none":
+            return 0, -(-sq // block_m)
+        i_lo, i_hi = max(n0 - hi, 0), min(n0 + block_nt - 1 - lo, sq - 1)
+        first = i_lo // block_m
+        return first, (max(i_hi, 0) // block_m - first + 1) if i_hi >= i_lo else 0
+
+    n_prog = -(-sk // block_nt)
+    adds, waits = {}, {}
+    for p in range(n_prog):
+        n = n_prog - 1 - p if mode != "none" else p  # masked: key blocks last to first
+        first, count = query_blocks(n * block_nt)
+        for c in range(parts):
+            u = p * parts + c
+            pred_from = m_pad
+            if p > 0:
+                if mode == "none":
+                    pred_from = 0
+                else:
+                    pf, pn = query_blocks((n + 1) * block_nt)
+                    if pn > 0:
+                        pred_from = pf
+            if c > 0:
+                pred_from = 0
+            for mb in range(first, first + count):
+                adds.setdefault(mb, []).append(u)
+                waits[(u, mb)] = mb >= pred_from
+    return adds, waits
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_ordered_schedule_waits_exactly_on_the_previous_adder(parts):
+    """Over masks (none, causal both alignments, windows) and sizes: the partitions that
+    add into a query block have consecutive indices, and each waits exactly when the
+    index below it adds there too, so the adds form one chain per dQ tile, in a fixed
+    order, each waiting only on a lower program_id(0)."""
+    from flashgen.masks import mask_bounds
+
+    cases = 0
+    for sq, sk in ((1, 1), (64, 64), (100, 300), (300, 100), (1000, 1000), (1000, 4097), (4097, 1000), (129, 130)):
+        for causal, window, align in ((False, (-1, -1), "bottom_right"), (True, (-1, -1), "bottom_right"),
+                                      (True, (-1, -1), "top_left"), (False, (200, 64), "bottom_right"),
+                                      (True, (300, -1), "bottom_right"), (False, (0, 0), "top_left"),
+                                      (False, (50, 500), "top_left")):
+            mode, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
+            for block_m in (64, 128):
+                adds, waits = _ordered_model(sq, sk, mode, lo, hi, block_m=block_m, parts=parts)
+                for mb, us in adds.items():
+                    assert us == list(range(us[0], us[0] + len(us))), (sq, sk, mode, lo, hi, mb, us)
+                    for u in us:
+                        assert waits[(u, mb)] == (u - 1 in us), (sq, sk, mode, lo, hi, block_m, mb, u)
+                cases += 1
+    assert cases == 8 * 7 * 2
