@@ -547,7 +547,7 @@ def test_ordered_is_outside_the_search_and_sizes_its_semaphores():
     assert "pid_n = gl.cdiv(seqlen_k, BLOCK_NT) - 1 - gl.program_id(0)" in src
     assert "_query_blocks(n0 + BLOCK_NT, seqlen_q, diag_lo, diag_hi)" in src and "if mb >= pred_from:" in src
     plain = B.render(cfg, "bfloat16", 128, "none")
-    assert "pid_n = gl.program_id(0)" in plain and "pred_from = 0" in plain and "n0 + BLOCK_NT" not in plain
+    assert "pid_n = gl.program_id(0)" in plain and "pred_from = 0" in plain and "_query_blocks(n0 + BLOCK_NT" not in plain
     q = torch.empty(2, 8, 1000, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16)
     a = B.launch_args(q, q, k, k, q, torch.empty(2, 8, 1000), softmax_scale=0.1, diag_lo=-1000, diag_hi=0,
