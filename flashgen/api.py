@@ -403,7 +403,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             entirely are skipped, tiles it shows entirely run with no mask arithmetic
             (computed once per function, captured tensors' versions, sizes and tile
             shape, by evaluating mask_mod with torch on index tensors; cached).
-        sinks: float32 (num_heads,): one extra logit per head in every row's softmax
+        sinks: float32 (num_heads,), finite (not checked: checking would synchronize
+            with the device; a non-finite sink gives NaN on the kernel path): one extra
+            logit per head in every row's softmax
             denominator (attention sinks, as in gpt-oss): p_ij = exp(s_ij - LSE_i) with
             LSE_i = log(exp(sinks[h]) + sum_j exp(s_ij)).  The returned LSE includes the
             sink; a row that sees no key gets O = 0 and LSE = sinks[h].  Differentiable
@@ -428,7 +430,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     The op is ``torch.ops.flashgen.fwd`` (with a fake kernel and autograd), so
     ``torch.compile(fullgraph=True)`` traces it without a graph break and CUDA graphs
-    capture it; inside a capture the dispatcher reads no database.
+    capture it; inside a capture the dispatcher reads no database.  A call with
+    ``score_mod``, ``mask_mod`` or ``sinks`` is not an op: it traces the functions in
+    Python and runs outside the compiled graph (``torch.compile`` breaks the graph
+    there; ``fullgraph=True`` raises torch's ``Unsupported``).
 
     Raises:
         InputError (a ValueError): an argument breaks a rule; the message names it

@@ -36,6 +36,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Generate, tune and inspect flashgen's Triton attention kernels.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from ._version import __version__
+
+        typer.echo(f"flashgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print flashgen's version and exit.")] = False) -> None:
+    """Generate, tune and inspect flashgen's Triton attention kernels."""
+
+
 def _console() -> Console:
     """A console that does not squeeze tables to 80 columns when output is piped."""
     import sys
@@ -530,8 +544,9 @@ def export(
         for p in dbs:
             with TuningDB(p, readonly=True) as tdb:
                 for r in tdb.export_best(gpu or None):
+                    # the best row and the best bitwise-repeatable one (TuningDB.best_rows)
                     ident = (r["key"], r["gpu_name"], r["compute_capability"], r["triton_version"],
-                             r["template_hash"])
+                             r["template_hash"], r.get("dq_ordered") or 0)
                     if ident not in best or r["median_ms"] < best[ident]["median_ms"]:
                         best[ident] = r
         rows = sorted(best.values(), key=lambda r: (r["gpu_name"], r["key"]))
@@ -542,6 +557,9 @@ def export(
                 tdb.import_rows(rows)
                 tdb.use_rollback_journal()  # a file to ship: its readers write nothing beside it
     typer.echo(f"{len(rows)} best configs from {len(dbs)} database(s) -> {out}")
+    if not rows and gpu:
+        typer.echo(f"warning: no ok row measured on {', '.join(map(repr, gpu))} in these databases "
+                   "(--gpu takes the GPU name as `flashgen show` lists it)", err=True)
 
 
 @app.command(name="import")

@@ -241,6 +241,11 @@ class Dispatcher:
             return hit[1]
         from .db import NotATuningDB, TuningDB
 
+        if not path.is_file():  # a directory, a device, a fifo: nothing SQLite can open read-only
+            origin = "FLASHGEN_DB" if str(path) == os.environ.get("FLASHGEN_DB") else "tuning database"
+            raise InputError(f"{origin} {path} is not a file: a tuning database is an SQLite file "
+                             "(flashgen tune --db FILE writes one)")
+
         try:
             # never writes to a shipped file, nor beside it (immutable: no locks, no -shm)
             with TuningDB(path, readonly=True, immutable=path in shipped_databases()) as db:

@@ -55,6 +55,26 @@ def test_export_json_keeps_the_best_per_key_and_gpu_with_provenance(tmp_path):
     assert again.exit_code == 2 and "never overwrites" in again.output
 
 
+def test_export_keeps_the_best_bitwise_repeatable_row_beside_the_best(tmp_path):
+    """A key's ordered-dQ Gluon backward row (dq_ordered, what the deterministic backward
+    takes) ships beside the key's faster row; a --gpu filter that matches nothing warns."""
+    from flashgen.spec import WHOLE_BWD
+
+    spec = KernelSpec(WHOLE_BWD, "bfloat16", 128, 128, "causal")
+    key = SHAPE.key(spec)
+    a = tmp_path / "a.sqlite"
+    fast, ordered = TileConfig(64, 64, 8, 2, family="gluon"), TileConfig(64, 64, 8, 2, family="gluon", dq_ordered=1)
+    with TuningDB(a) as db:
+        for cfg, ms in ((fast, 1.0), (ordered, 1.1), (TileConfig(64, 64, 8, 3, family="gluon", dq_ordered=1), 1.3)):
+            db.record(key, SHAPE, Variant(spec, cfg), Measurement("ok", median_ms=ms), ENV_A, 0)
+    out = tmp_path / "ship.json"
+    assert run("export", out, a).exit_code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((TileConfig.from_dict(r).id, r["median_ms"]) for r in rows) == [(fast.id, 1.0), (ordered.id, 1.1)]
+    res = run("export", tmp_path / "none.json", a, "--gpu", "GPU-Z")
+    assert res.exit_code == 0 and "0 best configs" in res.output and "no ok row measured on 'GPU-Z'" in res.output
+
+
 def test_export_sqlite_is_a_db_the_dispatcher_reads(tmp_path):
     from flashgen.arch import TABLE
     from flashgen.dispatch import Dispatcher

@@ -64,6 +64,11 @@ def test_a_bad_flashgen_db_is_named(tmp_path, monkeypatch):
     disp = Dispatcher(env=Environment.current(), arch=TABLE["sm_90"])
     with pytest.warns(UserWarning, match="FLASHGEN_DB=.*typo.sqlite does not exist"):
         assert disp.choose(key).source == "default"
+    # a directory: named, not a raw FileNotFoundError from SQLite's read-only open
+    monkeypatch.setenv("FLASHGEN_DB", str(tmp_path))
+    disp = Dispatcher(env=Environment.current(), arch=TABLE["sm_90"])
+    with pytest.raises(InputError, match=f"FLASHGEN_DB {tmp_path} is not a file"):
+        disp.choose(key)
 
 
 def test_the_shipped_db_of_another_gpu_does_not_warn(monkeypatch):
