@@ -130,6 +130,15 @@ def validate(path: Path) -> None:
 SIDE_FILES = ("-wal", "-shm", "-journal", ".optuna.journal")
 
 
+def _may_write(path: Path) -> bool:
+    """Whether ``path`` may be written: the process can (``os.access``), and, for root
+    (whom ``os.access`` always allows), a write permission bit is set, so a file made
+    read-only (``chmod a-w``) stays read-only in a container that runs as root."""
+    if not os.access(path, os.W_OK):
+        return False
+    return os.geteuid() != 0 or bool(path.stat().st_mode & 0o222) if hasattr(os, "geteuid") else True
+
+
 def check_writable(path: Path, what: str = "--db") -> None:
     """Raise InputError (naming ``path`` and the rule) unless a tuning database can be
     written at ``path``: its directory exists (never created here) and is writable
@@ -140,7 +149,7 @@ def check_writable(path: Path, what: str = "--db") -> None:
     if not parent.is_dir():
         raise InputError(f"{what} {path}: directory {parent} does not exist (flashgen never creates "
                          "directories for a database; create it first)")
-    if path.exists() and not os.access(path, os.W_OK):
+    if path.exists() and not _may_write(path):
         raise InputError(f"{what} {path} is not writable: rows are appended to it (make it writable, "
                          "or name another file)")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -256,8 +265,7 @@ class TuningDB:
         self.path = Path(path)
         validate(self.path)
         if readonly is None:
-            readonly = self.path.exists() and not (
-                os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
+            readonly = self.path.exists() and not (_may_write(self.path) and os.access(self.path.parent, os.W_OK))
         self.readonly = readonly
         if readonly:
             self._conn = _connect_readonly(self.path, immutable)

@@ -210,3 +210,27 @@ def test_a_file_without_a_later_column_is_changed_only_by_its_first_write(tmp_pa
         rec(w, C2, 0.5)  # the first write adds the column (NULL in the old row)
         assert [r["family"] for r in w.rows()] == [None, "triton"]
         assert w.best_configs(ENV)[KEY.id][0] == C2
+
+
+def test_a_read_only_file_stays_read_only_for_root(tmp_path, monkeypatch):
+    """root passes os.access whatever the mode bits say; a database made read-only
+    (chmod a-w) is still refused for writing and opened for reading only."""
+    import stat
+
+    from flashgen import db as fdb
+    from flashgen.errors import InputError
+
+    path = tmp_path / "t.sqlite"
+    with fdb.TuningDB(path):
+        pass
+    path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    monkeypatch.setattr(fdb.os, "geteuid", lambda: 0, raising=False)
+    monkeypatch.setattr(fdb.os, "access", lambda p, mode, **kw: True)  # what root gets
+    with pytest.raises(InputError, match="is not writable"):
+        fdb.check_writable(path)
+    with fdb.TuningDB(path) as db:
+        assert db.readonly
+    path.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    fdb.check_writable(path)  # a write bit: writable
+    with fdb.TuningDB(path) as db:
+        assert not db.readonly
