@@ -969,9 +969,10 @@ class Explanation:
 def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
             softmax_scale: float | None = None, sdpa: bool = False, attn_mask=None, dropout_p: float = 0.0,
             enable_gqa: bool = False, dispatcher: "dispatch.Dispatcher | None" = None,
-            deterministic: bool | None = None) -> Explanation:
-    """What ``attention(q, k, v, causal=..., window=..., softmax_scale=...,
-    deterministic=...)`` runs, per kernel (fwd, then the backward's: bwd_dq and bwd_dkdv,
+            deterministic: bool | None = None, softcap: float = 0.0, alibi_slopes=None,
+            bias=None) -> Explanation:
+    """What ``attention(q, k, v, causal=..., window=..., softmax_scale=..., softcap=...,
+    alibi_slopes=..., bias=..., dropout_p=..., deterministic=...)`` runs, per kernel (fwd, then the backward's: bwd_dq and bwd_dkdv,
     or one family's whole backward ``bwd``; ``backward`` says which, whether it is
     bitwise repeatable and why): the ProblemKey, the kernel family (and why each
     other registered family cannot serve it), the TileConfig, its source (a tuned
@@ -983,14 +984,19 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
     enable_gqa=enable_gqa)`` instead (top-left causal), including why a call goes to
     torch's SDPA.  Meta tensors explain by sizes alone (no device needed).  Reads the
-    tuning databases of ``dispatcher`` (default: the process-wide one).
+    tuning databases of ``dispatcher`` (default: the process-wide one).  Calls with
+    ``score_mod``, ``mask_mod`` or ``sinks`` are not explained here (their variants are
+    named by the traced functions: ``flashgen.tune_mods`` lists them).
 
     Raises InputError for arguments :func:`attention` rejects (``sdpa=False``).
     """
     _check_deterministic(deterministic)
-    if not sdpa and (attn_mask is not None or dropout_p != 0.0 or enable_gqa):
-        raise InputError("attn_mask, dropout_p and enable_gqa are scaled_dot_product_attention's "
-                         "arguments: pass sdpa=True with them")
+    if not sdpa and (attn_mask is not None or enable_gqa):
+        raise InputError("attn_mask and enable_gqa are scaled_dot_product_attention's arguments: pass sdpa=True "
+                         "with them")
+    if sdpa and (softcap or alibi_slopes is not None or bias is not None):
+        raise InputError("softcap, alibi_slopes and bias are flashgen.attention's arguments, not "
+                         "scaled_dot_product_attention's")
     if sdpa:
         reason = sdpa_fallback_reason(q, k, v, attn_mask, dropout_p, causal, softmax_scale, enable_gqa)
         if reason is None and window != (-1, -1):
@@ -1004,6 +1010,8 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
             scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
             return Explanation("flashgen", "no launch (no heads: an empty output)", None, mask, lo, hi, scale, ())
     _check(q, k, v, softmax_scale, causal)
+    if not sdpa:
+        _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, None)
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align="top_left" if sdpa else "bottom_right")
@@ -1024,7 +1032,13 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         disp = dispatcher or dispatch.default_dispatcher()
         dtype = ops.dtype_name(q.dtype)
         layout = "" if q.is_meta else library.layout_signature(q, k, v)
-        mods = _sdpa_mods(attn_mask, dropout_p) if sdpa else ""
+        if sdpa:
+            mods = _sdpa_mods(attn_mask, dropout_p)
+        else:
+            from .spec import mods_name
+
+            mods = mods_name(softcap=bool(softcap), alibi=alibi_slopes is not None, bias=bias is not None,
+                             dropout=bool(dropout_p))
 
         def key_of(kernel):
             return ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask, mods), batch=b, num_heads=h,

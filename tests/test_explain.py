@@ -172,3 +172,24 @@ def test_cli_explain_for_a_named_gpu_takes_its_architecture_without_a_gpu_here()
     assert r.exit_code == 0 and "kernel family gluon" in r.output and "interpreter" not in r.output, r.output
     r = runner.invoke(app, args + ["--gpu", "NVIDIA H200", "--arch", "sm_80"])
     assert r.exit_code == 0 and "kernel family gluon" not in r.output and "sm_80" in r.output, r.output
+
+
+def test_explain_takes_the_built_in_score_mods():
+    """softcap, alibi_slopes, bias and dropout_p name the mods' keys (the two-kernel
+    backward, where the Gluon family does not serve them); their bad values raise as in
+    flashgen.attention; SDPA has none of them."""
+    disp = Dispatcher([], env=Environment.current(), arch=arch.current())
+    q, k, v = _meta()
+    bias = torch.empty(1, 1, SHAPE.seqlen_q, SHAPE.seqlen_k, device="meta", dtype=torch.bfloat16)
+    alibi = torch.empty(SHAPE.num_heads, device="meta", dtype=torch.float32)
+    rep = flashgen.explain(q, k, v, causal=True, softcap=30.0, alibi_slopes=alibi, bias=bias, dropout_p=0.1,
+                           dispatcher=disp)
+    assert [c.key.split("_g4")[0] for c in rep.kernels] == [
+        f"attn_{k}_d64_bf16_causal_softcap_alibi_bias_dropout" for k in ("fwd", "bwd_dq", "bwd_dkdv")]
+    assert "score modifications (softcap_alibi_bias_dropout)" in rep.backward
+    assert flashgen.explain(q, k, v, softcap=30.0, dispatcher=disp).kernels[0].key.startswith(
+        "attn_fwd_d64_bf16_none_softcap_g4")
+    with pytest.raises(flashgen.InputError, match="softcap must be a finite real"):
+        flashgen.explain(q, k, v, softcap=float("nan"), dispatcher=disp)
+    with pytest.raises(flashgen.InputError, match="are flashgen.attention's arguments"):
+        flashgen.explain(q, k, v, softcap=30.0, sdpa=True, dispatcher=disp)
