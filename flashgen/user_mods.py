@@ -712,7 +712,7 @@ class UserArgs:
             out += [t, *t.stride()]
         if kernel == "bwd_dq":
             out += [g for g in self.grads if g is not None]
-        if self.low.mask is not None:
+        if self.low.mask is not None and self.low.band is None:  # a band needs no block mask
             b, h, hk, sq, sk, lo, hi = self.sizes
             bm = block_ranges(self.mask, "k" if kernel == "bwd_dkdv" else "q", b, h, hk, sq, sk, lo, hi,
                               config.BLOCK_M, config.BLOCK_N, self.device)

@@ -408,6 +408,81 @@ def derivative(g: Graph, out, wrt: Ref):
     return t.get(out.i)
 
 
+# -- masks that are bands on kv - q -------------------------------------------------
+
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}
+
+
+def _affine(g: Graph, v):
+    """``v`` as (a, c, e) with v = a * q + c * k + e (integers), or None when it is not an
+    integer affine function of the query row and key column alone."""
+    if not isinstance(v, Ref):
+        return (0, 0, v) if isinstance(v, int) and not isinstance(v, bool) else None
+    n = g.nodes[v.i]
+    if n.dtype != "int":
+        return None
+    if n.op == "input":
+        return {"q": (1, 0, 0), "k": (0, 1, 0)}.get(n.args[0])
+    if n.op == "cast":
+        return _affine(g, n.args[0]) if n.args[1] in ("int32", "int64") and g.dtype(n.args[0]) == "int" else None
+    if n.op == "neg":
+        x = _affine(g, n.args[0])
+        return None if x is None else tuple(-t for t in x)
+    if n.op in ("add", "sub", "mul"):
+        x, y = _affine(g, n.args[0]), _affine(g, n.args[1])
+        if x is None or y is None:
+            return None
+        if n.op == "add":
+            return tuple(a + b for a, b in zip(x, y))
+        if n.op == "sub":
+            return tuple(a - b for a, b in zip(x, y))
+        if x[:2] == (0, 0):
+            return tuple(x[2] * t for t in y)
+        if y[:2] == (0, 0):
+            return tuple(y[2] * t for t in x)
+    return None
+
+
+def band(g: Graph, out):
+    """(lo, hi) when the mask function's result ``out`` is exactly lo <= kv - q <= hi
+    (None: that side unbounded): a conjunction (``&``, ``torch.logical_and``) of
+    comparisons of integer affine functions of q_idx and kv_idx that depend on them
+    through kv - q only (``q_idx - kv_idx <= 256``, ``kv_idx <= q_idx``), the kernels'
+    own window bounds.  None for any other mask (or an empty band)."""
+    if out is True:
+        return (None, None)
+    if not isinstance(out, Ref):
+        return None
+    n = g.nodes[out.i]
+    if n.op == "and" and n.dtype == "bool":
+        x, y = band(g, n.args[0]), band(g, n.args[1])
+        if x is None or y is None:
+            return None
+        lo = max((t for t in (x[0], y[0]) if t is not None), default=None)
+        hi = min((t for t in (x[1], y[1]) if t is not None), default=None)
+        return None if lo is not None and hi is not None and lo > hi else (lo, hi)
+    if n.op not in _FLIP:
+        return None
+    x, y = _affine(g, n.args[0]), _affine(g, n.args[1])
+    if x is None or y is None:
+        return None
+    a, c, e = (u - v for u, v in zip(x, y))  # a q + c k + e  <op>  0
+    if c == 0 or a != -c:
+        return None
+    op, t = n.op, -e  # c d <op> t, d = kv - q
+    if c < 0:
+        op, c, t = _FLIP[op], -c, -t
+    if op == "lt":
+        op, t = "le", t - 1
+    elif op == "gt":
+        op, t = "ge", t + 1
+    if op == "le":
+        return (None, t // c)
+    if op == "ge":
+        return (-(-t // c), None)
+    return (t // c, t // c) if t % c == 0 else None  # eq
+
+
 # -- Triton code ------------------------------------------------------------------------
 
 def _lit(v) -> str:
@@ -426,13 +501,16 @@ class _Code:
     """Emits the nodes of ``g`` as Triton statements ``<prefix><i> = ...``.  ``names``
     maps the inputs to expressions; ``valid`` gives the in-range predicates of the
     query rows ('q') and key columns ('k') that mask captured-tensor loads;
-    ``offsets``: load nodes whose offset is kept in ``u_off<i>`` (gradients)."""
+    ``offsets``: load nodes whose offset is kept in ``u_off<i>`` (gradients);
+    ``hoisted``: nodes computed once per program (:func:`program_constant`), which
+    arrive by name."""
 
-    def __init__(self, g: Graph, names: dict, prefix: str, bufs: tuple, valid: dict, offsets=(), base: int = 0):
+    def __init__(self, g: Graph, names: dict, prefix: str, bufs: tuple, valid: dict, offsets=(), base: int = 0,
+                 hoisted=()):
         self.g, self.names, self.prefix, self.bufs, self.valid, self.base = g, names, prefix, bufs, valid, base
         self.offsets = set(offsets)
         self.lines: list[str] = []
-        self.done: set[int] = set()
+        self.done: set[int] = set(hoisted)
 
     def name(self, v) -> str:
         if not isinstance(v, Ref):
@@ -470,6 +548,12 @@ class _Code:
             else:
                 self.lines.append(f"{self.prefix}{i} = {self._expr(n)}")
 
+    def _rows_minus_cols(self, a, b) -> bool:
+        """Whether ``a`` depends on the query row and not on the key column, ``b`` the
+        other way round."""
+        da, db = self.g.deps(a), self.g.deps(b)
+        return "q" in da and "k" not in da and "k" in db and "q" not in db
+
     def _floordiv_int(self, a, b) -> str:
         A, B = self.i(a), self.i(b)
         if not isinstance(b, Ref) and b > 0:
@@ -480,6 +564,11 @@ class _Code:
 
     def _expr(self, n: Node) -> str:
         op, args, dt = n.op, n.args, n.dtype
+        if op == "sub" and dt == "int" and self._rows_minus_cols(*args):
+            # q - k as -(k - q): the kernels' own bounds form k - q, and Triton 3.6's
+            # sm_90 code for (rows - cols) keeps a row offset per row and loses the
+            # tile's shared diagonals (ALiBi's |q - k|: 30 abs per thread against 18)
+            return f"-({self.num(args[1], dt)} - {self.num(args[0], dt)})"
         if op in ("add", "sub", "mul"):
             return f"{self.num(args[0], dt)} {_BIN[op]} {self.num(args[1], dt)}"
         if op in _CMP:
@@ -573,6 +662,21 @@ class _Code:
         return out
 
 
+def program_constant(g: Graph, outs, keep=()) -> list[int]:
+    """The nodes among those ``outs`` need that depend on nothing but the batch and head
+    indices (``slopes[h]``, ``table[0]``) and that a node of the tile (or an output)
+    reads: computed once per program (per head in bwd_dkdv's loop over the group)
+    instead of once per tile.  ``keep``: nodes that stay in the tile (gradient loads,
+    whose offsets the tile's atomics reuse)."""
+    need = g.uses(outs)
+    const = {i for i in need if g.nodes[i].op != "input" and g.nodes[i].deps <= {"b", "h"} and i not in keep}
+    used = {o.i for o in outs if isinstance(o, Ref)}
+    for i in need:
+        if i not in const:
+            used.update(a.i for a in g.nodes[i].args if isinstance(a, Ref))
+    return sorted(const & used)
+
+
 # -- what a variant carries ---------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -618,6 +722,13 @@ class Lowered:
         if kernel == "bwd_dq":
             outs += [d for _, _, d in self.grads]
         return outs
+
+    @functools.cached_property
+    def band(self):
+        """(lo, hi) when the mask function is a band lo <= kv - q <= hi (:func:`band`):
+        the kernels tighten their own bounds on j - i to it and evaluate no mask
+        function (no predicate, no block mask: the window's tile ranges); else None."""
+        return band(self.mask, self.mask_out) if self.mask is not None else None
 
     @functools.cached_property
     def name(self) -> str:
@@ -670,7 +781,47 @@ class Context:
 
     @property
     def mask(self) -> bool:
-        return self.low.mask is not None
+        """Whether the kernels evaluate a mask function (its predicate in masked tiles, its
+        block mask's ranges); a band (:attr:`Lowered.band`) only tightens the bounds."""
+        return self.low.mask is not None and self.low.band is None
+
+    def _hoisted(self) -> list[tuple[Graph, str, list[int], int]]:
+        """(graph, prefix, program-constant nodes, buffer base) of the score and mask
+        functions in this kernel (:func:`program_constant`)."""
+        low, out = self.low, []
+        if low.score is not None:
+            keep = [i for i, _, _ in low.grads] if self.kernel == "bwd_dq" else []
+            out.append((low.score, "u", program_constant(low.score, low.score_outs(self.kernel), keep), 0))
+        if self.mask:
+            out.append((low.mask, "um", program_constant(low.mask, [low.mask_out]), low.mask_base))
+        return out
+
+    def _hoisted_names(self) -> str:
+        return "".join(f"{prefix}{i}, " for _, prefix, nodes, _ in self._hoisted() for i in nodes)
+
+    def setup(self, z: str, h: str, indent: str) -> str:
+        """Once per program (bwd_dkdv: per query head of the group), before the tiles: the
+        values of the functions that depend on the batch and head alone (a captured
+        tensor read at [h]), passed to the tiles by name."""
+        lines = []
+        for g, prefix, nodes, base in self._hoisted():
+            if nodes:
+                code = _Code(g, {"b": z, "h": h}, prefix, self.low.bufs, {}, base=base)
+                code.emit([Ref(i) for i in nodes])
+                lines += code.lines
+        if not lines:
+            return ""
+        return "".join(f"{indent}{x}\n" for x in ["# user functions' per-(batch, head) values", *lines])
+
+    def bounds(self) -> str:
+        """A band mask: the kernels' bounds on j - i tightened to it (before the ranges)."""
+        lo, hi = self.low.band if self.low.band is not None else (None, None)
+        out = "" if lo is None and hi is None else "    # user mask function: the band lo <= j - i <= hi\n"
+        if lo is not None:
+            out += f"    diag_lo = tl.maximum(diag_lo, {lo})\n"
+        if hi is not None:
+            out += f"    diag_hi = tl.minimum(diag_hi, {hi})\n"
+        return out
 
     @property
     def guard(self) -> bool:
@@ -687,11 +838,11 @@ class Context:
 
     def tile_args(self, params: bool) -> str:
         """The extra arguments of the kernels' _tile() (``params``: its def)."""
-        if self.low.score is None and self.low.mask is None:
+        if self.low.score is None and not self.mask:
             return ""
         out = "sm_scale, " if self.low.score is not None else ""
         out += "u_z, u_h, " if params else "off_z, off_h, "
-        return out + self._buf_params()
+        return out + self._buf_params() + self._hoisted_names()
 
     def kernel_params(self, scale: bool) -> str:
         """The extra kernel parameters (after diag_lo, diag_hi); the order of
@@ -723,7 +874,8 @@ class Context:
             outs = low.score_outs(self.kernel)
             bwd = self.kernel != "fwd"
             grads = low.grads if self.kernel == "bwd_dq" else ()
-            code = _Code(low.score, names, "u", low.bufs, valid, offsets=[i for i, _, _ in grads])
+            hoisted = {i for g, _, nodes, _ in self._hoisted() if g is low.score for i in nodes}
+            code = _Code(low.score, names, "u", low.bufs, valid, offsets=[i for i, _, _ in grads], hoisted=hoisted)
             code.emit(outs)
             lines += code.lines
             if bwd and _nonunit(low.dscore):
@@ -738,8 +890,9 @@ class Context:
                 lines.append(f"{var} = tl.where({var} == float(\"-inf\"), {var}, "
                              f"tl.minimum(tl.maximum({var}, -2.3e38), 2.3e38))")
             lines.append(f"{var} = {var} * {LOG2E!r}")
-        if low.mask is not None:
-            code = _Code(low.mask, names, "um", low.bufs, valid, base=low.mask_base)
+        if self.mask:
+            hoisted = {i for g, _, nodes, _ in self._hoisted() if g is low.mask for i in nodes}
+            code = _Code(low.mask, names, "um", low.bufs, valid, base=low.mask_base, hoisted=hoisted)
             code.emit([low.mask_out])
             out = low.mask_out
             if isinstance(out, Ref):

@@ -5,8 +5,10 @@ the exactness rule of the dense path; functions equal to built-in mods or masks 
 the built-in's output; block ranges; variant identity; clear errors."""
 
 import math
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -394,7 +396,7 @@ def test_plain_variants_render_as_before():
 
 
 def test_user_source_has_the_hooks():
-    mt = user_mods.trace(lambda b, h, q, k: q >= k, "mask")
+    mt = user_mods.trace(lambda b, h, q, k: (q >= k) | (k < 4), "mask")
     st = user_mods.trace(t5_bias(torch.zeros(16, 4, requires_grad=True))[0], "score")
     low = user_mods._lowered("bwd", st, mt, [True], False)
     user_render.register(low)
@@ -413,7 +415,7 @@ def test_a_mask_function_alone_leaves_the_built_in_score_scaling():
     hands the softmax base-2 scores."""
     from flashgen import render
 
-    mt = user_mods.trace(lambda b, h, q, k: q - k <= 8, "mask")
+    mt = user_mods.trace(lambda b, h, q, k: (q - k <= 8) | (k < 4), "mask")  # not a band: a predicate
     st = user_mods.trace(lambda s, b, h, q, k: s * 0.5, "score")
     exp2 = {"fwd": "exp2(qk * qk_scale - m_sub", "bwd_dq": "exp2(qk * qk_scale - lse", "bwd_dkdv": "exp2(qkt * qk_scale - lse"}
     for kernel, direction in (("fwd", "fwd"), ("bwd_dq", "bwd"), ("bwd_dkdv", "bwd")):
@@ -426,6 +428,83 @@ def test_a_mask_function_alone_leaves_the_built_in_score_scaling():
         both = user_mods.lowering(direction, st, mt, [], False)
         src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "causal", both.name), cfg))
         assert exp2[kernel] not in src and "* 1.4426950408889634" in src and "u_keep" in src
+
+
+def test_a_load_indexed_by_the_head_is_made_once_per_program():
+    """slopes[h] (ALiBi written as a score function) is read once per program, before the
+    key loop, as the built-in alibi_slopes reads its slope, in every dense kernel (bwd_dkdv:
+    once per query head of its group), and passed to the tiles; q - k is formed as
+    -(k - q), the built-in bounds' form."""
+    from flashgen import render
+
+    slopes = torch.rand(4)
+    st = user_mods.trace(lambda s, b, h, q, k: s - slopes[h] * torch.abs(q - k), "score")
+    cfg = TileConfig(64, 32, 4, 1)
+    for kernel, direction in (("fwd", "fwd"), ("bwd_dq", "bwd"), ("bwd_dkdv", "bwd")):
+        low = user_mods.lowering(direction, st, None, [False], False)
+        src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "causal", low.name), cfg))
+        tile, kern = src.split(f"def attn_{kernel}(")
+        assert "tl.load(UT0" not in tile and kern.count("tl.load(UT0 + off_h.to(tl.int64) * ut0_s0)") == 1
+        assert re.search(r"u\d+ = -\(\w+\[(:, None|None, :)\] - \w+\[", tile), tile
+
+
+def test_a_head_indexed_table_and_its_gradient_stay_exact(tiles):
+    """A learned per-head table read at [h] (hoisted in fwd/bwd_dkdv; in bwd_dq the load
+    whose gradient the tile sums stays in the tile) against float64, GQA included."""
+    def make(t):
+        return (lambda s, b, h, q, k: s - t[h] * torch.abs(q - k) + t[(h + 1) % 4]), None
+    _run(make, [torch.rand(4)], causal=True)
+
+
+@pytest.mark.parametrize("fn, want", [
+    (lambda b, h, q, k: q - k <= 256, (-256, None)),
+    (lambda b, h, q, k: k <= q, (None, 0)),
+    (lambda b, h, q, k: (k >= q - 7) & (k <= q + 3), (-7, 3)),
+    (lambda b, h, q, k: torch.logical_and(k - q < 4, 2 * (q - k) <= 9), (-4, 3)),
+    (lambda b, h, q, k: (q + 5) - (k + 2) > -2, (None, 4)),
+    (lambda b, h, q, k: k - q == 2, (2, 2)),
+    (lambda b, h, q, k: (q - k <= 8) | (k < 4), None),
+    (lambda b, h, q, k: q <= 8, None),
+    (lambda b, h, q, k: (k <= q) & (h > 0), None),
+    (lambda b, h, q, k: (k > q + 3) & (k < q), None),  # empty: left to the predicate
+    (lambda b, h, q, k: 2 * k - 2 * q == 3, None),
+])
+def test_a_mask_that_is_a_band_on_kv_minus_q_is_recognized(fn, want):
+    assert user_render.band(*(lambda t: (t.graph, t.out))(user_mods.trace(fn, "mask"))) == want
+
+
+def test_a_band_mask_runs_the_window_kernels_code():
+    """A mask function that is a band on kv - q (a window written as mask_mod) tightens the
+    kernels' bounds on j - i and evaluates nothing else: no predicate, no block mask;
+    the forward's tiles are the built-in window's."""
+    from flashgen import render
+
+    mt = user_mods.trace(lambda b, h, q, k: q - k <= 8, "mask")
+    cfg = TileConfig(64, 32, 4, 1)
+    for kernel, direction in (("fwd", "fwd"), ("bwd_dq", "bwd"), ("bwd_dkdv", "bwd")):
+        low = user_mods.lowering(direction, None, mt, [], False)
+        assert low.band == (-8, None)
+        src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "causal", low.name), cfg))
+        assert "u_keep" not in src and "UBM" not in src and "diag_lo = tl.maximum(diag_lo, -8)" in src
+        plain = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "window"), cfg))
+        def tile(text):  # the _tile function, blank lines aside
+            return [x for x in text.split("@triton.jit")[1].splitlines() if x.strip()]
+        assert tile(src) == tile(plain)
+    args = user_mods.UserArgs(user_mods.lowering("fwd", None, mt, [], False), [], [], mt,
+                              (1, 2, 1, 40, 40, -40, 0), None, torch.device("cpu"))
+    assert args.kernel_args(0.1, True, types.SimpleNamespace(VARIANT_ID="attn_fwd_x"), cfg) == []  # no block mask
+
+
+def test_a_band_mask_equals_the_built_in_window_and_a_bigger_or_empty_band(tiles):
+    for sq, sk in ((45, 45), (37, 45), (45, 37)):
+        q, k, v = _qkv(sq=sq, sk=sk)
+        a = flashgen.attention(q, k, v, causal=True, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 9,
+                               return_lse=True)
+        c = flashgen.attention(q, k, v, window=(9 + sk - sq, 0), return_lse=True)  # lo = -9, hi = sk - sq
+        for x, y in zip(a, c):
+            assert torch.equal(x, y)
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: (kv_idx - q_idx >= -3) & (kv_idx - q_idx <= 5)), sq=45, sk=37)
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 100), causal=True, sq=45, sk=45)
 
 
 # -- errors ------------------------------------------------------------------------------
