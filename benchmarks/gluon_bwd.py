@@ -14,7 +14,14 @@ sizes, both causal alignments, a window, NaN past seqlen_k), then timed on GQA_S
 (bf16, causal) against SDPA cuDNN (enable_gqa): the whole backward, its main kernel
 alone and the dK/dV reduction alone; writes gluon_bwd_gqa.json.
 
-Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa]
+``--ordered``: the deterministic run instead: the defaults with dQ added in a fixed order
+(dq_mode "ordered") beside the same tiles with the unordered TMA reduce-add
+(ORDERED_CONFIGS), each checked against float64 on CHECKS (GQA_CHECKS for a group split)
+and for bitwise-identical dQ, dK and dV over three backwards, then timed on
+ORDERED_SHAPES against SDPA cuDNN's backward and flashgen's backward through autograd,
+default and ``deterministic=True``; writes gluon_bwd_ordered.json.
+
+Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered]
 """
 
 from __future__ import annotations
@@ -76,6 +83,16 @@ GQA_CHECKS = [(1, 8, 2, 17, 17, False, (-1, -1), "bottom_right", False),
               (1, 8, 2, 300, 1000, True, (-1, -1), "bottom_right", False),
               (1, 8, 2, 1000, 300, True, (-1, -1), "top_left", False),
               (1, 8, 2, 1000, 1000, False, (200, 64), "bottom_right", True)]
+#: The deterministic run (--ordered): each default tile with dQ by the unordered TMA
+#: reduce-add and by the ordered one; "full" as CONFIGS.
+ORDERED_CONFIGS = [((64, 64, 2, 2, mode, 240, 24, "tma", 1, False, gs), 128, gs == 1)
+                   for gs in (1, 4) for mode in ("tma", "ordered")] + \
+                  [((64, 64, 2, 4, mode, 240, 24, "tma", 1, True), 64, True) for mode in ("tma", "ordered")]
+#: (batch, num_heads, num_kv_heads, seqlen, head_dim, causal): issue 16's grid shapes and
+#: the GQA shapes of the Llama training step and the Llama-3-8B suite.
+ORDERED_SHAPES = [(4, 16, 16, 4096, 128, False), (1, 16, 16, 16384, 128, True), (4, 16, 16, 4096, 128, True),
+                  (8, 32, 32, 2048, 64, False), (4, 32, 32, 4096, 64, True), (4, 16, 4, 2048, 128, True),
+                  (2, 32, 8, 4096, 128, True)]
 #: HBM bandwidth the reduction's prediction divides its bytes by (bytes/s).
 HBM_BYTES_PER_S = 3.3e12
 FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
@@ -87,9 +104,11 @@ def tflops(b, h, s, d, causal, ms):
 
 # ------------------------------------------------------------------------------- child side
 
-def _child_variants(specs: list[str], timing: bool, gqa: bool = False) -> None:
+def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: bool = False) -> None:
     """Per variant: the float64 checks (``timing`` False) or the timings (True); ``gqa``:
-    GQA_CHECKS and GQA_SHAPES (with the main kernel and the reduction also timed alone)."""
+    GQA_CHECKS and GQA_SHAPES (with the main kernel and the reduction also timed alone);
+    ``ordered``: CHECKS (GQA_CHECKS for a group split) with the repeatability check, and
+    ORDERED_SHAPES."""
     import torch
     import triton.testing
 
@@ -127,6 +146,11 @@ def _child_variants(specs: list[str], timing: bool, gqa: bool = False) -> None:
                               config=cfg, dq=outs[0], dk=outs[1], dv=outs[2], stage_sync=True)
         torch.cuda.synchronize()
         res = {}
+        if ordered:  # two more backwards: bitwise the same dQ, dK, dV?
+            again = [B.attention_bwd(do, q, k, v, o, lse, softmax_scale=scale, diag_lo=lo, diag_hi=hi, mask=mode,
+                                     config=cfg) for _ in range(2)]
+            torch.cuda.synchronize()
+            res["repeatable"] = all(torch.equal(x, y) for a in again for x, y in zip(got, a))
         for name, gt, r, bs in zip(("dq", "dk", "dv"), got, ref, base):
             err, berr = reference.max_error(gt, r), reference.max_error(bs, r)
             res[name] = [err, berr, err / (2 * berr + FLOOR[dtype_name])]
@@ -141,18 +165,24 @@ def _child_variants(specs: list[str], timing: bool, gqa: bool = False) -> None:
             worst = 0.0
             # Every config is checked in the modes it is timed in (none, causal); a "full"
             # one also in window mode and in float16.
-            cases = [] if timing else [c for c in (GQA_CHECKS if gqa else CHECKS) if full or c[6] == (-1, -1)]
+            checks = GQA_CHECKS if gqa or (ordered and cfg.group_split > 1) else CHECKS
+            cases = [] if timing else [c for c in checks if full or c[6] == (-1, -1)]
             for case in cases:
                 for dtype_name in (("bfloat16", "float16") if full and case[3] == 1000 and not case[5]
                                    else ("bfloat16",)):
                     mode, res = run_check(cfg, d, dtype_name, case)
+                    rep = res.pop("repeatable", None)
                     r = max(v[2] for v in res.values())
                     worst = max(worst, r)
                     row["checks"].append({"case": case, "dtype": dtype_name, "mode": mode, "res": res,
-                                          "ok": bool(r <= 1.0)})
+                                          "ok": bool(r <= 1.0), "repeatable": rep})
             row["check_ok"] = all(c["ok"] for c in row["checks"])
             row["check_worst"] = worst
-            if timing and gqa:
+            if timing and ordered:
+                row["times"] = [_time_gqa(cfg, *shape) for shape in ORDERED_SHAPES
+                                if shape[4] == d and (shape[1] // shape[2]) % cfg.group_split == 0
+                                and (cfg.group_split == 1 or shape[1] != shape[2])]
+            elif timing and gqa:
                 row["times"] = [_time_gqa(cfg, *shape) for shape in GQA_SHAPES if shape[4] == d]
             elif timing:
                 for (b, h, s, dd, causal) in SHAPES:
@@ -199,7 +229,12 @@ def _time_gqa(cfg, b, h, hk, s, d, causal) -> dict:
     grid, args = a["preprocess"]
     mod.attn_bwd_preprocess[grid](*args, num_warps=4)
     grid, args = a["main"]
-    main = lambda: mod.attn_bwd[grid](*args, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)  # noqa: E731
+    sem = a.get("sem")  # dq_mode "ordered": the semaphores start at zero on every launch
+
+    def main():
+        if sem is not None:
+            sem.zero_()
+        mod.attn_bwd[grid](*args, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
     torch.cuda.synchronize()
     bench = lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))  # noqa: E731
     out = {"shape": [b, h, hk, s, d, causal], "ms": bench(whole), "main_ms": bench(main)}
@@ -214,30 +249,45 @@ def _time_gqa(cfg, b, h, hk, s, d, causal) -> dict:
     return out
 
 
-def _child_baselines_gqa() -> None:
-    """SDPA cuDNN's backward (enable_gqa) per GQA shape."""
+def _child_baselines_gqa(shapes=None, names=("cudnn",)) -> None:
+    """Per GQA shape (``shapes``: (batch, num_heads, num_kv_heads, seqlen, head_dim,
+    causal), default GQA_SHAPES), the median backward ms through autograd of each of
+    ``names``: "cudnn" (SDPA cuDNN, enable_gqa), "flashgen" and
+    "flashgen_deterministic" (flashgen.attention, deterministic=True)."""
     import torch
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    for (b, h, hk, s, d, causal) in GQA_SHAPES:
+    import flashgen
+
+    for (b, h, hk, s, d, causal) in (GQA_SHAPES if shapes is None else shapes):
         dt = torch.bfloat16
         q = torch.randn(b, h, s, d, device="cuda", dtype=dt, requires_grad=True)
         k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(2))
         do = torch.randn(b, h, s, d, device="cuda", dtype=dt)
         row = {"shape": [b, h, hk, s, d, causal]}
-        try:
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                out = sdpa(q, k, v, is_causal=causal, enable_gqa=True)
-            fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            ms = float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-            row["cudnn"] = {"ms": ms, "tflops": tflops(b, h, s, d, causal, ms)}
-        except Exception as e:  # noqa: BLE001
-            row["cudnn"] = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
-        out = None
+        for name in names:
+            try:
+                if name == "cudnn":
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        out = sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+                else:
+                    out = flashgen.attention(q, k, v, causal=causal,
+                                             deterministic=True if name.endswith("deterministic") else None)
+                fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                ms = float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+                row[name] = {"ms": ms, "tflops": tflops(b, h, s, d, causal, ms)}
+            except Exception as e:  # noqa: BLE001
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+            out = None
+        if "flashgen_deterministic" in names:
+            try:
+                row["explain"] = str(flashgen.explain(q, k, v, causal=causal, deterministic=True))[-600:]
+            except Exception as e:  # noqa: BLE001
+                row["explain"] = f"{type(e).__name__}: {e}"
         print("RESULT", json.dumps(row), flush=True)
 
 
@@ -329,18 +379,24 @@ def main() -> int:
     ap.add_argument("--timing", action="store_true", help="child: time instead of check")
     ap.add_argument("--warm-only", action="store_true", help="child: baselines run once, untimed")
     ap.add_argument("--gqa", action="store_true", help="the GQA run (group_split 1, 2, 4 against cuDNN)")
+    ap.add_argument("--ordered", action="store_true", help="the deterministic run (dQ added in a fixed order)")
     ap.add_argument("items", nargs="*")
     a = ap.parse_args()
     if a.child_variants:
-        _child_variants(a.items, a.timing, a.gqa)
+        _child_variants(a.items, a.timing, a.gqa, a.ordered)
         return 0
     if a.child_baselines:
-        _child_baselines_gqa() if a.gqa else _child_baselines(a.warm_only)
+        if a.ordered:
+            _child_baselines_gqa(ORDERED_SHAPES, ("cudnn", "flashgen", "flashgen_deterministic"))
+        else:
+            _child_baselines_gqa() if a.gqa else _child_baselines(a.warm_only)
         return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.gqa:
         return _main_gqa(out, min(a.budget_s, 170.0))
+    if a.ordered:
+        return _main_ordered(out, a.budget_s)
     t0 = time.time()
     deadline = t0 + a.budget_s
     with open(out / "gluon_bwd.log", "w") as log, open(out / "baseline_warm.log", "w") as wlog:
@@ -438,6 +494,52 @@ def _main_gqa(out: Path, budget_s: float) -> int:
                 red = (f" reduce {t['reduce_ms']:.3f} (pred {t['reduce_pred_ms']:.3f})" if "reduce_ms" in t else "")
                 ratio = f" [{ref / t['ms']:.2f}]" if ref else ""
                 print(f"    {r['config']:<46} whole {t['ms']:.3f}{ratio} main {t['main_ms']:.3f}{red}")
+    print(f"wall {time.time() - t0:.0f} s")
+    return 0
+
+
+def _main_ordered(out: Path, budget_s: float) -> int:
+    """The deterministic run: checks (float64 and repeatability), timings of the variants
+    that passed, then the baselines; writes gluon_bwd_ordered.json and prints the table
+    last."""
+    t0 = time.time()
+    deadline = t0 + budget_s
+    with open(out / "gluon_bwd_ordered.log", "w") as log:
+        specs = [json.dumps([list(f), d, full]) for f, d, full in ORDERED_CONFIGS]
+        checked = _run_child(["--child-variants", "--ordered"], specs, 120.0, deadline - 60.0, log)
+        (out / "gluon_bwd_ordered.json").write_text(json.dumps({"checked": checked}, indent=1))
+        passed = [sp for sp, r in zip(specs, checked) if r.get("check_ok")]
+        timed = _run_child(["--child-variants", "--timing", "--ordered"], passed, 60.0, deadline - 30.0, log)
+        (out / "gluon_bwd_ordered.json").write_text(json.dumps({"checked": checked, "timed": timed}, indent=1))
+        base = _run_child(["--child-baselines", "--ordered"], ["all"], 90.0, deadline + 30.0, log)
+    res = {"checked": checked, "timed": timed, "baselines": base, "wall_s": time.time() - t0}
+    (out / "gluon_bwd_ordered.json").write_text(json.dumps(res, indent=1))
+    print("\nchecks against float64 (worst error / (2 x PyTorch's + floor), <= 1 passes); repeatable: dQ, dK, dV "
+          "bitwise equal over three backwards, cases that were / all")
+    for r in checked:
+        if "config" not in r:
+            print(f"  {r.get('item', '?')[:60]} ERROR {r.get('error', '')[:100]}")
+            continue
+        reps = [c["repeatable"] for c in r["checks"]]
+        print(f"  d{r['head_dim']} {r['config']:<44} ok {r.get('check_ok')} worst {r.get('check_worst', 0):.3f} "
+              f"repeatable {sum(bool(x) for x in reps)}/{len(reps)}" + (" ERR " + r["error"][:80] if "error" in r else ""))
+    bl = {tuple(r["shape"]): r for r in base if "shape" in r}
+    print("\nbackward ms, bf16 (whole Gluon backward; baselines through autograd) [cuDNN ms / ms]")
+    for shape in ORDERED_SHAPES:
+        b, h, hk, s, d, causal = shape
+        row = bl.get(tuple(shape), {})
+        ref = row.get("cudnn", {}).get("ms")
+        cells = [f"{n} " + (f"{row[n]['ms']:.3f}" + (f" [{ref / row[n]['ms']:.2f}]" if ref else "")
+                            if "ms" in row.get(n, {}) else "ERR") for n in ("cudnn", "flashgen", "flashgen_deterministic")]
+        print(f"  {b}x{h}/{hk}x{s} d{d}{' causal' if causal else ''}: " + ", ".join(cells))
+        for r in timed:
+            for t in r.get("times", []):
+                if t["shape"] == list(shape):
+                    print(f"    {r['config']:<46} {t['ms']:.3f}" + (f" [{ref / t['ms']:.2f}]" if ref else "")
+                          + f" main {t['main_ms']:.3f}")
+    for r in timed:
+        if "config" not in r or "error" in r:
+            print(f"  {r.get('config', r.get('item', '?'))[:60]} ERROR {r.get('error', '')[:100]}")
     print(f"wall {time.time() - t0:.0f} s")
     return 0
 

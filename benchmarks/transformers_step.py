@@ -1,33 +1,41 @@
 """A real client on the GPU: transformers' LlamaForCausalLM (random weights, bf16) with
 attention from transformers' ``sdpa`` implementation and from flashgen's
 (``flashgen.integrations.transformers.register()``), one model per configuration, the
-two implementations switched with ``model.set_attn_implementation`` on the same weights.
+two implementations switched with ``model.set_attn_implementation`` on the same weights;
+on request (``--configs gptoss``) a GptOssForCausalLM against its ``eager`` attention
+(gpt-oss's attention sinks; transformers gives it no sdpa).
 
 Configurations (hidden, heads / kv heads, layers, batch x tokens; head_dim 128;
 intermediate size and vocabulary recorded in the JSON):
 
 * ``h2048``: 2048, 16 / 4, 8 layers, 4 x 2048 (intermediate 5632, vocab 32000);
-* ``h4096``: 4096, 32 / 8, 4 layers, 2 x 4096 (intermediate 14336, vocab 32000).
+* ``h4096``: 4096, 32 / 8, 4 layers, 2 x 4096 (intermediate 14336, vocab 32000);
+* ``gptoss`` (not run by default): gpt-oss-20b's attention (hidden 2880, 64 / 8 heads,
+  head_dim 64, sinks, layers alternating sliding window 128 and full), 4 layers, 4 x
+  2048, with 4 experts (top 2) of intermediate 2880 instead of 32 (vocab 32000); the
+  reference is transformers' ``eager`` attention.
 
 For each configuration and implementation:
 
 * check: from the same weights and batch, one forward + backward (training mode, no
-  dropout); the loss must agree with sdpa's to 2e-3 relative, and the gradients are
-  compared per parameter (relative L2 error ||g - g_sdpa|| / ||g_sdpa||; worst and
-  median over parameters, and over all parameters flattened); ``grads_ok`` when the
-  flattened error is <= 2e-2 (bf16's precision over 8 or 4 layers);
+  dropout); the loss must agree with the reference's (sdpa; eager for gpt-oss) to 2e-3
+  relative, and the gradients are compared per parameter (relative L2 error
+  ||g - g_ref|| / ||g_ref||; worst and median over parameters, and over all parameters
+  flattened); ``grads_ok`` when the flattened error is <= 2e-2 (bf16's precision over 8
+  or 4 layers);
 * train step: zero_grad, forward with labels, backward, AdamW step (foreach, lr 1e-5);
   ``--warmup`` steps, then ``--steps`` steps each timed with CUDA events: median ms
   (the weights are restored from the same copy before each implementation's run);
 * prefill: forward only under ``torch.no_grad()``, eval mode, ``use_cache=False``,
   logits of the last position only (``logits_to_keep=1``): median ms.
 
-Ratios are flashgen / sdpa time (below 1: flashgen faster).  JSON goes to --out
+Ratios are flashgen / reference time (below 1: flashgen faster).  JSON goes to --out
 (rewritten after each configuration); a table is printed last.  Needs a CUDA GPU, torch,
 triton, transformers, and flashgen's runtime dependencies (jinja2; sqlite-utils, read
 when the dispatcher opens the shipped tuning database).
 
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --out transformers_step.json
+    PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --configs gptoss --out gptoss_step.json
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --smoke --out /tmp/t.json   # CPU, interpreter
 """
 
@@ -45,9 +53,12 @@ CONFIGS = {
     # name: (hidden, heads, kv_heads, layers, batch, tokens, intermediate, vocab)
     "h2048": (2048, 16, 4, 8, 4, 2048, 5632, 32000),
     "h4096": (4096, 32, 8, 4, 2, 4096, 14336, 32000),
+    "gptoss": (2880, 64, 8, 4, 4, 2048, 2880, 32000),
 }
-# --smoke (CPU, Triton's interpreter, float32): a tiny model that shows the script's path
-SMOKE = {"smoke": (64, 4, 2, 2, 2, 32, 128, 256)}
+DEFAULT_CONFIGS = ("h2048", "h4096")
+# --smoke (CPU, Triton's interpreter, float32): tiny models that show the script's paths
+SMOKE = {"smoke": (64, 4, 2, 2, 2, 32, 128, 256), "smoke_gptoss": (64, 4, 2, 2, 2, 32, 32, 256)}
+GPT_OSS = {"gptoss", "smoke_gptoss"}  # GptOssConfig, reference "eager"; the others LlamaConfig and "sdpa"
 
 LOSS_RTOL = 2e-3
 GRAD_RTOL = 2e-2
@@ -56,7 +67,8 @@ GRAD_RTOL = 2e-2
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="transformers_step.json", help="JSON output path")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated subset of {','.join(CONFIGS)}")
     p.add_argument("--steps", type=int, default=10, help="timed train steps / prefills per implementation")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles flashgen's kernels)")
     p.add_argument("--profile", action="store_true",
@@ -146,24 +158,38 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
     import transformers
 
     hidden, heads, kv_heads, layers, batch, tokens, inter, vocab = spec
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                                   num_hidden_layers=layers, num_attention_heads=heads,
-                                   num_key_value_heads=kv_heads, max_position_embeddings=max(tokens, 128),
-                                   attention_dropout=0.0, use_cache=False)
+    if name in GPT_OSS:
+        ref_impl = "eager"
+        window = 128 if tokens > 128 else 8
+        cfg = transformers.GptOssConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                        num_hidden_layers=layers, num_attention_heads=heads,
+                                        num_key_value_heads=kv_heads, head_dim=64 if hidden > 64 else 16,
+                                        num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+                                        attention_dropout=0.0, use_cache=False)  # gpt-oss's YaRN rope
+    else:
+        ref_impl = "sdpa"
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                       num_hidden_layers=layers, num_attention_heads=heads,
+                                       num_key_value_heads=kv_heads, max_position_embeddings=max(tokens, 128),
+                                       attention_dropout=0.0, use_cache=False)
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ref_impl, dtype=dtype)
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, vocab, (batch, tokens), generator=g).to(device)
     cuda = device == "cuda"
-    rec = {"config": dict(hidden=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+    rec = {"model": type(model).__name__, "reference": ref_impl,
+           "config": dict(hidden=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=cfg.head_dim,
                           layers=layers, batch=batch, tokens=tokens, intermediate=inter, vocab=vocab,
                           params=n_params, dtype=str(dtype).replace("torch.", "")), "impl": {}}
+    if name in GPT_OSS:
+        rec["config"].update(sliding_window=cfg.sliding_window, layer_types=cfg.layer_types,
+                             num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok)
     grads = {}
-    for impl in ("sdpa", impl_fg):
+    for impl in (ref_impl, impl_fg):
         model.set_attn_implementation(impl)
         model.load_state_dict(weights)
         # check: one forward + backward from the same weights and batch
@@ -205,10 +231,10 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         if cuda:
             r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
-    ref, got = rec["impl"]["sdpa"], rec["impl"][impl_fg]
+    ref, got = rec["impl"][ref_impl], rec["impl"][impl_fg]
     rec["loss_rel_diff"] = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
     rec["loss_ok"] = rec["loss_rel_diff"] <= LOSS_RTOL
-    rec["grad_rel_l2"] = _grad_errors(grads[impl_fg], grads["sdpa"])
+    rec["grad_rel_l2"] = _grad_errors(grads[impl_fg], grads[ref_impl])
     rec["grads_ok"] = rec["grad_rel_l2"]["all_params"] <= GRAD_RTOL
     rec["train_step_ratio"] = got["train_step_ms"] / ref["train_step_ms"]
     rec["prefill_ratio"] = got["prefill_ms"] / ref["prefill_ms"]
@@ -231,7 +257,8 @@ def main(argv=None) -> int:
     impl_fg = fg_tf.register()
     configs = SMOKE if args.smoke else {n: CONFIGS[n] for n in args.configs.split(",") if n}
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
-    result = {"what": "LlamaForCausalLM training step and prefill, sdpa vs flashgen through AttentionInterface",
+    result = {"what": "LlamaForCausalLM (GptOssForCausalLM) training step and prefill, sdpa (eager) vs flashgen "
+                      "through AttentionInterface",
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "transformers": transformers.__version__, "flashgen": flashgen.__version__,
                            "python": platform.python_version()},
@@ -247,24 +274,25 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(f"\n{result['gpu']}; torch {torch.__version__}, triton {triton.__version__}, transformers "
-          f"{transformers.__version__}; median of {args.steps} (ms); ratio = flashgen / sdpa")
-    print(f"{'config':8} {'step sdpa':>10} {'step fg':>9} {'ratio':>6} {'prefill sdpa':>13} {'prefill fg':>11} "
+          f"{transformers.__version__}; median of {args.steps} (ms); ratio = flashgen / reference (sdpa; eager "
+          "for gpt-oss)")
+    print(f"{'config':12} {'ref':5} {'step ref':>10} {'step fg':>9} {'ratio':>6} {'prefill ref':>13} {'prefill fg':>11} "
           f"{'ratio':>6} {'loss rel':>9} {'grad relL2':>11} ok")
     ok = True
     for name, r in result["configs"].items():
-        s, f_ = r["impl"]["sdpa"], r["impl"][impl_fg]
+        s, f_ = r["impl"][r["reference"]], r["impl"][impl_fg]
         good = r["loss_ok"] and r["grads_ok"]
         ok &= good
-        print(f"{name:8} {s['train_step_ms']:10.2f} {f_['train_step_ms']:9.2f} {r['train_step_ratio']:6.3f} "
+        print(f"{name:12} {r['reference']:5} {s['train_step_ms']:10.2f} {f_['train_step_ms']:9.2f} {r['train_step_ratio']:6.3f} "
               f"{s['prefill_ms']:13.2f} {f_['prefill_ms']:11.2f} {r['prefill_ratio']:6.3f} "
               f"{r['loss_rel_diff']:9.2e} {r['grad_rel_l2']['all_params']:11.2e} {'yes' if good else 'NO'}")
     for name, r in result["configs"].items():
-        ks, kf = r["impl"]["sdpa"].get("step_kernels"), r["impl"][impl_fg].get("step_kernels")
+        ks, kf = r["impl"][r["reference"]].get("step_kernels"), r["impl"][impl_fg].get("step_kernels")
         if ks is None or kf is None:
             continue
         tot_s, tot_f = sum(t for _, t in ks.values()), sum(t for _, t in kf.values())
-        print(f"\n{name}: one train step's GPU time, sdpa {tot_s / 1e3:.2f} ms, flashgen {tot_f / 1e3:.2f} ms; "
-              "kernels by |difference| (calls, us: sdpa | flashgen)")
+        print(f"\n{name}: one train step's GPU time, {r['reference']} {tot_s / 1e3:.2f} ms, flashgen "
+              f"{tot_f / 1e3:.2f} ms; kernels by |difference| (calls, us: {r['reference']} | flashgen)")
         names = sorted(set(ks) | set(kf), key=lambda n: -abs(kf.get(n, [0, 0])[1] - ks.get(n, [0, 0])[1]))
         for n in names[:14]:
             a, b = ks.get(n, [0, 0.0]), kf.get(n, [0, 0.0])

@@ -1029,7 +1029,8 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         plan = disp.backward(key_of("bwd_dq"), deterministic=det, capturing=False)
         kernels = tuple(KernelChoice.of(c) for c in (disp.choose(key_of("fwd"), capturing=False), *plan.choices))
         how = "whole backward (bwd)" if plan.whole else "bwd_dq + bwd_dkdv"
-        repeat = "not bitwise repeatable (dQ by reduce-add)" if plan.whole else "bitwise repeatable"
+        repeat = ("bitwise repeatable" if not plan.whole else "bitwise repeatable (dQ added in a fixed order)"
+                  if plan.repeatable else "not bitwise repeatable (dQ by reduce-add)")
         most = max(plan.choices, key=lambda c: c.config.group_split).config if plan.choices else None
         if most is not None and most.group_split > 1:
             repeat += (f"; dK, dV summed in order over the {'16-bit' if most.half_partials else 'float32'} "

@@ -508,6 +508,11 @@ def check_variant_detail(variant: Variant, group: int = 1, device: str | None = 
     holding NaN past seqlen_k; outputs poisoned with NaN; each shape as
     :func:`check_shape` makes it) against the float64 reference.
 
+    A variant whose family declares it bitwise repeatable (the family's
+    ``deterministic(config)``, e.g. the Gluon backward with ``dq_ordered``) runs twice
+    more on each case, and every output must equal the first run's bit for bit, else the
+    check fails ("not bitwise repeatable").
+
     Returns {"ok", "ratio" (worst), "ratios" ({output: worst ratio}), "message",
     "cases" ([{shape, mask, outputs: {name: (err, torch_err, ratio)}}])}."""
     spec = variant.spec
@@ -517,6 +522,10 @@ def check_variant_detail(variant: Variant, group: int = 1, device: str | None = 
     if is_decode(spec.kernel):
         return _check_decode_detail(variant, group, device)
     worst, ratios, msgs, cases = 0.0, {}, [], []
+    fam = families.FAMILIES.get(variant.config.family)
+    repeatable = getattr(fam, "deterministic", None)
+    repeatable = bool(repeatable and repeatable(variant.config))
+    unrepeated = []
     for i, (shape, mask) in enumerate(mask_cases(spec, group)):
         shape = check_shape(variant, shape)
         q, k, v, do = make_inputs(spec, shape, device=device, seed=1234 + i)
@@ -528,18 +537,33 @@ def check_variant_detail(variant: Variant, group: int = 1, device: str | None = 
         fn()
         if q.is_cuda:
             torch.cuda.synchronize()
-        res = compare(outs, q, k, v, do, mask=mask, softmax_scale=spec.head_dim ** -0.5,
-                      mods=reference_mods(mods, shape))
         tag = f"q{shape.seqlen_q}k{shape.seqlen_k}" + ("c" if mask["causal"] else "") + \
             (f"w{mask['window'][0]}_{mask['window'][1]}" if tuple(mask["window"]) != (-1, -1) else "") + \
             ("tl" if mask["align"] == "top_left" else "")
+        if repeatable:
+            first = {name: t.clone() for name, t in outs.items()}
+            for _ in range(2):
+                fn()
+                unrepeated += [f"{tag} {name}" for name, t in outs.items()
+                               if not _same_bits(t, first[name]) and f"{tag} {name}" not in unrepeated]
+        res = compare(outs, q, k, v, do, mask=mask, softmax_scale=spec.head_dim ** -0.5,
+                      mods=reference_mods(mods, shape))
         for name, (err, base_err, ratio) in res.items():
             worst = max(worst, ratio)
             ratios[name] = max(ratios.get(name, 0.0), ratio)
             msgs.append(f"{tag} {name} err {err:.3g} (torch {q.dtype} {base_err:.3g})")
         cases.append({"shape": list(dataclasses.astuple(shape)), "mask": {**mask, "window": list(mask["window"])},
                       "outputs": res})
-    return {"ok": worst <= 1.0, "ratio": worst, "ratios": ratios, "message": "; ".join(msgs), "cases": cases}
+    if unrepeated:
+        msgs.insert(0, f"not bitwise repeatable: {', '.join(unrepeated)} differ between runs")
+    return {"ok": worst <= 1.0 and not unrepeated, "ratio": worst, "ratios": ratios, "message": "; ".join(msgs),
+            "cases": cases}
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits (NaN included)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return bool(torch.equal(a.view(ints), b.view(ints)))
 
 
 def check_variant(variant: Variant, group: int = 1, device: str | None = None) -> tuple[bool, float, str]:

@@ -143,8 +143,9 @@ def tune(
     refine: Annotated[str | None, typer.Option(
         metavar="KNOBS", help="Instead of a search: measure each key's best tuned config of each family with "
                               "every value the family gives these comma-separated knobs (e.g. "
-                              "group_split,half_partials; tuner.refine); keys without a tuned row are left "
-                              "out.")] = None,
+                              "group_split,half_partials; dq_ordered measures the Gluon backward's "
+                              "bitwise-repeatable dQ, which the deterministic backward runs where it is "
+                              "measured ahead; tuner.refine); keys without a tuned row are left out.")] = None,
 ) -> None:
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
     if sampler not in ("tpe", "grid"):

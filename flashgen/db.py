@@ -35,7 +35,7 @@ TABLE = "measurements"
 #: NULL for a knob at its default 0, so the Triton family's rows hold exactly what they
 #: held before the Gluon family existed.
 GLUON_KNOBS = ("consumer_regs", "producer_regs", "pin", "persistent", "ctas_per_sm", "dq_atomic", "row_load",
-               "producer_warps", "split", "group_split", "half_partials")
+               "producer_warps", "split", "group_split", "half_partials", "dq_ordered")
 BUSY_TIMEOUT_S = 60.0
 
 COLUMNS: dict[str, type] = {
@@ -545,10 +545,14 @@ class TuningDB:
                   key_contains: str | None = None, versions: bool = True) -> list[dict]:
         """The best ok row per key and environment (rows matching ``env`` only when
         given; with ``versions=False``, the rows of ``env``'s GPU and code measured under
-        another Triton version), by key, in one query."""
+        another Triton version), by key, in one query; and the best bitwise-repeatable
+        one beside it where the key has rows of both (``dq_ordered``: what the
+        deterministic backward runs)."""
         where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions)
         where.append("[median_ms] IS NOT NULL")
         part = ", ".join(f"[{c}]" for c in ("key", *_ENV_GROUP))
+        if "dq_ordered" in self._t.columns_dict:
+            part += ", COALESCE([dq_ordered], 0)"
         sql = (f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY {part} "
                f"ORDER BY [median_ms], [id]) AS _rank FROM {TABLE} WHERE {' AND '.join(where)}) "
                f"WHERE _rank = 1 ORDER BY [key], [gpu_name], [id]")
@@ -570,7 +574,8 @@ class TuningDB:
     def best_configs_by_family(self, env: Environment,
                                versions: bool = True) -> dict[str, tuple[tuple[TileConfig, dict], ...]]:
         """key id -> the best (TileConfig, row) of each kernel family with an ok row in
-        ``env``, fastest first (``versions`` as in :meth:`best_configs`).  What the
+        ``env`` (and its best bitwise-repeatable one, :meth:`best_rows`), fastest first
+        (``versions`` as in :meth:`best_configs`).  What the
         dispatcher loads: the fastest family's row may not serve the key on the arch at
         hand (the Gluon family on sm_80, or in the interpreter), and then the next
         family's row does."""

@@ -94,6 +94,17 @@ class BackwardChoice:
         """Whether one family's whole-backward kernel runs (else bwd_dq + bwd_dkdv)."""
         return len(self.choices) == 1
 
+    @property
+    def repeatable(self) -> bool:
+        """Whether the gradients are bitwise identical from run to run: the two kernels'
+        always are, a whole backward's when its family says so of its config
+        (``deterministic``: dQ added in a fixed order)."""
+        if not self.whole:
+            return True
+        cfg = self.choices[0].config
+        fam = families.FAMILIES.get(cfg.family)
+        return bool(getattr(fam, "deterministic", None) and fam.deterministic(cfg))
+
 
 def _any_size(key: ProblemKey) -> bool:
     """A family without a size rule serves keys of any size."""
@@ -249,16 +260,16 @@ class Dispatcher:
         self._tables[path] = (mtime, (table, other, n_gpu))
         return table, other, n_gpu
 
-    def _lookup(self, key: ProblemKey, serve: ProblemKey | None = None) -> Choice | None:
+    def _lookup(self, key: ProblemKey, serve: ProblemKey | None = None, where=None) -> Choice | None:
         """The tuned or nearest row of ``key``; with ``serve``, only rows whose config
         also serves ``serve`` (its family serves it and the config fits its shared
-        memory)."""
+        memory); with ``where`` (TileConfig -> bool), only rows whose config it accepts."""
         loaded = [(p, self._table(p)) for p in self.databases()]
-        best = self._exact(key.id, loaded, serve)
+        best = self._exact(key.id, loaded, serve, where)
         if best is not None:
             return best
         tiers = [[(p, t[i]) for p, t in loaded] for i in (0, 1)]  # this Triton version, then others
-        near = self._nearest(key, tiers[0], serve) or self._nearest(key, tiers[1], serve)
+        near = self._nearest(key, tiers[0], serve, where) or self._nearest(key, tiers[1], serve, where)
         if near is None and key.spec.mods:
             # Score mods nobody tuned: the fastest tiles tuned for the same problem without
             # them that serve it (a family of its own, e.g. Gluon's forward, may not).
@@ -272,9 +283,12 @@ class Dispatcher:
             near = dataclasses.replace(near, config=families.get(near.config.family).adapt(near.config, key))
         return near
 
-    def _serves(self, cfg: TileConfig, serve: ProblemKey | None) -> bool:
+    def _serves(self, cfg: TileConfig, serve: ProblemKey | None, where=None) -> bool:
         """Whether ``cfg`` can run ``serve`` (None: any key): its family serves it here and
-        the config fits its shared memory (a score mod's buffers included)."""
+        the config fits its shared memory (a score mod's buffers included); and ``where``
+        (None: any config) accepts it."""
+        if where is not None and not where(cfg):
+            return False
         if serve is None:
             return True
         fam = self._family(cfg, serve)
@@ -290,7 +304,7 @@ class Dispatcher:
             return None
         return fam
 
-    def _nearest(self, key: ProblemKey, tables, serve: ProblemKey | None = None) -> Choice | None:
+    def _nearest(self, key: ProblemKey, tables, serve: ProblemKey | None = None, where=None) -> Choice | None:
         """The nearest tuned bucket of ``key``'s kernel spec and GQA group (log2 distance
         over the sizes; a row of the other layout counts one bucket further).  For a key
         with score mods and no such bucket: the nearest row of the same kernel, dtype,
@@ -318,7 +332,7 @@ class Dispatcher:
                 if d >= best[o == s][1]:
                     continue
                 fam = self._family(cfg, key)
-                if fam is None or not self._serves(cfg, serve):
+                if fam is None or not self._serves(cfg, serve, where):
                     continue  # a family that cannot serve this key (arch, layout, mode)
                 if not getattr(fam, "large_enough", _any_size)(key):
                     continue  # another bucket's row of a family whose host time this key would not hide
@@ -362,7 +376,8 @@ class Dispatcher:
         return Choice(key, port.default_config(key, self.arch), "default")
 
     # -- the backward ------------------------------------------------------------
-    def _exact(self, key_id: str, loaded: list | None = None, serve: ProblemKey | None = None) -> Choice | None:
+    def _exact(self, key_id: str, loaded: list | None = None, serve: ProblemKey | None = None,
+               where=None) -> Choice | None:
         """The fastest row of exactly ``key_id`` (this Triton version's rows first) whose
         family serves its key here (and whose config serves ``serve``: :meth:`_serves`);
         None when there is none.  ``loaded``: the databases' tables, when the caller has
@@ -374,7 +389,7 @@ class Dispatcher:
             for path, t in loaded:
                 for cfg, row in t[i].get(key_id, ()):
                     key = ProblemKey.from_row(row)
-                    if self._family(cfg, key) is None or not self._serves(cfg, serve):
+                    if self._family(cfg, key) is None or not self._serves(cfg, serve, where):
                         continue
                     if best is None or row["median_ms"] < best.median_ms:
                         best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
@@ -388,9 +403,12 @@ class Dispatcher:
         """How the dense backward of ``key`` (a ``bwd_dq``, ``bwd_dkdv`` or ``bwd`` key)
         runs, memoized.  The rule, in order:
 
-        1. ``deterministic``: the two kernels ``bwd_dq`` + ``bwd_dkdv`` (the Triton
-           family's separate dQ pass is bitwise repeatable; a whole-backward family's dQ
-           accumulation by reduce-add is not).
+        1. ``deterministic``: a whole-backward row whose config its family declares
+           bitwise repeatable (``deterministic``: the Gluon backward with ``dq_ordered``,
+           dQ added in a fixed order), the key's or its nearest bucket's, where it
+           measured faster than the best ``bwd_dq`` + ``bwd_dkdv`` rows of its bucket;
+           else those two kernels (the Triton family's separate dQ pass is bitwise
+           repeatable; a reduce-add in arrival order is not).
         2. No family that compiles the whole backward (``bwd``) serves the key here: the
            two kernels (the families' reasons are kept).
         3. Its best ``bwd`` row (the key's, else its nearest bucket's) against the sum of
@@ -427,8 +445,27 @@ class Dispatcher:
             return BackwardChoice(choice.family, (choice,), reason, deterministic)
 
         if deterministic:
-            return two("deterministic: dQ by a separate pass (bwd_dq), bitwise repeatable; a whole-backward "
-                       "kernel's dQ accumulation by reduce-add is not")
+            why = "no whole-backward row measured bitwise repeatable for this key"
+            if whole_key is not None and not capturing:
+                for fam in families.FAMILIES.values():
+                    repeatable = getattr(fam, "deterministic", None)
+                    if WHOLE_BWD not in fam.kernels or repeatable is None:
+                        continue
+                    if fam.unsupported(whole_key, self.arch) is not None:
+                        continue
+                    measured = self._lookup(whole_key, where=lambda c, f=fam: c.family == f.name and f.deterministic(c))
+                    if measured is None:
+                        continue
+                    versus = self._versus_two(measured, fam)
+                    if versus is None:
+                        why = (f"{fam.name} {measured.config.id} measured at {measured.tuned_key or whole_key.id} "
+                               "without a two-kernel row of its bucket to compare")
+                        continue
+                    facts, ahead = versus
+                    if ahead:
+                        return whole(measured, f"deterministic: dQ added in a fixed order, bitwise repeatable; {facts}")
+                    why = facts
+            return two(f"deterministic: dQ by a separate pass (bwd_dq), bitwise repeatable ({why})")
         if whole_key is None:
             return two(f"score modifications ({kernels['bwd_dq'].spec.mods}) are compiled into bwd_dq and "
                        "bwd_dkdv only")
@@ -443,17 +480,10 @@ class Dispatcher:
         if measured is not None and measured.family != fam.name:
             measured = None
         if measured is not None:
-            bucket = measured.tuned_key or whole_key.id
-            prefix = f"attn_{WHOLE_BWD}_"
-            pair = [self._exact(bucket.replace(prefix, f"attn_{k}_", 1)) for k in ("bwd_dq", "bwd_dkdv")]
-            if all(c is not None for c in pair):
-                other_ms = pair[0].median_ms + pair[1].median_ms
-                facts = (f"measured at {bucket}: {fam.name} bwd {measured.median_ms:.4f} ms vs "
-                         f"{pair[0].family} bwd_dq + bwd_dkdv {pair[0].median_ms:.4f} + {pair[1].median_ms:.4f} = "
-                         f"{other_ms:.4f} ms")
-                if measured.median_ms <= other_ms:
-                    return whole(measured, facts)
-                return two(facts)
+            versus = self._versus_two(measured, fam)
+            if versus is not None:
+                facts, ahead = versus
+                return whole(measured, facts) if ahead else two(facts)
         prefer = getattr(fam, "prefers_default", None)
         why = prefer(whole_key, self.arch) if prefer is not None else None
         if not why:
@@ -470,6 +500,21 @@ class Dispatcher:
             return two(f"the {fam.name} default is not available here")
         return whole(Choice(whole_key, cfg, "default", note=why), f"untuned: the {fam.name} default measured "
                      f"ahead: {why}")
+
+    def _versus_two(self, measured: Choice, fam) -> tuple[str, bool] | None:
+        """A whole-backward row against the best ``bwd_dq`` + ``bwd_dkdv`` rows of its
+        bucket: (the facts, whether the whole backward is at least as fast), or None when
+        the bucket lacks either kernel's row."""
+        bucket = measured.tuned_key or measured.key.id
+        prefix = f"attn_{WHOLE_BWD}_"
+        pair = [self._exact(bucket.replace(prefix, f"attn_{k}_", 1)) for k in ("bwd_dq", "bwd_dkdv")]
+        if any(c is None for c in pair):
+            return None
+        other_ms = pair[0].median_ms + pair[1].median_ms
+        facts = (f"measured at {bucket}: {fam.name} bwd {measured.median_ms:.4f} ms vs "
+                 f"{pair[0].family} bwd_dq + bwd_dkdv {pair[0].median_ms:.4f} + {pair[1].median_ms:.4f} = "
+                 f"{other_ms:.4f} ms")
+        return facts, measured.median_ms <= other_ms
 
     def choose(self, key: ProblemKey, *, capturing: bool | None = None) -> Choice:
         """The Choice for ``key`` (memoized).  ``capturing`` (default: ask CUDA whether

@@ -222,7 +222,7 @@ class KernelSpec:
 
 #: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
-              ("half_partials", "_hp"))
+              ("half_partials", "_hp"), ("dq_ordered", "_dqord"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -265,7 +265,9 @@ class TileConfig:
     (``_split``); ``group_split``: backward programs sharing one kv head's GQA group,
     dK/dV summed from float32 partials afterwards (0 = 1; ``_gs4``; a divisor of the
     key's group); ``half_partials`` 1: those partials in the inputs' 16-bit dtype
-    (``_hp``).
+    (``_hp``); ``dq_ordered`` 1: the backward's TMA reduce-adds into each dQ tile are made
+    in the order of the key blocks (int32 semaphores), so dQ is bitwise repeatable: what
+    the deterministic backward runs (``_dqord``).
     """
 
     BLOCK_M: int
@@ -287,6 +289,7 @@ class TileConfig:
     split: int = 0
     group_split: int = 0
     half_partials: int = 0
+    dq_ordered: int = 0
 
     @property
     def id(self) -> str:

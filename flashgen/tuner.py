@@ -517,7 +517,9 @@ def refine_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch, 
     """For each family of ``family_names`` that serves ``key`` on ``arch`` and has an ok
     row for it in ``db`` (``env``): (its best config, that config with every combination
     of the values the family's domain gives ``knobs`` for this key, other than itself,
-    valid and feasible).  Knobs the family's domain lacks for this key keep their value.
+    valid and feasible).  The domain is the search's (``domain``) and the knobs the
+    family varies only around tuned rows (``refine_domain``, e.g. the Gluon backward's
+    ``dq_ordered``).  Knobs the family's domain lacks for this key keep their value.
     ``by_family``: :meth:`TuningDB.best_configs_by_family` of ``env``, when the caller
     holds it."""
     import itertools
@@ -530,7 +532,7 @@ def refine_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch, 
         fam = families.FAMILIES.get(best.family)
         if fam is None or best.family not in space:
             continue
-        dom = fam.domain(key)
+        dom = {**fam.domain(key), **(fam.refine_domain(key) if hasattr(fam, "refine_domain") else {})}
         axes = [(k, dom[k]) for k in knobs if k in dom]
         cands = []
         for values in itertools.product(*(vals for _, vals in axes)):

@@ -440,3 +440,33 @@ def test_bench_check_variant_covers_windows_and_top_left(monkeypatch):
     ok, ratio, msg = bench.check_variant(Variant(KernelSpec("fwd", "float16", 16, 16, "causal"),
                                                  TileConfig(32, 32, 4, 1)), 1, device="cpu")
     assert not ok and ratio > 1, msg
+
+
+def test_bench_check_variant_demands_bitwise_repeats_of_a_deterministic_config(monkeypatch):
+    """A config its family declares bitwise repeatable (``deterministic``) runs three times
+    per case; outputs that differ between runs in the last bit fail the check, although
+    each run is within the float64 rule."""
+    monkeypatch.setattr(bench, "CHECK_SEQLENS", (37, 45))
+    fam = bench.families.FAMILIES["triton"]
+    monkeypatch.setattr(fam, "deterministic", lambda cfg: True, raising=False)
+    variant = Variant(KernelSpec("bwd_dkdv", "float16", 16, 16, "none"), TileConfig(32, 64, 4, 1))
+    ok, ratio, msg = bench.check_variant(variant, 1, device="cpu")
+    assert ok and ratio <= 1 and "not bitwise repeatable" not in msg, msg
+    real = bench.run_variant
+    calls = []
+
+    def drifting(*a, **kw):
+        fn, outs = real(*a, **kw)
+
+        def run():
+            fn()
+            calls.append(1)
+            if len(calls) % 3 == 2:  # the second of each case's three runs moves dV by one ulp
+                dv = outs["dV"]
+                dv.view(torch.int16)[0, 0, 0, 0] += 1
+        return run, outs
+
+    monkeypatch.setattr(bench, "run_variant", drifting)
+    ok, ratio, msg = bench.check_variant(variant, 1, device="cpu")
+    assert not ok and ratio <= 1 and msg.startswith("not bitwise repeatable:") and "dV" in msg, msg
+    assert len(calls) == 3 * len(bench.mask_cases(variant.spec, 1))

@@ -462,3 +462,158 @@ def test_launch_args_keep_the_layouts_of_q_k_v_and_read_o_do_by_strides():
     a = B.launch_args(qc, qc, kc, kc, qc, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s,
                       config=B.GluonBwdConfig(row_load="tma"))
     assert "preprocess" in a and "convert" in a and "copy" not in a
+
+
+# -- dq_mode "ordered": the bitwise-repeatable dQ -----------------------------------------
+
+#: (config fields, head_dim, mask) of ordered variants compiled for sm_90 (the lock-step
+#: d128 default, the split d64 default, and the d128 default with its GQA group split).
+ORDERED = [((64, 64, 2, 2, "ordered", 240, 24, "tma"), 128, "causal"),
+           ((64, 64, 2, 4, "ordered", 240, 24, "tma", 1, True), 64, "none"),
+           ((64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False, 4), 128, "window")]
+
+_ORDERED_SCRIPT = r'''
+import json, os, re, subprocess, sys, tempfile
+sys.path.insert(0, ROOT)
+from flashgen.families.gluon import bwd as B
+from flashgen.families.gluon.shim import ptxas_sm90
+for fields, d, mask in ORDERED:
+    out = {}
+    for mode in ("ordered", "tma"):
+        cfg = B.GluonBwdConfig(*fields)
+        cfg = B.GluonBwdConfig(**{**cfg.__dict__, "dq_mode": mode})
+        ptx = B.compile_sm90(cfg, "bfloat16", d, mask).asm["ptx"]
+        with tempfile.TemporaryDirectory() as t:
+            p = os.path.join(t, "k.ptx")
+            open(p, "w").write(ptx)
+            info = subprocess.run([*ptxas_sm90(), "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(t, "k.cubin")],
+                                  capture_output=True, text=True).stderr
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", info)]
+        out[mode] = {"parts": cfg.parts, "acquire": len(re.findall(r"ld\.acquire\.gpu\.global\.b32", ptx)),
+                     "wait_all": len(re.findall(r"cp\.async\.bulk\.wait_group 0;", ptx)),
+                     "release": len(re.findall(r"st\.release\.gpu\.global\.b32", ptx)),
+                     "proxy": ptx.count("fence.proxy.async.global"),
+                     "reduce": ptx.count("cp.reduce.async.bulk.tensor"),
+                     "spill": max(spills) if spills else None, "c751x": re.findall(r"C751[45]", info)}
+    print("CASE", json.dumps({"id": B.GluonBwdConfig(*fields).id, "d": d, "mask": mask, **out}))
+'''
+
+
+def test_ordered_dq_compiles_to_a_semaphore_chain():
+    """Each consumer partition of an ordered variant spins on its dQ tile's semaphore
+    (acquire) before the TMA reduce-add, waits for the add to complete (the bulk group's
+    full wait, not only the read of its shared-memory source) and releases the semaphore,
+    with proxy fences between the generic and the async accesses; the same tile with
+    dq_mode "tma" has none of it.  No spills beyond the unordered tile's, no serialized
+    wgmma."""
+    if not _have_ptxas():
+        pytest.skip("triton's bundled ptxas is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"ROOT = {ROOT!r}\nORDERED = {ORDERED!r}\n" + _ORDERED_SCRIPT],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = [json.loads(line[5:]) for line in r.stdout.splitlines() if line.startswith("CASE ")]
+    assert len(cases) == len(ORDERED), r.stdout
+    for c in cases:
+        o, t = c["ordered"], c["tma"]
+        n = o["parts"]
+        # the spin once per partition; the full wait and the release in the loop and after it
+        assert (o["acquire"], o["wait_all"], o["release"]) == (n, 2 * n, 2 * n), c
+        assert o["proxy"] >= 3 * n and o["reduce"] == t["reduce"] > 0, c
+        assert (t["acquire"], t["wait_all"], t["release"]) == (0, 0, 0), c
+        assert o["c751x"] == [] and (o["spill"] or 0) <= (t["spill"] or 0), c
+
+
+def test_ordered_is_outside_the_search_and_sizes_its_semaphores():
+    """"ordered" serves the deterministic backward (measured by ``flashgen tune --refine
+    dq_ordered``), not the search; its launch zeroes one int32 per (batch * head, query
+    block) and passes it after DV; its shared memory and registers are the tma mode's."""
+    assert "ordered" in B.DQ_MODES and "ordered" not in B.SEARCH_DQ_MODES
+    assert all(c.dq_mode != "ordered" for c in B.search_space(128, "bfloat16", "causal", group=4))
+    cfg = dataclasses.replace(B.default_config(128), dq_mode="ordered")
+    assert B.is_valid(cfg, 128, "bfloat16", "causal") and cfg.id.endswith("_ordered_r240-24_rows-tma")
+    assert B.smem_terms(cfg, 128) == B.smem_terms(B.default_config(128), 128)
+    split = dataclasses.replace(cfg, split=True)  # spills and serializes its wgmmas under ptxas
+    assert any("lock-step" in r for r in B.invalid_reasons(split, 128)) and B.is_valid(split, 64)
+    one_slot = dataclasses.replace(split, stages=1)  # would deadlock: the ring's one slot
+    assert any("stages >= 2" in r for r in B.invalid_reasons(one_slot, 64))
+    assert B.is_valid(dataclasses.replace(cfg, stages=1), 128)  # one lock-step partition: no such wait
+    assert B.consumer_regs_estimate(cfg, 128) == B.consumer_regs_estimate(B.default_config(128), 128)
+    src = B.render(cfg, "bfloat16", 128, "causal")
+    assert "DK, DV, SEM, qk_scale" in src and "_sem_wait(SEM + tile, u)" in src
+    assert "SEM" not in B.render(B.default_config(128), "bfloat16", 128, "causal")
+    # the schedule _ordered_model mirrors: masked, key blocks last to first and the
+    # predecessor's query blocks from the next key block's; without a mask, ascending
+    assert "pid_n = gl.cdiv(seqlen_k, BLOCK_NT) - 1 - gl.program_id(0)" in src
+    assert "_query_blocks(n0 + BLOCK_NT, seqlen_q, diag_lo, diag_hi)" in src and "if mb >= pred_from:" in src
+    plain = B.render(cfg, "bfloat16", 128, "none")
+    assert "pid_n = gl.program_id(0)" in plain and "pred_from = 0" in plain and "_query_blocks(n0 + BLOCK_NT" not in plain
+    q = torch.empty(2, 8, 1000, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16)
+    a = B.launch_args(q, q, k, k, q, torch.empty(2, 8, 1000), softmax_scale=0.1, diag_lo=-1000, diag_hi=0,
+                      config=cfg)
+    assert a["sem"].dtype == torch.int32 and a["sem"].shape == (16, 1024 // 64) and not a["sem"].any()
+    assert a["main"][1][12] is a["sem"] and len(a["main"][1]) == len(
+        B.launch_args(q, q, k, k, q, torch.empty(2, 8, 1000), softmax_scale=0.1, diag_lo=-1000, diag_hi=0,
+                      config=B.default_config(128))["main"][1]) + 1
+
+
+def _ordered_model(sq, sk, mode, lo, hi, block_m=64, block_nt=128, parts=1):
+    """The ordered variant's schedule as the template computes it, in Python: for each
+    (query block mb) the indices u = program_id(0) * parts + partition that add into it,
+    and for each (u, mb) whether u waits (mb >= pred_from)."""
+    m_pad = -(-sq // B.ROW_PAD) * B.ROW_PAD
+
+    def query_blocks(n0):  # _query_blocks
+        if mode == "none":
+            return 0, -(-sq // block_m)
+        i_lo, i_hi = max(n0 - hi, 0), min(n0 + block_nt - 1 - lo, sq - 1)
+        first = i_lo // block_m
+        return first, (max(i_hi, 0) // block_m - first + 1) if i_hi >= i_lo else 0
+
+    n_prog = -(-sk // block_nt)
+    adds, waits = {}, {}
+    for p in range(n_prog):
+        n = n_prog - 1 - p if mode != "none" else p  # masked: key blocks last to first
+        first, count = query_blocks(n * block_nt)
+        for c in range(parts):
+            u = p * parts + c
+            pred_from = m_pad
+            if p > 0:
+                if mode == "none":
+                    pred_from = 0
+                else:
+                    pf, pn = query_blocks((n + 1) * block_nt)
+                    if pn > 0:
+                        pred_from = pf
+            if c > 0:
+                pred_from = 0
+            for mb in range(first, first + count):
+                adds.setdefault(mb, []).append(u)
+                waits[(u, mb)] = mb >= pred_from
+    return adds, waits
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_ordered_schedule_waits_exactly_on_the_previous_adder(parts):
+    """Over masks (none, causal both alignments, windows) and sizes: the partitions that
+    add into a query block have consecutive indices, and each waits exactly when the
+    index below it adds there too, so the adds form one chain per dQ tile, in a fixed
+    order, each waiting only on a lower program_id(0)."""
+    from flashgen.masks import mask_bounds
+
+    cases = 0
+    for sq, sk in ((1, 1), (64, 64), (100, 300), (300, 100), (1000, 1000), (1000, 4097), (4097, 1000), (129, 130)):
+        for causal, window, align in ((False, (-1, -1), "bottom_right"), (True, (-1, -1), "bottom_right"),
+                                      (True, (-1, -1), "top_left"), (False, (200, 64), "bottom_right"),
+                                      (True, (300, -1), "bottom_right"), (False, (0, 0), "top_left"),
+                                      (False, (50, 500), "top_left")):
+            mode, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
+            for block_m in (64, 128):
+                adds, waits = _ordered_model(sq, sk, mode, lo, hi, block_m=block_m, parts=parts)
+                for mb, us in adds.items():
+                    assert us == list(range(us[0], us[0] + len(us))), (sq, sk, mode, lo, hi, mb, us)
+                    for u in us:
+                        assert waits[(u, mb)] == (u - 1 in us), (sq, sk, mode, lo, hi, block_m, mb, u)
+                cases += 1
+    assert cases == 8 * 7 * 2

@@ -127,6 +127,81 @@ def test_dispatch_backward_compares_the_whole_backward_with_the_two_kernels(tmp_
     assert not det.whole and det.reason.startswith("deterministic") and det.family == "triton"
 
 
+GBWD_ORD = dataclasses.replace(GBWD, dq_ordered=1)
+
+
+def test_dq_ordered_is_a_knob_of_the_gluon_backward():
+    assert GBWD_ORD.id == GBWD.id + "_dqord" and TileConfig.from_dict(GBWD_ORD.as_dict()) == GBWD_ORD
+    assert F.bwd_config(GBWD_ORD).dq_mode == "ordered" and F.tile_config(F.bwd_config(GBWD_ORD)) == GBWD_ORD
+    assert GLUON.deterministic(GBWD_ORD) and not GLUON.deterministic(GBWD)
+    v = Variant(key("bwd").spec, GBWD_ORD)
+    assert GLUON.violated_rules(v) == [] and GLUON.estimate(v, SM90).total_bytes == \
+        GLUON.estimate(Variant(v.spec, GBWD), SM90).total_bytes
+    both = dataclasses.replace(GBWD_ORD, dq_atomic=1)
+    assert any("needs dq_atomic=0" in r for r in GLUON.violated_rules(Variant(v.spec, both)))
+    # outside the search; `flashgen tune --refine dq_ordered` measures it beside a tuned row
+    assert "dq_ordered" not in GLUON.domain(key("bwd")) and GLUON.refine_domain(key("bwd")) == {"dq_ordered": (0, 1)}
+    assert GLUON.refine_domain(key("fwd")) == {}
+
+
+@pytest.mark.parametrize("ordered_ms, whole", [(1.8, True), (2.2, False)])
+def test_deterministic_backward_takes_an_ordered_row_measured_ahead_of_the_two_kernels(tmp_path, ordered_ms, whole):
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key("bwd_dq"), T1, 1.0)
+        _record(db, key("bwd_dkdv"), T2, 1.0)
+        _record(db, key("bwd"), GBWD, 1.5)
+        _record(db, key("bwd"), GBWD_ORD, ordered_ms)
+        assert {TileConfig.from_dict(r).id for r in db.best_rows(key_contains="attn_bwd_d")} == {
+            T1.id, T2.id, GBWD.id, GBWD_ORD.id}  # the best row and the best repeatable one
+    d = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
+    plan = d.backward(key("bwd_dq"), capturing=False)
+    assert plan.whole and plan.choices[0].config == GBWD and not plan.repeatable
+    det = d.backward(key("bwd_dq"), deterministic=True, capturing=False)
+    assert det.repeatable and det.whole is whole and "measured at attn_bwd_d64_fp16_causal" in det.reason
+    if whole:
+        assert det.choices[0].config == GBWD_ORD and det.reason.startswith("deterministic: dQ added in a fixed order")
+    else:
+        assert [c.config for c in det.choices] == [T1, T2] and det.family == "triton"
+        assert det.reason.startswith("deterministic: dQ by a separate pass") and f"{ordered_ms:.4f}" in det.reason
+    # a CUDA graph capture that misses the memo reads no database: the two kernels
+    fresh = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
+    assert not fresh.backward(key("bwd_dq"), deterministic=True, capturing=True).whole
+
+
+def test_deterministic_backward_needs_a_measured_repeatable_row(tmp_path, monkeypatch):
+    """Without an ordered row, or without the two kernels' rows to compare it with, the
+    deterministic backward is the two kernels; an ordered row of the nearest bucket
+    counts like the key's own."""
+    with TuningDB(tmp_path / "a.sqlite") as db:
+        _record(db, key("bwd_dq"), T1, 1.0)
+        _record(db, key("bwd_dkdv"), T2, 1.0)
+        _record(db, key("bwd"), GBWD, 1.5)
+    det = Dispatcher([tmp_path / "a.sqlite"], env=H200, arch=SM90).backward(
+        key("bwd_dq"), deterministic=True, capturing=False)
+    assert not det.whole and "no whole-backward row measured bitwise repeatable" in det.reason
+    with TuningDB(tmp_path / "b.sqlite") as db:
+        _record(db, key("bwd"), GBWD_ORD, 0.5)
+    det = Dispatcher([tmp_path / "b.sqlite"], env=H200, arch=SM90).backward(
+        key("bwd_dq"), deterministic=True, capturing=False)
+    assert not det.whole and "without a two-kernel row of its bucket" in det.reason
+    monkeypatch.setattr(F, "DEFAULT_MIN_FLOPS", {"fwd": 0, "bwd": 0})  # rows of another bucket count
+    near = Shape(2, 4, 4, 1024, 1024)
+    with TuningDB(tmp_path / "c.sqlite") as db:
+        for kernel, cfg, ms in (("bwd_dq", T1, 1.0), ("bwd_dkdv", T2, 1.0), ("bwd", GBWD_ORD, 1.2)):
+            _record(db, key(kernel, shape=near), cfg, ms)
+    det = Dispatcher([tmp_path / "c.sqlite"], env=H200, arch=SM90).backward(
+        key("bwd_dq", shape=Shape(2, 4, 4, 1500, 1500)), deterministic=True, capturing=False)
+    assert det.whole and det.choices[0].config == GBWD_ORD and det.choices[0].source == "nearest"
+
+
+def test_refine_measures_the_ordered_dq_beside_the_tuned_row(tmp_path):
+    env = H200
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key("bwd"), GBWD, 1.5)
+        starts = tuner.refine_configs(key("bwd"), db, env, SM90, ["dq_ordered"], ["gluon"])
+    assert starts == [(GBWD, [GBWD_ORD])]
+
+
 BIG = Shape(4, 32, 32, 8192, 8192)  # enough work to hide a Gluon launch's host time
 
 

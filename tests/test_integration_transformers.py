@@ -1,8 +1,10 @@
 """flashgen.integrations.transformers: tiny random Llama, Mistral (sliding window shorter
-than the sequence) and Gemma 2 (attention soft-capping) models, float32, training mode
-without dropout: logits, loss and every parameter's gradient through flashgen match
-transformers' own implementation (sdpa; eager for Gemma 2's softcap, which sdpa lacks),
-with and without a padding mask; the mask function; the fallbacks and their reasons.
+than the sequence), Gemma 2 (attention soft-capping) and gpt-oss (learnable attention
+sinks, sliding and full layers) models, float32, training mode without dropout: logits,
+loss and every parameter's gradient through flashgen match transformers' own
+implementation (sdpa; eager for Gemma 2's softcap and gpt-oss's sinks, which sdpa lacks),
+with and without a padding mask (gpt-oss with padding: the eager fallback); the mask
+function; the fallbacks and their reasons.
 
 CPU tensors run flashgen's Triton kernels in the interpreter (conftest sets
 TRITON_INTERPRET=1; float32 takes the kernels, flashgen.library.use_kernels)."""
@@ -42,7 +44,17 @@ def _gemma2():
                                      layer_types=["sliding_attention", "full_attention"])
 
 
-CONFIGS = {"llama": (_llama, "sdpa"), "mistral": (_mistral, "sdpa"), "gemma2": (_gemma2, "eager")}
+def _gpt_oss():
+    # sinks on every layer; layer 0 slides (window 7 < SEQ), layer 1 is global; 4 experts, top 2
+    return transformers.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64, sliding_window=7,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+CONFIGS = {"llama": (_llama, "sdpa"), "mistral": (_mistral, "sdpa"), "gemma2": (_gemma2, "eager"),
+           "gpt_oss": (_gpt_oss, "eager")}
 
 
 def _pair(make, reference):
@@ -96,20 +108,33 @@ def test_training_step_matches_transformers(arch, padded, calls):
         mask = torch.ones(2, SEQ, dtype=torch.long)
         mask[1, :5] = 0  # left padding of entry 1
         mask[0, -3:] = 0  # right padding of entry 0
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="flashgen:")  # no fallback
+    layers = make().num_hidden_layers
+    sinks_padded = arch == "gpt_oss" and padded  # sinks do not combine with a mask: eager runs
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if not sinks_padded:
+            warnings.filterwarnings("error", message="flashgen:")  # no fallback
         l_ref, loss_ref, g_ref = _step(ref, ids, mask)
         l_got, loss_got, g_got = _step(got, ids, mask)
-    layers = make().num_hidden_layers
-    assert len(calls) == layers  # every layer's forward ran flashgen
+    if sinks_padded:
+        assert calls == []
+        assert any("s_aux (attention sinks) with an attention_mask" in str(w.message) for w in seen)
+    else:
+        assert len(calls) == layers  # every layer's forward ran flashgen
     if not padded:
-        assert all(c["bias"] is None and c["causal"] for c in calls)
+        assert all(c.get("bias") is None and c["causal"] for c in calls)
+        if arch == "gpt_oss":  # both masks dropped (window= on the sliding layer); each layer's own sinks
+            assert [c["window"] for c in calls] == [(6, 0), (-1, -1)]
+            sinks = [got.model.layers[i].self_attn.sinks for i in range(layers)]
+            assert all(c["sinks"].dtype == torch.float32 and c["sinks"] is s for c, s in zip(calls, sinks))
+            # the sinks' gradients (compared below with the rest) are well above the tolerance
+            assert all(g_ref[f"model.layers.{i}.self_attn.sinks"].abs().max() > 5e-4 for i in range(layers))
         if arch == "mistral":  # the sliding-window mask was dropped for window=
             assert [c["window"] for c in calls] == [(6, 0)] * layers
         if arch == "gemma2":  # layer 0 slides, layer 1 is global; both soft-capped
             assert [c["window"] for c in calls] == [(8, 0), (-1, -1)]
             assert all(c["softcap"] == 5.0 for c in calls)
-    else:
+    elif not sinks_padded:
         assert all(c["bias"] is not None and c["bias"].dtype == torch.bool and not c["causal"] for c in calls)
     valid = torch.ones(2, SEQ, dtype=torch.bool) if mask is None else mask.bool()
     torch.testing.assert_close(l_got[valid], l_ref[valid], rtol=1e-4, atol=2e-5)
@@ -257,3 +282,96 @@ def test_dropout_is_flashgens():
     assert torch.equal(out, want.transpose(1, 2).contiguous())
     plain, _ = fg_tf.attention_forward(mod, q, k, v, None, scaling=0.3)
     assert not torch.equal(out, plain)
+
+
+def _gpt_oss_attention(layer, dtype, sinks_std=1.0):
+    """A GptOssAttention of the tiny config (layer 0 slides, window 7; layer 1 is global)
+    with sinks drawn at ``sinks_std`` (the model initializes them at 0.02, where their
+    gradient is small)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    torch.manual_seed(0)
+    att = modeling_gpt_oss.GptOssAttention(_gpt_oss(), layer).to(dtype)
+    with torch.no_grad():
+        att.sinks.normal_(0.0, sinks_std)
+    return att
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])
+def test_sinks_float16_parameter_matches_eager(layer, calls):
+    """gpt-oss's attention called directly, float16 (the kernels in the interpreter) with
+    the sinks a float16 parameter: flashgen's output and the gradients of q, k, v and the
+    sinks (arriving in float16, the parameter's dtype) match the model's own
+    eager_attention_forward run in float64 on the same values, to float16 precision."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    att = _gpt_oss_attention(layer, torch.float16)
+    ref = copy.deepcopy(att).double()
+    q, k, v = _qkv(b=2, sq=SEQ, sk=SEQ)
+    q, k, v = (t.half().requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(2, SEQ, 4, 16, generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashgen:")  # no fallback
+        out, w = fg_tf.attention_forward(att, q, k, v, None, scaling=att.scaling, sliding_window=att.sliding_window,
+                                         s_aux=att.sinks)
+    assert w is None and out.dtype == torch.float16 and len(calls) == 1
+    assert calls[0]["window"] == ((6, 0) if layer == 0 else (-1, -1))
+    (out.float() * dout).sum().backward()
+    window = att.sliding_window - 1 if att.sliding_window else None
+    band = fg_tf._eager_mask(fg_tf._band(SEQ, SEQ, window, "cpu")[None, None], torch.float64)
+    want, _ = modeling_gpt_oss.eager_attention_forward(ref, q64, k64, v64, band, scaling=att.scaling)
+    (want * dout.double()).sum().backward()
+    torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)
+    for name, g, g64 in (("q", q.grad, q64.grad), ("k", k.grad, k64.grad), ("v", v.grad, v64.grad),
+                         ("sinks", att.sinks.grad, ref.sinks.grad)):
+        assert g.dtype == torch.float16, name
+        assert g64.abs().max() > 1e-2, name  # a gradient that is there to compare
+        torch.testing.assert_close(g.double(), g64, rtol=5e-3, atol=5e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_sinks_fallbacks_and_reasons(calls, monkeypatch):
+    """What flashgen's sinks do not combine with (a mask tensor, dropout, softcap) and
+    s_aux values it does not take fall back, with the rule named; gpt-oss's then run its
+    eager_attention_forward (sinks and all)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    monkeypatch.setattr(fg_tf, "_warned", set())  # each reason warns once per process
+    mod = _Attn()
+    q, k, v = _qkv()
+    sinks = torch.randn(4)
+    assert fg_tf.fallback_reason(mod, q, k, v, None, s_aux=sinks) is None
+    assert fg_tf.fallback_reason(mod, q, k, v, None, sliding_window=3, s_aux=sinks.half()) is None
+    pad = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    cases = [
+        (pad, dict(s_aux=sinks), "s_aux (attention sinks) with an attention_mask"),
+        (None, dict(s_aux=sinks, dropout=0.1), "s_aux (attention sinks) with dropout > 0"),
+        (None, dict(s_aux=sinks, softcap=5.0), "s_aux (attention sinks) with softcap"),
+        (None, dict(s_aux=torch.randn(2)), "of shape (2,) (flashgen's sinks: (4,)"),
+        (None, dict(s_aux=torch.randn(1, 4)), "of shape (1, 4)"),
+        (None, dict(s_aux=torch.arange(4)), "of torch.int64"),
+        (None, dict(s_aux=[0.0] * 4), "of list"),
+        (None, dict(s_aux=torch.randn(4, device="meta")), "on meta, query on cpu"),
+    ]
+    for mask, kw, words in cases:
+        reason = fg_tf.fallback_reason(mod, q, k, v, mask, **kw)
+        assert reason is not None and words in reason, (kw, reason)
+    # gpt-oss's layers fall back to its eager function: with a padding mask, and with dropout
+    att = _gpt_oss_attention(0, torch.float32)
+    q, k, v = _qkv(b=2, sq=SEQ, sk=SEQ)
+    pad = fg_tf._band(SEQ, SEQ, 6, "cpu")[None, None].repeat(2, 1, 1, 1)
+    pad[1, :, :, :5] = False  # left padding of entry 1
+    with pytest.warns(UserWarning, match="with an attention_mask"):
+        out, _ = fg_tf.attention_forward(att, q, k, v, pad, scaling=att.scaling, sliding_window=7, s_aux=att.sinks)
+    want, _ = modeling_gpt_oss.eager_attention_forward(att, q, k, v, fg_tf._eager_mask(pad, q.dtype),
+                                                       scaling=att.scaling)
+    assert torch.equal(out, want)
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning, match="with dropout"):
+        out, _ = fg_tf.attention_forward(att, q, k, v, None, dropout=0.25, scaling=att.scaling, sliding_window=7,
+                                         s_aux=att.sinks)
+    torch.manual_seed(5)
+    band = fg_tf._eager_mask(fg_tf._band(SEQ, SEQ, 6, "cpu")[None, None], q.dtype)
+    want, _ = modeling_gpt_oss.eager_attention_forward(att, q, k, v, band, dropout=0.25, scaling=att.scaling)
+    assert torch.equal(out, want)
+    assert calls == []  # flashgen ran none of these

@@ -42,13 +42,27 @@ attention module hands them to ``sdpa_attention_forward``):
   per layer and serves causal padding only; it is not used;
 * ``softcap`` (Gemma 2's ``attn_logit_softcapping``): flashgen's ``softcap``;
 * GQA / MQA (num_kv_heads < num_heads): natively, no ``repeat_kv``;
-* ``scaling``: ``softmax_scale``; ``dropout`` (training): flashgen's Philox dropout.
+* ``scaling``: ``softmax_scale``; ``dropout`` (training): flashgen's Philox dropout;
+* ``s_aux`` (gpt-oss's learnable attention sinks, ``GptOssAttention.sinks``, a
+  (num_heads,) parameter in the model's dtype) with no mask (causal, and
+  ``sliding_window`` on gpt-oss's sliding layers): flashgen's ``sinks`` as
+  ``s_aux.float()``, so the sinks' gradient (float32 in the kernels) reaches the
+  parameter in its own dtype.  The conventions agree: gpt-oss's
+  ``eager_attention_forward`` appends the sink as one more logit to each row of
+  scale * QK^T + mask, takes the softmax over the row and drops the sink's
+  probability, which is flashgen's LSE_i = log(exp(sinks[h]) + sum_j exp(s_ij)),
+  p_ij = exp(s_ij - LSE_i) (its max subtraction changes nothing exactly; it runs the
+  softmax in the model's dtype, flashgen in float32).  For gpt-oss without padding
+  :func:`attention_mask` returns None on both layer types, so every layer runs here.
 
 Everything else falls back, with the reason from :func:`fallback_reason` (also given
 in a one-time warning per reason): to transformers' ``sdpa_attention_forward`` with the
 same arguments, or, for what sdpa lacks (``softcap``, attention sinks ``s_aux``), to
 the model's own ``eager_attention_forward``.  Reasons: a ``position_bias`` (learned,
-needs a gradient), ``s_aux``, a mask that is not a tensor (a flex ``BlockMask``) or
+needs a gradient), ``s_aux`` with a mask tensor (padding: flashgen's sinks combine with
+causal / window only, not with its ``bias``), with dropout > 0 or with softcap, or that
+is not a floating (num_heads,) tensor on the query's device, a mask that is not a
+tensor (a flex ``BlockMask``) or
 that requires grad, of another dtype than bool / the query's, inputs flashgen does not
 take (dtype, head dims not a multiple of 8 in [8, 256], empty), dropout where flashgen's
 kernels do not run (CPU tensors without ``TRITON_INTERPRET=1``, bfloat16 in the
@@ -184,8 +198,11 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
     runs it.  Takes the arguments the attention function takes."""
     if kwargs.get("position_bias") is not None:
         return "position_bias (a learned per-layer bias; flashgen's bias gets no gradient)"
-    if kwargs.get("s_aux") is not None:
-        return "s_aux (attention sinks) is not a flashgen score modification"
+    s_aux = kwargs.get("s_aux")
+    if s_aux is not None:
+        reason = _sinks_reason(s_aux, query, attention_mask, dropout, softcap)
+        if reason is not None:
+            return reason
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         return f"attention_mask of type {type(attention_mask).__name__} (flashgen takes a bool or additive tensor)"
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
@@ -203,6 +220,28 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
     if attention_mask is None and _module_causal(module, is_causal) and query.shape[2] > key.shape[2]:
         return (f"causal without a mask and seqlen_q ({query.shape[2]}) > seqlen_k ({key.shape[2]}): sdpa's "
                 "top-left alignment")
+    return None
+
+
+def _sinks_reason(s_aux, query, attention_mask, dropout, softcap) -> str | None:
+    """Why flashgen cannot serve these attention sinks (``s_aux``), or None: flashgen's
+    ``sinks`` take a (num_heads,) tensor on the query's device (any floating dtype here:
+    it runs as float32) and combine with causal / window only."""
+    if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point():
+        got = s_aux.dtype if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
+        return f"s_aux (attention sinks) of {got} (flashgen's sinks: a floating tensor of shape (num_heads,))"
+    if not isinstance(query, torch.Tensor) or query.dim() != 4 or tuple(s_aux.shape) != (query.shape[1],):
+        heads = query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 4 else "num_heads"
+        return f"s_aux (attention sinks) of shape {tuple(s_aux.shape)} (flashgen's sinks: ({heads},), one per head)"
+    if s_aux.device != query.device:
+        return f"s_aux (attention sinks) on {s_aux.device}, query on {query.device}"
+    if attention_mask is not None:
+        return ("s_aux (attention sinks) with an attention_mask (padding or a custom mask): flashgen's sinks "
+                "combine with causal / window only, not with its bias")
+    if dropout:
+        return "s_aux (attention sinks) with dropout > 0: flashgen's sinks do not combine with its dropout"
+    if softcap:
+        return "s_aux (attention sinks) with softcap: flashgen's sinks do not combine with its softcap"
     return None
 
 
@@ -260,6 +299,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         scaling: the softmax scale; None means 1 / sqrt(head_dim).
         sliding_window: W: with no mask, query i sees keys i - W < j <= i.
         softcap: > 0: scores s <- softcap * tanh(s / softcap) before the mask.
+        s_aux (keyword): attention sinks, a floating tensor of shape (num_heads,) on the
+            query's device (gpt-oss): one extra logit per head in every row's softmax
+            denominator, its probability dropped; runs with no mask, dropout or softcap
+            only (otherwise the model's eager function runs it).
 
     Returns:
         (O of shape (batch, seqlen_q, num_heads, head_dim_v), contiguous, in the
@@ -281,7 +324,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             key, value = key[:, :, :sq], value[:, :, :sq]
         if sliding_window is not None:
             window = (sliding_window - 1, 0)
-    out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
-                        softcap=float(softcap) if softcap else 0.0, bias=attention_mask,
-                        dropout_p=float(dropout) if dropout else 0.0)
+    s_aux = kwargs.get("s_aux")
+    if s_aux is not None:
+        # float32 as flashgen's sinks take them; .float() keeps the gradient's way back to
+        # the model's parameter in its own dtype
+        out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
+                            sinks=s_aux.float())
+    else:
+        out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
+                            softcap=float(softcap) if softcap else 0.0, bias=attention_mask,
+                            dropout_p=float(dropout) if dropout else 0.0)
     return out.transpose(1, 2).contiguous(), None

@@ -37,7 +37,10 @@ from ...fastlaunch import launch
 TEMPLATE = "gluon/attn_bwd.py.j2"
 DTYPES = ("float16", "bfloat16")
 MASKS = ("none", "causal", "window")
-DQ_MODES = ("tma", "atomic")
+DQ_MODES = ("tma", "atomic", "ordered")
+#: The dQ modes the tuner searches; "ordered" (bitwise repeatable) serves the
+#: deterministic backward (:func:`ordered`).
+SEARCH_DQ_MODES = ("tma", "atomic")
 ROW_LOADS = ("tma", "producer", "ptr")
 #: LSE2 / delta rows are padded to a multiple of this (the largest block_m): every
 #: (1, block_m) box and every pointer load of a query block stays in the buffer, and the
@@ -68,8 +71,10 @@ class GluonBwdConfig:
     consumers:      warpgroups in the consumer partition (1 or 2); the program owns
                     block_n * consumers key rows, resident in shared memory.
     stages:         depth of the Q / dO / LSE2 / delta ring (1 to 4).
-    dq_mode:        "tma" (TMA reduce-add of each dQ tile from shared memory) or
-                    "atomic" (float32 atomics from registers).
+    dq_mode:        "tma" (TMA reduce-add of each dQ tile from shared memory),
+                    "atomic" (float32 atomics from registers) or "ordered" (as "tma", the
+                    adds into each dQ tile made in the order of the key blocks, through
+                    int32 semaphores: dQ bitwise repeatable).
     consumer_regs:  setmaxnreg budget of each consumer thread (multiple of 8, 24..248).
     producer_regs:  setmaxnreg budget of each producer thread.
     row_load:       how LSE2 and delta reach the consumers: "tma" (the producer's 2-D TMA
@@ -163,7 +168,7 @@ def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> di
         "do_ring": c.stages * c.block_m * head_dim * elem_bytes,
         "lse_delta_ring": 2 * c.stages * c.block_m * 4 if c.row_load != "ptr" else 0,
         "ds": c.block_nt * c.block_m * elem_bytes,
-        "dq_tile": c.parts * c.block_m * head_dim * 4 if c.dq_mode == "tma" else 0,
+        "dq_tile": c.parts * c.block_m * head_dim * 4 if c.dq_mode in ("tma", "ordered") else 0,
         "barriers": 8 * (1 + 2 * c.stages),
         "alignment": 256,
     }
@@ -188,7 +193,7 @@ def consumer_regs_estimate(config: GluonBwdConfig, head_dim: int) -> int:
     st = c.block_n * c.block_m // per_wg
     op16 = st // 2
     dq = c.block_m * head_dim // (per_wg * c.consumers // c.parts)
-    if c.split and c.dq_mode == "tma" and head_dim >= 128:
+    if c.split and c.dq_mode in ("tma", "ordered") and head_dim >= 128:
         dq //= 2  # two column halves
     return acc + max(2 * st + op16, dq + 2 * op16) + 32
 
@@ -223,6 +228,16 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
     if not (isinstance(c.group_split, int) and 1 <= c.group_split <= MAX_GROUP_SPLIT):
         out.append(f"group_split {c.group_split!r} must be a whole number in 1..{MAX_GROUP_SPLIT} (programs per kv "
                    "head's GQA group)")
+    if c.dq_mode == "ordered" and c.split and head_dim >= 128:
+        # the semaphore state on top of the split d128 tile's 240 registers: ptxas (Triton
+        # 3.6) spills 56 B and serializes the wgmmas (C7512); the lock-step tile does not
+        out.append("dq_mode 'ordered' with split partitions at head_dim 128 runs out of registers (ptxas spills "
+                   "and serializes the wgmmas); use the lock-step partition")
+    if c.dq_mode == "ordered" and c.split and c.stages < 2:
+        # partition 1 waits (inside its step) for partition 0's release of the same step's
+        # tile, made at partition 0's next step, whose ring slot partition 1 holds
+        out.append("dq_mode 'ordered' with split partitions needs stages >= 2 (with one ring slot the second "
+                   "partition's wait and the first one's next step wait on each other)")
     if c.half_partials and c.group_split == 1:
         out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -298,7 +313,7 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", gro
         for consumers in (1, 2):
             for split in ((False, True) if consumers == 2 else (False,)):
                 for stages in (1, 2, 3, 4):
-                    for dq_mode in DQ_MODES:
+                    for dq_mode in SEARCH_DQ_MODES:
                         for row_load in ("tma", "producer"):
                             for gs in group_splits(group):
                                 for half in ((False, True) if gs > 1 else (False,)):
@@ -431,7 +446,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     # dQ (block_m x head_dim): split along M when block_m covers every warpgroup's 64 rows,
     # else along head_dim.
     # Split partitions at head_dim 128 compute dQ (TMA mode) in two column halves.
-    dq_halves = c.split and c.dq_mode == "tma" and head_dim >= 128
+    dq_halves = c.split and c.dq_mode in ("tma", "ordered") and head_dim >= 128
     if dq_halves:
         dq_warps, dq_n = [c.num_warps, 1], head_dim // 2
     elif c.split or c.block_m >= 64 * c.consumers:
@@ -544,6 +559,10 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
     out = {"dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc}
     main_dk, main_dv = dk, dv
+    if c.dq_mode == "ordered":
+        # one int32 semaphore per (batch * head, query block), zeroed: a launch of the main
+        # kernel needs them zero again
+        out["sem"] = torch.zeros((b * h, m_pad // c.block_m), dtype=torch.int32, device=dev)
     if gs == 1 and not (dk.is_contiguous() and dv.is_contiguous()):
         # the main kernel stores contiguous dK, dV: into these, then copied ("copy")
         main_dk, main_dv = torch.empty((b, hk, sk, d), dtype=k.dtype, device=dev), \
@@ -556,8 +575,8 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         main_dk, main_dv = out["dk_partial"], out["dv_partial"] = partials[0], partials[1]
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
             _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
-            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, main_dk, main_dv,
-            float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
+            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, main_dk, main_dv) + (
+            (out["sem"],) if c.dq_mode == "ordered" else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
             int(diag_hi), m_pad)
     if o.is_contiguous() and do.is_contiguous():
         out["preprocess"] = (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True))

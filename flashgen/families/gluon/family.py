@@ -37,7 +37,7 @@ _ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
 _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
               "persistent", "ctas_per_sm", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
-              "row_load", "producer_warps", "split", "group_split", "half_partials", "family"}
+              "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -97,9 +97,15 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
     cr, pr = (c.consumer_regs, c.producer_regs) if c.consumer_regs or c.producer_regs else _bwd_default_regs(n)
     row_load = _ROW_LOADS[c.row_load] if 0 <= c.row_load < len(_ROW_LOADS) else f"code {c.row_load}"
     return B.GluonBwdConfig(block_m=c.BLOCK_M, block_n=c.BLOCK_N, consumers=n, stages=c.num_stages,
-                            dq_mode="atomic" if c.dq_atomic else "tma", consumer_regs=cr, producer_regs=pr,
+                            dq_mode=_dq_mode(c), consumer_regs=cr, producer_regs=pr,
                             row_load=row_load, producer_warps=c.producer_warps or 1, split=bool(c.split),
                             group_split=c.group_split or 1, half_partials=bool(c.half_partials))
+
+
+def _dq_mode(c: TileConfig) -> str:
+    """GluonBwdConfig.dq_mode of a TileConfig (dq_ordered with dq_atomic breaks a rule of
+    :meth:`GluonFamily.violated_rules`)."""
+    return "ordered" if c.dq_ordered else "atomic" if c.dq_atomic else "tma"
 
 
 def tile_config(g) -> TileConfig:
@@ -119,7 +125,7 @@ def tile_config(g) -> TileConfig:
                       producer_regs=0 if regs == default else regs[1], dq_atomic=int(g.dq_mode == "atomic"),
                       row_load=_ROW_LOADS.index(g.row_load), producer_warps=0 if g.producer_warps == 1 else
                       g.producer_warps, split=int(g.split), group_split=0 if g.group_split == 1 else g.group_split,
-                      half_partials=int(g.half_partials))
+                      half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"))
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -181,6 +187,17 @@ class GluonFamily:
             dom["half_partials"] = (0, 1)
         return dom
 
+    def refine_domain(self, key: ProblemKey) -> dict[str, tuple]:
+        """Knobs outside the search (:meth:`domain`) that ``flashgen tune --refine`` may
+        vary around a tuned row: the backward's ``dq_ordered`` (the deterministic
+        backward's dQ, measured beside the tuned tile it orders)."""
+        return {"dq_ordered": (0, 1)} if key.spec.kernel == WHOLE_BWD else {}
+
+    def deterministic(self, config: TileConfig) -> bool:
+        """Whether ``config``'s whole backward gives bitwise-identical gradients from run
+        to run (dK and dV always do; dQ when its adds are ordered)."""
+        return bool(config.dq_ordered) and not config.dq_atomic
+
     def violated_rules(self, v: Variant) -> list[str]:
         s, c = v.spec, v.config
         if s.kernel == "fwd":
@@ -194,6 +211,8 @@ class GluonFamily:
                 why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
             if s.head_dim_v != s.head_dim:
                 why.append(f"head_dim_v {s.head_dim_v} != head_dim {s.head_dim}")
+            if c.dq_ordered and c.dq_atomic:
+                why.append("dq_ordered=1 orders the TMA reduce-adds of dQ: it needs dq_atomic=0")
             if not 0 <= c.row_load < len(_ROW_LOADS):
                 why.append(f"row_load={c.row_load}: 0 (TMA), 1 (producer) or 2 (pointer loads)")
                 return why
