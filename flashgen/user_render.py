@@ -6,9 +6,11 @@ The IR is a list of SSA nodes (:class:`Graph`); a value is a :class:`Ref` to a n
 Python constant (bool, int, float).  Every node has a dtype category (``bool``,
 ``int``, ``float``: float32 in the kernels) and the set of inputs it depends on
 (``s`` the score, ``b`` batch, ``h`` query head, ``q`` query row, ``k`` key column),
-which says its shape in a tile: ``s``/``q``+``k`` a (rows, cols) tile, ``q`` a column
-vector, ``k`` a row vector, neither a scalar.  Captured tensors are read by ``load``
-nodes (buffers ``UT<n>`` with strides ``ut<n>_s<d>``).
+which says its shape in a tile (:func:`tile_axes`): ``s``/``q``+``k`` a (rows, cols)
+tile, ``q`` a column vector, ``k`` a row vector, neither a scalar.  Captured tensors are
+read by ``load`` nodes (buffers ``UT<n>`` with strides ``ut<n>_s<d>``; a buffer read at
+an index that depends on the score also gets its sizes ``ut<n>_n<d>``, see
+:meth:`_Code._load`).
 
 A user variant's ``KernelSpec.mods`` is ``u`` + 12 hex digits of the sha256 of its IR
 (and of this rendering machinery), + ``m`` when it has a mask function
@@ -35,6 +37,8 @@ from .template_files import templates_dir, text_hash
 
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
+INT32 = (-2 ** 31, 2 ** 31 - 1)
+INT64 = (-2 ** 63, 2 ** 63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,13 @@ def _cat(v) -> str:
     return "int" if isinstance(v, int) else "float"
 
 
+def tile_axes(deps) -> frozenset:
+    """The tile axes ("q" rows, "k" columns) along which a value that depends on the
+    inputs ``deps`` varies: one of the score is a (rows, cols) value like one of q and k
+    together; else its q and k."""
+    return frozenset(("q", "k")) if "s" in deps else frozenset(deps) & {"q", "k"}
+
+
 def promote(a: str, b: str) -> str:
     """torch's promotion, by category (bool < int < float)."""
     if "float" in (a, b):
@@ -132,6 +143,10 @@ class Graph:
 
     # -- construction
     def _add(self, op, args, dtype):
+        for a in args:
+            if isinstance(a, int) and not isinstance(a, bool) and not INT64[0] <= a <= INT64[1]:
+                raise UnsupportedError(f"integer constant {a} in '{op}' is outside the int64 range [-2**63, 2**63 - 1] "
+                                       "(integers are int64 at most, as in torch): write it as a float")
         key = (op, tuple((type(a).__name__, a) for a in args), dtype)
         hit = self._index.get(key)
         if hit is not None:
@@ -486,10 +501,13 @@ def band(g: Graph, out):
 # -- Triton code ------------------------------------------------------------------------
 
 def _lit(v) -> str:
+    """A constant as Triton code.  An integer outside int32 is an int64 scalar: Triton
+    casts a Python int combined with an int32 tensor (q_idx, kv_idx) to int32, where
+    torch computes in int64; the arithmetic it enters is then int64, as torch's is."""
     if isinstance(v, bool):
         return "1" if v else "0"
     if isinstance(v, int):
-        return str(v)
+        return str(v) if INT32[0] <= v <= INT32[1] else f"tl.full([], {v}, tl.int64)"
     if math.isnan(v):
         return 'float("nan")'
     if math.isinf(v):
@@ -557,7 +575,7 @@ class _Code:
     def _floordiv_int(self, a, b) -> str:
         A, B = self.i(a), self.i(b)
         if not isinstance(b, Ref) and b > 0:
-            return f"tl.where({A} >= 0, {A} // {B}, -((-{A} + {b - 1}) // {B}))"
+            return f"tl.where({A} >= 0, {A} // {B}, -((-{A} + {_lit(b - 1)}) // {B}))"
         aa = _lit(abs(a)) if not isinstance(a, Ref) else f"tl.abs({A})"
         ab = _lit(abs(b)) if not isinstance(b, Ref) else f"tl.abs({B})"
         return f"tl.where(({A} < 0) == ({B} < 0), {aa} // {ab}, -(({aa} + {ab} - 1) // {ab}))"
@@ -650,8 +668,21 @@ class _Code:
         if i in self.offsets:
             out.append(f"u_off{i} = {off}")
             off = f"u_off{i}"
-        deps = n.deps
-        masks = [self.valid[x] for x in ("q", "k") if x in deps]
+        if "s" in n.deps:
+            # an index computed from the score is known in the kernel only: every dim is
+            # checked against the tensor's size (u_ok<i>); the score function's result is
+            # NaN where it is out of range (Context.score_block), nothing is read there
+            ok = []
+            for d, a in enumerate(index):
+                size = f"ut{buf}_n{d}"
+                if isinstance(a, Ref):
+                    ok.append(f"({self.i(a)} >= 0) & ({self.i(a)} < {size})")
+                else:
+                    ok.append(f"({_lit(int(a))} < {size})" if int(a) >= 0 else f"({size} < 0)")
+            out.append(f"u_ok{i} = {' & '.join(ok)}")
+            masks = [f"u_ok{i}"]
+        else:
+            masks = [self.valid[x] for x in ("q", "k") if x in tile_axes(n.deps)]
         mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
         expr = f"tl.load(UT{buf} + {off}{mask})"
         if info.dtype in ("float16", "bfloat16"):
@@ -724,11 +755,30 @@ class Lowered:
         return outs
 
     @functools.cached_property
+    def sized_bufs(self) -> frozenset:
+        """The captured tensors (buffer numbers) that the score function reads at an index
+        depending on the score: the kernels take their sizes (``ut<n>_n<d>``) and check
+        those reads (:meth:`_Code._load`); the host checks every other index
+        (:mod:`flashgen.user_bounds`)."""
+        if self.score is None or not isinstance(self.score_out, Ref):
+            return frozenset()
+        return frozenset(self.score.nodes[i].args[0] for i in self.score.uses([self.score_out])
+                         if self.score.nodes[i].op == "load" and "s" in self.score.nodes[i].deps)
+
+    @functools.cached_property
     def band(self):
         """(lo, hi) when the mask function is a band lo <= kv - q <= hi (:func:`band`):
         the kernels tighten their own bounds on j - i to it and evaluate no mask
         function (no predicate, no block mask: the window's tile ranges); else None."""
-        return band(self.mask, self.mask_out) if self.mask is not None else None
+        b = band(self.mask, self.mask_out) if self.mask is not None else None
+        if b is None:
+            return None
+        lo, hi = b
+        # j - i lies in (-2**31, 2**31) and diag_lo / diag_hi are int32: a bound past int32
+        # binds nothing, one beyond the other side leaves nothing visible (the predicate's)
+        if (lo is not None and lo > INT32[1]) or (hi is not None and hi < INT32[0]):
+            return None
+        return (None if lo is None or lo <= INT32[0] else lo, None if hi is None or hi >= INT32[1] else hi)
 
     @functools.cached_property
     def name(self) -> str:
@@ -834,6 +884,8 @@ class Context:
         out = ""
         for n, b in enumerate(self.low.bufs):
             out += f"UT{n}, " + "".join(f"ut{n}_s{d}, " for d in range(b.ndim))
+            if n in self.low.sized_bufs:
+                out += "".join(f"ut{n}_n{d}, " for d in range(b.ndim))
         return out + "".join(f"UG{n}, " for n in self._grad_bufs())
 
     def tile_args(self, params: bool) -> str:
@@ -889,6 +941,11 @@ class Context:
             if low.guard:
                 lines.append(f"{var} = tl.where({var} == float(\"-inf\"), {var}, "
                              f"tl.minimum(tl.maximum({var}, -2.3e38), 2.3e38))")
+            checked = [i for i in low.score.uses([low.score_out])
+                       if low.score.nodes[i].op == "load" and "s" in low.score.nodes[i].deps]
+            if checked:  # after the guard, whose clamp would turn a NaN into a number
+                lines.append("# NaN where an index computed from the score lies outside its tensor")
+                lines.append(f"{var} = tl.where({' & '.join(f'u_ok{i}' for i in checked)}, {var}, float(\"nan\"))")
             lines.append(f"{var} = {var} * {LOG2E!r}")
         if self.mask:
             hoisted = {i for g, _, nodes, _ in self._hoisted() if g is low.mask for i in nodes}
@@ -916,11 +973,12 @@ class Context:
         if self.kernel == "bwd_dq" and low.grads:
             lines.append(f"u_gv = {valid['q']} & {valid['k']}")
             for i, buf, _ in low.grads:
-                deps = low.score.deps(Ref(i)) & {"q", "k"}  # the shape of the load's offsets
+                deps = tile_axes(low.score.deps(Ref(i)))  # the shape of the load's offsets
                 val = f"tl.where(u_gv, {var} * u_d{i}, 0.0)"
                 if deps == {"q", "k"}:
+                    ok = f"u_gv & u_ok{i}" if "s" in low.score.deps(Ref(i)) else "u_gv"
                     lines.append(f"tl.atomic_add(UG{buf} + tl.broadcast_to(u_off{i}, (BLOCK_M, BLOCK_N)), {val}, "
-                                 "mask=u_gv, sem=\"relaxed\")")
+                                 f"mask={ok}, sem=\"relaxed\")")
                 elif deps == {"q"}:
                     lines.append(f"tl.atomic_add(UG{buf} + u_off{i}, tl.sum({val}, 1, keep_dims=True), "
                                  f"mask={valid['q']}, sem=\"relaxed\")")
@@ -929,7 +987,15 @@ class Context:
                                  f"mask={valid['k']}, sem=\"relaxed\")")
                 else:
                     lines.append(f"tl.atomic_add(UG{buf} + u_off{i}, tl.sum(tl.sum({val}, 1), 0), sem=\"relaxed\")")
-        if _nonunit(low.dscore):
+        if _nonunit(low.dscore) and may_be_infinite(low.score, low.dscore):
+            # zero outside the valid rows and columns, where dS is 0 but the derivative
+            # may be infinite (sqrt(|s|), log(s), 1 / s at the zero-padded s = 0): 0 * inf
+            # would be a NaN in every dQ row (bwd_dq) / dK row (bwd_dkdv) through the
+            # padded keys (queries); only masked tiles stream padding, an interior tile's
+            # padded resident rows (columns) stay in their own unstored dQ (dK, dV) lines
+            lines += ["if MASKED:", f"    {var} = tl.where({valid['q']} & {valid['k']}, {var} * u_g, 0.0)",
+                      "else:", f"    {var} = {var} * u_g"]
+        elif _nonunit(low.dscore):
             lines.append(f"{var} = {var} * u_g")
         return "\n".join(ind + x for x in lines)
 
@@ -1005,7 +1071,7 @@ def smem_buffers(low: Lowered, kernel: str, block_m: int, block_n: int, num_stag
             if n.op != "load":
                 continue
             elem = _ELEM_BYTES[low.bufs[base + n.args[0]].dtype]
-            deps = n.deps & {"q", "k"}
+            deps = tile_axes(n.deps)
             if deps == {"q", "k"}:
                 tile_loads += 1
                 tiles += (stages - 1) * block_m * block_n * elem
@@ -1013,7 +1079,7 @@ def smem_buffers(low: Lowered, kernel: str, block_m: int, block_n: int, num_stag
                 rows += _kib((stages - 1) * extent[streamed] * elem)
     if kernel == "bwd_dq":
         for i, _, _ in low.grads:
-            deps = low.score.deps(Ref(i)) & {"q", "k"}
+            deps = tile_axes(low.score.deps(Ref(i)))
             if deps == {"q", "k"}:
                 grads += block_m * block_n * 8
             elif deps:
@@ -1030,6 +1096,27 @@ def smem_buffers(low: Lowered, kernel: str, block_m: int, block_n: int, num_stag
 
 def _nonunit(d) -> bool:
     return isinstance(d, Ref) or (d is not None and d != 1)
+
+
+#: Operations whose result may be infinite or NaN at finite arguments (a pole, an edge
+#: of the domain, an overflow): sqrt(|s|)' = 0.5 / sqrt(|s|) is infinite at s = 0.
+_SINGULAR = frozenset(("log", "log2", "rsqrt", "sqrt", "pow", "exp", "exp2"))
+
+
+def may_be_infinite(g: Graph, v) -> bool:
+    """Whether value ``v`` of ``g`` may be infinite or NaN where the inputs and the loads
+    are finite: it needs an operation of :data:`_SINGULAR` or a division (floor
+    division, modulo) by a value that is not a nonzero constant.  False for softcap's
+    1 - tanh^2, ALiBi's constants."""
+    if not isinstance(v, Ref):
+        return False
+    for i in g.uses([v]):
+        n = g.nodes[i]
+        if n.op in _SINGULAR:
+            return True
+        if n.op in ("truediv", "floordiv", "mod") and (isinstance(n.args[1], Ref) or n.args[1] == 0):
+            return True
+    return False
 
 
 # -- rendering -----------------------------------------------------------------------
