@@ -397,7 +397,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             wrapped as torch wraps it): on the kernel path every index that does not
             depend on the score is checked over the whole (b, h, q_idx, kv_idx) grid
             before the kernels run (once per function, sizes and, for an index read
-            from a captured tensor, the tensors' versions); InputError otherwise.
+            from a captured tensor, the tensors' versions); InputError otherwise.  An
+            index computed from the score is known inside the kernels only: they check
+            it (every dim of that read) and, where it lies outside the tensor, read
+            nothing and make that score NaN, so the query rows it touches come out NaN
+            (O, LSE, and in the backward those rows' dQ, and dK, dV and the captured
+            tensors' gradients they reach); nothing is read or written past a tensor.
+            Integer arithmetic is int32 in the kernels unless a constant needs int64
+            (int64 from there on, as in torch); a constant outside int64 is an
+            UnsupportedError.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), ANDed with
             ``causal``/``window``.  It also gives the block mask: tiles it hides
             entirely are skipped, tiles it shows entirely run with no mask arithmetic

@@ -18,7 +18,8 @@ elements per intermediate value, and returns each index component's min and max;
 An index that depends on another load's value (``table[idx[q_idx]]``) reads that load
 from the captured tensor itself, clamped into range so that the evaluation can go on (the
 inner load's own range is checked, and reported first).  An index that depends on the
-score cannot be known before the kernel runs: such loads are not checked.  Float
+score cannot be known before the kernel runs: such loads are checked in the kernels
+(:meth:`flashgen.user_render._Code._load`: masked, the score NaN where out of range).  Float
 expressions that feed an index (T5's ``log``) are evaluated by torch in float32, which
 may differ from the kernels' by an ulp; an index that lands exactly on a bound through
 such an expression may be judged by a value one off the kernels'.

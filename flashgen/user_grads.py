@@ -38,7 +38,7 @@ import hashlib
 from pathlib import Path
 
 from . import user_render
-from .user_render import Context, Lowered, Ref, _Code
+from .user_render import Context, Lowered, Ref, _Code, tile_axes
 
 #: The largest gathered extent whose gradient is reduced inside the tile (compares per
 #: element grow with it; above it the per-element atomics are kept).
@@ -60,16 +60,17 @@ class Reduction:
 def reduction(low_score, load: int, buf: int, shape: tuple) -> Reduction | None:
     """The :class:`Reduction` of the gradient of ``load`` (a load node of the score graph
     ``low_score`` reading buffer ``buf``, a captured tensor of ``shape``), or None when
-    the per-element atomics stay: the index depends on the rows and columns through
+    the per-element atomics stay: the index depends on the rows and columns (or on the
+    score, a per-element value too: :func:`flashgen.user_render.tile_axes`) through
     exactly one integer component, the others on neither, and that component's extent is
     at most :data:`MAX_EXTENT`."""
     n = low_score.nodes[load]
     index = n.args[1:]
-    tile = [d for d, a in enumerate(index) if low_score.deps(a) & {"q", "k"}]
+    tile = [d for d, a in enumerate(index) if tile_axes(low_score.deps(a))]
     if len(tile) != 1:
         return None
     d = tile[0]
-    if low_score.deps(index[d]) & {"q", "k"} != {"q", "k"} or low_score.dtype(index[d]) == "float":
+    if tile_axes(low_score.deps(index[d])) != {"q", "k"} or low_score.dtype(index[d]) == "float":
         return None
     if not 0 < shape[d] <= MAX_EXTENT:
         return None
@@ -114,11 +115,13 @@ class ReducedContext(Context):
             rest = [f"{code.i(a)}.to(tl.int64) * ut{buf}_s{d}" if isinstance(a, Ref) else f"{int(a)} * ut{buf}_s{d}"
                     for d, a in enumerate(index) if d != r.dim]
             ix = code.i(index[r.dim])
+            # an index computed from the score: its other dims are checked in the tile too
+            ok = f" & u_ok{i}" if "s" in low.score.nodes[i].deps else ""
             lines += [
                 f"# gradient of captured tensor {buf}: summed over the tile per index value (extent {e}), "
                 "one atomic per value present",
                 f"u_rv{i} = tl.where(u_gv, {var} * u_d{i}, 0.0)",
-                f"u_ri{i} = tl.where((u_rv{i} != 0.0) & ({ix} >= 0) & ({ix} < {e}), {ix}, -1).to(tl.int32)",
+                f"u_ri{i} = tl.where((u_rv{i} != 0.0) & ({ix} >= 0) & ({ix} < {e}){ok}, {ix}, -1).to(tl.int32)",
                 f"u_rlo{i} = tl.min(tl.min(tl.where(u_ri{i} >= 0, u_ri{i}, {e}), 1), 0)",
                 f"u_rhi{i} = tl.max(tl.max(u_ri{i}, 1), 0)",
                 f"u_rp{i} = UG{buf}" + "".join(f" + {x}" for x in rest),

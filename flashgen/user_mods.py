@@ -708,11 +708,13 @@ class UserArgs:
         """In the order of :meth:`flashgen.user_render.Context.kernel_params`."""
         kernel = _kernel_of(mod)
         out: list = [softmax_scale] if with_scale and self.low.score is not None else []
-        for t in self.bufs:
+        for n, t in enumerate(self.bufs):
             out += [t, *t.stride()]
+            if n in self.low.sized_bufs:  # read at an index computed from the score: checked in the kernel
+                out += list(t.shape)
         if kernel == "bwd_dq":
             out += [g for g in self.grads if g is not None]
-        if self.low.mask is not None:
+        if self.low.mask is not None and self.low.band is None:  # a band needs no block mask
             b, h, hk, sq, sk, lo, hi = self.sizes
             bm = block_ranges(self.mask, "k" if kernel == "bwd_dkdv" else "q", b, h, hk, sq, sk, lo, hi,
                               config.BLOCK_M, config.BLOCK_N, self.device)

@@ -6,9 +6,11 @@ The IR is a list of SSA nodes (:class:`Graph`); a value is a :class:`Ref` to a n
 Python constant (bool, int, float).  Every node has a dtype category (``bool``,
 ``int``, ``float``: float32 in the kernels) and the set of inputs it depends on
 (``s`` the score, ``b`` batch, ``h`` query head, ``q`` query row, ``k`` key column),
-which says its shape in a tile: ``s``/``q``+``k`` a (rows, cols) tile, ``q`` a column
-vector, ``k`` a row vector, neither a scalar.  Captured tensors are read by ``load``
-nodes (buffers ``UT<n>`` with strides ``ut<n>_s<d>``).
+which says its shape in a tile (:func:`tile_axes`): ``s``/``q``+``k`` a (rows, cols)
+tile, ``q`` a column vector, ``k`` a row vector, neither a scalar.  Captured tensors are
+read by ``load`` nodes (buffers ``UT<n>`` with strides ``ut<n>_s<d>``; a buffer read at
+an index that depends on the score also gets its sizes ``ut<n>_n<d>``, see
+:meth:`_Code._load`).
 
 A user variant's ``KernelSpec.mods`` is ``u`` + 12 hex digits of the sha256 of its IR
 (and of this rendering machinery), + ``m`` when it has a mask function
@@ -35,6 +37,8 @@ from .template_files import templates_dir, text_hash
 
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
+INT32 = (-2 ** 31, 2 ** 31 - 1)
+INT64 = (-2 ** 63, 2 ** 63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,13 @@ def _cat(v) -> str:
     return "int" if isinstance(v, int) else "float"
 
 
+def tile_axes(deps) -> frozenset:
+    """The tile axes ("q" rows, "k" columns) along which a value that depends on the
+    inputs ``deps`` varies: one of the score is a (rows, cols) value like one of q and k
+    together; else its q and k."""
+    return frozenset(("q", "k")) if "s" in deps else frozenset(deps) & {"q", "k"}
+
+
 def promote(a: str, b: str) -> str:
     """torch's promotion, by category (bool < int < float)."""
     if "float" in (a, b):
@@ -132,6 +143,10 @@ class Graph:
 
     # -- construction
     def _add(self, op, args, dtype):
+        for a in args:
+            if isinstance(a, int) and not isinstance(a, bool) and not INT64[0] <= a <= INT64[1]:
+                raise UnsupportedError(f"integer constant {a} in '{op}' is outside the int64 range [-2**63, 2**63 - 1] "
+                                       "(integers are int64 at most, as in torch): write it as a float")
         key = (op, tuple((type(a).__name__, a) for a in args), dtype)
         hit = self._index.get(key)
         if hit is not None:
@@ -408,13 +423,91 @@ def derivative(g: Graph, out, wrt: Ref):
     return t.get(out.i)
 
 
+# -- masks that are bands on kv - q -------------------------------------------------
+
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}
+
+
+def _affine(g: Graph, v):
+    """``v`` as (a, c, e) with v = a * q + c * k + e (integers), or None when it is not an
+    integer affine function of the query row and key column alone."""
+    if not isinstance(v, Ref):
+        return (0, 0, v) if isinstance(v, int) and not isinstance(v, bool) else None
+    n = g.nodes[v.i]
+    if n.dtype != "int":
+        return None
+    if n.op == "input":
+        return {"q": (1, 0, 0), "k": (0, 1, 0)}.get(n.args[0])
+    if n.op == "cast":
+        return _affine(g, n.args[0]) if n.args[1] in ("int32", "int64") and g.dtype(n.args[0]) == "int" else None
+    if n.op == "neg":
+        x = _affine(g, n.args[0])
+        return None if x is None else tuple(-t for t in x)
+    if n.op in ("add", "sub", "mul"):
+        x, y = _affine(g, n.args[0]), _affine(g, n.args[1])
+        if x is None or y is None:
+            return None
+        if n.op == "add":
+            return tuple(a + b for a, b in zip(x, y))
+        if n.op == "sub":
+            return tuple(a - b for a, b in zip(x, y))
+        if x[:2] == (0, 0):
+            return tuple(x[2] * t for t in y)
+        if y[:2] == (0, 0):
+            return tuple(y[2] * t for t in x)
+    return None
+
+
+def band(g: Graph, out):
+    """(lo, hi) when the mask function's result ``out`` is exactly lo <= kv - q <= hi
+    (None: that side unbounded): a conjunction (``&``, ``torch.logical_and``) of
+    comparisons of integer affine functions of q_idx and kv_idx that depend on them
+    through kv - q only (``q_idx - kv_idx <= 256``, ``kv_idx <= q_idx``), the kernels'
+    own window bounds.  None for any other mask (or an empty band)."""
+    if out is True:
+        return (None, None)
+    if not isinstance(out, Ref):
+        return None
+    n = g.nodes[out.i]
+    if n.op == "and" and n.dtype == "bool":
+        x, y = band(g, n.args[0]), band(g, n.args[1])
+        if x is None or y is None:
+            return None
+        lo = max((t for t in (x[0], y[0]) if t is not None), default=None)
+        hi = min((t for t in (x[1], y[1]) if t is not None), default=None)
+        return None if lo is not None and hi is not None and lo > hi else (lo, hi)
+    if n.op not in _FLIP:
+        return None
+    x, y = _affine(g, n.args[0]), _affine(g, n.args[1])
+    if x is None or y is None:
+        return None
+    a, c, e = (u - v for u, v in zip(x, y))  # a q + c k + e  <op>  0
+    if c == 0 or a != -c:
+        return None
+    op, t = n.op, -e  # c d <op> t, d = kv - q
+    if c < 0:
+        op, c, t = _FLIP[op], -c, -t
+    if op == "lt":
+        op, t = "le", t - 1
+    elif op == "gt":
+        op, t = "ge", t + 1
+    if op == "le":
+        return (None, t // c)
+    if op == "ge":
+        return (-(-t // c), None)
+    return (t // c, t // c) if t % c == 0 else None  # eq
+
+
 # -- Triton code ------------------------------------------------------------------------
 
 def _lit(v) -> str:
+    """A constant as Triton code.  An integer outside int32 is an int64 scalar: Triton
+    casts a Python int combined with an int32 tensor (q_idx, kv_idx) to int32, where
+    torch computes in int64; the arithmetic it enters is then int64, as torch's is."""
     if isinstance(v, bool):
         return "1" if v else "0"
     if isinstance(v, int):
-        return str(v)
+        return str(v) if INT32[0] <= v <= INT32[1] else f"tl.full([], {v}, tl.int64)"
     if math.isnan(v):
         return 'float("nan")'
     if math.isinf(v):
@@ -426,13 +519,16 @@ class _Code:
     """Emits the nodes of ``g`` as Triton statements ``<prefix><i> = ...``.  ``names``
     maps the inputs to expressions; ``valid`` gives the in-range predicates of the
     query rows ('q') and key columns ('k') that mask captured-tensor loads;
-    ``offsets``: load nodes whose offset is kept in ``u_off<i>`` (gradients)."""
+    ``offsets``: load nodes whose offset is kept in ``u_off<i>`` (gradients);
+    ``hoisted``: nodes computed once per program (:func:`program_constant`), which
+    arrive by name."""
 
-    def __init__(self, g: Graph, names: dict, prefix: str, bufs: tuple, valid: dict, offsets=(), base: int = 0):
+    def __init__(self, g: Graph, names: dict, prefix: str, bufs: tuple, valid: dict, offsets=(), base: int = 0,
+                 hoisted=()):
         self.g, self.names, self.prefix, self.bufs, self.valid, self.base = g, names, prefix, bufs, valid, base
         self.offsets = set(offsets)
         self.lines: list[str] = []
-        self.done: set[int] = set()
+        self.done: set[int] = set(hoisted)
 
     def name(self, v) -> str:
         if not isinstance(v, Ref):
@@ -470,16 +566,27 @@ class _Code:
             else:
                 self.lines.append(f"{self.prefix}{i} = {self._expr(n)}")
 
+    def _rows_minus_cols(self, a, b) -> bool:
+        """Whether ``a`` depends on the query row and not on the key column, ``b`` the
+        other way round."""
+        da, db = self.g.deps(a), self.g.deps(b)
+        return "q" in da and "k" not in da and "k" in db and "q" not in db
+
     def _floordiv_int(self, a, b) -> str:
         A, B = self.i(a), self.i(b)
         if not isinstance(b, Ref) and b > 0:
-            return f"tl.where({A} >= 0, {A} // {B}, -((-{A} + {b - 1}) // {B}))"
+            return f"tl.where({A} >= 0, {A} // {B}, -((-{A} + {_lit(b - 1)}) // {B}))"
         aa = _lit(abs(a)) if not isinstance(a, Ref) else f"tl.abs({A})"
         ab = _lit(abs(b)) if not isinstance(b, Ref) else f"tl.abs({B})"
         return f"tl.where(({A} < 0) == ({B} < 0), {aa} // {ab}, -(({aa} + {ab} - 1) // {ab}))"
 
     def _expr(self, n: Node) -> str:
         op, args, dt = n.op, n.args, n.dtype
+        if op == "sub" and dt == "int" and self._rows_minus_cols(*args):
+            # q - k as -(k - q): the kernels' own bounds form k - q, and Triton 3.6's
+            # sm_90 code for (rows - cols) keeps a row offset per row and loses the
+            # tile's shared diagonals (ALiBi's |q - k|: 30 abs per thread against 18)
+            return f"-({self.num(args[1], dt)} - {self.num(args[0], dt)})"
         if op in ("add", "sub", "mul"):
             return f"{self.num(args[0], dt)} {_BIN[op]} {self.num(args[1], dt)}"
         if op in _CMP:
@@ -561,8 +668,21 @@ class _Code:
         if i in self.offsets:
             out.append(f"u_off{i} = {off}")
             off = f"u_off{i}"
-        deps = n.deps
-        masks = [self.valid[x] for x in ("q", "k") if x in deps]
+        if "s" in n.deps:
+            # an index computed from the score is known in the kernel only: every dim is
+            # checked against the tensor's size (u_ok<i>); the score function's result is
+            # NaN where it is out of range (Context.score_block), nothing is read there
+            ok = []
+            for d, a in enumerate(index):
+                size = f"ut{buf}_n{d}"
+                if isinstance(a, Ref):
+                    ok.append(f"({self.i(a)} >= 0) & ({self.i(a)} < {size})")
+                else:
+                    ok.append(f"({_lit(int(a))} < {size})" if int(a) >= 0 else f"({size} < 0)")
+            out.append(f"u_ok{i} = {' & '.join(ok)}")
+            masks = [f"u_ok{i}"]
+        else:
+            masks = [self.valid[x] for x in ("q", "k") if x in tile_axes(n.deps)]
         mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
         expr = f"tl.load(UT{buf} + {off}{mask})"
         if info.dtype in ("float16", "bfloat16"):
@@ -571,6 +691,21 @@ class _Code:
             expr = f"{expr} != 0"
         out.append(f"{self.prefix}{i} = {expr}")
         return out
+
+
+def program_constant(g: Graph, outs, keep=()) -> list[int]:
+    """The nodes among those ``outs`` need that depend on nothing but the batch and head
+    indices (``slopes[h]``, ``table[0]``) and that a node of the tile (or an output)
+    reads: computed once per program (per head in bwd_dkdv's loop over the group)
+    instead of once per tile.  ``keep``: nodes that stay in the tile (gradient loads,
+    whose offsets the tile's atomics reuse)."""
+    need = g.uses(outs)
+    const = {i for i in need if g.nodes[i].op != "input" and g.nodes[i].deps <= {"b", "h"} and i not in keep}
+    used = {o.i for o in outs if isinstance(o, Ref)}
+    for i in need:
+        if i not in const:
+            used.update(a.i for a in g.nodes[i].args if isinstance(a, Ref))
+    return sorted(const & used)
 
 
 # -- what a variant carries ---------------------------------------------------------
@@ -618,6 +753,32 @@ class Lowered:
         if kernel == "bwd_dq":
             outs += [d for _, _, d in self.grads]
         return outs
+
+    @functools.cached_property
+    def sized_bufs(self) -> frozenset:
+        """The captured tensors (buffer numbers) that the score function reads at an index
+        depending on the score: the kernels take their sizes (``ut<n>_n<d>``) and check
+        those reads (:meth:`_Code._load`); the host checks every other index
+        (:mod:`flashgen.user_bounds`)."""
+        if self.score is None or not isinstance(self.score_out, Ref):
+            return frozenset()
+        return frozenset(self.score.nodes[i].args[0] for i in self.score.uses([self.score_out])
+                         if self.score.nodes[i].op == "load" and "s" in self.score.nodes[i].deps)
+
+    @functools.cached_property
+    def band(self):
+        """(lo, hi) when the mask function is a band lo <= kv - q <= hi (:func:`band`):
+        the kernels tighten their own bounds on j - i to it and evaluate no mask
+        function (no predicate, no block mask: the window's tile ranges); else None."""
+        b = band(self.mask, self.mask_out) if self.mask is not None else None
+        if b is None:
+            return None
+        lo, hi = b
+        # j - i lies in (-2**31, 2**31) and diag_lo / diag_hi are int32: a bound past int32
+        # binds nothing, one beyond the other side leaves nothing visible (the predicate's)
+        if (lo is not None and lo > INT32[1]) or (hi is not None and hi < INT32[0]):
+            return None
+        return (None if lo is None or lo <= INT32[0] else lo, None if hi is None or hi >= INT32[1] else hi)
 
     @functools.cached_property
     def name(self) -> str:
@@ -670,7 +831,47 @@ class Context:
 
     @property
     def mask(self) -> bool:
-        return self.low.mask is not None
+        """Whether the kernels evaluate a mask function (its predicate in masked tiles, its
+        block mask's ranges); a band (:attr:`Lowered.band`) only tightens the bounds."""
+        return self.low.mask is not None and self.low.band is None
+
+    def _hoisted(self) -> list[tuple[Graph, str, list[int], int]]:
+        """(graph, prefix, program-constant nodes, buffer base) of the score and mask
+        functions in this kernel (:func:`program_constant`)."""
+        low, out = self.low, []
+        if low.score is not None:
+            keep = [i for i, _, _ in low.grads] if self.kernel == "bwd_dq" else []
+            out.append((low.score, "u", program_constant(low.score, low.score_outs(self.kernel), keep), 0))
+        if self.mask:
+            out.append((low.mask, "um", program_constant(low.mask, [low.mask_out]), low.mask_base))
+        return out
+
+    def _hoisted_names(self) -> str:
+        return "".join(f"{prefix}{i}, " for _, prefix, nodes, _ in self._hoisted() for i in nodes)
+
+    def setup(self, z: str, h: str, indent: str) -> str:
+        """Once per program (bwd_dkdv: per query head of the group), before the tiles: the
+        values of the functions that depend on the batch and head alone (a captured
+        tensor read at [h]), passed to the tiles by name."""
+        lines = []
+        for g, prefix, nodes, base in self._hoisted():
+            if nodes:
+                code = _Code(g, {"b": z, "h": h}, prefix, self.low.bufs, {}, base=base)
+                code.emit([Ref(i) for i in nodes])
+                lines += code.lines
+        if not lines:
+            return ""
+        return "".join(f"{indent}{x}\n" for x in ["# user functions' per-(batch, head) values", *lines])
+
+    def bounds(self) -> str:
+        """A band mask: the kernels' bounds on j - i tightened to it (before the ranges)."""
+        lo, hi = self.low.band if self.low.band is not None else (None, None)
+        out = "" if lo is None and hi is None else "    # user mask function: the band lo <= j - i <= hi\n"
+        if lo is not None:
+            out += f"    diag_lo = tl.maximum(diag_lo, {lo})\n"
+        if hi is not None:
+            out += f"    diag_hi = tl.minimum(diag_hi, {hi})\n"
+        return out
 
     @property
     def guard(self) -> bool:
@@ -683,15 +884,17 @@ class Context:
         out = ""
         for n, b in enumerate(self.low.bufs):
             out += f"UT{n}, " + "".join(f"ut{n}_s{d}, " for d in range(b.ndim))
+            if n in self.low.sized_bufs:
+                out += "".join(f"ut{n}_n{d}, " for d in range(b.ndim))
         return out + "".join(f"UG{n}, " for n in self._grad_bufs())
 
     def tile_args(self, params: bool) -> str:
         """The extra arguments of the kernels' _tile() (``params``: its def)."""
-        if self.low.score is None and self.low.mask is None:
+        if self.low.score is None and not self.mask:
             return ""
         out = "sm_scale, " if self.low.score is not None else ""
         out += "u_z, u_h, " if params else "off_z, off_h, "
-        return out + self._buf_params()
+        return out + self._buf_params() + self._hoisted_names()
 
     def kernel_params(self, scale: bool) -> str:
         """The extra kernel parameters (after diag_lo, diag_hi); the order of
@@ -723,7 +926,8 @@ class Context:
             outs = low.score_outs(self.kernel)
             bwd = self.kernel != "fwd"
             grads = low.grads if self.kernel == "bwd_dq" else ()
-            code = _Code(low.score, names, "u", low.bufs, valid, offsets=[i for i, _, _ in grads])
+            hoisted = {i for g, _, nodes, _ in self._hoisted() if g is low.score for i in nodes}
+            code = _Code(low.score, names, "u", low.bufs, valid, offsets=[i for i, _, _ in grads], hoisted=hoisted)
             code.emit(outs)
             lines += code.lines
             if bwd and _nonunit(low.dscore):
@@ -737,9 +941,15 @@ class Context:
             if low.guard:
                 lines.append(f"{var} = tl.where({var} == float(\"-inf\"), {var}, "
                              f"tl.minimum(tl.maximum({var}, -2.3e38), 2.3e38))")
+            checked = [i for i in low.score.uses([low.score_out])
+                       if low.score.nodes[i].op == "load" and "s" in low.score.nodes[i].deps]
+            if checked:  # after the guard, whose clamp would turn a NaN into a number
+                lines.append("# NaN where an index computed from the score lies outside its tensor")
+                lines.append(f"{var} = tl.where({' & '.join(f'u_ok{i}' for i in checked)}, {var}, float(\"nan\"))")
             lines.append(f"{var} = {var} * {LOG2E!r}")
-        if low.mask is not None:
-            code = _Code(low.mask, names, "um", low.bufs, valid, base=low.mask_base)
+        if self.mask:
+            hoisted = {i for g, _, nodes, _ in self._hoisted() if g is low.mask for i in nodes}
+            code = _Code(low.mask, names, "um", low.bufs, valid, base=low.mask_base, hoisted=hoisted)
             code.emit([low.mask_out])
             out = low.mask_out
             if isinstance(out, Ref):
@@ -763,11 +973,12 @@ class Context:
         if self.kernel == "bwd_dq" and low.grads:
             lines.append(f"u_gv = {valid['q']} & {valid['k']}")
             for i, buf, _ in low.grads:
-                deps = low.score.deps(Ref(i)) & {"q", "k"}  # the shape of the load's offsets
+                deps = tile_axes(low.score.deps(Ref(i)))  # the shape of the load's offsets
                 val = f"tl.where(u_gv, {var} * u_d{i}, 0.0)"
                 if deps == {"q", "k"}:
+                    ok = f"u_gv & u_ok{i}" if "s" in low.score.deps(Ref(i)) else "u_gv"
                     lines.append(f"tl.atomic_add(UG{buf} + tl.broadcast_to(u_off{i}, (BLOCK_M, BLOCK_N)), {val}, "
-                                 "mask=u_gv, sem=\"relaxed\")")
+                                 f"mask={ok}, sem=\"relaxed\")")
                 elif deps == {"q"}:
                     lines.append(f"tl.atomic_add(UG{buf} + u_off{i}, tl.sum({val}, 1, keep_dims=True), "
                                  f"mask={valid['q']}, sem=\"relaxed\")")
@@ -776,7 +987,15 @@ class Context:
                                  f"mask={valid['k']}, sem=\"relaxed\")")
                 else:
                     lines.append(f"tl.atomic_add(UG{buf} + u_off{i}, tl.sum(tl.sum({val}, 1), 0), sem=\"relaxed\")")
-        if _nonunit(low.dscore):
+        if _nonunit(low.dscore) and may_be_infinite(low.score, low.dscore):
+            # zero outside the valid rows and columns, where dS is 0 but the derivative
+            # may be infinite (sqrt(|s|), log(s), 1 / s at the zero-padded s = 0): 0 * inf
+            # would be a NaN in every dQ row (bwd_dq) / dK row (bwd_dkdv) through the
+            # padded keys (queries); only masked tiles stream padding, an interior tile's
+            # padded resident rows (columns) stay in their own unstored dQ (dK, dV) lines
+            lines += ["if MASKED:", f"    {var} = tl.where({valid['q']} & {valid['k']}, {var} * u_g, 0.0)",
+                      "else:", f"    {var} = {var} * u_g"]
+        elif _nonunit(low.dscore):
             lines.append(f"{var} = {var} * u_g")
         return "\n".join(ind + x for x in lines)
 
@@ -852,7 +1071,7 @@ def smem_buffers(low: Lowered, kernel: str, block_m: int, block_n: int, num_stag
             if n.op != "load":
                 continue
             elem = _ELEM_BYTES[low.bufs[base + n.args[0]].dtype]
-            deps = n.deps & {"q", "k"}
+            deps = tile_axes(n.deps)
             if deps == {"q", "k"}:
                 tile_loads += 1
                 tiles += (stages - 1) * block_m * block_n * elem
@@ -860,7 +1079,7 @@ def smem_buffers(low: Lowered, kernel: str, block_m: int, block_n: int, num_stag
                 rows += _kib((stages - 1) * extent[streamed] * elem)
     if kernel == "bwd_dq":
         for i, _, _ in low.grads:
-            deps = low.score.deps(Ref(i)) & {"q", "k"}
+            deps = tile_axes(low.score.deps(Ref(i)))
             if deps == {"q", "k"}:
                 grads += block_m * block_n * 8
             elif deps:
@@ -877,6 +1096,27 @@ def smem_buffers(low: Lowered, kernel: str, block_m: int, block_n: int, num_stag
 
 def _nonunit(d) -> bool:
     return isinstance(d, Ref) or (d is not None and d != 1)
+
+
+#: Operations whose result may be infinite or NaN at finite arguments (a pole, an edge
+#: of the domain, an overflow): sqrt(|s|)' = 0.5 / sqrt(|s|) is infinite at s = 0.
+_SINGULAR = frozenset(("log", "log2", "rsqrt", "sqrt", "pow", "exp", "exp2"))
+
+
+def may_be_infinite(g: Graph, v) -> bool:
+    """Whether value ``v`` of ``g`` may be infinite or NaN where the inputs and the loads
+    are finite: it needs an operation of :data:`_SINGULAR` or a division (floor
+    division, modulo) by a value that is not a nonzero constant.  False for softcap's
+    1 - tanh^2, ALiBi's constants."""
+    if not isinstance(v, Ref):
+        return False
+    for i in g.uses([v]):
+        n = g.nodes[i]
+        if n.op in _SINGULAR:
+            return True
+        if n.op in ("truediv", "floordiv", "mod") and (isinstance(n.args[1], Ref) or n.args[1] == 0):
+            return True
+    return False
 
 
 # -- rendering -----------------------------------------------------------------------

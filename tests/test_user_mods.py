@@ -5,8 +5,10 @@ the exactness rule of the dense path; functions equal to built-in mods or masks 
 the built-in's output; block ranges; variant identity; clear errors."""
 
 import math
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -35,10 +37,13 @@ def tiles(request, monkeypatch):
     return bm, bn
 
 
-def _qkv(b=2, h=4, hk=2, sq=37, sk=45, d=16, dtype=F16, seed=0):
+def _qkv(b=2, h=4, hk=2, sq=37, sk=45, d=16, dtype=F16, seed=0, positive=False):
+    """Random q, k, v; ``positive``: q and k of positive entries (every score > 0)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, sq, d, generator=g).to(dtype), torch.randn(b, hk, sk, d, generator=g).to(dtype),
-            torch.randn(b, hk, sk, d, generator=g).to(dtype)]
+    q, k = torch.randn(b, h, sq, d, generator=g), torch.randn(b, hk, sk, d, generator=g)
+    if positive:
+        q, k = q.abs(), k.abs()
+    return [q.to(dtype), k.to(dtype), torch.randn(b, hk, sk, d, generator=g).to(dtype)]
 
 
 def _run(make, tensors=(), *, causal=False, window=(-1, -1), sinks=None, dtype=F16, check=True, **sizes):
@@ -394,7 +399,7 @@ def test_plain_variants_render_as_before():
 
 
 def test_user_source_has_the_hooks():
-    mt = user_mods.trace(lambda b, h, q, k: q >= k, "mask")
+    mt = user_mods.trace(lambda b, h, q, k: (q >= k) | (k < 4), "mask")
     st = user_mods.trace(t5_bias(torch.zeros(16, 4, requires_grad=True))[0], "score")
     low = user_mods._lowered("bwd", st, mt, [True], False)
     user_render.register(low)
@@ -413,7 +418,7 @@ def test_a_mask_function_alone_leaves_the_built_in_score_scaling():
     hands the softmax base-2 scores."""
     from flashgen import render
 
-    mt = user_mods.trace(lambda b, h, q, k: q - k <= 8, "mask")
+    mt = user_mods.trace(lambda b, h, q, k: (q - k <= 8) | (k < 4), "mask")  # not a band: a predicate
     st = user_mods.trace(lambda s, b, h, q, k: s * 0.5, "score")
     exp2 = {"fwd": "exp2(qk * qk_scale - m_sub", "bwd_dq": "exp2(qk * qk_scale - lse", "bwd_dkdv": "exp2(qkt * qk_scale - lse"}
     for kernel, direction in (("fwd", "fwd"), ("bwd_dq", "bwd"), ("bwd_dkdv", "bwd")):
@@ -426,6 +431,83 @@ def test_a_mask_function_alone_leaves_the_built_in_score_scaling():
         both = user_mods.lowering(direction, st, mt, [], False)
         src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "causal", both.name), cfg))
         assert exp2[kernel] not in src and "* 1.4426950408889634" in src and "u_keep" in src
+
+
+def test_a_load_indexed_by_the_head_is_made_once_per_program():
+    """slopes[h] (ALiBi written as a score function) is read once per program, before the
+    key loop, as the built-in alibi_slopes reads its slope, in every dense kernel (bwd_dkdv:
+    once per query head of its group), and passed to the tiles; q - k is formed as
+    -(k - q), the built-in bounds' form."""
+    from flashgen import render
+
+    slopes = torch.rand(4)
+    st = user_mods.trace(lambda s, b, h, q, k: s - slopes[h] * torch.abs(q - k), "score")
+    cfg = TileConfig(64, 32, 4, 1)
+    for kernel, direction in (("fwd", "fwd"), ("bwd_dq", "bwd"), ("bwd_dkdv", "bwd")):
+        low = user_mods.lowering(direction, st, None, [False], False)
+        src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "causal", low.name), cfg))
+        tile, kern = src.split(f"def attn_{kernel}(")
+        assert "tl.load(UT0" not in tile and kern.count("tl.load(UT0 + off_h.to(tl.int64) * ut0_s0)") == 1
+        assert re.search(r"u\d+ = -\(\w+\[(:, None|None, :)\] - \w+\[", tile), tile
+
+
+def test_a_head_indexed_table_and_its_gradient_stay_exact(tiles):
+    """A learned per-head table read at [h] (hoisted in fwd/bwd_dkdv; in bwd_dq the load
+    whose gradient the tile sums stays in the tile) against float64, GQA included."""
+    def make(t):
+        return (lambda s, b, h, q, k: s - t[h] * torch.abs(q - k) + t[(h + 1) % 4]), None
+    _run(make, [torch.rand(4)], causal=True)
+
+
+@pytest.mark.parametrize("fn, want", [
+    (lambda b, h, q, k: q - k <= 256, (-256, None)),
+    (lambda b, h, q, k: k <= q, (None, 0)),
+    (lambda b, h, q, k: (k >= q - 7) & (k <= q + 3), (-7, 3)),
+    (lambda b, h, q, k: torch.logical_and(k - q < 4, 2 * (q - k) <= 9), (-4, 3)),
+    (lambda b, h, q, k: (q + 5) - (k + 2) > -2, (None, 4)),
+    (lambda b, h, q, k: k - q == 2, (2, 2)),
+    (lambda b, h, q, k: (q - k <= 8) | (k < 4), None),
+    (lambda b, h, q, k: q <= 8, None),
+    (lambda b, h, q, k: (k <= q) & (h > 0), None),
+    (lambda b, h, q, k: (k > q + 3) & (k < q), None),  # empty: left to the predicate
+    (lambda b, h, q, k: 2 * k - 2 * q == 3, None),
+])
+def test_a_mask_that_is_a_band_on_kv_minus_q_is_recognized(fn, want):
+    assert user_render.band(*(lambda t: (t.graph, t.out))(user_mods.trace(fn, "mask"))) == want
+
+
+def test_a_band_mask_runs_the_window_kernels_code():
+    """A mask function that is a band on kv - q (a window written as mask_mod) tightens the
+    kernels' bounds on j - i and evaluates nothing else: no predicate, no block mask;
+    the forward's tiles are the built-in window's."""
+    from flashgen import render
+
+    mt = user_mods.trace(lambda b, h, q, k: q - k <= 8, "mask")
+    cfg = TileConfig(64, 32, 4, 1)
+    for kernel, direction in (("fwd", "fwd"), ("bwd_dq", "bwd"), ("bwd_dkdv", "bwd")):
+        low = user_mods.lowering(direction, None, mt, [], False)
+        assert low.band == (-8, None)
+        src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "causal", low.name), cfg))
+        assert "u_keep" not in src and "UBM" not in src and "diag_lo = tl.maximum(diag_lo, -8)" in src
+        plain = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "window"), cfg))
+        def tile(text):  # the _tile function, blank lines aside
+            return [x for x in text.split("@triton.jit")[1].splitlines() if x.strip()]
+        assert tile(src) == tile(plain)
+    args = user_mods.UserArgs(user_mods.lowering("fwd", None, mt, [], False), [], [], mt,
+                              (1, 2, 1, 40, 40, -40, 0), None, torch.device("cpu"))
+    assert args.kernel_args(0.1, True, types.SimpleNamespace(VARIANT_ID="attn_fwd_x"), cfg) == []  # no block mask
+
+
+def test_a_band_mask_equals_the_built_in_window_and_a_bigger_or_empty_band(tiles):
+    for sq, sk in ((45, 45), (37, 45), (45, 37)):
+        q, k, v = _qkv(sq=sq, sk=sk)
+        a = flashgen.attention(q, k, v, causal=True, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 9,
+                               return_lse=True)
+        c = flashgen.attention(q, k, v, window=(9 + sk - sq, 0), return_lse=True)  # lo = -9, hi = sk - sq
+        for x, y in zip(a, c):
+            assert torch.equal(x, y)
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: (kv_idx - q_idx >= -3) & (kv_idx - q_idx <= 5)), sq=45, sk=37)
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 100), causal=True, sq=45, sk=45)
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -625,6 +707,83 @@ def test_a_score_function_with_a_zero_derivative_gives_zero_dq_dk(tiles, sm):
     k (it was read as a derivative of 1)."""
     got, _ = _run(lambda: (sm, None), causal=True)
     assert not got["dQ"].any() and not got["dK"].any()
+
+
+@pytest.mark.parametrize("extent, path", [(8, "reduced"), (80, "per-element")])
+def test_a_table_read_at_an_index_computed_from_the_score_gets_its_gradient(tiles, extent, path):
+    """An index that depends on the score is a per-element (row, column) value: the
+    table's gradient is added per element (or summed per index value in the tile), not
+    once per tile at one element's offset (the (8, heads) table's gradient was off by 4)."""
+    def make(t):
+        return (lambda s, b, h, q_idx, kv_idx: s + t[(s.abs() * 2).long() % extent, h]), None
+    table = torch.randn(extent, 4, generator=torch.Generator().manual_seed(3))
+    assert isinstance(_bwd_lowering(make, [table]), user_grads.Reduced) == (path == "reduced")
+    _run(make, [table], dtype=F32, sq=17, sk=100)
+
+
+@pytest.mark.parametrize("sm", [
+    lambda s, b, h, q_idx, kv_idx: torch.sqrt(s.abs()),
+    lambda s, b, h, q_idx, kv_idx: s + 0.25 * torch.log(s.abs()),
+    lambda s, b, h, q_idx, kv_idx: s - 0.001 / s,
+], ids=["sqrt-abs", "log-abs", "reciprocal"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_derivative_infinite_at_zero_gives_no_nan_on_the_padded_tiles(tiles, sm, causal):
+    """Padded rows and columns (seqlen 17 and 100 in 16-wide tiles) have s = q.k = 0,
+    where these derivatives are infinite: dS there is 0 and must stay 0 (0 * inf made
+    every dQ and dK entry NaN); the forward's -inf / inf there never reaches O.  q and k
+    are positive, so that every real score is away from 0 (where these functions are
+    ill-conditioned and no two summation orders agree)."""
+    got, _ = _run(lambda: (sm, None), causal=causal, dtype=F32, sq=17, sk=100, positive=True)
+    assert all(torch.isfinite(t).all() for n, t in got.items() if n != "LSE"), {n: t.isnan().sum() for n, t in got.items()}
+    # a derivative finite everywhere (softcap's 1 - tanh^2) keeps the plain product
+    for fn, zeroed in ((sm, True), (lambda s, b, h, q_idx, kv_idx: 30 * torch.tanh(s / 30), False)):
+        st = user_mods.trace(fn, "score")
+        assert user_render.may_be_infinite(st.graph, st.dscore) == zeroed
+
+
+def test_an_index_from_the_score_outside_its_tensor_reads_nothing_and_gives_nan(tiles):
+    """The host cannot check an index computed from the score: the kernels check it and
+    make that score NaN, so exactly the query rows that read outside the table come out
+    NaN (O, LSE, dQ), and the others are finite; the table's gradient gets nothing from
+    the reads outside it."""
+    from flashgen import render
+
+    def make(t):
+        # (s * 0).long() ties the index to the score; its value is q_idx - 4
+        return (lambda s, b, h, q_idx, kv_idx: s + t[(s * 0).long() + q_idx - 4, h]), None
+    table = torch.randn(8, 4, requires_grad=True)
+    q, k, v = (x.float().requires_grad_() for x in _qkv(sq=17, sk=100))
+    o, lse = flashgen.attention(q, k, v, score_mod=make(table)[0], return_lse=True)
+    o.sum().backward()
+    bad = (torch.arange(17) < 4) | (torch.arange(17) >= 12)  # q_idx - 4 outside [0, 8)
+    assert o[:, :, bad].isnan().all() and torch.isfinite(o[:, :, ~bad]).all()
+    assert lse[:, :, bad].isnan().all() and torch.isfinite(lse[:, :, ~bad]).all()
+    assert q.grad[:, :, bad].isnan().all() and torch.isfinite(q.grad[:, :, ~bad]).all()
+    assert torch.isfinite(table.grad).all()
+    # the rows inside the table are the float64 reference's
+    _, lo, hi = mask_bounds(17, 100, causal=False, window=(-1, -1))
+    ro, _ = user_mods.reference(q.detach()[:, :, 4:12].double(), k.detach().double(), v.detach().double(),
+                                16 ** -0.5, lo, hi, lambda s, b, h, i, j: s + table.detach().double()[i, h])
+    assert (o[:, :, 4:12].double() - ro).abs().max() < 1e-5
+    st = user_mods.trace(make(table)[0], "score")
+    for kernel, direction in (("fwd", "fwd"), ("bwd_dq", "bwd"), ("bwd_dkdv", "bwd")):
+        low = user_mods.lowering(direction, st, None, [True], False)
+        src = render.render(Variant(KernelSpec(kernel, "float16", 64, 64, "none", low.name), TileConfig(64, 32, 4, 1)))
+        assert re.search(r"tl\.load\(UT0 \+ [^\n]*, mask=u_ok\d+, other=0\)", src), kernel
+        assert "ut0_n0, ut0_n1" in src and 'float("nan")' in src
+
+
+def test_integer_constants_past_int32_compute_in_int64_as_torch_does(tiles):
+    """q_idx * 2**31 overflowed Triton's int32 (an InterpreterError); a constant past
+    int32 makes the arithmetic int64, a band past int32 binds nothing, and a constant past
+    int64 is an UnsupportedError naming it."""
+    _run(lambda: ((lambda s, b, h, q_idx, kv_idx: s + ((q_idx * 2 ** 31) // 2 ** 31) * 0.25
+                   - (kv_idx + 2 ** 40 > q_idx + 2 ** 40).float()), None), dtype=F32, sq=17, sk=100)
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= 2 ** 40) & (kv_idx <= q_idx)),
+         dtype=F32, sq=17, sk=100)
+    q = torch.randn(1, 2, 17, 16)
+    with pytest.raises(UnsupportedError, match=r"integer constant 1267650600228229401496703205376 .*int64"):
+        flashgen.attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + (q_idx * 2 ** 100 > 0))
 
 
 def test_a_mask_function_returning_a_constant(tiles):
