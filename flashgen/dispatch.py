@@ -289,15 +289,22 @@ class Dispatcher:
         return near
 
     def _serves(self, cfg: TileConfig, serve: ProblemKey | None, where=None) -> bool:
-        """Whether ``cfg`` can run ``serve`` (None: any key): its family serves it here and
-        the config fits its shared memory (a score mod's buffers included); and ``where``
-        (None: any config) accepts it."""
+        """Whether ``cfg`` can run ``serve`` (None: any key): its family serves it here, the
+        config fits its shared memory (a score mod's buffers included) and breaks none of
+        the family's rules for ``serve`` (another key's tiles, e.g. the plain problem's for
+        a user function that compiles with one stage only); and ``where`` (None: any
+        config) accepts it."""
         if where is not None and not where(cfg):
             return False
         if serve is None:
             return True
         fam = self._family(cfg, serve)
-        return fam is not None and fam.estimate(Variant(serve.spec, cfg), self.arch).feasible
+        if fam is None:
+            return False
+        v = Variant(serve.spec, cfg)
+        # another key's tiles (the plain problem's, for score mods) may break a rule of
+        # this one (e.g. a user function that compiles with one stage only)
+        return fam.estimate(v, self.arch).feasible and not fam.violated_rules(v)
 
     def _family(self, cfg: TileConfig, key: ProblemKey):
         """The family of ``cfg`` when it is registered and serves ``key`` on this arch

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
-from .spec import KernelSpec, ProblemKey, TileConfig, Variant, base_kernel, is_decode, next_pow2
+from .spec import KernelSpec, ProblemKey, TileConfig, Variant, base_kernel, is_decode, is_user_mods, next_pow2
 
 DOMAINS: dict[str, dict[str, tuple[int, ...]]] = {
     "fwd": {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128),
@@ -65,8 +65,26 @@ def _acc_regs_per_thread(v: Variant) -> float:
     return c.BLOCK_M * s.head_dim_pad / threads
 
 
+def _score_index_stages(v: Variant) -> bool:
+    """A user score function that reads a captured tensor at an index computed from the
+    score (:attr:`flashgen.user_render.Lowered.sized_bufs`) compiles only with one stage:
+    Triton 3.6's software pipeliner cannot predicate the tile's dot around that load
+    ("doesn't know how to predicate this op"; fwd, bwd_dq and bwd_dkdv for sm_90 at
+    num_stages 2 and 3, tests/test_user_mods.py).  Unknown functions (not registered in
+    this process) pass."""
+    if v.config.num_stages <= 1 or not is_user_mods(v.spec.mods):
+        return True
+    from . import user_render
+
+    low = user_render.registered(v.spec.mods)
+    return low is None or not low.sized_bufs
+
+
 #: (name, predicate that must hold, why).
 RULES: list[tuple[str, Callable[[Variant], bool], str]] = [
+    ("score_index_stages", _score_index_stages,
+     "a user score function reading a captured tensor at an index computed from the score compiles with "
+     "num_stages 1 only (Triton's pipeliner cannot predicate the dot around that load)"),
     ("acc_regs", lambda v: _acc_regs_per_thread(v) <= 128,
      "the float32 accumulators alone would take more than 128 of a thread's 255 "
      "registers, so the kernel spills"),

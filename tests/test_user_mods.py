@@ -984,6 +984,91 @@ def test_the_shared_memory_model_of_user_variants_bounds_what_sm90_compiles():
     assert rows[-1][3] == 295936 and not rows[-1][5]
 
 
+_SM90_SCORE_INDEX = '''
+import json, sys
+sys.path.insert(0, BENCHMARKS)
+import torch
+from sm90_compile import compile_sm90
+from flashgen import heuristics, user_mods, user_render
+from flashgen.arch import by_sm
+from flashgen.spec import KernelSpec, TileConfig, Variant
+t = torch.zeros(8, 16, requires_grad=True)
+st = user_mods.trace(lambda s, b, h, q, kv: s + t[(s.abs() * 2).long() % 8, h], "score")
+for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+    low = user_mods._lowered("fwd" if kernel == "fwd" else "bwd", st, None, [True], False)
+    user_render.register(low)
+    spec = KernelSpec(kernel, "bfloat16", 128, 128, "causal", low.name)
+    for cfg in (heuristics.default_config(spec, by_sm("sm_90")), TileConfig(64, 64, 4, 2, tma=1)):
+        try:
+            compile_sm90(Variant(spec, cfg))
+            ok = True
+        except Exception:
+            ok = False
+        print(json.dumps([kernel, cfg.id, cfg.num_stages, ok]))
+'''
+
+
+def test_a_score_dependent_index_compiles_with_one_stage_which_the_rules_require(tmp_path):
+    """Triton's pipeliner cannot predicate the dot around a load at an index computed
+    from the score: such variants compile for sm_90 with num_stages 1 only.  The rules
+    refuse the others (space.RULES "score_index_stages"), so the heuristic default, the
+    tuner's space and a dispatcher serving another key's tiles keep to one stage."""
+    import json
+    import os
+
+    import triton
+
+    from flashgen import space
+    from flashgen.arch import by_sm
+    from flashgen.db import TuningDB
+    from flashgen.dispatch import Dispatcher
+    from flashgen.env import Environment
+    from flashgen.spec import Measurement, Shape
+
+    t = torch.zeros(8, 2, requires_grad=True)
+    st = user_mods.trace(lambda s, b, h, q, kv: s + t[(s.abs() * 2).long() % 8, h], "score")
+    low = user_mods._lowered("fwd", st, None, [True], False)
+    user_render.register(low)
+    assert low.sized_bufs
+    spec = KernelSpec("fwd", "bfloat16", 128, 128, "causal", low.name)
+    assert any("score_index_stages" in r for r in space.violated_rules(Variant(spec, TileConfig(64, 64, 4, 2))))
+    assert not space.violated_rules(Variant(spec, TileConfig(64, 64, 4, 1)))
+    assert all(c.num_stages == 1 for c in space.valid_configs(spec))
+    assert heuristics.default_config(spec, by_sm("sm_90")).num_stages == 1
+    # a function without a score-dependent index keeps every stage count
+    plain_low = user_mods._lowered("fwd", user_mods.trace(lambda s, b, h, q, kv: s + t[0, h], "score"), None,
+                                   [True], False)
+    user_render.register(plain_low)
+    assert not space.violated_rules(Variant(KernelSpec("fwd", "bfloat16", 128, 128, "causal", plain_low.name),
+                                            TileConfig(64, 64, 4, 3)))
+    # the plain problem's tuned tiles serve an untuned user function only where they keep the rule
+    env, sm90 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0"), by_sm("sm_90")
+    shape = Shape(2, 4, 4, 512, 512)
+    plain = KernelSpec("fwd", "bfloat16", 128, 128, "causal")
+    key = shape.key(spec)
+    with TuningDB(tmp_path / "rows.sqlite") as db:
+        db.record(shape.key(plain), shape, Variant(plain, TileConfig(64, 64, 4, 3)), Measurement("ok", median_ms=1.0),
+                  env, 0)
+    d = Dispatcher([tmp_path / "rows.sqlite"], env=env, arch=sm90)
+    c = d.choose(key, capturing=False)
+    assert c.config.num_stages == 1 and c.source == "default", c
+    with TuningDB(tmp_path / "one_stage.sqlite") as db:
+        db.record(shape.key(plain), shape, Variant(plain, TileConfig(64, 64, 4, 1)), Measurement("ok", median_ms=1.5),
+                  env, 0)
+    c = Dispatcher([tmp_path / "one_stage.sqlite"], env=env, arch=sm90).choose(key, capturing=False)
+    assert (c.config, c.source) == (TileConfig(64, 64, 4, 1), "nearest"), c
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's bundled ptxas is missing")
+    bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    env_vars = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"BENCHMARKS = {bench_dir!r}\n" + _SM90_SCORE_INDEX],
+                       capture_output=True, text=True, env=env_vars, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    assert [(k, st, ok) for k, _, st, ok in rows] == [(k, st, st == 1) for k in ("fwd", "bwd_dq", "bwd_dkdv")
+                                                       for st in (1, 2)], rows
+
+
 def _relpos_bwd_key(h=16, s=2048):
     """The bwd_dq key of the relative-position example (its table with a gradient),
     its lowering registered."""
