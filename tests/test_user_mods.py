@@ -927,6 +927,25 @@ def test_a_lowering_is_made_once_per_functions_direction_and_gradient_flags():
 
 # -- shared memory of user variants --------------------------------------------------------
 
+def _sm90_rows(script: str) -> list:
+    """The JSON lines a script printed that compiles user variants for sm_90 with Triton's
+    bundled ptxas in a child process (no TRITON_INTERPRET; ``BENCHMARKS`` is set for it
+    to import benchmarks/sm90_compile.py).  Skips where that ptxas is missing."""
+    import json
+    import os
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's bundled ptxas is missing")
+    bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"BENCHMARKS = {bench_dir!r}\n" + script], capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+
+
 _SM90_USER = '''
 import json, sys
 sys.path.insert(0, BENCHMARKS)
@@ -961,23 +980,11 @@ def test_the_shared_memory_model_of_user_variants_bounds_what_sm90_compiles():
     function on a 128-row table, over MAX_EXTENT: the atomics' int64 pointer tile goes
     through a layout-conversion scratch), which the model says and refuses on the H200
     (232448)."""
-    import json
-    import os
-
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton's bundled ptxas is missing")
     cases = [("relpos", "bwd_dq", (128, 64, 8, 3, 1)), ("relpos", "fwd", (128, 64, 8, 3, 1)),
              ("relpos", "bwd_dkdv", (64, 128, 8, 3, 1)), ("document", "bwd_dkdv", (64, 128, 8, 3, 1)),
              ("kbias", "bwd_dq", (128, 64, 8, 3, 1)), ("relpos-wide", "bwd_dq", (128, 64, 8, 3, 1))]
-    bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", f"CASES = {cases!r}\nBENCHMARKS = {bench_dir!r}\n" + _SM90_USER],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == len(cases), r.stdout
+    rows = _sm90_rows(f"CASES = {cases!r}\n" + _SM90_USER)
+    assert len(rows) == len(cases), rows
     for name, kernel, cfg, compiled, model, feasible in rows:
         assert model == compiled, (name, kernel, cfg, compiled, model)  # TMA configs: exact
     assert rows[0][3] == 230400 and rows[0][5]
@@ -1013,11 +1020,6 @@ def test_a_score_dependent_index_compiles_with_one_stage_which_the_rules_require
     from the score: such variants compile for sm_90 with num_stages 1 only.  The rules
     refuse the others (space.RULES "score_index_stages"), so the heuristic default, the
     tuner's space and a dispatcher serving another key's tiles keep to one stage."""
-    import json
-    import os
-
-    import triton
-
     from flashgen import space
     from flashgen.arch import by_sm
     from flashgen.db import TuningDB
@@ -1057,14 +1059,7 @@ def test_a_score_dependent_index_compiles_with_one_stage_which_the_rules_require
                   env, 0)
     c = Dispatcher([tmp_path / "one_stage.sqlite"], env=env, arch=sm90).choose(key, capturing=False)
     assert (c.config, c.source) == (TileConfig(64, 64, 4, 1), "nearest"), c
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton's bundled ptxas is missing")
-    bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
-    env_vars = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", f"BENCHMARKS = {bench_dir!r}\n" + _SM90_SCORE_INDEX],
-                       capture_output=True, text=True, env=env_vars, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    rows = _sm90_rows(_SM90_SCORE_INDEX)
     assert [(k, st, ok) for k, _, st, ok in rows] == [(k, st, st == 1) for k in ("fwd", "bwd_dq", "bwd_dkdv")
                                                        for st in (1, 2)], rows
 
