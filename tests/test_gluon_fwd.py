@@ -162,3 +162,45 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
         assert row["shared"] <= row["model"] <= row["shared"] + 2048, row
         if row["pin"]:
             assert row["exps"] >= 64, row  # one tile's P (64 x 128 / 128 threads) between the waits
+
+
+
+def test_code_id_record_is_current():
+    """templates/gluon/attn_fwd.code_id.json matches the template: run ``python3 -m
+    flashgen.families.gluon`` after a template edit when this fails (the id stays while
+    the recorded variants' code is unchanged, so the tuned rows keep serving)."""
+    from flashgen.families.gluon import render as R
+    from flashgen.render import templates_dir
+
+    rec = json.loads((templates_dir() / R.CODE_ID_RECORD).read_text())
+    assert rec["text"] == R._CODE_ID.text_hash() and rec["probes"] == R._CODE_ID.probe_digest()
+    assert R.template_hash() == rec["code"] == R.code_id()
+    spec = GluonFwdSpec("bfloat16", 128, 128, "causal")
+    assert f"template_hash: {rec['code']}" in render(GluonFwdVariant(spec, default_config(spec)))
+    assert len(R.probe_variants()) > 1000
+
+
+def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
+    """A Jinja comment or a branch no recorded variant renders keeps the forward's id
+    (and its tuned rows); a change to the code of a recorded variant gives a new one."""
+    import shutil
+
+    from flashgen.families.gluon import render as R
+    from flashgen.render import templates_dir
+
+    def edited(name, old, new):
+        d = tmp_path / name
+        shutil.copytree(templates_dir(), d)
+        t = d / "gluon" / R.TEMPLATE
+        assert old in t.read_text()
+        t.write_text(t.read_text().replace(old, new, 1))
+        return str(d)
+
+    anchor = "VARIANT_ID = "
+    same = edited("same", anchor, "{# a comment #}\n{% if mask == 'nothing' %}x = 1\n{% endif %}" + anchor)
+    assert R._CODE_ID.text_hash(same) != R._CODE_ID.text_hash() and R.code_id(same) == R.template_hash()
+    other = edited("other", anchor, "# changed\n" + anchor)
+    assert R.code_id(other) not in (R.template_hash(), R._CODE_ID.text_hash(other))
+    assert R.write_code_id(other)["code"] == R.code_id(other) == R._CODE_ID.probe_digest(other)
+    R.template_hash.cache_clear()
+    assert R.template_hash() == json.loads((templates_dir() / R.CODE_ID_RECORD).read_text())["code"]

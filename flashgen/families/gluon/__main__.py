@@ -1,7 +1,11 @@
-"""``python3 -m flashgen.families.gluon``: rewrite the Gluon backward's code-id record
-(templates/gluon/attn_bwd.code_id.json) after a template edit."""
+"""``python3 -m flashgen.families.gluon``: rewrite the code-id records of the Gluon
+templates (templates/gluon/attn_fwd.code_id.json, attn_bwd.code_id.json) after a
+template edit (:mod:`.code_id`)."""
 
-from .bwd import CODE_ID_RECORD, _templates_dir, write_code_id
+from . import bwd, render
+from .bwd import _templates_dir
 
-rec = write_code_id()
-print(f"wrote {_templates_dir() / CODE_ID_RECORD}: code id {rec['code']} (probes {rec['probes']})")
+for name, write, record in (("forward", render.write_code_id, render.CODE_ID_RECORD),
+                            ("backward", bwd.write_code_id, bwd.CODE_ID_RECORD)):
+    rec = write()
+    print(f"wrote {_templates_dir() / record}: {name} code id {rec['code']} (probes {rec['probes']})")

@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import math
 from pathlib import Path
 
 import jinja2
 
 from ...fastlaunch import launch
+from .code_id import CodeId
 
 TEMPLATE = "gluon/attn_bwd.py.j2"
 DTYPES = ("float16", "bfloat16")
@@ -357,14 +357,8 @@ def _env(directory: str | None = None) -> jinja2.Environment:
                               lstrip_blocks=True)
 
 
-#: The record of the backward's code id, beside the template (JSON: "text", the
-#: template's sha256; "probes", :func:`probe_digest`; "code", the id).
+#: The record of the backward's code id, beside the template (:mod:`.code_id`).
 CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
-
-
-def text_hash(directory: str | None = None) -> str:
-    """sha256 (16 hex digits) of the template file."""
-    return hashlib.sha256((Path(directory or _templates_dir()) / TEMPLATE).read_bytes()).hexdigest()[:16]
 
 
 def probe_variants() -> list[tuple[GluonBwdConfig, str, int, str]]:
@@ -382,32 +376,32 @@ def probe_variants() -> list[tuple[GluonBwdConfig, str, int, str]]:
     return out
 
 
+def _probe_sources(directory: str | None):
+    for c, dtype, d, mask in probe_variants():
+        yield render(c, dtype, d, mask, check=False, header_hash="-", directory=directory)
+
+
+_CODE_ID = CodeId(TEMPLATE, CODE_ID_RECORD, _probe_sources)
+
+
+def text_hash(directory: str | None = None) -> str:
+    """sha256 (16 hex digits) of the template file."""
+    return _CODE_ID.text_hash(directory)
+
+
 def probe_digest(directory: str | None = None) -> str:
     """sha256 (16 hex digits) of the sources of :func:`probe_variants`, rendered from the
     template in ``directory`` (default: the package's) with the header hash left out."""
-    h = hashlib.sha256()
-    for c, dtype, d, mask in probe_variants():
-        h.update(render(c, dtype, d, mask, check=False, header_hash="-", directory=directory).encode())
-    return h.hexdigest()[:16]
+    return _CODE_ID.probe_digest(directory)
 
 
 def _record(directory: str | None = None) -> dict:
-    try:
-        return json.loads((Path(directory or _templates_dir()) / CODE_ID_RECORD).read_text())
-    except (OSError, ValueError):
-        return {}
+    return _CODE_ID.record(directory)
 
 
 def code_id(directory: str | None = None) -> str:
-    """The code id of the template in ``directory``: the recorded id while the template's
-    text is the recorded one, or while its probe sources (:func:`probe_digest`) are the
-    recorded ones (an edit that leaves every recorded variant's code as it was: a new
-    mode behind a Jinja switch, a Jinja comment); else the new probe digest."""
-    rec = _record(directory)
-    if rec and rec.get("text") == text_hash(directory):
-        return rec["code"]
-    digest = probe_digest(directory)
-    return rec["code"] if rec and rec.get("probes") == digest else digest
+    """The code id of the template in ``directory`` (:meth:`.code_id.CodeId.code_id`)."""
+    return _CODE_ID.code_id(directory)
 
 
 @functools.lru_cache(maxsize=None)
@@ -422,12 +416,8 @@ def template_hash() -> str:
 
 
 def write_code_id(directory: str | None = None) -> dict:
-    """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is: the id stays
-    while the probe sources are the recorded ones, else it becomes their digest."""
-    rec, digest = _record(directory), probe_digest(directory)
-    new = {"text": text_hash(directory), "probes": digest,
-           "code": rec["code"] if rec and rec.get("probes") == digest else digest}
-    (Path(directory or _templates_dir()) / CODE_ID_RECORD).write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
+    """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is."""
+    new = _CODE_ID.write(directory)
     template_hash.cache_clear()
     return new
 

@@ -275,8 +275,9 @@ class GluonFamily:
 
     # -- code ---------------------------------------------------------------------------
     def template_hash(self, kernel: str, mods: str = "") -> str:
-        """The hash of the Gluon template text of ``kernel`` (templates/gluon/): a
-        template edit invalidates exactly the rows of that kernel's Gluon variants."""
+        """The code id of ``kernel``'s Gluon template (templates/gluon/, :mod:`.code_id`): an
+        edit that changes the code of a variant the tuner can record invalidates exactly
+        the rows of that kernel's Gluon variants; one that only adds a mode keeps them."""
         if kernel == "fwd":
             from .render import template_hash
 

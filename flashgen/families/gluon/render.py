@@ -2,14 +2,14 @@
 imported module of a variant.
 
 The template is ``templates/gluon/attn_fwd.py.j2``, rendered with ``StrictUndefined``
-so a misspelt symbol is an error.  The generated file starts with the template hash
-(sha256 of the template text, 16 hex digits) and the variant id.
+so a misspelt symbol is an error.  The generated file starts with the template's code
+id (:mod:`.code_id`: it follows the code of the variants the tuner can record, not the
+template's text) and the variant id.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -17,9 +17,13 @@ from types import ModuleType
 import jinja2
 
 from ...render import templates_dir
-from .config import GluonFwdVariant, check, template_vars
+from .code_id import CodeId
+from .config import DTYPES, HEAD_DIMS, MASKS, GluonFwdSpec, GluonFwdVariant, check, space, template_vars
 
 TEMPLATE = "attn_fwd.py.j2"
+#: The record of the forward's code id, beside the template (relative to the templates
+#: directory).
+CODE_ID_RECORD = "gluon/attn_fwd.code_id.json"
 
 
 def gluon_templates_dir() -> Path:
@@ -27,24 +31,59 @@ def gluon_templates_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(gluon_templates_dir())),
+def _env(directory: str | None = None) -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(Path(directory) / "gluon" if directory
+                                                                 else gluon_templates_dir())),
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
                               lstrip_blocks=True)
 
 
+def probe_variants() -> list[GluonFwdVariant]:
+    """Every variant of the search space (:func:`.config.space`) of every dtype, head dim
+    pair and mask: the sources whose code defines the forward's code id."""
+    return [GluonFwdVariant(s, c) for dtype in DTYPES for d in HEAD_DIMS for dv in HEAD_DIMS for mask in MASKS
+            for s in (GluonFwdSpec(dtype, d, dv, mask),) for c in space(s)]
+
+
+def _probe_sources(directory: str | None):
+    for v in probe_variants():
+        yield render(v, header_hash="-", directory=directory)
+
+
+_CODE_ID = CodeId("gluon/" + TEMPLATE, CODE_ID_RECORD, _probe_sources)
+
+
+def code_id(directory: str | None = None) -> str:
+    """The code id of the forward template in ``directory`` (templates directory; None:
+    the package's), :meth:`.code_id.CodeId.code_id`."""
+    return _CODE_ID.code_id(directory)
+
+
 @functools.lru_cache(maxsize=None)
 def template_hash() -> str:
-    return hashlib.sha256((gluon_templates_dir() / TEMPLATE).read_bytes()).hexdigest()[:16]
+    """The forward's code id (:func:`code_id`): generated sources and the family's tuning
+    rows carry it.  It began as the template's text hash at the time (c7b289d46acd83ef, what the
+    H200 rows carry)."""
+    return code_id()
 
 
-def render(v: GluonFwdVariant) -> str:
+def write_code_id(directory: str | None = None) -> dict:
+    """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is."""
+    new = _CODE_ID.write(directory)
+    template_hash.cache_clear()
+    return new
+
+
+def render(v: GluonFwdVariant, *, header_hash: str | None = None, directory: str | None = None) -> str:
     """The Gluon source of ``v``.  Raises ValueError naming the broken rules when ``v``
-    is not valid (:func:`flashgen.families.gluon.config.check`)."""
+    is not valid (:func:`flashgen.families.gluon.config.check`).  ``header_hash``: the
+    hash the header names (default :func:`template_hash`); ``directory``: another
+    templates directory (the code-id checks)."""
     why = check(v)
     if why:
         raise ValueError(f"{v.id} cannot be built: " + "; ".join(why))
-    return _env().get_template(TEMPLATE).render(variant_id=v.id, template_hash=template_hash(), **template_vars(v))
+    return _env(directory).get_template(TEMPLATE).render(
+        variant_id=v.id, template_hash=template_hash() if header_hash is None else header_hash, **template_vars(v))
 
 
 _lock = threading.Lock()

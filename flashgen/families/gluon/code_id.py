@@ -1,0 +1,74 @@
+"""The code id of a Gluon template: what tuning rows and generated files name as the
+template's hash, following the code the template generates rather than its text.
+
+A template edit that leaves the source of every variant the tuner can record unchanged
+(a new mode behind a Jinja switch, a Jinja comment) keeps the id, and with it the tuned
+rows; an edit that changes any such variant's code gives a new id, so no row measured
+with other code is reused.  The id is kept in a JSON record beside the template
+(``text``: sha256 of the template text; ``probes``: sha256 of the rendered sources of
+the recorded variants, their header hash left out; ``code``: the id), which
+``python3 -m flashgen.families.gluon`` rewrites after an edit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+
+class CodeId:
+    """The code id of one template.
+
+    ``template`` and ``record``: paths relative to the templates directory;
+    ``sources(directory)``: the rendered sources of the variants that define the id
+    (rendered from the template in ``directory``, None: the package's, with the header
+    hash left out).  ``directory`` arguments name another templates directory (the
+    tests' edited copies)."""
+
+    def __init__(self, template: str, record: str, sources: Callable[[str | None], Iterable[str]]):
+        self.template, self.record_name, self.sources = template, record, sources
+
+    @staticmethod
+    def _dir(directory: str | None) -> Path:
+        if directory:
+            return Path(directory)
+        from ...render import templates_dir
+
+        return templates_dir()
+
+    def text_hash(self, directory: str | None = None) -> str:
+        """sha256 (16 hex digits) of the template file."""
+        return hashlib.sha256((self._dir(directory) / self.template).read_bytes()).hexdigest()[:16]
+
+    def probe_digest(self, directory: str | None = None) -> str:
+        """sha256 (16 hex digits) of the probe variants' sources."""
+        h = hashlib.sha256()
+        for src in self.sources(directory):
+            h.update(src.encode())
+        return h.hexdigest()[:16]
+
+    def record(self, directory: str | None = None) -> dict:
+        try:
+            return json.loads((self._dir(directory) / self.record_name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def code_id(self, directory: str | None = None) -> str:
+        """The recorded id while the template's text is the recorded one, or while its
+        probe sources are the recorded ones; else the new probe digest."""
+        rec = self.record(directory)
+        if rec and rec.get("text") == self.text_hash(directory):
+            return rec["code"]
+        digest = self.probe_digest(directory)
+        return rec["code"] if rec and rec.get("probes") == digest else digest
+
+    def write(self, directory: str | None = None) -> dict:
+        """Rewrite the record for the template as it is: the id stays while the probe
+        sources are the recorded ones, else it becomes their digest."""
+        rec, digest = self.record(directory), self.probe_digest(directory)
+        new = {"text": self.text_hash(directory), "probes": digest,
+               "code": rec["code"] if rec and rec.get("probes") == digest else digest}
+        (self._dir(directory) / self.record_name).write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
+        return new
