@@ -41,7 +41,7 @@ from pathlib import Path
 from . import families
 from .arch import INTERPRETER
 from .errors import InputError, UnsupportedError
-from .spec import WHOLE_BWD, ProblemKey, TileConfig, Variant
+from .spec import WHOLE_BWD, ProblemKey, TileConfig, Variant, is_user_mods
 
 #: Variants of a non-portable family that failed to build or launch in this process
 #: (variant id -> the error): the dispatcher never picks them again, and each was warned
@@ -279,7 +279,12 @@ class Dispatcher:
             # Score mods nobody tuned: the fastest tiles tuned for the same problem without
             # them that serve it (a family of its own, e.g. Gluon's forward, may not).
             plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
-            base = self._lookup(plain, serve=key)
+            # user functions take another problem's tiles only in the portable family: a
+            # variant of another family (the Gluon forward's sinks) is served by its own
+            # rows, whose tuning checked it against float64 first
+            portable = families.portable().name
+            base = self._lookup(plain, serve=key, where=(lambda c: c.family == portable)
+                                if is_user_mods(key.spec.mods) else None)
             if base is not None:
                 near = dataclasses.replace(base, key=key, source="nearest", tuned_key=base.tuned_key)
         if near is not None:

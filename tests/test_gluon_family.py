@@ -670,3 +670,54 @@ def test_checks_of_a_split_variant_take_a_group_it_divides():
                               config=F.bwd_config(v.config))
     shape = Shape(2, 6, 2, 17, 17)
     assert bench.check_shape(Variant(KernelSpec("fwd", "bfloat16", 64, 64, "none"), T1), shape) is shape
+
+
+# -- attention sinks in the Gluon forward ---------------------------------------------------
+
+def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
+    """A call with sinks and no score/mask function: the Gluon forward's sinks variant
+    serves its fwd key (untuned: no default, no measurement yet), with a code id of its
+    own; any other user function stays the Triton family's (the sinks' backward is the
+    plain backward, either family's)."""
+    from types import SimpleNamespace
+
+    from flashgen import user_mods
+    from flashgen.families.gluon import launch as L
+    from flashgen.families.gluon import render as R
+
+    sinks_low = user_mods.lowering("fwd", None, None, [], True)
+    score_low = user_mods.lowering("fwd", user_mods.trace(lambda s, b, h, q, kv: s * 2, "score"), None, [], True)
+    k_sinks = key("fwd", d=128, mods=sinks_low.name, shape=BIG)
+    assert F.sinks_only(sinks_low.name) and not F.sinks_only(score_low.name) and not F.sinks_only("softcap")
+    assert GLUON.unsupported(k_sinks, SM90) is None and F.fwd_spec(k_sinks).sinks
+    assert "Triton family's" in GLUON.unsupported(key("fwd", d=128, mods=score_low.name), SM90)
+    assert GLUON.prefers_default(k_sinks, SM90) is None and GLUON.prefers_default(key("fwd", d=128, shape=BIG), SM90)
+    assert Dispatcher([], env=H200, arch=SM90).choose(k_sinks, capturing=False).family == "triton"
+    # untuned, it takes the plain problem's tiles of the portable family only (the Gluon
+    # row of the plain key is faster, but the sinks variant was never checked there)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with TuningDB(Path(tmp) / "t.sqlite") as db:
+            plain = key("fwd", d=128, shape=BIG)
+            _record(db, plain, T1, 1.0)
+            _record(db, plain, GFWD, 0.5)
+        d = Dispatcher([Path(tmp) / "t.sqlite"], env=H200, arch=SM90)
+        assert d.choose(plain, capturing=False).config == GFWD
+        c = d.choose(k_sinks, capturing=False)
+        assert (c.config, c.source) == (T1, "nearest"), c
+    assert GLUON.template_hash("fwd", sinks_low.name) == "g" + R.sinks_code_id()[1:] != GLUON.template_hash("fwd")
+    cfg = GLUON.default_config(k_sinks, SM90)
+    assert "_sinks_" in GLUON.render(Variant(k_sinks.spec, cfg)).split("VARIANT_ID = ")[1].split("\n")[0]
+    seen = {}
+    monkeypatch.setattr(L, "fwd", lambda *a, **kw: seen.update(kw) or ("O", "LSE"))
+    q = torch.zeros(1, 2, 16, 128, dtype=torch.bfloat16)
+    sinks = torch.tensor([0.5, 1.0, 2.0, 3.0])[::2]  # a strided (num_heads,) view: made contiguous
+    args = SimpleNamespace(name=sinks_low.name, sinks=sinks)
+    assert F.fwd(q, q, q, softmax_scale=0.1, mask="none", diag_lo=-16, diag_hi=16, config=cfg, mods=args) == \
+        ("O", "LSE")
+    assert seen["sinks"].is_contiguous() and torch.equal(seen["sinks"], torch.tensor([0.5, 2.0]))
+    with pytest.raises(ValueError, match="Triton family's"):
+        F.fwd(q, q, q, softmax_scale=0.1, mask="none", diag_lo=-16, diag_hi=16, config=cfg,
+              mods=SimpleNamespace(name=score_low.name, sinks=None))

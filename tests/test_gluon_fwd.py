@@ -108,14 +108,18 @@ def test_launcher_refuses_what_it_cannot_serve():
     assert "CUDA" in unsupported(q, q, q, mask="none")
 
 
-# Each: (dtype, head_dim, head_dim_v, mask, config kwargs).  Pinned and unpinned, 1/2/3
-# consumers, BLOCK_N 64/128, persistent, padded and unequal head dims, every mask.
+# Each: (dtype, head_dim, head_dim_v, mask, config kwargs[, sinks]).  Pinned and unpinned,
+# 1/2/3 consumers, BLOCK_N 64/128, persistent, padded and unequal head dims, every mask,
+# and the attention-sinks variant (its fold after the key loop: the loop's code is the
+# plain variant's).
 COMPILE_CASES = [
     ("bfloat16", 128, 128, "causal", dict(pin_exps=True)),
     ("float16", 64, 64, "none", dict(num_consumers=3, consumer_regs=160, producer_regs=32, BLOCK_N=64, num_stages=6)),
     ("bfloat16", 128, 128, "window", dict(BLOCK_N=64, num_stages=2, num_consumers=1, consumer_regs=232, ctas_per_sm=2)),
     ("bfloat16", 96, 96, "causal", dict(num_consumers=1, num_stages=3)),
     ("bfloat16", 128, 64, "none", dict(persistent=True, pin_exps=True)),
+    ("bfloat16", 128, 128, "causal", dict(pin_exps=True), True),
+    ("bfloat16", 64, 64, "window", dict(), True),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES under a Triton other than 3.6 (3.6: none; the
@@ -133,8 +137,8 @@ _SCRIPT = r'''
 import json, sys
 from flashgen.families.gluon.config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, smem_bytes
 from flashgen.families.gluon.sm90 import compile_sm90, report
-for dt, d, dv, mask, kw in CASES:
-    v = GluonFwdVariant(GluonFwdSpec(dt, d, dv, mask), GluonFwdConfig(**kw))
+for dt, d, dv, mask, kw, *sinks in CASES:
+    v = GluonFwdVariant(GluonFwdSpec(dt, d, dv, mask, sinks=bool(sinks)), GluonFwdConfig(**kw))
     r = report(compile_sm90(v))
     print("OK " + json.dumps(dict(id=v.id, problems=r.problems(v), spill=r.spill_bytes, shared=r.shared_bytes,
                                   model=smem_bytes(v.spec, v.config), setmaxnreg=r.setmaxnreg, hgmma=r.hgmma,
@@ -154,14 +158,19 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
     rows = [json.loads(line[3:]) for line in r.stdout.splitlines() if line.startswith("OK ")]
     assert len(rows) == len(COMPILE_CASES), r.stdout
     spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
+    by_id = {row["id"]: row for row in rows}
     for row in rows:
-        assert row["spill"] == spills.get(row["id"], 0), row
-        known = spills.get(row["id"], 0)
+        known = spills.get(row["id"].replace("_sinks", ""), 0)  # a sinks variant spills as its plain one
+        assert row["spill"] == known, row
         assert [p for p in row["problems"] if not (known and p.startswith("spills "))] == [], row
         assert row["hgmma"] > 0 and row["setmaxnreg"], row
         assert row["shared"] <= row["model"] <= row["shared"] + 2048, row
         if row["pin"]:
             assert row["exps"] >= 64, row  # one tile's P (64 x 128 / 128 threads) between the waits
+        plain = by_id.get(row["id"].replace("_sinks", ""))
+        if "_sinks" in row["id"] and plain is not None:  # the key loop as the plain variant's
+            assert (row["hgmma"], row["setmaxnreg"], row["exps"]) == (plain["hgmma"], plain["setmaxnreg"],
+                                                                      plain["exps"]), (row, plain)
 
 
 
@@ -204,3 +213,48 @@ def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
     assert R.write_code_id(other)["code"] == R.code_id(other) == R._CODE_ID.probe_digest(other)
     R.template_hash.cache_clear()
     assert R.template_hash() == json.loads((templates_dir() / R.CODE_ID_RECORD).read_text())["code"]
+
+
+def test_the_sinks_fold_after_the_key_loop_is_the_sinks_softmax():
+    """The sinks variant's epilogue (base 2, as the kernel: m_f = max(m_i, sink),
+    l_f = l_i 2^(m_i - m_f) + 2^(sink - m_f), O = acc 2^(m_i - m_f) / l_f, LSE = (m_f +
+    log2 l_f) ln 2), applied to the online softmax of the key tiles, equals the float64
+    reference with sinks, a row that sees no key included (O = 0, LSE = the sink)."""
+    import math
+
+    import torch
+
+    from flashgen import user_mods
+
+    g = torch.Generator().manual_seed(0)
+    b, h, sq, sk, d, block_n = 1, 3, 37, 150, 16, 64
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for n in (sq, sk, sk))
+    sinks = torch.tensor([0.5, -3.0, 8.0], dtype=torch.float64)
+    scale = d ** -0.5
+    lo, hi = -1, 140  # a window: query rows 0..36 see keys i-1..i+140, and row 36 is masked off below
+    qk_scale = scale / math.log(2)
+    s = q @ k.transpose(-1, -2)
+    ii, jj = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    keep = (jj - ii >= lo) & (jj - ii <= hi) & (ii < sq - 1)  # the last row sees no key
+    m = torch.full((b, h, sq), -math.inf, dtype=torch.float64)
+    l = torch.zeros((b, h, sq), dtype=torch.float64)
+    acc = torch.zeros((b, h, sq, d), dtype=torch.float64)
+    for n0 in range(0, sk, block_n):  # the kernel's online softmax, base 2
+        st = torch.where(keep[:, n0:n0 + block_n], s[..., n0:n0 + block_n], -math.inf)
+        m_new = torch.maximum(m, st.max(-1).values * qk_scale)
+        m_sub = torch.where(m_new == -math.inf, 0.0, m_new)
+        p = torch.exp2(st * qk_scale - m_sub[..., None])
+        alpha = torch.exp2(m - m_sub)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + p @ v[..., n0:n0 + block_n, :]
+        m = m_new
+    sink = sinks[None, :, None] / math.log(2)
+    m_f = torch.maximum(m, sink)
+    beta = torch.exp2(m - m_f)
+    l_f = l * beta + torch.exp2(sink - m_f)
+    o = acc * (beta / l_f)[..., None]
+    lse = (m_f + torch.log2(l_f)) * math.log(2)
+    ref_o, ref_lse = user_mods.reference(q, k, v, scale, lo, hi, mask_mod=lambda b_, h_, i, j: i < sq - 1,
+                                         sinks=sinks)
+    assert torch.allclose(o, ref_o, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
+    assert torch.equal(o[:, :, -1], torch.zeros_like(o[:, :, -1])) and torch.allclose(lse[0, :, -1], sinks)

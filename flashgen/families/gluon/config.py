@@ -52,6 +52,9 @@ class GluonFwdSpec:
     head_dim: int = 128
     head_dim_v: int = 128
     mask: str = "none"
+    #: attention sinks (float32 (num_heads,)), folded into each row's softmax after the
+    #: key loop: the forward of a call with ``sinks`` and no score/mask function
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ class GluonFwdVariant:
         dt = {"float16": "fp16", "bfloat16": "bf16"}.get(s.dtype, s.dtype)
         tail = ("_pin" if c.pin_exps else "") + ("_pers" if c.persistent else "") + \
             (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
-        return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{s.mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
+        mask = f"{s.mask}_sinks" if s.sinks else s.mask
+        return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
                 f"_s{c.num_stages}_r{c.consumer_regs}-{c.producer_regs}{tail}")
 
 
@@ -263,7 +267,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 head_dim_v_pad=pad(s.head_dim_v), mask=s.mask, BLOCK_M=c.BLOCK_M,
                 NUM_CONSUMERS=c.num_consumers, BLOCK_N=c.BLOCK_N, NUM_STAGES=c.num_stages,
                 CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
-                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent, CTAS_PER_SM=c.ctas_per_sm)
+                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent, CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks)
 
 
 def replace(c: GluonFwdConfig, **kw) -> GluonFwdConfig:

@@ -27,7 +27,7 @@ import math
 
 from ...arch import INTERPRETER
 from ...resources import SmemEstimate
-from ...spec import DEFAULT_FAMILY, WHOLE_BWD, ProblemKey, TileConfig, Variant, attention_flops
+from ...spec import DEFAULT_FAMILY, WHOLE_BWD, ProblemKey, TileConfig, Variant, attention_flops, is_user_mods
 from . import bwd as B
 from . import config as C
 
@@ -70,9 +70,22 @@ FWD_DEFAULT_HEAD_DIMS = (64, 128)
 DEFAULT_MIN_FLOPS = {"fwd": 2.5e11, "bwd": 6e11}
 
 
+def sinks_only(mods: str) -> bool:
+    """Whether ``mods`` names user functions that are attention sinks alone (no score or
+    mask function): the forward the Gluon family's ``sinks`` variant computes.  Known
+    only where the functions are registered in this process (``flashgen.attention`` or
+    the tuner traced them)."""
+    if not is_user_mods(mods):
+        return False
+    from ... import user_render
+
+    low = user_render.registered(mods)
+    return low is not None and bool(low.sinks) and low.score is None and low.mask is None
+
+
 def fwd_spec(key_or_spec) -> C.GluonFwdSpec:
     s = getattr(key_or_spec, "spec", key_or_spec)
-    return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, s.mask)
+    return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, s.mask, sinks=sinks_only(s.mods))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -153,8 +166,8 @@ class GluonFamily:
             return f"dtype {s.dtype}: float16 or bfloat16 only"
         if key.layout == "strided":
             return "needs inputs a tensor descriptor can address (layout strided)"
-        if s.mods:
-            return f"score modifications ({s.mods}) are the Triton family's"
+        if s.mods and not (s.kernel == "fwd" and sinks_only(s.mods)):
+            return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes sinks alone)"
         if s.mask not in C.MASKS:
             return f"mask {s.mask}: one of {C.MASKS}"
         if s.kernel == "fwd":
@@ -268,7 +281,8 @@ class GluonFamily:
         if not self.large_enough(key):
             return None
         if s.kernel == "fwd":
-            timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS
+            # the sinks variant has no measurement yet: tuned rows alone pick it
+            timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS and not s.mods
             return FWD_DEFAULT_AHEAD if timed else None
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
         return None if seen is None else f"H200, {seen} (docs/results/h200/gluon_bwd)"
@@ -279,9 +293,10 @@ class GluonFamily:
         edit that changes the code of a variant the tuner can record invalidates exactly
         the rows of that kernel's Gluon variants; one that only adds a mode keeps them."""
         if kernel == "fwd":
-            from .render import template_hash
+            from .render import sinks_code_id, template_hash
 
-            return "g" + template_hash()[1:]
+            # a user key this family serves is sinks alone (unsupported() refuses others)
+            return "g" + (sinks_code_id() if is_user_mods(mods) else template_hash())[1:]
         if kernel == WHOLE_BWD:
             return "g" + B.template_hash()[1:]
         raise KeyError(f"the Gluon family compiles {self.kernels}, not {kernel!r}")
@@ -322,8 +337,8 @@ def _gluon_missing() -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig) -> str:
-    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask), g).id
+def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: bool = False) -> str:
+    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask, sinks=sinks), g).id
 
 
 @functools.lru_cache(maxsize=4096)
@@ -335,17 +350,22 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         module=None, addressable: bool = False, mods=None, out=None, lse=None):
     """The family's forward launcher, in :func:`flashgen.ops.fwd`'s form: (O, LSE).
     ``addressable=True`` (the dispatcher's key has layout "") skips the input checks of
-    :func:`.launch.unsupported`.  Raises ValueError for score mods (the Triton family's)."""
+    :func:`.launch.unsupported`.  ``mods``: None, or the runtime arguments of user
+    functions that are attention sinks alone (:func:`sinks_only`; their sinks go to the
+    ``sinks`` variant).  Raises ValueError for other score mods (the Triton family's)."""
+    sinks = None
     if mods is not None:
-        raise ValueError(f"gluon fwd: score modifications ({mods.name}) are the Triton family's")
+        if not sinks_only(mods.name) or getattr(mods, "sinks", None) is None:
+            raise ValueError(f"gluon fwd: score modifications ({mods.name}) are the Triton family's")
+        sinks = mods.sinks.contiguous()
     from .build import building
     from .launch import _DTYPES, fwd as launch
 
     g = fwd_config(config)
     # the first launch compiles: a build failure is a GluonBuildError (warned once per variant)
-    with building(_fwd_id(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g)):
+    with building(_fwd_id(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g, sinks is not None)):
         return launch(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
-                      config=g, out=out, lse=lse, check_inputs=not addressable, module=module)
+                      config=g, out=out, lse=lse, check_inputs=not addressable, module=module, sinks=sinks)
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,

@@ -88,13 +88,17 @@ def _sm_count(device: torch.device) -> int:
 
 
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
-        config: GluonFwdConfig | None = None, out=None, lse=None, check_inputs: bool = True, module=None):
+        config: GluonFwdConfig | None = None, out=None, lse=None, check_inputs: bool = True, module=None,
+        sinks=None):
     """O and LSE of softmax(q k^T * softmax_scale) v under the mask (see the module
     docstring for shapes and layout).  ``config``: the knobs (default:
     :func:`flashgen.families.gluon.config.default_config`).  ``out``/``lse``: buffers to
     write (e.g. NaN-poisoned by a test); ``lse`` must be contiguous float32.
     ``check_inputs=False`` skips :func:`unsupported` (the caller has run it).
     ``module``: the variant's loaded module when the caller holds it (skips the lookup).
+    ``sinks``: float32 (num_heads,) contiguous on q's device, one more logit per head in
+    every row's softmax denominator (the ``sinks`` variant; LSE includes it, a row that
+    sees no key gets O = 0 and LSE = sinks[h]).
 
     Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
     if check_inputs:
@@ -105,7 +109,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
 
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    spec = GluonFwdSpec(_DTYPES[q.dtype], d, dv, mask)
+    spec = GluonFwdSpec(_DTYPES[q.dtype], d, dv, mask, sinks=sinks is not None)
     config = config or default_config(spec)
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
@@ -115,7 +119,10 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         return out, lse
     if sk == 0:  # no key at all: every row is empty (a descriptor cannot have a 0 extent)
         out.zero_()
-        lse.fill_(-math.inf)
+        if sinks is None:
+            lse.fill_(-math.inf)
+        else:
+            lse.copy_(sinks[None, :, None].expand(b, h, sq))
         return out, lse
     mod = module if module is not None else load(GluonFwdVariant(spec, config))
     rows = config.BLOCK_M
@@ -124,7 +131,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     grid = (min(num_tiles, _sm_count(q.device) * config.ctas_per_sm) if config.persistent else num_tiles,)
     launch(mod.attn_fwd, grid, (
         _descriptor(q, rows, pad(d)), _descriptor(k, config.BLOCK_N, pad(d)), _descriptor(v, config.BLOCK_N, pad(dv)),
-        _descriptor(out, rows, pad(dv)), lse, softmax_scale * LOG2E,
+        _descriptor(out, rows, pad(dv)), lse, *(() if sinks is None else (sinks,)), softmax_scale * LOG2E,
         num_tiles, num_m_blocks, h, h // hk, sq, sk, diag_lo, diag_hi,
     ), num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
     return out, lse

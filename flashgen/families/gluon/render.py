@@ -10,6 +10,7 @@ template's text) and the variant id.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -18,7 +19,9 @@ import jinja2
 
 from ...render import templates_dir
 from .code_id import CodeId
-from .config import DTYPES, HEAD_DIMS, MASKS, GluonFwdSpec, GluonFwdVariant, check, space, template_vars
+from .config import (
+    DTYPES, HEAD_DIMS, MASKS, GluonFwdSpec, GluonFwdVariant, check, default_config, space, template_vars,
+)
 
 TEMPLATE = "attn_fwd.py.j2"
 #: The record of the forward's code id, beside the template (relative to the templates
@@ -67,10 +70,26 @@ def template_hash() -> str:
     return code_id()
 
 
+@functools.lru_cache(maxsize=None)
+def sinks_code_id() -> str:
+    """The code id of the forward's ``sinks`` variants (what their tuning rows carry): the
+    forward's code id with the sources of the sinks variant of each default config
+    (dtype, head dims, mask), whose only difference from their plain variants is the
+    sink's fold after the key loop; so an edit of either changes it."""
+    h = hashlib.sha256(template_hash().encode())
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            for mask in MASKS:
+                spec = GluonFwdSpec(dtype, d, d, mask, sinks=True)
+                h.update(render(GluonFwdVariant(spec, default_config(spec)), header_hash="-").encode())
+    return h.hexdigest()[:16]
+
+
 def write_code_id(directory: str | None = None) -> dict:
     """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is."""
     new = _CODE_ID.write(directory)
     template_hash.cache_clear()
+    sinks_code_id.cache_clear()
     return new
 
 

@@ -43,7 +43,7 @@ def compile_sm90(v: GluonFwdVariant):
         if name in boxes:
             shape = [1, 1, *boxes[name]]
             sig[name] = descriptor_signature(s.dtype, shape, nvmma_layout(shape, s.dtype))
-        elif name == "LSE":
+        elif name in ("LSE", "SINKS"):
             sig[name] = "*fp32"
         elif name == "qk_scale":
             sig[name] = "fp32"
