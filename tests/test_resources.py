@@ -79,11 +79,28 @@ SPECS = [KernelSpec(k, dt, d, d, "none") for k in KERNELS for dt in ("bfloat16",
          for d in (16, 64, 128, 256)]
 
 
+def _user_specs() -> list:
+    """Specs of a user score function that reads a captured tensor at an index computed
+    from the score (what the score_index_stages rule is about), registered here."""
+    import torch
+
+    from flashgen import user_mods
+
+    t = torch.zeros(8, 2)
+    st = user_mods.trace(lambda s, b, h, q, kv: s + t[(s.abs() * 2).long() % 8, h], "score")
+    out = []
+    for k in ("fwd", "bwd_dq", "bwd_dkdv"):
+        low = user_mods.lowering("fwd" if k == "fwd" else "bwd", st, None, [False], False)
+        out.append(KernelSpec(k, "bfloat16", 64, 64, "none", low.name))
+    return out
+
+
 @pytest.mark.parametrize("rule", space.RULES, ids=lambda r: r[0])
 def test_every_rule_excludes_something_and_keeps_the_default(rule):
     name, ok, why = rule
     assert why
-    excluded = [(s, c) for s in SPECS for c in space.configs(s.kernel) if not ok(Variant(s, c))]
+    specs = SPECS + _user_specs()
+    excluded = [(s, c) for s in specs for c in space.configs(s.kernel) if not ok(Variant(s, c))]
     assert excluded, f"rule {name} excludes nothing"
     for s, c in excluded[:5]:
         assert any(r.startswith(f"{name}: ") for r in space.violated_rules(Variant(s, c)))

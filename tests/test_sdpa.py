@@ -228,6 +228,11 @@ def test_float64_goes_to_torch():
 
 
 def test_explain_rejects_sdpa_arguments_without_sdpa():
+    """attn_mask and enable_gqa are SDPA's alone; dropout_p is both SDPA's and
+    flashgen.attention's (checked as attention checks it)."""
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(flashgen.InputError, match="sdpa=True"):
-        flashgen.explain(q, q, q, dropout_p=0.1)
+    for kw in (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), dict(enable_gqa=True)):
+        with pytest.raises(flashgen.InputError, match="sdpa=True"):
+            flashgen.explain(q, q, q, **kw)
+    with pytest.raises(flashgen.InputError, match="dropout_p"):
+        flashgen.explain(q, q, q, dropout_p=1.5)
