@@ -1079,8 +1079,12 @@ def _sdpa_mods(attn_mask, dropout_p) -> str:
 def explain_sizes(*, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                   head_dim_v: int | None = None, dtype: str = "bfloat16", causal: bool = False,
                   window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
-                  dispatcher: "dispatch.Dispatcher | None" = None, deterministic: bool | None = None) -> Explanation:
-    """:func:`explain` from sizes alone (meta tensors; what ``flashgen explain`` prints)."""
+                  dispatcher: "dispatch.Dispatcher | None" = None, deterministic: bool | None = None,
+                  softcap: float = 0.0, alibi: bool = False, bias: bool = False,
+                  dropout_p: float = 0.0) -> Explanation:
+    """:func:`explain` from sizes alone (meta tensors; what ``flashgen explain`` prints).
+    ``alibi`` / ``bias``: explain with ALiBi slopes / a full (batch, heads, seqlen_q,
+    seqlen_k) bias (their sizes alone matter)."""
     try:
         tdtype = getattr(torch, dtype)
     except AttributeError:
@@ -1095,5 +1099,7 @@ def explain_sizes(*, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqle
     q = torch.empty(batch, heads, seqlen_q, head_dim, **meta)
     k = torch.empty(batch, kv_heads, seqlen_k, head_dim, **meta)
     v = torch.empty(batch, kv_heads, seqlen_k, head_dim if head_dim_v is None else head_dim_v, **meta)
+    slopes = torch.empty(heads, device="meta", dtype=torch.float32) if alibi else None
+    full = torch.empty(batch, heads, seqlen_q, seqlen_k, **meta) if bias else None
     return explain(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale, dispatcher=dispatcher,
-                   deterministic=deterministic)
+                   deterministic=deterministic, softcap=softcap, alibi_slopes=slopes, bias=full, dropout_p=dropout_p)

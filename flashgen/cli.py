@@ -102,8 +102,10 @@ def _read_timings(path: Path) -> dict[str, float]:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise ValueError("expected a JSON object {variant_id: median_ms}")
-        out = {str(k): float(v) for k, v in data.items()}
-        bad = [k for k, v in out.items() if not (math.isfinite(v) and v > 0)]
+        # numbers only: a string "0.5" or true is a mistake in the file, not a timing
+        bad = [k for k, v in data.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0)]
+        out = {str(k): float(v) for k, v in data.items() if k not in bad}
         if bad:
             raise ValueError(f"timings must be positive, finite milliseconds; {bad[0]!r} has "
                              f"{data[bad[0]]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
@@ -208,6 +210,7 @@ def tune(
                                   sm_count=arch_obj.sm_count)
     else:
         arch_obj = arch_mod.current()
+    pretended = arch_obj if arch is not None else None  # --arch: the explain hint names it too
     arch = arch_obj
     family_names = None if "all" in family.split(",") else tuple(family.split(","))
     items = tuner.servable(items, arch, family_names)
@@ -220,6 +223,9 @@ def tune(
     with _user_errors(db):  # a foreign, corrupt or unwritable --db is refused before anything runs
         check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
         validate_db(db)
+    if storage is not None and "://" not in storage:
+        with _user_errors(Path(storage)):  # a user's file is never appended to, a directory never opened
+            tuner.check_journal(storage)
     if fake is not None:
         timings = _read_timings(fake)
         missing = [v.id for v in tuner.feasible_variants([k for k, _ in items], arch, family_names)
@@ -278,6 +284,19 @@ def tune(
                 console.print(f"  {vid}: {f[:300]}", markup=False)
             _print_checks(console, checked[0])
 
+    if knobs is not None:
+        # --refine starts from tuned rows: without one there is nothing to measure
+        starts = 0
+        if Path(db).exists():
+            with TuningDB(db, readonly=True) as tdb:
+                by_family = tdb.best_configs_by_family(env)
+                starts = sum(bool(tuner.refine_configs(k, tdb, env, arch, knobs, family_names, by_family))
+                             for k, _ in items)
+        if not starts:
+            console.print(Text.assemble(("error: ", "red"), f"--refine {','.join(knobs)}: {db} holds no tuned row of "
+                                        f"these keys measured on {env.gpu_name!r} (this Triton and flashgen "
+                                        "code) to start from; tune them first"), soft_wrap=True)
+            raise typer.Exit(2)
     console.print(f"tuning {len(items)} keys, " + (f"refining {', '.join(knobs)}" if knobs else f"{trials} trials each")
                   + f", on {env.gpu_name} -> {db}"
                   f"{f' with {workers} workers' if workers > 1 else ''}", markup=False)
@@ -289,7 +308,7 @@ def tune(
                                          fake_timings=_read_timings(fake) if fake is not None else None,
                                          fake_model=fake_model, family_names=family_names)
             _print_results(console, env, results)
-            _print_explain_hint(console, env, db, items, fake is not None or fake_model)
+            _print_explain_hint(console, env, db, items, fake is not None or fake_model, pretended)
             return
         with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),
                                             MofNCompleteColumn(), TimeElapsedColumn(),
@@ -318,7 +337,7 @@ def tune(
         _print_results(console, env, results)
         if problems and fake is None and not fake_model:
             _print_checks(console, bench, "user-function variants")
-        _print_explain_hint(console, env, db, items, fake is not None or fake_model)
+        _print_explain_hint(console, env, db, items, fake is not None or fake_model, pretended)
 
 
 def _print_checks(console, bench, what: str = "variants") -> None:
@@ -349,20 +368,35 @@ def _write_fake_template(path: Path, items, arch, family_names=None) -> None:
                f"then: flashgen tune ... --fake {path}")
 
 
-def _print_explain_hint(console, env, db: Path, items, simulated: bool) -> None:
+def _print_explain_hint(console, env, db: Path, items, simulated: bool, arch=None) -> None:
     """After a simulated run: the explain command that reads its rows (they carry the
-    labelled device name, never this machine's)."""
-    from .spec import is_user_mods
+    labelled device name, never this machine's), for the first key ``flashgen explain``
+    can show (a dense kernel's: not decode, varlen or user functions); ``arch``: the
+    architecture the run pretended (``--arch``)."""
+    import shlex
 
-    items = [(k, s) for k, s in items if not is_user_mods(k.spec.mods)]  # explain runs no user functions
-    if not simulated or not items:
+    from .spec import DENSE_KERNELS, WHOLE_BWD, is_user_mods, mods_set
+
+    shown = [(k, s) for k, s in items
+             if k.spec.kernel in (*DENSE_KERNELS, WHOLE_BWD) and not is_user_mods(k.spec.mods)]
+    if not simulated:
         return
-    key, shape = items[0]
+    if not shown:
+        console.print(f"these rows are for the device {env.gpu_name!r} (explain shows dense kernels' keys only); "
+                      f"see them: flashgen show --db {shlex.quote(str(db))}", markup=False, soft_wrap=True)
+        return
+    key, shape = shown[0]
     s = key.spec
+    mods = mods_set(s.mods)
+    flags = ([f"--head-dim-v {s.head_dim_v}"] if s.head_dim_v != s.head_dim else []) + \
+        (["--causal"] if s.mask == "causal" else []) + (["--window 128,0"] if s.mask == "window" else []) + \
+        (["--softcap 30"] if "softcap" in mods else []) + (["--alibi"] if "alibi" in mods else []) + \
+        (["--bias"] if "bias" in mods else []) + (["--dropout-p 0.1"] if "dropout" in mods else []) + \
+        ([f"--arch {arch.sm}"] if arch is not None else [])
     console.print(f"these rows are for the device {env.gpu_name!r}; see the dispatcher pick them: flashgen explain "
-                  f"--db {db} --gpu '{env.gpu_name}' --batch {shape.batch} --heads {shape.num_heads} --kv-heads "
-                  f"{shape.num_kv_heads} --seqlen-q {shape.seqlen_q} --seqlen-k {shape.seqlen_k} --head-dim "
-                  f"{s.head_dim} --dtype {s.dtype}{' --causal' if s.mask == 'causal' else ''}",
+                  f"--db {shlex.quote(str(db))} --gpu {shlex.quote(env.gpu_name)} --batch {shape.batch} --heads "
+                  f"{shape.num_heads} --kv-heads {shape.num_kv_heads} --seqlen-q {shape.seqlen_q} --seqlen-k "
+                  f"{shape.seqlen_k} --head-dim {s.head_dim} --dtype {s.dtype}" + "".join(f" {f}" for f in flags),
                   markup=False, soft_wrap=True)
 
 
@@ -847,6 +881,10 @@ def explain(
                                             "--arch, also explain for that GPU's architecture.")] = None,
     deterministic: Annotated[bool, typer.Option("--deterministic", help="The backward of "
                                                 "flashgen.attention(..., deterministic=True).")] = False,
+    softcap: Annotated[float, typer.Option(help="flashgen.attention's softcap (0: off).")] = 0.0,
+    alibi: Annotated[bool, typer.Option("--alibi", help="With ALiBi slopes (alibi_slopes).")] = False,
+    bias: Annotated[bool, typer.Option("--bias", help="With an additive bias tensor.")] = False,
+    dropout_p: Annotated[float, typer.Option(help="flashgen.attention's dropout_p (0: off).")] = 0.0,
 ) -> None:
     """Which kernels and tile configs flashgen.attention would run for these sizes, where
     each config came from (tuned row, nearest bucket, default), its measured TFLOP/s and
@@ -890,7 +928,8 @@ def explain(
     try:
         report = explain_sizes(batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
-                               window=(left, right), dispatcher=disp, deterministic=deterministic or None)
+                               window=(left, right), dispatcher=disp, deterministic=deterministic or None,
+                               softcap=softcap, alibi=alibi, bias=bias, dropout_p=dropout_p)
     except (InputError, UnsupportedError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -504,10 +504,14 @@ class Dispatcher:
         prefer = getattr(fam, "prefers_default", None)
         why = prefer(whole_key, self.arch) if prefer is not None else None
         if not why:
+            # a row of the whole backward alone is not compared with anything: say so
+            alone = "" if measured is None else (
+                f"its {fam.name} bwd row at {measured.tuned_key or whole_key.id} ({measured.median_ms:.4f} ms) has no "
+                "bwd_dq + bwd_dkdv rows of its bucket to be compared with (tune --kernels bwd_dq,bwd_dkdv,bwd), and ")
             if not getattr(fam, "large_enough", _any_size)(whole_key):
-                return two(f"untuned: too little work in this key's size buckets to hide the host time of the "
-                           f"{fam.name} whole backward's launches")
-            return two(f"untuned: no measurement puts the {fam.name} backward ahead for head_dim "
+                return two(f"{alone or 'untuned: '}too little work in this key's size buckets to hide the host "
+                           f"time of the {fam.name} whole backward's launches")
+            return two(f"{alone or 'untuned: '}no measurement puts the {fam.name} backward ahead for head_dim "
                        f"{whole_key.spec.head_dim}, mask {whole_key.spec.mask}")
         if measured is not None:
             return whole(measured, f"{fam.name} row without a two-kernel row of its bucket to compare; its "

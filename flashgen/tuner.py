@@ -221,6 +221,32 @@ def open_storage(storage: str | Path | optuna.storages.BaseStorage | None,
     return storage
 
 
+def check_journal(path: str | Path, what: str = "--storage") -> None:
+    """Raise InputError (naming ``path`` and the rule) unless an Optuna journal file can
+    be kept at ``path``: its directory exists and is writable, and the file, if there, is
+    a writable regular file that is empty or an Optuna journal (JSON lines with an
+    ``op_code``), so a file of the user's is never appended to.  Creates nothing."""
+    import json
+
+    from .db import check_writable
+
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise InputError(f"{what} {path} is not a file: an Optuna journal is a file (name one inside that "
+                         "directory)")
+    check_writable(path, what)
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16)
+        try:
+            ok = isinstance(json.loads(first), dict) and "op_code" in json.loads(first)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InputError(f"{what} {path} is not an Optuna journal (its first line is not a journal record); "
+                             "it is left untouched: name a new file or an existing journal")
+
+
 def _rdb_storage(url: str) -> optuna.storages.RDBStorage:
     import warnings
 

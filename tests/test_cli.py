@@ -189,3 +189,43 @@ def test_refine_measures_the_tuned_winners_with_each_value_of_the_named_knobs(tm
 def test_refine_names_a_bad_knob(tmp_path):
     r = invoke("tune", "--fake-model", "--arch", "sm_90", "--db", tmp_path / "t.sqlite", "--refine", "warp_count")
     assert r.exit_code == 2 and "--refine" in r.output and "warp_count" in r.output
+
+
+def test_refine_without_tuned_rows_says_so(tmp_path):
+    """--refine starts from tuned rows: with none (a fresh path, or rows of another
+    device) it stops with one line, creating nothing; then the ordered dQ of the Gluon
+    backward is measured beside each tuned row (--refine dq_ordered)."""
+    db = tmp_path / "t.sqlite"
+    base = ["tune", "--preset", "llama3-8b", "--kernels", "bwd", "--family", "gluon", "--fake-model",
+            "--arch", "sm_90", "--db", db]
+    r = invoke(*base, "--refine", "dq_ordered")
+    assert r.exit_code == 2 and "holds no tuned row" in r.output and not db.exists(), r.output
+    assert invoke(*base, "--trials", "1").exit_code == 0
+    r = invoke(*base, "--refine", "dq_ordered")
+    assert r.exit_code == 0, r.output
+    con = sqlite3.connect(db)
+    keys = {k for (k,) in con.execute("SELECT DISTINCT key FROM measurements")}
+    ordered = dict(con.execute("SELECT key, COUNT(*) FROM measurements WHERE dq_ordered = 1 AND status = 'ok' "
+                               "GROUP BY key").fetchall())
+    assert ordered == {k: 1 for k in keys}
+
+
+@pytest.mark.parametrize("preset, words", [("mods-small", ("--softcap 30", "--alibi")),
+                                           ("decode-small", ("see them: flashgen show --db",))])
+def test_the_explain_hint_shows_what_the_run_tuned(tmp_path, preset, words):
+    """The hint after a simulated run names the score mods of the key it explains (and
+    that explain then finds its tuned rows); for keys explain cannot show (decode) it
+    points to `flashgen show`.  A path with a space is quoted."""
+    import shlex
+
+    db = tmp_path / "my rows.sqlite"
+    r = invoke("tune", "--preset", preset, "--fake-model", "--db", db, "--trials", 2)
+    assert r.exit_code == 0, r.output
+    (hint,) = [line for line in r.output.splitlines() if "these rows are for the device" in line]
+    assert all(w in hint for w in words) and shlex.quote(str(db)) in hint, hint
+    r = invoke(*shlex.split(hint.split("flashgen ", 1)[1]))
+    assert r.exit_code == 0, r.output
+    if "flashgen explain" in hint:
+        assert r.output.count("(tuned; row attn_") == 3, r.output
+    else:
+        assert "attn_decode" in r.output, r.output

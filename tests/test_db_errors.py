@@ -194,3 +194,20 @@ def test_import_takes_rows_without_a_family_as_the_triton_family(tmp_path):
     assert invoke("import", old, "--db", db).exit_code == 0
     rows = TuningDB(db, readonly=True).rows()
     assert len(rows) == len(data["rows"]) and all(TileConfig.from_dict(r).family == "triton" for r in rows)
+
+
+def test_a_storage_path_that_is_no_journal_is_refused_untouched(tmp_path, timings):
+    """--storage names the Optuna journal: a user's file is never appended to, a
+    directory or a missing directory is named; nothing is created."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    db = tmp_path / "t.sqlite"
+    names = listing(tmp_path)
+    one_error_line(tune(timings, db, "--storage", notes), str(notes), "not an Optuna journal", "untouched")
+    assert notes.read_text() == "my notes\n" and listing(tmp_path) == names
+    one_error_line(tune(timings, db, "--storage", tmp_path), str(tmp_path), "is not a file")
+    one_error_line(tune(timings, db, "--storage", tmp_path / "no" / "j.journal"), "does not exist")
+    assert listing(tmp_path) == names
+    journal = tmp_path / "ok.journal"
+    assert tune(timings, db, "--storage", journal).exit_code == 0 and journal.stat().st_size > 0
+    assert tune(timings, db, "--storage", journal).exit_code == 0  # an existing journal resumes

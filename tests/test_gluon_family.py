@@ -721,3 +721,13 @@ def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
     with pytest.raises(ValueError, match="Triton family's"):
         F.fwd(q, q, q, softmax_scale=0.1, mask="none", diag_lo=-16, diag_hi=16, config=cfg,
               mods=SimpleNamespace(name=score_low.name, sinks=None))
+
+
+def test_a_whole_backward_row_alone_is_named_in_the_reason(tmp_path):
+    """A Gluon bwd row with no bwd_dq / bwd_dkdv rows of its bucket is not compared with
+    anything; the reason names the row instead of calling the key untuned."""
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key("bwd"), GBWD, 1.5)
+    plan = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90).backward(key("bwd_dq"), capturing=False)
+    assert not plan.whole and "has no bwd_dq + bwd_dkdv rows of its bucket" in plan.reason, plan.reason
+    assert "untuned" not in plan.reason

@@ -197,7 +197,7 @@ def test_an_empty_sqlite_file_reads_as_an_empty_db_and_stays_untouched(tmp_path,
 
 def test_fake_timings_must_be_positive_and_finite(tmp_path):
     bad = tmp_path / "bad.json"
-    for value in ("NaN", "-5.0", "0.0"):
+    for value in ("NaN", "-5.0", "0.0", "\"0.5\"", "true"):  # numbers only
         bad.write_text('{"attn_fwd_d64_fp16_none_m64_n64_w4_s2": ' + value + "}")
         r = CliRunner().invoke(app, ["tune", "--preset", "small", "--fake", str(bad), "--db",
                                      str(tmp_path / "t.sqlite"), "--trials", "2"])
