@@ -300,7 +300,8 @@ def tune(
     console.print(f"tuning {len(items)} keys, " + (f"refining {', '.join(knobs)}" if knobs else f"{trials} trials each")
                   + f", on {env.gpu_name} -> {db}"
                   f"{f' with {workers} workers' if workers > 1 else ''}", markup=False)
-    with _writing(db):  # nothing is left beside --db when the run fails before a row is written
+    # nothing is left beside --db when the run fails before a row is written
+    with _stoppable(console, db), _writing(db):
         if workers > 1:
             results = _tune_with_workers(items, console, db=db, env=env, arch=arch, trials=trials,
                                          timeout_per_key=timeout_per_key, seed=seed, workers=workers,
@@ -338,6 +339,28 @@ def tune(
         if problems and fake is None and not fake_model:
             _print_checks(console, bench, "user-function variants")
         _print_explain_hint(console, env, db, items, fake is not None or fake_model, pretended)
+
+
+@contextlib.contextmanager
+def _stoppable(console, db: Path):
+    """Around a tuning run: Ctrl-C, SIGTERM and SIGHUP stop it the same way (the
+    workers too: :func:`flashgen.tuner.tune_parallel`): one line, the rows already
+    recorded kept, exit code 128 + the signal's number (130 for Ctrl-C, 143 for
+    SIGTERM)."""
+    import signal
+
+    from . import tuner
+    from .db import row_count
+
+    with tuner.stop_signals_raise():
+        try:
+            yield
+        except KeyboardInterrupt as e:
+            signum = tuner.stop_signal(e)
+            n = row_count(db)
+            console.print(f"stopped by {signal.Signals(signum).name}; " + (
+                f"{db} keeps the {n} rows recorded so far" if n else "no row was recorded"), markup=False)
+            raise typer.Exit(128 + signum) from None
 
 
 def _print_checks(console, bench, what: str = "variants") -> None:
@@ -428,7 +451,11 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
         note = f"; {n_failed} running trial(s) marked FAIL" if n_failed else ""
         console.print(f"worker {name} exited with {code}{note}", markup=False)
 
-    codes = tuner.tune_parallel(items, configs, on_exit=on_exit)
+    def on_start(pids):
+        console.print("workers started: " + ", ".join(f"{n} (pid {pid})" for n, pid in pids.items()),
+                      markup=False)
+
+    codes = tuner.tune_parallel(items, configs, on_exit=on_exit, on_start=on_start)
     console.print(f"{workers} workers done in {time.perf_counter() - t0:.1f} s "
                   f"(exit codes {sorted(codes.values())})", markup=False)
     with TuningDB(db) as tdb:

@@ -14,8 +14,12 @@ Optuna journal file next to the DB, so an interrupted run resumes where it stopp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -662,7 +666,144 @@ class _SlowFake(FakeBenchmarker):
         return super().__call__(variant, shape)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Raised in a tuning process by a stop signal (SIGTERM, SIGHUP) as SIGINT raises
+    KeyboardInterrupt, so both stop a run the same way; ``signum`` is the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_signal(e: KeyboardInterrupt) -> int:
+    """The signal behind ``e``: its ``signum``, else SIGINT (Ctrl-C)."""
+    return getattr(e, "signum", signal.SIGINT)
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+#: What stops a tuning process: SIGINT raises KeyboardInterrupt, these raise Interrupted.
+_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def stop_signals_raise():
+    """While inside: SIGTERM and SIGHUP raise :class:`Interrupted` (main thread only;
+    elsewhere Python cannot install handlers and nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, _raise_interrupted) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _signals_ignored(signals: tuple[int, ...] = (signal.SIGINT, *_STOP_SIGNALS)):
+    """While inside (main thread only): ``signals`` are ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+class _NoInterruptTraceback:
+    """A logging filter that keeps a record logged with a KeyboardInterrupt (Optuna's
+    "Trial N failed ... KeyboardInterrupt()") to its one line: the traceback of a stop
+    is noise; every other record, tracebacks included, passes unchanged."""
+
+    def filter(self, record) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, KeyboardInterrupt):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+#: Seconds a worker whose parent is gone gives its running trial to stop before it exits.
+ORPHAN_GRACE_S = 10.0
+
+
+def _stop_when_parent_dies(name: str, grace_s: float = ORPHAN_GRACE_S) -> None:
+    """Start a daemon thread that stops this worker when the process that started it
+    exits, however it ended (SIGKILL included).
+
+    It blocks on :func:`multiprocessing.parent_process`'s sentinel (the parent's end of
+    the spawn pipe on POSIX, the parent's process handle on Windows), which becomes
+    ready when the parent exits: no polling, no platform-specific call (Linux's
+    ``prctl(PR_SET_PDEATHSIG)`` follows the parent *thread* and exists on Linux only).
+    It then interrupts the main thread with SIGTERM's handler (the running trial is
+    marked FAIL, the DB closed); past ``grace_s`` seconds the process exits anyway."""
+    import multiprocessing as mp
+    import os
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        parent.join()
+        print(f"flashgen worker {name}: the tuning process {parent.pid} is gone; stopping",
+              file=sys.stderr, flush=True)
+        import _thread
+
+        _thread.interrupt_main(signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name=f"{name}-parent-watch", daemon=True).start()
+
+
+class _StopAtMeasurement:
+    """A worker's stop signals, acted on where stopping is safe.
+
+    An exception raised at an arbitrary point can cut Optuna's own bookkeeping (a
+    storage write, the telling of a trial) in half.  So a signal that arrives inside a
+    measurement (the benchmarker, which Optuna calls inside the objective) raises
+    :class:`Interrupted` at once: Optuna marks that trial FAIL.  One that arrives
+    elsewhere is remembered and raised as the next measurement starts.  Further
+    signals change nothing."""
+
+    def __init__(self, benchmarker: Benchmarker):
+        self.benchmarker = benchmarker
+        self.signum: int | None = None
+        self.inside = False
+
+    def handler(self, signum, frame) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
+        if self.inside:
+            raise Interrupted(signum)
+
+    def __call__(self, variant: Variant, shape: Shape) -> Measurement:
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+        self.inside = True
+        try:
+            return self.benchmarker(variant, shape)
+        finally:
+            self.inside = False
+
+    def __getattr__(self, name):
+        return getattr(self.benchmarker, name)
+
+
 def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> None:
+    """One tuning worker (the target of the spawned process).  SIGINT and SIGTERM stop
+    it (:class:`_StopAtMeasurement`): its running trial is marked FAIL, the rows
+    already recorded stay, and it exits with 128 + the signal's number, without a
+    traceback.  It stops by itself when its parent exits (:func:`_stop_when_parent_dies`)."""
+    import logging
     import os
 
     if cfg.gpu is not None:
@@ -675,14 +816,23 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
         from .bench import KernelBenchmarker
 
         bench = KernelBenchmarker(workers=1)
-    with TuningDB(cfg.db_path) as db:
-        # Workers start their keys in different orders, so they spread over the keys
-        # at first instead of all joining the first study.
-        k = cfg.index
-        order = items[k % len(items):] + items[:k % len(items)] if items else items
-        tune(order, benchmarker=bench, db=db, env=cfg.env, arch=cfg.arch, n_trials=cfg.n_trials,
-             timeout_per_key_s=cfg.timeout_per_key_s, storage=cfg.storage, seed=cfg.seed + k,
-             sampler=cfg.sampler, worker=cfg.name, family_names=cfg.family_names)
+    stop = _StopAtMeasurement(bench)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, stop.handler)
+    for h in logging.getLogger("optuna").handlers:
+        h.addFilter(_NoInterruptTraceback())
+    _stop_when_parent_dies(cfg.name)
+    try:
+        with TuningDB(cfg.db_path) as db:
+            # Workers start their keys in different orders, so they spread over the keys
+            # at first instead of all joining the first study.
+            k = cfg.index
+            order = items[k % len(items):] + items[:k % len(items)] if items else items
+            tune(order, benchmarker=stop, db=db, env=cfg.env, arch=cfg.arch, n_trials=cfg.n_trials,
+                 timeout_per_key_s=cfg.timeout_per_key_s, storage=cfg.storage, seed=cfg.seed + k,
+                 sampler=cfg.sampler, worker=cfg.name, family_names=cfg.family_names)
+    except KeyboardInterrupt as e:
+        sys.exit(128 + stop_signal(e))
 
 
 def fail_trials_of(storage: str | optuna.storages.BaseStorage, worker: str) -> int:
@@ -701,7 +851,8 @@ def fail_trials_of(storage: str | optuna.storages.BaseStorage, worker: str) -> i
 
 def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[WorkerConfig],
                   on_exit: Callable[[str, int, int], None] | None = None,
-                  on_start: Callable[[dict[str, int]], None] | None = None) -> dict[str, int]:
+                  on_start: Callable[[dict[str, int]], None] | None = None,
+                  stop_grace_s: float = 10.0) -> dict[str, int]:
     """Run one spawned process per WorkerConfig over the same (key, shape) list, all
     sharing each key's study through the configs' storage, and wait for them.
 
@@ -709,8 +860,16 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
     ``on_start({name: pid})`` is called once all are started; ``on_exit(name,
     exitcode, n_failed_trials)`` as each worker ends.
     Returns {worker name: exit code}.
+
+    Stopping: SIGINT (KeyboardInterrupt) or, while this runs in the main thread,
+    SIGTERM or SIGHUP (:class:`Interrupted`) stops the workers: each gets SIGTERM, and
+    one still running ``stop_grace_s`` seconds later is killed; their RUNNING trials
+    are failed, ``on_exit`` is called for each, and the exception is raised again.
+    Rows already recorded stay in the DB.  A worker whose parent dies (even by SIGKILL)
+    stops by itself (:func:`_stop_when_parent_dies`).
     """
     import multiprocessing as mp
+    from multiprocessing.connection import wait
 
     items = list(items)
     for storage in {c.storage for c in configs}:
@@ -719,24 +878,48 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
         TuningDB(path).close()  # likewise the tuning DB
     ctx = mp.get_context("spawn")
     procs = {c.name: (ctx.Process(target=_worker_main, args=(items, c), name=c.name), c) for c in configs}
-    for p, _ in procs.values():
-        p.start()
-    if on_start is not None:
-        on_start({name: p.pid for name, (p, _) in procs.items()})
-    from multiprocessing.connection import wait
-
     codes: dict[str, int] = {}
-    running = {p.sentinel: (name, p, c) for name, (p, c) in procs.items()}
-    while running:
-        # Handle each worker as it ends, so a dead worker's trial is failed (and so
-        # offered to the others again) while they still run.
-        for sentinel in wait(list(running)):
-            name, p, c = running.pop(sentinel)
-            p.join()
-            codes[name] = p.exitcode
-            n_failed = fail_trials_of(c.storage, name) if p.exitcode != 0 else 0
-            if on_exit is not None:
-                on_exit(name, p.exitcode, n_failed)
+    running: dict = {}
+
+    def ended(name, p, c):
+        p.join()
+        codes[name] = p.exitcode
+        n_failed = fail_trials_of(c.storage, name) if p.exitcode != 0 else 0
+        if on_exit is not None:
+            on_exit(name, p.exitcode, n_failed)
+
+    try:
+        with stop_signals_raise():
+            for name, (p, c) in procs.items():
+                # A worker starts with SIGINT ignored (POSIX keeps an ignored signal across
+                # exec) until _worker_main handles it: a Ctrl-C while it imports torch
+                # stops it through this process (SIGTERM below), not with a traceback.
+                with _signals_ignored((signal.SIGINT,)):
+                    p.start()
+                running[p.sentinel] = (name, p, c)
+            if on_start is not None:
+                on_start({name: p.pid for name, (p, _) in procs.items()})
+            while running:
+                # Handle each worker as it ends, so a dead worker's trial is failed (and so
+                # offered to the others again) while they still run.
+                for sentinel in wait(list(running)):
+                    ended(*running[sentinel])
+                    del running[sentinel]  # only now: a stop inside ended() sees it again
+    except BaseException:
+        with _signals_ignored():  # a second Ctrl-C cannot cut the stopping short
+            for _, p, _ in running.values():
+                p.terminate()
+            deadline = time.monotonic() + stop_grace_s
+            while running:
+                ready = wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:  # past the grace period: kill the rest
+                    for _, p, _ in running.values():
+                        p.kill()
+                    ready = list(running)
+                for sentinel in ready:
+                    ended(*running[sentinel])
+                    del running[sentinel]
+        raise
     return codes
 
 

@@ -3,7 +3,9 @@ host; PostgreSQL for several machines), with a fake benchmarker replaying timing
 
 Each (key, variant) is measured and recorded exactly once however many workers run,
 the best config equals a single worker's over the same timings, and a worker killed
-mid-trial leaves its trial FAILed (and the budget completed by the others).
+mid-trial leaves its trial FAILed (and the budget completed by the others).  Stopping
+`flashgen tune --workers` (SIGTERM, Ctrl-C, or SIGKILL of the parent) leaves no worker
+running and keeps the rows recorded.
 """
 
 import hashlib
@@ -13,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -128,6 +131,119 @@ def test_a_killed_worker_fails_its_trial_and_others_finish(tmp_path):
             done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             assert len(done) >= n_trials
             assert all(db.get(t.user_attrs["row_id"])["variant_id"] == t.user_attrs["variant_id"] for t in done)
+
+
+
+# -- stopping a run with workers ---------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@pytest.fixture
+def workers_run(tmp_path):
+    """:func:`_start_workers_run`; afterwards whatever it started and still runs is killed."""
+    started = []
+
+    def start(**popen):
+        started.append(_start_workers_run(tmp_path, **popen))
+        return started[-1]
+
+    yield start
+    for p, pids, _, _ in started:
+        for pid in (p.pid, *pids.values()):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _start_workers_run(tmp_path, n_rows=20, **popen):
+    """A `flashgen tune --workers 2 --fake-model` run long enough to be stopped, once
+    both workers have started and ``n_rows`` rows are recorded.  Returns (process,
+    {worker: pid}, rows recorded so far, the lines printed so far)."""
+    import re
+
+    from flashgen.db import row_count
+
+    db = tmp_path / "w.sqlite"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "flashgen", "tune", "--preset", "fa-grid", "--fake-model", "--db",
+                          str(db), "--trials", "30", "--workers", "2"], cwd=tmp_path, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
+    deadline = time.time() + 60
+    pids: dict[str, int] = {}
+    while time.time() < deadline and p.poll() is None and (not pids or row_count(db) < n_rows):
+        started = [ln for ln in lines if ln.startswith("workers started:")]
+        if started:
+            pids = {n: int(pid) for n, pid in re.findall(r"(w\d+) \(pid (\d+)\)", started[0])}
+        time.sleep(0.1)
+    assert p.poll() is None and len(pids) == 2 and row_count(db) >= n_rows, "".join(lines)
+    with TuningDB(db, readonly=True) as d:
+        rows = d.rows()
+    return p, pids, rows, lines
+
+
+def _check_rows_kept(tmp_path, rows_before):
+    with TuningDB(tmp_path / "w.sqlite", readonly=True) as d:
+        now = {r["id"]: r for r in d.rows()}
+    assert all(now.get(r["id"]) == r for r in rows_before)
+    st = tuner.open_storage(str(tmp_path / "w.sqlite.optuna.journal"), None)
+    running = [t for s in st.get_all_studies() for t in st.get_all_trials(s._study_id, deepcopy=False,
+                                                                          states=(TrialState.RUNNING,))]
+    assert not running, "a stopped worker left its trial RUNNING"
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_stopping_a_run_with_workers_stops_them_and_keeps_rows(tmp_path, workers_run, how):
+    # Ctrl-C at a terminal sends SIGINT to the whole process group: the run and its workers.
+    p, pids, rows, lines = workers_run(start_new_session=True)
+    if how == "SIGTERM":
+        p.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(p.pid, signal.SIGINT)
+    signum = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    assert p.wait(timeout=20) == 128 + signum
+    deadline = time.time() + 5
+    while any(map(_alive, pids.values())) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [n for n, pid in pids.items() if _alive(pid)]
+    time.sleep(0.2)  # the output reader
+    out = "".join(lines)
+    assert "Traceback" not in out, out
+    assert f"stopped by {signal.Signals(signum).name}; " in out and "rows recorded so far" in out, out
+    for name in pids:
+        assert f"worker {name} exited with {128 + signum}" in out, out
+    _check_rows_kept(tmp_path, rows)
+
+
+def test_workers_stop_by_themselves_when_the_run_is_killed(tmp_path, workers_run):
+    p, pids, rows, lines = workers_run()
+    p.kill()  # SIGKILL: nothing of the parent runs, its workers are orphaned
+    p.wait(timeout=10)
+    deadline = time.time() + 10
+    while any(map(_alive, pids.values())) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [n for n, pid in pids.items() if _alive(pid)], "".join(lines)
+    time.sleep(0.2)
+    out = "".join(lines)
+    assert "Traceback" not in out, out
+    for name in pids:
+        assert f"flashgen worker {name}: the tuning process {p.pid} is gone; stopping" in out, out
+    _check_rows_kept(tmp_path, rows)
 
 
 # -- PostgreSQL: a real server on loopback --------------------------------------------
