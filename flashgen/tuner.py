@@ -717,6 +717,21 @@ def _signals_ignored(signals: tuple[int, ...] = (signal.SIGINT, *_STOP_SIGNALS))
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def _signals_blocked(signals: tuple[int, ...] = (signal.SIGTERM,)):
+    """While inside (main thread, POSIX): ``signals`` are blocked, so they stay pending
+    (a process started meanwhile inherits the mask across exec and unblocks them once it
+    handles them: :func:`_worker_main`)."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class _NoInterruptTraceback:
     """A logging filter that keeps a record logged with a KeyboardInterrupt (Optuna's
     "Trial N failed ... KeyboardInterrupt()") to its one line: the traceback of a stop
@@ -819,6 +834,9 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
     stop = _StopAtMeasurement(bench)
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, stop.handler)
+    if hasattr(signal, "pthread_sigmask"):
+        # started with SIGTERM blocked (tune_parallel): one sent meanwhile is handled now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     for h in logging.getLogger("optuna").handlers:
         h.addFilter(_NoInterruptTraceback())
     _stop_when_parent_dies(cfg.name)
@@ -893,8 +911,11 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
             for name, (p, c) in procs.items():
                 # A worker starts with SIGINT ignored (POSIX keeps an ignored signal across
                 # exec) until _worker_main handles it: a Ctrl-C while it imports torch
-                # stops it through this process (SIGTERM below), not with a traceback.
-                with _signals_ignored((signal.SIGINT,)):
+                # stops it through this process (SIGTERM below), not with a traceback.  It
+                # starts with SIGTERM blocked (the mask, too, survives exec): a SIGTERM that
+                # reaches it before its handler is set waits for the handler instead of
+                # killing it outright.
+                with _signals_ignored((signal.SIGINT,)), _signals_blocked((signal.SIGTERM,)):
                     p.start()
                 running[p.sentinel] = (name, p, c)
             if on_start is not None:

@@ -225,8 +225,11 @@ def test_stopping_a_run_with_workers_stops_them_and_keeps_rows(tmp_path, workers
     out = "".join(lines)
     assert "Traceback" not in out, out
     assert f"stopped by {signal.Signals(signum).name}; " in out and "rows recorded so far" in out, out
+    # a worker stops on the signal itself, or on the SIGTERM the parent forwards (a Ctrl-C
+    # that reaches a worker before its handler is set is ignored there); never killed
+    codes = {128 + signum, 128 + signal.SIGTERM}
     for name in pids:
-        assert f"worker {name} exited with {128 + signum}" in out, out
+        assert any(f"worker {name} exited with {c}\n" in out for c in codes), out
     _check_rows_kept(tmp_path, rows)
 
 
