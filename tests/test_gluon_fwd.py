@@ -127,9 +127,12 @@ COMPILE_CASES = [
 #: ``--regAllocOptLevel=2`` (shim.ptxas_sm90): with that flag the pinned d128 tile
 #: spills one register (the same 4 B from 3.6's PTX; 0 B without the flag), reloaded
 #: outside the key loop; the persistent pinned tile also spills from 3.9's own PTX
-#: (12 B with ptxas 12.8 too), one reload inside the key loop.  Any other spill fails.
+#: (12 B with ptxas 12.8 too), one reload inside the key loop; the d64 window tile of
+#: two consumers and two stages spills 4 B (8 B of stack), its sinks variant the same (0 B
+#: under 3.6).  Any other spill fails.
 SPILL_BYTES = {
     "3.9": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin": 4,
+            "gluon_fwd_d64_bf16_window_m64x2_n128_s2_r240-24": 4,
             "gluon_fwd_d128_dv64_bf16_none_m64x2_n128_s2_r240-24_pin_pers": 16},
 }
 
@@ -160,7 +163,8 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
     spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     by_id = {row["id"]: row for row in rows}
     for row in rows:
-        known = spills.get(row["id"].replace("_sinks", ""), 0)  # a sinks variant spills as its plain one
+        # a sinks variant spills as its plain one unless recorded
+        known = spills.get(row["id"], spills.get(row["id"].replace("_sinks", ""), 0))
         assert row["spill"] == known, row
         assert [p for p in row["problems"] if not (known and p.startswith("spills "))] == [], row
         assert row["hgmma"] > 0 and row["setmaxnreg"], row
