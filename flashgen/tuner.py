@@ -689,13 +689,13 @@ _STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasat
 
 
 @contextlib.contextmanager
-def stop_signals_raise():
-    """While inside: SIGTERM and SIGHUP raise :class:`Interrupted` (main thread only;
-    elsewhere Python cannot install handlers and nothing changes)."""
+def _signals_handled(signals: tuple[int, ...], handler):
+    """While inside (main thread only; elsewhere Python cannot install handlers and
+    nothing changes): ``signals`` go to ``handler``."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {s: signal.signal(s, _raise_interrupted) for s in _STOP_SIGNALS}
+    before = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
     finally:
@@ -703,18 +703,14 @@ def stop_signals_raise():
             signal.signal(s, h)
 
 
-@contextlib.contextmanager
+def stop_signals_raise():
+    """While inside: SIGTERM and SIGHUP raise :class:`Interrupted` (main thread only)."""
+    return _signals_handled(_STOP_SIGNALS, _raise_interrupted)
+
+
 def _signals_ignored(signals: tuple[int, ...] = (signal.SIGINT, *_STOP_SIGNALS)):
     """While inside (main thread only): ``signals`` are ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
-    try:
-        yield
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)
+    return _signals_handled(signals, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
