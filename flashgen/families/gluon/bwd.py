@@ -436,7 +436,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     # dQ (block_m x head_dim): split along M when block_m covers every warpgroup's 64 rows,
     # else along head_dim.
     # Split partitions at head_dim 128 compute dQ (TMA mode) in two column halves.
-    dq_halves = c.split and c.dq_mode in ("tma", "ordered") and head_dim >= 128
+    dq_halves = c.split and c.dq_mode == "tma" and head_dim >= 128  # ordered: refused there
     if dq_halves:
         dq_warps, dq_n = [c.num_warps, 1], head_dim // 2
     elif c.split or c.block_m >= 64 * c.consumers:
