@@ -22,7 +22,10 @@ For each configuration and implementation:
   relative, and the gradients are compared per parameter (relative L2 error
   ||g - g_ref|| / ||g_ref||; worst and median over parameters, and over all parameters
   flattened); ``grads_ok`` when the flattened error is <= 2e-2 (bf16's precision over 8
-  or 4 layers);
+  or 4 layers).  gpt-oss routes tokens to experts, so a last-bit difference in attention
+  flips routes and two correct bf16 runs differ far more; there both bf16 runs are
+  compared with the float32 model (eager, same weights and batch), and ``grads_ok``
+  when flashgen's error is <= 2x eager bf16's + 2e-2 (``grad_rel_l2_vs_float32``);
 * train step: zero_grad, forward with labels, backward, AdamW step (foreach, lr 1e-5);
   ``--warmup`` steps, then ``--steps`` steps each timed with CUDA events: median ms
   (the weights are restored from the same copy before each implementation's run);
@@ -236,6 +239,28 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
     rec["loss_ok"] = rec["loss_rel_diff"] <= LOSS_RTOL
     rec["grad_rel_l2"] = _grad_errors(grads[impl_fg], grads[ref_impl])
     rec["grads_ok"] = rec["grad_rel_l2"]["all_params"] <= GRAD_RTOL
+    if name in GPT_OSS:
+        # A mixture of experts routes each token to its top experts: a last-bit difference
+        # in attention's output flips some routes, and the gradients of two correct bf16
+        # attentions differ by far more than bf16's precision.  The rule is then the
+        # exactness rule: against the float32 model (eager attention, same weights and
+        # batch), flashgen's gradients within 2x the bf16 reference's error plus GRAD_RTOL.
+        model.load_state_dict(weights)
+        model.to(torch.float32)
+        model.set_attn_implementation(ref_impl)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss32 = model(input_ids=ids, labels=ids).loss
+        loss32.backward()
+        g32 = {n: p.grad.detach() for n, p in model.named_parameters()}
+        rec["float32_loss"] = loss32.item()
+        rec["grad_rel_l2_vs_float32"] = {impl: _grad_errors(grads[impl], g32) for impl in (ref_impl, impl_fg)}
+        e_ref = rec["grad_rel_l2_vs_float32"][ref_impl]["all_params"]
+        e_fg = rec["grad_rel_l2_vs_float32"][impl_fg]["all_params"]
+        rec["grads_rule"] = f"vs float32: {e_fg:.3g} <= 2 x {e_ref:.3g} + {GRAD_RTOL}"
+        rec["grads_ok"] = e_fg <= 2 * e_ref + GRAD_RTOL
+        model.zero_grad(set_to_none=True)
+        del g32
     rec["train_step_ratio"] = got["train_step_ms"] / ref["train_step_ms"]
     rec["prefill_ratio"] = got["prefill_ms"] / ref["prefill_ms"]
     del model, grads, weights
@@ -285,7 +310,8 @@ def main(argv=None) -> int:
         ok &= good
         print(f"{name:12} {r['reference']:5} {s['train_step_ms']:10.2f} {f_['train_step_ms']:9.2f} {r['train_step_ratio']:6.3f} "
               f"{s['prefill_ms']:13.2f} {f_['prefill_ms']:11.2f} {r['prefill_ratio']:6.3f} "
-              f"{r['loss_rel_diff']:9.2e} {r['grad_rel_l2']['all_params']:11.2e} {'yes' if good else 'NO'}")
+              f"{r['loss_rel_diff']:9.2e} {r['grad_rel_l2']['all_params']:11.2e} {'yes' if good else 'NO'}"
+              + (f"  (grads {r['grads_rule']})" if "grads_rule" in r else ""))
     for name, r in result["configs"].items():
         ks, kf = r["impl"][r["reference"]].get("step_kernels"), r["impl"][impl_fg].get("step_kernels")
         if ks is None or kf is None:
