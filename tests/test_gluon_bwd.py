@@ -534,28 +534,31 @@ def test_ordered_is_outside_the_search_and_sizes_its_semaphores():
     assert B.is_valid(cfg, 128, "bfloat16", "causal") and cfg.id.endswith("_ordered_r240-24_rows-tma")
     assert B.smem_terms(cfg, 128) == B.smem_terms(B.default_config(128), 128)
     split = dataclasses.replace(cfg, split=True)  # spills and serializes its wgmmas under ptxas
-    assert any("lock-step" in r for r in B.invalid_reasons(split, 128)) and B.is_valid(split, 64)
+    assert any("lock-step" in r for r in B.invalid_reasons(split, 128))
     one_slot = dataclasses.replace(split, stages=1)  # would deadlock: the ring's one slot
-    assert any("stages >= 2" in r for r in B.invalid_reasons(one_slot, 64))
+    assert any("stages >= 2" in r for r in B.invalid_reasons(one_slot, 64)) and B.is_valid(split, 64)
     assert B.is_valid(dataclasses.replace(cfg, stages=1), 128)  # one lock-step partition: no such wait
     assert B.consumer_regs_estimate(cfg, 128) == B.consumer_regs_estimate(B.default_config(128), 128)
     src = B.render(cfg, "bfloat16", 128, "causal")
-    assert "DK, DV, SEM, qk_scale" in src and "_sem_wait(SEM + tile, u)" in src
+    assert "DK, DV, SEM, HEAD_GROUP, qk_scale" in src and "_sem_wait(SEM + tile, _chain_u(nc, seqlen_k, C))" in src
     assert "SEM" not in B.render(B.default_config(128), "bfloat16", 128, "causal")
     # the schedule _ordered_model mirrors: masked, key blocks last to first and the
     # predecessor's query blocks from the next key block's; without a mask, ascending
-    assert "pid_n = gl.cdiv(seqlen_k, BLOCK_NT) - 1 - gl.program_id(0)" in src
+    assert "pid_n = gl.cdiv(seqlen_k, BLOCK_NT) - 1 - rank" in src
     assert "_query_blocks(n0 + BLOCK_NT, seqlen_q, diag_lo, diag_hi)" in src and "if mb >= pred_from:" in src
     plain = B.render(cfg, "bfloat16", 128, "none")
-    assert "pid_n = gl.program_id(0)" in plain and "pred_from = 0" in plain and "_query_blocks(n0 + BLOCK_NT" not in plain
+    assert "pid_n = rank" in plain and "pred_from = 0" in plain and "_query_blocks(n0 + BLOCK_NT" not in plain
     q = torch.empty(2, 8, 1000, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16)
     a = B.launch_args(q, q, k, k, q, torch.empty(2, 8, 1000), softmax_scale=0.1, diag_lo=-1000, diag_hi=0,
                       config=cfg)
     assert a["sem"].dtype == torch.int32 and a["sem"].shape == (16, 1024 // 64) and not a["sem"].any()
-    assert a["main"][1][12] is a["sem"] and len(a["main"][1]) == len(
-        B.launch_args(q, q, k, k, q, torch.empty(2, 8, 1000), softmax_scale=0.1, diag_lo=-1000, diag_hi=0,
-                      config=B.default_config(128))["main"][1]) + 1
+    plain_args = B.launch_args(q, q, k, k, q, torch.empty(2, 8, 1000), softmax_scale=0.1, diag_lo=-1000, diag_hi=0,
+                               config=B.default_config(128))["main"]
+    assert a["main"][1][12] is a["sem"] and a["main"][1][13] == a["head_group"] and len(a["main"][1]) == len(
+        plain_args[1]) + 2
+    # a 1-D grid of every (key block, batch * kv head) program, the 2-D one's count
+    assert a["main"][0] == (plain_args[0][0] * plain_args[0][1],) and len(plain_args[0]) == 2
 
 
 def _ordered_model(sq, sk, mode, lo, hi, block_m=64, block_nt=128, parts=1):
@@ -592,6 +595,30 @@ def _ordered_model(sq, sk, mode, lo, hi, block_m=64, block_nt=128, parts=1):
                 adds.setdefault(mb, []).append(u)
                 waits[(u, mb)] = mb >= pred_from
     return adds, waits
+
+
+def test_ordered_grid_interleaves_pairs_and_waits_only_on_earlier_programs():
+    """The ordered backward's 1-D grid (ordered_program, the template's _ordered_program):
+    every (rank, pair) exactly once; the previous rank of a pair is an earlier program,
+    HEAD_GROUP launches before (fewer in the last, smaller group); HEAD_GROUP grows as
+    programs get shorter, never past the pairs."""
+    for n_kb, pairs, hg in ((1, 1, 1), (7, 5, 2), (32, 64, 5), (16, 3, 8), (9, 17, 4), (4, 6, 6)):
+        seen = {}
+        for pid in range(n_kb * pairs):
+            seen[B.ordered_program(pid, n_kb * pairs, n_kb, hg)] = pid
+        assert sorted(seen) == [(r, zh) for r in range(n_kb) for zh in range(pairs)]
+        for (r, zh), pid in seen.items():
+            if r > 0:
+                gap = pid - seen[(r - 1, zh)]
+                assert 0 < gap <= hg and (gap == hg or zh >= pairs // hg * hg), (n_kb, pairs, hg, r, zh)
+    cfg = dataclasses.replace(B.default_config(128), dq_mode="ordered")
+    # 2 * 132 / (seqlen_q / 64 steps), rounded up; half the steps under a mask
+    assert [B.ordered_head_group(cfg, 64, s, 1, mask=False, sm_count=132) for s in (16384, 4096, 1024, 128)] == \
+        [2, 5, 17, 64]
+    assert B.ordered_head_group(cfg, 64, 4096, 1, mask=True, sm_count=132) == 9
+    assert B.ordered_head_group(cfg, 64, 4096, 4, mask=False, sm_count=132) == 2  # 4 query heads per program
+    split = dataclasses.replace(B.default_config(64), dq_mode="ordered", split=True, stages=4)
+    assert B.ordered_head_group(split, 256, 2048, 1, mask=False, sm_count=132) == 17
 
 
 @pytest.mark.parametrize("parts", [1, 2])

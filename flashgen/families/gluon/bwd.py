@@ -553,6 +553,8 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         # one int32 semaphore per (batch * head, query block), zeroed: a launch of the main
         # kernel needs them zero again
         out["sem"] = torch.zeros((b * h, m_pad // c.block_m), dtype=torch.int32, device=dev)
+        out["head_group"] = ordered_head_group(c, b * hk * gs, sq, h // hk // gs, mask=diag_lo > -sq or diag_hi < sk,
+                                               sm_count=_sm_count(dev))
     if gs == 1 and not (dk.is_contiguous() and dv.is_contiguous()):
         # the main kernel stores contiguous dK, dV: into these, then copied ("copy")
         main_dk, main_dv = torch.empty((b, hk, sk, d), dtype=k.dtype, device=dev), \
@@ -566,7 +568,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
             _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
             _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, main_dk, main_dv) + (
-            (out["sem"],) if c.dq_mode == "ordered" else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
+            (out["sem"], out["head_group"]) if c.dq_mode == "ordered" else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
             int(diag_hi), m_pad)
     if o.is_contiguous() and do.is_contiguous():
         out["preprocess"] = (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True))
@@ -574,7 +576,9 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         from . import strided
 
         out["preprocess_strided"] = strided.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad)
-    out["main"] = ((math.ceil(sk / c.block_nt), b * hk * gs), main)
+    n_kb = math.ceil(sk / c.block_nt)
+    # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program)
+    out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" else (n_kb, b * hk * gs)), main)
     if dq.is_contiguous():
         out["convert"] = ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale)))
     else:
@@ -588,6 +592,42 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         dk_scale = 1.0 if c.half_partials else float(softmax_scale)
         out["reduce"] = (reduce.grid(b, hk, sk, d), reduce.args(main_dk, main_dv, dk, dv, dk_scale, gs))
     return out
+
+
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (132, an H200's, for a CPU tensor: the
+    compile-only path)."""
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda":
+        return 132
+    from .launch import _sm_count as sm
+
+    return sm(torch.device(device))
+
+
+def ordered_head_group(config: GluonBwdConfig, pairs: int, seqlen_q: int, group: int, *, mask: bool,
+                       sm_count: int) -> int:
+    """How many (batch, kv head) pairs the ordered backward's 1-D grid interleaves
+    (HEAD_GROUP).  The adds into one dQ tile are a chain, so one pair starts at most one
+    program per step of its chain (a step: one (query head, query block) tile; a program
+    waits on the previous one's partition ``parts`` steps behind), while the GPU frees
+    ``sm_count`` / (steps per program) programs per step; twice the ratio, so no SM
+    waits on a chain after the first wave.  Steps per program: query blocks times the
+    query heads of its group (half the query blocks on average under a mask)."""
+    steps = max(1.0, math.ceil(seqlen_q / config.block_m) * group * (0.5 if mask else 1.0))
+    return max(1, min(pairs, math.ceil(2 * config.parts * sm_count / steps)))
+
+
+def ordered_program(pid: int, num_programs: int, n_kb: int, head_group: int) -> tuple[int, int]:
+    """Python mirror of the template's ``_ordered_program``: (rank, pair) of program
+    ``pid`` of the ordered backward's 1-D grid of ``num_programs`` = ``n_kb`` * pairs."""
+    pairs = num_programs // n_kb
+    span = head_group * n_kb
+    g, r = divmod(pid, span)
+    gg = min(head_group, pairs - g * head_group)
+    rank = r // gg
+    return rank, g * head_group + r - rank * gg
 
 
 def check_inputs(do, q, k, v, o, lse) -> None:
