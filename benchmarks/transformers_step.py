@@ -39,6 +39,7 @@ when the dispatcher opens the shipped tuning database).
 
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --out transformers_step.json
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --configs gptoss --out gptoss_step.json
+    PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --configs gptoss --padding 256 --out gptoss_pad.json
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --smoke --out /tmp/t.json   # CPU, interpreter
 """
 
@@ -77,6 +78,9 @@ def _parse(argv):
     p.add_argument("--profile", action="store_true",
                    help="also profile one train step per implementation: GPU time per kernel name (JSON "
                         "step_kernels) and a table of the kernels whose time differs most")
+    p.add_argument("--padding", type=int, default=0,
+                   help="left-pad every other batch entry by this many tokens (attention_mask 0 there, "
+                        "their labels -100): the models then pass a bool mask to attention")
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny float32 model in Triton's interpreter, "
                                                         "wall-clock timing (checks the script, times nothing real)")
     return p.parse_args(argv)
@@ -183,11 +187,19 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, vocab, (batch, tokens), generator=g).to(device)
+    mask, labels = None, ids
+    if args.padding:
+        mask = torch.ones(batch, tokens, dtype=torch.long)
+        mask[1::2, :args.padding] = 0  # left padding of every other entry
+        mask = mask.to(device)
+        prev = torch.cat([mask[:, :1], mask[:, :-1]], dim=1)  # no label predicted from a padded position
+        labels = ids.masked_fill((mask == 0) | (prev == 0), -100)
     cuda = device == "cuda"
     rec = {"model": type(model).__name__, "reference": ref_impl,
            "config": dict(hidden=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=cfg.head_dim,
                           layers=layers, batch=batch, tokens=tokens, intermediate=inter, vocab=vocab,
-                          params=n_params, dtype=str(dtype).replace("torch.", "")), "impl": {}}
+                          params=n_params, dtype=str(dtype).replace("torch.", ""), padding=args.padding),
+           "impl": {}}
     if name in GPT_OSS:
         rec["config"].update(sliding_window=cfg.sliding_window, layer_types=cfg.layer_types,
                              num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok)
@@ -198,7 +210,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         # check: one forward + backward from the same weights and batch
         model.train()
         model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         grads[impl] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         r = rec["impl"][impl] = {"loss": loss.item()}
@@ -207,7 +219,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
 
         def step():
             opt.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids).loss.backward()
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
             opt.step()
 
         t0 = time.perf_counter()
@@ -225,7 +237,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
 
         def prefill():
             with torch.no_grad():
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
 
         _timed(prefill, args.warmup, cuda)
         times = _timed(prefill, args.steps, cuda)
@@ -250,7 +262,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         model.set_attn_implementation(ref_impl)
         model.train()
         model.zero_grad(set_to_none=True)
-        loss32 = model(input_ids=ids, labels=ids).loss
+        loss32 = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss32.backward()
         g32 = {n: p.grad.detach() for n, p in model.named_parameters()}
         rec["float32_loss"] = loss32.item()

@@ -3,8 +3,8 @@ than the sequence), Gemma 2 (attention soft-capping) and gpt-oss (learnable atte
 sinks, sliding and full layers) models, float32, training mode without dropout: logits,
 loss and every parameter's gradient through flashgen match transformers' own
 implementation (sdpa; eager for Gemma 2's softcap and gpt-oss's sinks, which sdpa lacks),
-with and without a padding mask (gpt-oss with padding: the eager fallback); the mask
-function; the fallbacks and their reasons.
+with and without a padding mask (gpt-oss with padding: its bool mask read by a
+mask_mod); the mask function; the fallbacks and their reasons.
 
 CPU tensors run flashgen's Triton kernels in the interpreter (conftest sets
 TRITON_INTERPRET=1; float32 takes the kernels, flashgen.library.use_kernels)."""
@@ -109,18 +109,11 @@ def test_training_step_matches_transformers(arch, padded, calls):
         mask[1, :5] = 0  # left padding of entry 1
         mask[0, -3:] = 0  # right padding of entry 0
     layers = make().num_hidden_layers
-    sinks_padded = arch == "gpt_oss" and padded  # sinks do not combine with a mask: eager runs
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        if not sinks_padded:
-            warnings.filterwarnings("error", message="flashgen:")  # no fallback
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashgen:")  # no fallback
         l_ref, loss_ref, g_ref = _step(ref, ids, mask)
         l_got, loss_got, g_got = _step(got, ids, mask)
-    if sinks_padded:
-        assert calls == []
-        assert any("s_aux (attention sinks) with an attention_mask" in str(w.message) for w in seen)
-    else:
-        assert len(calls) == layers  # every layer's forward ran flashgen
+    assert len(calls) == layers  # every layer's forward ran flashgen
     if not padded:
         assert all(c.get("bias") is None and c["causal"] for c in calls)
         if arch == "gpt_oss":  # both masks dropped (window= on the sliding layer); each layer's own sinks
@@ -134,7 +127,10 @@ def test_training_step_matches_transformers(arch, padded, calls):
         if arch == "gemma2":  # layer 0 slides, layer 1 is global; both soft-capped
             assert [c["window"] for c in calls] == [(8, 0), (-1, -1)]
             assert all(c["softcap"] == 5.0 for c in calls)
-    elif not sinks_padded:
+    elif arch == "gpt_oss":  # the bool mask through a mask_mod, with each layer's sinks
+        assert all(c.get("bias") is None and c["mask_mod"] is not None and not c["causal"] for c in calls)
+        assert all(c["sinks"] is not None for c in calls)
+    else:
         assert all(c["bias"] is not None and c["bias"].dtype == torch.bool and not c["causal"] for c in calls)
     valid = torch.ones(2, SEQ, dtype=torch.bool) if mask is None else mask.bool()
     torch.testing.assert_close(l_got[valid], l_ref[valid], rtol=1e-4, atol=2e-5)
@@ -331,9 +327,10 @@ def test_sinks_float16_parameter_matches_eager(layer, calls):
 
 
 def test_sinks_fallbacks_and_reasons(calls, monkeypatch):
-    """What flashgen's sinks do not combine with (a mask tensor, dropout, softcap) and
+    """What flashgen's sinks do not combine with (an additive mask, dropout, softcap) and
     s_aux values it does not take fall back, with the rule named; gpt-oss's then run its
-    eager_attention_forward (sinks and all)."""
+    eager_attention_forward (sinks and all).  A bool mask runs flashgen (its mask_mod),
+    equal to eager's output, a query row that sees no key giving 0 both ways."""
     from transformers.models.gpt_oss import modeling_gpt_oss
 
     monkeypatch.setattr(fg_tf, "_warned", set())  # each reason warns once per process
@@ -343,8 +340,10 @@ def test_sinks_fallbacks_and_reasons(calls, monkeypatch):
     assert fg_tf.fallback_reason(mod, q, k, v, None, s_aux=sinks) is None
     assert fg_tf.fallback_reason(mod, q, k, v, None, sliding_window=3, s_aux=sinks.half()) is None
     pad = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    assert fg_tf.fallback_reason(mod, q, k, v, pad, s_aux=sinks) is None
     cases = [
-        (pad, dict(s_aux=sinks), "s_aux (attention sinks) with an attention_mask"),
+        (fg_tf._eager_mask(pad, q.dtype), dict(s_aux=sinks), "s_aux (attention sinks) with an attention_mask of "
+                                                             "torch.float32"),
         (None, dict(s_aux=sinks, dropout=0.1), "s_aux (attention sinks) with dropout > 0"),
         (None, dict(s_aux=sinks, softcap=5.0), "s_aux (attention sinks) with softcap"),
         (None, dict(s_aux=torch.randn(2)), "of shape (2,) (flashgen's sinks: (4,)"),
@@ -356,16 +355,24 @@ def test_sinks_fallbacks_and_reasons(calls, monkeypatch):
     for mask, kw, words in cases:
         reason = fg_tf.fallback_reason(mod, q, k, v, mask, **kw)
         assert reason is not None and words in reason, (kw, reason)
-    # gpt-oss's layers fall back to its eager function: with a padding mask, and with dropout
+    # a padding mask: flashgen, as eager (left-padded rows of entry 1 see no key: 0)
     att = _gpt_oss_attention(0, torch.float32)
     q, k, v = _qkv(b=2, sq=SEQ, sk=SEQ)
     pad = fg_tf._band(SEQ, SEQ, 6, "cpu")[None, None].repeat(2, 1, 1, 1)
     pad[1, :, :, :5] = False  # left padding of entry 1
-    with pytest.warns(UserWarning, match="with an attention_mask"):
-        out, _ = fg_tf.attention_forward(att, q, k, v, pad, scaling=att.scaling, sliding_window=7, s_aux=att.sinks)
+    out, _ = fg_tf.attention_forward(att, q, k, v, pad, scaling=att.scaling, sliding_window=7, s_aux=att.sinks)
     want, _ = modeling_gpt_oss.eager_attention_forward(att, q, k, v, fg_tf._eager_mask(pad, q.dtype),
                                                        scaling=att.scaling)
-    assert torch.equal(out, want)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=2e-5)
+    assert len(calls) == 1 and calls[0]["mask_mod"] is not None
+    # the layers sharing a mask share the lowered function (flashgen's memo key)
+    from flashgen import user_mods
+    key = user_mods._trace_key(fg_tf._mask_mod(pad))[0]
+    assert key == user_mods._trace_key(calls[0]["mask_mod"])[0] != user_mods._trace_key(fg_tf._mask_mod(pad.clone()))[0]
+    assert out[1, :5].abs().max() < 1e-6  # (batch, seqlen_q, heads, head_dim): no key, 0
+    calls.clear()
+    # gpt-oss's layers fall back to its eager function with dropout
+    att = _gpt_oss_attention(0, torch.float32)
     torch.manual_seed(5)
     with pytest.warns(UserWarning, match="with dropout"):
         out, _ = fg_tf.attention_forward(att, q, k, v, None, dropout=0.25, scaling=att.scaling, sliding_window=7,

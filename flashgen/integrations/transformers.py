@@ -45,7 +45,8 @@ attention module hands them to ``sdpa_attention_forward``):
 * ``scaling``: ``softmax_scale``; ``dropout`` (training): flashgen's Philox dropout;
 * ``s_aux`` (gpt-oss's learnable attention sinks, ``GptOssAttention.sinks``, a
   (num_heads,) parameter in the model's dtype) with no mask (causal, and
-  ``sliding_window`` on gpt-oss's sliding layers): flashgen's ``sinks`` as
+  ``sliding_window`` on gpt-oss's sliding layers) or with the bool mask transformers
+  builds (padding; read by a ``mask_mod``, exact): flashgen's ``sinks`` as
   ``s_aux.float()``, so the sinks' gradient (float32 in the kernels) reaches the
   parameter in its own dtype.  The conventions agree: gpt-oss's
   ``eager_attention_forward`` appends the sink as one more logit to each row of
@@ -53,14 +54,16 @@ attention module hands them to ``sdpa_attention_forward``):
   probability, which is flashgen's LSE_i = log(exp(sinks[h]) + sum_j exp(s_ij)),
   p_ij = exp(s_ij - LSE_i) (its max subtraction changes nothing exactly; it runs the
   softmax in the model's dtype, flashgen in float32).  For gpt-oss without padding
-  :func:`attention_mask` returns None on both layer types, so every layer runs here.
+  :func:`attention_mask` returns None on both layer types, so every layer runs here;
+  with padding each layer reads its (batch, 1, seqlen_q, seqlen_k) bool mask (a query
+  row that sees no key gives 0 both ways: eager puts its probability on the sink).
 
 Everything else falls back, with the reason from :func:`fallback_reason` (also given
 in a one-time warning per reason): to transformers' ``sdpa_attention_forward`` with the
 same arguments, or, for what sdpa lacks (``softcap``, attention sinks ``s_aux``), to
 the model's own ``eager_attention_forward``.  Reasons: a ``position_bias`` (learned,
-needs a gradient), ``s_aux`` with a mask tensor (padding: flashgen's sinks combine with
-causal / window only, not with its ``bias``), with dropout > 0 or with softcap, or that
+needs a gradient), ``s_aux`` with an additive (not bool) mask, with dropout > 0 or with
+softcap, or that
 is not a floating (num_heads,) tensor on the query's device, a mask that is not a
 tensor (a flex ``BlockMask``) or
 that requires grad, of another dtype than bool / the query's, inputs flashgen does not
@@ -223,10 +226,25 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
     return None
 
 
+def _mask_mod(mask: torch.Tensor):
+    """A flashgen ``mask_mod`` reading ``mask`` (bool, True = attend, broadcastable to
+    (batch, num_heads, seqlen_q, seqlen_k); its size-1 leading dims broadcast).  The
+    function reads the mask object itself, so flashgen's memo of the lowered function
+    (keyed by its code and what it reads) hits for every layer that shares the mask."""
+    m = mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    nb, nh, nq = m.shape[0] > 1, m.shape[1] > 1, m.shape[2] > 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return m[b if nb else 0, h if nh else 0, q_idx if nq else 0, kv_idx]
+
+    return mask_mod
+
+
 def _sinks_reason(s_aux, query, attention_mask, dropout, softcap) -> str | None:
     """Why flashgen cannot serve these attention sinks (``s_aux``), or None: flashgen's
     ``sinks`` take a (num_heads,) tensor on the query's device (any floating dtype here:
-    it runs as float32) and combine with causal / window only."""
+    it runs as float32) and combine with causal / window, or with a bool mask (read by a
+    mask_mod), not with dropout or softcap."""
     if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point():
         got = s_aux.dtype if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
         return f"s_aux (attention sinks) of {got} (flashgen's sinks: a floating tensor of shape (num_heads,))"
@@ -235,9 +253,11 @@ def _sinks_reason(s_aux, query, attention_mask, dropout, softcap) -> str | None:
         return f"s_aux (attention sinks) of shape {tuple(s_aux.shape)} (flashgen's sinks: ({heads},), one per head)"
     if s_aux.device != query.device:
         return f"s_aux (attention sinks) on {s_aux.device}, query on {query.device}"
-    if attention_mask is not None:
-        return ("s_aux (attention sinks) with an attention_mask (padding or a custom mask): flashgen's sinks "
-                "combine with causal / window only, not with its bias")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.dtype != torch.bool):
+        got = attention_mask.dtype if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        return (f"s_aux (attention sinks) with an attention_mask of {got} (flashgen runs sinks with a bool mask, "
+                "True = attend, read by its mask_mod; not with an additive one)")
     if dropout:
         return "s_aux (attention sinks) with dropout > 0: flashgen's sinks do not combine with its dropout"
     if softcap:
@@ -301,8 +321,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         softcap: > 0: scores s <- softcap * tanh(s / softcap) before the mask.
         s_aux (keyword): attention sinks, a floating tensor of shape (num_heads,) on the
             query's device (gpt-oss): one extra logit per head in every row's softmax
-            denominator, its probability dropped; runs with no mask, dropout or softcap
-            only (otherwise the model's eager function runs it).
+            denominator, its probability dropped; runs without dropout or softcap and
+            with no mask or a bool one (otherwise the model's eager function runs it).
 
     Returns:
         (O of shape (batch, seqlen_q, num_heads, head_dim_v), contiguous, in the
@@ -327,9 +347,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     s_aux = kwargs.get("s_aux")
     if s_aux is not None:
         # float32 as flashgen's sinks take them; .float() keeps the gradient's way back to
-        # the model's parameter in its own dtype
+        # the model's parameter in its own dtype.  A (bool) mask: read by a mask_mod.
         out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
-                            sinks=s_aux.float())
+                            sinks=s_aux.float(),
+                            mask_mod=None if attention_mask is None else _mask_mod(attention_mask))
     else:
         out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
                             softcap=float(softcap) if softcap else 0.0, bias=attention_mask,
