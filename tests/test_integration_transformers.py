@@ -382,3 +382,34 @@ def test_sinks_fallbacks_and_reasons(calls, monkeypatch):
     want, _ = modeling_gpt_oss.eager_attention_forward(att, q, k, v, band, dropout=0.25, scaling=att.scaling)
     assert torch.equal(out, want)
     assert calls == []  # flashgen ran none of these
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 8, 8), (1, 1, 8, 8), (2, 4, 8, 8), (8, 8), (2, 1, 1, 8), (8, 1), ()],
+                         ids=lambda s: "x".join(map(str, s)) or "0d")
+def test_sinks_bool_mask_shapes_match_eager(shape, calls):
+    """gpt-oss's sinks with a bool mask of every shape that broadcasts to (batch, num_heads,
+    seqlen_q, seqlen_k), a size-1 key dim included: flashgen runs it (no fallback), equal
+    to the model's eager_attention_forward in float64, forward and gradients (sinks too)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    att = _gpt_oss_attention(1, torch.float32)
+    ref = copy.deepcopy(att).double()
+    q, k, v = _qkv(b=2, sq=8, sk=8)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(4)) > 0.3
+    if len(shape) == 4 and shape[-2] > 1:
+        mask[..., 0, :] = False  # a query row that sees no key
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashgen:")  # no fallback
+        out, _ = fg_tf.attention_forward(att, q, k, v, mask, scaling=att.scaling, s_aux=att.sinks)
+    assert len(calls) == 1 and calls[0]["mask_mod"] is not None
+    want, _ = modeling_gpt_oss.eager_attention_forward(ref, q64, k64, v64, fg_tf._eager_mask(mask, torch.float64),
+                                                       scaling=att.scaling)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    (out * dout).sum().backward()
+    (want * dout.double()).sum().backward()
+    for name, g, g64 in (("q", q.grad, q64.grad), ("k", k.grad, k64.grad), ("v", v.grad, v64.grad),
+                         ("sinks", att.sinks.grad, ref.sinks.grad)):
+        torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -228,14 +228,15 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
 
 def _mask_mod(mask: torch.Tensor):
     """A flashgen ``mask_mod`` reading ``mask`` (bool, True = attend, broadcastable to
-    (batch, num_heads, seqlen_q, seqlen_k); its size-1 leading dims broadcast).  The
-    function reads the mask object itself, so flashgen's memo of the lowered function
-    (keyed by its code and what it reads) hits for every layer that shares the mask."""
+    (batch, num_heads, seqlen_q, seqlen_k); each of its size-1 dims broadcasts, the key
+    dim's too).  The function reads the mask object itself, so flashgen's memo of the
+    lowered function (keyed by its code and what it reads) hits for every layer that
+    shares the mask."""
     m = mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    nb, nh, nq = m.shape[0] > 1, m.shape[1] > 1, m.shape[2] > 1
+    nb, nh, nq, nk = (n > 1 for n in m.shape)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return m[b if nb else 0, h if nh else 0, q_idx if nq else 0, kv_idx]
+        return m[b if nb else 0, h if nh else 0, q_idx if nq else 0, kv_idx if nk else 0]
 
     return mask_mod
 
