@@ -83,7 +83,22 @@ def _parse(argv):
                         "their labels -100): the models then pass a bool mask to attention")
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny float32 model in Triton's interpreter, "
                                                         "wall-clock timing (checks the script, times nothing real)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        chosen = SMOKE
+    else:
+        names = [n for n in args.configs.split(",") if n]
+        unknown = [n for n in names if n not in CONFIGS]
+        if unknown:
+            p.error(f"unknown config {unknown[0]!r} in --configs (known: {', '.join(CONFIGS)})")
+        chosen = {n: CONFIGS[n] for n in names}
+    if args.padding < 0:
+        p.error(f"--padding must be >= 0 (left-padded tokens per padded entry), got {args.padding}")
+    for name, spec in chosen.items():
+        if args.padding >= spec[5]:
+            p.error(f"--padding {args.padding} leaves no token of config {name} ({spec[5]} tokens): "
+                    f"it must be below the sequence length")
+    return args
 
 
 def _preflight(smoke: bool):

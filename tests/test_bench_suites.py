@@ -110,3 +110,28 @@ def test_every_backend_of_the_memory_plot_is_drawn(tmp_path):
         plt.Figure.savefig = real
     backends = json.loads(src.read_text())["meta"]["backends"]
     assert set(backends) <= set(seen) and all(seen[b] > 0 for b in backends)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--padding", "-5"], "--padding must be >= 0"),
+    (["--configs", "gptoss", "--padding", "2048"], "--padding 2048 leaves no token of config gptoss (2048 tokens)"),
+    (["--smoke", "--padding", "32"], "--padding 32 leaves no token of config smoke (32 tokens)"),
+    (["--configs", "h2048,nope"], "unknown config 'nope'"),
+])
+def test_transformers_step_refuses_bad_arguments(argv, words, capsys):
+    """benchmarks/transformers_step.py: a negative --padding (which would pad all but the
+    last tokens), one that leaves an entry no token, and an unknown config stop at the
+    argument parser with the rule, before torch is imported."""
+    import transformers_step
+
+    with pytest.raises(SystemExit) as e:
+        transformers_step._parse(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_transformers_step_takes_a_padding_below_every_configs_tokens():
+    import transformers_step
+
+    assert transformers_step._parse(["--configs", "gptoss", "--padding", "256"]).padding == 256
+    assert transformers_step._parse(["--smoke", "--padding", "5"]).padding == 5
