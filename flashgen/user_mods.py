@@ -892,7 +892,7 @@ def _kernel_buffer(t: torch.Tensor, name: str, device) -> torch.Tensor:
         raise InputError(f"{name} reads a captured tensor on {t.device}; q is on {device}: move it there")
     t = t.detach()
     if t.dtype == torch.bool:
-        t = t.to(torch.int8)
+        t = t.view(torch.int8)  # the same bytes (0 / 1): no copy kept for the backward
     elif t.dtype == torch.float64:
         t = t.to(torch.float32)
     return t if t.is_contiguous() else t.contiguous()

@@ -196,6 +196,29 @@ def test_document_mask_from_a_document_id_tensor(tiles, causal):
     got, _ = _run(make, [doc], causal=causal, sq=45, sk=45)
 
 
+def test_a_captured_bool_mask_is_read_in_place(tiles):
+    """A mask_mod reading a bool tensor (a padding mask, as the transformers integration
+    passes gpt-oss's): the kernels read the tensor's own bytes as int8, so a call keeps no
+    copy of it for the backward (one per layer call before), and the result is exact."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(2, 1, 45, 45, generator=g) > 0.3
+    mask[1, 0, :5] = False  # rows that see no key
+
+    def make(mask):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return mask[b, 0, q_idx, kv_idx]
+        return None, mask_mod
+    _run(make, [mask], sq=45, sk=45)
+    q, k, v = (t.requires_grad_() for t in _qkv(sq=45, sk=45))
+    o = flashgen.attention(q, k, v, mask_mod=make(mask)[1])
+    bufs = o.grad_fn.call.fwd.bufs
+    assert len(bufs) == 1 and bufs[0].dtype == torch.int8 and bufs[0].data_ptr() == mask.data_ptr()
+    # a non-contiguous mask (a transposed view) is still copied into the layout the kernels read
+    mask_t = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
+    o = flashgen.attention(q, k, v, mask_mod=make(mask_t)[1])
+    assert o.grad_fn.call.fwd.bufs[0].is_contiguous()
+
+
 def test_a_mask_mod_written_as_causal_equals_causal(tiles):
     q, k, v = _qkv(sq=37, sk=45)
     off = 45 - 37
