@@ -127,8 +127,9 @@ def test_training_step_matches_transformers(arch, padded, calls):
         if arch == "gemma2":  # layer 0 slides, layer 1 is global; both soft-capped
             assert [c["window"] for c in calls] == [(8, 0), (-1, -1)]
             assert all(c["softcap"] == 5.0 for c in calls)
-    elif arch == "gpt_oss":  # the bool mask through a mask_mod, with each layer's sinks
-        assert all(c.get("bias") is None and c["mask_mod"] is not None and not c["causal"] for c in calls)
+    elif arch == "gpt_oss":  # causal, the window, and the key padding through a mask_mod; each layer's sinks
+        assert all(c.get("bias") is None and c["mask_mod"] is not None and c["causal"] for c in calls)
+        assert [c["window"] for c in calls] == [(6, 0), (-1, -1)]
         assert all(c["sinks"] is not None for c in calls)
     else:
         assert all(c["bias"] is not None and c["bias"].dtype == torch.bool and not c["causal"] for c in calls)
@@ -364,11 +365,7 @@ def test_sinks_fallbacks_and_reasons(calls, monkeypatch):
     want, _ = modeling_gpt_oss.eager_attention_forward(att, q, k, v, fg_tf._eager_mask(pad, q.dtype),
                                                        scaling=att.scaling)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=2e-5)
-    assert len(calls) == 1 and calls[0]["mask_mod"] is not None
-    # the layers sharing a mask share the lowered function (flashgen's memo key)
-    from flashgen import user_mods
-    key = user_mods._trace_key(fg_tf._mask_mod(pad))[0]
-    assert key == user_mods._trace_key(calls[0]["mask_mod"])[0] != user_mods._trace_key(fg_tf._mask_mod(pad.clone()))[0]
+    assert len(calls) == 1 and calls[0]["mask_mod"] is not None and calls[0]["window"] == (6, 0)
     assert out[1, :5].abs().max() < 1e-6  # (batch, seqlen_q, heads, head_dim): no key, 0
     calls.clear()
     # gpt-oss's layers fall back to its eager function with dropout
@@ -384,26 +381,49 @@ def test_sinks_fallbacks_and_reasons(calls, monkeypatch):
     assert calls == []  # flashgen ran none of these
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 8, 8), (1, 1, 8, 8), (2, 4, 8, 8), (8, 8), (2, 1, 1, 8), (8, 1), ()],
-                         ids=lambda s: "x".join(map(str, s)) or "0d")
-def test_sinks_bool_mask_shapes_match_eager(shape, calls):
-    """gpt-oss's sinks with a bool mask of every shape that broadcasts to (batch, num_heads,
-    seqlen_q, seqlen_k), a size-1 key dim included: flashgen runs it (no fallback), equal
-    to the model's eager_attention_forward in float64, forward and gradients (sinks too)."""
+def _padded(batch_pad: list[int], sq: int, sk: int, window_left=None) -> torch.Tensor:
+    """(len(batch_pad), 1, sq, sk) bool: causal (bottom-right; a window when given) with
+    the first batch_pad[b] keys of entry b padded, as transformers builds it."""
+    m = fg_tf._band(sq, sk, window_left, "cpu")[None, None].repeat(len(batch_pad), 1, 1, 1)
+    for b, n in enumerate(batch_pad):
+        m[b, :, :, :n] = False
+    return m
+
+
+@pytest.mark.parametrize("case", ["padded", "padded-window", "batch-1", "2-d", "decode", "random", "per-head"])
+def test_sinks_bool_masks_match_eager(case, calls):
+    """gpt-oss's sinks with a bool mask: a mask that is causal (and the layer's window)
+    with key padding runs flashgen (its bounds, and the key padding as a mask_mod), any
+    other falls back to the model's eager_attention_forward with the reason named;
+    either way equal to eager in float64, forward and gradients (sinks too), a query row
+    that sees no key included."""
     from transformers.models.gpt_oss import modeling_gpt_oss
 
-    att = _gpt_oss_attention(1, torch.float32)
+    sq, sk, window = (1, 12, None) if case == "decode" else (8, 8, 4 if case == "padded-window" else None)
+    mask = {"padded": lambda: _padded([3, 0], sq, sk), "padded-window": lambda: _padded([3, 0], sq, sk, window - 1),
+            "batch-1": lambda: _padded([2], sq, sk),  # (1, 1, sq, sk): broadcast over the batch
+            "2-d": lambda: fg_tf._band(sq, sk, None, "cpu"),
+            "decode": lambda: _padded([5, 0], sq, sk),
+            "random": lambda: torch.rand(2, 1, sq, sk, generator=torch.Generator().manual_seed(4)) > 0.3,
+            "per-head": lambda: _padded([3, 0], sq, sk).expand(2, 4, sq, sk)}[case]()
+    runs = case not in ("random", "per-head")
+    att = _gpt_oss_attention(0 if window else 1, torch.float32)
     ref = copy.deepcopy(att).double()
-    q, k, v = _qkv(b=2, sq=8, sk=8)
+    q, k, v = _qkv(b=2, sq=sq, sk=sk)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    mask = torch.rand(shape, generator=torch.Generator().manual_seed(4)) > 0.3
-    if len(shape) == 4 and shape[-2] > 1:
-        mask[..., 0, :] = False  # a query row that sees no key
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="flashgen:")  # no fallback
-        out, _ = fg_tf.attention_forward(att, q, k, v, mask, scaling=att.scaling, s_aux=att.sinks)
-    assert len(calls) == 1 and calls[0]["mask_mod"] is not None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out, _ = fg_tf.attention_forward(att, q, k, v, mask, scaling=att.scaling, s_aux=att.sinks,
+                                         sliding_window=window)
+    if runs:
+        assert len(calls) == 1 and calls[0]["mask_mod"] is not None and calls[0]["causal"]
+        assert calls[0]["window"] == ((window - 1, 0) if window else (-1, -1))
+        assert not [w for w in seen if "flashgen:" in str(w.message)]
+    else:
+        assert calls == []
+        assert fg_tf.fallback_reason(att, q, k, v, mask, scaling=att.scaling, s_aux=att.sinks,
+                                     sliding_window=window).startswith("s_aux (attention sinks) with an attention_mask")
     want, _ = modeling_gpt_oss.eager_attention_forward(ref, q64, k64, v64, fg_tf._eager_mask(mask, torch.float64),
                                                        scaling=att.scaling)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
@@ -413,3 +433,29 @@ def test_sinks_bool_mask_shapes_match_eager(shape, calls):
     for name, g, g64 in (("q", q.grad, q64.grad), ("k", k.grad, k64.grad), ("v", v.grad, v64.grad),
                          ("sinks", att.sinks.grad, ref.sinks.grad)):
         torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_sinks_padding_keeps_no_mask_alive(calls):
+    """What the padding path hands to flashgen reads the (batch, seqlen_k) key padding, not
+    the mask: after the call (and the backward) the mask is freed, and the layers that
+    share one mask share the lowered function (flashgen's memo key)."""
+    import gc
+    import weakref
+
+    from flashgen import user_mods
+
+    att = _gpt_oss_attention(1, torch.float32)
+    refs = []
+    for n in range(3):
+        q, k, v = (t.requires_grad_() for t in _qkv(b=2, sq=8, sk=8))
+        mask = _padded([n + 1, 0], 8, 8)
+        out, _ = fg_tf.attention_forward(att, q, k, v, mask, scaling=att.scaling, s_aux=att.sinks)
+        out.sum().backward()
+        refs.append(weakref.ref(mask))
+        keys = fg_tf._key_padding(mask, 8, 8, True, None)
+        assert keys.shape == (2, 8) and user_mods._trace_key(fg_tf._padding_mask_mod(keys))[0] == \
+            user_mods._trace_key(calls[-1]["mask_mod"])[0]
+        del mask, q, k, v, out
+    calls.clear()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]

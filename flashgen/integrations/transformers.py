@@ -46,7 +46,9 @@ attention module hands them to ``sdpa_attention_forward``):
 * ``s_aux`` (gpt-oss's learnable attention sinks, ``GptOssAttention.sinks``, a
   (num_heads,) parameter in the model's dtype) with no mask (causal, and
   ``sliding_window`` on gpt-oss's sliding layers) or with the bool mask transformers
-  builds (padding; read by a ``mask_mod``, exact): flashgen's ``sinks`` as
+  builds for padding (checked to be that causal / window pattern with key padding;
+  flashgen then runs the pattern and reads the (batch, seqlen_k) key padding by a
+  ``mask_mod``, exact): flashgen's ``sinks`` as
   ``s_aux.float()``, so the sinks' gradient (float32 in the kernels) reaches the
   parameter in its own dtype.  The conventions agree: gpt-oss's
   ``eager_attention_forward`` appends the sink as one more logit to each row of
@@ -55,14 +57,15 @@ attention module hands them to ``sdpa_attention_forward``):
   p_ij = exp(s_ij - LSE_i) (its max subtraction changes nothing exactly; it runs the
   softmax in the model's dtype, flashgen in float32).  For gpt-oss without padding
   :func:`attention_mask` returns None on both layer types, so every layer runs here;
-  with padding each layer reads its (batch, 1, seqlen_q, seqlen_k) bool mask (a query
-  row that sees no key gives 0 both ways: eager puts its probability on the sink).
+  with padding each layer reads its mask's key padding (a query row that sees no key
+  gives 0 both ways: eager puts its probability on the sink).
 
 Everything else falls back, with the reason from :func:`fallback_reason` (also given
 in a one-time warning per reason): to transformers' ``sdpa_attention_forward`` with the
 same arguments, or, for what sdpa lacks (``softcap``, attention sinks ``s_aux``), to
 the model's own ``eager_attention_forward``.  Reasons: a ``position_bias`` (learned,
-needs a gradient), ``s_aux`` with an additive (not bool) mask, with dropout > 0 or with
+needs a gradient), ``s_aux`` with an additive (not bool) mask or a bool one other than
+causal / window with key padding, with dropout > 0 or with
 softcap, or that
 is not a floating (num_heads,) tensor on the query's device, a mask that is not a
 tensor (a flex ``BlockMask``) or
@@ -206,6 +209,15 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
         reason = _sinks_reason(s_aux, query, attention_mask, dropout, softcap)
         if reason is not None:
             return reason
+        if attention_mask is not None and api.sdpa_fallback_reason(query, key, value, attention_mask, dropout, False,
+                                                                    scaling, enable_gqa=True) is None:
+            causal = _module_causal(module, is_causal)
+            if _key_padding(attention_mask, query.shape[2], key.shape[2], causal,
+                            sliding_window - 1 if causal and isinstance(sliding_window, int) and
+                            not isinstance(sliding_window, bool) and sliding_window >= 1 else None) is None:
+                return ("s_aux (attention sinks) with an attention_mask other than the causal / sliding-window "
+                        "pattern with key padding (flashgen runs sinks with those bounds and a key-padding "
+                        "mask_mod)")
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         return f"attention_mask of type {type(attention_mask).__name__} (flashgen takes a bool or additive tensor)"
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
@@ -226,17 +238,51 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
     return None
 
 
-def _mask_mod(mask: torch.Tensor):
-    """A flashgen ``mask_mod`` reading ``mask`` (bool, True = attend, broadcastable to
-    (batch, num_heads, seqlen_q, seqlen_k); each of its size-1 dims broadcasts, the key
-    dim's too).  The function reads the mask object itself, so flashgen's memo of the
-    lowered function (keyed by its code and what it reads) hits for every layer that
-    shares the mask."""
+#: The key padding of recent masks (:func:`_key_padding`): id(mask) -> (a weak reference
+#: to the mask, its version, the sizes, the result).  Only a few masks are live at once
+#: (gpt-oss: one per layer type per forward).
+_padding_memo: dict = {}
+_PADDING_MEMO_MAX = 8
+
+
+def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool, window_left: int | None):
+    """(batch or 1, seqlen_k) bool: the keys ``mask`` lets any query see, when ``mask``
+    (bool, True = attend, broadcastable to (batch, 1, seqlen_q, seqlen_k)) is exactly
+    the pattern flashgen runs for ``causal`` / ``window_left`` (bottom-right, as
+    :func:`_band`) intersected with that key padding; else None (a per-head mask, or
+    any other pattern).  The comparison reads the mask's values (a host
+    synchronization), once per mask object and version (memoized)."""
+    key = id(mask)
+    hit = _padding_memo.get(key)
+    if hit is not None and hit[0]() is mask and hit[1:5] == (mask._version, seqlen_q, seqlen_k, (causal, window_left)):
+        return hit[5]
     m = mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    nb, nh, nq, nk = (n > 1 for n in m.shape)
+    out = None
+    if m.dim() == 4 and m.shape[1] == 1:
+        rows = m[:, 0].expand(m.shape[0], seqlen_q, seqlen_k)
+        keys = rows.any(dim=1)  # (batch or 1, seqlen_k)
+        band = _band(seqlen_q, seqlen_k, window_left, mask.device) if causal else \
+            torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device)
+        if torch.equal(rows, band[None] & keys[:, None, :]):
+            out = keys.contiguous()
+    import weakref
+
+    _padding_memo[key] = (weakref.ref(mask), mask._version, seqlen_q, seqlen_k, (causal, window_left), out)
+    while len(_padding_memo) > _PADDING_MEMO_MAX:
+        _padding_memo.pop(next(iter(_padding_memo)))
+    return out
+
+
+def _padding_mask_mod(keys: torch.Tensor):
+    """A flashgen ``mask_mod`` reading ``keys`` ((batch or 1, seqlen_k) bool, True = a
+    key to attend): the key padding, beside flashgen's own causal / window bounds.  It
+    reads ``keys``, not the (batch, 1, seqlen_q, seqlen_k) mask it came from: what
+    flashgen's caches of traced functions keep alive is seqlen_k bytes per batch entry,
+    and the layers sharing a mask share the lowered function."""
+    nb = keys.shape[0] > 1
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return m[b if nb else 0, h if nh else 0, q_idx if nq else 0, kv_idx if nk else 0]
+        return keys[b if nb else 0, kv_idx]
 
     return mask_mod
 
@@ -244,8 +290,8 @@ def _mask_mod(mask: torch.Tensor):
 def _sinks_reason(s_aux, query, attention_mask, dropout, softcap) -> str | None:
     """Why flashgen cannot serve these attention sinks (``s_aux``), or None: flashgen's
     ``sinks`` take a (num_heads,) tensor on the query's device (any floating dtype here:
-    it runs as float32) and combine with causal / window, or with a bool mask (read by a
-    mask_mod), not with dropout or softcap."""
+    it runs as float32) and combine with causal / window, or with a bool mask (the
+    pattern is checked in :func:`fallback_reason`), not with dropout or softcap."""
     if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point():
         got = s_aux.dtype if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
         return f"s_aux (attention sinks) of {got} (flashgen's sinks: a floating tensor of shape (num_heads,))"
@@ -258,7 +304,7 @@ def _sinks_reason(s_aux, query, attention_mask, dropout, softcap) -> str | None:
                                        or attention_mask.dtype != torch.bool):
         got = attention_mask.dtype if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         return (f"s_aux (attention sinks) with an attention_mask of {got} (flashgen runs sinks with a bool mask, "
-                "True = attend, read by its mask_mod; not with an additive one)")
+                "True = attend, of causal / window with key padding; not with an additive one)")
     if dropout:
         return "s_aux (attention sinks) with dropout > 0: flashgen's sinks do not combine with its dropout"
     if softcap:
@@ -337,6 +383,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             warnings.warn(f"flashgen: {type(module).__name__} runs transformers' attention: {reason}", stacklevel=2)
         return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal,
                          sliding_window, softcap, kwargs)
+    s_aux = kwargs.get("s_aux")
+    if s_aux is not None and attention_mask is not None:
+        # gpt-oss with padding: the mask is causal (and the window) with key padding
+        # (fallback_reason checked it): flashgen's bounds, and the padding as a mask_mod
+        causal = _module_causal(module, is_causal)
+        left = sliding_window - 1 if causal and sliding_window is not None else None
+        keys = _key_padding(attention_mask, query.shape[2], key.shape[2], causal, left)
+        out = api.attention(query, key, value, causal=causal, window=(-1, -1) if left is None else (left, 0),
+                            softmax_scale=scaling, sinks=s_aux.float(), mask_mod=_padding_mask_mod(keys))
+        return out.transpose(1, 2).contiguous(), None
     causal = attention_mask is None and _module_causal(module, is_causal)
     window = (-1, -1)
     if causal:
@@ -345,13 +401,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             key, value = key[:, :, :sq], value[:, :, :sq]
         if sliding_window is not None:
             window = (sliding_window - 1, 0)
-    s_aux = kwargs.get("s_aux")
     if s_aux is not None:
         # float32 as flashgen's sinks take them; .float() keeps the gradient's way back to
-        # the model's parameter in its own dtype.  A (bool) mask: read by a mask_mod.
+        # the model's parameter in its own dtype
         out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
-                            sinks=s_aux.float(),
-                            mask_mod=None if attention_mask is None else _mask_mod(attention_mask))
+                            sinks=s_aux.float())
     else:
         out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
                             softcap=float(softcap) if softcap else 0.0, bias=attention_mask,
