@@ -612,9 +612,11 @@ def ordered_head_group(config: GluonBwdConfig, pairs: int, seqlen_q: int, group:
     (HEAD_GROUP).  The adds into one dQ tile are a chain, so one pair starts at most one
     program per step of its chain (a step: one (query head, query block) tile; a program
     waits on the previous one's partition ``parts`` steps behind), while the GPU frees
-    ``sm_count`` / (steps per program) programs per step; twice the ratio, so no SM
-    waits on a chain after the first wave.  Steps per program: query blocks times the
-    query heads of its group (half the query blocks on average under a mask)."""
+    ``sm_count`` / (steps per program) programs per step; twice the ratio, which by
+    that count leaves no SM waiting on a chain after the first wave (on the H200 it
+    recovered part of the ordered variant's loss, not all: docs/design.md).  Steps per
+    program: query blocks times the query heads of its group (half the query blocks on
+    average under a mask)."""
     steps = max(1.0, math.ceil(seqlen_q / config.block_m) * group * (0.5 if mask else 1.0))
     return max(1, min(pairs, math.ceil(2 * config.parts * sm_count / steps)))
 
