@@ -209,15 +209,6 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
         reason = _sinks_reason(s_aux, query, attention_mask, dropout, softcap)
         if reason is not None:
             return reason
-        if attention_mask is not None and api.sdpa_fallback_reason(query, key, value, attention_mask, dropout, False,
-                                                                    scaling, enable_gqa=True) is None:
-            causal = _module_causal(module, is_causal)
-            if _key_padding(attention_mask, query.shape[2], key.shape[2], causal,
-                            sliding_window - 1 if causal and isinstance(sliding_window, int) and
-                            not isinstance(sliding_window, bool) and sliding_window >= 1 else None) is None:
-                return ("s_aux (attention sinks) with an attention_mask other than the causal / sliding-window "
-                        "pattern with key padding (flashgen runs sinks with those bounds and a key-padding "
-                        "mask_mod)")
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         return f"attention_mask of type {type(attention_mask).__name__} (flashgen takes a bool or additive tensor)"
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
@@ -232,6 +223,11 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
     reason = api.sdpa_fallback_reason(query, key, value, attention_mask, dropout, False, scaling, enable_gqa=True)
     if reason is not None:
         return reason
+    if s_aux is not None and attention_mask is not None:
+        if _key_padding(attention_mask, query.shape[2], key.shape[2],
+                        *_padding_bounds(module, is_causal, sliding_window)) is None:
+            return ("s_aux (attention sinks) with an attention_mask other than the causal / sliding-window pattern "
+                    "with key padding (flashgen runs sinks with those bounds and a key-padding mask_mod)")
     if attention_mask is None and _module_causal(module, is_causal) and query.shape[2] > key.shape[2]:
         return (f"causal without a mask and seqlen_q ({query.shape[2]}) > seqlen_k ({key.shape[2]}): sdpa's "
                 "top-left alignment")
@@ -271,6 +267,13 @@ def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool,
     while len(_padding_memo) > _PADDING_MEMO_MAX:
         _padding_memo.pop(next(iter(_padding_memo)))
     return out
+
+
+def _padding_bounds(module, is_causal, sliding_window) -> tuple[bool, int | None]:
+    """(causal, window_left) of a layer whose mask is its causal / sliding-window
+    pattern with key padding: the bounds :func:`_key_padding` checks and flashgen runs."""
+    causal = _module_causal(module, is_causal)
+    return causal, (sliding_window - 1 if causal and sliding_window is not None else None)
 
 
 def _padding_mask_mod(keys: torch.Tensor):
@@ -387,8 +390,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if s_aux is not None and attention_mask is not None:
         # gpt-oss with padding: the mask is causal (and the window) with key padding
         # (fallback_reason checked it): flashgen's bounds, and the padding as a mask_mod
-        causal = _module_causal(module, is_causal)
-        left = sliding_window - 1 if causal and sliding_window is not None else None
+        causal, left = _padding_bounds(module, is_causal, sliding_window)
         keys = _key_padding(attention_mask, query.shape[2], key.shape[2], causal, left)
         out = api.attention(query, key, value, causal=causal, window=(-1, -1) if left is None else (left, 0),
                             softmax_scale=scaling, sinks=s_aux.float(), mask_mod=_padding_mask_mod(keys))
