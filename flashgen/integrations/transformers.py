@@ -65,11 +65,9 @@ in a one-time warning per reason): to transformers' ``sdpa_attention_forward`` w
 same arguments, or, for what sdpa lacks (``softcap``, attention sinks ``s_aux``), to
 the model's own ``eager_attention_forward``.  Reasons: a ``position_bias`` (learned,
 needs a gradient), ``s_aux`` with an additive (not bool) mask or a bool one other than
-causal / window with key padding, with dropout > 0 or with
-softcap, or that
-is not a floating (num_heads,) tensor on the query's device, a mask that is not a
-tensor (a flex ``BlockMask``) or
-that requires grad, of another dtype than bool / the query's, inputs flashgen does not
+causal / window with key padding, with dropout > 0 or with softcap, or that is not a
+floating (num_heads,) tensor on the query's device, a mask that is not a tensor (a
+flex ``BlockMask``) or that requires grad, of another dtype than bool / the query's, inputs flashgen does not
 take (dtype, head dims not a multiple of 8 in [8, 256], empty), dropout where flashgen's
 kernels do not run (CPU tensors without ``TRITON_INTERPRET=1``, bfloat16 in the
 interpreter).
@@ -84,6 +82,7 @@ import math
 import numbers
 import sys
 import warnings
+import weakref
 
 import torch
 
@@ -261,8 +260,6 @@ def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool,
             torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device)
         if torch.equal(rows, band[None] & keys[:, None, :]):
             out = keys.contiguous()
-    import weakref
-
     _padding_memo[key] = (weakref.ref(mask), mask._version, seqlen_q, seqlen_k, (causal, window_left), out)
     while len(_padding_memo) > _PADDING_MEMO_MAX:
         _padding_memo.pop(next(iter(_padding_memo)))
