@@ -595,12 +595,14 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
 
 
 def _sm_count(device) -> int:
-    """Streaming multiprocessors of ``device`` (132, an H200's, for a CPU tensor: the
-    compile-only path)."""
+    """Streaming multiprocessors of ``device``; for a CPU tensor (the compile-only path)
+    those of sm_90 in :mod:`flashgen.arch`."""
     import torch
 
     if getattr(device, "type", "cpu") != "cuda":
-        return 132
+        from ...arch import by_sm
+
+        return by_sm("sm_90").sm_count
     from .launch import _sm_count as sm
 
     return sm(torch.device(device))
