@@ -723,6 +723,21 @@ class UserArgs:
             out.append(self.sinks)
         return out
 
+    def gluon_fwd_args(self, softmax_scale: float, block_m: int, block_n: int) -> list:
+        """The Gluon forward's arguments after diag_hi (:func:`flashgen.families.gluon.user.template_vars`:
+        :meth:`kernel_args`' order without the sinks, which that kernel takes before the
+        scale), the block mask in tiles of ``block_m`` (the program's rows) by ``block_n``."""
+        out: list = [softmax_scale] if self.low.score is not None else []
+        for n, t in enumerate(self.bufs):
+            out += [t, *t.stride()]
+            if n in self.low.sized_bufs:
+                out += list(t.shape)
+        if self.low.mask is not None and self.low.band is None:
+            b, h, hk, sq, sk, lo, hi = self.sizes
+            bm = block_ranges(self.mask, "q", b, h, hk, sq, sk, lo, hi, block_m, block_n, self.device)
+            out += [bm, bm.stride(0) if bm.shape[0] > 1 else 0, bm.stride(1) if bm.shape[1] > 1 else 0]
+        return out
+
 
 def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool) -> Lowered:
     sbufs = score.bufs if score is not None else ()

@@ -43,3 +43,22 @@ def compile_for_sm90(cases, timeout=600):
             out[vid] = (int(shared), bulk == "1", wgmma == "1")
     assert len(out) == len(cases), r.stdout
     return out
+
+
+def json_rows(script: str, cases, timeout=600) -> list[dict]:
+    """Run ``script`` (it reads ``CASES`` and prints ``OK <json>`` per case) in a subprocess
+    without TRITON_INTERPRET; the parsed rows, one per case.  Fails (does not skip) when
+    Triton's bundled ptxas is missing: the Gluon families' checks need it."""
+    import json
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    assert os.path.exists(ptxas), "triton's bundled ptxas is missing"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"CASES = {list(cases)!r}\n" + script], capture_output=True,
+                       text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line[3:]) for line in r.stdout.splitlines() if line.startswith("OK ")]
+    assert len(rows) == len(list(cases)), r.stdout
+    return rows

@@ -677,8 +677,9 @@ def test_checks_of_a_split_variant_take_a_group_it_divides():
 def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
     """A call with sinks and no score/mask function: the Gluon forward's sinks variant
     serves its fwd key (untuned: no default, no measurement yet), with a code id of its
-    own; any other user function stays the Triton family's (the sinks' backward is the
-    plain backward, either family's)."""
+    own; user score/mask functions go to the ``user`` variant (tests/test_gluon_user.py),
+    built-in score mods stay the Triton family's (the sinks' backward is the plain
+    backward, either family's)."""
     from types import SimpleNamespace
 
     from flashgen import user_mods
@@ -690,7 +691,8 @@ def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
     k_sinks = key("fwd", d=128, mods=sinks_low.name, shape=BIG)
     assert F.sinks_only(sinks_low.name) and not F.sinks_only(score_low.name) and not F.sinks_only("softcap")
     assert GLUON.unsupported(k_sinks, SM90) is None and F.fwd_spec(k_sinks).sinks
-    assert "Triton family's" in GLUON.unsupported(key("fwd", d=128, mods=score_low.name), SM90)
+    assert "Triton family's" in GLUON.unsupported(key("fwd", d=128, mods="softcap"), SM90)
+    assert GLUON.unsupported(key("fwd", d=128, mods=score_low.name), SM90) is None
     assert GLUON.prefers_default(k_sinks, SM90) is None and GLUON.prefers_default(key("fwd", d=128, shape=BIG), SM90)
     assert Dispatcher([], env=H200, arch=SM90).choose(k_sinks, capturing=False).family == "triton"
     # untuned, it takes the plain problem's tiles of the portable family only (the Gluon
@@ -720,7 +722,7 @@ def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
     assert seen["sinks"].is_contiguous() and torch.equal(seen["sinks"], torch.tensor([0.5, 2.0]))
     with pytest.raises(ValueError, match="Triton family's"):
         F.fwd(q, q, q, softmax_scale=0.1, mask="none", diag_lo=-16, diag_hi=16, config=cfg,
-              mods=SimpleNamespace(name=score_low.name, sinks=None))
+              mods=SimpleNamespace(name="softcap", sinks=None))
 
 
 def test_a_whole_backward_row_alone_is_named_in_the_reason(tmp_path):

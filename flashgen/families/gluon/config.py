@@ -40,6 +40,14 @@ WARPGROUP_THREADS = 128
 #: spill unmasked, 184 B of spills causal, 1.7 KB pinned).
 CONSUMER_OVERHEAD_REGS = 32
 MASK_OVERHEAD_REGS = 8
+#: More for a user score function and for a user mask function's predicate (a band
+#: has none), BLOCK_N / 4 registers per 32-bit word of each value read from a captured
+#: tensor along the key axis (a thread holds BLOCK_N / 4 columns of the scores' layout)
+#: or cast to int64 there, and USER_LOAD_REGS per such read: calibrated against ptxas
+#: on the user examples (tests/test_gluon_user.py compiles them).
+USER_SCORE_REGS = 8
+USER_MASK_REGS = 8
+USER_LOAD_REGS = 8
 #: Shared memory Triton adds beyond the named buffers (alignment of the allocations).
 SMEM_SLACK_BYTES = 1024
 
@@ -55,6 +63,10 @@ class GluonFwdSpec:
     #: attention sinks (float32 (num_heads,)), folded into each row's softmax after the
     #: key loop: the forward of a call with ``sinks`` and no score/mask function
     sinks: bool = False
+    #: user score/mask functions: the ``KernelSpec.mods`` naming their lowering
+    #: (:mod:`flashgen.user_render`, registered in this process), "" for none; with a
+    #: mask function the mask mode is "window" (:func:`.user.compiled_mask`)
+    user: str = ""
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,7 @@ class GluonFwdVariant:
         dt = {"float16": "fp16", "bfloat16": "bf16"}.get(s.dtype, s.dtype)
         tail = ("_pin" if c.pin_exps else "") + ("_pers" if c.persistent else "") + \
             (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
-        mask = f"{s.mask}_sinks" if s.sinks else s.mask
+        mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
                 f"_s{c.num_stages}_r{c.consumer_regs}-{c.producer_regs}{tail}")
 
@@ -137,8 +149,38 @@ def consumer_regs_needed(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
     o = per * pad(s.head_dim_v) // 2
     sc = per * c.BLOCK_N // 2
     p16 = per * c.BLOCK_N // 4
-    return (o + sc + p16 + CONSUMER_OVERHEAD_REGS + (MASK_OVERHEAD_REGS if s.mask != "none" else 0)
+    user = user_regs(s.user, c.BLOCK_N)
+    return (o + sc + p16 + CONSUMER_OVERHEAD_REGS + (MASK_OVERHEAD_REGS if s.mask != "none" else 0) + user
             + (sc // 2 if c.pin_exps else 0))
+
+
+def user_regs(mods: str, block_n: int) -> int:
+    """Registers per consumer thread that user functions ``mods`` add (0 for none): a
+    fixed part for a score function and for a mask function's predicate, and for each
+    captured-tensor read along the key axis and each int64 value computed there
+    (:data:`USER_SCORE_REGS`)."""
+    if not mods:
+        return 0
+    from ... import user_render
+    from ...user_render import tile_axes
+
+    low = user_render.lowered(mods)
+    words = loads = 0
+    for g, out, base in ((low.score, low.score_out, 0), (low.mask, low.mask_out, low.mask_base)):
+        if g is None:
+            continue
+        for i in g.uses([out]):
+            n = g.nodes[i]
+            if "k" not in tile_axes(n.deps):
+                continue
+            if n.op == "load":
+                loads += 1
+                words += 2 if low.bufs[base + n.args[0]].dtype == "int64" else 1
+            elif n.op == "cast" and n.args[1] == "int64":
+                words += 1
+    predicate = low.mask is not None and low.band is None
+    return ((USER_SCORE_REGS if low.score is not None else 0) + (USER_MASK_REGS if predicate else 0)
+            + words * block_n // 4 + loads * USER_LOAD_REGS)
 
 
 def smem_terms(s: GluonFwdSpec, c: GluonFwdConfig) -> dict[str, int]:
@@ -173,6 +215,8 @@ def check(v: GluonFwdVariant) -> list[str]:
     for name, d in (("head_dim", s.head_dim), ("head_dim_v", s.head_dim_v)):
         if d not in HEAD_DIMS:
             why.append(f"{name}={d}: the Gluon forward is built for {HEAD_DIMS}")
+    if s.user and s.user.endswith("m") and s.mask != "window":
+        why.append(f"user mask function ({s.user}): compiled into the window kernel (mask 'window'), not {s.mask!r}")
     if c.BLOCK_M != 64:
         why.append(f"BLOCK_M={c.BLOCK_M}: a consumer warpgroup owns 64 query rows")
     if c.num_consumers not in (1, 2, 3):
@@ -267,7 +311,15 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 head_dim_v_pad=pad(s.head_dim_v), mask=s.mask, BLOCK_M=c.BLOCK_M,
                 NUM_CONSUMERS=c.num_consumers, BLOCK_N=c.BLOCK_N, NUM_STAGES=c.num_stages,
                 CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
-                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent, CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks)
+                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent, CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks,
+                **user_template_vars(s.user))
+
+
+def user_template_vars(mods: str) -> dict:
+    """The template's variables of user functions ``mods`` (:func:`.user.template_vars`)."""
+    from .user import template_vars as user_vars
+
+    return user_vars(mods)
 
 
 def replace(c: GluonFwdConfig, **kw) -> GluonFwdConfig:

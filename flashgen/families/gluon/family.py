@@ -6,9 +6,10 @@ Kernels: ``fwd`` and ``bwd``, the whole backward (:data:`flashgen.spec.WHOLE_BWD
 preprocess, main kernel and dQ convert, one row timing all three).  Served on sm_90
 only (compute capability 9.0 exactly: wgmma, setmaxnreg and TMA as these kernels use
 them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, the head
-dims the configs allow, inputs a tensor descriptor can address (layout ""), no score
-mods; masks none, causal and window.  Everything else is the Triton family's, and
-:meth:`GluonFamily.unsupported` says why.
+dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
+score mods; masks none, causal and window; user score/mask functions and sinks
+(:mod:`flashgen.user_mods`) in the forward only (:mod:`.user`).  Everything else is the
+Triton family's, and :meth:`GluonFamily.unsupported` says why.
 
 The knobs live in :class:`flashgen.spec.TileConfig` (its Gluon fields, 0 unless set):
 :func:`fwd_config` / :func:`bwd_config` turn one into the kernels' own config and
@@ -83,8 +84,28 @@ def sinks_only(mods: str) -> bool:
     return low is not None and bool(low.sinks) and low.score is None and low.mask is None
 
 
+def user_functions(mods: str) -> bool:
+    """Whether ``mods`` names a forward lowering of user score/mask functions registered
+    in this process (with or without sinks): the Gluon forward's ``user`` variants."""
+    if not is_user_mods(mods):
+        return False
+    from ... import user_render
+
+    low = user_render.registered(mods)
+    return low is not None and low.direction == "fwd" and (low.score is not None or low.mask is not None)
+
+
 def fwd_spec(key_or_spec) -> C.GluonFwdSpec:
+    """The Gluon forward spec of a ProblemKey or KernelSpec: sinks alone are the
+    ``sinks`` variant, user functions the ``user`` variant (mask mode "window" with a
+    mask function, :func:`.user.compiled_mask`)."""
     s = getattr(key_or_spec, "spec", key_or_spec)
+    if user_functions(s.mods):
+        from ... import user_render
+        from .user import compiled_mask
+
+        return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, compiled_mask(s.mask, s.mods),
+                              sinks=user_render.lowered(s.mods).sinks, user=s.mods)
     return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, s.mask, sinks=sinks_only(s.mods))
 
 
@@ -166,8 +187,11 @@ class GluonFamily:
             return f"dtype {s.dtype}: float16 or bfloat16 only"
         if key.layout == "strided":
             return "needs inputs a tensor descriptor can address (layout strided)"
-        if s.mods and not (s.kernel == "fwd" and sinks_only(s.mods)):
-            return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes sinks alone)"
+        if s.mods and not (s.kernel == "fwd" and (sinks_only(s.mods) or user_functions(s.mods))):
+            if is_user_mods(s.mods):
+                return (f"user functions {s.mods}: the Gluon family compiles them into the forward only, once "
+                        "registered in this process (flashgen.attention or the tuner traced them)")
+            return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes user functions)"
         if s.mask not in C.MASKS:
             return f"mask {s.mask}: one of {C.MASKS}"
         if s.kernel == "fwd":
@@ -293,9 +317,11 @@ class GluonFamily:
         edit that changes the code of a variant the tuner can record invalidates exactly
         the rows of that kernel's Gluon variants; one that only adds a mode keeps them."""
         if kernel == "fwd":
-            from .render import sinks_code_id, template_hash
+            from .render import sinks_code_id, template_hash, user_code_id
 
-            # a user key this family serves is sinks alone (unsupported() refuses others)
+            if user_functions(mods):
+                return "g" + user_code_id(mods)[1:]
+            # sinks alone (unsupported() refuses other user keys)
             return "g" + (sinks_code_id() if is_user_mods(mods) else template_hash())[1:]
         if kernel == WHOLE_BWD:
             return "g" + B.template_hash()[1:]
@@ -337,8 +363,8 @@ def _gluon_missing() -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: bool = False) -> str:
-    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask, sinks=sinks), g).id
+def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: bool = False, user: str = "") -> str:
+    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask, sinks=sinks, user=user), g).id
 
 
 @functools.lru_cache(maxsize=4096)
@@ -350,22 +376,33 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         module=None, addressable: bool = False, mods=None, out=None, lse=None):
     """The family's forward launcher, in :func:`flashgen.ops.fwd`'s form: (O, LSE).
     ``addressable=True`` (the dispatcher's key has layout "") skips the input checks of
-    :func:`.launch.unsupported`.  ``mods``: None, or the runtime arguments of user
-    functions that are attention sinks alone (:func:`sinks_only`; their sinks go to the
-    ``sinks`` variant).  Raises ValueError for other score mods (the Triton family's)."""
-    sinks = None
+    :func:`.launch.unsupported`.  ``mods``: None, or the runtime arguments
+    (:class:`flashgen.user_mods.UserArgs`) of user functions: sinks alone go to the
+    ``sinks`` variant (:func:`sinks_only`), score/mask functions (and their sinks) to the
+    ``user`` variant (:func:`user_functions`; ``mask`` is then the built-in mode, the
+    variant's own is "window" with a mask function).  Raises ValueError for built-in
+    score mods (the Triton family's)."""
+    sinks, user = None, None
     if mods is not None:
-        if not sinks_only(mods.name) or getattr(mods, "sinks", None) is None:
+        if user_functions(mods.name):
+            from .user import compiled_mask
+
+            user, mask = mods, compiled_mask(mask, mods.name)
+            sinks = mods.sinks.contiguous() if mods.low.sinks else None
+        elif not sinks_only(mods.name) or getattr(mods, "sinks", None) is None:
             raise ValueError(f"gluon fwd: score modifications ({mods.name}) are the Triton family's")
-        sinks = mods.sinks.contiguous()
+        else:
+            sinks = mods.sinks.contiguous()
     from .build import building
     from .launch import _DTYPES, fwd as launch
 
     g = fwd_config(config)
     # the first launch compiles: a build failure is a GluonBuildError (warned once per variant)
-    with building(_fwd_id(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g, sinks is not None)):
+    with building(_fwd_id(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g, sinks is not None,
+                          user.name if user is not None else "")):
         return launch(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
-                      config=g, out=out, lse=lse, check_inputs=not addressable, module=module, sinks=sinks)
+                      config=g, out=out, lse=lse, check_inputs=not addressable, module=module, sinks=sinks,
+                      user=user)
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,

@@ -89,7 +89,7 @@ def _sm_count(device: torch.device) -> int:
 
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         config: GluonFwdConfig | None = None, out=None, lse=None, check_inputs: bool = True, module=None,
-        sinks=None):
+        sinks=None, user=None):
     """O and LSE of softmax(q k^T * softmax_scale) v under the mask (see the module
     docstring for shapes and layout).  ``config``: the knobs (default:
     :func:`flashgen.families.gluon.config.default_config`).  ``out``/``lse``: buffers to
@@ -98,7 +98,11 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     ``module``: the variant's loaded module when the caller holds it (skips the lookup).
     ``sinks``: float32 (num_heads,) contiguous on q's device, one more logit per head in
     every row's softmax denominator (the ``sinks`` variant; LSE includes it, a row that
-    sees no key gets O = 0 and LSE = sinks[h]).
+    sees no key gets O = 0 and LSE = sinks[h]).  ``user``: the runtime arguments
+    (:class:`flashgen.user_mods.UserArgs`) of user score/mask functions, compiled into
+    the ``user`` variant of their lowering (``mask`` must then be the variant's mode:
+    "window" with a mask function, :func:`.user.compiled_mask`; their sinks, if any,
+    come as ``sinks``).
 
     Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
     if check_inputs:
@@ -109,7 +113,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
 
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    spec = GluonFwdSpec(_DTYPES[q.dtype], d, dv, mask, sinks=sinks is not None)
+    spec = GluonFwdSpec(_DTYPES[q.dtype], d, dv, mask, sinks=sinks is not None,
+                        user=user.name if user is not None else "")
     config = config or default_config(spec)
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
@@ -133,6 +138,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         _descriptor(q, rows, pad(d)), _descriptor(k, config.BLOCK_N, pad(d)), _descriptor(v, config.BLOCK_N, pad(dv)),
         _descriptor(out, rows, pad(dv)), lse, *(() if sinks is None else (sinks,)), softmax_scale * LOG2E,
         num_tiles, num_m_blocks, h, h // hk, sq, sk, diag_lo, diag_hi,
+        *(() if user is None else user.gluon_fwd_args(softmax_scale, rows * config.num_consumers, config.BLOCK_N)),
     ), num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
     return out, lse
 

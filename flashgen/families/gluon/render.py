@@ -85,11 +85,29 @@ def sinks_code_id() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=256)
+def user_code_id(mods: str) -> str:
+    """The code id of the forward's ``user`` variants of the lowering ``mods`` (what
+    their tuning rows carry): the forward's code id with the source of that lowering's
+    variant at the default config of bfloat16, head_dim 128 and its mask mode, so an
+    edit of the template's user-function code or of the way it is written in Gluon
+    (:mod:`.user`) changes it; ``mods`` itself hashes the lowered code."""
+    from ... import user_render
+    from .user import compiled_mask
+
+    low = user_render.lowered(mods)
+    spec = GluonFwdSpec("bfloat16", 128, 128, compiled_mask("causal", mods), sinks=low.sinks, user=mods)
+    h = hashlib.sha256((template_hash() + mods).encode())
+    h.update(render(GluonFwdVariant(spec, default_config(spec)), header_hash="-").encode())
+    return h.hexdigest()[:16]
+
+
 def write_code_id(directory: str | None = None) -> dict:
     """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is."""
     new = _CODE_ID.write(directory)
     template_hash.cache_clear()
     sinks_code_id.cache_clear()
+    user_code_id.cache_clear()
     return new
 
 

@@ -18,6 +18,10 @@ import tempfile
 from .config import GluonFwdVariant, maxnreg, pad
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+#: Triton's pointer element names of the captured tensors' dtypes as the kernels read them
+#: (float64 arrives as float32, bool as int8).
+_PTR = {"float32": "fp32", "float64": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
+        "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i8"}
 
 
 def descriptor_signature(dtype: str, block_shape, layout) -> str:
@@ -38,6 +42,11 @@ def compile_sm90(v: GluonFwdVariant):
     mod = load(v)
     boxes = {"q_desc": (c.BLOCK_M, pad(s.head_dim)), "k_desc": (c.BLOCK_N, pad(s.head_dim)),
              "v_desc": (c.BLOCK_N, pad(s.head_dim_v)), "o_desc": (c.BLOCK_M, pad(s.head_dim_v))}
+    bufs = {}
+    if s.user:  # captured tensors of user functions, as the kernels read them
+        from ...user_render import lowered
+
+        bufs = {f"UT{n}": "*" + _PTR[b.dtype] for n, b in enumerate(lowered(s.user).bufs)}
     sig = {}
     for name in mod.attn_fwd.arg_names:
         if name in boxes:
@@ -45,8 +54,12 @@ def compile_sm90(v: GluonFwdVariant):
             sig[name] = descriptor_signature(s.dtype, shape, nvmma_layout(shape, s.dtype))
         elif name in ("LSE", "SINKS"):
             sig[name] = "*fp32"
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "sm_scale"):
             sig[name] = "fp32"
+        elif name == "UBM":
+            sig[name] = "*i32"
+        elif name in bufs:
+            sig[name] = bufs[name]
         else:
             sig[name] = "i32"
     attrs = {(mod.attn_fwd.arg_names.index("LSE"),): [["tt.divisibility", 16]]}
