@@ -709,7 +709,7 @@ def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
         assert d.choose(plain, capturing=False).config == GFWD
         c = d.choose(k_sinks, capturing=False)
         assert (c.config, c.source) == (T1, "nearest"), c
-    assert GLUON.template_hash("fwd", sinks_low.name) == "g" + R.sinks_code_id()[1:] != GLUON.template_hash("fwd")
+    assert GLUON.template_hash("fwd", sinks_low.name) == "g" + R.user_code_id()[1:] != GLUON.template_hash("fwd")
     cfg = GLUON.default_config(k_sinks, SM90)
     assert "_sinks_" in GLUON.render(Variant(k_sinks.spec, cfg)).split("VARIANT_ID = ")[1].split("\n")[0]
     seen = {}

@@ -26,6 +26,11 @@ SHAPE = Shape(batch=2, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=20
 
 
 def _problem(name: str, d: int = 128) -> user_tune.UserProblem:
+    if name == "document-sinks":  # a mask function with sinks (gpt-oss with a padding mask is one)
+        ex = user_examples.make("document-causal", SHAPE.num_heads, SHAPE.seqlen_q)
+        sm, mm = ex.functions(*ex.tensors)
+        sinks = torch.linspace(-1.0, 1.0, SHAPE.num_heads)
+        return user_tune.UserProblem(sm, mm, sinks, True, (-1, -1), d, d, "bfloat16", SHAPE, label=name)
     ex = user_examples.make(name, SHAPE.num_heads, SHAPE.seqlen_q)
     sm, mm = ex.functions(*ex.tensors)
     return user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, d, d, "bfloat16", SHAPE, label=name)
@@ -61,9 +66,11 @@ def test_the_family_serves_user_forward_keys_only():
     assert "whole backward" in GLUON.unsupported(SHAPE.key(p.spec("bwd_dq")), SM90)
     softcap = _problem("softcap")
     assert F.fwd_spec(KernelSpec("fwd", "bfloat16", 128, 128, "causal", softcap.fwd_mods)).mask == "causal"
-    ids = {GLUON.template_hash("fwd", m) for m in (p.fwd_mods, softcap.fwd_mods, "")}
-    assert len(ids) == 3 and all(i.startswith("g") for i in ids)
-    assert R.user_code_id(p.fwd_mods) == R.user_code_id(p.fwd_mods)
+    # one code id for every user variant (their names hash their functions), selected
+    # by the databases without the functions registered
+    ids = {GLUON.template_hash("fwd", m) for m in (p.fwd_mods, softcap.fwd_mods, families.USER_MODS_PROBE)}
+    assert ids == {"g" + R.user_code_id()[1:]} and GLUON.template_hash("fwd") != R.user_code_id()
+    assert ids <= set(families.hashes("fwd", [""]))
     assert compiled_mask("causal", p.fwd_mods) == "window" and compiled_mask("causal", softcap.fwd_mods) == "causal"
 
 
@@ -72,7 +79,7 @@ def _params(src: str) -> list[str]:
     return [a.arg for a in fn.args.args]
 
 
-@pytest.mark.parametrize("name", ["relpos", "document-causal", "window-causal", "prefix-lm"])
+@pytest.mark.parametrize("name", ["relpos", "document-causal", "window-causal", "prefix-lm", "document-sinks"])
 def test_launch_arguments_match_the_kernel_parameters(name):
     """What the launcher passes after diag_hi (:meth:`flashgen.user_mods.UserArgs.gluon_fwd_args`)
     is what the rendered kernel takes there, in order: the scale, each captured tensor
@@ -95,6 +102,8 @@ def test_launch_arguments_match_the_kernel_parameters(name):
         bm = args[extra.index("UBM")]
         assert bm.shape[-2:] == (SHAPE.seqlen_q // 128, 4) and bm.dtype == torch.int32
     assert ("sm_scale" in extra) == (p.score is not None)
+    # sinks come before the scale (the launcher passes them there), the user variant's id says so
+    assert ("SINKS" in params[:params.index("qk_scale")]) == (p.sinks is not None) == spec.sinks
 
 
 def test_a_band_mask_function_tightens_the_bounds_once():
@@ -133,6 +142,7 @@ def test_the_register_model_refuses_what_spilled_and_admits_what_did_not():
 
 _SCRIPT = r'''
 import json, sys
+import torch
 from flashgen import user_examples, user_tune
 from flashgen.spec import KernelSpec, Shape
 from flashgen.families.gluon import family as F
@@ -140,9 +150,10 @@ from flashgen.families.gluon.config import GluonFwdConfig, GluonFwdVariant, defa
 from flashgen.families.gluon.sm90 import compile_sm90, report
 shape = Shape(batch=2, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
 for name, d, kw in CASES:
-    ex = user_examples.make(name, 16, 2048)
+    ex = user_examples.make(name.removeprefix("sinks-"), 16, 2048)
     sm, mm = ex.functions(*ex.tensors)
-    p = user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, d, d, "bfloat16", shape, label=name)
+    sinks = torch.linspace(-1.0, 1.0, 16) if name.startswith("sinks-") else ex.sinks
+    p = user_tune.UserProblem(sm, mm, sinks, ex.causal, ex.window, d, d, "bfloat16", shape, label=name)
     spec = F.fwd_spec(KernelSpec("fwd", "bfloat16", d, d, p.mask, p.fwd_mods))
     v = GluonFwdVariant(spec, GluonFwdConfig(**kw))
     r = report(compile_sm90(v))
@@ -157,6 +168,7 @@ COMPILE_CASES = [
     ("relpos", 64, dict(BLOCK_N=64, num_stages=4)),
     ("document-causal", 128, dict(BLOCK_N=64, num_stages=2, pin_exps=True)),
     ("softcap", 128, dict(BLOCK_N=128, num_stages=2, pin_exps=True)),
+    ("sinks-document", 64, dict(BLOCK_N=64, num_stages=4)),
 ]
 
 

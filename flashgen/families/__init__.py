@@ -170,9 +170,19 @@ def configs(family: Family, key: ProblemKey) -> list[TileConfig]:
     return [TileConfig(**dict(zip(names, values)), **extra) for values in itertools.product(*dom.values())]
 
 
+#: A ``mods`` name of user functions that names no lowering: the families give every
+#: user variant of a kernel one code hash (the variant's name hashes its functions), so
+#: this stands for all of them in :func:`hashes`.
+USER_MODS_PROBE = "u" + "0" * 12
+
+
 def hashes(kernel: str, mods_list) -> list[str]:
     """The current code hashes of ``kernel`` over every registered family that compiles
-    it and every ``mods`` of ``mods_list`` (what a DB row must carry to count)."""
+    it, every ``mods`` of ``mods_list`` and user functions (:data:`USER_MODS_PROBE`, for
+    the dense kernels): what a DB row must carry to count."""
+    from ..spec import DENSE_KERNELS
+
+    mods_list = [*mods_list, *([USER_MODS_PROBE] if kernel in DENSE_KERNELS else [])]
     return sorted({f.template_hash(kernel, m) for f in FAMILIES.values() if kernel in f.kernels
                    for m in mods_list})
 

@@ -317,12 +317,11 @@ class GluonFamily:
         edit that changes the code of a variant the tuner can record invalidates exactly
         the rows of that kernel's Gluon variants; one that only adds a mode keeps them."""
         if kernel == "fwd":
-            from .render import sinks_code_id, template_hash, user_code_id
+            from .render import template_hash, user_code_id
 
-            if user_functions(mods):
-                return "g" + user_code_id(mods)[1:]
-            # sinks alone (unsupported() refuses other user keys)
-            return "g" + (sinks_code_id() if is_user_mods(mods) else template_hash())[1:]
+            # user variants (sinks alone, or score/mask functions): one id for every
+            # lowering, whose own name hashes its code
+            return "g" + (user_code_id() if is_user_mods(mods) else template_hash())[1:]
         if kernel == WHOLE_BWD:
             return "g" + B.template_hash()[1:]
         raise KeyError(f"the Gluon family compiles {self.kernels}, not {kernel!r}")

@@ -72,10 +72,10 @@ def template_hash() -> str:
 
 @functools.lru_cache(maxsize=None)
 def sinks_code_id() -> str:
-    """The code id of the forward's ``sinks`` variants (what their tuning rows carry): the
-    forward's code id with the sources of the sinks variant of each default config
+    """The forward's code id with the sources of the sinks variant of each default config
     (dtype, head dims, mask), whose only difference from their plain variants is the
-    sink's fold after the key loop; so an edit of either changes it."""
+    sink's fold after the key loop; so an edit of either changes it.  Part of
+    :func:`user_code_id`, which the sinks variants' rows carry."""
     h = hashlib.sha256(template_hash().encode())
     for dtype in DTYPES:
         for d in HEAD_DIMS:
@@ -85,20 +85,21 @@ def sinks_code_id() -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=256)
-def user_code_id(mods: str) -> str:
-    """The code id of the forward's ``user`` variants of the lowering ``mods`` (what
-    their tuning rows carry): the forward's code id with the source of that lowering's
-    variant at the default config of bfloat16, head_dim 128 and its mask mode, so an
-    edit of the template's user-function code or of the way it is written in Gluon
-    (:mod:`.user`) changes it; ``mods`` itself hashes the lowered code."""
-    from ... import user_render
-    from .user import compiled_mask
+@functools.lru_cache(maxsize=None)
+def user_code_id() -> str:
+    """The code id every user variant of the forward carries (the ``sinks`` variants and
+    those of user score/mask functions: what their tuning rows carry).  Their names
+    (``KernelSpec.mods``) already hash the lowered functions and the code that writes
+    them in Triton (:func:`flashgen.user_render.machinery_hash`); this adds what turns
+    that code into this family's kernel: the forward's code id, the sources of the
+    sinks variant of each default config, the template's text and
+    :mod:`.user`'s.  One id for every lowering, so a database's rows are selected
+    without the functions being registered (:func:`flashgen.families.hashes`)."""
+    from . import user
 
-    low = user_render.lowered(mods)
-    spec = GluonFwdSpec("bfloat16", 128, 128, compiled_mask("causal", mods), sinks=low.sinks, user=mods)
-    h = hashlib.sha256((template_hash() + mods).encode())
-    h.update(render(GluonFwdVariant(spec, default_config(spec)), header_hash="-").encode())
+    h = hashlib.sha256(sinks_code_id().encode())
+    h.update((gluon_templates_dir() / TEMPLATE).read_bytes())
+    h.update(Path(user.__file__).read_bytes())
     return h.hexdigest()[:16]
 
 
