@@ -147,7 +147,7 @@ def test_shipped_db_is_keyed_on_the_current_templates():
             current = {(k, F.template_hash(k, m)) for k in kernels for m in kernel_mods(k)}
         else:
             assert kernels == {"fwd", "bwd"}
-            # the Gluon forward's sinks variant (user keys of sinks alone) has a code id of its own
+            # the Gluon forward's user variants (sinks, user functions) have one code id of their own
             current = {(k, F.template_hash(k, m)) for k, m in gluon_mods}
         assert pairs <= current, fam
         assert {(k, F.template_hash(k)) for k in kernels} <= pairs, fam
