@@ -644,3 +644,24 @@ def test_ordered_schedule_waits_exactly_on_the_previous_adder(parts):
                         assert waits[(u, mb)] == (u - 1 in us), (sq, sk, mode, lo, hi, block_m, mb, u)
                 cases += 1
     assert cases == 8 * 7 * 2
+
+
+def test_ordered_dq_probes_render_only_what_they_leave_out():
+    """benchmarks/probe_dq_order.py's probes of the ordered dQ: no_poll has no semaphore
+    wait, no_sync no release either, one_thread waits and releases from one thread per
+    warpgroup; the variant itself renders as without a probe, and a probe of another dQ
+    mode is refused."""
+    import pytest
+
+    from flashgen.families.gluon import bwd as B
+
+    cfg = B.GluonBwdConfig(64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False)
+    plain = B.render(cfg, "bfloat16", 128, "causal")
+    assert plain == B.render(cfg, "bfloat16", 128, "causal", probe="")
+    counts = {p: (src.count("_sem_wait(SEM"), src.count("_sem_release(SEM"), src.count("_sem_wait1(SEM"),
+                  src.count("_sem_release1(SEM"))
+              for p in B.DQ_PROBES for src in (B.render(cfg, "bfloat16", 128, "causal", probe=p),)}
+    assert counts == {"": (1, 2, 0, 0), "no_poll": (0, 2, 0, 0), "no_sync": (0, 0, 0, 0), "one_thread": (0, 0, 1, 2)}
+    with pytest.raises(ValueError, match="probe"):
+        B.render(B.GluonBwdConfig(64, 64, 2, 2, "tma", 240, 24, "tma", 1, False), "bfloat16", 128, "causal",
+                 probe="no_poll")

@@ -422,12 +422,24 @@ def write_code_id(directory: str | None = None) -> dict:
     return new
 
 
+#: Measurement probes of the ordered dQ (never tuned or served): "no_poll" leaves out
+#: the wait on the predecessor's semaphore and "no_sync" the releases too (the ordered
+#: variant's 1-D grid and its per-step wait for the previous reduce-add, with nothing
+#: ordered: their dQ is not repeatable); "one_thread" waits and releases from the first
+#: thread of each warpgroup alone, the partition's barrier ordering the others (ordered;
+#: not checked against float64).  benchmarks/probe_dq_order.py.
+DQ_PROBES = ("", "no_poll", "no_sync", "one_thread")
+
+
 def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, *,
-           header_hash: str | None = None, directory: str | None = None) -> str:
+           header_hash: str | None = None, directory: str | None = None, probe: str = "") -> str:
     """The Gluon source of one variant (pure text).  Raises ValueError for an invalid one
     (``check=False``: probes render a config the rules reject, e.g. row_load "tma").
     ``header_hash``: the hash the header names (default :func:`template_hash`);
-    ``directory``: another templates directory (the code-id checks)."""
+    ``directory``: another templates directory (the code-id checks); ``probe``: one of
+    :data:`DQ_PROBES` (dq_mode "ordered" only)."""
+    if probe not in DQ_PROBES or (probe and config.dq_mode != "ordered"):
+        raise ValueError(f"probe {probe!r}: one of {DQ_PROBES[1:]} with dq_mode 'ordered'")
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
     if reasons:
         raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
@@ -451,15 +463,16 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
-        HALF_PARTIALS=c.half_partials)
+        HALF_PARTIALS=c.half_partials, DQ_PROBE=probe)
 
 
 _modules: dict = {}
 
 
-def load(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True):
-    """The imported module of one variant (written under its content hash, memoized)."""
-    key = (config, dtype, head_dim, mask)
+def load(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, probe: str = ""):
+    """The imported module of one variant (written under its content hash, memoized);
+    ``probe``: :func:`render`'s."""
+    key = (config, dtype, head_dim, mask, probe)
     mod = _modules.get(key)
     if mod is None:
         import importlib.util
@@ -467,8 +480,8 @@ def load(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bo
 
         from flashgen import compile as _compile
 
-        src = render(config, dtype, head_dim, mask, check)
-        vid = variant_id(config, dtype, head_dim, mask)
+        src = render(config, dtype, head_dim, mask, check, probe=probe)
+        vid = variant_id(config, dtype, head_dim, mask) + (f"_{probe}" if probe else "")
         digest = hashlib.sha256(src.encode()).hexdigest()[:20]
         path = _compile.cache_dir() / "generated" / digest / f"{vid}.py"
         _compile.write_source(path, src)
@@ -715,10 +728,11 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
 # --------------------------------------------------------------------------- sm_90 compile (no GPU needed)
 
 def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, kernel: str = "attn_bwd",
-                 check: bool = True):
+                 check: bool = True, probe: str = ""):
     """Triton's compiled ``kernel`` of one variant for sm_90 ("attn_bwd", "attn_bwd_preprocess",
     "attn_bwd_convert", or "group_reduce", the Triton kernel of a group_split > 1 variant),
-    from CPU tensors' argument types (no GPU needed; run without TRITON_INTERPRET)."""
+    from CPU tensors' argument types (no GPU needed; run without TRITON_INTERPRET);
+    ``probe``: :func:`render`'s."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -726,7 +740,7 @@ def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, k
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    mod = load(config, dtype, head_dim, mask, check)
+    mod = load(config, dtype, head_dim, mask, check, probe)
     tdt = getattr(torch, dtype)
     b, h, hk, s = 1, 2 * config.group_split, 1, 256
     q = torch.empty(b, h, s, head_dim, dtype=tdt)
