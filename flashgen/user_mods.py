@@ -29,6 +29,7 @@ import functools
 import inspect
 import math
 import operator
+import weakref
 
 import torch
 import torch.fx as fx
@@ -204,12 +205,28 @@ def reciprocal_divisions(g: Graph, out) -> int:
     return done
 
 
+def _ref(obj):
+    """A weak reference to ``obj`` where it takes one, else a strong one (both called to
+    get the object; a dead weak reference gives None)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # numbers, strings, tuples, lists: kept
+        return lambda: obj
+
+
 class Traced:
     """One user function, traced: its graph and result, its captured tensors, and (score
-    functions) the derivatives the backward needs."""
+    functions) the derivatives the backward needs.
 
-    def __init__(self, fn, kind: str):
-        self.fn, self.kind = fn, kind
+    It holds the function and the captured tensors the function's own objects name
+    (``weak``: their identities, the objects :func:`_trace_key` keys on) by weak
+    reference, so that a cache of traced functions does not keep a user's tensors
+    alive; the tensors it reaches otherwise (made inside the function, or attributes of
+    an object it names) are held.  A call holds its function and tensors while it needs
+    them (:class:`UserArgs`)."""
+
+    def __init__(self, fn, kind: str, weak: frozenset = frozenset()):
+        self._fns, self.kind = [_ref(fn)], kind
         arg = "score_mod" if kind == "score" else "mask_mod"
         names = ("score", "b", "h", "q_idx", "kv_idx") if kind == "score" else ("b", "h", "q_idx", "kv_idx")
         try:
@@ -233,7 +250,7 @@ class Traced:
             raise
         except Exception as e:  # noqa: BLE001 (the user's code failed on proxies)
             raise UnsupportedError(f"{arg} {_describe(fn)} cannot be traced: {type(e).__name__}: {e}") from None
-        self.captured = tracer.captured
+        self._captured = [_ref(t) if id(t) in weak else (lambda t=t: t) for t in tracer.captured]
         for t in self.captured:
             if _dtype_name(t.dtype) not in _BUF_DTYPES:
                 raise UnsupportedError(f"{arg} reads a captured tensor of dtype {t.dtype} (flashgen: "
@@ -259,6 +276,33 @@ class Traced:
             self.dloads = {i: derivative(g, self.out, Ref(i)) for i, _ in self.loads}
         elif isinstance(self.out, float) or isinstance(self.out, Ref) and g.dtype(self.out) == "float":
             raise UnsupportedError(f"mask_mod {_describe(fn)} returns a float value: it must return a bool tensor")
+
+    @property
+    def fn(self):
+        """The traced function: one of the equal functions (same code, same objects) it
+        was traced or found for that is still alive (InputError when none is: a call
+        holds its own)."""
+        for r in self._fns:
+            fn = r()
+            if fn is not None:
+                return fn
+        raise InputError("the traced user function was freed; pass it again")
+
+    def seen(self, fn) -> None:
+        """Record ``fn``, an equal function :func:`trace` found this trace for."""
+        self._fns = ([r for r in self._fns if r() is not None and r() is not fn] + [_ref(fn)])[-8:]
+
+    @property
+    def captured(self) -> list[torch.Tensor]:
+        """The captured tensors, in buffer order (InputError if one was freed)."""
+        out = [r() for r in self._captured]
+        if any(t is None for t in out):
+            raise InputError("a tensor captured by a user function was freed; pass the function again")
+        return out
+
+    def alive(self) -> bool:
+        """Whether every captured tensor is still alive."""
+        return all(r() is not None for r in self._captured)
 
     @functools.cached_property
     def reads(self) -> user_bounds.Reads:
@@ -509,19 +553,22 @@ def _trace_key(fn) -> tuple[tuple, list]:
 
 
 def trace(fn, kind: str) -> Traced:
-    """The traced function, cached (:func:`_trace_key`; the cache holds the function
-    and what its key names, so the identities stay valid).  ``kind``: "score" or
-    "mask"."""
+    """The traced function, cached (:func:`_trace_key`).  The cache holds what its key
+    names by weak reference where the objects take one (functions, tensors, modules), so
+    it keeps no user tensor alive: an entry whose objects died (their identities may be
+    reused) is traced again.  ``kind``: "score" or "mask"."""
     if not callable(fn):
         raise InputError(f"{kind}_mod must be callable, got {type(fn).__name__}")
     tkey, reads = _trace_key(fn)
     key = (tkey, kind)
     hit = _traces.get(key)
-    if hit is not None:
+    if hit is not None and hit[0].alive() and len(hit[1]) == len(reads) and \
+            all(r() is obj for r, obj in zip(hit[1], reads)):
         _traces.move_to_end(key)
-        return hit[1]
-    tr = Traced(fn, kind)
-    _traces[key] = (fn, tr, reads)
+        hit[0].seen(fn)  # an equal function (same code and objects), alive for this call
+        return hit[0]
+    tr = Traced(fn, kind, frozenset(map(id, reads)))
+    _traces[key] = (tr, [_ref(r) for r in reads])
     if len(_traces) > _TRACES_MAX:
         _traces.popitem(last=False)
     return tr
@@ -598,13 +645,14 @@ def _ranges(any_, full, block: int, extent: int):
 
 
 def block_ranges(traced: Traced, kind: str, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int,
-                 lo: int, hi: int, block_m: int, block_n: int, device) -> torch.Tensor:
+                 lo: int, hi: int, block_m: int, block_n: int, device, fn=None) -> torch.Tensor:
     """The block mask of ``traced`` (a mask function) with the built-in bounds lo <= j - i
     <= hi, for tiles (block_m, block_n): int32 (Bx, Hx, blocks, 4) of [first visited,
     interior start, interior end, end).  ``kind`` "q": per query block over key columns
     (fwd, bwd_dq; Hx over query heads); "k": per key block over query rows (bwd_dkdv;
     Hx over kv heads, the union over each GQA group).  Cached per (function, captured
-    tensors' identities and versions, sizes, tile shape)."""
+    tensors' identities and versions, sizes, tile shape).  ``fn``: the function
+    ``traced`` traced (default: the one it holds; a call passes its own)."""
     ver = _versions(traced.captured)
     key = (id(traced), ver, kind, batch, heads, kv_heads, seqlen_q, seqlen_k, lo, hi, block_m, block_n, str(device))
     hit = _block_cache.get(key) if ver is not None else None
@@ -612,7 +660,8 @@ def block_ranges(traced: Traced, kind: str, batch: int, heads: int, kv_heads: in
         _block_cache.move_to_end(key)
         return hit[1]
     with torch.no_grad():
-        any_, all_ = _tiles(traced.fn, batch, heads, seqlen_q, seqlen_k, lo, hi, block_m, block_n, device)
+        any_, all_ = _tiles(fn if fn is not None else traced.fn, batch, heads, seqlen_q, seqlen_k, lo, hi, block_m,
+                            block_n, device)
         nm, nn = any_.shape[2], any_.shape[3]
         full = all_.clone()
         if seqlen_k % block_n:
@@ -699,6 +748,10 @@ class UserArgs:
     sizes: tuple  # (batch, heads, kv_heads, seqlen_q, seqlen_k, lo, hi)
     sinks: torch.Tensor | None
     device: torch.device
+    #: the call's mask function and what its functions read, held while the call's
+    #: kernels may run (the backward's block masks), since :class:`Traced` holds them weakly
+    mask_fn: object = None
+    keep: tuple = ()
 
     @property
     def name(self) -> str:
@@ -717,7 +770,7 @@ class UserArgs:
         if self.low.mask is not None and self.low.band is None:  # a band needs no block mask
             b, h, hk, sq, sk, lo, hi = self.sizes
             bm = block_ranges(self.mask, "k" if kernel == "bwd_dkdv" else "q", b, h, hk, sq, sk, lo, hi,
-                              config.BLOCK_M, config.BLOCK_N, self.device)
+                              config.BLOCK_M, config.BLOCK_N, self.device, self.mask_fn)
             out += [bm, bm.stride(0) if bm.shape[0] > 1 else 0, bm.stride(1) if bm.shape[1] > 1 else 0]
         if self.low.sinks and kernel == "fwd":
             out.append(self.sinks)
@@ -734,7 +787,7 @@ class UserArgs:
                 out += list(t.shape)
         if self.low.mask is not None and self.low.band is None:
             b, h, hk, sq, sk, lo, hi = self.sizes
-            bm = block_ranges(self.mask, "q", b, h, hk, sq, sk, lo, hi, block_m, block_n, self.device)
+            bm = block_ranges(self.mask, "q", b, h, hk, sq, sk, lo, hi, block_m, block_n, self.device, self.mask_fn)
             out += [bm, bm.stride(0) if bm.shape[0] > 1 else 0, bm.stride(1) if bm.shape[1] > 1 else 0]
         return out
 
@@ -798,16 +851,21 @@ def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, si
     seqlen_k, lo, hi) on ``device``: their lowerings registered, the captured tensors
     as the kernels read them, and, when ``backward`` and there is a function, zeroed
     float32 gradient buffers of the captured tensors flagged in ``grad_flags``."""
-    sbufs = [_kernel_buffer(t, "score_mod", device) for t in (score.captured if score else ())]
-    mbufs = [_kernel_buffer(t, "mask_mod", device) for t in (mask.captured if mask else ())]
+    scaptured = score.captured if score else []
+    mcaptured = mask.captured if mask else []
+    sbufs = [_kernel_buffer(t, "score_mod", device) for t in scaptured]
+    mbufs = [_kernel_buffer(t, "mask_mod", device) for t in mcaptured]
     bufs = sbufs + mbufs
+    mask_fn = mask.fn if mask is not None else None
+    keep = (score.fn if score is not None else None, mask_fn, *scaptured, *mcaptured)
     fwd = UserArgs(lowering("fwd", score, mask, grad_flags, sinks is not None), bufs, [], mask, sizes,
-                   sinks.detach() if sinks is not None else None, device)
+                   sinks.detach() if sinks is not None else None, device, mask_fn, keep)
     if not backward or (score is None and mask is None):
         return fwd, None  # sinks alone: the plain backward kernels (sinks' gradient from LSE and delta)
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) if f else None
              for t, f in zip(sbufs, grad_flags)] + [None] * len(mbufs)
-    return fwd, UserArgs(lowering("bwd", score, mask, grad_flags, False), bufs, grads, mask, sizes, None, device)
+    return fwd, UserArgs(lowering("bwd", score, mask, grad_flags, False), bufs, grads, mask, sizes, None, device,
+                         mask_fn, keep)
 
 
 # -- reference (torch, materialized) -------------------------------------------------

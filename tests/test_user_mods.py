@@ -827,6 +827,40 @@ def test_a_closure_made_again_over_the_same_objects_is_not_traced_again():
     assert b is not a and b.captured[0] is t2
 
 
+def test_the_caches_keep_no_tensor_of_a_dropped_function_alive():
+    """flashgen's caches of traced functions, lowerings, block masks and index checks hold
+    a user function and the tensors it names by weak reference: once the caller drops
+    them (and the autograd graph of the call), they are freed, and a closure made again
+    over live objects still hits the cache; a call holds its own until its backward."""
+    import gc
+    import weakref
+
+    q, k, v = _qkv(b=1, h=2, hk=1, sq=20, sk=24)
+    doc = torch.arange(24) // 10
+    table = torch.randn(2, requires_grad=True)
+
+    def make(doc, table):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return s + table[h]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+        return score_mod, mask_mod
+
+    sm, mm = make(doc, table)
+    assert user_mods.trace(make(doc, table)[1], "mask") is user_mods.trace(mm, "mask")
+    qg = q.clone().requires_grad_()
+    o = flashgen.attention(qg, k, v, score_mod=sm, mask_mod=mm)
+    refs = [weakref.ref(x) for x in (doc, table, sm, mm)]
+    del sm, mm, doc  # the graph still needs the mask function and ids: the call holds them
+    gc.collect()
+    o.float().sum().backward()
+    assert table.grad is not None and qg.grad is not None and torch.isfinite(qg.grad).all()
+    del o, qg, table
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 4
+
+
 def test_a_function_whose_global_tensor_is_rebound_is_traced_again():
     """A module-level function reading a module-level tensor (the README's T5 example):
     rebinding the global (a re-run notebook cell, a loaded checkpoint), or a global a

@@ -276,9 +276,10 @@ def _padding_bounds(module, is_causal, sliding_window) -> tuple[bool, int | None
 def _padding_mask_mod(keys: torch.Tensor):
     """A flashgen ``mask_mod`` reading ``keys`` ((batch or 1, seqlen_k) bool, True = a
     key to attend): the key padding, beside flashgen's own causal / window bounds.  It
-    reads ``keys``, not the (batch, 1, seqlen_q, seqlen_k) mask it came from: what
-    flashgen's caches of traced functions keep alive is seqlen_k bytes per batch entry,
-    and the layers sharing a mask share the lowered function."""
+    reads ``keys``, not the (batch, 1, seqlen_q, seqlen_k) mask it came from, so the
+    layers sharing a mask share the traced function and its block masks (flashgen's
+    caches of traced functions hold ``keys`` weakly; :func:`_key_padding`'s memo keeps
+    the last few)."""
     nb = keys.shape[0] > 1
 
     def mask_mod(b, h, q_idx, kv_idx):
