@@ -760,18 +760,8 @@ class UserArgs:
     def kernel_args(self, softmax_scale: float, with_scale: bool, mod=None, config=None) -> list:
         """In the order of :meth:`flashgen.user_render.Context.kernel_params`."""
         kernel = _kernel_of(mod)
-        out: list = [softmax_scale] if with_scale and self.low.score is not None else []
-        for n, t in enumerate(self.bufs):
-            out += [t, *t.stride()]
-            if n in self.low.sized_bufs:  # read at an index computed from the score: checked in the kernel
-                out += list(t.shape)
-        if kernel == "bwd_dq":
-            out += [g for g in self.grads if g is not None]
-        if self.low.mask is not None and self.low.band is None:  # a band needs no block mask
-            b, h, hk, sq, sk, lo, hi = self.sizes
-            bm = block_ranges(self.mask, "k" if kernel == "bwd_dkdv" else "q", b, h, hk, sq, sk, lo, hi,
-                              config.BLOCK_M, config.BLOCK_N, self.device, self.mask_fn)
-            out += [bm, bm.stride(0) if bm.shape[0] > 1 else 0, bm.stride(1) if bm.shape[1] > 1 else 0]
+        out = self._args(softmax_scale if with_scale else None, kernel, config.BLOCK_M if config else 0,
+                         config.BLOCK_N if config else 0)
         if self.low.sinks and kernel == "fwd":
             out.append(self.sinks)
         return out
@@ -780,14 +770,23 @@ class UserArgs:
         """The Gluon forward's arguments after diag_hi (:func:`flashgen.families.gluon.user.template_vars`:
         :meth:`kernel_args`' order without the sinks, which that kernel takes before the
         scale), the block mask in tiles of ``block_m`` (the program's rows) by ``block_n``."""
-        out: list = [softmax_scale] if self.low.score is not None else []
+        return self._args(softmax_scale, "fwd", block_m, block_n)
+
+    def _args(self, softmax_scale: float | None, kernel: str, block_m: int, block_n: int) -> list:
+        """The scale (None: left out), the buffers with their strides (and sizes where read
+        at an index computed from the score: checked in the kernel), bwd_dq's gradient
+        buffers, and the block mask in (block_m, block_n) tiles (a band needs none)."""
+        out: list = [softmax_scale] if softmax_scale is not None and self.low.score is not None else []
         for n, t in enumerate(self.bufs):
             out += [t, *t.stride()]
             if n in self.low.sized_bufs:
                 out += list(t.shape)
+        if kernel == "bwd_dq":
+            out += [g for g in self.grads if g is not None]
         if self.low.mask is not None and self.low.band is None:
             b, h, hk, sq, sk, lo, hi = self.sizes
-            bm = block_ranges(self.mask, "q", b, h, hk, sq, sk, lo, hi, block_m, block_n, self.device, self.mask_fn)
+            bm = block_ranges(self.mask, "k" if kernel == "bwd_dkdv" else "q", b, h, hk, sq, sk, lo, hi, block_m,
+                              block_n, self.device, self.mask_fn)
             out += [bm, bm.stride(0) if bm.shape[0] > 1 else 0, bm.stride(1) if bm.shape[1] > 1 else 0]
         return out
 
