@@ -136,7 +136,7 @@ def tune(
     arch: Annotated[str | None, typer.Option(help="With --fake/--fake-model/--fake-template: tune for this "
                                              "architecture's rules and families (e.g. sm_90) instead of the "
                                              "current device's.")] = None,
-    trials: Annotated[int, typer.Option(min=1, help="Completed trials per key (earlier runs count).")] = 40,
+    trials: Annotated[int, typer.Option(min=1, help="Measured trials per key (earlier runs count; configs the rules reject before compiling do not).")] = 40,
     timeout_per_key: Annotated[float | None, typer.Option(min=0, help="Seconds per key.")] = None,
     fake: Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
                                              help="Replay timings from JSON {variant_id: ms}, variant ids like "

@@ -28,7 +28,6 @@ from typing import Protocol
 
 import optuna
 from optuna.storages.journal import JournalFileBackend, JournalStorage
-from optuna.study import MaxTrialsCallback
 from optuna.trial import TrialState
 
 from . import families, iomodel
@@ -181,7 +180,7 @@ class ModelBenchmarker:
 class TuneResult:
     """The outcome of tuning one key.  Times in ms; ``speedup`` = default_median_ms /
     best_median_ms; None where there is no ok measurement.  ``n_trials`` counts the
-    study's completed trials, earlier runs included."""
+    study's measured trials (:func:`measured_trials`), earlier runs included."""
 
     key: ProblemKey
     best_config: TileConfig | None
@@ -418,15 +417,43 @@ def _measure(key: ProblemKey, shape: Shape, cfg: TileConfig, *, benchmarker: Ben
     return db.get(db.record(key, shape, v, m, env, est.total_bytes, dedupe=True))
 
 
+#: Row statuses of configs rejected before compiling (the family's rules, the shared
+#: memory estimate): such a trial does not count toward a study's trial budget.
+REJECTED = ("invalid", "infeasible")
+#: How many rejected trials a study may run per trial of its budget (so a space whose
+#: configs the rules mostly reject still ends).
+REJECTED_PER_TRIAL = 20
+
+
+def measured_trials(study: optuna.Study) -> int:
+    """The study's completed trials that measured a config (or reused its stored row),
+    not counting those the rules rejected before compiling (:data:`REJECTED`)."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+               if t.user_attrs.get("status") not in REJECTED)
+
+
+class _MaxMeasured:
+    """Stops a study once it holds ``n`` measured trials (:func:`measured_trials`),
+    whichever worker ran them."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, study: optuna.Study, trial) -> None:
+        if measured_trials(study) >= self.n:
+            study.stop()
+
+
 def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: TuningDB,
              env: Environment, arch: Arch, n_trials: int, timeout_s: float | None = None,
              storage: str | Path | optuna.storages.BaseStorage | None = None, seed: int = 0,
              on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None,
              sampler: str = "tpe", worker: str | None = None,
              family_names: Iterable[str] | None = None) -> TuneResult:
-    """Tune ``key`` by measuring ``shape`` until the study has ``n_trials`` completed
-    trials (earlier runs and other workers sharing the storage count) or ``timeout_s``
-    seconds have passed.  ``sampler``: ``tpe`` (Optuna's TPE) or ``grid`` (every config
+    """Tune ``key`` by measuring ``shape`` until the study has ``n_trials`` measured
+    trials (:func:`measured_trials`: earlier runs and other workers sharing the storage
+    count; configs the rules reject before compiling do not) or ``timeout_s`` seconds
+    have passed.  ``sampler``: ``tpe`` (Optuna's TPE) or ``grid`` (every config
     of the domain once: the exhaustive baseline).  ``worker`` names this process in each
     trial's user attrs, so a supervisor can fail the trials of a worker that died.
 
@@ -463,14 +490,14 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
                 study.enqueue_trial(params)
 
     def n_complete() -> int:
-        return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        return measured_trials(study)
 
     done = n_complete()
-    if done:
+    if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         if not any(db.has_row(t.user_attrs.get("row_id")) for t in finished):
             raise InputError(
-                f"the Optuna storage holds {done} finished trials of study {study.study_name!r}, but "
+                f"the Optuna storage holds finished trials of study {study.study_name!r}, but "
                 f"none of their measurements is in {db.path} (was the DB replaced?); delete the "
                 "storage (by default <db>.optuna.journal) or pass another --storage")
 
@@ -494,16 +521,17 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         for name, val in (("variant_id", v.id), ("status", row["status"]),
                           ("row_id", row["id"]), ("constraint", constraint)):
             trial.set_user_attr(name, val)
-        done += 1
+        done += row["status"] not in REJECTED
         if on_trial is not None:
             on_trial(key, done, n_trials, row)
         return row["median_ms"] if row["status"] == "ok" else PENALTY_MS
 
     if n_trials > done:
         # Other workers may be filling the same study: stop when it holds n_trials
-        # completed trials, whoever ran them.
-        study.optimize(objective, n_trials=n_trials - done, timeout=timeout_s,
-                       callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,))])
+        # measured trials, whoever ran them.  A trial the rules reject is not counted
+        # (it compiles nothing), but at most REJECTED_PER_TRIAL of them per trial are run.
+        study.optimize(objective, n_trials=(n_trials - done) * (1 + REJECTED_PER_TRIAL), timeout=timeout_s,
+                       callbacks=[_MaxMeasured(n_trials)])
 
     best = db.best(key, env)
     best_ms = best["median_ms"] if best else None
@@ -954,7 +982,7 @@ def summarize(items: Iterable[tuple[ProblemKey, Shape]], *, db: TuningDB, env: E
         best = db.best(key, env)
         try:
             study = optuna.load_study(study_name=study_name(env, key, names), storage=st)
-            n = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            n = measured_trials(study)
         except KeyError:
             n = 0
         best_ms = best["median_ms"] if best else None

@@ -109,6 +109,21 @@ def test_invalid_and_infeasible_are_recorded_but_never_benchmarked(db):
     assert res.best_config is not None and vid(res.best_config, spec) in by_status["ok"]
 
 
+def test_rejected_configs_do_not_count_toward_the_budget(db):
+    """A config the rules or the shared-memory estimate reject costs no compile and no
+    measurement, and is not one of the budget's trials: with much of the space rejected
+    (d128 on a 101 KB GPU), a budget of 10 measures 10 configs."""
+    spec = KernelSpec("fwd", "bfloat16", 128, 128, "causal")
+    key, arch = SHAPE.key(spec), Arch("small-smem", (8, 6), 82, 101376)
+    bench = tuner.FakeBenchmarker(random_timings(spec))
+    res = run(db, bench, 10, key=key, arch=arch)
+    statuses = [t.user_attrs["status"] for t in load_study(db, key).trials
+                if t.state == optuna.trial.TrialState.COMPLETE]
+    assert res.n_trials == 10 == sum(s not in tuner.REJECTED for s in statuses)
+    assert any(s in tuner.REJECTED for s in statuses)  # they ran beside the budget's trials
+    assert len(bench.calls) == len(set(bench.calls)) <= 10
+
+
 def test_best_is_the_argmin_when_the_budget_covers_the_space(db, monkeypatch):
     monkeypatch.setitem(space.DOMAINS, "fwd", SMALL)
     timings = random_timings(seed=7)
@@ -138,7 +153,9 @@ def test_resume_continues_without_remeasuring(db, monkeypatch):
     assert len(bench.calls) == len(set(bench.calls))  # nothing measured twice
     trials = load_study(db).trials
     assert trials[0].params == {n: getattr(heuristics.default_config(SPEC, ARCH), n) for n in space.DOMAINS[SPEC.kernel]}
-    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 40
+    # the budget counts measured trials: rejected configs (infeasible here) run beside them
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert sum(t.user_attrs["status"] not in tuner.REJECTED for t in complete) == 40 <= len(complete)
     assert more.best_median_ms <= first.best_median_ms
 
 
