@@ -10,6 +10,7 @@ rendered or compiled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -154,11 +155,13 @@ def consumer_regs_needed(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
             + (sc // 2 if c.pin_exps else 0))
 
 
+@functools.lru_cache(maxsize=1024)
 def user_regs(mods: str, block_n: int) -> int:
     """Registers per consumer thread that user functions ``mods`` add (0 for none): a
     fixed part for a score function and for a mask function's predicate, and for each
     captured-tensor read along the key axis and each int64 value computed there
-    (:data:`USER_SCORE_REGS`)."""
+    (:data:`USER_SCORE_REGS`).  Memoized: the name hashes the lowered code, and the
+    rules run it for every config the tuner enumerates."""
     if not mods:
         return 0
     from ... import user_render
@@ -305,21 +308,17 @@ def space(s: GluonFwdSpec):
 
 
 def template_vars(v: GluonFwdVariant) -> dict:
-    """The Jinja variables of the template (besides variant_id and template_hash)."""
+    """The Jinja variables of the template (besides variant_id and template_hash), the
+    user functions' from :func:`.user.template_vars`."""
+    from .user import template_vars as user_vars
+
     s, c = v.spec, v.config
     return dict(dtype=s.dtype, head_dim=s.head_dim, head_dim_v=s.head_dim_v, head_dim_pad=pad(s.head_dim),
                 head_dim_v_pad=pad(s.head_dim_v), mask=s.mask, BLOCK_M=c.BLOCK_M,
                 NUM_CONSUMERS=c.num_consumers, BLOCK_N=c.BLOCK_N, NUM_STAGES=c.num_stages,
                 CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
                 PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent, CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks,
-                **user_template_vars(s.user))
-
-
-def user_template_vars(mods: str) -> dict:
-    """The template's variables of user functions ``mods`` (:func:`.user.template_vars`)."""
-    from .user import template_vars as user_vars
-
-    return user_vars(mods)
+                **user_vars(s.user))
 
 
 def replace(c: GluonFwdConfig, **kw) -> GluonFwdConfig:
