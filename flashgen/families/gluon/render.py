@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -41,19 +42,36 @@ def _env(directory: str | None = None) -> jinja2.Environment:
                               lstrip_blocks=True)
 
 
-def probe_variants() -> list[GluonFwdVariant]:
+#: Knob values added after the forward's code id was first recorded, each an extension
+#: of the id (:class:`.code_id.CodeId`): name -> whether a config has it.
+EXTENSIONS = {"persistent2": lambda c: c.persistent == 2}
+
+
+def probe_variants(extension: str | None = None) -> list[GluonFwdVariant]:
     """Every variant of the search space (:func:`.config.space`) of every dtype, head dim
-    pair and mask: the sources whose code defines the forward's code id."""
-    return [GluonFwdVariant(s, c) for dtype in DTYPES for d in HEAD_DIMS for dv in HEAD_DIMS for mask in MASKS
-            for s in (GluonFwdSpec(dtype, d, dv, mask),) for c in space(s)]
+    pair and mask: the sources whose code defines the forward's code id; those of an
+    :data:`EXTENSIONS` knob value are that extension's probes (``extension``), not the
+    original set's."""
+    out = []
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            for dv in HEAD_DIMS:
+                for mask in MASKS:
+                    s = GluonFwdSpec(dtype, d, dv, mask)
+                    for c in space(s):
+                        ext = next((n for n, has in EXTENSIONS.items() if has(c)), None)
+                        if ext == extension:
+                            out.append(GluonFwdVariant(s, c))
+    return out
 
 
-def _probe_sources(directory: str | None):
-    for v in probe_variants():
+def _probe_sources(directory: str | None, extension: str | None = None):
+    for v in probe_variants(extension):
         yield render(v, header_hash="-", directory=directory)
 
 
-_CODE_ID = CodeId("gluon/" + TEMPLATE, CODE_ID_RECORD, _probe_sources)
+_CODE_ID = CodeId("gluon/" + TEMPLATE, CODE_ID_RECORD, _probe_sources,
+                  {name: functools.partial(_probe_sources, extension=name) for name in EXTENSIONS})
 
 
 def code_id(directory: str | None = None) -> str:
@@ -85,6 +103,54 @@ def sinks_code_id() -> str:
     return h.hexdigest()[:16]
 
 
+#: The record of the user variants' code id (:func:`user_code_id`), beside the template.
+USER_CODE_ID_RECORD = "gluon/attn_fwd.user_code_id.json"
+
+
+def _user_inputs() -> dict[str, str]:
+    """What the user variants' code is made from: the template's text, :mod:`.user`'s
+    bytes (sha256, 16 hex digits each) and :func:`sinks_code_id`."""
+    from . import user
+
+    return {"text": _CODE_ID.text_hash(), "user": hashlib.sha256(Path(user.__file__).read_bytes()).hexdigest()[:16],
+            "sinks": sinks_code_id()}
+
+
+def _user_id_from_text() -> str:
+    """A new user code id: the sinks code id, the template's text and :mod:`.user`'s."""
+    from . import user
+
+    h = hashlib.sha256(sinks_code_id().encode())
+    h.update((gluon_templates_dir() / TEMPLATE).read_bytes())
+    h.update(Path(user.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def user_probe_digest() -> str:
+    """sha256 (16 hex digits) of the rendered user variants of the user examples
+    (:data:`flashgen.user_examples.NAMES` with score or mask functions, head_dim 128,
+    bfloat16, every config of :func:`.config.space`; header hash left out)."""
+    import torch
+
+    from ... import user_examples, user_tune
+    from ...spec import KernelSpec, Shape
+    from .family import fwd_spec
+
+    shape = Shape(batch=2, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+    h = hashlib.sha256()
+    with torch.device("cpu"):
+        for name in user_examples.NAMES:
+            ex = user_examples.make(name, shape.num_heads, shape.seqlen_q)
+            sm, mm = ex.functions(*ex.tensors)
+            if sm is None and mm is None:
+                continue
+            p = user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, 128, 128, "bfloat16", shape, label=name)
+            spec = fwd_spec(KernelSpec("fwd", "bfloat16", 128, 128, p.mask, p.fwd_mods))
+            for c in space(spec):
+                h.update(render(GluonFwdVariant(spec, c), header_hash="-").encode())
+    return h.hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=None)
 def user_code_id() -> str:
     """The code id every user variant of the forward carries (the ``sinks`` variants and
@@ -92,15 +158,41 @@ def user_code_id() -> str:
     (``KernelSpec.mods``) already hash the lowered functions and the code that writes
     them in Triton (:func:`flashgen.user_render.machinery_hash`); this adds what turns
     that code into this family's kernel: the forward's code id, the sources of the
-    sinks variant of each default config, the template's text and
-    :mod:`.user`'s.  One id for every lowering, so a database's rows are selected
-    without the functions being registered (:func:`flashgen.families.hashes`)."""
-    from . import user
+    sinks variant of each default config, the template and :mod:`.user`.  One id for
+    every lowering, so a database's rows are selected without the functions being
+    registered (:func:`flashgen.families.hashes`).
 
-    h = hashlib.sha256(sinks_code_id().encode())
-    h.update((gluon_templates_dir() / TEMPLATE).read_bytes())
-    h.update(Path(user.__file__).read_bytes())
-    return h.hexdigest()[:16]
+    Kept in a record (:data:`USER_CODE_ID_RECORD`, rewritten by ``python3 -m
+    flashgen.families.gluon``): the recorded id while the template's text, :mod:`.user`
+    and the sinks code id are the recorded ones, or while only the template's text
+    differs and the user examples' variants render as recorded
+    (:func:`user_probe_digest`: an edit elsewhere in the template); else a new id from
+    the template's text."""
+    rec = _read_record(USER_CODE_ID_RECORD)
+    now = _user_inputs()
+    if rec and all(rec.get(k) == v for k, v in now.items()):
+        return rec["code"]
+    if (rec and rec.get("user") == now["user"] and rec.get("sinks") == now["sinks"]
+            and rec.get("probes") == user_probe_digest()):
+        return rec["code"]
+    return _user_id_from_text()
+
+
+def _read_record(name: str) -> dict:
+    try:
+        return json.loads((templates_dir() / name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_user_code_id() -> dict:
+    """Rewrite :data:`USER_CODE_ID_RECORD` for the template and :mod:`.user` as they are
+    (the id as :func:`user_code_id` gives it)."""
+    user_code_id.cache_clear()
+    new = {**_user_inputs(), "probes": user_probe_digest(), "code": user_code_id()}
+    (templates_dir() / USER_CODE_ID_RECORD).write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
+    user_code_id.cache_clear()
+    return new
 
 
 def write_code_id(directory: str | None = None) -> dict:
