@@ -51,6 +51,18 @@ SHAPES = [
 ]
 
 
+#: The set "sched" times the persistent walk (persistent 2) where one program per tile
+#: loses most: the FA-grid shapes up to seqlen 2048-4096 and the Llama training step's
+#: layer (4 x 16/4 heads x 2048, head_dim 128, causal).
+SCHED_SHAPES = [
+    (32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16, 16, 2048, 128, True),
+    (4, 16, 16, 4096, 128, True), (4, 16, 4, 2048, 128, True),
+    (32, 16, 16, 512, 128, False), (16, 16, 16, 1024, 128, False), (8, 16, 16, 2048, 128, False),
+    (32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True), (8, 32, 32, 2048, 64, True),
+    (4, 32, 32, 4096, 64, True), (32, 32, 32, 512, 64, False), (16, 32, 32, 1024, 64, False),
+]
+
+
 def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
@@ -65,6 +77,18 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
         64: [_cfg(stages=4), _cfg(stages=4, pin=True), _cfg(stages=4, pers=True), _cfg(nc=3, stages=4),
              _cfg(nc=3, bn=64, stages=6)],
     }
+    if name == "sched":
+        timed = {
+            128: [_cfg(pin=True), _cfg(pin=True, pers=2), _cfg(), _cfg(pers=2)],
+            64: [_cfg(stages=4), _cfg(stages=4, pers=2), _cfg(nc=3, stages=4), _cfg(nc=3, stages=4, pers=1),
+                 _cfg(nc=3, stages=4, pers=2)],
+        }
+        out = []
+        for d, cfgs in timed.items():
+            for mask in ("none", "causal", "window"):
+                out += [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, mask), c) for c in cfgs]
+            out.append(GluonFwdVariant(GluonFwdSpec("float16", d, d, "causal"), cfgs[1]))
+        return [v for v in out if not check(v)]
     if name == "full":
         timed = {
             128: [_cfg(), _cfg(pin=True), _cfg(pers=True), _cfg(pin=True, pers=True), _cfg(bn=64, stages=4, pin=True),
@@ -98,7 +122,8 @@ def _check_cases(mask: str):
                 (1, 2, 2, 4097, 4097, False, (-1, -1), "bottom_right"),
                 (1, 4, 1, 17, 1000, False, (-1, -1), "bottom_right"),
                 (1, 2, 2, 1000, 17, False, (-1, -1), "bottom_right"),
-                (3, 6, 2, 129, 257, False, (-1, -1), "bottom_right")]
+                (3, 6, 2, 129, 257, False, (-1, -1), "bottom_right"),
+                (8, 16, 4, 1000, 1000, False, (-1, -1), "bottom_right")]  # several tiles per persistent program
     if mask == "causal":
         return [(2, 4, 2, 1, 1, True, (-1, -1), "bottom_right"), (1, 2, 1, 17, 17, True, (-1, -1), "bottom_right"),
                 (2, 4, 4, 1000, 1000, True, (-1, -1), "bottom_right"),
@@ -107,10 +132,14 @@ def _check_cases(mask: str):
                 (1, 2, 2, 1000, 17, True, (-1, -1), "bottom_right"),  # rows that see no key
                 (1, 2, 2, 1000, 17, True, (-1, -1), "top_left"),
                 (2, 4, 2, 300, 1000, True, (-1, -1), "top_left"),
-                (1, 2, 2, 257, 4097, False, (-1, 5), "bottom_right")]  # right-bounded only: causal mode
+                (1, 2, 2, 257, 4097, False, (-1, 5), "bottom_right"),  # right-bounded only: causal mode
+                # several tiles per persistent program, in sections of (z, h) planes
+                (2, 24, 24, 3000, 3000, True, (-1, -1), "bottom_right"),
+                (4, 16, 4, 1000, 1100, True, (-1, -1), "top_left")]
     return [(2, 4, 2, 1000, 1000, False, (37, 11), "bottom_right"), (1, 2, 1, 4097, 4097, True, (256, -1), "bottom_right"),
             (1, 2, 2, 17, 1000, False, (0, 0), "bottom_right"), (1, 4, 2, 1000, 300, False, (100, 30), "top_left"),
-            (2, 2, 2, 4097, 4097, False, (1000, 1000), "bottom_right")]
+            (2, 2, 2, 4097, 4097, False, (1000, 1000), "bottom_right"),
+            (2, 24, 8, 3000, 3000, False, (300, 0), "bottom_right")]  # several tiles per persistent program
 
 
 def _in_buffer(t, fill, rows=64, cols=16):
@@ -215,7 +244,7 @@ def _flops(b, h, sq, sk, d, causal):
     return 4.0 * b * h * sq * sk * d * (0.5 if causal else 1.0)
 
 
-def time_all(variants, rep_ms: int) -> list[dict]:
+def time_all(variants, rep_ms: int, shapes=None) -> list[dict]:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -225,7 +254,7 @@ def time_all(variants, rep_ms: int) -> list[dict]:
     from flashgen.families.gluon import launch
 
     rows = []
-    for (b, h, hk, n, d, causal) in SHAPES:
+    for (b, h, hk, n, d, causal) in shapes or SHAPES:
         dt = torch.bfloat16
         q = torch.randn(b, h, n, d, device="cuda", dtype=dt)
         k = torch.randn(b, hk, n, d, device="cuda", dtype=dt)
@@ -290,7 +319,7 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
-    p.add_argument("--set", default="quick", choices=("quick", "full"))
+    p.add_argument("--set", default="quick", choices=("quick", "full", "sched"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -325,7 +354,7 @@ def main(argv=None) -> int:
 
         out["device"] = torch.cuda.get_device_name()
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
-        out["timing"] = time_all(passing, args.rep_ms)
+        out["timing"] = time_all(passing, args.rep_ms, SCHED_SHAPES if args.set == "sched" else None)
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))
     return 0

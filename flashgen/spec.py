@@ -256,7 +256,8 @@ class TileConfig:
     ``num_stages`` the depth of the shared-memory ring.  ``consumer_regs`` /
     ``producer_regs``: setmaxnreg budgets (0: the family's default split for the consumer
     count; ``_r240-24``); ``pin`` 1 keeps the forward's exponentials between its two
-    wgmma waits (``_pin``); ``persistent`` 1: one forward program per SM slot (``_pers``);
+    wgmma waits (``_pin``); ``persistent`` 1: one forward program per SM slot (``_pers``), 2: the same with the next tile's
+    Q loaded during a tile's epilogue and masked tiles walked longest first (``_pers2``);
     ``ctas_per_sm``: forward programs resident per SM (0 = 1; ``_x2``); ``dq_atomic`` 1:
     the backward adds dQ by float32 atomics instead of TMA reduce-add (``_dqat``);
     ``row_load``: how the backward's consumers get LSE and delta (0 TMA through the ring,
@@ -305,8 +306,9 @@ class TileConfig:
         if self.consumer_regs or self.producer_regs:
             s += f"_r{self.consumer_regs}-{self.producer_regs}"
         for name, tag in _FLAG_TAGS:
-            if getattr(self, name):
-                s += tag
+            val = getattr(self, name)
+            if val:
+                s += tag if val == 1 else f"{tag}{val}"
         for name, tag in _INT_TAGS:
             val = getattr(self, name)
             if val:

@@ -36,7 +36,10 @@ def test_every_space_variant_renders():
             assert f'VARIANT_ID = "{v.id}"' in src
             assert f"MAXNREG = {maxnreg(c)}" in src
             assert ("pin = _pin(" in src) == c.pin_exps
-            assert ("num_tiles, gl.num_programs(0)" in src) == c.persistent
+            assert ("num_tiles, gl.num_programs(0)" in src) == bool(c.persistent)
+            # the persistent walk's own O staging buffer, and its longest-first order with a mask
+            assert ("o_buf = q_smem" in src) == (c.persistent != 2 and s.head_dim_v == s.head_dim)
+            assert ("_tile_coords_lpt(tile" in src) == (c.persistent == 2 and s.mask != "none")
             n += 1
     assert n > 500
 
@@ -118,6 +121,9 @@ COMPILE_CASES = [
     ("bfloat16", 128, 64, "none", dict(persistent=True, pin_exps=True)),
     ("bfloat16", 128, 128, "causal", dict(pin_exps=True), True),
     ("bfloat16", 64, 64, "window", dict(), True),
+    # the persistent walk with its own O staging buffer, and its longest-first order
+    ("bfloat16", 128, 128, "none", dict(pin_exps=True, persistent=2)),
+    ("bfloat16", 64, 64, "causal", dict(num_stages=4, persistent=2)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES under a Triton other than 3.6 (3.6: none; the
@@ -127,11 +133,13 @@ COMPILE_CASES = [
 #: outside the key loop; the persistent pinned tile also spills from 3.9's own PTX
 #: (12 B with ptxas 12.8 too), one reload inside the key loop; the d64 window tile of
 #: two consumers and two stages spills 4 B (8 B of stack), its sinks variant the same (0 B
-#: under 3.6).  Any other spill fails.
+#: under 3.6); the pinned persistent walk with its own O buffer spills 16 B like the
+#: pinned persistent tile (0 B under 3.6).  Any other spill fails.
 SPILL_BYTES = {
     "3.9": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin": 4,
             "gluon_fwd_d64_bf16_window_m64x2_n128_s2_r240-24": 4,
-            "gluon_fwd_d128_dv64_bf16_none_m64x2_n128_s2_r240-24_pin_pers": 16},
+            "gluon_fwd_d128_dv64_bf16_none_m64x2_n128_s2_r240-24_pin_pers": 16,
+            "gluon_fwd_d128_bf16_none_m64x2_n128_s2_r240-24_pin_pers2": 16},
 }
 
 _SCRIPT = r'''
@@ -207,7 +215,7 @@ def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
     assert R._CODE_ID.text_hash(same) != R._CODE_ID.text_hash() and R.code_id(same) == R.template_hash()
     other = edited("other", anchor, "# changed\n" + anchor)
     assert R.code_id(other) not in (R.template_hash(), R._CODE_ID.text_hash(other))
-    assert R.write_code_id(other)["code"] == R.code_id(other) == R._CODE_ID.probe_digest(other)
+    assert R.write_code_id(other)["code"] == R.code_id(other) != R.template_hash()
     R.template_hash.cache_clear()
     assert R.template_hash() == json.loads((templates_dir() / R.CODE_ID_RECORD).read_text())["code"]
 
@@ -255,3 +263,32 @@ def test_the_sinks_fold_after_the_key_loop_is_the_sinks_softmax():
                                          sinks=sinks)
     assert torch.allclose(o, ref_o, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
     assert torch.equal(o[:, :, -1], torch.zeros_like(o[:, :, -1])) and torch.allclose(lse[0, :, -1], sinks)
+
+
+def test_the_persistent_walk_takes_every_tile_once_longest_first():
+    """``persistent`` 2 with a mask: the kernel's tile order (its ``_tile_coords_lpt``,
+    run here on Python ints) is :func:`.config.persistent_order`, a permutation of the
+    (z * h, query block) tiles; within each section of planes the query blocks come
+    last block first, every plane of the section before the next block; a section's K
+    and V fit L2_SECTION_BYTES unless a single kv head does not."""
+    import types
+
+    from flashgen.families.gluon.config import L2_SECTION_BYTES, persistent_order, section_planes
+
+    src = render(GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "causal"), GluonFwdConfig(persistent=2)))
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "_tile_coords_lpt")
+    fn.decorator_list = []
+    ns = {"gl": types.SimpleNamespace(minimum=min, maximum=max), "BLOCK_MT": 128}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "<lpt>", "exec"), ns)
+    for num_m, b, h, group, sk in ((4, 2, 16, 1, 512), (33, 2, 24, 1, 4097), (8, 3, 32, 4, 1000), (5, 1, 7, 7, 300000)):
+        num_hz = b * h
+        sec = section_planes(num_hz, group, sk, 128, 128)
+        assert sec == num_hz or (sec // group) * sk * 256 * 2 <= L2_SECTION_BYTES or sec == group
+        order = persistent_order(num_m, num_hz, sec)
+        assert sorted(order) == [(hz, m) for hz in range(num_hz) for m in range(num_m)]
+        for tile, (hz, m) in enumerate(order):
+            z, hh, kvh, off_hz, m0 = ns["_tile_coords_lpt"](tile, num_m * num_hz, num_m, h, group, sec)
+            assert (off_hz, m0, z * h + hh, kvh) == (hz, m * 128, hz, hh // group)
+        for start in range(0, num_hz, sec):  # one section: blocks longest first
+            blocks = [m for hz, m in order if start <= hz < start + sec]
+            assert blocks == sorted(blocks, reverse=True)

@@ -83,8 +83,12 @@ class GluonFwdConfig:
                    consumer warpgroup and of the producer's warpgroup.
     pin_exps       keep the exponentials between the two wgmma waits in the SASS (a
                    never-taken predicated shared store; measure on vs off).
-    persistent     one program per SM slot walks the (query block, z * h) tiles
-                   round-robin instead of one program per tile (mask none only).
+    persistent     0: one program per tile; 1: one program per SM slot walks the
+                   (query block, z * h) tiles round-robin (mask none only); 2: the
+                   same walk with O staged in its own buffer, so the next tile's Q
+                   loads during a tile's last P V product and epilogue, and masked
+                   modes take the tiles longest first within L2-sized sections of
+                   (z, h) planes (:func:`persistent_order`).
     ctas_per_sm    programs resident on one SM (1 or 2): the launch register cap and
                    the shared memory of a program are the SM's divided by it (two
                    one-consumer programs overlap one's prologue and epilogue with the
@@ -98,7 +102,7 @@ class GluonFwdConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
     pin_exps: bool = False
-    persistent: bool = False
+    persistent: int = 0
     ctas_per_sm: int = 1
 
 
@@ -113,7 +117,8 @@ class GluonFwdVariant:
         s, c = self.spec, self.config
         dv = "" if s.head_dim_v == s.head_dim else f"_dv{s.head_dim_v}"
         dt = {"float16": "fp16", "bfloat16": "bf16"}.get(s.dtype, s.dtype)
-        tail = ("_pin" if c.pin_exps else "") + ("_pers" if c.persistent else "") + \
+        pers = {0: "", 1: "_pers"}.get(int(c.persistent), f"_pers{int(c.persistent)}")
+        tail = ("_pin" if c.pin_exps else "") + pers + \
             (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
@@ -186,6 +191,35 @@ def user_regs(mods: str, block_n: int) -> int:
             + words * block_n // 4 + loads * USER_LOAD_REGS)
 
 
+#: K/V bytes of the (z, h) planes that share a section of the persistent walk of masked
+#: modes (``persistent`` 2): about two thirds of the H200's 50 MB L2, so a section's K and
+#: V stay in L2 while its query blocks pass over them.
+L2_SECTION_BYTES = 32 * 1024 * 1024
+
+
+def section_planes(num_hz: int, group: int, seqlen_k: int, d_pad: int, dv_pad: int) -> int:
+    """(z, h) planes per section of the persistent walk of a masked mode (the kernel's
+    ``section`` argument): as many kv heads as fit :data:`L2_SECTION_BYTES` (seqlen_k x
+    (d_pad + dv_pad) x 2 B each, at least one) times the GQA ``group``, at most num_hz."""
+    kv_bytes = max(1, seqlen_k * (d_pad + dv_pad) * 2)
+    return max(1, min(max(L2_SECTION_BYTES // kv_bytes, 1) * group, num_hz))
+
+
+def persistent_order(num_m_blocks: int, num_hz: int, section: int) -> list[tuple[int, int]]:
+    """(z * h, query block) of each tile index of the persistent walk of a masked mode
+    (``persistent`` 2), as the template's ``_tile_coords_lpt`` computes it: sections of
+    ``section`` (z, h) planes (:func:`section_planes`), and within a section query block
+    major, the last block (the one that sees the most keys) first.  Program p of P
+    takes tiles p, p + P, ..."""
+    out = []
+    for tile in range(num_m_blocks * num_hz):
+        base = (tile // (section * num_m_blocks)) * section
+        n_hz = min(section, num_hz - base)
+        idx = tile - base * num_m_blocks
+        out.append((base + idx % n_hz, num_m_blocks - 1 - idx // n_hz))
+    return out
+
+
 def smem_terms(s: GluonFwdSpec, c: GluonFwdConfig) -> dict[str, int]:
     """Shared memory in bytes, as named buffers."""
     es = 2
@@ -197,7 +231,7 @@ def smem_terms(s: GluonFwdSpec, c: GluonFwdConfig) -> dict[str, int]:
         "barriers": 8 * (2 * c.num_consumers + 4 * c.num_stages),
         "slack": SMEM_SLACK_BYTES,
     }
-    if dv != d:  # O is staged in the Q buffer only when the tile shapes agree
+    if dv != d or c.persistent == 2:  # O is staged in the Q buffer only when the tile shapes agree
         terms["o_staging"] = c.num_consumers * c.BLOCK_M * dv * es
     return terms
 
@@ -226,7 +260,12 @@ def check(v: GluonFwdVariant) -> list[str]:
         why.append(f"num_consumers={c.num_consumers}: 1, 2 or 3 consumer warpgroups")
     if c.BLOCK_N not in (64, 128):
         why.append(f"BLOCK_N={c.BLOCK_N}: 64 or 128 (a power of two, the scores' wgmma N <= 256)")
-    if c.persistent and s.mask != "none":
+    if c.persistent not in (0, 1, 2):
+        why.append(f"persistent={c.persistent}: 0 (one program per tile), 1 or 2 (one program per SM slot)")
+    if c.persistent == 2 and s.user:
+        why.append("persistent=2 with user score/mask functions: not built (their block mask walks one tile "
+                   "per program)")
+    if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
     if c.ctas_per_sm not in (1, 2):
@@ -299,7 +338,7 @@ def space(s: GluonFwdSpec):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
     :func:`check`)."""
     for nc, bn, stages, pin, pers, ctas in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True),
-                                                             (False, True), (1, 2)):
+                                                             (0, 1, 2), (1, 2)):
         cr, pr = default_regs(nc, ctas)
         cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
                              pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
@@ -317,7 +356,8 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 head_dim_v_pad=pad(s.head_dim_v), mask=s.mask, BLOCK_M=c.BLOCK_M,
                 NUM_CONSUMERS=c.num_consumers, BLOCK_N=c.BLOCK_N, NUM_STAGES=c.num_stages,
                 CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
-                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent, CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks,
+                PIN_EXPS=c.pin_exps, PERSISTENT=2 if c.persistent == 2 else bool(c.persistent),
+                CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks,
                 **user_vars(s.user))
 
 
