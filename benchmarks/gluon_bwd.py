@@ -56,6 +56,13 @@ CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, True), 128, True),
            ((64, 64, 2, 4, "tma", 240, 24, "tma", 4), 64, True),
            ((64, 64, 2, 4, "tma", 240, 24, "producer", 1, True), 64, False),
            ((64, 64, 2, 4, "tma", 240, 24, "ptr", 4), 64, False)]
+#: ``--tiles d64``: BLOCK_M 128 at head_dim 64 (one lock-step partition of two consumers,
+#: FlashAttention-3's 128 x 128 tile of that head dim) beside the default; the register
+#: rule rejects it (ptxas: 36 B of spills without a mask, 76 B causal), so it is built
+#: with the rules off (``attention_bwd(check=False)``) to measure what the rule costs.
+TILE_PROBES = {"d64": [((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, False),
+                       ((128, 64, 2, 2, "tma", 240, 24, "tma", 1, False), 64, False),
+                       ((128, 64, 2, 3, "tma", 240, 24, "tma", 1, False), 64, False)]}
 #: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
 CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),
           (2, 4, 2, 1000, 1000, False, (-1, -1), "bottom_right", True),
@@ -143,12 +150,13 @@ def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: 
                 torch.full((b, hk, sk, d), float("nan"), device=dev, dtype=dt),
                 torch.full((b, hk, sk, d), float("nan"), device=dev, dtype=dt)]
         got = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=scale, diag_lo=lo, diag_hi=hi, mask=mode,
-                              config=cfg, dq=outs[0], dk=outs[1], dv=outs[2], stage_sync=True)
+                              config=cfg, dq=outs[0], dk=outs[1], dv=outs[2], stage_sync=True,
+                              check=False)
         torch.cuda.synchronize()
         res = {}
         if ordered:  # two more backwards: bitwise the same dQ, dK, dV?
             again = [B.attention_bwd(do, q, k, v, o, lse, softmax_scale=scale, diag_lo=lo, diag_hi=hi, mask=mode,
-                                     config=cfg) for _ in range(2)]
+                                     config=cfg, check=False) for _ in range(2)]
             torch.cuda.synchronize()
             res["repeatable"] = all(torch.equal(x, y) for a in again for x, y in zip(got, a))
         for name, gt, r, bs in zip(("dq", "dk", "dv"), got, ref, base):
@@ -193,7 +201,7 @@ def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: 
                     lse = torch.randn(b, h, s, device=dev, dtype=torch.float32).abs() + 5.0
                     mode, lo, hi = mask_bounds(s, s, causal=causal, window=(-1, -1))
                     fn = lambda: B.attention_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, diag_lo=lo,  # noqa: E731
-                                                 diag_hi=hi, mask=mode, config=cfg)
+                                                 diag_hi=hi, mask=mode, config=cfg, check=False)
                     fn()
                     torch.cuda.synchronize()
                     ms = float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
@@ -380,6 +388,8 @@ def main() -> int:
     ap.add_argument("--warm-only", action="store_true", help="child: baselines run once, untimed")
     ap.add_argument("--gqa", action="store_true", help="the GQA run (group_split 1, 2, 4 against cuDNN)")
     ap.add_argument("--ordered", action="store_true", help="the deterministic run (dQ added in a fixed order)")
+    ap.add_argument("--tiles", choices=sorted(TILE_PROBES), default=None,
+                    help="time TILE_PROBES[...] (configs outside the rules among them) instead of CONFIGS")
     ap.add_argument("items", nargs="*")
     a = ap.parse_args()
     if a.child_variants:
@@ -404,7 +414,7 @@ def main() -> int:
         # variants compile and run their checks.
         warm = subprocess.Popen([sys.executable, __file__, "--child-baselines", "--warm-only"], stdout=wlog,
                                 stderr=subprocess.STDOUT, cwd=str(ROOT))
-        specs = [json.dumps([list(f), d, full]) for f, d, full in CONFIGS]
+        specs = [json.dumps([list(f), d, full]) for f, d, full in (TILE_PROBES[a.tiles] if a.tiles else CONFIGS)]
         checked = _run_child(["--child-variants"], specs, 90.0, deadline - 60.0, log)
         try:
             warm.wait(timeout=max(deadline - 50.0 - time.time(), 1.0))
