@@ -63,6 +63,12 @@ SCHED_SHAPES = [
 ]
 
 
+#: The set "short" times one-consumer and two-programs-per-SM tiles of the persistent walk
+#: on the short causal grid shapes, where the Triton family's rows still serve.
+SHORT_SHAPES = [(32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16, 16, 2048, 128, True),
+                (32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True), (8, 32, 32, 2048, 64, True)]
+
+
 def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
@@ -88,6 +94,15 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
             for mask in ("none", "causal", "window"):
                 out += [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, mask), c) for c in cfgs]
             out.append(GluonFwdVariant(GluonFwdSpec("float16", d, d, "causal"), cfgs[1]))
+        return [v for v in out if not check(v)]
+    if name == "short":
+        timed = {
+            128: [_cfg(pers=2), _cfg(nc=1, bn=64, ctas=2, pers=2), _cfg(nc=1, bn=64, ctas=2), _cfg(nc=1, pers=2),
+                  _cfg(nc=1, stages=3, pers=2), _cfg(bn=64, stages=4, pers=2)],
+            64: [_cfg(stages=4, pers=2), _cfg(nc=1, stages=3, ctas=2, pers=2), _cfg(nc=1, bn=64, stages=4, ctas=2, pers=2),
+                 _cfg(nc=1, stages=3, ctas=2), _cfg(nc=1, stages=4, pers=2), _cfg(bn=64, stages=6, pers=2)],
+        }
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), c) for d, cfgs in timed.items() for c in cfgs]
         return [v for v in out if not check(v)]
     if name == "full":
         timed = {
@@ -319,7 +334,7 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
-    p.add_argument("--set", default="quick", choices=("quick", "full", "sched"))
+    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -354,7 +369,7 @@ def main(argv=None) -> int:
 
         out["device"] = torch.cuda.get_device_name()
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
-        out["timing"] = time_all(passing, args.rep_ms, SCHED_SHAPES if args.set == "sched" else None)
+        out["timing"] = time_all(passing, args.rep_ms, {"sched": SCHED_SHAPES, "short": SHORT_SHAPES}.get(args.set))
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))
     return 0

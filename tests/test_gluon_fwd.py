@@ -194,6 +194,20 @@ def test_code_id_record_is_current():
     assert len(R.probe_variants()) > 1000
 
 
+def test_user_code_id_record_is_current():
+    """templates/gluon/attn_fwd.user_code_id.json matches the template, user.py and the
+    sinks code id, and the user examples' variants render as recorded: run ``python3 -m
+    flashgen.families.gluon`` after an edit when this fails.  The shipped user rows carry
+    this id (tests/test_tma.py)."""
+    from flashgen.families.gluon import render as R
+    from flashgen.families.gluon.user_probe import user_probe_digest
+    from flashgen.render import templates_dir
+
+    rec = json.loads((templates_dir() / R.USER_CODE_ID_RECORD).read_text())
+    assert {k: rec[k] for k in ("text", "user", "sinks")} == R._user_inputs()
+    assert rec["probes"] == user_probe_digest() and R.user_code_id() == rec["code"]
+
+
 def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
     """A Jinja comment or a branch no recorded variant renders keeps the forward's id
     (and its tuned rows); a change to the code of a recorded variant gives a new one."""

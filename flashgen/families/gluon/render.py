@@ -126,31 +126,6 @@ def _user_id_from_text() -> str:
     return h.hexdigest()[:16]
 
 
-def user_probe_digest() -> str:
-    """sha256 (16 hex digits) of the rendered user variants of the user examples
-    (:data:`flashgen.user_examples.NAMES` with score or mask functions, head_dim 128,
-    bfloat16, every config of :func:`.config.space`; header hash left out)."""
-    import torch
-
-    from ... import user_examples, user_tune
-    from ...spec import KernelSpec, Shape
-    from .family import fwd_spec
-
-    shape = Shape(batch=2, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
-    h = hashlib.sha256()
-    with torch.device("cpu"):
-        for name in user_examples.NAMES:
-            ex = user_examples.make(name, shape.num_heads, shape.seqlen_q)
-            sm, mm = ex.functions(*ex.tensors)
-            if sm is None and mm is None:
-                continue
-            p = user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, 128, 128, "bfloat16", shape, label=name)
-            spec = fwd_spec(KernelSpec("fwd", "bfloat16", 128, 128, p.mask, p.fwd_mods))
-            for c in space(spec):
-                h.update(render(GluonFwdVariant(spec, c), header_hash="-").encode())
-    return h.hexdigest()[:16]
-
-
 @functools.lru_cache(maxsize=None)
 def user_code_id() -> str:
     """The code id every user variant of the forward carries (the ``sinks`` variants and
@@ -162,18 +137,15 @@ def user_code_id() -> str:
     every lowering, so a database's rows are selected without the functions being
     registered (:func:`flashgen.families.hashes`).
 
-    Kept in a record (:data:`USER_CODE_ID_RECORD`, rewritten by ``python3 -m
-    flashgen.families.gluon``): the recorded id while the template's text, :mod:`.user`
-    and the sinks code id are the recorded ones, or while only the template's text
-    differs and the user examples' variants render as recorded
-    (:func:`user_probe_digest`: an edit elsewhere in the template); else a new id from
-    the template's text."""
+    Kept in a record (:data:`USER_CODE_ID_RECORD`): the recorded id while the template's
+    text, :mod:`.user` and the sinks code id are the recorded ones, else a new id from
+    the template's text.  ``python3 -m flashgen.families.gluon`` rewrites the record
+    after an edit (:func:`write_user_code_id`), keeping the id when only the template's
+    text changed and the user examples' variants render as recorded
+    (:func:`.user_probe.user_probe_digest`)."""
     rec = _read_record(USER_CODE_ID_RECORD)
     now = _user_inputs()
     if rec and all(rec.get(k) == v for k, v in now.items()):
-        return rec["code"]
-    if (rec and rec.get("user") == now["user"] and rec.get("sinks") == now["sinks"]
-            and rec.get("probes") == user_probe_digest()):
         return rec["code"]
     return _user_id_from_text()
 
@@ -185,11 +157,14 @@ def _read_record(name: str) -> dict:
         return {}
 
 
-def write_user_code_id() -> dict:
-    """Rewrite :data:`USER_CODE_ID_RECORD` for the template and :mod:`.user` as they are
-    (the id as :func:`user_code_id` gives it)."""
-    user_code_id.cache_clear()
-    new = {**_user_inputs(), "probes": user_probe_digest(), "code": user_code_id()}
+def write_user_code_id(probes: str) -> dict:
+    """Rewrite :data:`USER_CODE_ID_RECORD` for the template and :mod:`.user` as they are:
+    the recorded id is kept when :mod:`.user` and the sinks code id are the recorded ones
+    and ``probes`` (:func:`.user_probe.user_probe_digest`, the user examples' rendered
+    variants) is the recorded digest, else the id is new (from the template's text)."""
+    rec, now = _read_record(USER_CODE_ID_RECORD), _user_inputs()
+    kept = rec and rec.get("user") == now["user"] and rec.get("sinks") == now["sinks"] and rec.get("probes") == probes
+    new = {**now, "probes": probes, "code": rec["code"] if kept else _user_id_from_text()}
     (templates_dir() / USER_CODE_ID_RECORD).write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
     user_code_id.cache_clear()
     return new
