@@ -223,6 +223,8 @@ def test_code_id_record_is_current():
     while the probe variants' code is unchanged)."""
     rec = json.loads((B._templates_dir() / B.CODE_ID_RECORD).read_text())
     assert rec["text"] == B.text_hash() and rec["probes"] == B.probe_digest()
+    # the variants admitted later (the lock-step register slack) as recorded too
+    assert rec.get("extensions", {}) == B._CODE_ID.extension_digests() and "lockstep_spill_slack" in rec["extensions"]
     assert B.template_hash() == rec["code"] == B.code_id()
     src = B.render(B.default_config(128), "bfloat16", 128, "causal")
     assert f"template_hash: {rec['code']}" in src and f'TEMPLATE_HASH = "{rec["code"]}"' in src

@@ -159,11 +159,15 @@ def _read_record(name: str) -> dict:
 
 def write_user_code_id(probes: str) -> dict:
     """Rewrite :data:`USER_CODE_ID_RECORD` for the template and :mod:`.user` as they are:
-    the recorded id is kept when :mod:`.user` and the sinks code id are the recorded ones
-    and ``probes`` (:func:`.user_probe.user_probe_digest`, the user examples' rendered
-    variants) is the recorded digest, else the id is new (from the template's text)."""
+    the recorded id is kept when the template's text, :mod:`.user` and the sinks code id
+    are the recorded ones (the code is; ``probes`` is recorded anew, e.g. after the probe
+    set grew), or when :mod:`.user` and the sinks code id are and ``probes``
+    (:func:`.user_probe.user_probe_digest`, the probe set's rendered variants) is the
+    recorded digest; else the id is new (from the template's text)."""
     rec, now = _read_record(USER_CODE_ID_RECORD), _user_inputs()
-    kept = rec and rec.get("user") == now["user"] and rec.get("sinks") == now["sinks"] and rec.get("probes") == probes
+    same_code = rec and all(rec.get(k) == v for k, v in now.items())
+    kept = same_code or (rec and rec.get("user") == now["user"] and rec.get("sinks") == now["sinks"]
+                         and rec.get("probes") == probes)
     new = {**now, "probes": probes, "code": rec["code"] if kept else _user_id_from_text()}
     (templates_dir() / USER_CODE_ID_RECORD).write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
     user_code_id.cache_clear()
