@@ -26,6 +26,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
+def read_record(path: Path) -> dict:
+    """A code-id record (JSON), {} when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 class CodeId:
     """The code id of one template.
 
@@ -80,10 +88,7 @@ class CodeId:
         return h.hexdigest()[:16]
 
     def record(self, directory: str | None = None) -> dict:
-        try:
-            return json.loads((self._dir(directory) / self.record_name).read_text())
-        except (OSError, ValueError):
-            return {}
+        return read_record(self._dir(directory) / self.record_name)
 
     def code_id(self, directory: str | None = None) -> str:
         """The recorded id while the template's text is the recorded one, or while its

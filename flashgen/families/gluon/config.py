@@ -231,7 +231,7 @@ def smem_terms(s: GluonFwdSpec, c: GluonFwdConfig) -> dict[str, int]:
         "barriers": 8 * (2 * c.num_consumers + 4 * c.num_stages),
         "slack": SMEM_SLACK_BYTES,
     }
-    if dv != d or c.persistent == 2:  # O is staged in the Q buffer only when the tile shapes agree
+    if dv != d or c.persistent == 2:  # O is staged in Q's buffer when the shapes agree, except in the walk
         terms["o_staging"] = c.num_consumers * c.BLOCK_M * dv * es
     return terms
 
@@ -356,6 +356,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 head_dim_v_pad=pad(s.head_dim_v), mask=s.mask, BLOCK_M=c.BLOCK_M,
                 NUM_CONSUMERS=c.num_consumers, BLOCK_N=c.BLOCK_N, NUM_STAGES=c.num_stages,
                 CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
+                # 0/1 render as False/True, as before the walk existed (the code ids follow the source)
                 PIN_EXPS=c.pin_exps, PERSISTENT=2 if c.persistent == 2 else bool(c.persistent),
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks,
                 **user_vars(s.user))

@@ -19,7 +19,7 @@ from types import ModuleType
 import jinja2
 
 from ...render import templates_dir
-from .code_id import CodeId
+from .code_id import CodeId, read_record
 from .config import (
     DTYPES, HEAD_DIMS, MASKS, GluonFwdSpec, GluonFwdVariant, check, default_config, space, template_vars,
 )
@@ -143,18 +143,11 @@ def user_code_id() -> str:
     after an edit (:func:`write_user_code_id`), keeping the id when only the template's
     text changed and the user examples' variants render as recorded
     (:func:`.user_probe.user_probe_digest`)."""
-    rec = _read_record(USER_CODE_ID_RECORD)
+    rec = read_record(templates_dir() / USER_CODE_ID_RECORD)
     now = _user_inputs()
     if rec and all(rec.get(k) == v for k, v in now.items()):
         return rec["code"]
     return _user_id_from_text()
-
-
-def _read_record(name: str) -> dict:
-    try:
-        return json.loads((templates_dir() / name).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def write_user_code_id(probes: str) -> dict:
@@ -164,7 +157,7 @@ def write_user_code_id(probes: str) -> dict:
     set grew), or when :mod:`.user` and the sinks code id are and ``probes``
     (:func:`.user_probe.user_probe_digest`, the probe set's rendered variants) is the
     recorded digest; else the id is new (from the template's text)."""
-    rec, now = _read_record(USER_CODE_ID_RECORD), _user_inputs()
+    rec, now = read_record(templates_dir() / USER_CODE_ID_RECORD), _user_inputs()
     same_code = rec and all(rec.get(k) == v for k, v in now.items())
     kept = same_code or (rec and rec.get("user") == now["user"] and rec.get("sinks") == now["sinks"]
                          and rec.get("probes") == probes)
