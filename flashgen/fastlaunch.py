@@ -30,6 +30,7 @@ runs the kernels, or ``FLASHGEN_FAST_LAUNCH=0`` is set.
 from __future__ import annotations
 
 import os
+import threading
 
 _I32 = 1 << 31
 _I64 = 1 << 63
@@ -77,6 +78,57 @@ def _hooked(hook) -> bool:
     return bool(calls) if isinstance(calls, list) else True
 
 
+_THREAD = threading.local()
+_LIBCUDA: list = []
+
+
+def _libcuda():
+    """The CUDA driver library through ctypes (None where it cannot be loaded)."""
+    if not _LIBCUDA:
+        import ctypes
+
+        lib = None
+        for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        _LIBCUDA.append(lib)
+    return _LIBCUDA[0]
+
+
+def ensure_context(dev: int) -> None:
+    """Make device ``dev``'s primary CUDA context current in the calling thread when no
+    context is (once per thread and device).
+
+    A thread that has made no CUDA runtime call that creates a context has none current:
+    torch's device guard skips ``cudaSetDevice`` when the device asked for is already
+    the thread's current one (device 0 in a new thread), and its caching allocator makes
+    no CUDA call when it has a free block.  Autograd runs backward nodes in such a
+    thread, and a server may call attention from one.  Triton's launcher makes the
+    primary context current itself, but only at the launch: building a tensor
+    descriptor before it (``cuTensorMapEncodeTiled``) then fails with "invalid device
+    context".  This does what the launcher does (``cuCtxGetCurrent``, else
+    ``cuDevicePrimaryCtxRetain`` and ``cuCtxSetCurrent``), before the descriptors."""
+    seen = getattr(_THREAD, "devices", None)
+    if seen is None:
+        seen = _THREAD.devices = set()
+    elif dev in seen:
+        return
+    lib = _libcuda()
+    if lib is not None:
+        import ctypes
+
+        ctx = ctypes.c_void_p()
+        if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and not ctx.value:
+            handle = ctypes.c_int()
+            if lib.cuDeviceGet(ctypes.byref(handle), int(dev)) == 0 \
+                    and lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle) == 0:
+                lib.cuCtxSetCurrent(ctx)
+    seen.add(dev)
+
+
 def _device_and_stream():
     """(current device index, its current raw CUDA stream), as ``JITFunction.run``
     takes them."""
@@ -99,10 +151,13 @@ def launch(fn, grid: tuple, args: tuple, **options):
         params = getattr(fn, "params", None)
         constexpr = tuple(p.is_constexpr for p in params) if params is not None else ()
         _CONSTEXPR[fn] = constexpr
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return fn[grid](*args, **options)
+    dev, stream = _device_and_stream()
+    ensure_context(dev)
     if (len(args) != len(constexpr) or _hooked(knobs.runtime.launch_enter_hook)
             or _hooked(knobs.runtime.launch_exit_hook) or not enabled()):
         return fn[grid](*args, **options)
-    dev, stream = _device_and_stream()
     kernels = _KERNELS.setdefault((fn, dev, tuple(sorted(options.items()))), {})
     sig = _signature(args, constexpr)
     kernel = kernels.get(sig)

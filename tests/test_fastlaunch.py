@@ -111,3 +111,64 @@ def test_an_empty_hook_chain_is_no_hook():
     chain = knobs.HookChain()
     chain.add(print)
     assert fastlaunch._hooked(chain) and fastlaunch._hooked(print)
+
+
+class FakeDriver:
+    """cuCtxGetCurrent / cuDeviceGet / cuDevicePrimaryCtxRetain / cuCtxSetCurrent of a
+    thread with (``current``) or without a current context."""
+
+    def __init__(self, current: int = 0):
+        self.current, self.calls = current, []
+
+    def cuCtxGetCurrent(self, out):
+        self.calls.append("get")
+        out._obj.value = self.current or None
+        return 0
+
+    def cuDeviceGet(self, out, ordinal):
+        self.calls.append(("device", ordinal))
+        out._obj.value = 100 + ordinal
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, out, device):
+        self.calls.append(("retain", device.value))
+        out._obj.value = 5000 + device.value
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        self.calls.append(("set", ctx.value))
+        self.current = ctx.value
+        return 0
+
+
+def _in_new_thread(fn):
+    import threading
+
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def test_a_thread_without_a_context_gets_the_devices_primary_one_once(monkeypatch):
+    drv = FakeDriver(current=0)
+    monkeypatch.setattr(fastlaunch, "_LIBCUDA", [drv])
+    _in_new_thread(lambda: [fastlaunch.ensure_context(1), fastlaunch.ensure_context(1)])
+    assert drv.calls == ["get", ("device", 1), ("retain", 101), ("set", 5101)]
+
+
+def test_a_thread_with_a_context_keeps_it(monkeypatch):
+    drv = FakeDriver(current=42)
+    monkeypatch.setattr(fastlaunch, "_LIBCUDA", [drv])
+    _in_new_thread(lambda: fastlaunch.ensure_context(0))
+    assert drv.calls == ["get"]
+
+
+def test_every_launch_makes_sure_of_the_context_first(gpu, monkeypatch):
+    seen = []
+    monkeypatch.setattr(fastlaunch, "ensure_context", seen.append)
+    fn = FakeFn([False])
+    fastlaunch.launch(fn, (1,), (torch.zeros(8),))
+    fastlaunch.launch(fn, (1,), (torch.zeros(8),))
+    monkeypatch.setenv("FLASHGEN_FAST_LAUNCH", "0")
+    fastlaunch.launch(fn, (1,), (torch.zeros(8),))
+    assert seen == [0, 0, 0]
