@@ -13,7 +13,15 @@
   torch's own at the input dtype plus a small floor; an attn_mask is served as a bias
   (same rule), what flashgen cannot serve is torch's own call (same error);
 * dropout under CUDA-graph capture: each replay advances the device-side state (a fresh
-  mask) and equals an eager call from the state it started with.
+  mask) and equals an eager call from the state it started with;
+* calls from a new thread (which has made no CUDA call, so no context is current in it)
+  after the same shapes ran in the main thread: the forward, and forward + backward with
+  the backward in that thread, equal the main thread's (a kernel with tensor
+  descriptors needs the context before its launch);
+* launch plans (``flashgen.plans``): three calls of each shape and layout with new
+  inputs each (the second and third replay the first's launches) against float64 and
+  against the same inputs with plans off (``FLASHGEN_LAUNCH_PLANS=0``): O bitwise,
+  gradients to the dtype's tolerance (the Gluon backward's dQ adds in a varying order).
 
 Prints a PASS/FAIL/SKIP table; exit status 1 if anything failed.
 
@@ -448,6 +456,109 @@ def check_layouts(device, dtype, cases=None) -> list[Row]:
     return rows
 
 
+def check_new_thread(device, dtype) -> list[Row]:
+    import threading
+
+    rows = []
+    # on the H200 the first shape takes a Triton forward, the second the Gluon family
+    shapes = ((1, 4, 128, 64), (2, 16, 1024, 128)) if device.type == "cuda" else ((1, 2, 64, 64),)
+    for shape in shapes:
+        b, h, n, d = shape
+        torch.manual_seed(3)
+        q, k, v, do = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(4))
+
+        def run(q=q, k=k, v=v, do=do):
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            with torch.no_grad():
+                o = flashgen.attention(q, k, v, causal=True)
+            with torch.autograd.set_multithreading_enabled(False):
+                grads = torch.autograd.grad(flashgen.attention(qg, kg, vg, causal=True), (qg, kg, vg), do)
+            return [o, *grads]
+
+        want = run()
+        got, err = [], []
+
+        def work():
+            try:
+                got.extend(run())
+            except Exception as e:  # noqa: BLE001 - reported as the row's detail
+                err.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        name = f"new thread {'x'.join(map(str, shape))} causal"
+        if err:
+            rows.append(Row(name, "FAIL", err[0]))
+            continue
+        errs = [_err(a, b) for a, b in zip(got, want)]
+        ok = errs[0] == 0 and max(errs[1:]) <= _tol(dtype)
+        rows.append(Row(name, "PASS" if ok else "FAIL",
+                        "vs the main thread (O, dQ, dK, dV) max err " + ", ".join(f"{e:.3g}" for e in errs)))
+    return rows
+
+
+REL_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _rel(got, want) -> float:
+    """max |got - want| / max |want| (inf where the non-finite entries differ)."""
+    return _err(got, want) / max(want.double().abs().max().item(), 1e-30) if want.numel() else _err(got, want)
+
+
+REPLAY_CASES = [
+    # (b, h, hk, s, d, causal, bshd)
+    (1, 4, 4, 128, 64, True, False),
+    (2, 16, 16, 1024, 128, True, False),
+    (1, 32, 8, 2048, 128, True, False),
+    (2, 8, 8, 512, 64, False, True),
+    (2, 16, 16, 1024, 128, False, True),
+    (4, 16, 4, 1024, 128, True, True),
+]
+
+
+def check_replay(device, dtype) -> list[Row]:
+    import os
+
+    from flashgen import reference
+
+    rows = []
+    cases = REPLAY_CASES if device.type == "cuda" else [(1, 2, 2, 48, 32, True, False), (1, 2, 1, 40, 32, False, True)]
+    for b, h, hk, s, d, causal, bshd in cases:
+        name = f"plans {b}x{h}/{hk}x{s} d{d}{' causal' if causal else ''}{' bshd' if bshd else ''}"
+        worst = 0.0
+        for call in range(3):
+            torch.manual_seed(10 + call)
+
+            def t(heads):
+                x = torch.randn(b, s, heads, d, device=device, dtype=dtype) if bshd else \
+                    torch.randn(b, heads, s, d, device=device, dtype=dtype)
+                return x.transpose(1, 2) if bshd else x
+
+            q, k, v, do = t(h), t(hk), t(hk), t(h)
+            outs = {}
+            for plans_on in ("1", "0"):
+                os.environ["FLASHGEN_LAUNCH_PLANS"] = plans_on
+                try:
+                    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+                    o = flashgen.attention(qg, kg, vg, causal=causal)
+                    outs[plans_on] = [o.detach(), *torch.autograd.grad(o, (qg, kg, vg), do)]
+                finally:
+                    os.environ.pop("FLASHGEN_LAUNCH_PLANS", None)
+            # errors relative to the largest entry of what they are measured against:
+            # garbage (zeros, NaN, another buffer) is far above REL_TOL, rounding below
+            errs = [_rel(a, b2) for a, b2 in zip(outs["1"], outs["0"])]
+            if errs[0] != 0 or max(errs[1:]) > REL_TOL[dtype]:
+                return rows + [Row(name, "FAIL", f"call {call}: plans on vs off (O, dQ, dK, dV) relative err "
+                                                 + ", ".join(f"{e:.3g}" for e in errs))]
+            ro, _, _ = reference.forward(q, k, v, causal=causal)
+            refs = [ro, *reference.backward(do, q, k, v, causal=causal)]
+            worst = max([worst] + [_rel(a, r) for a, r in zip(outs["1"], refs)])
+        rows.append(Row(name, "PASS" if worst <= REL_TOL[dtype] else "FAIL",
+                        f"3 calls: plans on == off (O bitwise), max relative err vs float64 {worst:.3g}"))
+    return rows
+
+
 def run_checks(device, *, dtype=torch.bfloat16, backend="inductor") -> list[Row]:
     rows = check_compile(device, dtype, backend)
     rows += check_cuda_graph(device, dtype)
@@ -457,6 +568,8 @@ def run_checks(device, *, dtype=torch.bfloat16, backend="inductor") -> list[Row]
     rows += check_sdpa(device, dtype)
     rows += check_bias_tma(device, dtype)
     rows += check_layouts(device, dtype)
+    rows += check_new_thread(device, dtype)
+    rows += check_replay(device, dtype)
     return rows
 
 

@@ -309,6 +309,8 @@ def test_gpu_op_checks_logic_on_cpu(no_interpreter):
     names = [r.name for r in rows]
     assert {"torch.compile fwd+bwd", "sdpa vs torch"} <= {n.split(" [")[0] for n in names}, names
     assert sum(n.startswith("layouts: bshd views") for n in names) == 2, names
+    assert any(n.startswith("new thread") for n in names), names
+    assert sum(n.startswith("plans ") for n in names) == 2, names
     bad = [r for r in rows if r.status == "FAIL"]
     assert not bad, bad
     assert any(r.status == "PASS" for r in rows)

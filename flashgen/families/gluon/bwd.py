@@ -31,6 +31,7 @@ from pathlib import Path
 
 import jinja2
 
+from ... import plans
 from ...fastlaunch import launch
 from .code_id import CodeId
 
@@ -705,6 +706,12 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     tensor that receives delta = rowsum(dO * O) as the preprocess launch computed it.
     ``check=False`` builds a config the rules reject (:func:`invalid_reasons`; a
     benchmark's probe of one, never the dispatcher's)."""
+    key = plan = None
+    if check and not stage_sync and plans.usable():
+        key, plan = plans.lookup(_PLANS, plans.key_of((do, q, k, v, o, lse, dq, dk, dv), config, mask,
+                                                      float(softmax_scale), diag_lo, diag_hi, delta_out is not None))
+        if plan is not None:
+            return _finish(plan.run((do, q, k, v, o, lse, dq, dk, dv)), q, dq, dk, dv, delta_out)
     check_inputs(do, q, k, v, o, lse)
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]
@@ -729,9 +736,12 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
         from . import reduce
 
         stages.append(("reduce", reduce.group_reduce, {"num_warps": reduce.NUM_WARPS}))
+    rec = plans.Recorder() if key is not None else None
     for stage, fn, opts in stages:
         grid, args = a[stage]
-        launch(fn, grid, args, **opts)
+        kernel = launch(fn, grid, args, **opts)
+        if rec is not None:
+            rec.add(kernel, grid, args)
         if stage_sync:
             import torch
 
@@ -739,12 +749,40 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - re-raised with the launch named
                 raise RuntimeError(f"attn_bwd {stage} launch failed: {e}") from e
-    for src, dst in a.get("copy", ()):
-        dst.copy_(src)
+    bufs = {name: a[name] for name in _PLANNED if name in a}
+    for name, given in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if given is None:
+            bufs[name] = a[name]
+        else:
+            bufs.pop(name, None)
+    for i, (src, _) in enumerate(a.get("copy", ())):
+        bufs[f"copy{i}"] = src
+    if rec is not None:
+        plans.remember(_PLANS, key, plans.build(rec, (do, q, k, v, o, lse, dq, dk, dv), bufs, zeroed=("sem",)))
+    return _finish(bufs, q, dq, dk, dv, delta_out)
+
+
+#: The scratch buffers of :func:`launch_args` a launch plan allocates again on each call
+#: (with the outputs not given, and the contiguous dK/dV of a "copy").
+_PLANNED = ("lse2", "delta", "dqacc", "sem", "dk_partial", "dv_partial")
+#: Launch plans of :func:`attention_bwd` (:mod:`flashgen.plans`), by sizes, strides,
+#: dtypes, alignments, scalars, config and device.
+_PLANS: dict = {}
+
+
+def _finish(bufs: dict, q, dq, dk, dv, delta_out):
+    """(dQ, dK, dV) of one backward from its buffers: the outputs given or allocated, the
+    contiguous dK/dV copied into strided ones ("copy"), delta copied out."""
+    dq = bufs["dq"] if dq is None else dq
+    dk = bufs["dk"] if dk is None else dk
+    dv = bufs["dv"] if dv is None else dv
+    if "copy0" in bufs:
+        dk.copy_(bufs["copy0"])
+        dv.copy_(bufs["copy1"])
     if delta_out is not None:
         b, h, sq = q.shape[0], q.shape[1], q.shape[2]
-        delta_out.copy_(a["delta"].view(b, h, -1)[:, :, :sq])
-    return a["dq"], a["dk"], a["dv"]
+        delta_out.copy_(bufs["delta"].view(b, h, -1)[:, :, :sq])
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------- sm_90 compile (no GPU needed)

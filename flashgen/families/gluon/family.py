@@ -361,6 +361,21 @@ def _gluon_missing() -> str | None:
     return None if IMPORT_ERROR is None else f"the installed Triton's Gluon is not usable: {IMPORT_ERROR}"
 
 
+_LAUNCH_MODULES: list = []
+
+
+def _launch_modules():
+    """(build.building, the .launch module), imported on the first launch (this module
+    imports neither torch nor triton) and kept: an import statement in the launchers
+    costs about a microsecond per call."""
+    if not _LAUNCH_MODULES:
+        from . import launch
+        from .build import building
+
+        _LAUNCH_MODULES.extend((building, launch))
+    return _LAUNCH_MODULES[0], _LAUNCH_MODULES[1]
+
+
 @functools.lru_cache(maxsize=4096)
 def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: bool = False, user: str = "") -> str:
     return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask, sinks=sinks, user=user), g).id
@@ -392,14 +407,12 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
             raise ValueError(f"gluon fwd: score modifications ({mods.name}) are the Triton family's")
         else:
             sinks = mods.sinks.contiguous()
-    from .build import building
-    from .launch import _DTYPES, fwd as launch
-
+    building, launch_mod = _launch_modules()
     g = fwd_config(config)
     # the first launch compiles: a build failure is a GluonBuildError (warned once per variant)
-    with building(_fwd_id(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g, sinks is not None,
+    with building(_fwd_id(launch_mod._DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g, sinks is not None,
                           user.name if user is not None else "")):
-        return launch(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
+        return launch_mod.fwd(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
                       config=g, out=out, lse=lse, check_inputs=not addressable, module=module, sinks=sinks,
                       user=user)
 
@@ -413,15 +426,13 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     gradient reads it)."""
     if mods is not None:
         raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's")
-    from .build import building
-    from .launch import _DTYPES, _tma_ok
-
+    building, launch_mod = _launch_modules()
     # dO from autograd may be an expanded view (a sum's gradient); O a slice: the
     # descriptors need 16-byte aligned strides
-    do = do if _tma_ok(do) else do.contiguous()
-    o = o if _tma_ok(o) else o.contiguous()
+    do = do if launch_mod._tma_ok(do) else do.contiguous()
+    o = o if launch_mod._tma_ok(o) else o.contiguous()
     g = bwd_config(config)
-    with building(_bwd_id(g, _DTYPES[q.dtype], q.shape[3], mask)):
+    with building(_bwd_id(g, launch_mod._DTYPES[q.dtype], q.shape[3], mask)):
         grads = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo,
                                 diag_hi=diag_hi, mask=mask, config=g, dq=dq, dk=dk, dv=dv, delta_out=delta)
     # In the layout of q, k, v (torch.empty_like): the op's contract and its fake kernel

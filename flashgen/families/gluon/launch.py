@@ -17,18 +17,14 @@ import math
 
 import torch
 
+from ... import plans
 from ...fastlaunch import launch
+from ..triton.launch import tma_ok as _tma_ok
 from .config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, pad, section_planes
 
 LOG2E = 1.4426950408889634
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _SM_COUNT: dict[int, int] = {}
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    from ...ops import tma_ok
-
-    return tma_ok(t)
 
 
 def unsupported(q, k, v, *, mask: str, config: GluonFwdConfig | None = None, out=None) -> str | None:
@@ -105,6 +101,13 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     come as ``sinks``).
 
     Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
+    key = plan = None
+    if sinks is None and user is None and plans.usable():
+        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, out, lse), config, mask, softmax_scale, diag_lo,
+                                                      diag_hi, check_inputs))
+        if plan is not None:
+            bufs = plan.run((q, k, v, out, lse))
+            return bufs.get("out", out), bufs.get("lse", lse)
     if check_inputs:
         why = unsupported(q, k, v, mask=mask, config=config, out=out)
         if why:
@@ -116,6 +119,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     spec = GluonFwdSpec(_DTYPES[q.dtype], d, dv, mask, sinks=sinks is not None,
                         user=user.name if user is not None else "")
     config = config or default_config(spec)
+    out_given, lse_given = out is not None, lse is not None
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -134,14 +138,25 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     num_m_blocks = -(-sq // (rows * config.num_consumers))
     num_tiles = num_m_blocks * b * h
     grid = (min(num_tiles, _sm_count(q.device) * config.ctas_per_sm) if config.persistent else num_tiles,)
-    launch(mod.attn_fwd, grid, (
+    args = (
         _descriptor(q, rows, pad(d)), _descriptor(k, config.BLOCK_N, pad(d)), _descriptor(v, config.BLOCK_N, pad(dv)),
         _descriptor(out, rows, pad(dv)), lse, *(() if sinks is None else (sinks,)), softmax_scale * LOG2E,
         num_tiles, num_m_blocks, h, h // hk, sq, sk, diag_lo, diag_hi,
         *((section_planes(b * h, h // hk, sk, pad(d), pad(dv)),) if config.persistent == 2 and mask != "none" else ()),
         *(() if user is None else user.gluon_fwd_args(softmax_scale, rows * config.num_consumers, config.BLOCK_N)),
-    ), num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
+    )
+    kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
+    if key is not None:
+        plans.record_one(_PLANS, key, kernel, grid, args, (q, k, v, out if out_given else None,
+                                                           lse if lse_given else None),
+                         {n: t for n, t, g in (("out", out, out_given), ("lse", lse, lse_given)) if not g})
     return out, lse
+
+
+#: Launch plans of :func:`fwd` (:mod:`flashgen.plans`; not for sinks or user functions,
+#: whose tensors are arguments too), by sizes, strides, dtypes, alignments, scalars,
+#: config and device.
+_PLANS: dict = {}
 
 
 def attention(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,

@@ -17,6 +17,7 @@ import math
 import torch
 
 from ... import compile as _compile
+from ... import plans
 from ...fastlaunch import launch
 from ...spec import KernelSpec, TileConfig, Variant, mods_name
 
@@ -183,17 +184,25 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     pointer loads instead.  ``addressable=True``: the caller has established that q, k
     and v are (their ProblemKey layout is ""), so the check is skipped.  ``mods``: the
     score modifications' arguments (the variant compiled with ``mods.name``)."""
+    key = plan = None
+    if mods is None and plans.usable():
+        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, out, lse), "fwd", config, mask, softmax_scale,
+                                                      diag_lo, diag_hi, addressable))
+        if plan is not None:
+            bufs = plan.run((q, k, v, out, lse))
+            return bufs.get("out", out), bufs.get("lse", lse)
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     config, mod, k_arg, v_arg = _module_and_streamed("fwd", q.dtype, d, dv, mask, config, module, k, v,
                                                      config.BLOCK_N, addressable, _mods_of(mods))
+    given = (out, lse)
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
     grid = (num_m_blocks * b * h,)
-    _record(mod, launch(mod.attn_fwd, grid, (
+    args = (
         q, k_arg, v_arg, out, lse, softmax_scale * LOG2E,
         *q.stride()[:3],
         *k.stride()[:3],
@@ -201,7 +210,12 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         *out.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
         *(mods.kernel_args(softmax_scale, True, mod, config) if mods is not None else ()),
-    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
+    )
+    kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+    _record(mod, kernel)
+    if key is not None:
+        plans.record_one(_PLANS, key, kernel, grid, args, (q, k, v) + given,
+                         {n: t for n, t, g in (("out", out, given[0]), ("lse", lse, given[1])) if g is None})
     return out, lse
 
 
@@ -209,14 +223,23 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
            config: TileConfig, dq=None, delta=None, module=None, addressable: bool = False,
            mods: ScoreMods | None = None):
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
+    key = plan = None
+    if mods is None and plans.usable():
+        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, o, do, lse, dq, delta), "bwd_dq", config, mask,
+                                                      softmax_scale, diag_lo, diag_hi, addressable))
+        if plan is not None:
+            bufs = plan.run((q, k, v, o, do, lse, dq, delta))
+            return bufs.get("dq", dq), bufs.get("delta", delta)
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
     config, mod, k_arg, v_arg = _module_and_streamed("bwd_dq", q.dtype, d, dvd, mask, config, module, k, v,
                                                      config.BLOCK_N, addressable, _mods_of(mods))
+    given = (dq, delta)
     dq = torch.empty_like(q) if dq is None else dq
     delta = torch.empty_like(lse) if delta is None else delta
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
-    _record(mod, launch(mod.attn_bwd_dq, (num_m_blocks * b * h,), (
+    grid = (num_m_blocks * b * h,)
+    args = (
         q, k_arg, v_arg, o, do, dq, lse, delta, softmax_scale * LOG2E, softmax_scale,
         *q.stride()[:3],
         *k.stride()[:3],
@@ -226,7 +249,12 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
         *dq.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
         *(mods.kernel_args(softmax_scale, False, mod, config) if mods is not None else ()),
-    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
+    )
+    kernel = launch(mod.attn_bwd_dq, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+    _record(mod, kernel)
+    if key is not None:
+        plans.record_one(_PLANS, key, kernel, grid, args, (q, k, v, o, do, lse) + given,
+                         {n: t for n, t, g in (("dq", dq, given[0]), ("delta", delta, given[1])) if g is None})
     return dq, delta
 
 
@@ -234,16 +262,25 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
              config: TileConfig, dk=None, dv=None, module=None, addressable: bool = False,
              mods: ScoreMods | None = None):
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
+    key = plan = None
+    if mods is None and plans.usable():
+        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, do, lse, delta, dk, dv), "bwd_dkdv", config, mask,
+                                                      softmax_scale, diag_lo, diag_hi, addressable))
+        if plan is not None:
+            bufs = plan.run((q, k, v, do, lse, delta, dk, dv))
+            return bufs.get("dk", dk), bufs.get("dv", dv)
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
     # ``addressable`` vouches for q, not for dO
     checked = addressable and (not config.tma or tma_ok(do))
     config, mod, q_arg, do_arg = _module_and_streamed("bwd_dkdv", q.dtype, d, dvd, mask, config, module, q, do,
                                                       config.BLOCK_M, checked, _mods_of(mods))
+    given = (dk, dv)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     num_n_blocks = _cdiv(sk, config.BLOCK_N)
-    _record(mod, launch(mod.attn_bwd_dkdv, (num_n_blocks * b * hk,), (
+    grid = (num_n_blocks * b * hk,)
+    args = (
         q_arg, k, v, do_arg, dk, dv, lse, delta, softmax_scale * LOG2E, softmax_scale,
         *q.stride()[:3],
         *k.stride()[:3],
@@ -253,8 +290,19 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
         *dv.stride()[:3],
         h, h // hk, sq, sk, num_n_blocks, diag_lo, diag_hi,
         *(mods.kernel_args(softmax_scale, False, mod, config) if mods is not None else ()),
-    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
+    )
+    kernel = launch(mod.attn_bwd_dkdv, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+    _record(mod, kernel)
+    if key is not None:
+        plans.record_one(_PLANS, key, kernel, grid, args, (q, k, v, do, lse, delta) + given,
+                         {n: t for n, t, g in (("dk", dk, given[0]), ("dv", dv, given[1])) if g is None})
     return dk, dv
+
+
+#: Launch plans of :func:`fwd`, :func:`bwd_dq` and :func:`bwd_dkdv` (:mod:`flashgen.plans`;
+#: not with score modifications, whose tensors are arguments too), by kernel, config,
+#: scalars, sizes, strides, dtypes, alignments and device.
+_PLANS: dict = {}
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,

@@ -1,0 +1,174 @@
+"""Launch plans: a repeated call of the same sizes and layouts replays its launches.
+
+A launcher whose per-call host work is mostly argument building (allocations, tensor
+descriptors, shape arithmetic, Triton's specialization signature) records, on the first
+call of a *plan key*, what it allocated and what it launched; later calls with the same
+key allocate the same buffers, rebuild the argument tuples with the new tensors in the
+recorded places and call each kept ``CompiledKernel``'s launcher directly.
+
+The key is the caller's, and it must determine everything the recorded launches
+depend on besides the tensors' data: sizes, strides, dtypes, the low four bits of
+every input's address (Triton specializes pointers on 16-byte alignment), scalar
+arguments, the config, and the device.  Buffers the plan allocates come from torch's
+caching allocator, whose blocks are 512-byte aligned, so they never lose an alignment
+the recorded kernels were specialized on.
+
+A recording is refused (the caller keeps its normal path) when a launch argument is a
+tensor that is neither an input nor a declared buffer (the plan could not supply it),
+when a launch went through Triton's own path (``fastlaunch`` returned no kept kernel),
+or when a launch hook is installed.  Plans are off with ``FLASHGEN_LAUNCH_PLANS=0``, and
+with ``FLASHGEN_FAST_LAUNCH=0`` and under Triton's interpreter as the direct launch is
+(:func:`flashgen.fastlaunch.enabled`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import fastlaunch
+
+#: Plans kept per launcher before its table is cleared (a loop over growing shapes).
+PLAN_MAX = 512
+
+class Recorder:
+    """Collects ``(kernel, grid, args)`` of each launch of one call (see
+    :func:`flashgen.fastlaunch.launch`'s return value)."""
+
+    __slots__ = ("launches", "ok")
+
+    def __init__(self):
+        self.launches: list = []
+        self.ok = True
+
+    def add(self, kernel, grid, args) -> None:
+        if kernel is None or not hasattr(kernel, "packed_metadata") or not hasattr(kernel, "run"):
+            self.ok = False
+        self.launches.append((kernel, tuple(grid), tuple(args)))
+
+
+class Plan:
+    """The replay of one recorded call: ``run(inputs)`` returns the buffers (a dict by
+    name, as declared) after launching every recorded kernel on the current stream."""
+
+    __slots__ = ("buffers", "stages")
+
+    def __init__(self, buffers, stages):
+        # (name, shape, stride, dtype, device, zero)
+        self.buffers = buffers
+        # (kernel, gx, gy, gz, constant arguments with None in the places of tensors and
+        # descriptors, ((place, slot), ...) of tensors, ((place, slot, class, other
+        # fields), ...) of descriptors); slots: the inputs, then the buffers
+        self.stages = stages
+
+    def run(self, inputs: tuple) -> dict:
+        bufs = {}
+        slots = list(inputs)
+        for name, shape, stride, dtype, device, zero in self.buffers:
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            if zero:
+                t.zero_()
+            bufs[name] = t
+            slots.append(t)
+        dev, stream = fastlaunch._device_and_stream()
+        fastlaunch.ensure_context(dev)
+        new = object.__new__
+        for kernel, gx, gy, gz, template, tensors, descs in self.stages:
+            args = list(template)
+            for pos, slot in tensors:
+                args[pos] = slots[slot]
+            for pos, slot, cls, fields in descs:
+                d = new(cls)
+                dd = d.__dict__
+                dd.update(fields)
+                dd["base"] = slots[slot]
+                args[pos] = d
+            kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+        return bufs
+
+
+def _is_desc(a) -> bool:
+    return hasattr(a, "block_shape") and hasattr(a, "base") and hasattr(a, "strides")
+
+
+def build(rec: Recorder, inputs: tuple, buffers: dict, zeroed: tuple = ()) -> Plan | None:
+    """The plan of a recorded call, or None when it cannot be replayed (module
+    docstring).  ``inputs``: the tensors the caller passes again on every call (in this
+    order to :meth:`Plan.run`); ``buffers``: name -> tensor the call allocated, each to be
+    allocated again with its shape and strides (``zeroed`` names those that must start
+    at zero)."""
+    if not rec.ok or not rec.launches:
+        return None
+    slot_of = {}
+    for i, t in enumerate(inputs):
+        if t is not None:
+            slot_of.setdefault(id(t), i)
+    specs = []
+    for j, (name, t) in enumerate(buffers.items()):
+        slot_of.setdefault(id(t), len(inputs) + j)
+        specs.append((name, tuple(t.shape), tuple(t.stride()), t.dtype, t.device, name in zeroed))
+    stages = []
+    for kernel, grid, args in rec.launches:
+        template, tensors, descs = [], [], []
+        for pos, a in enumerate(args):
+            template.append(None)
+            if isinstance(a, torch.Tensor):
+                slot = slot_of.get(id(a))
+                if slot is None:
+                    return None
+                tensors.append((pos, slot))
+            elif _is_desc(a):
+                slot = slot_of.get(id(a.base))
+                fields = getattr(a, "__dict__", None)
+                if slot is None or fields is None or "base" not in fields:
+                    return None
+                descs.append((pos, slot, type(a), {k: v for k, v in fields.items() if k != "base"}))
+            else:
+                template[pos] = a
+        g = tuple(grid) + (1, 1)
+        stages.append((kernel, g[0], g[1], g[2], tuple(template), tuple(tensors), tuple(descs)))
+    return Plan(tuple(specs), tuple(stages))
+
+
+def usable() -> bool:
+    """Whether plans may be recorded and replayed now: the direct launch is on
+    (:func:`flashgen.fastlaunch.enabled`), ``FLASHGEN_LAUNCH_PLANS`` is not "0", and no
+    launch hook (a profiler's) is installed."""
+    if not fastlaunch.enabled() or os.environ.get("FLASHGEN_LAUNCH_PLANS", "1") == "0":
+        return False
+    from triton import knobs
+
+    return not (fastlaunch._hooked(knobs.runtime.launch_enter_hook)
+                or fastlaunch._hooked(knobs.runtime.launch_exit_hook))
+
+
+def remember(table: dict, key, plan) -> None:
+    """Keep ``plan`` under ``key`` (None is kept too: that key is not recorded again)."""
+    if len(table) >= PLAN_MAX:
+        table.clear()
+    table[key] = plan
+
+
+def key_of(tensors, *scalars) -> tuple:
+    """A plan key: ``scalars`` (config, mask, scale, bounds, ...) and, per tensor (None
+    for an absent one), its shape, strides, dtype and the low four bits of its address;
+    the device of the first."""
+    return (*scalars, tensors[0].get_device(),
+            *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) if t is not None else None for t in tensors])
+
+
+def lookup(table: dict, key):
+    """(key, plan): the plan kept under ``key``; (key, None) when none is kept yet (record
+    this call); (None, None) when the key was recorded and found not replayable."""
+    plan = table.get(key, table)
+    if plan is table:
+        return key, None
+    return (key, plan) if plan is not None else (None, None)
+
+
+def record_one(table: dict, key, kernel, grid, args, inputs: tuple, buffers: dict) -> None:
+    """Record a call of one launch under ``key`` (:func:`build`, :func:`remember`)."""
+    rec = Recorder()
+    rec.add(kernel, grid, args)
+    remember(table, key, build(rec, inputs, buffers))

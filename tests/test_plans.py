@@ -1,0 +1,210 @@
+"""flashgen.plans: a replayed call launches exactly what the launcher's own path would
+launch for the same inputs (fakes for the kernels and the device, CPU tensors; the
+real launches and their results are the GPU scripts'), for the Gluon backward in each
+of its branches, the Gluon forward and the Triton family's three launchers."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashgen import fastlaunch, plans
+from flashgen.families.gluon import bwd as B
+from flashgen.families.gluon import config as C
+from flashgen.families.gluon import launch as L
+from flashgen.families.triton import launch as T
+from flashgen.spec import TileConfig
+
+
+class FakeKernel:
+    packed_metadata = object()
+    function = 7
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, gx, gy, gz, stream, function, meta, _a, _b, _c, *args):
+        self.log.append(("replay", self, (gx, gy, gz), args))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Every launch is logged as (how, kernel, grid, args); one fake kernel per function."""
+    log, kernels = [], {}
+
+    def launch(fn, grid, args, **options):
+        k = kernels.setdefault((fn, tuple(sorted(options.items()))), FakeKernel(log))
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        log.append(("launch", k, g, tuple(args)))
+        return k
+
+    for mod in (B, L, T):
+        monkeypatch.setattr(mod, "launch", launch)
+    monkeypatch.setattr(plans, "usable", lambda: True)
+    monkeypatch.setattr(fastlaunch, "_device_and_stream", lambda: (0, 99))
+    monkeypatch.setattr(fastlaunch, "ensure_context", lambda dev: None)
+    monkeypatch.setattr(L, "_sm_count", lambda device: 132)
+    for table in (B._PLANS, L._PLANS, T._PLANS):
+        table.clear()
+    yield log
+    for table in (B._PLANS, L._PLANS, T._PLANS):
+        table.clear()
+
+
+def _same(a, b, inputs, pairs) -> None:
+    """``a`` (replayed) launches what ``b`` (the launcher's own path) does: inputs by
+    identity, buffers one for one with the same shape, strides and dtype, descriptors
+    field by field, everything else equal."""
+    if isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor)
+        if any(b is t for t in inputs):
+            assert a is b
+            return
+        assert not any(a is t for t in inputs)
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+        assert pairs.setdefault(id(b), a) is a  # one buffer for one buffer, in every launch
+        return
+    if hasattr(b, "block_shape") and hasattr(b, "base"):
+        assert type(a) is type(b)
+        fa = {k: v for k, v in vars(a).items() if k != "base"}
+        fb = {k: v for k, v in vars(b).items() if k != "base"}
+        assert fa == fb
+        _same(a.base, b.base, inputs, pairs)
+        return
+    assert type(a) is type(b) and a == b, (a, b)
+
+
+def _check_replay(log, call, make_inputs):
+    """Record with one set of inputs, replay with a second, compare with the launcher's
+    own path on the second (plans off)."""
+    call(*make_inputs())
+    assert all(how == "launch" for how, *_ in log)
+    log.clear()
+    inputs = make_inputs()
+    out_replay = call(*inputs)
+    replayed = list(log)
+    assert replayed and all(how == "replay" for how, *_ in replayed)
+    log.clear()
+    plans.usable, usable = (lambda: False), plans.usable
+    try:
+        out_own = call(*inputs)
+    finally:
+        plans.usable = usable
+    own = list(log)
+    assert len(own) == len(replayed)
+    pairs = {}
+    for (_, k1, g1, a1), (_, k2, g2, a2) in zip(replayed, own):
+        assert k1 is k2 and g1 == g2 and len(a1) == len(a2)
+        for x, y in zip(a1, a2):
+            _same(x, y, inputs, pairs)
+    for x, y in zip(out_replay, out_own):
+        _same(x, y, inputs, pairs)
+    return out_replay
+
+
+def _bhsd(b, h, s, d, dtype=torch.bfloat16, bshd=False):
+    if bshd:  # transformers' layout seen as (batch, heads, seqlen, head_dim)
+        return torch.randn(b, s, h, d).to(dtype).transpose(1, 2)
+    return torch.randn(b, h, s, d).to(dtype)
+
+
+@pytest.mark.parametrize("case", ["default", "group_split", "bshd", "ordered", "given_outputs"])
+def test_gluon_backward_replays_its_own_launches(fake_gpu, case):
+    b, h, hk, s, d = 2, 4, 2, 256, 128
+    mask, lo, hi = "causal", -s, 0
+    cfg = B.default_config(d, "bfloat16", mask)
+    if case == "group_split":
+        cfg = dataclasses.replace(cfg, group_split=2)
+    if case == "ordered":
+        d = 64
+        cfg = dataclasses.replace(B.default_config(d, "bfloat16", mask), dq_mode="ordered")
+        assert B.is_valid(cfg, d, "bfloat16", mask), B.invalid_reasons(cfg, d, "bfloat16", mask)
+    bshd = case == "bshd"
+
+    def make():
+        q, do, o = (_bhsd(b, h, s, d, bshd=bshd) for _ in range(3))
+        k, v = (_bhsd(b, hk, s, d, bshd=bshd) for _ in range(2))
+        lse = torch.randn(b, h, s)
+        given = tuple(torch.empty_like(t) for t in (q, k, v)) if case == "given_outputs" else (None,) * 3
+        return (do, q, k, v, o, lse, *given, torch.empty(b, h, s))
+
+    def call(do, q, k, v, o, lse, dq, dk, dv, delta):
+        return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=0.125, diag_lo=lo, diag_hi=hi, mask=mask,
+                               config=cfg, dq=dq, dk=dk, dv=dv, delta_out=delta)
+
+    dq, dk, dv = _check_replay(fake_gpu, call, make)
+    if bshd:
+        assert dq.stride() == (s * h * d, d, h * d, 1)
+
+
+def test_gluon_backward_zeroes_the_ordered_semaphores_on_replay(fake_gpu):
+    d, mask = 64, "causal"
+    cfg = dataclasses.replace(B.default_config(d, "bfloat16", mask), dq_mode="ordered")
+    q, do, o = (_bhsd(1, 2, 128, d) for _ in range(3))
+    k, v = (_bhsd(1, 2, 128, d) for _ in range(2))
+    lse = torch.randn(1, 2, 128)
+    run = lambda: B.attention_bwd(do, q, k, v, o, lse, softmax_scale=0.1, diag_lo=-128, diag_hi=0,  # noqa: E731
+                                  mask=mask, config=cfg)
+    run()
+    plan = B._PLANS[next(iter(B._PLANS))]
+    assert [name for name, *_, zero in plan.buffers if zero] == ["sem"]
+    fake_gpu.clear()
+    run()
+    sems = [a for _, _, _, args in fake_gpu for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
+    assert sems and all(int(t.abs().sum()) == 0 for t in sems)
+
+
+def test_gluon_forward_replays_its_own_launch(fake_gpu):
+    spec = C.GluonFwdSpec("bfloat16", 128, 128, "causal")
+    cfg = dataclasses.replace(C.default_config(spec), persistent=2)
+
+    def make():
+        return _bhsd(2, 4, 300, 128), _bhsd(2, 2, 300, 128), _bhsd(2, 2, 300, 128), _bhsd(2, 4, 300, 128)
+
+    def call(q, k, v, out):
+        return L.fwd(q, k, v, softmax_scale=0.1, mask="causal", diag_lo=-300, diag_hi=0, config=cfg, out=out,
+                     check_inputs=False)
+
+    _check_replay(fake_gpu, call, make)
+
+
+def test_no_plan_for_user_functions_or_sinks(fake_gpu):
+    spec = C.GluonFwdSpec("bfloat16", 64, 64, "none", sinks=True)
+    cfg = C.default_config(spec)
+    q, k, v = _bhsd(1, 2, 128, 64), _bhsd(1, 2, 128, 64), _bhsd(1, 2, 128, 64)
+    sinks = torch.zeros(2)
+    for _ in range(2):
+        L.fwd(q, k, v, softmax_scale=0.1, mask="none", diag_lo=-128, diag_hi=128, config=cfg, check_inputs=False,
+              sinks=sinks)
+    assert not L._PLANS and all(how == "launch" for how, *_ in fake_gpu)
+
+
+@pytest.mark.parametrize("tma", [0, 1])
+def test_triton_launchers_replay_their_own_launches(fake_gpu, tma):
+    d, s = 64, 200
+    cfg = TileConfig(64, 64, 4, 2, tma=tma)
+
+    def make():
+        q, do, o = (_bhsd(1, 4, s, d, dtype=torch.float16) for _ in range(3))
+        k, v = (_bhsd(1, 2, s, d, dtype=torch.float16) for _ in range(2))
+        return q, k, v, o, do, torch.randn(1, 4, s)
+
+    kw = dict(softmax_scale=0.125, mask="causal", diag_lo=-s, diag_hi=0, config=cfg, addressable=True)
+    _check_replay(fake_gpu, lambda q, k, v, o, do, lse: T.fwd(q, k, v, **kw), make)
+    fake_gpu.clear()
+    _check_replay(fake_gpu, lambda q, k, v, o, do, lse: T.bwd_dq(do, q, k, v, o, lse, **kw), make)
+    fake_gpu.clear()
+    delta = torch.randn(1, 4, s)
+    _check_replay(fake_gpu, lambda q, k, v, o, do, lse: T.bwd_dkdv(do, q, k, v, lse, delta, **kw),
+                  lambda: make()[:5] + (delta,))
+
+
+def test_a_tensor_the_plan_cannot_supply_refuses_the_recording():
+    rec = plans.Recorder()
+    rec.add(FakeKernel([]), (1,), (torch.zeros(4), 3))
+    assert plans.build(rec, (), {}) is None
+    t = torch.zeros(4)
+    assert plans.build(rec, (t,), {}) is None  # another tensor than the one launched
+    rec = plans.Recorder()
+    rec.add(None, (1,), (t,))  # Triton's own path kept no kernel
+    assert plans.build(rec, (t,), {}) is None
