@@ -129,6 +129,13 @@ def ensure_context(dev: int) -> None:
     seen.add(dev)
 
 
+def _current_device() -> int:
+    """The current device index, as ``JITFunction.run`` takes it."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device()
+
+
 def _device_and_stream():
     """(current device index, its current raw CUDA stream), as ``JITFunction.run``
     takes them."""

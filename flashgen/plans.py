@@ -135,12 +135,19 @@ def usable() -> bool:
     """Whether plans may be recorded and replayed now: the direct launch is on
     (:func:`flashgen.fastlaunch.enabled`), ``FLASHGEN_LAUNCH_PLANS`` is not "0", and no
     launch hook (a profiler's) is installed."""
-    if not fastlaunch.enabled() or os.environ.get("FLASHGEN_LAUNCH_PLANS", "1") == "0":
+    env = os.environ
+    if env.get("FLASHGEN_LAUNCH_PLANS", "1") == "0" or env.get("FLASHGEN_FAST_LAUNCH", "1") == "0" \
+            or env.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    from triton import knobs
+    if not _KNOBS:
+        from triton import knobs
 
-    return not (fastlaunch._hooked(knobs.runtime.launch_enter_hook)
-                or fastlaunch._hooked(knobs.runtime.launch_exit_hook))
+        _KNOBS.append(knobs.runtime)
+    rt = _KNOBS[0]
+    return not (fastlaunch._hooked(rt.launch_enter_hook) or fastlaunch._hooked(rt.launch_exit_hook))
+
+
+_KNOBS: list = []
 
 
 def remember(table: dict, key, plan) -> None:
@@ -153,8 +160,8 @@ def remember(table: dict, key, plan) -> None:
 def key_of(tensors, *scalars) -> tuple:
     """A plan key: ``scalars`` (config, mask, scale, bounds, ...) and, per tensor (None
     for an absent one), its shape, strides, dtype and the low four bits of its address;
-    the device of the first."""
-    return (*scalars, tensors[0].get_device(),
+    the device of the first and the current device (the one launches go to)."""
+    return (*scalars, tensors[0].get_device(), fastlaunch._current_device(),
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) if t is not None else None for t in tensors])
 
 

@@ -42,6 +42,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(mod, "launch", launch)
     monkeypatch.setattr(plans, "usable", lambda: True)
     monkeypatch.setattr(fastlaunch, "_device_and_stream", lambda: (0, 99))
+    monkeypatch.setattr(fastlaunch, "_current_device", lambda: 0)
     monkeypatch.setattr(fastlaunch, "ensure_context", lambda dev: None)
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
     for table in (B._PLANS, L._PLANS, T._PLANS):
@@ -197,6 +198,19 @@ def test_triton_launchers_replay_their_own_launches(fake_gpu, tma):
     delta = torch.randn(1, 4, s)
     _check_replay(fake_gpu, lambda q, k, v, o, do, lse: T.bwd_dkdv(do, q, k, v, lse, delta, **kw),
                   lambda: make()[:5] + (delta,))
+
+
+def test_the_current_device_is_part_of_the_key(fake_gpu, monkeypatch):
+    """Launches go to the current device: a call made while another device is current
+    is recorded apart (as the launcher's own path would compile it apart)."""
+    cfg = TileConfig(64, 64, 4, 2)
+    q = k = v = _bhsd(1, 2, 64, 64, dtype=torch.float16)
+    kw = dict(softmax_scale=0.125, mask="none", diag_lo=-64, diag_hi=64, config=cfg, addressable=True)
+    T.fwd(q, k, v, **kw)
+    monkeypatch.setattr(fastlaunch, "_current_device", lambda: 1)
+    fake_gpu.clear()
+    T.fwd(q, k, v, **kw)
+    assert [how for how, *_ in fake_gpu] == ["launch"] and len(T._PLANS) == 2
 
 
 def test_a_tensor_the_plan_cannot_supply_refuses_the_recording():

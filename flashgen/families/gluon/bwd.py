@@ -33,7 +33,7 @@ import jinja2
 
 from ... import plans
 from ...fastlaunch import launch
-from .code_id import CodeId
+from .code_id import CodeId, extension_of
 
 TEMPLATE = "gluon/attn_bwd.py.j2"
 DTYPES = ("float16", "bfloat16")
@@ -390,8 +390,7 @@ def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, s
                 base = default_config(d, dtype, mask)
                 cands += [dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)]
                 for c in cands:
-                    ext = next((n for n, has in EXTENSIONS.items() if has(c, d)), None)
-                    if ext == extension:
+                    if extension_of(EXTENSIONS, c, d) == extension:
                         out.append((c, dtype, d, mask))
     return out
 

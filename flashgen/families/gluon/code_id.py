@@ -34,6 +34,12 @@ def read_record(path: Path) -> dict:
         return {}
 
 
+def extension_of(extensions: dict, *variant) -> str | None:
+    """The name of the first of ``extensions`` (name -> predicate) whose predicate holds
+    for ``variant`` (the arguments the predicates take), None for the original set."""
+    return next((name for name, has in extensions.items() if has(*variant)), None)
+
+
 class CodeId:
     """The code id of one template.
 

@@ -19,7 +19,7 @@ from types import ModuleType
 import jinja2
 
 from ...render import templates_dir
-from .code_id import CodeId, read_record
+from .code_id import CodeId, extension_of, read_record
 from .config import (
     DTYPES, HEAD_DIMS, MASKS, GluonFwdSpec, GluonFwdVariant, check, default_config, space, template_vars,
 )
@@ -59,8 +59,7 @@ def probe_variants(extension: str | None = None) -> list[GluonFwdVariant]:
                 for mask in MASKS:
                     s = GluonFwdSpec(dtype, d, dv, mask)
                     for c in space(s):
-                        ext = next((n for n, has in EXTENSIONS.items() if has(c)), None)
-                        if ext == extension:
+                        if extension_of(EXTENSIONS, c) == extension:
                             out.append(GluonFwdVariant(s, c))
     return out
 
