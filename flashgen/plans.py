@@ -29,7 +29,7 @@ import torch
 
 from . import fastlaunch
 
-#: Plans kept per launcher before its table is cleared (a loop over growing shapes).
+#: Plans kept per launcher; later keys take the launcher's own path (see :func:`remember`).
 PLAN_MAX = 512
 
 class Recorder:
@@ -151,26 +151,39 @@ _KNOBS: list = []
 
 
 def remember(table: dict, key, plan) -> None:
-    """Keep ``plan`` under ``key`` (None is kept too: that key is not recorded again)."""
-    if len(table) >= PLAN_MAX:
-        table.clear()
-    table[key] = plan
+    """Keep ``plan`` under ``key`` (None is kept too: that key is not recorded again),
+    unless the table holds :data:`PLAN_MAX` plans already (:func:`lookup` then records
+    no new key: the plans of the first keys stay, and a long tail of sizes costs no
+    recording on every call)."""
+    if len(table) < PLAN_MAX:
+        table[key] = plan
 
 
-def key_of(tensors, *scalars) -> tuple:
-    """A plan key: ``scalars`` (config, mask, scale, bounds, ...) and, per tensor (None
-    for an absent one), its shape, strides, dtype and the low four bits of its address;
-    the device of the first and the current device (the one launches go to)."""
-    return (*scalars, tensors[0].get_device(), fastlaunch._current_device(),
+def key_of(tensors, *scalars):
+    """A plan key: ``scalars`` (config, module, mask, scale, bounds, ...); per tensor
+    (None for an absent one) its shape, strides, dtype and the low four bits of its
+    address; which tensors are the same object (a call that passes one tensor as both k
+    and v is recorded apart from one that passes two); the device of the first and the
+    current device (the one launches go to).  None (no plan) when a float scalar is NaN,
+    which equals no key."""
+    for s in scalars:
+        if type(s) is float and s != s:
+            return None
+    ids = [id(t) if t is not None else -i for i, t in enumerate(tensors)]
+    alias = None if len(set(ids)) == len(ids) else tuple(ids.index(i) for i in ids)
+    return (*scalars, alias, tensors[0].get_device(), fastlaunch._current_device(),
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) if t is not None else None for t in tensors])
 
 
 def lookup(table: dict, key):
     """(key, plan): the plan kept under ``key``; (key, None) when none is kept yet (record
-    this call); (None, None) when the key was recorded and found not replayable."""
+    this call); (None, None) when this call is not to be recorded: ``key`` is None, the
+    key was recorded and found not replayable, or the table is full."""
+    if key is None:
+        return None, None
     plan = table.get(key, table)
     if plan is table:
-        return key, None
+        return (key, None) if len(table) < PLAN_MAX else (None, None)
     return (key, plan) if plan is not None else (None, None)
 
 

@@ -45,10 +45,11 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(fastlaunch, "_current_device", lambda: 0)
     monkeypatch.setattr(fastlaunch, "ensure_context", lambda dev: None)
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
-    for table in (B._PLANS, L._PLANS, T._PLANS):
+    tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS)
+    for table in tables:
         table.clear()
     yield log
-    for table in (B._PLANS, L._PLANS, T._PLANS):
+    for table in tables:
         table.clear()
 
 
@@ -210,7 +211,7 @@ def test_the_current_device_is_part_of_the_key(fake_gpu, monkeypatch):
     monkeypatch.setattr(fastlaunch, "_current_device", lambda: 1)
     fake_gpu.clear()
     T.fwd(q, k, v, **kw)
-    assert [how for how, *_ in fake_gpu] == ["launch"] and len(T._PLANS) == 2
+    assert [how for how, *_ in fake_gpu] == ["launch"] and len(T._FWD_PLANS) == 2
 
 
 def test_a_tensor_the_plan_cannot_supply_refuses_the_recording():
@@ -222,3 +223,82 @@ def test_a_tensor_the_plan_cannot_supply_refuses_the_recording():
     rec = plans.Recorder()
     rec.add(None, (1,), (t,))  # Triton's own path kept no kernel
     assert plans.build(rec, (t,), {}) is None
+
+
+def _tensor_places(log, inputs):
+    """Per launch, which input (by position) or "buf" each tensor argument is."""
+    out = []
+    for _, _, _, args in log:
+        names = []
+        for a in args:
+            a = getattr(a, "base", a)
+            if isinstance(a, torch.Tensor):
+                names.append(next((i for i, t in enumerate(inputs) if a is t), "buf"))
+        out.append(names)
+    return out
+
+
+@pytest.mark.parametrize("tma", [0, 1])
+def test_a_call_with_one_tensor_in_several_places_is_recorded_apart(fake_gpu, tma):
+    """attention(x, x, x) first, then three tensors of the same sizes: the replay must
+    read q, k and v, not x's places (nor write O over an input given as out)."""
+    cfg = TileConfig(64, 64, 4, 2, tma=tma)
+    kw = dict(softmax_scale=0.125, mask="none", diag_lo=-128, diag_hi=128, config=cfg, addressable=True)
+    x = _bhsd(1, 2, 128, 64, dtype=torch.float16)
+    T.fwd(x, x, x, **kw)
+    q, k, v = (_bhsd(1, 2, 128, 64, dtype=torch.float16) for _ in range(3))
+    fake_gpu.clear()
+    T.fwd(q, k, v, **kw)
+    T.fwd(q, k, v, **kw)  # recorded on the first of these two, replayed on the second
+    assert [how for how, *_ in fake_gpu] == ["launch", "replay"]
+    assert _tensor_places(fake_gpu, (q, k, v)) == [[0, 1, 2, "buf", "buf"]] * 2
+    # out given as q at recording, then a new out
+    T._FWD_PLANS.clear()
+    T.fwd(q, k, v, out=q, **kw)
+    out = torch.empty_like(q)
+    fake_gpu.clear()
+    T.fwd(q, k, v, out=out, **kw)
+    assert _tensor_places(fake_gpu, (q, k, v, out)) == [[0, 1, 2, 3, "buf"]]
+
+
+def test_the_module_passed_is_part_of_the_key(fake_gpu):
+    """The same config launched with another module (a probe's variant of it) launches
+    that module's kernel, not the recorded one's."""
+    from flashgen import compile as _compile
+    from flashgen.spec import KernelSpec, Variant
+
+    cfg = TileConfig(64, 64, 4, 2)
+    kw = dict(softmax_scale=0.125, mask="none", diag_lo=-128, diag_hi=128, config=cfg, addressable=True)
+    q = _bhsd(1, 2, 128, 64, dtype=torch.float16)
+    mod = _compile.load(Variant(KernelSpec("fwd", "float16", 64, 64, "none"), cfg))
+
+    class Other:  # the same module's attributes, another kernel function
+        def __getattr__(self, name):
+            return getattr(mod, name)
+
+        attn_fwd = object()
+
+    T.fwd(q, q, q, module=mod, **kw)
+    T.fwd(q, q, q, module=mod, **kw)
+    T.fwd(q, q, q, module=Other(), **kw)
+    kernels = [k for _, k, _, _ in fake_gpu]
+    assert [how for how, *_ in fake_gpu] == ["launch", "replay", "launch"] and kernels[2] is not kernels[0]
+
+
+def test_a_nan_scale_takes_no_plan(fake_gpu):
+    cfg = TileConfig(64, 64, 4, 2)
+    q = _bhsd(1, 2, 64, 64, dtype=torch.float16)
+    for _ in range(3):
+        T.fwd(q, q, q, softmax_scale=float("nan"), mask="none", diag_lo=-64, diag_hi=64, config=cfg, addressable=True)
+    assert not T._FWD_PLANS and [how for how, *_ in fake_gpu] == ["launch"] * 3
+
+
+def test_a_full_table_records_no_new_key(fake_gpu, monkeypatch):
+    monkeypatch.setattr(plans, "PLAN_MAX", 2)
+    cfg = TileConfig(64, 64, 4, 2)
+    for s in (64, 80, 96, 96, 64):
+        q = _bhsd(1, 2, s, 64, dtype=torch.float16)
+        T.fwd(q, q, q, softmax_scale=0.1, mask="none", diag_lo=-s, diag_hi=s, config=cfg, addressable=True)
+    # 64 and 80 recorded; 96 never (its second call launches again); 64 replays
+    assert [how for how, *_ in fake_gpu] == ["launch", "launch", "launch", "launch", "replay"]
+    assert len(T._FWD_PLANS) == 2

@@ -103,8 +103,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
     key = plan = None
     if sinks is None and user is None and plans.usable():
-        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, out, lse), config, mask, softmax_scale, diag_lo,
-                                                      diag_hi, check_inputs))
+        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, out, lse), config, module, mask, softmax_scale,
+                                                      diag_lo, diag_hi, check_inputs))
         if plan is not None:
             bufs = plan.run((q, k, v, out, lse))
             return bufs.get("out", out), bufs.get("lse", lse)

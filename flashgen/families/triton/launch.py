@@ -186,8 +186,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     score modifications' arguments (the variant compiled with ``mods.name``)."""
     key = plan = None
     if mods is None and plans.usable():
-        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, out, lse), "fwd", config, mask, softmax_scale,
-                                                      diag_lo, diag_hi, addressable))
+        key, plan = plans.lookup(_FWD_PLANS, plans.key_of((q, k, v, out, lse), config, module, mask, softmax_scale,
+                                                          diag_lo, diag_hi, addressable))
         if plan is not None:
             bufs = plan.run((q, k, v, out, lse))
             return bufs.get("out", out), bufs.get("lse", lse)
@@ -214,7 +214,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
     if key is not None:
-        plans.record_one(_PLANS, key, kernel, grid, args, (q, k, v) + given,
+        plans.record_one(_FWD_PLANS, key, kernel, grid, args, (q, k, v) + given,
                          {n: t for n, t, g in (("out", out, given[0]), ("lse", lse, given[1])) if g is None})
     return out, lse
 
@@ -225,8 +225,8 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
     key = plan = None
     if mods is None and plans.usable():
-        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, o, do, lse, dq, delta), "bwd_dq", config, mask,
-                                                      softmax_scale, diag_lo, diag_hi, addressable))
+        key, plan = plans.lookup(_DQ_PLANS, plans.key_of((q, k, v, o, do, lse, dq, delta), config, module, mask,
+                                                         softmax_scale, diag_lo, diag_hi, addressable))
         if plan is not None:
             bufs = plan.run((q, k, v, o, do, lse, dq, delta))
             return bufs.get("dq", dq), bufs.get("delta", delta)
@@ -253,7 +253,7 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
     kernel = launch(mod.attn_bwd_dq, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
     if key is not None:
-        plans.record_one(_PLANS, key, kernel, grid, args, (q, k, v, o, do, lse) + given,
+        plans.record_one(_DQ_PLANS, key, kernel, grid, args, (q, k, v, o, do, lse) + given,
                          {n: t for n, t, g in (("dq", dq, given[0]), ("delta", delta, given[1])) if g is None})
     return dq, delta
 
@@ -264,8 +264,8 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
     key = plan = None
     if mods is None and plans.usable():
-        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, do, lse, delta, dk, dv), "bwd_dkdv", config, mask,
-                                                      softmax_scale, diag_lo, diag_hi, addressable))
+        key, plan = plans.lookup(_DKDV_PLANS, plans.key_of((q, k, v, do, lse, delta, dk, dv), config, module, mask,
+                                                           softmax_scale, diag_lo, diag_hi, addressable))
         if plan is not None:
             bufs = plan.run((q, k, v, do, lse, delta, dk, dv))
             return bufs.get("dk", dk), bufs.get("dv", dv)
@@ -294,15 +294,17 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     kernel = launch(mod.attn_bwd_dkdv, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
     if key is not None:
-        plans.record_one(_PLANS, key, kernel, grid, args, (q, k, v, do, lse, delta) + given,
+        plans.record_one(_DKDV_PLANS, key, kernel, grid, args, (q, k, v, do, lse, delta) + given,
                          {n: t for n, t, g in (("dk", dk, given[0]), ("dv", dv, given[1])) if g is None})
     return dk, dv
 
 
-#: Launch plans of :func:`fwd`, :func:`bwd_dq` and :func:`bwd_dkdv` (:mod:`flashgen.plans`;
-#: not with score modifications, whose tensors are arguments too), by kernel, config,
-#: scalars, sizes, strides, dtypes, alignments and device.
-_PLANS: dict = {}
+#: Launch plans of :func:`fwd`, :func:`bwd_dq` and :func:`bwd_dkdv`, one table each
+#: (:mod:`flashgen.plans`; not with score modifications, whose tensors are arguments
+#: too), by config, module, scalars, sizes, strides, dtypes, alignments and device.
+_FWD_PLANS: dict = {}
+_DQ_PLANS: dict = {}
+_DKDV_PLANS: dict = {}
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
