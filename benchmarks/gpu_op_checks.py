@@ -19,7 +19,8 @@
   the backward in that thread, equal the main thread's (a kernel with tensor
   descriptors needs the context before its launch);
 * launch plans (``flashgen.plans``): three calls of each shape and layout with new
-  inputs each (the second and third replay the first's launches) against float64 and
+  inputs each, after a call that passes one tensor as q, k and v where the head counts
+  allow (the second and third replay the first's launches) against float64 and
   against the same inputs with plans off (``FLASHGEN_LAUNCH_PLANS=0``): O bitwise,
   gradients to the dtype's tolerance (the Gluon backward's dQ adds in a varying order).
 
@@ -536,6 +537,10 @@ def check_replay(device, dtype) -> list[Row]:
                 return x.transpose(1, 2) if bshd else x
 
             q, k, v, do = t(h), t(hk), t(hk), t(h)
+            if call == 0 and h == hk:
+                # one tensor as q, k and v first (recorded apart from three tensors)
+                with torch.no_grad():
+                    flashgen.attention(q, q, q, causal=causal)
             outs = {}
             for plans_on in ("1", "0"):
                 os.environ["FLASHGEN_LAUNCH_PLANS"] = plans_on
