@@ -8,8 +8,9 @@ recorded places and call each kept ``CompiledKernel``'s launcher directly.
 
 The key is the caller's, and it must determine everything the recorded launches
 depend on besides the tensors' data: sizes, strides, dtypes, the low four bits of
-every input's address (Triton specializes pointers on 16-byte alignment), scalar
-arguments, the config, and the device.  Buffers the plan allocates come from torch's
+every input's address (Triton specializes pointers on 16-byte alignment), which inputs
+are the same tensor, scalar arguments, the config and module, and the devices
+(:func:`key_of` builds it).  Buffers the plan allocates come from torch's
 caching allocator, whose blocks are 512-byte aligned, so they never lose an alignment
 the recorded kernels were specialized on.
 
@@ -31,6 +32,7 @@ from . import fastlaunch
 
 #: Plans kept per launcher; later keys take the launcher's own path (see :func:`remember`).
 PLAN_MAX = 512
+
 
 class Recorder:
     """Collects ``(kernel, grid, args)`` of each launch of one call (see

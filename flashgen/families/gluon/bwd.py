@@ -764,8 +764,8 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
 #: The scratch buffers of :func:`launch_args` a launch plan allocates again on each call
 #: (with the outputs not given, and the contiguous dK/dV of a "copy").
 _PLANNED = ("lse2", "delta", "dqacc", "sem", "dk_partial", "dv_partial")
-#: Launch plans of :func:`attention_bwd` (:mod:`flashgen.plans`), by sizes, strides,
-#: dtypes, alignments, scalars, config and device.
+#: Launch plans of :func:`attention_bwd` (:mod:`flashgen.plans`), by config, scalars,
+#: sizes, strides, dtypes, alignments, tensor identity and device.
 _PLANS: dict = {}
 
 

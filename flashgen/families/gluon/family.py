@@ -413,8 +413,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     with building(_fwd_id(launch_mod._DTYPES[q.dtype], q.shape[3], v.shape[3], mask, g, sinks is not None,
                           user.name if user is not None else "")):
         return launch_mod.fwd(q, k, v, softmax_scale=softmax_scale, mask=mask, diag_lo=diag_lo, diag_hi=diag_hi,
-                      config=g, out=out, lse=lse, check_inputs=not addressable, module=module, sinks=sinks,
-                      user=user)
+                              config=g, out=out, lse=lse, check_inputs=not addressable, module=module, sinks=sinks,
+                              user=user)
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,

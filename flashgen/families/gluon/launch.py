@@ -154,8 +154,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
 
 
 #: Launch plans of :func:`fwd` (:mod:`flashgen.plans`; not for sinks or user functions,
-#: whose tensors are arguments too), by sizes, strides, dtypes, alignments, scalars,
-#: config and device.
+#: whose tensors are arguments too), by config, module, scalars, sizes, strides, dtypes,
+#: alignments, tensor identity and device.
 _PLANS: dict = {}
 
 
