@@ -189,6 +189,18 @@ def lookup(table: dict, key):
     return (key, plan) if plan is not None else (None, None)
 
 
+def replay(table: dict, tensors: tuple, *scalars):
+    """(key, buffers) of one launcher call: the buffers (by name) of the plan kept for
+    this call's key after replaying it, with that key; else (key, None), the key to
+    record this call under (:func:`record_one`), None when the call is not to be
+    recorded (:func:`usable`, :func:`lookup`).  ``tensors`` and ``scalars`` as
+    :func:`key_of` takes them; the tensors are also the plan's inputs."""
+    if not usable():
+        return None, None
+    key, plan = lookup(table, key_of(tensors, *scalars))
+    return key, (plan.run(tensors) if plan is not None else None)
+
+
 def record_one(table: dict, key, kernel, grid, args, inputs: tuple, buffers: dict) -> None:
     """Record a call of one launch under ``key`` (:func:`build`, :func:`remember`)."""
     rec = Recorder()

@@ -705,12 +705,12 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     tensor that receives delta = rowsum(dO * O) as the preprocess launch computed it.
     ``check=False`` builds a config the rules reject (:func:`invalid_reasons`; a
     benchmark's probe of one, never the dispatcher's)."""
-    key = plan = None
-    if check and not stage_sync and plans.usable():
-        key, plan = plans.lookup(_PLANS, plans.key_of((do, q, k, v, o, lse, dq, dk, dv), config, mask,
-                                                      float(softmax_scale), diag_lo, diag_hi, delta_out is not None))
-        if plan is not None:
-            return _finish(plan.run((do, q, k, v, o, lse, dq, dk, dv)), q, dq, dk, dv, delta_out)
+    key = None
+    if check and not stage_sync:
+        key, bufs = plans.replay(_PLANS, (do, q, k, v, o, lse, dq, dk, dv), config, mask, float(softmax_scale),
+                                 diag_lo, diag_hi, delta_out is not None)
+        if bufs is not None:
+            return _finish(bufs, q, dq, dk, dv, delta_out)
     check_inputs(do, q, k, v, o, lse)
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]

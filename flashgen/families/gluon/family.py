@@ -361,19 +361,15 @@ def _gluon_missing() -> str | None:
     return None if IMPORT_ERROR is None else f"the installed Triton's Gluon is not usable: {IMPORT_ERROR}"
 
 
-_LAUNCH_MODULES: list = []
-
-
+@functools.cache
 def _launch_modules():
     """(build.building, the .launch module), imported on the first launch (this module
     imports neither torch nor triton) and kept: an import statement in the launchers
     costs about a microsecond per call."""
-    if not _LAUNCH_MODULES:
-        from . import launch
-        from .build import building
+    from . import launch
+    from .build import building
 
-        _LAUNCH_MODULES.extend((building, launch))
-    return _LAUNCH_MODULES[0], _LAUNCH_MODULES[1]
+    return building, launch
 
 
 @functools.lru_cache(maxsize=4096)

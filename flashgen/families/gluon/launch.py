@@ -101,12 +101,11 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     come as ``sinks``).
 
     Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
-    key = plan = None
-    if sinks is None and user is None and plans.usable():
-        key, plan = plans.lookup(_PLANS, plans.key_of((q, k, v, out, lse), config, module, mask, softmax_scale,
-                                                      diag_lo, diag_hi, check_inputs))
-        if plan is not None:
-            bufs = plan.run((q, k, v, out, lse))
+    key = None
+    if sinks is None and user is None:
+        key, bufs = plans.replay(_PLANS, (q, k, v, out, lse), config, module, mask, softmax_scale, diag_lo, diag_hi,
+                                 check_inputs)
+        if bufs is not None:
             return bufs.get("out", out), bufs.get("lse", lse)
     if check_inputs:
         why = unsupported(q, k, v, mask=mask, config=config, out=out)

@@ -184,12 +184,11 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     pointer loads instead.  ``addressable=True``: the caller has established that q, k
     and v are (their ProblemKey layout is ""), so the check is skipped.  ``mods``: the
     score modifications' arguments (the variant compiled with ``mods.name``)."""
-    key = plan = None
-    if mods is None and plans.usable():
-        key, plan = plans.lookup(_FWD_PLANS, plans.key_of((q, k, v, out, lse), config, module, mask, softmax_scale,
-                                                          diag_lo, diag_hi, addressable))
-        if plan is not None:
-            bufs = plan.run((q, k, v, out, lse))
+    key = None
+    if mods is None:
+        key, bufs = plans.replay(_FWD_PLANS, (q, k, v, out, lse), config, module, mask, softmax_scale, diag_lo,
+                                 diag_hi, addressable)
+        if bufs is not None:
             return bufs.get("out", out), bufs.get("lse", lse)
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -223,12 +222,11 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
            config: TileConfig, dq=None, delta=None, module=None, addressable: bool = False,
            mods: ScoreMods | None = None):
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
-    key = plan = None
-    if mods is None and plans.usable():
-        key, plan = plans.lookup(_DQ_PLANS, plans.key_of((q, k, v, o, do, lse, dq, delta), config, module, mask,
-                                                         softmax_scale, diag_lo, diag_hi, addressable))
-        if plan is not None:
-            bufs = plan.run((q, k, v, o, do, lse, dq, delta))
+    key = None
+    if mods is None:
+        key, bufs = plans.replay(_DQ_PLANS, (q, k, v, o, do, lse, dq, delta), config, module, mask, softmax_scale,
+                                 diag_lo, diag_hi, addressable)
+        if bufs is not None:
             return bufs.get("dq", dq), bufs.get("delta", delta)
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
@@ -262,12 +260,11 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
              config: TileConfig, dk=None, dv=None, module=None, addressable: bool = False,
              mods: ScoreMods | None = None):
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
-    key = plan = None
-    if mods is None and plans.usable():
-        key, plan = plans.lookup(_DKDV_PLANS, plans.key_of((q, k, v, do, lse, delta, dk, dv), config, module, mask,
-                                                           softmax_scale, diag_lo, diag_hi, addressable))
-        if plan is not None:
-            bufs = plan.run((q, k, v, do, lse, delta, dk, dv))
+    key = None
+    if mods is None:
+        key, bufs = plans.replay(_DKDV_PLANS, (q, k, v, do, lse, delta, dk, dv), config, module, mask, softmax_scale,
+                                 diag_lo, diag_hi, addressable)
+        if bufs is not None:
             return bufs.get("dk", dk), bufs.get("dv", dv)
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
