@@ -38,6 +38,21 @@ def parse(s: str):
     return b, h, hk, n, d, "causal" in flags, left, "sinks" in flags
 
 
+def inputs(spec: str):
+    """(q, k, v, dO, causal, window) of one ``--shape`` spec: random bf16 CUDA tensors
+    (seed 0), q, k and v requiring grad."""
+    import torch
+
+    b, h, hk, n, d, causal, left, _ = parse(spec)
+    window = (left, 0 if causal else -1) if left >= 0 else (-1, -1)
+    torch.manual_seed(0)
+
+    def rand(*shape, grad=True):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+
+    return rand(b, h, n, d), rand(b, hk, n, d), rand(b, hk, n, d), rand(b, h, n, d, grad=False), causal, window
+
+
 def kernels_of(fn) -> list[tuple[str, int, float]]:
     """(kernel name, count, GPU us) of one call of ``fn``."""
     import torch
@@ -76,12 +91,7 @@ def main() -> int:
     results = []
     for spec in args.shape or SHAPES:
         b, h, hk, n, d, causal, left, with_sinks = parse(spec)
-        window = (left, 0 if causal else -1) if left >= 0 else (-1, -1)
-        torch.manual_seed(0)
-        q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v, do, causal, window = inputs(spec)
 
         sinks = torch.randn(h, device="cuda", dtype=torch.float32, requires_grad=True)
 

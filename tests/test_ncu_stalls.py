@@ -1,0 +1,67 @@
+"""benchmarks/ncu_stalls.py's parsing of Nsight Compute's source and details pages."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import ncu_stalls  # noqa: E402
+
+SOURCE = """==PROF== Connected to process 1
+"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_long_sb","stall_wait","stall_barrier (Not Issued)"
+"0x10","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2+URZ], R3 ;","10","8","10","0","0"
+"0x18","@!P0  BRA 0x90 ;","50","50","50","0","0"
+"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;","10","2","0","10","0"
+"0x30","WARPGROUP.DEPBAR.LE gsb0, 0x1 ;","20","20","0","20","0"
+"0x40","MUFU.EX2 R5, R6 ;","8","4","0","8","0"
+"0x50","IMAD R1, R2, R3, R4 ;","2","0","0","2","0"
+"0x60","BAR.SYNC.DEFER_BLOCKING 0x1 ;","0","0","0","0","0"
+"0x70","NOP ;","100","100","0","0","100"
+"""
+
+DETAILS = '''"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python3","h","attn_fwd","1","7","(256, 1, 1)","(2048, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","us","145.2"
+"0","1","python3","h","attn_fwd","1","7","(256, 1, 1)","(2048, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Memory Throughput","%","20.1"
+'''
+
+
+def test_opcode_classes():
+    assert ncu_stalls.opcode_class("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2], R3 ;") == "mbarrier wait"
+    assert ncu_stalls.opcode_class("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;") == "wgmma issue"
+    assert ncu_stalls.opcode_class("WARPGROUP.DEPBAR.LE gsb0, 0x1 ;") == "wgmma wait"
+    assert ncu_stalls.opcode_class("MUFU.EX2 R5, R6 ;") == "exp2 / rcp (MUFU)"
+    assert ncu_stalls.opcode_class("IMAD R1, R2, R3, R4 ;") == "other"
+
+
+def test_summary_of_a_source_page():
+    header, rows = ncu_stalls.parse_source_csv(SOURCE)
+    assert len(rows) == 8
+    s = ncu_stalls.summarize(header, rows, top=2)
+    # the parked padding warps (the NOP after BAR.SYNC 0x1) are their own share
+    assert s["total_samples"] == 200 and s["parked_pct"] == 50.0
+    # the rest by opcode class, a wait loop's branch counted as the mbarrier wait it is
+    assert s["by_class"] == {"mbarrier wait": 60.0, "wgmma wait": 20.0, "wgmma issue": 10.0,
+                             "exp2 / rcp (MUFU)": 8.0, "other": 2.0}
+    assert s["reasons"] == {"long_sb": 60.0, "wait": 40.0}
+    assert [t["address"] for t in s["top"]] == ["0x18", "0x30"]
+    assert s["top"][0]["not_issued_pct"] == 50.0 and s["top"][0]["after"].startswith("SYNCS.PHASECHK")
+
+
+def test_a_page_without_a_table_is_an_error():
+    with pytest.raises(ValueError, match="no source table"):
+        ncu_stalls.parse_source_csv("==PROF== nothing profiled\n")
+
+
+def test_details_rows():
+    assert ncu_stalls.details_lines(DETAILS) == ["GPU Speed Of Light Throughput / Duration: 145.2 us"]
+
+
+def test_offline_summary_of_a_directory(tmp_path, capsys):
+    (tmp_path / "fwd_case.source.csv").write_text(SOURCE)
+    assert ncu_stalls.main(["--from", str(tmp_path), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "== fwd_case" in out and "parked warps: 50.0%" in out and "long_sb 60.0" in out
+    with pytest.raises(SystemExit):
+        ncu_stalls.main(["--from", str(tmp_path / "missing")])
