@@ -104,6 +104,14 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
         }
         out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), c) for d, cfgs in timed.items() for c in cfgs]
         return [v for v in out if not check(v)]
+    if name == "walk3":
+        # the persistent walk with two Q buffers (persistent 3) beside the walk it extends
+        timed = {
+            128: [_cfg(pin=True, pers=3), _cfg(pin=True, pers=2), _cfg(bn=64, stages=3, pin=True),
+                  _cfg(bn=64, stages=3, pin=True, pers=3), _cfg(pers=3)],
+            64: [_cfg(stages=3, pers=3), _cfg(stages=3, pers=2), _cfg(nc=3, stages=4, pers=3),
+                 _cfg(nc=1, bn=64, ctas=2, pers=3)],
+        }
     if name == "full":
         timed = {
             128: [_cfg(), _cfg(pin=True), _cfg(pers=True), _cfg(pin=True, pers=True), _cfg(bn=64, stages=4, pin=True),
@@ -334,7 +342,7 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
-    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short"))
+    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -369,7 +377,7 @@ def main(argv=None) -> int:
 
         out["device"] = torch.cuda.get_device_name()
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
-        out["timing"] = time_all(passing, args.rep_ms, {"sched": SCHED_SHAPES, "short": SHORT_SHAPES}.get(args.set))
+        out["timing"] = time_all(passing, args.rep_ms, {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES}.get(args.set))
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))
     return 0

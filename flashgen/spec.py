@@ -257,7 +257,8 @@ class TileConfig:
     ``producer_regs``: setmaxnreg budgets (0: the family's default split for the consumer
     count; ``_r240-24``); ``pin`` 1 keeps the forward's exponentials between its two
     wgmma waits (``_pin``); ``persistent`` 1: one forward program per SM slot (``_pers``), 2: the same with the next tile's
-    Q loaded during a tile's epilogue and masked tiles walked longest first (``_pers2``);
+    Q loaded during a tile's epilogue and masked tiles walked longest first (``_pers2``), 3: as 2
+    with two Q buffers, the next tile's Q loaded a whole tile ahead (``_pers3``);
     ``ctas_per_sm``: forward programs resident per SM (0 = 1; ``_x2``); ``dq_atomic`` 1:
     the backward adds dQ by float32 atomics instead of TMA reduce-add (``_dqat``);
     ``row_load``: how the backward's consumers get LSE and delta (0 TMA through the ring,

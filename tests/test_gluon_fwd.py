@@ -38,8 +38,10 @@ def test_every_space_variant_renders():
             assert ("pin = _pin(" in src) == c.pin_exps
             assert ("num_tiles, gl.num_programs(0)" in src) == bool(c.persistent)
             # the persistent walk's own O staging buffer, and its longest-first order with a mask
-            assert ("o_buf = q_smem" in src) == (c.persistent != 2 and s.head_dim_v == s.head_dim)
-            assert ("_tile_coords_lpt(tile" in src) == (c.persistent == 2 and s.mask != "none")
+            assert ("o_buf = q_smem" in src) == (c.persistent < 2 and s.head_dim_v == s.head_dim)
+            # the walk with two Q buffers loads the next tile's Q a tile ahead
+            assert ("_load_q(q_desc" in src) == (c.persistent == 3)
+            assert ("_tile_coords_lpt(tile" in src) == (c.persistent >= 2 and s.mask != "none")
             n += 1
     assert n > 500
 
@@ -126,6 +128,11 @@ COMPILE_CASES = [
     ("bfloat16", 64, 64, "causal", dict(num_stages=4, persistent=2)),
     # the walk's pinned causal tile, which serves a Llama-3-8B key in the shipped rows
     ("bfloat16", 128, 128, "causal", dict(pin_exps=True, persistent=2)),
+    # the walk with two Q buffers: the tiles the shipped rows take at seqlen 512-4096
+    ("bfloat16", 128, 128, "none", dict(pin_exps=True, persistent=3)),
+    ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, num_stages=3, pin_exps=True, persistent=3)),
+    ("bfloat16", 64, 64, "causal", dict(BLOCK_N=64, num_consumers=1, consumer_regs=232, ctas_per_sm=2,
+                                        persistent=3)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
@@ -138,14 +145,16 @@ COMPILE_CASES = [
 #: (12 B with ptxas 12.8 too), one reload inside the key loop; the d64 window tile of
 #: two consumers and two stages spills 4 B (8 B of stack), its sinks variant the same (0 B
 #: under 3.6); the pinned persistent walk without a mask spills 16 B like the
-#: pinned persistent tile (0 B under 3.6).  Any other spill fails.
+#: pinned persistent tile (0 B under 3.6), and 20 B with two Q buffers (0 B under 3.6).
+#: Any other spill fails.
 SPILL_BYTES = {
     "3.6": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2": 108},
     "3.9": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2": 8,
             "gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin": 4,
             "gluon_fwd_d64_bf16_window_m64x2_n128_s2_r240-24": 4,
             "gluon_fwd_d128_dv64_bf16_none_m64x2_n128_s2_r240-24_pin_pers": 16,
-            "gluon_fwd_d128_bf16_none_m64x2_n128_s2_r240-24_pin_pers2": 16},
+            "gluon_fwd_d128_bf16_none_m64x2_n128_s2_r240-24_pin_pers2": 16,
+            "gluon_fwd_d128_bf16_none_m64x2_n128_s2_r240-24_pin_pers3": 20},
 }
 
 _SCRIPT = r'''
@@ -157,7 +166,7 @@ for dt, d, dv, mask, kw, *sinks in CASES:
     r = report(compile_sm90(v))
     print("OK " + json.dumps(dict(id=v.id, problems=r.problems(v), spill=r.spill_bytes, shared=r.shared_bytes,
                                   model=smem_bytes(v.spec, v.config), setmaxnreg=r.setmaxnreg, hgmma=r.hgmma,
-                                  exps=r.exps_between_waits, pin=v.config.pin_exps)))
+                                  exps=r.exps_between_waits, pin=v.config.pin_exps, block_n=v.config.BLOCK_N)))
 '''
 
 
@@ -177,7 +186,8 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
         assert row["hgmma"] > 0 and row["setmaxnreg"], row
         assert row["shared"] <= row["model"] <= row["shared"] + 2048, row
         if row["pin"]:
-            assert row["exps"] >= 64, row  # one tile's P (64 x 128 / 128 threads) between the waits
+            # one tile's P (64 x BLOCK_N / 128 threads) between the waits
+            assert row["exps"] >= row["block_n"] // 2, row
         plain = by_id.get(row["id"].replace("_sinks", ""))
         if "_sinks" in row["id"] and plain is not None:  # the key loop as the plain variant's
             assert (row["hgmma"], row["setmaxnreg"], row["exps"]) == (plain["hgmma"], plain["setmaxnreg"],
@@ -194,8 +204,9 @@ def test_code_id_record_is_current():
 
     rec = json.loads((templates_dir() / R.CODE_ID_RECORD).read_text())
     assert rec["text"] == R._CODE_ID.text_hash() and rec["probes"] == R._CODE_ID.probe_digest()
-    # the variants of knob values added later (persistent 2) as recorded too
-    assert rec.get("extensions", {}) == R._CODE_ID.extension_digests() and "persistent2" in rec["extensions"]
+    # the variants of knob values added later (persistent 2 and 3) as recorded too
+    assert rec.get("extensions", {}) == R._CODE_ID.extension_digests()
+    assert {"persistent2", "persistent3"} <= set(rec["extensions"])
     assert R.template_hash() == rec["code"] == R.code_id()
     spec = GluonFwdSpec("bfloat16", 128, 128, "causal")
     assert f"template_hash: {rec['code']}" in render(GluonFwdVariant(spec, default_config(spec)))

@@ -88,7 +88,10 @@ class GluonFwdConfig:
                    same walk with O staged in its own buffer, so the next tile's Q
                    loads during a tile's last P V product and epilogue, and masked
                    modes take the tiles longest first within L2-sized sections of
-                   (z, h) planes (:func:`persistent_order`).
+                   (z, h) planes (:func:`persistent_order`); 3: as 2, with two Q
+                   buffers per consumer, so the producer loads the next tile's Q
+                   right after the current tile's first K/V tile (a whole tile ahead
+                   instead of during its last P V product).
     ctas_per_sm    programs resident on one SM (1 or 2): the launch register cap and
                    the shared memory of a program are the SM's divided by it (two
                    one-consumer programs overlap one's prologue and epilogue with the
@@ -192,7 +195,7 @@ def user_regs(mods: str, block_n: int) -> int:
 
 
 #: K/V bytes of the (z, h) planes that share a section of the persistent walk of masked
-#: modes (``persistent`` 2): about two thirds of the H200's 50 MB L2, so a section's K and
+#: modes (``persistent`` 2 and 3): about two thirds of the H200's 50 MB L2, so a section's K and
 #: V stay in L2 while its query blocks pass over them.
 L2_SECTION_BYTES = 32 * 1024 * 1024
 
@@ -207,7 +210,7 @@ def section_planes(num_hz: int, group: int, seqlen_k: int, d_pad: int, dv_pad: i
 
 def persistent_order(num_m_blocks: int, num_hz: int, section: int) -> list[tuple[int, int]]:
     """(z * h, query block) of each tile index of the persistent walk of a masked mode
-    (``persistent`` 2), as the template's ``_tile_coords_lpt`` computes it: sections of
+    (``persistent`` 2 and 3), as the template's ``_tile_coords_lpt`` computes it: sections of
     ``section`` (z, h) planes (:func:`section_planes`), and within a section query block
     major, the last block (the one that sees the most keys) first.  Program p of P
     takes tiles p, p + P, ..."""
@@ -225,13 +228,13 @@ def smem_terms(s: GluonFwdSpec, c: GluonFwdConfig) -> dict[str, int]:
     es = 2
     d, dv = pad(s.head_dim), pad(s.head_dim_v)
     terms = {
-        "q": c.num_consumers * c.BLOCK_M * d * es,
+        "q": (2 if c.persistent == 3 else 1) * c.num_consumers * c.BLOCK_M * d * es,
         "k_ring": c.num_stages * c.BLOCK_N * d * es,
         "v_ring": c.num_stages * c.BLOCK_N * dv * es,
-        "barriers": 8 * (2 * c.num_consumers + 4 * c.num_stages),
+        "barriers": 8 * ((4 if c.persistent == 3 else 2) * c.num_consumers + 4 * c.num_stages),
         "slack": SMEM_SLACK_BYTES,
     }
-    if dv != d or c.persistent == 2:  # O is staged in Q's buffer when the shapes agree, except in the walk
+    if dv != d or c.persistent >= 2:  # O is staged in Q's buffer when the shapes agree, except in the walk
         terms["o_staging"] = c.num_consumers * c.BLOCK_M * dv * es
     return terms
 
@@ -260,11 +263,14 @@ def check(v: GluonFwdVariant) -> list[str]:
         why.append(f"num_consumers={c.num_consumers}: 1, 2 or 3 consumer warpgroups")
     if c.BLOCK_N not in (64, 128):
         why.append(f"BLOCK_N={c.BLOCK_N}: 64 or 128 (a power of two, the scores' wgmma N <= 256)")
-    if c.persistent not in (0, 1, 2):
-        why.append(f"persistent={c.persistent}: 0 (one program per tile), 1 or 2 (one program per SM slot)")
-    if c.persistent == 2 and s.user:
-        why.append("persistent=2 with user score/mask functions: not built (their block mask walks one tile "
-                   "per program)")
+    if c.persistent not in (0, 1, 2, 3):
+        why.append(f"persistent={c.persistent}: 0 (one program per tile), 1, 2 or 3 (one program per SM slot)")
+    if c.persistent >= 2 and s.user:
+        why.append(f"persistent={c.persistent} with user score/mask functions: not built (their block mask walks "
+                   "one tile per program)")
+    if c.persistent == 3 and s.sinks:
+        why.append("persistent=3 with attention sinks: not built (the sinks variant's code id covers the walk "
+                   "of persistent 2 only)")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
@@ -338,7 +344,7 @@ def space(s: GluonFwdSpec):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
     :func:`check`)."""
     for nc, bn, stages, pin, pers, ctas in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True),
-                                                             (0, 1, 2), (1, 2)):
+                                                             (0, 1, 2, 3), (1, 2)):
         cr, pr = default_regs(nc, ctas)
         cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
                              pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
@@ -357,7 +363,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 NUM_CONSUMERS=c.num_consumers, BLOCK_N=c.BLOCK_N, NUM_STAGES=c.num_stages,
                 CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
                 # 0/1 render as False/True, as before the walk existed (the code ids follow the source)
-                PIN_EXPS=c.pin_exps, PERSISTENT=2 if c.persistent == 2 else bool(c.persistent),
+                PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent if c.persistent >= 2 else bool(c.persistent),
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks,
                 **user_vars(s.user))
 

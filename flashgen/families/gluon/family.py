@@ -215,7 +215,7 @@ class GluonFamily:
         was)."""
         if key.spec.kernel == "fwd":
             return {"BLOCK_M": (64,), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12), "num_stages": (2, 3, 4, 5, 6),
-                    "pin": (0, 1), "persistent": (0, 1, 2), "ctas_per_sm": (0, 2)}
+                    "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": (0, 2)}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1)}
         splits = B.group_splits(key.group)

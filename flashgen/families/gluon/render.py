@@ -44,7 +44,7 @@ def _env(directory: str | None = None) -> jinja2.Environment:
 
 #: Knob values added after the forward's code id was first recorded, each an extension
 #: of the id (:class:`.code_id.CodeId`): name -> whether a config has it.
-EXTENSIONS = {"persistent2": lambda c: c.persistent == 2}
+EXTENSIONS = {"persistent2": lambda c: c.persistent == 2, "persistent3": lambda c: c.persistent == 3}
 
 
 def probe_variants(extension: str | None = None) -> list[GluonFwdVariant]:
