@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 import signal
 import sys
@@ -783,7 +784,6 @@ def _stop_when_parent_dies(name: str, grace_s: float = ORPHAN_GRACE_S) -> None:
     It then interrupts the main thread with SIGTERM's handler (the running trial is
     marked FAIL, the DB closed); past ``grace_s`` seconds the process exits anyway."""
     import multiprocessing as mp
-    import os
 
     parent = mp.parent_process()
     if parent is None:
@@ -843,7 +843,6 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
     already recorded stay, and it exits with 128 + the signal's number, without a
     traceback.  It stops by itself when its parent exits (:func:`_stop_when_parent_dies`)."""
     import logging
-    import os
 
     if cfg.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
@@ -875,6 +874,14 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
                  sampler=cfg.sampler, worker=cfg.name, family_names=cfg.family_names)
     except KeyboardInterrupt as e:
         sys.exit(128 + stop_signal(e))
+    finally:
+        # The work is over, done or stopped.  A stop signal that comes now (the parent's
+        # SIGTERM after a Ctrl-C this worker already acted on) is ignored: interpreter
+        # shutdown puts a Python handler back to the default action, which would kill
+        # the exiting worker (exit code -15) instead of letting it exit with its own
+        # code; an ignored signal stays ignored through shutdown.
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
 
 
 def fail_trials_of(storage: str | optuna.storages.BaseStorage, worker: str) -> int:
@@ -889,6 +896,25 @@ def fail_trials_of(storage: str | optuna.storages.BaseStorage, worker: str) -> i
                 st.set_trial_state_values(t._trial_id, TrialState.FAIL)
                 n += 1
     return n
+
+
+def _start_worker(p) -> None:
+    """Start the spawned worker process ``p`` with SIGINT ignored and SIGTERM blocked.
+
+    SIGINT ignored (POSIX keeps an ignored signal across exec) until _worker_main
+    handles it: a Ctrl-C while it imports torch stops it through its parent (the
+    SIGTERM tune_parallel sends), not with a traceback.  SIGTERM blocked (the mask, too,
+    survives exec): one that reaches it before its handler is set waits for the handler
+    instead of killing it outright.  multiprocessing's resource tracker is started first:
+    its own start unblocks SIGINT and SIGTERM in the calling thread once it has spawned
+    the tracker (CPython's bpo-33613 fix), which inside the block below would start the
+    first worker unprotected."""
+    if os.name == "posix":
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+    with _signals_ignored((signal.SIGINT,)), _signals_blocked((signal.SIGTERM,)):
+        p.start()
 
 
 def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[WorkerConfig],
@@ -933,14 +959,7 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
     try:
         with stop_signals_raise():
             for name, (p, c) in procs.items():
-                # A worker starts with SIGINT ignored (POSIX keeps an ignored signal across
-                # exec) until _worker_main handles it: a Ctrl-C while it imports torch
-                # stops it through this process (SIGTERM below), not with a traceback.  It
-                # starts with SIGTERM blocked (the mask, too, survives exec): a SIGTERM that
-                # reaches it before its handler is set waits for the handler instead of
-                # killing it outright.
-                with _signals_ignored((signal.SIGINT,)), _signals_blocked((signal.SIGTERM,)):
-                    p.start()
+                _start_worker(p)
                 running[p.sentinel] = (name, p, c)
             if on_start is not None:
                 on_start({name: p.pid for name, (p, _) in procs.items()})

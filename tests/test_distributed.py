@@ -352,3 +352,50 @@ def test_cli_tune_with_workers(tmp_path):
     bad = CliRunner().invoke(app, ["tune", "--preset", "small", "--fake", str(timings), "--db", str(db),
                                    "--sampler", "random"])
     assert bad.exit_code == 2 and "--sampler" in bad.output
+
+
+
+_SIGNALLED_WORKERS = r"""
+import multiprocessing as mp, os, pathlib, signal, sys, threading, time
+sys.path.insert(0, TESTS)
+import test_distributed as T
+from flashgen import tuner
+
+def flood(pid, stop):
+    while not stop.is_set():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        time.sleep(0.0005)
+
+if __name__ == "__main__":
+    tmp = pathlib.Path(TMP)
+    cfg = T._configs(tmp, 1, str(tmp / "journal.log"))[0]
+    for _ in range(3):
+        p = mp.get_context("spawn").Process(target=tuner._worker_main, args=([], cfg))
+        tuner._start_worker(p)
+        stop = threading.Event()
+        t = threading.Thread(target=flood, args=(p.pid, stop), daemon=True)
+        t.start()
+        p.join(timeout=120)
+        stop.set()
+        t.join()
+        print("EXIT", p.exitcode, flush=True)
+"""
+
+
+def test_a_worker_signalled_from_its_start_to_its_exit_keeps_its_exit_code(tmp_path):
+    """SIGTERM every half millisecond at a worker from the moment it is started
+    (tuner._start_worker, in a fresh interpreter, so the first start also starts
+    multiprocessing's resource tracker) until it has exited: it runs no key, so it ends
+    at once, and it must exit with its own code (0, or 143 had it been measuring), never
+    be killed by the signal (-15): not while Python starts (SIGTERM blocked until its
+    handler is set), not while it shuts down (where Python puts a handled signal back to
+    its default action)."""
+    script = tmp_path / "signalled.py"
+    script.write_text(f"TESTS = {str(Path(__file__).parent)!r}\nTMP = {str(tmp_path)!r}\n" + _SIGNALLED_WORKERS)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    codes = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("EXIT ")]
+    assert len(codes) == 3 and set(codes) <= {0, 128 + signal.SIGTERM}, (codes, r.stderr[-3000:])
