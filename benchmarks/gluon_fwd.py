@@ -377,7 +377,8 @@ def main(argv=None) -> int:
 
         out["device"] = torch.cuda.get_device_name()
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
-        out["timing"] = time_all(passing, args.rep_ms, {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES}.get(args.set))
+        shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES}.get(args.set)
+        out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))
     return 0
