@@ -24,7 +24,7 @@ instruction list (their addresses fall in the partition's code) before naming a 
 
     PYTHONPATH=$PWD python3 benchmarks/ncu_stalls.py --out DIR \
         --case fwd:32,16,16,512,128,causal --case bwd:4,16,16,4096,128
-    python3 benchmarks/ncu_stalls.py --from DIR      # summarize DIR's *.source.csv again
+    python3 benchmarks/ncu_stalls.py --from DIR [--out DIR2]   # summarize DIR's *.source.csv again
 
 The CSV parsing (:func:`parse_source_csv`, :func:`opcode_class`, :func:`summarize`) is
 plain Python, tested on CPU in tests/test_ncu_stalls.py.
@@ -48,10 +48,10 @@ SECTIONS = ("WarpStateStats", "SourceCounters", "SpeedOfLight", "ComputeWorkload
 KERNEL = {"fwd": "attn_fwd", "bwd": "attn_bwd"}
 #: Opcode classes, first match wins: (name, regex on the SASS text).
 CLASSES = (
-    ("mbarrier wait", r"SYNCS\.(PHASECHK|ARRIVE\.TRANS64\.RED\.A1T0|.*TRYWAIT)|\bSYNCS\.PHASECHK"),
-    ("mbarrier arrive", r"SYNCS\.ARRIVE"),
-    ("wgmma wait", r"WARPGROUP\.(DEPBAR|ARRIVE)|WARPSYNC"),
-    ("wgmma issue", r"\bHGMMA\b"),
+    ("mbarrier wait", r"\bSYNCS\.PHASECHK"),
+    ("mbarrier arrive", r"\bSYNCS\.ARRIVE"),
+    ("wgmma wait", r"\bWARPGROUP\.DEPBAR"),
+    ("wgmma issue", r"\bHGMMA\b|\bWARPGROUP\.ARRIVE"),
     ("exp2 / rcp (MUFU)", r"\bMUFU\b"),
     ("named barrier", r"\bBAR\b"),
     ("TMA / bulk copy", r"\bUTMA|\bUBLKCP|\bUTMACCTL|\bUTMAREDG|\bUTMASTG|\bUTMALDG"),
@@ -97,6 +97,28 @@ def _column(header: list[str], *needles: str) -> str | None:
     return None
 
 
+#: The predicate an instruction writes (its first operand), and the one a branch tests.
+_WRITES_PRED = re.compile(r"^\s*(?:@!?U?P\w+\s+)?[A-Z][\w.]*\s+(U?P\d)\s*,")
+_BRANCH_ON = re.compile(r"^\s*@!?(U?P\d)\s+BRA\b")
+
+
+def wait_loops(rows: list[dict], source: str) -> dict[int, int]:
+    """{index of a branch: index of the mbarrier try-wait it loops on}: a branch
+    predicated on the predicate a ``SYNCS.PHASECHK...TRYWAIT`` wrote last (the compiler
+    may put other instructions between them).  A wait's samples land on its branch."""
+    last: dict[str, int | None] = {}
+    out = {}
+    for i, r in enumerate(rows):
+        text = r[source]
+        b = _BRANCH_ON.match(text)
+        if b and last.get(b.group(1)) is not None:
+            out[i] = last[b.group(1)]
+        w = _WRITES_PRED.match(text)
+        if w:
+            last[w.group(1)] = i if "TRYWAIT" in text else None
+    return out
+
+
 def parked(rows: list[dict], source: str) -> set[int]:
     """Indices of the instructions where Triton parks the padding warps of a one-warp
     partition: a NOP right after a ``BAR.SYNC.DEFER_BLOCKING 0x1``."""
@@ -107,8 +129,8 @@ def parked(rows: list[dict], source: str) -> set[int]:
 def summarize(header: list[str], rows: list[dict], top: int = 30) -> dict:
     """Parked-warp share, stall reasons and opcode classes of the other samples (% of
     them), and the ``top`` instructions by samples (% of the other samples)."""
-    samples = _column(header, "stall sampling", "all") or _column(header, "sampling")
-    not_issued = _column(header, "stall sampling", "not-issued") or _column(header, "not issued")
+    samples = _column(header, "(all samples)") or _column(header, "sampling")
+    not_issued = _column(header, "(not-issued samples)") or _column(header, "not issued")
     source = _column(header, "source") or header[1]
     address = header[0]
     if samples is None:
@@ -117,12 +139,11 @@ def summarize(header: list[str], rows: list[dict], top: int = 30) -> dict:
     idle = parked(rows, source)
     idle_samples = sum(_num(rows[i][samples]) for i in idle)
     active = max(total - idle_samples, 1.0)
+    loops = wait_loops(rows, source)
     by_class: dict[str, float] = {}
     for i, r in enumerate(rows):
         if i not in idle:
-            # a wait loop's samples land on the branch after its try-wait
-            waiting = i and "BRA" in r[source] and "TRYWAIT" in rows[i - 1][source]
-            c = "mbarrier wait" if waiting else opcode_class(r[source])
+            c = "mbarrier wait" if i in loops else opcode_class(r[source])
             by_class[c] = by_class.get(c, 0.0) + _num(r[samples])
     reasons = {}
     for col in header:
@@ -132,14 +153,17 @@ def summarize(header: list[str], rows: list[dict], top: int = 30) -> dict:
 
     def entry(i):
         r = rows[i]
-        prev = rows[i - 1][source].strip() if i and "BRA" in r[source] else ""
         return {"address": r[address], "pct": round(100 * _num(r[samples]) / active, 2),
                 "not_issued_pct": round(100 * _num(r[not_issued]) / active, 2) if not_issued else None,
-                "sass": r[source].strip(), "after": prev if "SYNCS" in prev else ""}
+                "sass": r[source].strip(), "after": rows[loops[i]][source].strip() if i in loops else ""}
 
+    specialized = any("USETMAXREG" in r[source] for r in rows)
     return {
         "total_samples": total,
         "parked_pct": round(100 * idle_samples / total, 1),
+        # a warp-specialized kernel whose parked warps the pattern did not find: their
+        # samples are then inside every other share
+        "parked_found": bool(idle) or not specialized,
         "reasons": {k: round(100 * v / active, 1) for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])
                     if v >= 0.005 * active},
         "by_class": {k: round(100 * v / active, 1) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])
@@ -173,12 +197,14 @@ def child(case: str) -> None:
     import torch
 
     import flashgen
-    from profile_call import inputs
+    from profile_call import inputs, parse
 
     kind, spec = case.split(":", 1)
     q, k, v, do, causal, window = inputs(spec)
+    # ",sinks": learnable attention sinks, one float32 logit per query head
+    sinks = torch.randn(q.shape[1], device="cuda", dtype=torch.float32) if parse(spec)[7] else None
     for _ in range(2):
-        o = flashgen.attention(q, k, v, causal=causal, window=window)
+        o = flashgen.attention(q, k, v, causal=causal, window=window, sinks=sinks)
         if kind == "bwd":
             o.backward(do)
         torch.cuda.synchronize()
@@ -221,7 +247,11 @@ def print_summary(results: list[dict], top: int) -> None:
             continue
         for ln in r.get("details", []):
             print("  " + ln)
-        print(f"  parked warps: {r['parked_pct']}% of the samples; the rest (%):")
+        if r.get("parked_found", True):
+            print(f"  parked warps: {r['parked_pct']}% of the samples; the rest (%):")
+        else:
+            print("  parked warps: not found (no NOP after a BAR.SYNC 0x1 in this warp-specialized kernel's SASS): "
+                  "their samples are in the shares below (%):")
         print("  by stall reason:", ", ".join(f"{k} {v}" for k, v in r["reasons"].items()))
         print("  by opcode class:", ", ".join(f"{k} {v}" for k, v in r["by_class"].items()))
         for t in r["top"][:top]:
@@ -232,8 +262,8 @@ def print_summary(results: list[dict], top: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", action="append", default=[],
-                    help="fwd:B,H,HKV,S,D[,causal][,window=L] or bwd:... (repeatable)")
-    ap.add_argument("--out", help="output directory (source CSVs, stalls.json)")
+                    help="fwd:B,H,HKV,S,D[,causal][,window=L][,sinks] or bwd:... (repeatable)")
+    ap.add_argument("--out", help="output directory (source CSVs, stalls.json; with --from: stalls.json)")
     ap.add_argument("--top", type=int, default=30, help="instructions listed per case")
     ap.add_argument("--from", dest="from_dir", metavar="DIR",
                     help="summarize the *.source.csv files an earlier run left in DIR (no GPU, no ncu)")
@@ -251,11 +281,17 @@ def main(argv=None) -> int:
             earlier = []
         details = {re.sub(r"[^A-Za-z0-9]+", "_", r["case"]).strip("_"): r.get("details", []) for r in earlier}
         for path in sorted(Path(args.from_dir).glob("*.source.csv")):
-            header, rows = parse_source_csv(path.read_text())
             name = path.name.removesuffix(".source.csv")
-            results.append({"case": name, "details": details.get(name, []), **summarize(header, rows)})
+            try:
+                header, rows = parse_source_csv(path.read_text())
+                results.append({"case": name, "details": details.get(name, []), **summarize(header, rows)})
+            except ValueError as e:
+                results.append({"case": name, "error": f"{path}: {e}"})
         if not results:
             ap.error(f"--from {args.from_dir}: no *.source.csv files there")
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "stalls.json").write_text(json.dumps(results, indent=1))
         print_summary(results, args.top)
         return 0
     if not args.out or not args.case:

@@ -65,3 +65,37 @@ def test_offline_summary_of_a_directory(tmp_path, capsys):
     assert "== fwd_case" in out and "parked warps: 50.0%" in out and "long_sb 60.0" in out
     with pytest.raises(SystemExit):
         ncu_stalls.main(["--from", str(tmp_path / "missing")])
+
+
+# A wait loop whose branch is not next to its try-wait, a fence before a wgmma issue, and
+# the not-issued column listed first; no parked warps in a warp-specialized kernel.
+SOURCE2 = """"# Address","Source","Warp Stall Sampling (Not-issued Samples)","Warp Stall Sampling (All Samples)"
+"0x10","USETMAXREG.DEALLOC.CTAPOOL 0x18 ;","0","1"
+"0x20","SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR7+0x20168], RZ ;","1","1"
+"0x30","UIADD3.64 UR32, UR36, 0x204, URZ ;","0","1"
+"0x40","ISETP.GE.AND P0, PT, R3, 0x40, PT ;","0","1"
+"0x50","@!P2  BRA 0x7f21237b2b10 ;","30","40"
+"0x60","ISETP.NE.AND P2, PT, R1, RZ, PT ;","0","1"
+"0x70","@!P2  BRA 0x100 ;","5","5"
+"0x80","WARPGROUP.ARRIVE ;","0","50"
+"""
+
+
+def test_wait_loops_and_columns_of_another_layout():
+    header, rows = ncu_stalls.parse_source_csv(SOURCE2)
+    s = ncu_stalls.summarize(header, rows, top=3)
+    assert s["total_samples"] == 100  # the all-samples column, though listed second
+    # the branch on P2 after the try-wait is its wait loop; the one after P2 was rewritten is not
+    assert s["by_class"]["mbarrier wait"] == 41.0 and s["by_class"]["other"] == 9.0
+    assert s["by_class"]["wgmma issue"] == 50.0
+    assert s["top"][1]["sass"].startswith("@!P2  BRA 0x7f") and s["top"][1]["after"].startswith("SYNCS")
+    assert not s["parked_found"] and s["parked_pct"] == 0.0
+
+
+def test_offline_summary_reports_an_unreadable_page(tmp_path, capsys):
+    (tmp_path / "good.source.csv").write_text(SOURCE)
+    (tmp_path / "bad.source.csv").write_text("==PROF== no kernel profiled\n")
+    assert ncu_stalls.main(["--from", str(tmp_path), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "== bad" in out and "no source table" in out and "== good" in out
+    assert (tmp_path / "o" / "stalls.json").exists()
