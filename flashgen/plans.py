@@ -201,8 +201,12 @@ def replay(table: dict, tensors: tuple, *scalars):
     return key, (plan.run(tensors) if plan is not None else None)
 
 
-def record_one(table: dict, key, kernel, grid, args, inputs: tuple, buffers: dict) -> None:
-    """Record a call of one launch under ``key`` (:func:`build`, :func:`remember`)."""
+def record_one(table: dict, key, kernel, grid, args, inputs: tuple, outputs: dict) -> None:
+    """Record a call of one launch under ``key`` (:func:`build`, :func:`remember`):
+    ``inputs`` as given to :func:`replay`; ``outputs`` (name -> tensor) those the call
+    returns, each a buffer to allocate again unless it is one of the inputs (an output
+    the caller passed in)."""
     rec = Recorder()
     rec.add(kernel, grid, args)
-    remember(table, key, build(rec, inputs, buffers))
+    given = {id(t) for t in inputs if t is not None}
+    remember(table, key, build(rec, inputs, {n: t for n, t in outputs.items() if id(t) not in given}))

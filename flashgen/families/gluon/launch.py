@@ -101,9 +101,9 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     come as ``sinks``).
 
     Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
-    key = None
+    key, inputs = None, (q, k, v, out, lse)
     if sinks is None and user is None:
-        key, bufs = plans.replay(_PLANS, (q, k, v, out, lse), config, module, mask, softmax_scale, diag_lo, diag_hi,
+        key, bufs = plans.replay(_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
                                  check_inputs)
         if bufs is not None:
             return bufs.get("out", out), bufs.get("lse", lse)
@@ -118,7 +118,6 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     spec = GluonFwdSpec(_DTYPES[q.dtype], d, dv, mask, sinks=sinks is not None,
                         user=user.name if user is not None else "")
     config = config or default_config(spec)
-    out_given, lse_given = out is not None, lse is not None
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -146,9 +145,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     )
     kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
     if key is not None:
-        plans.record_one(_PLANS, key, kernel, grid, args, (q, k, v, out if out_given else None,
-                                                           lse if lse_given else None),
-                         {n: t for n, t, g in (("out", out, out_given), ("lse", lse, lse_given)) if not g})
+        plans.record_one(_PLANS, key, kernel, grid, args, inputs, {"out": out, "lse": lse})
     return out, lse
 
 

@@ -184,17 +184,16 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     pointer loads instead.  ``addressable=True``: the caller has established that q, k
     and v are (their ProblemKey layout is ""), so the check is skipped.  ``mods``: the
     score modifications' arguments (the variant compiled with ``mods.name``)."""
-    key = None
+    key, inputs = None, (q, k, v, out, lse)
     if mods is None:
-        key, bufs = plans.replay(_FWD_PLANS, (q, k, v, out, lse), config, module, mask, softmax_scale, diag_lo,
-                                 diag_hi, addressable)
+        key, bufs = plans.replay(_FWD_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
+                                 addressable)
         if bufs is not None:
             return bufs.get("out", out), bufs.get("lse", lse)
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     config, mod, k_arg, v_arg = _module_and_streamed("fwd", q.dtype, d, dv, mask, config, module, k, v,
                                                      config.BLOCK_N, addressable, _mods_of(mods))
-    given = (out, lse)
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -213,8 +212,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
     if key is not None:
-        plans.record_one(_FWD_PLANS, key, kernel, grid, args, (q, k, v) + given,
-                         {n: t for n, t, g in (("out", out, given[0]), ("lse", lse, given[1])) if g is None})
+        plans.record_one(_FWD_PLANS, key, kernel, grid, args, inputs, {"out": out, "lse": lse})
     return out, lse
 
 
@@ -222,17 +220,16 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
            config: TileConfig, dq=None, delta=None, module=None, addressable: bool = False,
            mods: ScoreMods | None = None):
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
-    key = None
+    key, inputs = None, (q, k, v, o, do, lse, dq, delta)
     if mods is None:
-        key, bufs = plans.replay(_DQ_PLANS, (q, k, v, o, do, lse, dq, delta), config, module, mask, softmax_scale,
-                                 diag_lo, diag_hi, addressable)
+        key, bufs = plans.replay(_DQ_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
+                                 addressable)
         if bufs is not None:
             return bufs.get("dq", dq), bufs.get("delta", delta)
     b, h, sq, d = q.shape
     hk, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
     config, mod, k_arg, v_arg = _module_and_streamed("bwd_dq", q.dtype, d, dvd, mask, config, module, k, v,
                                                      config.BLOCK_N, addressable, _mods_of(mods))
-    given = (dq, delta)
     dq = torch.empty_like(q) if dq is None else dq
     delta = torch.empty_like(lse) if delta is None else delta
     num_m_blocks = _cdiv(sq, config.BLOCK_M)
@@ -251,8 +248,7 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
     kernel = launch(mod.attn_bwd_dq, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
     if key is not None:
-        plans.record_one(_DQ_PLANS, key, kernel, grid, args, (q, k, v, o, do, lse) + given,
-                         {n: t for n, t, g in (("dq", dq, given[0]), ("delta", delta, given[1])) if g is None})
+        plans.record_one(_DQ_PLANS, key, kernel, grid, args, inputs, {"dq": dq, "delta": delta})
     return dq, delta
 
 
@@ -260,10 +256,10 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
              config: TileConfig, dk=None, dv=None, module=None, addressable: bool = False,
              mods: ScoreMods | None = None):
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
-    key = None
+    key, inputs = None, (q, k, v, do, lse, delta, dk, dv)
     if mods is None:
-        key, bufs = plans.replay(_DKDV_PLANS, (q, k, v, do, lse, delta, dk, dv), config, module, mask, softmax_scale,
-                                 diag_lo, diag_hi, addressable)
+        key, bufs = plans.replay(_DKDV_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
+                                 addressable)
         if bufs is not None:
             return bufs.get("dk", dk), bufs.get("dv", dv)
     b, h, sq, d = q.shape
@@ -272,7 +268,6 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     checked = addressable and (not config.tma or tma_ok(do))
     config, mod, q_arg, do_arg = _module_and_streamed("bwd_dkdv", q.dtype, d, dvd, mask, config, module, q, do,
                                                       config.BLOCK_M, checked, _mods_of(mods))
-    given = (dk, dv)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     num_n_blocks = _cdiv(sk, config.BLOCK_N)
@@ -291,8 +286,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     kernel = launch(mod.attn_bwd_dkdv, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
     if key is not None:
-        plans.record_one(_DKDV_PLANS, key, kernel, grid, args, (q, k, v, do, lse, delta) + given,
-                         {n: t for n, t, g in (("dk", dk, given[0]), ("dv", dv, given[1])) if g is None})
+        plans.record_one(_DKDV_PLANS, key, kernel, grid, args, inputs, {"dk": dk, "dv": dv})
     return dk, dv
 
 
