@@ -92,17 +92,12 @@ def _identity():
 def _inputs(spec: str):
     """(b, h, hk, n, d, q, k, v, dO, q, k, v detached, mask mode, diag_lo, diag_hi) of one
     ``B,H,HKV,S`` shape: bf16, head_dim 128, causal, q/k/v requiring grad."""
-    import torch
+    from profile_call import inputs
 
     from flashgen.masks import mask_bounds
 
-    b, h, hk, n = (int(x) for x in spec.split(","))
-    d = 128
-    torch.manual_seed(0)
-    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v, do, _, _ = inputs(f"{spec},128,causal")
+    (b, h, n, d), hk = q.shape, k.shape[1]
     mode, lo, hi = mask_bounds(n, n, causal=True, window=(-1, -1))
     return b, h, hk, n, d, q, k, v, do, q.detach(), k.detach(), v.detach(), mode, lo, hi
 
