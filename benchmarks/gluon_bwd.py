@@ -2,7 +2,8 @@
 first run in a child process under a timeout (a deadlock kills the child, not the
 run), checked against float64 (dQ, dK, dV; NaN-poisoned outputs; seqlens 17, 1000,
 4097; seqlen_q != seqlen_k both ways; causal, window and none; GQA; K and V read from
-slices of NaN-filled buffers), then timed (preprocess + main + convert, median of
+slices of NaN-filled buffers, O, dO and dQ then in (batch, seqlen, heads, head_dim)
+order), then timed (preprocess + main + convert, median of
 triton.testing.do_bench) against SDPA cuDNN's and SDPA flash's backward and flashgen's
 current backward (flashgen.attention + autograd, tuned rows of tuning_db/h200.sqlite)
 on the FA-grid shapes of issue 16.  Writes gluon_bwd.json under --out and prints a
@@ -62,7 +63,21 @@ CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, True), 128, True),
 #: with the rules off (``attention_bwd(check=False)``) to measure what the rule costs.
 TILE_PROBES = {"d64": [((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, False),
                        ((128, 64, 2, 2, "tma", 240, 24, "tma", 1, False), 64, False),
-                       ((128, 64, 2, 3, "tma", 240, 24, "tma", 1, False), 64, False)]}
+                       ((128, 64, 2, 3, "tma", 240, 24, "tma", 1, False), 64, False)],
+               # ``--tiles dq-stage``: the dQ tile staged row-major with the 128-byte swizzle
+               # beside staged in the accumulator's fragment order (dq_stage), on the defaults
+               # of both head dims, the producer's row loads, a 3-stage ring, BLOCK_M 128 at
+               # head_dim 64 and the ordered dQ
+               "dq-stage": [((bm, 64, 2, st, mode, 240, 24, rows, 1, split, 1, False, stage), d, full)
+                            for (bm, d, st, mode, rows, split) in ((64, 128, 2, "tma", "tma", False),
+                                                                   (64, 128, 2, "tma", "producer", False),
+                                                                   (64, 128, 3, "tma", "tma", False),
+                                                                   (64, 64, 4, "tma", "tma", True),
+                                                                   (128, 64, 2, "tma", "tma", False),
+                                                                   (64, 128, 2, "ordered", "tma", False))
+                            for stage, full in (("swizzled", False),
+                                                ("fragment", st != 3 and bm == 64 and mode == rows == "tma"))]}
+
 #: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
 CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),
           (2, 4, 2, 1000, 1000, False, (-1, -1), "bottom_right", True),
@@ -149,6 +164,8 @@ def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: 
         outs = [torch.full((b, h, sq, d), float("nan"), device=dev, dtype=dt),
                 torch.full((b, hk, sk, d), float("nan"), device=dev, dtype=dt),
                 torch.full((b, hk, sk, d), float("nan"), device=dev, dtype=dt)]
+        if nan_kv:  # and O, dO, dQ in transformers' (batch, seqlen, heads, head_dim) order
+            o, do, outs[0] = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (o, do, outs[0]))
         got = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=scale, diag_lo=lo, diag_hi=hi, mask=mode,
                               config=cfg, dq=outs[0], dk=outs[1], dv=outs[2], stage_sync=True,
                               check=False)

@@ -222,7 +222,7 @@ class KernelSpec:
 
 #: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
-              ("half_partials", "_hp"), ("dq_ordered", "_dqord"))
+              ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -269,7 +269,9 @@ class TileConfig:
     key's group); ``half_partials`` 1: those partials in the inputs' 16-bit dtype
     (``_hp``); ``dq_ordered`` 1: the backward's TMA reduce-adds into each dQ tile are made
     in the order of the key blocks (int32 semaphores), so dQ is bitwise repeatable: what
-    the deterministic backward runs (``_dqord``).
+    the deterministic backward runs (``_dqord``); ``dq_stage`` 1: the backward's dQ tile
+    is staged for its reduce-add in the wgmma accumulator's fragment order instead of
+    row-major with the 128-byte swizzle (``_dqf``).
     """
 
     BLOCK_M: int
@@ -292,6 +294,7 @@ class TileConfig:
     group_split: int = 0
     half_partials: int = 0
     dq_ordered: int = 0
+    dq_stage: int = 0
 
     @property
     def id(self) -> str:

@@ -40,6 +40,9 @@ CASES = [
     ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 2, True), 64, "causal"),
     # BLOCK_M 128 at head_dim 64: admitted over the register model by the lock-step slack
     ((128, 64, 2, 2, "tma", 240, 24, "tma"), 64, "none"),
+    # the dQ tile staged in the accumulator's fragment order (the defaults of both head dims)
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment"), 128, "causal"),
+    ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment"), 64, "none"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -80,13 +83,18 @@ for fields, d, mask in CASES:
                               "c751x": re.findall(r"C751[245]", info), "hgmma": sass.count("HGMMA"),
                               "usetmaxreg": sass.count("USETMAXREG"), "num_warps": k.metadata.num_warps,
                               "split": cfg.split, "tma1d": "cp.async.bulk.tensor.1d" in k.asm["ptx"],
-                              "tma2d": k.asm["ptx"].count("cp.async.bulk.tensor.2d")}))
+                              "tma2d": k.asm["ptx"].count("cp.async.bulk.tensor.2d"),
+                              "reduce2d": k.asm["ptx"].count("cp.reduce.async.bulk.tensor.2d"),
+                              "sts128": sass.count("STS.128"), "sts64": sass.count("STS.64"),
+                              "parts": cfg.parts, "block_m": cfg.block_m, "stage": cfg.dq_stage}))
 for kern in ("attn_bwd_preprocess", "attn_bwd_convert"):
     B.compile_sm90(B.default_config(128), "float16", 128, "none", kern)
     print("AUX", kern)
 for gs in (2, 4):
     r = B.compile_sm90(B.GluonBwdConfig(group_split=gs, row_load="tma"), "bfloat16", 128, "causal", "group_reduce")
     print("AUX", "group_reduce", gs, int("ld.global.v4" in r.asm["ptx"]))
+r = B.compile_sm90(B.default_config(64), "bfloat16", 64, "none", "attn_bwd_convert")
+print("AUX", "fragment_convert", int("ld.global.v4" in r.asm["ptx"] and "st.shared.v4" in r.asm["ptx"]))
 '''
 
 
@@ -106,9 +114,10 @@ def compiled():
     assert r.returncode == 0, r.stderr[-3000:]
     cases = [json.loads(line[5:]) for line in r.stdout.splitlines() if line.startswith("CASE ")]
     aux = [line for line in r.stdout.splitlines() if line.startswith("AUX ")]
-    assert len(cases) == len(CASES) and len(aux) == 4, r.stdout
-    # the reduction's loads are 16-byte vectors
-    assert all(line.endswith(" 1") for line in aux if "group_reduce" in line), aux
+    assert len(cases) == len(CASES) and len(aux) == 5, r.stdout
+    # the reduction's loads are 16-byte vectors, and the fragment-order convert's loads
+    # and shared-memory stores
+    assert all(line.endswith(" 1") for line in aux if "group_reduce" in line or "fragment" in line), aux
     return cases
 
 
@@ -140,6 +149,82 @@ def test_rows_come_by_2d_tma_never_1d(compiled):
         assert not c["tma1d"], c
         row_load = fields[7]
         assert (c["tma2d"] >= 2) == (row_load == "tma"), c
+
+
+def test_fragment_staged_dq_is_stored_by_16_byte_stores(compiled):
+    """dq_stage "fragment": each thread stores its block_m x head_dim / threads float32 dQ
+    values by 16-byte stores (four per store) and the tile leaves by one 2-D reduce-add
+    per partition; the swizzled tile by 8-byte stores."""
+    for c in compiled:
+        if c["stage"] == "fragment":
+            threads = 128 * (2 // c["parts"])  # of one partition: lock-step 2 warpgroups, split 1
+            assert c["sts128"] >= c["parts"] * c["block_m"] * c["d"] // threads // 4, c
+            # (a few 8-byte stores elsewhere: the swizzled tile takes 16 or more)
+            assert c["sts64"] < 8 and c["reduce2d"] == c["parts"], c
+        elif c["id"].split("_")[4] == "tma":  # dq_mode
+            assert c["sts128"] <= 1 and c["sts64"] >= 16 and c["reduce2d"] == 0, c
+
+
+def test_fragment_order_is_the_accumulator_fragment():
+    """fragment_bases (the staging tile's shared layout) and the offset rule the template's
+    comment and convert use agree, and lay the wgmma accumulator out as the PTX ISA gives
+    its m64nNk16 D fragment: thread t of a warp holds (t / 4, 2 (t % 4)) and its neighbours
+    (+0, +1), (+8, +0), (+8, +1) in four consecutive registers, stored at 16 t + 0..3."""
+    for block_m in (64, 128):
+        for d in B.HEAD_DIMS:
+            bases = B.fragment_bases(block_m, d)
+            assert len(bases) == (block_m * d).bit_length() - 1
+
+            def offset(r, c):
+                return ((c % 2) | (r // 8 % 2) << 1 | (c // 2 % 4) << 2 | (r % 8) << 4 | (c // 8) << 7
+                        | (r // 16) << (7 + (d // 8).bit_length() - 1))
+
+            seen = set()
+            for r in range(block_m):
+                for c in range(d):
+                    off = offset(r, c)
+                    rr = cc = 0
+                    for i, (br, bc) in enumerate(bases):
+                        if off >> i & 1:
+                            rr, cc = rr ^ br, cc ^ bc
+                    assert (rr, cc) == (r, c), (block_m, d, r, c)
+                    seen.add(off)
+            assert seen == set(range(block_m * d))
+            for t in range(32):
+                r, c = t // 4, 2 * (t % 4)
+                assert [offset(r, c), offset(r, c + 1), offset(r + 8, c), offset(r + 8, c + 1)] == \
+                    [4 * t, 4 * t + 1, 4 * t + 2, 4 * t + 3]
+
+
+def test_fragment_stage_rules_launch_and_search():
+    """The search space holds both staging orders (the TMA reduce-add's only); the
+    fragment order's accumulator is padded to m_pad rows, read by a 2-D unswizzled
+    descriptor and converted by the template's own kernel into dQ of any layout."""
+    for d in B.HEAD_DIMS:
+        space = B.search_space(d, "bfloat16", "causal")
+        assert {c.dq_stage for c in space} == set(B.DQ_STAGES)
+        assert all(c.dq_mode == "tma" for c in space if c.dq_stage == "fragment")
+    frag = B.default_config(128)
+    assert frag.dq_stage == "fragment" and frag.id.endswith("_dqf") and B.default_config(64).dq_stage == "fragment"
+    assert any("dq_mode 'atomic'" in r for r in B.invalid_reasons(dataclasses.replace(frag, dq_mode="atomic"), 128))
+    assert any("column halves" in r for r in B.invalid_reasons(dataclasses.replace(frag, split=True), 128))
+    assert any("dq_stage 'rows'" in r for r in B.invalid_reasons(dataclasses.replace(frag, dq_stage="rows"), 128))
+    assert B.smem_terms(frag, 128) == B.smem_terms(dataclasses.replace(frag, dq_stage="swizzled"), 128)
+    b, h, hk, s, d = 2, 4, 2, 300, 128
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.empty(b, hk, s, d, dtype=torch.bfloat16)
+    a = B.launch_args(q, q, k, k, q, torch.empty(b, h, s), softmax_scale=0.1, diag_lo=-s, diag_hi=0, config=frag)
+    m_pad = 384
+    assert a["dqacc"].shape == (b * h, m_pad, d) and a["dqacc"].dtype == torch.float32
+    desc = a["main"][1][6]
+    assert desc.shape == [b * h * m_pad, d] and desc.strides == [d, 1] and desc.block_shape == [64, d]
+    assert desc.layout.swizzle_byte_width == 0
+    # the template's convert, with dQ's strides (here transformers' layout); O and dO by strides
+    assert "convert_strided" not in a and "preprocess_strided" in a
+    grid, args = a["convert"]
+    assert grid == (b * h * 5,) and args[:5] == (a["dqacc"], a["dq"], h, s, m_pad)
+    assert args[5:8] == a["dq"].stride()[:3] == q.stride()[:3]
+    assert a["preprocess_strided"][1][-1] is True  # zero the whole padded accumulator
 
 
 def test_shared_memory_model_matches_the_compiler(compiled):
@@ -224,7 +309,8 @@ def test_code_id_record_is_current():
     rec = json.loads((B._templates_dir() / B.CODE_ID_RECORD).read_text())
     assert rec["text"] == B.text_hash() and rec["probes"] == B.probe_digest()
     # the variants admitted later (the lock-step register slack) as recorded too
-    assert rec.get("extensions", {}) == B._CODE_ID.extension_digests() and "lockstep_spill_slack" in rec["extensions"]
+    assert rec.get("extensions", {}) == B._CODE_ID.extension_digests()
+    assert {"lockstep_spill_slack", "dq_fragment"} <= set(rec["extensions"])
     assert B.template_hash() == rec["code"] == B.code_id()
     src = B.render(B.default_config(128), "bfloat16", 128, "causal")
     assert f"template_hash: {rec['code']}" in src and f'TEMPLATE_HASH = "{rec["code"]}"' in src
@@ -261,7 +347,7 @@ def test_group_split_rules_and_search_space():
         assert any("group_split" in r for r in B.invalid_reasons(B.GluonBwdConfig(group_split=bad), 128)), bad
     gs4 = B.GluonBwdConfig(row_load="tma", group_split=4)
     assert B.is_valid(gs4, 128, "bfloat16", "causal") and gs4.id.endswith("_rows-tma_gs4")
-    assert B.GluonBwdConfig(row_load="tma").id == B.default_config(128).id  # no tag at 1
+    assert B.GluonBwdConfig(row_load="tma", dq_stage="fragment").id == B.default_config(128).id  # no tag at 1
     assert B.group_reasons(gs4, 8) == [] and "must divide the GQA group" in B.group_reasons(gs4, 6)[0]
     # the shared memory and registers of a split variant are its unsplit one's
     assert B.smem_terms(gs4, 128) == B.smem_terms(B.GluonBwdConfig(row_load="tma"), 128)
@@ -431,6 +517,11 @@ def test_strided_preprocess_and_convert_match_the_contiguous_rule(d, dtype):
     want_delta = (o.float() * do.float()).sum(-1).reshape(b * h, sq)
     torch.testing.assert_close(delta[:, :sq], want_delta, rtol=1e-5, atol=1e-5)
     assert not delta[:, sq:].any() and not lse2[:, sq:].any() and not dqacc.any()
+    # a fragment-order accumulator: (b * h, m_pad, d), every row zeroed, the padding too
+    padded = torch.full((b * h, m_pad, d), float("nan"))
+    grid, args = S.preprocess_launch(o, do, lse, lse2, delta, padded, m_pad, padded=True)
+    S.preprocess[grid](*args, num_warps=S.NUM_WARPS)
+    assert not padded.any()
     want_lse2 = torch.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634).reshape(b * h, sq)
     torch.testing.assert_close(lse2[:, :sq], want_lse2)
     acc = torch.randn(b, h, sq, d, generator=g)
@@ -542,7 +633,7 @@ def test_ordered_is_outside_the_search_and_sizes_its_semaphores():
     assert "ordered" in B.DQ_MODES and "ordered" not in B.SEARCH_DQ_MODES
     assert all(c.dq_mode != "ordered" for c in B.search_space(128, "bfloat16", "causal", group=4))
     cfg = dataclasses.replace(B.default_config(128), dq_mode="ordered")
-    assert B.is_valid(cfg, 128, "bfloat16", "causal") and cfg.id.endswith("_ordered_r240-24_rows-tma")
+    assert B.is_valid(cfg, 128, "bfloat16", "causal") and cfg.id.endswith("_ordered_r240-24_rows-tma_dqf")
     assert B.smem_terms(cfg, 128) == B.smem_terms(B.default_config(128), 128)
     split = dataclasses.replace(cfg, split=True)  # spills and serializes its wgmmas under ptxas
     assert any("lock-step" in r for r in B.invalid_reasons(split, 128))

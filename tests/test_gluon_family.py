@@ -131,7 +131,9 @@ GBWD_ORD = dataclasses.replace(GBWD, dq_ordered=1)
 
 
 def test_dq_ordered_is_a_knob_of_the_gluon_backward():
-    assert GBWD_ORD.id == GBWD.id + "_dqord" and TileConfig.from_dict(GBWD_ORD.as_dict()) == GBWD_ORD
+    # the default stages dQ in fragment order (_dqf); the flags' tags in TileConfig's order
+    assert GBWD.id.endswith("_split_dqf") and GBWD_ORD.id == GBWD.id.removesuffix("_dqf") + "_dqord_dqf"
+    assert TileConfig.from_dict(GBWD_ORD.as_dict()) == GBWD_ORD
     assert F.bwd_config(GBWD_ORD).dq_mode == "ordered" and F.tile_config(F.bwd_config(GBWD_ORD)) == GBWD_ORD
     assert GLUON.deterministic(GBWD_ORD) and not GLUON.deterministic(GBWD)
     v = Variant(key("bwd").spec, GBWD_ORD)

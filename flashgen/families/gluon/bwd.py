@@ -43,6 +43,8 @@ DQ_MODES = ("tma", "atomic", "ordered")
 #: deterministic backward (:func:`ordered`).
 SEARCH_DQ_MODES = ("tma", "atomic")
 ROW_LOADS = ("tma", "producer", "ptr")
+#: How the dQ tile is staged in shared memory for its TMA reduce-add.
+DQ_STAGES = ("swizzled", "fragment")
 #: LSE2 / delta rows are padded to a multiple of this (the largest block_m): every
 #: (1, block_m) box and every pointer load of a query block stays in the buffer, and the
 #: 2-D descriptor's row stride (ROW_PAD * 4 bytes) is 16-byte aligned as TMA requires.
@@ -98,6 +100,14 @@ class GluonBwdConfig:
     half_partials:  with group_split > 1, the partials in the inputs' 16-bit dtype, dK
                     scaled (each rounded once, as PyTorch's own GQA backward rounds each
                     query head's dK and dV before summing them): half the scratch bytes.
+    dq_stage:       how the dQ tile of a TMA reduce-add ("tma", "ordered") is staged in
+                    shared memory: "swizzled" (row-major with the 128-byte swizzle, the
+                    descriptor's default; 8-byte stores, two shared-memory wavefronts per
+                    half-warp) or "fragment" (the wgmma accumulator's own order,
+                    FlashAttention-3's: 16-byte stores without bank conflicts, copied
+                    as it is into a float32 accumulator whose block_m-row tiles are in
+                    that order, (batch * num_heads, m_pad, head_dim); the convert kernel
+                    reads them back in that order).
     """
 
     block_m: int = 64
@@ -112,6 +122,7 @@ class GluonBwdConfig:
     split: bool = False
     group_split: int = 1
     half_partials: bool = False
+    dq_stage: str = "swizzled"
 
     @property
     def block_nt(self) -> int:
@@ -151,7 +162,8 @@ class GluonBwdConfig:
                 + ("" if self.producer_warps == 1 else f"_p{self.producer_warps}")
                 + ("_split" if self.split else "")
                 + ("" if self.group_split == 1 else f"_gs{self.group_split}")
-                + ("h" if self.half_partials else ""))
+                + ("h" if self.half_partials else "")
+                + {"swizzled": "", "fragment": "_dqf"}.get(self.dq_stage, f"_dq-{self.dq_stage}"))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -247,6 +259,15 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         # tile, made at partition 0's next step, whose ring slot partition 1 holds
         out.append("dq_mode 'ordered' with split partitions needs stages >= 2 (with one ring slot the second "
                    "partition's wait and the first one's next step wait on each other)")
+    if c.dq_stage not in DQ_STAGES:
+        out.append(f"dq_stage {c.dq_stage!r} is not one of {DQ_STAGES}")
+    elif c.dq_stage != "swizzled" and c.dq_mode == "atomic":
+        out.append(f"dq_stage {c.dq_stage!r} stages dQ for a TMA reduce-add; dq_mode 'atomic' adds from registers")
+    elif c.dq_stage == "fragment" and c.split and head_dim >= 128:
+        # the two column halves' stores into the fragment-ordered tile: ptxas (Triton 3.6)
+        # spills 20 B against 4 B for the swizzled tile
+        out.append(f"dq_stage {c.dq_stage!r} with split partitions at head_dim 128 (dQ in two column halves) "
+                   "spills; use the lock-step partition or dq_stage 'swizzled'")
     if c.half_partials and c.group_split == 1:
         out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -328,11 +349,12 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", gro
                         for row_load in ("tma", "producer"):
                             for gs in group_splits(group):
                                 for half in ((False, True) if gs > 1 else (False,)):
-                                    c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
-                                                       240 if consumers == 2 else MAX_REGS, 24, row_load, 1, split,
-                                                       gs, half)
-                                    if is_valid(c, head_dim, dtype, mask):
-                                        out.append(c)
+                                    for stage in DQ_STAGES:
+                                        c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
+                                                           240 if consumers == 2 else MAX_REGS, 24, row_load, 1,
+                                                           split, gs, half, stage)
+                                        if is_valid(c, head_dim, dtype, mask):
+                                            out.append(c)
     return out
 
 
@@ -342,10 +364,12 @@ def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -
     BLOCK_M 64, dQ by TMA reduce-add, LSE2/delta by the producer's 2-D TMA; at head_dim 128
     one lock-step consumer partition and a 2-stage ring (the split partitions measured
     0.92x of it: twice the dQ reduce-add bytes, dQ in two halves), at 64 split consumer
-    partitions and 4 stages (1.02-1.07x the lock-step one)."""
+    partitions and 4 stages (1.02-1.07x the lock-step one); the dQ tile staged in the
+    accumulator's fragment order (1.02-1.08x the swizzled tile at head_dim 128, 1.03-1.13x
+    at 64: docs/results/h200/gluon_bwd/dq-stage/fragment.log)."""
     split = head_dim < 128
     c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if head_dim >= 128 else 4, dq_mode="tma",
-                       row_load="tma", producer_warps=1, split=split)
+                       row_load="tma", producer_warps=1, split=split, dq_stage="fragment")
     reasons = invalid_reasons(c, head_dim, dtype, mask)
     if reasons:
         raise ValueError(f"no Gluon backward for head_dim={head_dim} dtype={dtype} mask={mask}: {reasons[0]}")
@@ -374,7 +398,9 @@ CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
 
 #: Variants admitted after the backward's code id was first recorded, each an extension
 #: of the id (:class:`.code_id.CodeId`): name -> whether (config, head_dim) is one.
-EXTENSIONS = {"lockstep_spill_slack": lambda c, d: consumer_regs_estimate(c, d) > c.consumer_regs}
+#: A variant of two extensions belongs to the first one listed.
+EXTENSIONS = {"dq_fragment": lambda c, d: c.dq_stage == "fragment",
+              "lockstep_spill_slack": lambda c, d: consumer_regs_estimate(c, d) > c.consumer_regs}
 
 
 def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, str, int, str]]:
@@ -387,7 +413,8 @@ def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, s
         for dtype in DTYPES:
             for mask in MASKS:
                 cands = list(search_space(d, dtype, mask))
-                base = default_config(d, dtype, mask)
+                # the probes outside the space on the default tile as first recorded
+                base = dataclasses.replace(default_config(d, dtype, mask), dq_stage="swizzled")
                 cands += [dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)]
                 for c in cands:
                     if extension_of(EXTENSIONS, c, d) == extension:
@@ -483,7 +510,19 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
-        HALF_PARTIALS=c.half_partials, DQ_PROBE=probe)
+        HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
+        DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage != "swizzled" else None)
+
+
+def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
+    """Offset bases (element offset bit -> (row, column)) of a block_m x head_dim float32
+    dQ tile in the wgmma accumulator's fragment order (dq_stage "fragment"): offset =
+    c % 2 | (r / 8 % 2) << 1 | (c / 2 % 4) << 2 | (r % 8) << 4 | (c / 8) << 7 |
+    (r / 16) << (7 + log2(head_dim / 8)), the order in which a warp's threads hold four
+    consecutive accumulator registers (PTX ISA, wgmma's m64nNk16 D fragment)."""
+    bits = lambda n: [1 << i for i in range(n.bit_length() - 1)]  # noqa: E731
+    return ([[0, 1], [8, 0], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0]] + [[0, 8 * b] for b in bits(head_dim // 8)]
+            + [[16 * b, 0] for b in bits(block_m // 16)])
 
 
 _modules: dict = {}
@@ -536,6 +575,18 @@ def _rows_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
+def _desc_dq(dqacc, block_m: int, stage: str):
+    """The reduce-add's descriptor over the float32 dQ accumulator: (z, h, M, D), box (1,
+    1, block_m, D), swizzled as the default layout; "fragment": (z * h * m_pad, D), box
+    (block_m, D), no swizzle (the tile is copied in its fragment order as it is)."""
+    if stage == "swizzled":
+        return _desc4(dqacc, block_m, "float32")
+    from .shim import descriptor
+
+    rows, d = dqacc.shape[0] * dqacc.shape[1], dqacc.shape[2]
+    return descriptor(dqacc, [rows, d], [d, 1], [block_m, d], _rows_layout())
+
+
 def _desc_rows(t, rows: int):
     """2-D descriptor over a (z * h, m_pad) float32 buffer, box (1, rows)."""
     from .shim import descriptor
@@ -578,7 +629,9 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     m_pad = -(-sq // ROW_PAD) * ROW_PAD
     lse2 = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     delta = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
-    dqacc = torch.empty((b, h, sq, d), dtype=torch.float32, device=dev)
+    # "fragment": block_m-row tiles in the accumulator's fragment order, padded to m_pad rows
+    dqacc = torch.empty((b * h, m_pad, d) if c.dq_stage != "swizzled" else (b, h, sq, d), dtype=torch.float32,
+                        device=dev)
     pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
     out = {"dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc}
     main_dk, main_dv = dk, dv
@@ -600,7 +653,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         main_dk, main_dv = out["dk_partial"], out["dv_partial"] = partials[0], partials[1]
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
             _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
-            _desc4(dqacc, c.block_m, "float32"), lse2, delta, dqacc, main_dk, main_dv) + (
+            _desc_dq(dqacc, c.block_m, c.dq_stage), lse2, delta, dqacc, main_dk, main_dv) + (
             (out["sem"], out["head_group"]) if c.dq_mode == "ordered" else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
             int(diag_hi), m_pad)
     if o.is_contiguous() and do.is_contiguous():
@@ -608,11 +661,15 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     else:
         from . import strided
 
-        out["preprocess_strided"] = strided.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad)
+        out["preprocess_strided"] = strided.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad,
+                                                              padded=c.dq_stage != "swizzled")
     n_kb = math.ceil(sk / c.block_nt)
     # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program)
     out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" else (n_kb, b * hk * gs)), main)
-    if dq.is_contiguous():
+    if c.dq_stage != "swizzled":
+        out["convert"] = ((b * h * math.ceil(sq / c.block_m),), (dqacc, dq, h, sq, m_pad, *dq.stride()[:3],
+                                                                 float(softmax_scale)))
+    elif dq.is_contiguous():
         out["convert"] = ((math.ceil(rows / PRE_ROWS),), (dqacc, dq, rows, float(softmax_scale)))
     else:
         from . import strided

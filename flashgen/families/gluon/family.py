@@ -38,7 +38,8 @@ _ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
 _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
               "persistent", "ctas_per_sm", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
-              "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "family"}
+              "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
+              "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -133,7 +134,9 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
     return B.GluonBwdConfig(block_m=c.BLOCK_M, block_n=c.BLOCK_N, consumers=n, stages=c.num_stages,
                             dq_mode=_dq_mode(c), consumer_regs=cr, producer_regs=pr,
                             row_load=row_load, producer_warps=c.producer_warps or 1, split=bool(c.split),
-                            group_split=c.group_split or 1, half_partials=bool(c.half_partials))
+                            group_split=c.group_split or 1, half_partials=bool(c.half_partials),
+                            dq_stage=B.DQ_STAGES[c.dq_stage] if 0 <= c.dq_stage < len(B.DQ_STAGES)
+                            else f"code {c.dq_stage}")
 
 
 def _dq_mode(c: TileConfig) -> str:
@@ -159,7 +162,8 @@ def tile_config(g) -> TileConfig:
                       producer_regs=0 if regs == default else regs[1], dq_atomic=int(g.dq_mode == "atomic"),
                       row_load=_ROW_LOADS.index(g.row_load), producer_warps=0 if g.producer_warps == 1 else
                       g.producer_warps, split=int(g.split), group_split=0 if g.group_split == 1 else g.group_split,
-                      half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"))
+                      half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"),
+                      dq_stage=B.DQ_STAGES.index(g.dq_stage))
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -217,7 +221,7 @@ class GluonFamily:
             return {"BLOCK_M": (64,), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12), "num_stages": (2, 3, 4, 5, 6),
                     "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": (0, 2)}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
-               "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1)}
+               "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1)}
         splits = B.group_splits(key.group)
         if len(splits) > 1:
             dom["group_split"] = tuple(0 if s == 1 else s for s in splits)

@@ -11,7 +11,10 @@ work with the tensors' strides instead:
 * :func:`preprocess`: rows r of the padded (batch * num_heads, m_pad), bh = r // m_pad,
   m = r % m_pad: DELTA[r] = sum_d dO[bh, m, d] * O[bh, m, d] in float32, LSE2[r] =
   LSE[bh, m] * log2(e) (0 where LSE = -inf), both 0 for m >= seqlen_q; DQACC[bh, m, :] = 0
-  (DQACC: float32, contiguous (batch, num_heads, seqlen_q, head_dim); LSE contiguous).
+  (DQACC: float32, contiguous (batch, num_heads, seqlen_q, head_dim); LSE contiguous);
+  with ``PADDED`` DQACC is (batch * num_heads, m_pad, head_dim) and every row of it is
+  zeroed (the accumulator of a dq_stage "fragment" backward, whose convert is the
+  template's own).
 * :func:`convert`: DQ[z, h, m, :] = DQACC[z, h, m, :] * softmax_scale in DQ's dtype, DQ
   of any strides (last stride 1).
 
@@ -35,7 +38,8 @@ NUM_WARPS = 4
 
 @triton.jit
 def preprocess(O, DO, LSE, LSE2, DELTA, DQACC, total_rows, num_heads, seqlen_q, m_pad,
-               so_z, so_h, so_m, sdo_z, sdo_h, sdo_m, D: tl.constexpr, ROWS: tl.constexpr):
+               so_z, so_h, so_m, sdo_z, sdo_h, sdo_m, D: tl.constexpr, ROWS: tl.constexpr,
+               PADDED: tl.constexpr = False):
     """Grid (cdiv(batch * num_heads * m_pad, ROWS),); see the module docstring."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, D)
@@ -53,7 +57,11 @@ def preprocess(O, DO, LSE, LSE2, DELTA, DQACC, total_rows, num_heads, seqlen_q, 
     src = bh.to(tl.int64) * seqlen_q + m64
     lse = tl.load(LSE + src, mask=valid, other=0.0)
     tl.store(LSE2 + rows, tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634), mask=rmask)
-    tl.store(DQACC + (src * D)[:, None] + cols[None, :], tl.zeros([ROWS, D], tl.float32), mask=keep)
+    if PADDED:  # DQACC (z * h, m_pad, D): every row, the padding too
+        tl.store(DQACC + (rows.to(tl.int64) * D)[:, None] + cols[None, :], tl.zeros([ROWS, D], tl.float32),
+                 mask=rmask[:, None])
+    else:
+        tl.store(DQACC + (src * D)[:, None] + cols[None, :], tl.zeros([ROWS, D], tl.float32), mask=keep)
 
 
 @triton.jit
@@ -73,13 +81,14 @@ def convert(DQACC, DQ, total_rows, num_heads, seqlen_q, sdq_z, sdq_h, sdq_m, sof
              (acc * softmax_scale).to(DQ.dtype.element_ty), mask=keep)
 
 
-def preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad: int):
+def preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad: int, padded: bool = False):
     """(grid, args) of :func:`preprocess` for O, dO (batch, num_heads, seqlen_q, head_dim)
-    of any strides with last stride 1."""
+    of any strides with last stride 1; ``padded``: DQACC is (batch * num_heads, m_pad,
+    head_dim) and zeroed whole."""
     b, h, sq, d = o.shape
     total = b * h * m_pad
     return (math.ceil(total / ROWS),), (o, do, lse, lse2, delta, dqacc, total, h, sq, m_pad,
-                                         *o.stride()[:3], *do.stride()[:3], d, ROWS)
+                                         *o.stride()[:3], *do.stride()[:3], d, ROWS, bool(padded))
 
 
 def convert_launch(dqacc, dq, softmax_scale: float):
