@@ -310,7 +310,19 @@ def test_code_id_record_is_current():
     assert rec["text"] == B.text_hash() and rec["probes"] == B.probe_digest()
     # the variants admitted later (the lock-step register slack) as recorded too
     assert rec.get("extensions", {}) == B._CODE_ID.extension_digests()
-    assert {"lockstep_spill_slack", "dq_fragment"} <= set(rec["extensions"])
+    assert {"lockstep_spill_slack", "dq_fragment", "dq_ordered", "group_split"} <= set(rec["extensions"])
+    # every variant the tuner can record is a probe: the search spaces of GQA groups (the
+    # group splits) and the ordered dQ of every TMA-mode config (flashgen tune --refine dq_ordered)
+    probes = {(c, dtype, d, mask) for ext in (None, *B.EXTENSIONS) for c, dtype, d, mask in B.probe_variants(ext)}
+    for d in B.HEAD_DIMS:
+        for c in B.search_space(d, "bfloat16", "causal", group=16):
+            assert (dataclasses.replace(c, group_split=1, half_partials=False), "bfloat16", d, "causal") in probes
+            base = dataclasses.replace(B.default_config(d, "bfloat16", "causal"), dq_stage=c.dq_stage,
+                                       group_split=c.group_split, half_partials=c.half_partials)
+            assert (base, "bfloat16", d, "causal") in probes, c
+            ordered = dataclasses.replace(c, group_split=1, half_partials=False, dq_mode="ordered")
+            if c.dq_mode == "tma" and B.is_valid(ordered, d, "bfloat16", "causal"):
+                assert (ordered, "bfloat16", d, "causal") in probes, ordered
     assert B.template_hash() == rec["code"] == B.code_id()
     src = B.render(B.default_config(128), "bfloat16", 128, "causal")
     assert f"template_hash: {rec['code']}" in src and f'TEMPLATE_HASH = "{rec["code"]}"' in src
@@ -334,6 +346,12 @@ def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
     other = edited("other", anchor, "# changed\n" + anchor)
     assert B.code_id(other) not in (B.template_hash(), B.text_hash(other))
     assert B.write_code_id(other)["code"] == B.code_id(other) != B.template_hash()
+    # the ordered dQ's wait on its predecessor (only ordered variants render it) and the
+    # group split's partial stores (only split variants) are recorded code too
+    for name, old, new in (("ordered", "_sem_wait(SEM + tile, _chain_u(nc, seqlen_k, C))", "pass"),
+                           ("split", "gl.store(DV + base + offs, dv, mask=keep)", "pass")):
+        assert old in (B._templates_dir() / B.TEMPLATE).read_text(), old
+        assert B.code_id(edited(name, old, new)) != B.template_hash(), name
     B.template_hash.cache_clear()
     assert B.template_hash() == json.loads((B._templates_dir() / B.CODE_ID_RECORD).read_text())["code"]
 

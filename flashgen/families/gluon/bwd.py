@@ -398,24 +398,37 @@ CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
 
 #: Variants admitted after the backward's code id was first recorded, each an extension
 #: of the id (:class:`.code_id.CodeId`): name -> whether (config, head_dim) is one.
-#: A variant of two extensions belongs to the first one listed.
-EXTENSIONS = {"dq_fragment": lambda c, d: c.dq_stage == "fragment",
+#: A variant of two extensions belongs to the first one listed.  "dq_ordered" and
+#: "group_split" name variants the tuner records outside the GQA-group-1 search space
+#: (``flashgen tune --refine dq_ordered``; the group splits of GQA keys), which the id
+#: did not cover when it was first recorded.
+EXTENSIONS = {"dq_ordered": lambda c, d: c.dq_mode == "ordered",
+              "group_split": lambda c, d: c.group_split > 1,
+              "dq_fragment": lambda c, d: c.dq_stage == "fragment",
               "lockstep_spill_slack": lambda c, d: consumer_regs_estimate(c, d) > c.consumer_regs}
 
 
 def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, str, int, str]]:
     """(config, dtype, head_dim, mask) of every variant the tuner can record (the search
-    space of each head dim, dtype and mask, GQA group 1), and one variant of each LSE2 /
-    delta load and producer width outside it: the sources whose code defines the code id;
-    those of an :data:`EXTENSIONS` entry are that extension's probes (``extension``)."""
+    space of each head dim, dtype and mask, GQA group 1, and each of its TMA-mode
+    variants with the ordered dQ; the default tile with each group split), and one variant
+    of each LSE2 / delta load and producer width outside it: the sources whose code
+    defines the code id; those of an :data:`EXTENSIONS` entry are that extension's probes
+    (``extension``)."""
     out = []
     for d in HEAD_DIMS:
         for dtype in DTYPES:
             for mask in MASKS:
-                cands = list(search_space(d, dtype, mask))
+                space = list(search_space(d, dtype, mask))
                 # the probes outside the space on the default tile as first recorded
                 base = dataclasses.replace(default_config(d, dtype, mask), dq_stage="swizzled")
-                cands += [dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)]
+                cands = space + [dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)]
+                cands += [o for c in space if c.dq_mode == "tma"
+                          for o in [dataclasses.replace(c, dq_mode="ordered")] if is_valid(o, d, dtype, mask)]
+                cands += [o for stage in DQ_STAGES for mode in ("tma", "ordered")
+                          for gs in range(2, MAX_GROUP_SPLIT + 1) for half in (False, True)
+                          for o in [dataclasses.replace(base, dq_stage=stage, dq_mode=mode, group_split=gs,
+                                                        half_partials=half)] if is_valid(o, d, dtype, mask)]
                 for c in cands:
                     if extension_of(EXTENSIONS, c, d) == extension:
                         out.append((c, dtype, d, mask))
