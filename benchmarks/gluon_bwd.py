@@ -42,11 +42,13 @@ sys.path.insert(0, str(ROOT))
 
 #: (batch, num_heads, seqlen, head_dim, causal): issue 16's table.
 SHAPES = [(4, 16, 4096, 128, False), (1, 16, 16384, 128, True), (8, 32, 2048, 64, False), (4, 32, 4096, 64, True),
-          (4, 16, 4096, 128, True), (8, 32, 2048, 64, True)]
+          (4, 16, 4096, 128, True), (8, 32, 2048, 64, True),
+          # the dense grid's seqlen-512 shapes, where a program's fixed costs show most
+          (32, 16, 512, 128, False), (32, 16, 512, 128, True), (32, 32, 512, 64, True)]
 #: (config fields, head_dim, full): the variants one run compiles, checks and times; the
 #: fields are GluonBwdConfig's in order (block_m, block_n, consumers, stages, dq_mode,
 #: consumer_regs, producer_regs, row_load, producer_warps, split, group_split,
-#: half_partials, dq_stage); "full" adds the window and float16 checks.  The first two:
+#: half_partials, dq_stage, kv_store); "full" adds the window and float16 checks.  The first two:
 #: the defaults of both head dims (the dQ tile in fragment order).
 CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment"), 128, True),
            ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment"), 64, True),
@@ -79,7 +81,13 @@ TILE_PROBES = {"d64": [((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, Fals
                                                                    (128, 64, 2, "tma", "tma", False),
                                                                    (64, 128, 2, "ordered", "tma", False))
                             for stage, full in (("swizzled", False),
-                                                ("fragment", st != 3 and bm == 64 and mode == rows == "tma"))]}
+                                                ("fragment", st != 3 and bm == 64 and mode == rows == "tma"))],
+               # ``--tiles kv-store``: dK and dV stored from registers beside through shared
+               # memory by TMA stores (kv_store), on the tuned tiles' shapes
+               "kv-store": [((bm, 64, 2, st, "tma", 240, 24, "tma", 1, split, 1, False, "fragment", kv), d, full)
+                            for (bm, d, st, split) in ((64, 128, 2, False), (64, 128, 3, False), (64, 64, 4, True),
+                                                       (128, 64, 2, False))
+                            for kv, full in (("ptr", False), ("tma", bm == 64 and st != 3))]}
 
 #: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
 CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),

@@ -43,6 +43,9 @@ CASES = [
     # the dQ tile staged in the accumulator's fragment order (the defaults of both head dims)
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment"), 128, "causal"),
     ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment"), 64, "none"),
+    # dK and dV out by TMA stores (outside the search space: gluon_bwd.py --tiles kv-store)
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, "causal"),
+    ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment", "tma"), 64, "none"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -86,7 +89,9 @@ for fields, d, mask in CASES:
                               "tma2d": k.asm["ptx"].count("cp.async.bulk.tensor.2d"),
                               "reduce2d": k.asm["ptx"].count("cp.reduce.async.bulk.tensor.2d"),
                               "sts128": sass.count("STS.128"), "sts64": sass.count("STS.64"),
-                              "parts": cfg.parts, "block_m": cfg.block_m, "stage": cfg.dq_stage}))
+                              "parts": cfg.parts, "block_m": cfg.block_m, "stage": cfg.dq_stage,
+                              "kv_store": cfg.kv_store, "stg": len(re.findall(r"\bSTG\.E", sass)),
+                              "tma_stores": sass.count("UTMASTG")}))
 for kern in ("attn_bwd_preprocess", "attn_bwd_convert"):
     B.compile_sm90(B.default_config(128), "float16", 128, "none", kern)
     print("AUX", kern)
@@ -163,6 +168,36 @@ def test_fragment_staged_dq_is_stored_by_16_byte_stores(compiled):
             assert c["sts64"] < 8 and c["reduce2d"] == c["parts"], c
         elif c["id"].split("_")[4] == "tma":  # dq_mode
             assert c["sts128"] <= 1 and c["sts64"] >= 16 and c["reduce2d"] == 0, c
+
+
+def test_kv_store_tma_leaves_no_global_store_to_the_warps(compiled):
+    """kv_store "tma": dK and dV leave by two TMA stores per partition and no consumer
+    stores to global memory; the register epilogue stores them with STG."""
+    for c in compiled:
+        if c["kv_store"] == "tma":
+            assert c["stg"] == 0 and c["tma_stores"] == 2 * c["parts"], c
+        else:
+            assert c["stg"] > 0 and c["tma_stores"] == 0, c
+
+
+def test_kv_store_rules_launch_and_search():
+    """Outside the search space; not with a group split; the launch passes (z, hk, N, D)
+    descriptors for dK and dV with one partition's rows as the box."""
+    assert all(c.kv_store == "ptr" for d in B.HEAD_DIMS for c in B.search_space(d, "bfloat16", "causal", group=4))
+    cfg = dataclasses.replace(B.default_config(64), kv_store="tma")
+    assert cfg.id.endswith("_dqf_kvt") and B.is_valid(cfg, 64)
+    assert any("group split" in r for r in B.invalid_reasons(dataclasses.replace(cfg, group_split=2), 64))
+    assert any("kv_store 'smem'" in r for r in B.invalid_reasons(dataclasses.replace(cfg, kv_store="smem"), 64))
+    q = torch.empty(2, 4, 300, 64, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 200, 64, dtype=torch.bfloat16)
+    a = B.launch_args(q, q, k, k, q, torch.empty(2, 4, 300), softmax_scale=0.1, diag_lo=-300, diag_hi=200,
+                      config=cfg)
+    dk_desc, dv_desc = a["main"][1][10:12]
+    assert dk_desc.base is a["dk"] and dv_desc.base is a["dv"] and dk_desc.block_shape == [1, 1, 64, 64]
+    assert dk_desc.shape == [2, 2, 200, 64] and dk_desc.strides == list(a["dk"].stride())
+    src = B.render(cfg, "bfloat16", 64, "none")
+    assert "tma_store(DK, [off_z, off_hk, nc, 0]" in src and "gl.store(DK" not in src
+    assert "tma_store" not in B.render(B.default_config(64), "bfloat16", 64, "none")
 
 
 def test_fragment_order_is_the_accumulator_fragment():

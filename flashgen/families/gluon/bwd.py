@@ -45,6 +45,10 @@ SEARCH_DQ_MODES = ("tma", "atomic")
 ROW_LOADS = ("tma", "producer", "ptr")
 #: How the dQ tile is staged in shared memory for its TMA reduce-add.
 DQ_STAGES = ("swizzled", "fragment")
+#: How dK and dV leave the main kernel: the consumers' stores from registers ("ptr"), or
+#: through their rows of K and V in shared memory by TMA stores ("tma"; outside the
+#: search: ``benchmarks/gluon_bwd.py --tiles kv-store`` measures it).
+KV_STORES = ("ptr", "tma")
 #: LSE2 / delta rows are padded to a multiple of this (the largest block_m): every
 #: (1, block_m) box and every pointer load of a query block stays in the buffer, and the
 #: 2-D descriptor's row stride (ROW_PAD * 4 bytes) is 16-byte aligned as TMA requires.
@@ -108,6 +112,8 @@ class GluonBwdConfig:
                     as it is into a float32 accumulator whose block_m-row tiles are in
                     that order, (batch * num_heads, m_pad, head_dim); the convert kernel
                     reads them back in that order).
+    kv_store:       how dK and dV leave (:data:`KV_STORES`; "tma" only without a group
+                    split, whose partials take the register stores).
     """
 
     block_m: int = 64
@@ -123,6 +129,7 @@ class GluonBwdConfig:
     group_split: int = 1
     half_partials: bool = False
     dq_stage: str = "swizzled"
+    kv_store: str = "ptr"
 
     @property
     def block_nt(self) -> int:
@@ -163,7 +170,8 @@ class GluonBwdConfig:
                 + ("_split" if self.split else "")
                 + ("" if self.group_split == 1 else f"_gs{self.group_split}")
                 + ("h" if self.half_partials else "")
-                + {"swizzled": "", "fragment": "_dqf"}.get(self.dq_stage, f"_dq-{self.dq_stage}"))
+                + {"swizzled": "", "fragment": "_dqf"}.get(self.dq_stage, f"_dq-{self.dq_stage}")
+                + {"ptr": "", "tma": "_kvt"}.get(self.kv_store, f"_kv-{self.kv_store}"))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -268,6 +276,10 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         # spills 20 B against 4 B for the swizzled tile
         out.append(f"dq_stage {c.dq_stage!r} with split partitions at head_dim 128 (dQ in two column halves) "
                    "spills; use the lock-step partition or dq_stage 'swizzled'")
+    if c.kv_store not in KV_STORES:
+        out.append(f"kv_store {c.kv_store!r} is not one of {KV_STORES}")
+    elif c.kv_store == "tma" and c.group_split > 1:
+        out.append("kv_store 'tma' stores dK and dV themselves; a group split's partials take the register stores")
     if c.half_partials and c.group_split == 1:
         out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -524,7 +536,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
         HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
-        DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage != "swizzled" else None)
+        DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage != "swizzled" else None, KV_STORE=c.kv_store)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
@@ -666,7 +678,9 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         main_dk, main_dv = out["dk_partial"], out["dv_partial"] = partials[0], partials[1]
     main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
             _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
-            _desc_dq(dqacc, c.block_m, c.dq_stage), lse2, delta, dqacc, main_dk, main_dv) + (
+            _desc_dq(dqacc, c.block_m, c.dq_stage), lse2, delta, dqacc,
+            *((_desc4(main_dk, c.part_rows, dtype_name), _desc4(main_dv, c.part_rows, dtype_name))
+              if c.kv_store == "tma" else (main_dk, main_dv))) + (
             (out["sem"], out["head_group"]) if c.dq_mode == "ordered" else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
             int(diag_hi), m_pad)
     if o.is_contiguous() and do.is_contiguous():
