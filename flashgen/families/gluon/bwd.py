@@ -536,7 +536,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
         HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
-        DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage != "swizzled" else None, KV_STORE=c.kv_store)
+        DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
@@ -604,7 +604,7 @@ def _desc_dq(dqacc, block_m: int, stage: str):
     """The reduce-add's descriptor over the float32 dQ accumulator: (z, h, M, D), box (1,
     1, block_m, D), swizzled as the default layout; "fragment": (z * h * m_pad, D), box
     (block_m, D), no swizzle (the tile is copied in its fragment order as it is)."""
-    if stage == "swizzled":
+    if stage != "fragment":
         return _desc4(dqacc, block_m, "float32")
     from .shim import descriptor
 
@@ -655,8 +655,8 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     lse2 = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     delta = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     # "fragment": block_m-row tiles in the accumulator's fragment order, padded to m_pad rows
-    dqacc = torch.empty((b * h, m_pad, d) if c.dq_stage != "swizzled" else (b, h, sq, d), dtype=torch.float32,
-                        device=dev)
+    fragment = c.dq_stage == "fragment"
+    dqacc = torch.empty((b * h, m_pad, d) if fragment else (b, h, sq, d), dtype=torch.float32, device=dev)
     pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
     out = {"dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc}
     main_dk, main_dv = dk, dv
@@ -689,11 +689,11 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         from . import strided
 
         out["preprocess_strided"] = strided.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad,
-                                                              padded=c.dq_stage != "swizzled")
+                                                              padded=fragment)
     n_kb = math.ceil(sk / c.block_nt)
     # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program)
     out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" else (n_kb, b * hk * gs)), main)
-    if c.dq_stage != "swizzled":
+    if fragment:
         out["convert"] = ((b * h * math.ceil(sq / c.block_m),), (dqacc, dq, h, sq, m_pad, *dq.stride()[:3],
                                                                  float(softmax_scale)))
     elif dq.is_contiguous():
