@@ -35,7 +35,8 @@ TABLE = "measurements"
 #: NULL for a knob at its default 0, so the Triton family's rows hold exactly what they
 #: held before the Gluon family existed.
 GLUON_KNOBS = ("consumer_regs", "producer_regs", "pin", "persistent", "ctas_per_sm", "dq_atomic", "row_load",
-               "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage")
+               "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
+               "kv_store")
 BUSY_TIMEOUT_S = 60.0
 
 COLUMNS: dict[str, type] = {

@@ -222,7 +222,8 @@ class KernelSpec:
 
 #: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
-              ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"))
+              ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
+              ("kv_store", "_kvt"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -271,7 +272,9 @@ class TileConfig:
     in the order of the key blocks (int32 semaphores), so dQ is bitwise repeatable: what
     the deterministic backward runs (``_dqord``); ``dq_stage`` 1: the backward's dQ tile
     is staged for its reduce-add in the wgmma accumulator's fragment order instead of
-    row-major with the 128-byte swizzle (``_dqf``).
+    row-major with the 128-byte swizzle (``_dqf``); ``kv_store`` 1: the backward's dK
+    and dV leave through the program's K and V tiles in shared memory by TMA stores
+    instead of register stores (``_kvt``).
     """
 
     BLOCK_M: int
@@ -295,6 +298,7 @@ class TileConfig:
     half_partials: int = 0
     dq_ordered: int = 0
     dq_stage: int = 0
+    kv_store: int = 0
 
     @property
     def id(self) -> str:

@@ -578,7 +578,10 @@ def refine_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch, 
     of the values the family's domain gives ``knobs`` for this key, other than itself,
     valid and feasible).  The domain is the search's (``domain``) and the knobs the
     family varies only around tuned rows (``refine_domain``, e.g. the Gluon backward's
-    ``dq_ordered``).  Knobs the family's domain lacks for this key keep their value.
+    ``dq_ordered``).  Knobs the family's domain lacks for this key keep their value; a
+    knob that is not refined but excludes a refined value is moved by the family's
+    ``reconcile`` where it has one (the Gluon backward's TMA stores of dK and dV give way
+    to a group split).
     ``by_family``: :meth:`TuningDB.best_configs_by_family` of ``env``, when the caller
     holds it."""
     import itertools
@@ -596,6 +599,8 @@ def refine_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch, 
         cands = []
         for values in itertools.product(*(vals for _, vals in axes)):
             cfg = dataclasses.replace(best, **dict(zip((k for k, _ in axes), values)))
+            if hasattr(fam, "reconcile"):
+                cfg = fam.reconcile(cfg, best, knobs)
             v = Variant(key.spec, cfg)
             if cfg != best and cfg not in cands and not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
                 cands.append(cfg)

@@ -43,9 +43,16 @@ CASES = [
     # the dQ tile staged in the accumulator's fragment order (the defaults of both head dims)
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment"), 128, "causal"),
     ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment"), 64, "none"),
-    # dK and dV out by TMA stores (outside the search space: gluon_bwd.py --tiles kv-store)
+    # dK and dV out by TMA stores (the defaults of both head dims), and the searched tiles
+    # whose registers or partitions differ: one consumer, split partitions with dQ in
+    # column halves, BLOCK_M 128 in lock-step, atomic and ordered dQ
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, "causal"),
     ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment", "tma"), 64, "none"),
+    ((64, 64, 1, 2, "tma", 248, 24, "tma", 1, False, 1, False, "fragment", "tma"), 64, "window"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, True, 1, False, "swizzled", "tma"), 128, "none"),
+    ((128, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 64, "causal"),
+    ((64, 64, 2, 2, "atomic", 240, 24, "producer", 1, False, 1, False, "swizzled", "tma"), 64, "causal"),
+    ((64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, "causal"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -59,7 +66,10 @@ CASES = [
 #: variant split 8 ways spills 20 B against its unsplit variant's 24).
 SPILL_BYTES = {
     # BLOCK_M 128 at head_dim 64 spills by design (bwd.LOCKSTEP_SPILL_SLACK_REGS)
-    "3.6": {("m128_n64_c2_s2_tma_r240-24_rows-tma", 64, "none"): 36},
+    "3.6": {("m128_n64_c2_s2_tma_r240-24_rows-tma", 64, "none"): 36,
+            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 80,
+            # as its register-store twin (dQ in column halves)
+            ("m64_n64_c2_s2_tma_r240-24_rows-tma_split_kvt", 128, "none"): 4},
     "3.9": {("m128_n64_c2_s2_tma_r240-24_rows-tma", 64, "none"): 40, ("m64_n64_c2_s2_tma_r240-24_rows-tma", 128, "causal"): 8,
             ("m64_n64_c2_s3_tma_r240-24_rows-tma", 128, "window"): 24,
             ("m64_n64_c2_s2_atomic_r240-24_rows-producer", 128, "causal"): 28},
@@ -175,18 +185,30 @@ def test_kv_store_tma_leaves_no_global_store_to_the_warps(compiled):
     stores to global memory; the register epilogue stores them with STG."""
     for c in compiled:
         if c["kv_store"] == "tma":
-            assert c["stg"] == 0 and c["tma_stores"] == 2 * c["parts"], c
+            # (the ordered dQ's two semaphore releases are its only global stores)
+            assert c["stg"] == (2 if "_ordered_" in c["id"] else 0) and c["tma_stores"] == 2 * c["parts"], c
         else:
             assert c["stg"] > 0 and c["tma_stores"] == 0, c
 
 
 def test_kv_store_rules_launch_and_search():
-    """Outside the search space; not with a group split; the launch passes (z, hk, N, D)
-    descriptors for dK and dV with one partition's rows as the box."""
-    assert all(c.kv_store == "ptr" for d in B.HEAD_DIMS for c in B.search_space(d, "bfloat16", "causal", group=4))
-    cfg = dataclasses.replace(B.default_config(64), kv_store="tma")
+    """Searched beside the register stores, never with a group split; the default of both
+    head dims; the launch passes (z, hk, N, D) descriptors for dK and dV with one
+    partition's rows as the box."""
+    for d in B.HEAD_DIMS:
+        space = B.search_space(d, "bfloat16", "causal", group=4)
+        assert {c.kv_store for c in space} == set(B.KV_STORES)
+        assert all(c.group_split == 1 for c in space if c.kv_store == "tma")
+        # every register-store config has its TMA-store twin unless it splits the group or
+        # adds dQ by atomics at head_dim 128
+        assert {dataclasses.replace(c, kv_store="tma") for c in space
+                if c.group_split == 1 and (d < 128 or c.dq_mode != "atomic")} <= set(space)
+        assert B.default_config(d).kv_store == "tma"
+    cfg = B.default_config(64)
     assert cfg.id.endswith("_dqf_kvt") and B.is_valid(cfg, 64)
     assert any("group split" in r for r in B.invalid_reasons(dataclasses.replace(cfg, group_split=2), 64))
+    atomic = dataclasses.replace(cfg, dq_mode="atomic", dq_stage="swizzled", split=False, stages=2)
+    assert B.is_valid(atomic, 64) and any("spills" in r for r in B.invalid_reasons(atomic, 128))
     assert any("kv_store 'smem'" in r for r in B.invalid_reasons(dataclasses.replace(cfg, kv_store="smem"), 64))
     q = torch.empty(2, 4, 300, 64, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 200, 64, dtype=torch.bfloat16)
@@ -197,7 +219,7 @@ def test_kv_store_rules_launch_and_search():
     assert dk_desc.shape == [2, 2, 200, 64] and dk_desc.strides == list(a["dk"].stride())
     src = B.render(cfg, "bfloat16", 64, "none")
     assert "tma_store(DK, [off_z, off_hk, nc, 0]" in src and "gl.store(DK" not in src
-    assert "tma_store" not in B.render(B.default_config(64), "bfloat16", 64, "none")
+    assert "tma_store" not in B.render(dataclasses.replace(cfg, kv_store="ptr"), "bfloat16", 64, "none")
 
 
 def test_fragment_order_is_the_accumulator_fragment():
@@ -240,7 +262,7 @@ def test_fragment_stage_rules_launch_and_search():
         assert {c.dq_stage for c in space} == set(B.DQ_STAGES)
         assert all(c.dq_mode == "tma" for c in space if c.dq_stage == "fragment")
     frag = B.default_config(128)
-    assert frag.dq_stage == "fragment" and frag.id.endswith("_dqf") and B.default_config(64).dq_stage == "fragment"
+    assert frag.dq_stage == "fragment" and frag.id.endswith("_dqf_kvt") and B.default_config(64).dq_stage == "fragment"
     assert any("dq_mode 'atomic'" in r for r in B.invalid_reasons(dataclasses.replace(frag, dq_mode="atomic"), 128))
     assert any("column halves" in r for r in B.invalid_reasons(dataclasses.replace(frag, split=True), 128))
     assert any("dq_stage 'rows'" in r for r in B.invalid_reasons(dataclasses.replace(frag, dq_stage="rows"), 128))
@@ -345,7 +367,7 @@ def test_code_id_record_is_current():
     assert rec["text"] == B.text_hash() and rec["probes"] == B.probe_digest()
     # the variants admitted later (the lock-step register slack) as recorded too
     assert rec.get("extensions", {}) == B._CODE_ID.extension_digests()
-    assert {"lockstep_spill_slack", "dq_fragment", "dq_ordered", "group_split"} <= set(rec["extensions"])
+    assert {"lockstep_spill_slack", "dq_fragment", "dq_ordered", "group_split", "kv_tma"} <= set(rec["extensions"])
     # every variant the tuner can record is a probe: the search spaces of GQA groups (the
     # group splits) and the ordered dQ of every TMA-mode config (flashgen tune --refine dq_ordered)
     probes = {(c, dtype, d, mask) for ext in (None, *B.EXTENSIONS) for c, dtype, d, mask in B.probe_variants(ext)}
@@ -353,7 +375,8 @@ def test_code_id_record_is_current():
         for c in B.search_space(d, "bfloat16", "causal", group=16):
             assert (dataclasses.replace(c, group_split=1, half_partials=False), "bfloat16", d, "causal") in probes
             base = dataclasses.replace(B.default_config(d, "bfloat16", "causal"), dq_stage=c.dq_stage,
-                                       group_split=c.group_split, half_partials=c.half_partials)
+                                       group_split=c.group_split, half_partials=c.half_partials,
+                                       kv_store=c.kv_store)
             assert (base, "bfloat16", d, "causal") in probes, c
             ordered = dataclasses.replace(c, group_split=1, half_partials=False, dq_mode="ordered")
             if c.dq_mode == "tma" and B.is_valid(ordered, d, "bfloat16", "causal"):
@@ -400,7 +423,7 @@ def test_group_split_rules_and_search_space():
         assert any("group_split" in r for r in B.invalid_reasons(B.GluonBwdConfig(group_split=bad), 128)), bad
     gs4 = B.GluonBwdConfig(row_load="tma", group_split=4)
     assert B.is_valid(gs4, 128, "bfloat16", "causal") and gs4.id.endswith("_rows-tma_gs4")
-    assert B.GluonBwdConfig(row_load="tma", dq_stage="fragment").id == B.default_config(128).id  # no tag at 1
+    assert B.GluonBwdConfig(row_load="tma", dq_stage="fragment", kv_store="tma").id == B.default_config(128).id  # no tag at 1
     assert B.group_reasons(gs4, 8) == [] and "must divide the GQA group" in B.group_reasons(gs4, 6)[0]
     # the shared memory and registers of a split variant are its unsplit one's
     assert B.smem_terms(gs4, 128) == B.smem_terms(B.GluonBwdConfig(row_load="tma"), 128)
@@ -409,7 +432,8 @@ def test_group_split_rules_and_search_space():
         assert all(c.group_split == 1 for c in mha)
         assert B.search_space(d, "bfloat16", "causal", group=1) == mha
         gqa = B.search_space(d, "bfloat16", "causal", group=4)
-        assert len(gqa) == 5 * len(mha)  # group_split 1, and 2 and 4 with float32 or 16-bit partials
+        # group_split 1, and 2 and 4 with float32 or 16-bit partials (register stores only)
+        assert len(gqa) == len(mha) + 4 * sum(c.kv_store == "ptr" for c in mha)
         assert {(c.group_split, c.half_partials) for c in gqa} == {(1, False), (2, False), (2, True), (4, False),
                                                                     (4, True)}
         assert {dataclasses.replace(c, group_split=1, half_partials=False) for c in gqa} == set(mha)
@@ -686,7 +710,7 @@ def test_ordered_is_outside_the_search_and_sizes_its_semaphores():
     assert "ordered" in B.DQ_MODES and "ordered" not in B.SEARCH_DQ_MODES
     assert all(c.dq_mode != "ordered" for c in B.search_space(128, "bfloat16", "causal", group=4))
     cfg = dataclasses.replace(B.default_config(128), dq_mode="ordered")
-    assert B.is_valid(cfg, 128, "bfloat16", "causal") and cfg.id.endswith("_ordered_r240-24_rows-tma_dqf")
+    assert B.is_valid(cfg, 128, "bfloat16", "causal") and cfg.id.endswith("_ordered_r240-24_rows-tma_dqf_kvt")
     assert B.smem_terms(cfg, 128) == B.smem_terms(B.default_config(128), 128)
     split = dataclasses.replace(cfg, split=True)  # spills and serializes its wgmmas under ptxas
     assert any("lock-step" in r for r in B.invalid_reasons(split, 128))

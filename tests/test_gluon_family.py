@@ -131,8 +131,9 @@ GBWD_ORD = dataclasses.replace(GBWD, dq_ordered=1)
 
 
 def test_dq_ordered_is_a_knob_of_the_gluon_backward():
-    # the default stages dQ in fragment order (_dqf); the flags' tags in TileConfig's order
-    assert GBWD.id.endswith("_split_dqf") and GBWD_ORD.id == GBWD.id.removesuffix("_dqf") + "_dqord_dqf"
+    # the default stages dQ in fragment order (_dqf) and stores dK, dV by TMA (_kvt); the
+    # flags' tags in TileConfig's order
+    assert GBWD.id.endswith("_split_dqf_kvt") and GBWD_ORD.id == GBWD.id.removesuffix("_dqf_kvt") + "_dqord_dqf_kvt"
     assert TileConfig.from_dict(GBWD_ORD.as_dict()) == GBWD_ORD
     assert F.bwd_config(GBWD_ORD).dq_mode == "ordered" and F.tile_config(F.bwd_config(GBWD_ORD)) == GBWD_ORD
     assert GLUON.deterministic(GBWD_ORD) and not GLUON.deterministic(GBWD)

@@ -116,7 +116,7 @@ def test_gluon_backward_replays_its_own_launches(fake_gpu, case):
     mask, lo, hi = "causal", -s, 0
     cfg = B.default_config(d, "bfloat16", mask)
     if case == "group_split":
-        cfg = dataclasses.replace(cfg, group_split=2)
+        cfg = dataclasses.replace(cfg, group_split=2, kv_store="ptr")
     if case == "ordered":
         d = 64
         cfg = dataclasses.replace(B.default_config(d, "bfloat16", mask), dq_mode="ordered")

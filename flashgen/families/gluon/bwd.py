@@ -46,8 +46,7 @@ ROW_LOADS = ("tma", "producer", "ptr")
 #: How the dQ tile is staged in shared memory for its TMA reduce-add.
 DQ_STAGES = ("swizzled", "fragment")
 #: How dK and dV leave the main kernel: the consumers' stores from registers ("ptr"), or
-#: through their rows of K and V in shared memory by TMA stores ("tma"; outside the
-#: search: ``benchmarks/gluon_bwd.py --tiles kv-store`` measures it).
+#: through their rows of K and V in shared memory by TMA stores ("tma").
 KV_STORES = ("ptr", "tma")
 #: LSE2 / delta rows are padded to a multiple of this (the largest block_m): every
 #: (1, block_m) box and every pointer load of a query block stays in the buffer, and the
@@ -280,6 +279,11 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"kv_store {c.kv_store!r} is not one of {KV_STORES}")
     elif c.kv_store == "tma" and c.group_split > 1:
         out.append("kv_store 'tma' stores dK and dV themselves; a group split's partials take the register stores")
+    elif c.kv_store == "tma" and c.dq_mode == "atomic" and head_dim >= 128:
+        # the atomic dQ's epilogue with the TMA stores: ptxas (Triton 3.6) spills 40 B
+        # (causal, rows by the producer), against none with the register stores
+        out.append("kv_store 'tma' with dq_mode 'atomic' at head_dim 128 spills; use the register stores or the "
+                   "TMA reduce-add")
     if c.half_partials and c.group_split == 1:
         out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -362,11 +366,12 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", gro
                             for gs in group_splits(group):
                                 for half in ((False, True) if gs > 1 else (False,)):
                                     for stage in DQ_STAGES:
-                                        c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
-                                                           240 if consumers == 2 else MAX_REGS, 24, row_load, 1,
-                                                           split, gs, half, stage)
-                                        if is_valid(c, head_dim, dtype, mask):
-                                            out.append(c)
+                                        for kv in KV_STORES:
+                                            c = GluonBwdConfig(block_m, 64, consumers, stages, dq_mode,
+                                                               240 if consumers == 2 else MAX_REGS, 24, row_load, 1,
+                                                               split, gs, half, stage, kv)
+                                            if is_valid(c, head_dim, dtype, mask):
+                                                out.append(c)
     return out
 
 
@@ -378,10 +383,12 @@ def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -
     0.92x of it: twice the dQ reduce-add bytes, dQ in two halves), at 64 split consumer
     partitions and 4 stages (1.02-1.07x the lock-step one); the dQ tile staged in the
     accumulator's fragment order (1.02-1.08x the swizzled tile at head_dim 128, 1.03-1.13x
-    at 64: docs/results/h200/gluon_bwd/dq-stage/fragment.log)."""
+    at 64: docs/results/h200/gluon_bwd/dq-stage/fragment.log); dK and dV stored through
+    shared memory by TMA (1.00-1.11x the register stores at both head dims:
+    docs/results/h200/gluon_bwd/kv-store/)."""
     split = head_dim < 128
     c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if head_dim >= 128 else 4, dq_mode="tma",
-                       row_load="tma", producer_warps=1, split=split, dq_stage="fragment")
+                       row_load="tma", producer_warps=1, split=split, dq_stage="fragment", kv_store="tma")
     reasons = invalid_reasons(c, head_dim, dtype, mask)
     if reasons:
         raise ValueError(f"no Gluon backward for head_dim={head_dim} dtype={dtype} mask={mask}: {reasons[0]}")
@@ -414,7 +421,8 @@ CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
 #: "group_split" name variants the tuner records outside the GQA-group-1 search space
 #: (``flashgen tune --refine dq_ordered``; the group splits of GQA keys), which the id
 #: did not cover when it was first recorded.
-EXTENSIONS = {"dq_ordered": lambda c, d: c.dq_mode == "ordered",
+EXTENSIONS = {"kv_tma": lambda c, d: c.kv_store == "tma",
+              "dq_ordered": lambda c, d: c.dq_mode == "ordered",
               "group_split": lambda c, d: c.group_split > 1,
               "dq_fragment": lambda c, d: c.dq_stage == "fragment",
               "lockstep_spill_slack": lambda c, d: consumer_regs_estimate(c, d) > c.consumer_regs}
@@ -433,7 +441,7 @@ def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, s
             for mask in MASKS:
                 space = list(search_space(d, dtype, mask))
                 # the probes outside the space on the default tile as first recorded
-                base = dataclasses.replace(default_config(d, dtype, mask), dq_stage="swizzled")
+                base = dataclasses.replace(default_config(d, dtype, mask), dq_stage="swizzled", kv_store="ptr")
                 cands = space + [dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)]
                 cands += [o for c in space if c.dq_mode == "tma"
                           for o in [dataclasses.replace(c, dq_mode="ordered")] if is_valid(o, d, dtype, mask)]

@@ -39,7 +39,7 @@ _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", 
               "persistent", "ctas_per_sm", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
-              "family"}
+              "kv_store", "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -136,7 +136,9 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
                             row_load=row_load, producer_warps=c.producer_warps or 1, split=bool(c.split),
                             group_split=c.group_split or 1, half_partials=bool(c.half_partials),
                             dq_stage=B.DQ_STAGES[c.dq_stage] if 0 <= c.dq_stage < len(B.DQ_STAGES)
-                            else f"code {c.dq_stage}")
+                            else f"code {c.dq_stage}",
+                            kv_store=B.KV_STORES[c.kv_store] if 0 <= c.kv_store < len(B.KV_STORES)
+                            else f"code {c.kv_store}")
 
 
 def _dq_mode(c: TileConfig) -> str:
@@ -163,7 +165,8 @@ def tile_config(g) -> TileConfig:
                       row_load=_ROW_LOADS.index(g.row_load), producer_warps=0 if g.producer_warps == 1 else
                       g.producer_warps, split=int(g.split), group_split=0 if g.group_split == 1 else g.group_split,
                       half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"),
-                      dq_stage=B.DQ_STAGES.index(g.dq_stage))
+                      dq_stage=B.DQ_STAGES.index(g.dq_stage),
+                      kv_store=B.KV_STORES.index(g.kv_store))
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -221,7 +224,8 @@ class GluonFamily:
             return {"BLOCK_M": (64,), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12), "num_stages": (2, 3, 4, 5, 6),
                     "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": (0, 2)}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
-               "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1)}
+               "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
+               "kv_store": (0, 1)}
         splits = B.group_splits(key.group)
         if len(splits) > 1:
             dom["group_split"] = tuple(0 if s == 1 else s for s in splits)
@@ -233,6 +237,22 @@ class GluonFamily:
         vary around a tuned row: the backward's ``dq_ordered`` (the deterministic
         backward's dQ, measured beside the tuned tile it orders)."""
         return {"dq_ordered": (0, 1)} if key.spec.kernel == WHOLE_BWD else {}
+
+    def reconcile(self, config: TileConfig, best: TileConfig, knobs) -> TileConfig:
+        """``config``, a neighbour of the tuned row ``best`` in ``knobs`` (those a
+        refinement varies), with a knob outside ``knobs`` moved where it excludes their
+        values: a group split takes the backward's register stores of dK and dV
+        (``kv_store`` 0; the TMA stores write dK and dV themselves, a split writes
+        partials), so refining ``group_split`` around a ``_kvt`` row measures the splits;
+        and the unsplit neighbour of a split row, whose register stores the split forced,
+        takes the TMA stores (the default), the row the split was refined from."""
+        if "kv_store" in knobs or config.family != "gluon":
+            return config
+        if config.group_split > 1 and config.kv_store:
+            return dataclasses.replace(config, kv_store=0)
+        if config.group_split <= 1 < best.group_split and not config.kv_store:
+            return dataclasses.replace(config, kv_store=1)
+        return config
 
     def deterministic(self, config: TileConfig) -> bool:
         """Whether ``config``'s whole backward gives bitwise-identical gradients from run
