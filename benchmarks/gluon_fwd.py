@@ -69,6 +69,13 @@ SHORT_SHAPES = [(32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8,
                 (32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True), (8, 32, 32, 2048, 64, True)]
 
 
+#: The set "x3" times three one-consumer programs per SM (ctas_per_sm 3, head_dim 64,
+#: BLOCK_N 64) beside the two-program tiles the shipped rows take, on the head_dim 64 grid
+#: shapes up to seqlen 4096 (causal) and 1024 (no mask).
+X3_SHAPES = [(32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True), (8, 32, 32, 2048, 64, True),
+             (4, 32, 32, 4096, 64, True), (32, 32, 32, 512, 64, False), (16, 32, 32, 1024, 64, False)]
+
+
 def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
@@ -103,6 +110,16 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
                  _cfg(nc=1, stages=3, ctas=2), _cfg(nc=1, stages=4, pers=2), _cfg(bn=64, stages=6, pers=2)],
         }
         out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), c) for d, cfgs in timed.items() for c in cfgs]
+        return [v for v in out if not check(v)]
+    if name == "x3":
+        cfgs = [_cfg(nc=1, bn=64, stages=3, ctas=2, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=2),
+                _cfg(stages=4, pers=2), _cfg(nc=1, bn=64, stages=3, ctas=3, pers=3),
+                _cfg(nc=1, bn=64, stages=2, ctas=3, pers=2), _cfg(nc=1, bn=64, stages=3, ctas=3),
+                _cfg(nc=1, bn=64, stages=4, ctas=3)]
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, mask), c) for mask in ("causal", "none")
+               for c in cfgs]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, 64, 64, mask), c) for c in cfgs[3:] if c.ctas_per_sm == 3
+                for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         return [v for v in out if not check(v)]
     if name == "walk3":
         # the persistent walk with two Q buffers (persistent 3) beside the walk it extends
@@ -342,7 +359,7 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
-    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3"))
+    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -377,7 +394,7 @@ def main(argv=None) -> int:
 
         out["device"] = torch.cuda.get_device_name()
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
-        shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES}.get(args.set)
+        shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))

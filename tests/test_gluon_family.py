@@ -147,6 +147,24 @@ def test_dq_ordered_is_a_knob_of_the_gluon_backward():
     assert GLUON.refine_domain(key("fwd")) == {}
 
 
+@pytest.mark.parametrize("d,mask", [(64, "causal"), (128, "none")])
+def test_forward_domain_filtered_by_the_rules_is_the_search_space(d, mask):
+    """Every knob combination of the forward's domain that the rules admit is a config of
+    :func:`.config.space` and back (three programs per SM included: their register
+    budget is the family's default split, as the TileConfig stores 0)."""
+    import itertools
+
+    k = key("fwd", "bfloat16", d, mask=mask)
+    dom = GLUON.domain(k)
+    admitted = set()
+    for values in itertools.product(*dom.values()):
+        cfg = TileConfig(**dict(zip(dom, values)), family="gluon")
+        if not GLUON.violated_rules(Variant(k.spec, cfg)):
+            admitted.add(cfg)
+    assert admitted == {F.tile_config(c) for c in C.space(F.fwd_spec(k))}
+    assert any(c.ctas_per_sm == 3 for c in admitted) == (d == 64)
+
+
 @pytest.mark.parametrize("ordered_ms, whole", [(1.8, True), (2.2, False)])
 def test_deterministic_backward_takes_an_ordered_row_measured_ahead_of_the_two_kernels(tmp_path, ordered_ms, whole):
     with TuningDB(tmp_path / "t.sqlite") as db:

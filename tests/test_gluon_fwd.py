@@ -133,6 +133,11 @@ COMPILE_CASES = [
     ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, num_stages=3, pin_exps=True, persistent=3)),
     ("bfloat16", 64, 64, "causal", dict(BLOCK_N=64, num_consumers=1, consumer_regs=232, ctas_per_sm=2,
                                         persistent=3)),
+    # three programs per SM: one consumer at 136 registers (head_dim 64, BLOCK_N 64)
+    ("bfloat16", 64, 64, "causal", dict(BLOCK_N=64, num_stages=3, num_consumers=1, consumer_regs=136,
+                                        ctas_per_sm=3, persistent=3)),
+    ("bfloat16", 64, 64, "none", dict(BLOCK_N=64, num_stages=4, num_consumers=1, consumer_regs=136,
+                                      ctas_per_sm=3)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured

@@ -92,10 +92,11 @@ class GluonFwdConfig:
                    buffers per consumer, so the producer loads the next tile's Q
                    right after the current tile's first K/V tile (a whole tile ahead
                    instead of during its last P V product).
-    ctas_per_sm    programs resident on one SM (1 or 2): the launch register cap and
-                   the shared memory of a program are the SM's divided by it (two
-                   one-consumer programs overlap one's prologue and epilogue with the
-                   other's matrix work).
+    ctas_per_sm    programs resident on one SM (1, 2 or 3): the launch register cap
+                   and the shared memory of a program are the SM's divided by it (two
+                   or three one-consumer programs overlap one's prologue and epilogue
+                   with the others' matrix work; three leave a consumer 136 registers,
+                   which only BLOCK_N 64 at head_dim 64 fits).
     """
 
     BLOCK_M: int = 64
@@ -274,8 +275,8 @@ def check(v: GluonFwdVariant) -> list[str]:
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
-    if c.ctas_per_sm not in (1, 2):
-        why.append(f"ctas_per_sm={c.ctas_per_sm}: 1 or 2 programs per SM")
+    if c.ctas_per_sm not in (1, 2, 3):
+        why.append(f"ctas_per_sm={c.ctas_per_sm}: 1, 2 or 3 programs per SM")
     if not 2 <= c.num_stages <= 8:
         why.append(f"num_stages={c.num_stages}: 2..8 ring slots")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -308,7 +309,7 @@ def valid(v: GluonFwdVariant) -> bool:
 def default_regs(num_consumers: int, ctas_per_sm: int = 1) -> tuple[int, int]:
     """(consumer_regs, producer_regs) that fill the register pool of
     ``num_consumers`` consumers: 1 -> (240, 24), 2 -> (240, 24), 3 -> (160, 32); two
-    one-consumer programs per SM -> (232, 24)."""
+    one-consumer programs per SM -> (232, 24), three -> (136, 24)."""
     c = GluonFwdConfig(num_consumers=num_consumers, ctas_per_sm=ctas_per_sm)
     pool = maxnreg(c) * warpgroups(c)
     producer = 24 if num_consumers < 3 else 32
@@ -344,7 +345,7 @@ def space(s: GluonFwdSpec):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
     :func:`check`)."""
     for nc, bn, stages, pin, pers, ctas in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True),
-                                                             (0, 1, 2, 3), (1, 2)):
+                                                             (0, 1, 2, 3), (1, 2, 3)):
         cr, pr = default_regs(nc, ctas)
         cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
                              pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
