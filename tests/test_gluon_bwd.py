@@ -44,12 +44,11 @@ CASES = [
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment"), 128, "causal"),
     ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment"), 64, "none"),
     # dK and dV out by TMA stores (the defaults of both head dims), and the searched tiles
-    # whose registers or partitions differ: one consumer, split partitions with dQ in
-    # column halves, BLOCK_M 128 in lock-step, atomic and ordered dQ
+    # whose registers or partitions differ: one consumer, BLOCK_M 128 in lock-step, atomic
+    # and ordered dQ
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, "causal"),
     ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment", "tma"), 64, "none"),
     ((64, 64, 1, 2, "tma", 248, 24, "tma", 1, False, 1, False, "fragment", "tma"), 64, "window"),
-    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, True, 1, False, "swizzled", "tma"), 128, "none"),
     ((128, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 64, "causal"),
     ((64, 64, 2, 2, "atomic", 240, 24, "producer", 1, False, 1, False, "swizzled", "tma"), 64, "causal"),
     ((64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, "causal"),
@@ -67,9 +66,7 @@ CASES = [
 SPILL_BYTES = {
     # BLOCK_M 128 at head_dim 64 spills by design (bwd.LOCKSTEP_SPILL_SLACK_REGS)
     "3.6": {("m128_n64_c2_s2_tma_r240-24_rows-tma", 64, "none"): 36,
-            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 80,
-            # as its register-store twin (dQ in column halves)
-            ("m64_n64_c2_s2_tma_r240-24_rows-tma_split_kvt", 128, "none"): 4},
+            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 80},
     "3.9": {("m128_n64_c2_s2_tma_r240-24_rows-tma", 64, "none"): 40, ("m64_n64_c2_s2_tma_r240-24_rows-tma", 128, "causal"): 8,
             ("m64_n64_c2_s3_tma_r240-24_rows-tma", 128, "window"): 24,
             ("m64_n64_c2_s2_atomic_r240-24_rows-producer", 128, "causal"): 28},
@@ -199,16 +196,21 @@ def test_kv_store_rules_launch_and_search():
         space = B.search_space(d, "bfloat16", "causal", group=4)
         assert {c.kv_store for c in space} == set(B.KV_STORES)
         assert all(c.group_split == 1 for c in space if c.kv_store == "tma")
-        # every register-store config has its TMA-store twin unless it splits the group or
-        # adds dQ by atomics at head_dim 128
+        # every register-store config has its TMA-store twin unless it splits the group, or
+        # at head_dim 128 adds dQ by atomics or splits the partitions
         assert {dataclasses.replace(c, kv_store="tma") for c in space
-                if c.group_split == 1 and (d < 128 or c.dq_mode != "atomic")} <= set(space)
+                if c.group_split == 1 and (d < 128 or (c.dq_mode != "atomic" and not c.split))} <= set(space)
         assert B.default_config(d).kv_store == "tma"
     cfg = B.default_config(64)
     assert cfg.id.endswith("_dqf_kvt") and B.is_valid(cfg, 64)
     assert any("group split" in r for r in B.invalid_reasons(dataclasses.replace(cfg, group_split=2), 64))
     atomic = dataclasses.replace(cfg, dq_mode="atomic", dq_stage="swizzled", split=False, stages=2)
     assert B.is_valid(atomic, 64) and any("spills" in r for r in B.invalid_reasons(atomic, 128))
+    # a split partition's rows of a 256-byte-row tile are two 8 KB pieces, not one box
+    split = dataclasses.replace(cfg, dq_stage="swizzled", stages=2)
+    assert split.split and B.is_valid(split, 64)
+    assert any("not contiguous" in r for r in B.invalid_reasons(split, 128))
+    assert B.is_valid(dataclasses.replace(split, split=False), 128)
     assert any("kv_store 'smem'" in r for r in B.invalid_reasons(dataclasses.replace(cfg, kv_store="smem"), 64))
     q = torch.empty(2, 4, 300, 64, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 200, 64, dtype=torch.bfloat16)

@@ -279,6 +279,13 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"kv_store {c.kv_store!r} is not one of {KV_STORES}")
     elif c.kv_store == "tma" and c.group_split > 1:
         out.append("kv_store 'tma' stores dK and dV themselves; a group split's partials take the register stores")
+    elif c.kv_store == "tma" and c.parts > 1 and head_dim * 2 > 128:
+        # a split partition's rows are a slice of the K/V tile, whose 128-byte swizzle
+        # stores rows wider than 128 bytes as column blocks: the slice is not contiguous
+        # (Triton 3.9 refuses the reinterpret; 3.6 compiles it without that check)
+        out.append(f"kv_store 'tma' with split partitions at head_dim {head_dim}: a partition's rows of K and V "
+                   "are not contiguous in shared memory (column blocks of the 128-byte swizzle); use the "
+                   "lock-step partition or the register stores")
     elif c.kv_store == "tma" and c.dq_mode == "atomic" and head_dim >= 128:
         # the atomic dQ's epilogue with the TMA stores: ptxas (Triton 3.6) spills 40 B
         # (causal, rows by the producer), against none with the register stores
