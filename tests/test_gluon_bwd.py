@@ -55,8 +55,9 @@ CASES = [
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
-#: than 3.6 (3.6: none but the BLOCK_M 128 tile at head_dim 64, which the rules admit
-#: over the register model).  Triton 3.9 assembles sm_90 with ptxas 13.x and
+#: than 3.6 (3.6: none but the BLOCK_M 128 tiles at head_dim 64, which the rules admit
+#: over the register model; with dK and dV stored by TMA and a causal mask 80 B, 60 B
+#: under 3.9).  Triton 3.9 assembles sm_90 with ptxas 13.x and
 #: ``--regAllocOptLevel=2`` (shim.ptxas_sm90); the d128 causal default spills 8 B only
 #: with that flag; the three-stage window variant (24 B) and the atomic dQ variant
 #: (8 B, 28 B with the flag) spill from 3.9's own PTX (the same with ptxas 12.8).
@@ -69,7 +70,8 @@ SPILL_BYTES = {
             ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 80},
     "3.9": {("m128_n64_c2_s2_tma_r240-24_rows-tma", 64, "none"): 40, ("m64_n64_c2_s2_tma_r240-24_rows-tma", 128, "causal"): 8,
             ("m64_n64_c2_s3_tma_r240-24_rows-tma", 128, "window"): 24,
-            ("m64_n64_c2_s2_atomic_r240-24_rows-producer", 128, "causal"): 28},
+            ("m64_n64_c2_s2_atomic_r240-24_rows-producer", 128, "causal"): 28,
+            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 60},
 }
 
 _SCRIPT = r'''
