@@ -15,6 +15,7 @@ Optuna journal file next to the DB, so an interrupted run resumes where it stopp
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import dataclasses
 import os
 import re
@@ -198,15 +199,25 @@ def study_name(env: Environment, key: ProblemKey, family_names: Iterable[str] | 
     """``<gpu slug>/<key id>/triton<version>/<template hash>``: a new Triton or template
     starts a new study, as it invalidates the old rows.  The hash is the Triton family's
     where it is searched; each other searched family (``family_names``, default: every
-    registered one that compiles the kernel) adds ``+<name>-<its hash>``, so a study
-    over other families is another study (and the Triton-only names never change)."""
+    registered one that compiles the kernel) adds ``+<name>-<its hash>-<domain>``, with
+    ``<domain>`` a digest of its knob domain for the key (:func:`_domain_digest`), so a
+    study over other families, or over a family whose knobs took new values, is another
+    study (Optuna refuses a categorical parameter whose choices changed; the rows of the
+    old study stay in the DB and answer the new one's trials); the Triton-only names
+    never change."""
     slug = re.sub(r"[^a-z0-9]+", "-", env.gpu_name.lower()).strip("-")
     kernel = key.spec.kernel
     names = [f.name for f in families.FAMILIES.values() if kernel in f.kernels
              and (family_names is None or f.name in set(family_names))]
-    parts = [env.template_hash(kernel) if n == DEFAULT_FAMILY else f"+{n}-{env.template_hash(kernel, '', n)}"
-             for n in names]
+    parts = [env.template_hash(kernel) if n == DEFAULT_FAMILY
+             else f"+{n}-{env.template_hash(kernel, '', n)}-{_domain_digest(families.get(n), key)}" for n in names]
     return f"{slug}/{key.id}/triton{env.triton_version}/{''.join(parts)}"
+
+
+def _domain_digest(fam, key: ProblemKey) -> str:
+    """sha256 (8 hex digits) of ``fam``'s knob domain for ``key`` (names and values in
+    order): what the study's categorical parameters offer."""
+    return hashlib.sha256(repr(sorted(fam.domain(key).items())).encode()).hexdigest()[:8]
 
 
 def open_storage(storage: str | Path | optuna.storages.BaseStorage | None,

@@ -186,6 +186,30 @@ def test_refine_measures_the_tuned_winners_with_each_value_of_the_named_knobs(tm
     assert con.execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == n
 
 
+def test_a_gluon_study_whose_knob_values_changed_is_a_new_study(tmp_path, monkeypatch):
+    """A study of the Gluon forward started when a knob offered fewer values (ctas_per_sm
+    without 3) is not resumed with the new choices (Optuna refuses a categorical
+    parameter whose choices changed): the new run opens another study, and the old
+    run's rows still answer its trials."""
+    from flashgen.families.gluon.family import GluonFamily
+
+    db = tmp_path / "t.sqlite"
+    base = ["tune", "--preset", "small", "--kernels", "fwd", "--family", "gluon", "--fake-model", "--arch", "sm_90",
+            "--db", db]
+    new_domain = GluonFamily.domain
+
+    def old_domain(self, key):
+        dom = new_domain(self, key)
+        return {**dom, "ctas_per_sm": (0, 2)} if key.spec.kernel == "fwd" else dom
+
+    monkeypatch.setattr(GluonFamily, "domain", old_domain)
+    r = invoke(*base, "--trials", "3")
+    assert r.exit_code == 0, r.output
+    monkeypatch.setattr(GluonFamily, "domain", new_domain)
+    r = invoke(*base, "--trials", "6")
+    assert r.exit_code == 0, r.output
+
+
 def test_refine_names_a_bad_knob(tmp_path):
     r = invoke("tune", "--fake-model", "--arch", "sm_90", "--db", tmp_path / "t.sqlite", "--refine", "warp_count")
     assert r.exit_code == 2 and "--refine" in r.output and "warp_count" in r.output
