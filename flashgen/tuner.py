@@ -611,7 +611,7 @@ def refine_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch, 
         for values in itertools.product(*(vals for _, vals in axes)):
             cfg = dataclasses.replace(best, **dict(zip((k for k, _ in axes), values)))
             if hasattr(fam, "reconcile"):
-                cfg = fam.reconcile(cfg, best, knobs)
+                cfg = fam.reconcile(key, cfg, best, knobs)
             v = Variant(key.spec, cfg)
             if cfg != best and cfg not in cands and not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
                 cands.append(cfg)

@@ -147,6 +147,37 @@ def test_dq_ordered_is_a_knob_of_the_gluon_backward():
     assert GLUON.refine_domain(key("fwd")) == {}
 
 
+def test_reconcile_moves_the_dk_dv_stores_only_where_they_alone_block_a_neighbour():
+    """Refining knobs around a tuned backward row: a neighbour that the TMA stores of dK
+    and dV alone make invalid takes the register stores, the unsplit neighbour of a
+    group-split row takes the TMA stores where they are valid, and nothing moves when
+    kv_store is refined itself or the config is a forward's."""
+    k128 = key("bwd", "bfloat16", 128, shape=Shape(1, 8, 2, 64, 64))
+    kvt = F.tile_config(B.default_config(128, "bfloat16", "causal"))
+    assert kvt.kv_store == 1 and not GLUON.violated_rules(Variant(k128.spec, kvt))
+
+    def rec(cfg, best, knobs, k=k128):
+        return GLUON.reconcile(k, cfg, best, knobs)
+
+    split = dataclasses.replace(kvt, group_split=2)
+    assert rec(split, kvt, ("group_split",)) == dataclasses.replace(split, kv_store=0)
+    atomic = dataclasses.replace(kvt, dq_atomic=1, dq_stage=0)
+    assert rec(atomic, kvt, ("dq_atomic", "dq_stage")) == dataclasses.replace(atomic, kv_store=0)
+    # refined itself: left to the rules
+    assert rec(split, kvt, ("group_split", "kv_store")) == split
+    # the unsplit neighbour of a split row: the TMA stores where valid, else as it was
+    split_ptr = dataclasses.replace(kvt, group_split=2, kv_store=0)
+    unsplit = dataclasses.replace(split_ptr, group_split=0)
+    assert rec(unsplit, split_ptr, ("group_split",)) == kvt
+    split_atomic = dataclasses.replace(split_ptr, dq_atomic=1, dq_stage=0)
+    unsplit_atomic = dataclasses.replace(split_atomic, group_split=0)
+    assert rec(unsplit_atomic, split_atomic, ("group_split",)) == unsplit_atomic
+    assert not GLUON.violated_rules(Variant(k128.spec, unsplit_atomic))
+    # a forward config is never touched
+    fwd = F.tile_config(C.default_config(F.fwd_spec(key("fwd", "bfloat16", 64))))
+    assert rec(fwd, fwd, ("ctas_per_sm",), key("fwd", "bfloat16", 64)) == fwd
+
+
 @pytest.mark.parametrize("d,mask", [(64, "causal"), (128, "none")])
 def test_forward_domain_filtered_by_the_rules_is_the_search_space(d, mask):
     """Every knob combination of the forward's domain that the rules admit is a config of

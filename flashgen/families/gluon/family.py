@@ -238,20 +238,22 @@ class GluonFamily:
         backward's dQ, measured beside the tuned tile it orders)."""
         return {"dq_ordered": (0, 1)} if key.spec.kernel == WHOLE_BWD else {}
 
-    def reconcile(self, config: TileConfig, best: TileConfig, knobs) -> TileConfig:
-        """``config``, a neighbour of the tuned row ``best`` in ``knobs`` (those a
-        refinement varies), with a knob outside ``knobs`` moved where it excludes their
-        values: a group split takes the backward's register stores of dK and dV
-        (``kv_store`` 0; the TMA stores write dK and dV themselves, a split writes
-        partials), so refining ``group_split`` around a ``_kvt`` row measures the splits;
-        and the unsplit neighbour of a split row, whose register stores the split forced,
-        takes the TMA stores (the default), the row the split was refined from."""
-        if "kv_store" in knobs or config.family != "gluon":
+    def reconcile(self, key: ProblemKey, config: TileConfig, best: TileConfig, knobs) -> TileConfig:
+        """``config``, a neighbour of the tuned row ``best`` of ``key`` in ``knobs`` (those a
+        refinement varies), with the backward's ``kv_store`` (when not among ``knobs``)
+        moved where it alone keeps the neighbour from being measured: a group split, atomic
+        dQ at head_dim 128 or split partitions there take the register stores of dK and
+        dV, so refining ``group_split`` or ``dq_atomic`` around a ``_kvt`` row measures
+        them; and the unsplit neighbour of a split row, whose register stores the split
+        forced, takes the TMA stores (the default) where the rules admit them."""
+        if "kv_store" in knobs or config.family != NAME or key.spec.kernel != WHOLE_BWD:
             return config
-        if config.group_split > 1 and config.kv_store:
-            return dataclasses.replace(config, kv_store=0)
         if config.group_split <= 1 < best.group_split and not config.kv_store:
-            return dataclasses.replace(config, kv_store=1)
+            tma = dataclasses.replace(config, kv_store=1)
+            return tma if not self.violated_rules(Variant(key.spec, tma)) else config
+        if config.kv_store and self.violated_rules(Variant(key.spec, config)):
+            ptr = dataclasses.replace(config, kv_store=0)
+            return ptr if not self.violated_rules(Variant(key.spec, ptr)) else config
         return config
 
     def deterministic(self, config: TileConfig) -> bool:
