@@ -49,9 +49,9 @@ SHAPES = [(4, 16, 4096, 128, False), (1, 16, 16384, 128, True), (8, 32, 2048, 64
 #: fields are GluonBwdConfig's in order (block_m, block_n, consumers, stages, dq_mode,
 #: consumer_regs, producer_regs, row_load, producer_warps, split, group_split,
 #: half_partials, dq_stage, kv_store); "full" adds the window and float16 checks.  The first two:
-#: the defaults of both head dims (the dQ tile in fragment order).
-CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment"), 128, True),
-           ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment"), 64, True),
+#: the defaults of both head dims (the dQ tile in fragment order, dK and dV by TMA stores).
+CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, True),
+           ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment", "tma"), 64, True),
            ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, True), 128, True),
            ((64, 64, 2, 2, "tma", 240, 24, "tma"), 128, True),
            ((64, 64, 2, 2, "tma", 240, 24, "producer", 1, True), 128, False),

@@ -96,7 +96,7 @@ class GluonFwdConfig:
                    and the shared memory of a program are the SM's divided by it (two
                    or three one-consumer programs overlap one's prologue and epilogue
                    with the others' matrix work; three leave a consumer 136 registers,
-                   which only BLOCK_N 64 at head_dim 64 fits).
+                   which only BLOCK_N 64 with head_dim_v 64 fits).
     """
 
     BLOCK_M: int = 64
