@@ -15,8 +15,8 @@ Optuna journal file next to the DB, so an interrupted run resumes where it stopp
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import dataclasses
+import hashlib
 import os
 import re
 import signal
