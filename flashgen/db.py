@@ -177,6 +177,16 @@ def row_count(path: Path) -> int:
         return -1
 
 
+def _from_newer_version(r: dict) -> bool:
+    """Whether row ``r`` names a config this version cannot rebuild from the columns it
+    knows (its ``variant_id`` differs from the id of those columns): a flashgen with more
+    knobs wrote it, and serving it would run another config under its timing."""
+    try:
+        return Variant(ProblemKey.from_row(r).spec, TileConfig.from_dict(r)).id != r["variant_id"]
+    except (KeyError, TypeError, ValueError):
+        return True
+
+
 def _row_problem(r) -> str | None:
     """Why ``r`` is not a measurement row of flashgen's (None: it is one)."""
     if not isinstance(r, dict):
@@ -556,19 +566,34 @@ class TuningDB:
         given; with ``versions=False``, the rows of ``env``'s GPU and code measured under
         another Triton version), by key, in one query; and the best bitwise-repeatable
         one beside it where the key has rows of both (``dq_ordered``: what the
-        deterministic backward runs)."""
+        deterministic backward runs).  A row whose ``variant_id`` this version cannot
+        rebuild from its columns was written by a flashgen with more knobs
+        (:func:`_from_newer_version`): the next fastest row of its group is taken."""
         where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions)
         where.append("[median_ms] IS NOT NULL")
-        part = ", ".join(f"[{c}]" for c in ("key", *_ENV_GROUP))
-        if "dq_ordered" in self._t.columns_dict:
+        cols = ("key", *_ENV_GROUP)
+        part = ", ".join(f"[{c}]" for c in cols)
+        ordered = "dq_ordered" in self._t.columns_dict
+        if ordered:
             part += ", COALESCE([dq_ordered], 0)"
-        sql = (f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY {part} "
-               f"ORDER BY [median_ms], [id]) AS _rank FROM {TABLE} WHERE {' AND '.join(where)}) "
-               f"WHERE _rank = 1 ORDER BY [key], [gpu_name], [id]")
-        out = []
-        for r in self.db.query(sql, params):
+        ranked = (f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY {part} "
+                  f"ORDER BY [median_ms], [id]) AS _rank FROM {TABLE} WHERE {' AND '.join(where)})")
+
+        def partition(r):
+            return (*(r[c] for c in cols), (r.get("dq_ordered") or 0) if ordered else 0)
+
+        out, newer = [], set()
+        for r in self.db.query(f"{ranked} WHERE _rank = 1 ORDER BY [key], [gpu_name], [id]", params):
             r.pop("_rank")
-            out.append(r)
+            (newer.add(partition(r)) if _from_newer_version(r) else out.append(r))
+        if newer:
+            # the fastest row of each such group that this version can read
+            for r in self.db.query(f"{ranked} WHERE _rank > 1 ORDER BY _rank", params):
+                if partition(r) in newer and not _from_newer_version(r):
+                    newer.discard(partition(r))
+                    r.pop("_rank")
+                    out.append(r)
+            out.sort(key=lambda r: (r["key"], r["gpu_name"], r["id"]))
         return out
 
     def best_configs(self, env: Environment, versions: bool = True) -> dict[str, tuple[TileConfig, dict]]:

@@ -111,6 +111,28 @@ def test_best_configs_one_per_key(db):
     assert [r["key"] for r in db.best_rows(key_contains="q1024")] == [key2.id]
 
 
+def test_a_row_a_newer_version_wrote_with_a_knob_this_one_lacks_is_not_served(tmp_path):
+    """A newer flashgen adds a knob column and writes the fastest row with it set: this
+    version cannot rebuild that row's variant_id from the columns it knows, so the best
+    row it serves for the key is the fastest one it can read (not the newer row's
+    timing under another config)."""
+    path = tmp_path / "t.sqlite"
+    with TuningDB(path) as d:
+        rec(d, C1, 3.0)
+        rec(d, C2, 2.0)
+        newer = rec(d, C3, 1.0)
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE measurements ADD COLUMN [future_knob] INTEGER")
+    vid = con.execute("SELECT variant_id FROM measurements WHERE id = ?", (newer,)).fetchone()[0]
+    con.execute("UPDATE measurements SET future_knob = 1, variant_id = ? WHERE id = ?", (vid + "_fut", newer))
+    con.commit()
+    con.close()
+    with TuningDB(path) as d:
+        best = d.best_configs(ENV)
+        assert best[KEY.id][0] == C2 and best[KEY.id][1]["median_ms"] == 2.0
+        assert [r["id"] for r in d.best_rows(ENV)] == [best[KEY.id][1]["id"]]
+
+
 def test_lookup_prefers_ok_and_respects_env(db):
     vid = Variant(SPEC, C1).id
     assert db.lookup(KEY, vid, ENV) is None
