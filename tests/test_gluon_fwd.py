@@ -171,7 +171,8 @@ for dt, d, dv, mask, kw, *sinks in CASES:
     r = report(compile_sm90(v))
     print("OK " + json.dumps(dict(id=v.id, problems=r.problems(v), spill=r.spill_bytes, shared=r.shared_bytes,
                                   model=smem_bytes(v.spec, v.config), setmaxnreg=r.setmaxnreg, hgmma=r.hgmma,
-                                  exps=r.exps_between_waits, pin=v.config.pin_exps, block_n=v.config.BLOCK_N)))
+                                  exps=r.exps_between_waits, pin=v.config.pin_exps, block_n=v.config.BLOCK_N,
+                                  regs=[v.config.consumer_regs, v.config.producer_regs])))
 '''
 
 
@@ -189,6 +190,8 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
         assert row["spill"] == known, row
         assert [p for p in row["problems"] if not (known and p.startswith("spills "))] == [], row
         assert row["hgmma"] > 0 and row["setmaxnreg"], row
+        # the consumers' and the producer's budgets are set (setmaxnreg in the SASS)
+        assert set(row["regs"]) <= set(row["setmaxnreg"]), row
         assert row["shared"] <= row["model"] <= row["shared"] + 2048, row
         if row["pin"]:
             # one tile's P (64 x BLOCK_N / 128 threads) between the waits

@@ -145,7 +145,8 @@ def report(kernel) -> Report:
         shared_bytes=kernel.metadata.shared,
         hgmma=sass.count("HGMMA."),
         setmaxnreg=sorted({int(x, 16) if x.startswith("0x") else int(x)
-                           for x in re.findall(r"USETMAXREG\.\w+(?:\.\w+)?\s+(0x[0-9a-f]+|\d+)", sass)}),
+                           # USETMAXREG.DEALLOC.CTAPOOL 0x18 / USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0
+                           for x in re.findall(r"USETMAXREG(?:\.\w+)+\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+|\d+)", sass)}),
         partial_waits=len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]", ptx)),
         exps_between_waits=_exps_between_waits(sass),
         sass=sass,
