@@ -177,12 +177,18 @@ def row_count(path: Path) -> int:
         return -1
 
 
+def _columns_variant_id(r: dict, key: ProblemKey | None = None, cfg: TileConfig | None = None) -> str:
+    """The variant id of row ``r``'s kernel and config columns (those this version knows;
+    ``key`` and ``cfg``: the row's, when the caller has built them)."""
+    return Variant((key or ProblemKey.from_row(r)).spec, cfg or TileConfig.from_dict(r)).id
+
+
 def _from_newer_version(r: dict) -> bool:
     """Whether row ``r`` names a config this version cannot rebuild from the columns it
     knows (its ``variant_id`` differs from the id of those columns): a flashgen with more
     knobs wrote it, and serving it would run another config under its timing."""
     try:
-        return Variant(ProblemKey.from_row(r).spec, TileConfig.from_dict(r)).id != r["variant_id"]
+        return _columns_variant_id(r) != r["variant_id"]
     except (KeyError, TypeError, ValueError):
         return True
 
@@ -210,8 +216,9 @@ def _row_problem(r) -> str | None:
     if min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages) < 1 or cfg.tma not in (0, 1) \
             or cfg.ws not in (0, 1) or cfg.num_splits < 0:
         return f"config {cfg.id} has a knob out of range"
-    if Variant(key.spec, cfg).id != r["variant_id"]:
-        return f"variant_id {r['variant_id']!r} disagrees with its columns ({Variant(key.spec, cfg).id})"
+    rebuilt = _columns_variant_id(r, key, cfg)
+    if rebuilt != r["variant_id"]:
+        return f"variant_id {r['variant_id']!r} disagrees with its columns ({rebuilt})"
     for col in ("gpu_name", "template_hash", "triton_version"):
         if not (isinstance(r[col], str) and r[col]):
             return f"{col} must name what the row was measured with, got {r[col]!r}"
@@ -585,7 +592,10 @@ class TuningDB:
         out, newer = [], set()
         for r in self.db.query(f"{ranked} WHERE _rank = 1 ORDER BY [key], [gpu_name], [id]", params):
             r.pop("_rank")
-            (newer.add(partition(r)) if _from_newer_version(r) else out.append(r))
+            if _from_newer_version(r):
+                newer.add(partition(r))
+            else:
+                out.append(r)
         if newer:
             # the fastest row of each such group that this version can read
             for r in self.db.query(f"{ranked} WHERE _rank > 1 ORDER BY _rank", params):
