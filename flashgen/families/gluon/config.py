@@ -34,6 +34,8 @@ SMEM_LIMIT_BYTES = 232448
 #: Shared memory of one SM, and what the driver reserves per resident block.
 SMEM_PER_SM_BYTES = 233472
 SMEM_RESERVED_PER_CTA_BYTES = 1024
+#: Programs resident per SM a config may ask for (``ctas_per_sm``).
+CTAS_PER_SM = (1, 2, 3)
 WARPGROUP_THREADS = 128
 #: Registers a consumer thread needs beyond its tiles (indices, row vectors, barriers,
 #: addresses), and more for the mask arithmetic of masked modes; calibrated against
@@ -275,7 +277,7 @@ def check(v: GluonFwdVariant) -> list[str]:
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
-    if c.ctas_per_sm not in (1, 2, 3):
+    if c.ctas_per_sm not in CTAS_PER_SM:
         why.append(f"ctas_per_sm={c.ctas_per_sm}: 1, 2 or 3 programs per SM")
     if not 2 <= c.num_stages <= 8:
         why.append(f"num_stages={c.num_stages}: 2..8 ring slots")
@@ -345,7 +347,7 @@ def space(s: GluonFwdSpec):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
     :func:`check`)."""
     for nc, bn, stages, pin, pers, ctas in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True),
-                                                             (0, 1, 2, 3), (1, 2, 3)):
+                                                             (0, 1, 2, 3), CTAS_PER_SM):
         cr, pr = default_regs(nc, ctas)
         cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
                              pin_exps=pin, persistent=pers, ctas_per_sm=ctas)

@@ -115,7 +115,7 @@ def fwd_config(c: TileConfig) -> C.GluonFwdConfig:
     """The Gluon forward config a TileConfig names (memoized: the launcher's hot path)."""
     nc, ctas = c.num_warps // 4, c.ctas_per_sm or 1
     cr, pr = (c.consumer_regs, c.producer_regs) if c.consumer_regs or c.producer_regs else \
-        C.default_regs(nc, ctas) if nc in (1, 2, 3) and ctas in (1, 2, 3) else (0, 0)
+        C.default_regs(nc, ctas) if nc in (1, 2, 3) and ctas in C.CTAS_PER_SM else (0, 0)
     return C.GluonFwdConfig(BLOCK_M=c.BLOCK_M, num_consumers=nc, BLOCK_N=c.BLOCK_N, num_stages=c.num_stages,
                             consumer_regs=cr, producer_regs=pr, pin_exps=bool(c.pin),
                             persistent=int(c.persistent), ctas_per_sm=ctas)
@@ -222,7 +222,7 @@ class GluonFamily:
         was)."""
         if key.spec.kernel == "fwd":
             return {"BLOCK_M": (64,), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12), "num_stages": (2, 3, 4, 5, 6),
-                    "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": (0, 2, 3)}
+                    "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM)}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
                "kv_store": (0, 1)}
@@ -286,7 +286,7 @@ class GluonFamily:
         s = v.spec
         if s.kernel == "fwd":
             g = fwd_config(v.config)
-            limit = min(arch.smem_per_block_optin, C.smem_limit(g)) if g.ctas_per_sm in (1, 2, 3) else \
+            limit = min(arch.smem_per_block_optin, C.smem_limit(g)) if g.ctas_per_sm in C.CTAS_PER_SM else \
                 arch.smem_per_block_optin
             note = f"{g.ctas_per_sm} programs per SM" if g.ctas_per_sm in (2, 3) else ""
             return SmemEstimate(C.smem_terms(fwd_spec(s), g), limit, note)
