@@ -80,6 +80,19 @@ class Plan:
             args = list(template)
             for pos, slot in tensors:
                 args[pos] = slots[slot]
+            if kernel is None:  # a direct stage (_direct_stage): gx is the raw launcher, descs its tensor maps
+                args[3] = stream
+                for pos, slot, fill, fill_args, cache in descs:
+                    ptr = slots[slot].data_ptr()
+                    tmap = cache.get(ptr)
+                    if tmap is None:
+                        tmap = fill(ptr, *fill_args)
+                        if len(cache) >= TMAP_CACHE_MAX:
+                            cache.clear()
+                        cache[ptr] = tmap
+                    args[pos] = tmap
+                gx(*args)
+                continue
             for pos, slot, cls, fields in descs:
                 d = new(cls)
                 dd = d.__dict__
@@ -129,8 +142,125 @@ def build(rec: Recorder, inputs: tuple, buffers: dict, zeroed: tuple = ()) -> Pl
             else:
                 template[pos] = a
         g = tuple(grid) + (1, 1)
-        stages.append((kernel, g[0], g[1], g[2], tuple(template), tuple(tensors), tuple(descs)))
+        stage = _direct_stage(kernel, g[:3], args, template, tensors, descs) if DIRECT else None
+        stages.append(stage or (kernel, g[0], g[1], g[2], tuple(template), tuple(tensors), tuple(descs)))
     return Plan(tuple(specs), tuple(stages))
+
+
+#: Whether :func:`build` makes direct stages (:func:`_direct_stage`) where it can.
+DIRECT = os.environ.get("FLASHGEN_DIRECT_STAGES", "1") != "0"
+#: Tensor maps kept per descriptor argument of a direct stage, by base address.
+TMAP_CACHE_MAX = 64
+
+
+def _direct_stage(kernel, grid, args, template, tensors, descs):
+    """A stage that calls the kept kernel's raw launcher itself, or None where this
+    Triton's launcher is not the one this was written against (the stage then goes
+    through ``kernel.run``).
+
+    Triton 3.6's ``CudaLauncher.__call__`` allocates the scratch buffers (none for these
+    kernels) and calls a Python wrapper that, for every tensor-descriptor argument,
+    encodes a CUDA tensor map (``make_tensordesc_arg``: ``cuTensorMapEncodeTiled``
+    through ``fill_tma_descriptor``) before the C launcher.  Within one plan a
+    descriptor's shape, strides, block and swizzle are fixed (the key holds them), so
+    its tensor map depends on the base address alone: a direct stage encodes it once per
+    address (``TMAP_CACHE_MAX`` kept per argument) and passes the launcher the arguments
+    the wrapper would pass.  What the wrapper passes is taken from the wrapper's own
+    code at recording: each descriptor is expanded by Triton's ``make_tensordesc_arg``
+    with its encoder watched, so the tensor map's arguments are the ones Triton gave.
+    The stage tuple: (None, raw launcher, None, None, arguments with None in the
+    places of the tensors and the tensor maps and of the stream at 3, tensor places,
+    ((place, slot, encoder, encoder arguments after the address, cache), ...))."""
+    import sys
+
+    run = getattr(kernel, "run", None)
+    cls = type(run)
+    drv = sys.modules.get(cls.__module__)
+    if (cls.__name__ != "CudaLauncher" or drv is None or getattr(drv, "_BASE_ARGS_FORMAT_LEN", None) != 13
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
+        return None
+    wrapped = run.launch
+    code = getattr(wrapped, "__code__", None)
+    if code is None:  # no descriptor argument: the launcher is the C function itself
+        raw, indices, metas = wrapped, set(), []
+    else:
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in (wrapped.__closure__ or ()))))
+        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} \
+                or wrapped.__globals__.get("make_tensordesc_arg") is not getattr(drv, "make_tensordesc_arg", None):
+            return None
+        raw, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+    if len(indices) != len(descs) or (indices and sorted(indices) != [pos for pos, *_ in descs]):
+        return None
+    slot_at = dict(tensors)
+    slot_of_desc = {pos: slot for pos, slot, _, _ in descs}
+    # the 13 base arguments (grid, stream, function, cooperative, PDL, the two scratch
+    # buffers, packed metadata, launch metadata, the two hooks); the stream per call
+    out = [grid[0], grid[1], grid[2], None, kernel.function, run.launch_cooperative_grid, run.launch_pdl,
+           None, None, kernel.packed_metadata, None, None, None]
+    places, maps = [], []
+    meta_i = 0
+    for pos, a in enumerate(args):
+        if pos not in indices:
+            if pos in slot_at:
+                places.append((len(out), slot_at[pos]))
+            out.append(template[pos])
+            continue
+        parts = _expand(drv, a, metas[meta_i])
+        meta_i += 1
+        if parts is None:
+            return None
+        for part in parts:
+            if part is a.base:
+                places.append((len(out), slot_of_desc[pos]))
+                out.append(None)
+            elif isinstance(part, tuple) and len(part) == 3 and part[0] is _MAP:
+                maps.append((len(out), slot_of_desc[pos], part[1], part[2], {}))
+                out.append(None)
+            else:
+                out.append(part)
+    return (None, raw, None, None, tuple(out), tuple(places), tuple(maps))
+
+
+_MAP = object()
+
+
+def _expand(drv, desc, meta):
+    """The arguments Triton's ``make_tensordesc_arg`` gives for ``desc``, with each
+    tensor map it encodes replaced by (_MAP, encoder, its arguments after the
+    address); None when an encoding did not take ``desc``'s base address first, or the
+    encoder is not where this reads it."""
+    import triton
+
+    utils = triton.runtime.driver.active.utils
+    real = getattr(utils, "fill_tma_descriptor", None)
+    if real is None:
+        return None
+    seen = []
+
+    def watch(*a):
+        m = real(*a)
+        seen.append((m, a))
+        return m
+
+    utils.fill_tma_descriptor = watch
+    try:
+        parts = list(drv.make_tensordesc_arg(desc, meta))
+    finally:
+        utils.fill_tma_descriptor = real
+    ptr = desc.base.data_ptr()
+    out = []
+    for part in parts:
+        hit = next((a for m, a in seen if m is part), None)
+        if hit is not None:
+            if hit[0] != ptr:
+                return None
+            out.append((_MAP, real, tuple(hit[1:])))
+        else:
+            out.append(part)
+    if len(seen) != sum(1 for p in out if isinstance(p, tuple) and len(p) == 3 and p[0] is _MAP):
+        return None
+    return out
 
 
 def usable() -> bool:

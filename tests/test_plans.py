@@ -302,3 +302,127 @@ def test_a_full_table_records_no_new_key(fake_gpu, monkeypatch):
     # 64 and 80 recorded; 96 never (its second call launches again); 64 replays
     assert [how for how, *_ in fake_gpu] == ["launch", "launch", "launch", "launch", "replay"]
     assert len(T._FWD_PLANS) == 2
+
+
+# -- direct stages: the raw launcher called with what Triton's own wrapper passes ------
+
+def _nvidia_driver():
+    try:
+        from triton.backends.nvidia import driver as drv
+    except Exception:  # noqa: BLE001 - no nvidia backend in this Triton
+        return None
+    return drv
+
+
+class _FakeUtils:
+    """Triton's ``CudaUtils`` as the launch path uses it: ``fill_tma_descriptor`` returns
+    a tensor map recording its arguments (a new object per call), and counts calls."""
+
+    def __init__(self):
+        self.fills = 0
+
+    def fill_tma_descriptor(self, ptr, *rest):
+        self.fills += 1
+        return ("tensor map", ptr, *[tuple(x) if isinstance(x, list) else x for x in rest])
+
+
+@pytest.fixture
+def nvidia_launcher(monkeypatch):
+    """(make_kernel(signature, metas, raw), utils): a kept kernel whose ``run`` is Triton
+    3.6's real ``CudaLauncher`` (built without compiling) around a fake C launcher, on a
+    fake active driver."""
+    import triton
+
+    drv = _nvidia_driver()
+    if drv is None or getattr(drv, "_BASE_ARGS_FORMAT_LEN", None) != 13 or not hasattr(drv, "wrap_handle_tensordesc"):
+        pytest.skip("this Triton's launcher is not the one direct stages are written against (they stay off)")
+    utils = _FakeUtils()
+
+    class FakeDriver:
+        pass
+
+    fake = FakeDriver()
+    fake.utils = utils
+    monkeypatch.setattr(triton.runtime.driver, "_active", fake)
+    monkeypatch.setattr(fastlaunch, "_device_and_stream", lambda: (0, 99))
+    monkeypatch.setattr(fastlaunch, "ensure_context", lambda dev: None)
+
+    def make_kernel(signature, metas, raw):
+        run = object.__new__(drv.CudaLauncher)
+        run.launch = drv.wrap_handle_tensordesc(raw, signature, metas)
+        run.num_ctas = 1
+        run.global_scratch_size = run.profile_scratch_size = 0
+        run.global_scratch_align = run.profile_scratch_align = 1
+        run.launch_cooperative_grid = False
+        run.launch_pdl = False
+
+        class Kernel:
+            pass
+
+        k = Kernel()
+        k.run, k.function, k.packed_metadata = run, 1234, ("packed",)
+        return k
+
+    return make_kernel, utils
+
+
+@pytest.mark.parametrize("with_meta", [True, False])
+def test_a_direct_stage_passes_the_raw_launcher_what_tritons_wrapper_does(nvidia_launcher, with_meta):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    make_kernel, utils = nvidia_launcher
+    calls = []
+    raw = lambda *a: calls.append(a)  # noqa: E731
+    sig = {0: "tensordesc<bf16[64, 128]>", 1: "*fp32", 2: "tensordesc<bf16[64, 128]>", 3: "fp32", 4: "i32",
+           5: "constexpr"}
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 128], "fp4_padded": False}
+    kernel = make_kernel(sig, [meta, dict(meta, swizzle=2)] if with_meta else None, raw)
+
+    def args_for(q, out, lse):
+        return (TensorDescriptor(q, list(q.shape), list(q.stride()), [64, 128]), lse,
+                TensorDescriptor(out, list(out.shape), list(out.stride()), [64, 128]), 0.5, 7, 64)
+
+    q = torch.randn(256, 128).to(torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(256)
+    rec = plans.Recorder()
+    rec.add(kernel, (4, 2), args_for(q, out, lse))
+    plan = plans.build(rec, (q,), {"out": out, "lse": lse})
+    assert plan is not None and plan.stages[0][0] is None  # direct
+    fills = utils.fills
+    for _ in range(3):
+        q2 = torch.randn(256, 128).to(torch.bfloat16)
+        calls.clear()
+        bufs = plan.run((q2,))
+        direct = calls[-1]
+        calls.clear()
+        kernel.run(4, 2, 1, 99, kernel.function, kernel.packed_metadata, None, None, None,
+                   *args_for(q2, bufs["out"], bufs["lse"]))
+        own = calls[-1]
+        assert len(direct) == len(own)
+        for a, b in zip(direct, own):
+            assert a is b if isinstance(b, torch.Tensor) else a == b, (a, b)
+    if with_meta:
+        # the first replay encodes its addresses; a later one with an address seen before does not
+        before = utils.fills
+        kept = torch.randn(256, 128).to(torch.bfloat16)
+        plan.run((kept,))
+        plan.run((kept,))
+        assert utils.fills - before <= 2 * 2 - 1
+        assert utils.fills > fills
+
+
+def test_a_stage_stays_on_kernel_run_when_the_launcher_is_not_recognised(nvidia_launcher, monkeypatch):
+    make_kernel, _ = nvidia_launcher
+    calls = []
+    kernel = make_kernel({0: "*fp32", 1: "i32"}, None, lambda *a: calls.append(a))
+    t = torch.zeros(16)
+    for change in ("scratch", "off"):
+        rec = plans.Recorder()
+        rec.add(kernel, (1,), (t, 3))
+        if change == "scratch":
+            kernel.run.global_scratch_size = 64
+        else:
+            kernel.run.global_scratch_size = 0
+            monkeypatch.setattr(plans, "DIRECT", False)
+        plan = plans.build(rec, (t,), {})
+        assert plan.stages[0][0] is kernel
