@@ -41,11 +41,48 @@ _KERNELS: dict = {}
 _CONSTEXPR: dict = {}
 
 
+def _env_reader():
+    """A function (name -> the variable's value, None when unset) that reads ``os.environ``
+    as ``os.environ.get`` does, without encoding the name and decoding the value on
+    every call: CPython's ``os.environ`` keeps the encoded variables in ``_data``, which
+    its ``__setitem__`` and ``__delitem__`` (and so ``monkeypatch.setenv``) update.
+    ``os.environ.get`` itself where that is not so."""
+    env = os.environ
+    data, enc = getattr(env, "_data", None), getattr(env, "encodekey", None)
+    dec = getattr(env, "decodevalue", None)
+    if not isinstance(data, dict) or enc is None or dec is None:
+        return env.get
+    keys: dict = {}
+
+    def get(name):
+        key = keys.get(name)
+        if key is None:
+            key = keys[name] = enc(name)
+        value = data.get(key)
+        return None if value is None else dec(value)
+
+    return get
+
+
+#: ``os.environ``'s value of a variable, None when unset (:func:`_env_reader`): the launch
+#: paths read their switches on every call.
+env = _env_reader()
+
+
+def off(name: str) -> bool:
+    """Whether the switch ``name`` (default on) is set to "0"."""
+    return env(name) == "0"
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET`` set, not "0")."""
+    return env("TRITON_INTERPRET") not in (None, "", "0")
+
+
 def enabled() -> bool:
     """Whether :func:`launch` may bypass ``JITFunction.run`` (``FLASHGEN_FAST_LAUNCH``,
     default on; never under Triton's interpreter)."""
-    return (os.environ.get("FLASHGEN_FAST_LAUNCH", "1") != "0"
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+    return not off("FLASHGEN_FAST_LAUNCH") and not interpreting()
 
 
 def _signature(args, constexpr) -> tuple:
@@ -129,20 +166,30 @@ def ensure_context(dev: int) -> None:
     seen.add(dev)
 
 
+_DRIVER: list = []
+
+
+def _driver():
+    """Triton's active driver (the import kept: an import statement costs about a
+    microsecond per call)."""
+    if not _DRIVER:
+        from triton.runtime.driver import driver
+
+        _DRIVER.append(driver)
+    return _DRIVER[0].active
+
+
 def _current_device() -> int:
     """The current device index, as ``JITFunction.run`` takes it."""
-    from triton.runtime.driver import driver
-
-    return driver.active.get_current_device()
+    return _driver().get_current_device()
 
 
 def _device_and_stream():
     """(current device index, its current raw CUDA stream), as ``JITFunction.run``
     takes them."""
-    from triton.runtime.driver import driver
-
-    dev = driver.active.get_current_device()
-    return dev, driver.active.get_current_stream(dev)
+    drv = _driver()
+    dev = drv.get_current_device()
+    return dev, drv.get_current_stream(dev)
 
 
 def launch(fn, grid: tuple, args: tuple, **options):
@@ -158,7 +205,7 @@ def launch(fn, grid: tuple, args: tuple, **options):
         params = getattr(fn, "params", None)
         constexpr = tuple(p.is_constexpr for p in params) if params is not None else ()
         _CONSTEXPR[fn] = constexpr
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         return fn[grid](*args, **options)
     dev, stream = _device_and_stream()
     ensure_context(dev)

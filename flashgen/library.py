@@ -37,13 +37,12 @@ attention) as scale 1 with q = 0 (dQ = 0).
 """
 
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import dispatch, families, ops, reference
+from . import dispatch, families, fastlaunch, ops, reference
 from .spec import KernelSpec, ProblemKey, Variant, is_user_mods
 
 
@@ -53,7 +52,7 @@ FAST_TABLE_MAX = 4096
 
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET`` set, not 0)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return fastlaunch.interpreting()
 
 
 def use_kernels(q: Tensor) -> bool:

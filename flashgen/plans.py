@@ -267,9 +267,7 @@ def usable() -> bool:
     """Whether plans may be recorded and replayed now: the direct launch is on
     (:func:`flashgen.fastlaunch.enabled`), ``FLASHGEN_LAUNCH_PLANS`` is not "0", and no
     launch hook (a profiler's) is installed."""
-    env = os.environ
-    if env.get("FLASHGEN_LAUNCH_PLANS", "1") == "0" or env.get("FLASHGEN_FAST_LAUNCH", "1") == "0" \
-            or env.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if fastlaunch.off("FLASHGEN_LAUNCH_PLANS") or not fastlaunch.enabled():
         return False
     if not _KNOBS:
         from triton import knobs

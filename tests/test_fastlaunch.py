@@ -2,6 +2,7 @@
 through the kept kernel or through Triton's own ``fn[grid]`` (fakes for the kernel and
 the device; the real launches are the GPU benchmarks')."""
 
+import os
 import types
 
 import pytest
@@ -172,3 +173,20 @@ def test_every_launch_makes_sure_of_the_context_first(gpu, monkeypatch):
     monkeypatch.setenv("FLASHGEN_FAST_LAUNCH", "0")
     fastlaunch.launch(fn, (1,), (torch.zeros(8),))
     assert seen == [0, 0, 0]
+
+
+@pytest.mark.parametrize("name", ["FLASHGEN_FAST_LAUNCH", "FLASHGEN_LAUNCH_PLANS", "TRITON_INTERPRET"])
+def test_the_switches_read_os_environ_as_it_is_now(monkeypatch, name):
+    """The launch paths read their switches through fastlaunch.env, which must see every
+    change made through os.environ (monkeypatch.setenv, del), as os.environ.get does."""
+    for value in ("0", "1", "", "yes"):
+        monkeypatch.setenv(name, value)
+        assert fastlaunch.env(name) == os.environ.get(name) == value
+        assert fastlaunch.off(name) is (value == "0")
+    monkeypatch.delenv(name)
+    assert fastlaunch.env(name) is None and not fastlaunch.off(name)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fastlaunch.interpreting() and not fastlaunch.enabled()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("FLASHGEN_FAST_LAUNCH", "0")
+    assert not fastlaunch.interpreting() and not fastlaunch.enabled()
