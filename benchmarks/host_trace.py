@@ -3,7 +3,8 @@
 ``launch_cost.py`` times whole paths from the calling thread; autograd runs a CUDA
 backward node in its own device thread, which a profiler attached to the calling thread
 does not see.  This script wraps flashgen's own functions on the path (the autograd
-Function's forward and backward, ``library.forward`` / ``backward``, each family's
+Function's forward and backward, the recipes of :mod:`flashgen.hot`,
+``library.forward`` / ``backward``, each family's
 launcher, the launch plans' replay, the kept kernels' launchers, Triton's tensor-map
 encoder) with timers that add up per thread, runs forward+backward loops, and prints
 per piece the microseconds per forward+backward and the thread it ran in.  The wrappers
@@ -12,8 +13,8 @@ cost about a microsecond each, so the totals are printed without them too.
 Per shape (``B,H,HKV,S,D[,causal]``, bf16): wall time per forward+backward (host clock,
 synchronized per loop, best of 5 loops) with the backward in autograd's device thread
 and in the calling thread (``torch.autograd.set_multithreading_enabled(False)``), with
-the plans' direct stages on and off (``flashgen.plans.DIRECT``), SDPA cuDNN's, then the
-per-piece table.
+recipes (``flashgen.hot``) on and off and the plans' direct stages on and off
+(``flashgen.plans.DIRECT``), SDPA cuDNN's, then the per-piece table.
 
 Usage (repository root, on a CUDA GPU):
     python3 benchmarks/host_trace.py [--shape B,H,HKV,S,D[,causal]]... [--calls N] [--out FILE.json]
@@ -56,7 +57,7 @@ def _install():
     """Wrap the pieces; returns a function that removes the wrappers."""
     import triton
 
-    from flashgen import library, plans
+    from flashgen import hot, library, plans
     from flashgen.families.gluon import bwd as gbwd
     from flashgen.families.gluon import family as gfam
     from flashgen.families.gluon import launch as gfwd
@@ -74,6 +75,9 @@ def _install():
     library.EagerAttention.backward = staticmethod(_timed("EagerAttention.backward", bwd_static))
     undo += [(library.EagerAttention, "forward", staticmethod(fwd_static)),
              (library.EagerAttention, "backward", staticmethod(bwd_static))]
+    patch(hot.Calls, "forward", "hot.Calls.forward")
+    patch(hot.Calls, "backward", "hot.Calls.backward")
+    patch(hot.Recipe, "run", "hot.Recipe.run")
     patch(library, "forward", "library.forward")
     patch(library, "backward", "library.backward")
     patch(library, "kernel_for", "library.kernel_for")
@@ -117,16 +121,17 @@ def main() -> int:
         print("no CUDA device", file=sys.stderr)
         return 2
     import flashgen
-    from flashgen import plans
+    from flashgen import dispatch, hot, plans
     from flashgen.families.gluon import bwd as gbwd
     from flashgen.families.gluon import launch as gfwd
     from flashgen.families.triton import launch as tl
     from host_cost import per_call_us
     from profile_call import inputs
 
-    def clear_plans():
+    def clear_plans():  # and the recipes, which hold plans
         for t in (gbwd._PLANS, gfwd._PLANS, tl._FWD_PLANS, tl._DQ_PLANS, tl._DKDV_PLANS):
             t.clear()
+        dispatch.default_dispatcher().fast.clear()
 
     out = {"shapes": {}}
     for spec in args.shape or SHAPES:
@@ -149,15 +154,17 @@ def main() -> int:
                                                                  enable_gqa=hk != h).backward(do)
 
         row = {}
-        for direct in (True, False, True):
-            plans.DIRECT = direct
+        for direct, recipes in ((True, True), (True, False), (False, False), (True, True)):
+            plans.DIRECT, hot.ENABLED = direct, recipes
             clear_plans()
-            tag = "direct" if direct else "kernel.run"
+            tag = ("recipes" if recipes else "plans") + (", direct" if direct else ", kernel.run")
             for label, fn in ((f"fwd+bwd, {tag}", fb), (f"fwd+bwd calling thread, {tag}", fb_thread),
                               (f"fwd with grad, {tag}", fwd_grad)):
                 fn()
+                fn()
                 us = per_call_us(fn, n=args.calls)
                 row[label] = min(us, row.get(label, us))
+        hot.ENABLED = True
         plans.DIRECT = True
         row["SDPA cuDNN fwd+bwd"] = per_call_us(cudnn, n=args.calls)
         q.grad = k.grad = v.grad = None

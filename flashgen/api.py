@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from . import dispatch, dropout, families, library, ops
+from . import dispatch, dropout, families, hot, library, ops
 from .errors import InputError
 from .masks import mask_bounds
 from .spec import KernelSpec, ProblemKey
@@ -171,8 +171,10 @@ def _prepare_memo(q, k, v, causal, window, softmax_scale, align):
 
 def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
     """The fast-path entry of a checked call: (mask, lo, hi, default scale, config,
-    module, CUDA device index); config and module only where kernels run."""
-    cfg = mod = dev = None
+    module, CUDA device index, :class:`flashgen.hot.Calls`); config, module and the
+    calls' recipes only where kernels run, the recipes only for 16-byte aligned q, k,
+    v (the key's alignment bits 0)."""
+    cfg = mod = dev = calls = None
     capturing = False
     if kernel_path and not library.is_empty(q, k):
         if q.is_cuda:
@@ -183,7 +185,9 @@ def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
         else:
             capturing = dispatch.graph_capturing()
             cfg, mod = library.kernel_for("fwd", q, k, v, mask)
-    entry = (mask, lo, hi, q.shape[3] ** -0.5, cfg, mod, dev)
+        if ekey[12] == 0:
+            calls = hot.Calls(dev if dev is not None else -1)
+    entry = (mask, lo, hi, q.shape[3] ** -0.5, cfg, mod, dev, calls)
     if not capturing:
         if len(disp.fast) >= library.FAST_TABLE_MAX:
             disp.fast.clear()
@@ -211,18 +215,18 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align, det
         kernel_path = library.use_kernels(q)
         ekey, entry = _fast_lookup(disp, q, k, v, causal, window, align, kernel_path)
     if entry is not None and _fast_scale(softmax_scale):
-        mask, lo, hi, default, cfg, mod, dev = entry
+        mask, lo, hi, default, cfg, mod, dev, calls = entry
         scale = default if softmax_scale is None else softmax_scale
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     else:
         q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
-        cfg = mod = dev = None
+        cfg = mod = dev = calls = None
         if ekey is not None:
-            _, _, _, _, cfg, mod, dev = _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path)
+            _, _, _, _, cfg, mod, dev, calls = _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path)
     if not plain or _dispatch_modes():  # plain excludes functorch transforms
         o, lse = library.FWD(q, k, v, scale, mask, lo, hi, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, None, deterministic)
+        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, None, deterministic, calls)
     elif mod is not None and scale > 0:
         # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
         launch = families.launcher(cfg.family, "fwd")

@@ -285,16 +285,19 @@ def out_like(q: Tensor, head_dim_v: int) -> Tensor:
 # -- real implementations -----------------------------------------------------------
 
 def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int,
-            mods: "ops.ScoreMods | None" = None):
+            mods: "ops.ScoreMods | None" = None, out: Optional[Tensor] = None):
     """(O, LSE): the forward ops' real implementation (see the module docstring);
-    ``mods``: the score modifications of ``flashgen::fwd_mods`` (None: none)."""
+    ``mods``: the score modifications of ``flashgen::fwd_mods`` (None: none); ``out``:
+    the O the kernels write, laid out as :func:`out_like` lays it out (default: one
+    allocated so)."""
     b, h, sq, _ = q.shape
+    if out is None:
+        out = out_like(q, v.shape[3])
     if is_empty(q, k):
-        return (out_like(q, v.shape[3]).zero_(),
-                torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
+        return out.zero_(), torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
     if not use_kernels(q):
         o, lse = reference_forward(q, k, v, scale, lo, hi, mods)
-        return out_like(q, v.shape[3]).copy_(o), lse
+        return out.copy_(o), lse
     q, scale, _ = _signed_q(q, scale)
     name = mods.name if mods is not None else ""
     with _on_device(q):
@@ -304,7 +307,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
             try:
                 return families.launcher(cfg.family, "fwd")(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo,
                                                             diag_hi=hi, config=cfg, module=mod, addressable=True,
-                                                            mods=mods, out=out_like(q, v.shape[3]))
+                                                            mods=mods, out=out)
             except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
                 fall_back(cfg, "fwd", q, e, (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, name))
 
@@ -424,17 +427,24 @@ class EagerAttention(torch.autograd.Function):
     host_cost.py``).  torch.compile, TorchDispatchModes and functorch transforms still
     go through the ops (:func:`flashgen.api._attention` decides).
 
-    apply(q, k, v, scale, mask, lo, hi, mods, deterministic=None) -> (O, LSE), ``mods`` a
-    ScoreMods or None (the eager path of both ``flashgen::fwd`` and
-    ``flashgen::fwd_mods``), ``deterministic`` as :func:`backward` takes it; LSE is not
+    apply(q, k, v, scale, mask, lo, hi, mods, deterministic=None, calls=None) -> (O, LSE),
+    ``mods`` a ScoreMods or None (the eager path of both ``flashgen::fwd`` and
+    ``flashgen::fwd_mods``), ``deterministic`` as :func:`backward` takes it, ``calls``
+    the :class:`flashgen.hot.Calls` of the API's fast-table entry of these inputs (plain
+    calls, no mods: forward and backward replay their recipes); LSE is not
     differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, mask, lo, hi, mods, deterministic=None):
-        o, lse = forward(q, k, v, scale, mask, lo, hi, mods)
+    def forward(ctx, q, k, v, scale, mask, lo, hi, mods, deterministic=None, calls=None):
+        if calls is not None and mods is None:
+            o, lse = calls.forward(q, k, v, scale, mask, lo, hi)
+        else:
+            calls = None
+            o, lse = forward(q, k, v, scale, mask, lo, hi, mods)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (scale, mask, lo, hi, mods)
         ctx.deterministic = deterministic
+        ctx.calls = calls
         ctx.mark_non_differentiable(lse)
         # LSE's incoming gradient is never read: without this autograd fills a zero
         # tensor for it on every backward (a fill kernel, and 0.2 ms of host time per
@@ -446,10 +456,14 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         if do is None:
-            return None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args, deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None
+        if ctx.calls is not None:
+            scale, mask, lo, hi, _ = ctx.args
+            dq, dk, dv = ctx.calls.backward(do, q, k, v, o, lse, scale, mask, lo, hi, ctx.deterministic)
+        else:
+            dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args, deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # -- score modifications (softcap, ALiBi, bias, dropout) -----------------------------

@@ -25,6 +25,7 @@ with ``FLASHGEN_FAST_LAUNCH=0`` and under Triton's interpreter as the direct lau
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -317,6 +318,52 @@ def lookup(table: dict, key):
     return (key, plan) if plan is not None else (None, None)
 
 
+class capture:
+    """``with plans.capture() as cap:`` collects, in this thread, every plan a launcher
+    replays or records during the block: ``cap.stages`` is a list of (the launcher's
+    input tensors as given to :func:`replay`, the Plan or None when the call could not
+    be recorded, the buffers by name that the call returned).  ``cap.ok`` turns False
+    when a launcher did work its plan does not hold (:func:`taint`) or launched without
+    a plan (:func:`replay` found plans unusable or the call keyless).  What
+    :mod:`flashgen.hot` builds its recipes from."""
+
+    __slots__ = ("stages", "ok", "prev")
+
+    def __enter__(self):
+        self.stages, self.ok = [], True
+        self.prev = getattr(_CAPTURE, "cur", None)
+        _CAPTURE.cur = self
+        return self
+
+    def __exit__(self, *exc):
+        _CAPTURE.cur = self.prev
+
+
+_CAPTURE = threading.local()
+
+
+def _captured(inputs, plan, bufs) -> None:
+    cur = getattr(_CAPTURE, "cur", None)
+    if cur is not None:
+        cur.stages.append((inputs, plan, bufs))
+
+
+def taint() -> None:
+    """A launcher did work outside its plan in this call (a copy, a fill): a capture
+    around it must not replay the call from its plans alone."""
+    cur = getattr(_CAPTURE, "cur", None)
+    if cur is not None:
+        cur.ok = False
+
+
+def record(table: dict, key, rec: "Recorder", inputs: tuple, buffers: dict, zeroed: tuple = ()) -> None:
+    """Build the plan of a recorded call (:func:`build`) and keep it under ``key``
+    (:func:`remember`)."""
+    plan = build(rec, inputs, buffers, zeroed)
+    remember(table, key, plan)
+    _captured(inputs, plan, buffers)
+
+
 def replay(table: dict, tensors: tuple, *scalars):
     """(key, buffers) of one launcher call: the buffers (by name) of the plan kept for
     this call's key after replaying it, with that key; else (key, None), the key to
@@ -324,9 +371,16 @@ def replay(table: dict, tensors: tuple, *scalars):
     recorded (:func:`usable`, :func:`lookup`).  ``tensors`` and ``scalars`` as
     :func:`key_of` takes them; the tensors are also the plan's inputs."""
     if not usable():
+        taint()
         return None, None
     key, plan = lookup(table, key_of(tensors, *scalars))
-    return key, (plan.run(tensors) if plan is not None else None)
+    if plan is None:
+        if key is None:
+            taint()
+        return key, None
+    bufs = plan.run(tensors)
+    _captured(tensors, plan, bufs)
+    return key, bufs
 
 
 def record_one(table: dict, key, kernel, grid, args, inputs: tuple, outputs: dict) -> None:
@@ -337,4 +391,4 @@ def record_one(table: dict, key, kernel, grid, args, inputs: tuple, outputs: dic
     rec = Recorder()
     rec.add(kernel, grid, args)
     given = {id(t) for t in inputs if t is not None}
-    remember(table, key, build(rec, inputs, {n: t for n, t in outputs.items() if id(t) not in given}))
+    record(table, key, rec, inputs, {n: t for n, t in outputs.items() if id(t) not in given})

@@ -856,7 +856,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     for i, (src, _) in enumerate(a.get("copy", ())):
         bufs[f"copy{i}"] = src
     if rec is not None:
-        plans.remember(_PLANS, key, plans.build(rec, (do, q, k, v, o, lse, dq, dk, dv), bufs, zeroed=("sem",)))
+        plans.record(_PLANS, key, rec, (do, q, k, v, o, lse, dq, dk, dv), bufs, zeroed=("sem",))
     return _finish(bufs, q, dq, dk, dv, delta_out)
 
 
@@ -875,9 +875,11 @@ def _finish(bufs: dict, q, dq, dk, dv, delta_out):
     dk = bufs["dk"] if dk is None else dk
     dv = bufs["dv"] if dv is None else dv
     if "copy0" in bufs:
+        plans.taint()
         dk.copy_(bufs["copy0"])
         dv.copy_(bufs["copy1"])
     if delta_out is not None:
+        plans.taint()
         b, h, sq = q.shape[0], q.shape[1], q.shape[2]
         delta_out.copy_(bufs["delta"].view(b, h, -1)[:, :, :sq])
     return dq, dk, dv

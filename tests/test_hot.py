@@ -1,0 +1,136 @@
+"""flashgen.hot: an eager forward+backward through autograd, replayed from its recipe,
+launches what the op's own layers launch for the same inputs (fakes for the kernels
+and the device, CPU tensors, as in test_plans; the real launches and their results are
+gpu_op_checks.py's), for the Triton family's forward and two-kernel backward and the
+Gluon family's forward and whole backward; and calls that are not all in their plans
+get no recipe."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import dispatch, hot, library, plans
+from flashgen.families.gluon import bwd as B
+from flashgen.families.gluon import config as C
+from flashgen.families.gluon import family as GF
+
+from test_plans import _same, fake_gpu  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def kernels(fake_gpu, monkeypatch):  # noqa: F811
+    """Kernels run for CPU tensors (their launches faked), the fast table emptied;
+    yields the launch log."""
+    monkeypatch.setattr(library, "use_kernels", lambda q: True)
+    disp = dispatch.default_dispatcher()
+    disp.fast.clear()
+    yield fake_gpu
+    disp.fast.clear()
+
+
+def _gluon(monkeypatch, d):
+    """The dispatcher's choice made the Gluon family's, forward and whole backward."""
+    fcfg = GF.tile_config(C.default_config(C.GluonFwdSpec("bfloat16", d, d, "causal")))
+    bcfg = GF.tile_config(B.default_config(d, "bfloat16", "causal"))
+    monkeypatch.setattr(library, "kernel_for", lambda *a, **k: (fcfg, None))
+    monkeypatch.setattr(library, "backward_kernels", lambda *a, **k: (bcfg, None))
+
+
+def _inputs(b, h, hk, s, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=g).to(torch.bfloat16).requires_grad_()
+    k = torch.randn(b, hk, s, d, generator=g).to(torch.bfloat16).requires_grad_()
+    v = torch.randn(b, hk, s, d, generator=g).to(torch.bfloat16).requires_grad_()
+    do = torch.randn(b, h, s, d, generator=g).to(torch.bfloat16)
+    return q, k, v, do
+
+
+def _calls():
+    found = [e[7] for e in dispatch.default_dispatcher().fast.values() if isinstance(e, tuple) and len(e) == 8]
+    assert len(found) == 1 and isinstance(found[0], hot.Calls)
+    return found[0]
+
+
+@pytest.mark.parametrize("family", ["triton", "gluon"])
+def test_a_recipe_launches_what_the_layers_launch(kernels, monkeypatch, family):
+    d = 128 if family == "gluon" else 64
+    if family == "gluon":
+        _gluon(monkeypatch, d)
+    shape = (2, 4, 2, 192, d)
+
+    def fwd_bwd(q, k, v, do):
+        o = flashgen.attention(q, k, v, causal=True)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    for seed in (0, 1):  # the first records the plans, the second the recipes
+        fwd_bwd(*_inputs(*shape, seed))
+    calls = _calls()
+    assert all(isinstance(r, hot.Recipe) for r in (*calls.fwd.values(), *calls.bwd.values()))
+    assert len(calls.fwd) == 1 and len(calls.bwd) == 1
+    inputs = _inputs(*shape, 2)
+    kernels.clear()
+    got = fwd_bwd(*inputs)
+    replayed = list(kernels)
+    assert replayed and all(how == "replay" for how, *_ in replayed)
+    kernels.clear()
+    monkeypatch.setattr(plans, "usable", lambda: False)  # the layers, every launch through Triton's path
+    want = fwd_bwd(*inputs)
+    own = list(kernels)
+    assert len(own) == len(replayed)
+    pairs = {}
+    leaves = inputs[:3] + (inputs[3],)
+    for (_, k1, g1, a1), (_, k2, g2, a2) in zip(replayed, own):
+        assert k1 is k2 and g1 == g2 and len(a1) == len(a2)
+        for x, y in zip(a1, a2):
+            _same(x, y, leaves, pairs)
+    for x, y in zip(got, want):
+        _same(x.detach() if x.requires_grad else x, y.detach() if y.requires_grad else y, leaves, pairs)
+
+
+def test_no_recipe_for_a_call_not_all_in_its_plans(kernels, monkeypatch):
+    """A strided K/V makes the Gluon backward copy dK and dV out of contiguous buffers
+    (work beside its plan): the backward keeps the layers; the forward gets its recipe."""
+    d = 128
+    _gluon(monkeypatch, d)
+
+    def make(seed):
+        q, k, v, do = _inputs(1, 2, 2, 128, d, seed)
+        # k and v as slices of one (b, s, 2, h, d) tensor: strided, addressable by descriptors
+        kv = torch.randn(1, 128, 2, 2, d).to(torch.bfloat16)
+        k = kv[:, :, 0].transpose(1, 2).detach().requires_grad_()
+        v = kv[:, :, 1].transpose(1, 2).detach().requires_grad_()
+        return q, k, v, do
+
+    for seed in range(3):
+        q, k, v, do = make(seed)
+        o = flashgen.attention(q, k, v, causal=True)
+        torch.autograd.grad(o, (q, k, v), do)
+    calls = _calls()
+    assert list(calls.bwd.values()) == [None]
+    assert all(isinstance(r, hot.Recipe) for r in calls.fwd.values())
+
+
+def test_no_recipe_under_a_capture_that_saw_no_plan():
+    cap = plans.capture()
+    with cap:
+        pass
+    assert hot.build(cap, (torch.zeros(1),), (torch.zeros(1),)) is None
+    with plans.capture() as cap:
+        plans.taint()
+    assert not cap.ok
+
+
+def test_recipes_only_where_plans_would_run(kernels, monkeypatch):
+    """A negative scale (the forward negates q), plans switched off: the layers run."""
+    q, k, v, do = _inputs(1, 2, 2, 64, 64, 0)
+    for _ in range(3):
+        o = flashgen.attention(q, k, v, causal=True, softmax_scale=-0.1)
+        torch.autograd.grad(o, (q, k, v), do)
+    calls = _calls()
+    assert not calls.fwd and not calls.bwd
+    monkeypatch.setattr(plans, "usable", lambda: False)
+    for _ in range(2):
+        o = flashgen.attention(q, k, v, causal=True)
+        torch.autograd.grad(o, (q, k, v), do)
+    assert not calls.fwd and not calls.bwd
+
