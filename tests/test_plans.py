@@ -426,3 +426,28 @@ def test_a_stage_stays_on_kernel_run_when_the_launcher_is_not_recognised(nvidia_
             monkeypatch.setattr(plans, "DIRECT", False)
         plan = plans.build(rec, (t,), {})
         assert plan.stages[0][0] is kernel
+
+
+def test_direct_stages_only_where_tritons_launcher_is_the_one_they_know():
+    """On Triton 3.6 a kept kernel whose launcher takes no descriptor becomes a direct
+    stage; on a Triton whose launcher differs (3.9: other base arguments) it stays on
+    kernel.run."""
+    drv = _nvidia_driver()
+    if drv is None:
+        pytest.skip("no nvidia backend in this Triton")
+    run = object.__new__(drv.CudaLauncher)
+    run.launch = len  # a C function, as the raw launcher of a kernel without descriptors is
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.launch_cooperative_grid = run.launch_pdl = False
+
+    class Kernel:
+        pass
+
+    kernel = Kernel()
+    kernel.run, kernel.function, kernel.packed_metadata = run, 1, ("packed",)
+    t = torch.zeros(16)
+    stage = plans._direct_stage(kernel, (2, 1, 1), (t, 5), [None, 5], [(0, 0)], [])
+    known = getattr(drv, "_BASE_ARGS_FORMAT_LEN", None) == 13
+    assert (stage is not None) is known
+    if known:
+        assert stage[1] is len and stage[4][:3] == (2, 1, 1) and stage[5] == ((13, 0),) and stage[4][14] == 5
