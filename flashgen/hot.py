@@ -20,17 +20,19 @@ keeps None and takes the layers every time.
 :class:`Calls` holds the recipes of one entry of the API's fast table (fixed sizes,
 strides, dtypes, devices and mask, with 16-byte aligned q, k, v): the forward's per
 (softmax_scale, which of q, k, v are one tensor), the backward's per (deterministic,
-softmax_scale, dO's shape, strides, dtype and alignment, which tensors are one).  A
-recipe runs only where its plans would: plans usable (:func:`flashgen.plans.usable`:
-no launch hook, no switch off), a positive scale, and the inputs' device current; and
-not with ``FLASHGEN_RECIPES=0`` (:data:`ENABLED`).
+softmax_scale, the shapes, strides and dtypes of dO and of the saved q, k, v, O and
+LSE, which tensors are one; only with every one 16-byte aligned).  A recipe runs only
+where its plans would: plans usable (:func:`flashgen.plans.usable`: no launch hook, no
+switch off), a positive scale, and the inputs' device current; and not with
+``FLASHGEN_RECIPES=0`` (:data:`ENABLED`).  None is recorded during a CUDA graph
+capture (the dispatcher may then answer a default it does not keep).
 """
 
 from __future__ import annotations
 
 import os
 
-from . import fastlaunch, library, plans
+from . import dispatch, fastlaunch, library, plans
 
 #: Recipes kept per direction of one fast-table entry; then the table is emptied.
 RECIPES_MAX = 16
@@ -120,7 +122,9 @@ class Calls:
         recipe = self.fwd.get(key, self)
         if recipe is not self and recipe is not None:
             return recipe.run((q, k, v))
-        if recipe is None:
+        if recipe is None or dispatch.graph_capturing():
+            # during a capture the dispatcher may answer a capture-safe default it does
+            # not keep: no recipe from it
             return library.forward(q, k, v, scale, mask, lo, hi)
         out = library.out_like(q, v.shape[3])  # the O buffer the call writes: a source of its plan
         with plans.capture() as cap:
@@ -134,12 +138,17 @@ class Calls:
         """(dQ, dK, dV) of :func:`flashgen.library.backward` (no score mods, no delta)."""
         if not self._ready(scale):
             return library.backward(do, q, k, v, o, lse, scale, mask, lo, hi, deterministic=deterministic)
-        key = (library.deterministic_backward(deterministic), scale, do.shape, do.stride(), do.dtype,
-               do.data_ptr() & 15, q is k, q is v, k is v, do is q, do is k, do is v, do is o)
-        recipe = self.bwd.get(key, self)
+        # the saved tensors too: a saved-tensor hook (activation offloading) may hand the
+        # backward copies in another layout than the forward's
+        key = (library.deterministic_backward(deterministic), scale,
+               (do.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | lse.data_ptr()) & 15,
+               do.shape, do.stride(), do.dtype, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype,
+               v.shape, v.stride(), v.dtype, o.shape, o.stride(), o.dtype, lse.shape, lse.stride(), lse.dtype,
+               q.get_device(), q is k, q is v, k is v, do is q, do is k, do is v, do is o)
+        recipe = self.bwd.get(key, self) if key[2] == 0 else None
         if recipe is not self and recipe is not None:
             return recipe.run((do, q, k, v, o, lse))
-        if recipe is None:
+        if recipe is None or dispatch.graph_capturing():
             return library.backward(do, q, k, v, o, lse, scale, mask, lo, hi, deterministic=deterministic)
         with plans.capture() as cap:
             grads = library.backward(do, q, k, v, o, lse, scale, mask, lo, hi, deterministic=deterministic)

@@ -224,6 +224,7 @@ def _direct_stage(kernel, grid, args, template, tensors, descs):
 
 
 _MAP = object()
+_EXPAND_LOCK = threading.Lock()
 
 
 def _expand(drv, desc, meta):
@@ -234,21 +235,25 @@ def _expand(drv, desc, meta):
     import triton
 
     utils = triton.runtime.driver.active.utils
-    real = getattr(utils, "fill_tma_descriptor", None)
-    if real is None:
-        return None
-    seen = []
+    me = threading.get_ident()
+    with _EXPAND_LOCK:  # one watcher at a time, so the encoder put back is Triton's own
+        real = getattr(utils, "fill_tma_descriptor", None)
+        if real is None or getattr(real, "_flashgen_watch", False):
+            return None
+        seen = []
 
-    def watch(*a):
-        m = real(*a)
-        seen.append((m, a))
-        return m
+        def watch(*a):
+            m = real(*a)
+            if threading.get_ident() == me:  # another thread's launch meanwhile is not this one's
+                seen.append((m, a))
+            return m
 
-    utils.fill_tma_descriptor = watch
-    try:
-        parts = list(drv.make_tensordesc_arg(desc, meta))
-    finally:
-        utils.fill_tma_descriptor = real
+        watch._flashgen_watch = True
+        utils.fill_tma_descriptor = watch
+        try:
+            parts = list(drv.make_tensordesc_arg(desc, meta))
+        finally:
+            utils.fill_tma_descriptor = real
     ptr = desc.base.data_ptr()
     out = []
     for part in parts:

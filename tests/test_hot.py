@@ -134,3 +134,101 @@ def test_recipes_only_where_plans_would_run(kernels, monkeypatch):
         torch.autograd.grad(o, (q, k, v), do)
     assert not calls.fwd and not calls.bwd
 
+
+
+def _bshd(b, h, hk, s, d, seed):
+    """q, k, v seen through transpose(1, 2) (transformers' layout), and dO."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, h, d, generator=g).to(torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, s, hk, d, generator=g).to(torch.bfloat16).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, s, hk, d, generator=g).to(torch.bfloat16).transpose(1, 2).requires_grad_()
+    return q, k, v, torch.randn(b, h, s, d, generator=g).to(torch.bfloat16)
+
+
+def _replayed_vs_layers(kernels, monkeypatch, run, leaves):
+    """run() with recipes, then with plans off (the layers, Triton's path): the same
+    kernels, grids and arguments."""
+    kernels.clear()
+    run()
+    replayed = list(kernels)
+    kernels.clear()
+    with monkeypatch.context() as m:
+        m.setattr(plans, "usable", lambda: False)
+        run()
+    own = list(kernels)
+    assert len(own) == len(replayed)
+    pairs = {}
+    for (_, k1, g1, a1), (_, k2, g2, a2) in zip(replayed, own):
+        assert k1 is k2 and g1 == g2 and len(a1) == len(a2)
+        for x, y in zip(a1, a2):
+            _same(x, y, leaves, pairs)
+
+
+def test_a_saved_tensor_hook_that_changes_the_layout_takes_another_recipe(kernels, monkeypatch):
+    """A saved-tensor hook (save_on_cpu, activation offloading) hands the backward
+    contiguous copies of bshd q, k, v and O: the backward's recipe key holds the saved tensors' layouts, so the
+    replay launches with their strides, not the forward's."""
+    shape = (1, 2, 2, 128, 64)
+
+    def fwd_bwd(q, k, v, do):
+        return torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
+
+    for seed in (0, 1):
+        fwd_bwd(*_bshd(*shape, seed))
+    assert [type(r) for r in _calls().bwd.values()] == [hot.Recipe]
+    q, k, v, do = _bshd(*shape, 2)
+
+    def offloaded():  # as save_on_cpu does on a GPU: the backward gets contiguous copies
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous().clone(), lambda t: t):
+            o = flashgen.attention(q, k, v, causal=True)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    offloaded()  # records the offloaded layout's recipe
+    assert len(_calls().bwd) == 2
+    _replayed_vs_layers(kernels, monkeypatch, offloaded, (q, k, v, do))
+
+
+def test_no_recipe_from_a_call_under_graph_capture(hermetic_dispatcher, kernels, monkeypatch):
+    """A key's first backward during a CUDA graph capture gets the dispatcher's
+    capture-time default, which it does not keep: no recipe is recorded from it, and the
+    later eager calls replay the tuned row the layers choose."""
+    import dataclasses
+
+    capturing = [False]
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: capturing[0])
+
+    def lookup(self, key):  # a tuned row for the backward's dQ kernel
+        if key.spec.kernel != "bwd_dq":
+            return None
+        cfg = self._default(key).config
+        return dispatch.Choice(key, dataclasses.replace(cfg, num_warps=8 if cfg.num_warps == 4 else 4), "tuned")
+
+    monkeypatch.setattr(dispatch.Dispatcher, "_lookup", lookup)
+    q, k, v, do = (t for t in torch.randn(4, 1, 2, 128, 64).to(torch.bfloat16))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = flashgen.attention(q, k, v, causal=True)
+    capturing[0] = True
+    torch.autograd.grad(o, (q, k, v), do)
+    capturing[0] = False
+    assert not _calls().bwd
+
+    def run():
+        return torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
+
+    run()
+    assert [type(r) for r in _calls().bwd.values()] == [hot.Recipe]
+    _replayed_vs_layers(kernels, monkeypatch, run, (q, k, v, do))
+
+
+def test_a_scale_that_takes_the_checked_path_keeps_its_recipes(kernels):
+    """An int softmax_scale passes the checks on every call (the fast path takes only
+    None or a float): the entry made again keeps its Calls, so the recipes recorded
+    are replayed, not recorded anew on every call."""
+    q, k, v, do = _inputs(1, 2, 2, 64, 64, 0)
+    for _ in range(3):
+        torch.autograd.grad(flashgen.attention(q, k, v, causal=True, softmax_scale=1), (q, k, v), do)
+    calls = _calls()
+    kernels.clear()
+    torch.autograd.grad(flashgen.attention(q, k, v, causal=True, softmax_scale=1), (q, k, v), do)
+    assert _calls() is calls and kernels and all(how == "replay" for how, *_ in kernels)
+    assert [type(r) for r in (*calls.fwd.values(), *calls.bwd.values())] == [hot.Recipe, hot.Recipe]

@@ -451,3 +451,45 @@ def test_direct_stages_only_where_tritons_launcher_is_the_one_they_know():
     assert (stage is not None) is known
     if known:
         assert stage[1] is len and stage[4][:3] == (2, 1, 1) and stage[5] == ((13, 0),) and stage[4][14] == 5
+
+
+def test_two_threads_recording_put_back_tritons_own_encoder(nvidia_launcher):
+    """Two threads recording direct stages at once (two GPUs' autograd threads on their
+    first backward): the encoder watched while a descriptor is expanded is put back as
+    Triton's own, never as another recording's watcher."""
+    import threading
+
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _, utils = nvidia_launcher
+    drv = _nvidia_driver()
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 128], "fp4_padded": False}
+    a_in, a_done = threading.Event(), threading.Event()
+    results = {}
+
+    def fill(ptr, *rest):
+        if threading.current_thread().name == "A":
+            a_in.set()
+            a_done.wait(0.5)  # B starts while A is inside the expansion
+        return ("map", ptr)
+
+    utils.fill_tma_descriptor = fill
+    t = torch.zeros(256, 128, dtype=torch.bfloat16)
+    desc = TensorDescriptor(t, list(t.shape), list(t.stride()), [64, 128])
+
+    def expand(name):
+        results[name] = plans._expand(drv, desc, meta)
+
+    ta = threading.Thread(target=expand, args=("A",), name="A")
+    tb = threading.Thread(target=expand, args=("B",), name="B")
+    ta.start()
+    assert a_in.wait(5)
+    tb.start()
+    a_done.set()
+    ta.join(5)
+    tb.join(5)
+    assert triton.runtime.driver.active.utils.fill_tma_descriptor is fill
+    for name in "AB":
+        parts = results[name]
+        assert parts is not None and parts[0][0] is plans._MAP and parts[0][1] is fill
