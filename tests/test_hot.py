@@ -14,7 +14,7 @@ from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon import config as C
 from flashgen.families.gluon import family as GF
 
-from test_plans import _same, fake_gpu  # noqa: F401  (fixture)
+from test_plans import _same, _same_launches, fake_gpu  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -75,14 +75,8 @@ def test_a_recipe_launches_what_the_layers_launch(kernels, monkeypatch, family):
     kernels.clear()
     monkeypatch.setattr(plans, "usable", lambda: False)  # the layers, every launch through Triton's path
     want = fwd_bwd(*inputs)
-    own = list(kernels)
-    assert len(own) == len(replayed)
-    pairs = {}
     leaves = inputs[:3] + (inputs[3],)
-    for (_, k1, g1, a1), (_, k2, g2, a2) in zip(replayed, own):
-        assert k1 is k2 and g1 == g2 and len(a1) == len(a2)
-        for x, y in zip(a1, a2):
-            _same(x, y, leaves, pairs)
+    pairs = _same_launches(replayed, list(kernels), leaves)
     for x, y in zip(got, want):
         _same(x.detach() if x.requires_grad else x, y.detach() if y.requires_grad else y, leaves, pairs)
 
@@ -155,19 +149,13 @@ def _replayed_vs_layers(kernels, monkeypatch, run, leaves):
     with monkeypatch.context() as m:
         m.setattr(plans, "usable", lambda: False)
         run()
-    own = list(kernels)
-    assert len(own) == len(replayed)
-    pairs = {}
-    for (_, k1, g1, a1), (_, k2, g2, a2) in zip(replayed, own):
-        assert k1 is k2 and g1 == g2 and len(a1) == len(a2)
-        for x, y in zip(a1, a2):
-            _same(x, y, leaves, pairs)
+    _same_launches(replayed, list(kernels), leaves)
 
 
 def test_a_saved_tensor_hook_that_changes_the_layout_takes_another_recipe(kernels, monkeypatch):
     """A saved-tensor hook (save_on_cpu, activation offloading) hands the backward
-    contiguous copies of bshd q, k, v and O: the backward's recipe key holds the saved tensors' layouts, so the
-    replay launches with their strides, not the forward's."""
+    contiguous copies of bshd q, k, v and O: the backward's recipe key holds the saved
+    tensors' layouts, so the replay launches with their strides, not the forward's."""
     shape = (1, 2, 2, 128, 64)
 
     def fwd_bwd(q, k, v, do):

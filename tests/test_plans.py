@@ -76,6 +76,18 @@ def _same(a, b, inputs, pairs) -> None:
     assert type(a) is type(b) and a == b, (a, b)
 
 
+def _same_launches(replayed, own, inputs) -> dict:
+    """Two logs launch alike (:func:`_same`, kernel, grid and argument by argument);
+    returns the buffer pairs seen."""
+    assert len(own) == len(replayed)
+    pairs = {}
+    for (_, k1, g1, a1), (_, k2, g2, a2) in zip(replayed, own):
+        assert k1 is k2 and g1 == g2 and len(a1) == len(a2)
+        for x, y in zip(a1, a2):
+            _same(x, y, inputs, pairs)
+    return pairs
+
+
 def _check_replay(log, call, make_inputs):
     """Record with one set of inputs, replay with a second, compare with the launcher's
     own path on the second (plans off)."""
@@ -92,13 +104,7 @@ def _check_replay(log, call, make_inputs):
         out_own = call(*inputs)
     finally:
         plans.usable = usable
-    own = list(log)
-    assert len(own) == len(replayed)
-    pairs = {}
-    for (_, k1, g1, a1), (_, k2, g2, a2) in zip(replayed, own):
-        assert k1 is k2 and g1 == g2 and len(a1) == len(a2)
-        for x, y in zip(a1, a2):
-            _same(x, y, inputs, pairs)
+    pairs = _same_launches(replayed, list(log), inputs)
     for x, y in zip(out_replay, out_own):
         _same(x, y, inputs, pairs)
     return out_replay
