@@ -62,7 +62,7 @@ def test_a_recipe_launches_what_the_layers_launch(kernels, monkeypatch, family):
         o = flashgen.attention(q, k, v, causal=True)
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
-    for seed in (0, 1):  # the first records the plans, the second the recipes
+    for seed in (0, 1):  # the first call records the plans and the recipes, the second replays them
         fwd_bwd(*_inputs(*shape, seed))
     calls = _calls()
     assert all(isinstance(r, hot.Recipe) for r in (*calls.fwd.values(), *calls.bwd.values()))
