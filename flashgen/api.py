@@ -188,8 +188,7 @@ def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
         if ekey[12] == 0:
             # a call whose scale takes the checked path comes here every time: keep its recipes
             old = disp.fast.get(ekey)
-            calls = old[7] if old is not None and len(old) == 8 and old[7] is not None else \
-                hot.Calls(dev if dev is not None else -1)
+            calls = old[7] if old is not None and old[7] is not None else hot.Calls(dev if dev is not None else -1)
     entry = (mask, lo, hi, q.shape[3] ** -0.5, cfg, mod, dev, calls)
     if not capturing:
         if len(disp.fast) >= library.FAST_TABLE_MAX:

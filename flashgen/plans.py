@@ -215,22 +215,30 @@ def _direct_stage(kernel, grid, args, template, tensors, descs):
             if part is a.base:
                 places.append((len(out), slot_of_desc[pos]))
                 out.append(None)
-            elif isinstance(part, tuple) and len(part) == 3 and part[0] is _MAP:
-                maps.append((len(out), slot_of_desc[pos], part[1], part[2], {}))
+            elif type(part) is _Map:
+                maps.append((len(out), slot_of_desc[pos], part.encoder, part.args, {}))
                 out.append(None)
             else:
                 out.append(part)
     return (None, raw, None, None, tuple(out), tuple(places), tuple(maps))
 
 
-_MAP = object()
+class _Map:
+    """A tensor map in a descriptor's expansion: its encoder and the encoder's arguments
+    after the base address."""
+
+    __slots__ = ("encoder", "args")
+
+    def __init__(self, encoder, args: tuple):
+        self.encoder, self.args = encoder, args
+
+
 _EXPAND_LOCK = threading.Lock()
 
 
 def _expand(drv, desc, meta):
     """The arguments Triton's ``make_tensordesc_arg`` gives for ``desc``, with each
-    tensor map it encodes replaced by (_MAP, encoder, its arguments after the
-    address); None when an encoding did not take ``desc``'s base address first, or the
+    tensor map it encodes replaced by a :class:`_Map`; None when an encoding did not take ``desc``'s base address first, or the
     encoder is not where this reads it."""
     import triton
 
@@ -261,10 +269,10 @@ def _expand(drv, desc, meta):
         if hit is not None:
             if hit[0] != ptr:
                 return None
-            out.append((_MAP, real, tuple(hit[1:])))
+            out.append(_Map(real, tuple(hit[1:])))
         else:
             out.append(part)
-    if len(seen) != sum(1 for p in out if isinstance(p, tuple) and len(p) == 3 and p[0] is _MAP):
+    if len(seen) != sum(type(p) is _Map for p in out):
         return None
     return out
 

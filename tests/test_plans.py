@@ -498,4 +498,4 @@ def test_two_threads_recording_put_back_tritons_own_encoder(nvidia_launcher):
     assert triton.runtime.driver.active.utils.fill_tma_descriptor is fill
     for name in "AB":
         parts = results[name]
-        assert parts is not None and parts[0][0] is plans._MAP and parts[0][1] is fill
+        assert parts is not None and type(parts[0]) is plans._Map and parts[0].encoder is fill
