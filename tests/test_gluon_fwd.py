@@ -310,6 +310,83 @@ def test_the_sinks_fold_after_the_key_loop_is_the_sinks_softmax():
     assert torch.equal(o[:, :, -1], torch.zeros_like(o[:, :, -1])) and torch.allclose(lse[0, :, -1], sinks)
 
 
+def test_the_key_tile_model_is_the_kernels_key_range():
+    """config.key_tiles (the walk's balance model) is the template's ``_key_tiles`` run on
+    Python ints, for every mask mode, both causal alignments, windows and ragged ends."""
+    import types
+
+    from flashgen.families.gluon.config import key_tiles
+    from flashgen.masks import mask_bounds
+
+    for mode, causal, window in (("none", False, (-1, -1)), ("causal", True, (-1, -1)), ("window", False, (100, 3)),
+                                 ("window", True, (257, -1))):
+        bmt, bn = 128, 64
+        src = render(GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, mode), GluonFwdConfig(num_consumers=2,
+                                                                                               BLOCK_N=bn)))
+        fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "_key_tiles")
+        fn.decorator_list = []
+        ns = {"gl": types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda a, b: -(-a // b)),
+              "BLOCK_MT": bmt, "BLOCK_N": bn}
+        exec(compile(ast.Module(body=[fn], type_ignores=[]), "<key_tiles>", "exec"), ns)
+        for sq, sk in ((512, 512), (1000, 3000), (3000, 1000), (1, 77)):
+            for align in ("bottom_right", "top_left"):
+                m, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
+                assert m == mode
+                for m0 in range(0, sq, bmt):
+                    assert key_tiles(m0, bmt, bn, sq, sk, mode, lo, hi) == ns["_key_tiles"](m0, sq, sk, lo, hi)[1]
+
+
+def test_the_walk_balance_model_counts_every_programs_tiles():
+    """config.walk_balance (its run-length form) equals the largest over mean work of
+    the programs that take the tiles of persistent_order round-robin, counted tile by
+    tile."""
+    import random
+
+    from flashgen.families.gluon.config import persistent_order, walk_balance
+
+    rng = random.Random(0)
+    for _ in range(300):
+        num_m, num_hz = rng.randint(1, 20), rng.randint(1, 80)
+        section, programs = rng.randint(1, num_hz), rng.randint(1, 300)
+        work = tuple(rng.random() * 10 for _ in range(num_m))
+        order = persistent_order(num_m, num_hz, section)
+        n = min(programs, len(order))
+        per = [0.0] * n
+        for t, (_, m) in enumerate(order):
+            per[t % n] += work[m]
+        assert walk_balance(work, num_hz, section, programs) == pytest.approx(max(per) / (sum(per) / n), rel=1e-12)
+
+
+def test_the_launcher_picks_the_best_balanced_section_under_the_l2_cap():
+    """walk_section: at most the L2 cap, a multiple of the GQA group (or the cap), never
+    worse balanced than the cap, and at 32x16x512 head_dim 128 causal with one-consumer
+    tiles at two programs per SM (264 programs) and at 8x16x2048 with two-consumer
+    tiles (132) it moves off the cap, whose largest program has 12.5% and 14% more work
+    than the mean (the measured keys of ``docs/design.md``); with the balance off it is
+    the cap."""
+    from flashgen.families.gluon import config
+
+    cases = [(32 * 16, 1, 512, 64, 64, 264), (8 * 16, 1, 2048, 128, 128, 132), (8 * 32, 4, 1024, 64, 64, 264),
+             (4 * 16, 4, 2048, 128, 128, 132), (2 * 32, 1, 8192, 128, 128, 132), (1 * 32, 4, 1024, 128, 64, 132),
+             (7 * 5, 5, 3000, 64, 128, 396)]
+    for num_hz, group, n, bmt, bn, programs in cases:
+        cap = config.section_planes(num_hz, group, n, 128, 128)
+        sec = config.walk_section(num_hz, group, n, n, 128, 128, "causal", 0, 0, bmt, bn, programs)
+        work = tuple(config.key_tiles(m * bmt, bmt, bn, n, n, "causal", 0, 0) + config.TILE_OVERHEAD
+                     for m in range(-(-n // bmt)))
+        assert 1 <= sec <= cap and (sec % group == 0 or sec == cap)
+        assert config.walk_balance(work, num_hz, sec, programs) <= config.walk_balance(work, num_hz, cap, programs)
+        if (num_hz, n) in ((512, 512), (128, 2048)):
+            assert config.walk_balance(work, num_hz, cap, programs) > 1.12
+            assert sec != cap and config.walk_balance(work, num_hz, sec, programs) < 1.03
+    old = config.BALANCE_SECTIONS
+    try:
+        config.BALANCE_SECTIONS = False
+        assert config.walk_section(512, 1, 512, 512, 128, 128, "causal", 0, 0, 64, 64, 264) == 128
+    finally:
+        config.BALANCE_SECTIONS = old
+
+
 def test_the_persistent_walk_takes_every_tile_once_longest_first():
     """``persistent`` 2 with a mask: the kernel's tile order (its ``_tile_coords_lpt``,
     run here on Python ints) is :func:`.config.persistent_order`, a permutation of the

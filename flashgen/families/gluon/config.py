@@ -204,11 +204,120 @@ L2_SECTION_BYTES = 32 * 1024 * 1024
 
 
 def section_planes(num_hz: int, group: int, seqlen_k: int, d_pad: int, dv_pad: int) -> int:
-    """(z, h) planes per section of the persistent walk of a masked mode (the kernel's
-    ``section`` argument): as many kv heads as fit :data:`L2_SECTION_BYTES` (seqlen_k x
-    (d_pad + dv_pad) x 2 B each, at least one) times the GQA ``group``, at most num_hz."""
+    """The most (z, h) planes a section of the persistent walk of a masked mode may hold:
+    as many kv heads as fit :data:`L2_SECTION_BYTES` (seqlen_k x (d_pad + dv_pad) x 2 B
+    each, at least one) times the GQA ``group``, at most num_hz."""
     kv_bytes = max(1, seqlen_k * (d_pad + dv_pad) * 2)
     return max(1, min(max(L2_SECTION_BYTES // kv_bytes, 1) * group, num_hz))
+
+
+#: What one tile of the persistent walk costs beyond its key tiles, in key tiles (its Q
+#: block, the normalisation and store of O): the constant of :func:`walk_balance`'s model.
+TILE_OVERHEAD = 1.0
+
+#: Section sizes :func:`balanced_section` compares at most (multiples of the GQA group,
+#: spread evenly up to the L2 cap).
+MAX_SECTION_CANDIDATES = 128
+
+#: Whether :func:`walk_section` balances the walk (False: every section holds the L2 cap
+#: of :func:`section_planes`, the rule before the balance; ``benchmarks/l2_sections.py``
+#: compares the two).
+BALANCE_SECTIONS = True
+
+
+def key_tiles(m0: int, block_mt: int, block_n: int, seqlen_q: int, seqlen_k: int, mask: str, diag_lo: int,
+              diag_hi: int) -> int:
+    """BLOCK_N key tiles of the query block of ``block_mt`` rows from row ``m0``: the
+    forward template's ``_key_tiles`` on Python ints (``mask``: "none", "causal" or
+    "window"; ``diag_lo``/``diag_hi`` as :func:`flashgen.masks.mask_bounds` gives them)."""
+    if mask == "none":
+        n_start, n_end = 0, seqlen_k
+    else:
+        m_last = min(m0 + block_mt, seqlen_q) - 1
+        n_end = max(min(seqlen_k, m_last + diag_hi + 1), 0)
+        n_start = (max(m0 + diag_lo, 0) // block_n) * block_n if mask == "window" else 0
+    return -(-max(n_end - n_start, 0) // block_n)
+
+
+def walk_balance(block_work: tuple[float, ...], num_hz: int, section: int, programs: int) -> float:
+    """Largest over mean work of the ``programs`` programs of the static walk
+    (:func:`persistent_order`; program p takes tiles p, p + programs, ...), where the
+    tile of query block m costs ``block_work[m]``.  1.0 is a perfect balance; the
+    kernel's time grows with it (the last program to finish ends the kernel).
+
+    The tiles of one section come in runs of n_hz equal tiles (one query block over the
+    section's planes), so each run adds its work to every program floor(len / programs)
+    times and once more to a cyclic range of programs: O(runs + programs)."""
+    num_m = len(block_work)
+    num_tiles = num_m * num_hz
+    programs = max(1, min(programs, num_tiles))
+    diff = [0.0] * (programs + 1)
+    flat = 0.0
+    t = 0
+    for base in range(0, num_hz, section):
+        n_hz = min(section, num_hz - base)
+        for m in range(num_m - 1, -1, -1):
+            w = block_work[m]
+            full, rest = divmod(n_hz, programs)
+            flat += w * full
+            a = t % programs
+            if rest:
+                end = a + rest
+                diff[a] += w
+                if end <= programs:
+                    diff[end] -= w
+                else:
+                    diff[programs] -= w
+                    diff[0] += w
+                    diff[end - programs] -= w
+            t += n_hz
+    run, most = 0.0, 0.0
+    for p in range(programs):
+        run += diff[p]
+        most = max(most, run)
+    total = sum(block_work) * num_hz
+    return (most + flat) / (total / programs) if total else 1.0
+
+
+@functools.lru_cache(maxsize=1024)
+def balanced_section(num_hz: int, group: int, cap: int, block_work: tuple[float, ...], programs: int) -> int:
+    """The section (planes per section, at most ``cap``) whose static walk is best
+    balanced (:func:`walk_balance`), among multiples of the GQA ``group`` (a kv head's
+    query heads stay in one section and share its K and V in L2) and ``cap`` itself; the
+    cap wins unless another size is better balanced by more than half a percent, and a
+    tie goes to the larger section.
+
+    The walk deals the tiles out round-robin, so a section whose tile count is not a
+    whole number of rounds shifts which programs get the long tiles of the next section;
+    the cap of 32 MB gave some short causal keys a largest program 12-14% over the mean
+    (``docs/design.md``, the persistent walk's balance)."""
+    ks = range(1, max(1, cap // group) + 1)
+    if len(ks) > MAX_SECTION_CANDIDATES:
+        step = len(ks) / MAX_SECTION_CANDIDATES
+        ks = sorted({ks[int(i * step)] for i in range(MAX_SECTION_CANDIDATES)} | {ks[-1]})
+    cands = sorted({min(k * group, cap) for k in ks} | {cap})
+    at_cap = walk_balance(block_work, num_hz, cap, programs)
+    best, best_b = cap, at_cap
+    for sec in reversed(cands):
+        b = walk_balance(block_work, num_hz, sec, programs)
+        if b < best_b - 1e-9:
+            best, best_b = sec, b
+    return best if best_b < at_cap - 0.005 else cap
+
+
+def walk_section(num_hz: int, group: int, seqlen_q: int, seqlen_k: int, d_pad: int, dv_pad: int, mask: str,
+                 diag_lo: int, diag_hi: int, block_mt: int, block_n: int, programs: int) -> int:
+    """The launcher's ``section`` argument for the persistent walk of a masked mode:
+    :func:`balanced_section` under the L2 cap of :func:`section_planes`, with each query
+    block's work its key tiles (:func:`key_tiles`) plus :data:`TILE_OVERHEAD`.
+    ``block_mt``: query rows per tile (BLOCK_M x num_consumers); ``programs``: the grid."""
+    cap = section_planes(num_hz, group, seqlen_k, d_pad, dv_pad)
+    if not BALANCE_SECTIONS:
+        return cap
+    num_m = -(-seqlen_q // block_mt)
+    work = tuple(key_tiles(m * block_mt, block_mt, block_n, seqlen_q, seqlen_k, mask, diag_lo, diag_hi) + TILE_OVERHEAD
+                 for m in range(num_m))
+    return balanced_section(num_hz, group, cap, work, programs)
 
 
 def persistent_order(num_m_blocks: int, num_hz: int, section: int) -> list[tuple[int, int]]:

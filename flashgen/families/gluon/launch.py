@@ -20,7 +20,7 @@ import torch
 from ... import plans
 from ...fastlaunch import launch
 from ..triton.launch import tma_ok as _tma_ok
-from .config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, pad, section_planes
+from .config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, pad, walk_section
 
 LOG2E = 1.4426950408889634
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -140,7 +140,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         _descriptor(q, rows, pad(d)), _descriptor(k, config.BLOCK_N, pad(d)), _descriptor(v, config.BLOCK_N, pad(dv)),
         _descriptor(out, rows, pad(dv)), lse, *(() if sinks is None else (sinks,)), softmax_scale * LOG2E,
         num_tiles, num_m_blocks, h, h // hk, sq, sk, diag_lo, diag_hi,
-        *((section_planes(b * h, h // hk, sk, pad(d), pad(dv)),) if config.persistent >= 2 and mask != "none" else ()),
+        *((walk_section(b * h, h // hk, sq, sk, pad(d), pad(dv), mask, diag_lo, diag_hi, rows * config.num_consumers,
+                        config.BLOCK_N, grid[0]),) if config.persistent >= 2 and mask != "none" else ()),
         *(() if user is None else user.gluon_fwd_args(softmax_scale, rows * config.num_consumers, config.BLOCK_N)),
     )
     kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
