@@ -76,10 +76,20 @@ X3_SHAPES = [(32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True), (8, 32, 
              (4, 32, 32, 4096, 64, True), (32, 32, 32, 512, 64, False), (16, 32, 32, 1024, 64, False)]
 
 
-def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None):
+#: The set "snake" times the persistent causal walk dealt in alternating directions
+#: (``snake``) beside the same tiles dealt one way, on the keys whose one-way deal the
+#: section size cannot balance (few rounds: Llama batch 1-2; one section of every plane:
+#: the training step's layer 4 x 16/4 x 2048) and on short grid keys.
+SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 1024, 128, True),
+                (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True),
+                (32, 16, 16, 512, 128, True), (8, 16, 16, 2048, 128, True), (32, 32, 32, 512, 64, True),
+                (16, 32, 32, 1024, 64, True)]
+
+
+def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
-                          pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
+                          pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake)
 
 
 def variant_set(name: str) -> list[GluonFwdVariant]:
@@ -110,6 +120,15 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
                  _cfg(nc=1, stages=3, ctas=2), _cfg(nc=1, stages=4, pers=2), _cfg(bn=64, stages=6, pers=2)],
         }
         out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), c) for d, cfgs in timed.items() for c in cfgs]
+        return [v for v in out if not check(v)]
+    if name == "snake":
+        # the shipped rows' tiles of the masked walks, each dealt one way and alternating
+        base = {128: [_cfg(pers=2), _cfg(pers=3), _cfg(bn=64, pers=2), _cfg(nc=1, bn=64, ctas=2, pers=2)],
+                64: [_cfg(nc=1, bn=64, stages=3, ctas=3, pers=3), _cfg(pers=3)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), dataclasses.replace(c, snake=sn))
+               for d, cfgs in base.items() for c in cfgs for sn in (False, True)]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), dataclasses.replace(cfgs[-1], snake=True))
+                for d, cfgs in base.items() for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         return [v for v in out if not check(v)]
     if name == "x3":
         cfgs = [_cfg(nc=1, bn=64, stages=3, ctas=2, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=2),
@@ -359,7 +378,7 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
-    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3"))
+    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -394,7 +413,8 @@ def main(argv=None) -> int:
 
         out["device"] = torch.cuda.get_device_name()
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
-        shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES}.get(args.set)
+        shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
+                  "snake": SNAKE_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))

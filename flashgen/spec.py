@@ -223,7 +223,7 @@ class KernelSpec:
 #: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
               ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
-              ("kv_store", "_kvt"))
+              ("kv_store", "_kvt"), ("snake", "_snake"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -274,7 +274,9 @@ class TileConfig:
     is staged for its reduce-add in the wgmma accumulator's fragment order instead of
     row-major with the 128-byte swizzle (``_dqf``); ``kv_store`` 1: the backward's dK
     and dV leave through the program's K and V tiles in shared memory by TMA stores
-    instead of register stores (``_kvt``).
+    instead of register stores (``_kvt``); ``snake`` 1: the forward's walk of 2 or 3 with a
+    mask deals its tiles in alternating directions, odd rounds from the last program
+    (``_snake``).
     """
 
     BLOCK_M: int
@@ -299,6 +301,7 @@ class TileConfig:
     dq_ordered: int = 0
     dq_stage: int = 0
     kv_store: int = 0
+    snake: int = 0
 
     @property
     def id(self) -> str:

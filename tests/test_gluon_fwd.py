@@ -138,6 +138,13 @@ COMPILE_CASES = [
                                         ctas_per_sm=3, persistent=3)),
     ("bfloat16", 64, 64, "none", dict(BLOCK_N=64, num_stages=4, num_consumers=1, consumer_regs=136,
                                       ctas_per_sm=3)),
+    # the walk dealt in alternating directions (snake), beside its one-direction twins
+    ("bfloat16", 64, 64, "causal", dict(BLOCK_N=64, num_stages=3, num_consumers=1, consumer_regs=136,
+                                        ctas_per_sm=3, persistent=3, snake=True)),
+    ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, num_consumers=1, consumer_regs=232, ctas_per_sm=2,
+                                          persistent=2)),
+    ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, num_consumers=1, consumer_regs=232, ctas_per_sm=2,
+                                          persistent=2, snake=True)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
@@ -196,6 +203,10 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
         if row["pin"]:
             # one tile's P (64 x BLOCK_N / 128 threads) between the waits
             assert row["exps"] >= row["block_n"] // 2, row
+        twin = by_id.get(row["id"].replace("_snake", ""))
+        if "_snake" in row["id"] and twin is not None:  # the deal is index arithmetic before the tile's loads
+            assert (row["hgmma"], row["setmaxnreg"], row["spill"]) == (twin["hgmma"], twin["setmaxnreg"],
+                                                                       twin["spill"]), (row, twin)
         plain = by_id.get(row["id"].replace("_sinks", ""))
         if "_sinks" in row["id"] and plain is not None:  # the key loop as the plain variant's
             assert (row["hgmma"], row["setmaxnreg"], row["exps"]) == (plain["hgmma"], plain["setmaxnreg"],
@@ -339,22 +350,28 @@ def test_the_key_tile_model_is_the_kernels_key_range():
 def test_the_walk_balance_model_counts_every_programs_tiles():
     """config.walk_balance (its run-length form) equals the largest over mean work of
     the programs that take the tiles of persistent_order round-robin, counted tile by
-    tile."""
+    tile, dealt in one direction or alternating (snake, config.dealt_tile: a
+    permutation that reverses odd rounds only)."""
     import random
 
-    from flashgen.families.gluon.config import persistent_order, walk_balance
+    from flashgen.families.gluon.config import dealt_tile, persistent_order, walk_balance
 
     rng = random.Random(0)
-    for _ in range(300):
+    for i in range(600):
         num_m, num_hz = rng.randint(1, 20), rng.randint(1, 80)
         section, programs = rng.randint(1, num_hz), rng.randint(1, 300)
+        snake = bool(i % 2)
         work = tuple(rng.random() * 10 for _ in range(num_m))
         order = persistent_order(num_m, num_hz, section)
         n = min(programs, len(order))
+        dealt = [dealt_tile(t, len(order), n, snake) for t in range(len(order))]
+        assert sorted(dealt) == list(range(len(order)))
+        assert all(d // n == t // n for t, d in enumerate(dealt)) and (snake or dealt == sorted(dealt))
         per = [0.0] * n
-        for t, (_, m) in enumerate(order):
-            per[t % n] += work[m]
-        assert walk_balance(work, num_hz, section, programs) == pytest.approx(max(per) / (sum(per) / n), rel=1e-12)
+        for t, d in enumerate(dealt):
+            per[t % n] += work[order[d][1]]
+        want = max(per) / (sum(per) / n)
+        assert walk_balance(work, num_hz, section, programs, snake) == pytest.approx(want, rel=1e-12)
 
 
 def test_the_launcher_picks_the_best_balanced_section_under_the_l2_cap():
@@ -379,6 +396,15 @@ def test_the_launcher_picks_the_best_balanced_section_under_the_l2_cap():
         if (num_hz, n) in ((512, 512), (128, 2048)):
             assert config.walk_balance(work, num_hz, cap, programs) > 1.12
             assert sec != cap and config.walk_balance(work, num_hz, sec, programs) < 1.03
+        snake = config.walk_section(num_hz, group, n, n, 128, 128, "causal", 0, 0, bmt, bn, programs, True)
+        assert 1 <= snake <= cap and (snake % group == 0 or snake == cap)
+        assert config.walk_balance(work, num_hz, snake, programs, True) <= \
+            config.walk_balance(work, num_hz, cap, programs, True)
+        if (num_hz, n) in ((32, 1024), (64, 2048)):
+            # few rounds, or one section of every plane: no section balances the one-way
+            # deal (1.34 and 1.09), the alternating one does
+            assert sec == cap and config.walk_balance(work, num_hz, cap, programs) > 1.08
+            assert config.walk_balance(work, num_hz, snake, programs, True) < 1.035
     old = config.BALANCE_SECTIONS
     try:
         config.BALANCE_SECTIONS = False
@@ -395,13 +421,23 @@ def test_the_persistent_walk_takes_every_tile_once_longest_first():
     and V fit L2_SECTION_BYTES unless a single kv head does not."""
     import types
 
-    from flashgen.families.gluon.config import L2_SECTION_BYTES, persistent_order, section_planes
+    from flashgen.families.gluon.config import L2_SECTION_BYTES, dealt_tile, persistent_order, section_planes
 
     src = render(GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "causal"), GluonFwdConfig(persistent=2)))
     fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "_tile_coords_lpt")
     fn.decorator_list = []
     ns = {"gl": types.SimpleNamespace(minimum=min, maximum=max), "BLOCK_MT": 128}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), "<lpt>", "exec"), ns)
+    # the same walk dealt in alternating directions: the kernel's tile at loop index t is
+    # persistent_order's at config.dealt_tile(t)
+    snake = render(GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "causal"),
+                                   GluonFwdConfig(persistent=2, snake=True)))
+    fn = next(n for n in ast.parse(snake).body if isinstance(n, ast.FunctionDef) and n.name == "_tile_coords_lpt")
+    fn.decorator_list = []
+    programs = [132]
+    sns = {"gl": types.SimpleNamespace(minimum=min, maximum=max, num_programs=lambda axis: programs[0]),
+           "BLOCK_MT": 128}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "<lpt_snake>", "exec"), sns)
     for num_m, b, h, group, sk in ((4, 2, 16, 1, 512), (33, 2, 24, 1, 4097), (8, 3, 32, 4, 1000), (5, 1, 7, 7, 300000)):
         num_hz = b * h
         sec = section_planes(num_hz, group, sk, 128, 128)
@@ -411,6 +447,12 @@ def test_the_persistent_walk_takes_every_tile_once_longest_first():
         for tile, (hz, m) in enumerate(order):
             z, hh, kvh, off_hz, m0 = ns["_tile_coords_lpt"](tile, num_m * num_hz, num_m, h, group, sec)
             assert (off_hz, m0, z * h + hh, kvh) == (hz, m * 128, hz, hh // group)
+        for programs[0] in (132, 7, 1, len(order) + 5):
+            n = min(programs[0], len(order))
+            for tile in range(len(order)):
+                hz, m = order[dealt_tile(tile, len(order), n, True)]
+                z, hh, kvh, off_hz, m0 = sns["_tile_coords_lpt"](tile, num_m * num_hz, num_m, h, group, sec)
+                assert (off_hz, m0, z * h + hh, kvh) == (hz, m * 128, hz, hh // group)
         for start in range(0, num_hz, sec):  # one section: blocks longest first
             blocks = [m for hz, m in order if start <= hz < start + sec]
             assert blocks == sorted(blocks, reverse=True)

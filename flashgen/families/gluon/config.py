@@ -94,6 +94,11 @@ class GluonFwdConfig:
                    buffers per consumer, so the producer loads the next tile's Q
                    right after the current tile's first K/V tile (a whole tile ahead
                    instead of during its last P V product).
+    snake          with ``persistent`` 2 or 3 and a mask: the walk deals the tiles in
+                   alternating directions, program p taking the p-th tile of even
+                   rounds and the p-th from the end of odd ones, so the programs that
+                   get a round's longest tiles get the next round's shortest
+                   (:func:`dealt_tile`; a boustrophedon order).
     ctas_per_sm    programs resident on one SM (1, 2 or 3): the launch register cap
                    and the shared memory of a program are the SM's divided by it (two
                    or three one-consumer programs overlap one's prologue and epilogue
@@ -110,6 +115,7 @@ class GluonFwdConfig:
     pin_exps: bool = False
     persistent: int = 0
     ctas_per_sm: int = 1
+    snake: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,7 @@ class GluonFwdVariant:
         dv = "" if s.head_dim_v == s.head_dim else f"_dv{s.head_dim_v}"
         dt = {"float16": "fp16", "bfloat16": "bf16"}.get(s.dtype, s.dtype)
         pers = {0: "", 1: "_pers"}.get(int(c.persistent), f"_pers{int(c.persistent)}")
-        tail = ("_pin" if c.pin_exps else "") + pers + \
+        tail = ("_pin" if c.pin_exps else "") + pers + ("_snake" if c.snake else "") + \
             (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
@@ -239,38 +245,54 @@ def key_tiles(m0: int, block_mt: int, block_n: int, seqlen_q: int, seqlen_k: int
     return -(-max(n_end - n_start, 0) // block_n)
 
 
-def walk_balance(block_work: tuple[float, ...], num_hz: int, section: int, programs: int) -> float:
+def dealt_tile(tile: int, num_tiles: int, programs: int, snake: bool) -> int:
+    """The index into :func:`persistent_order` of the tile a program takes at loop index
+    ``tile`` (program p's loop runs p, p + programs, ...): the same index, or with
+    ``snake`` reversed within every odd round of ``programs`` tiles (the last round may
+    be shorter), as the template's ``_tile_coords_lpt`` deals them."""
+    if not snake:
+        return tile
+    rnd, pos = divmod(tile, programs)
+    width = min(programs, num_tiles - rnd * programs)
+    return rnd * programs + (width - 1 - pos if rnd % 2 else pos)
+
+
+def walk_balance(block_work: tuple[float, ...], num_hz: int, section: int, programs: int,
+                 snake: bool = False) -> float:
     """Largest over mean work of the ``programs`` programs of the static walk
-    (:func:`persistent_order`; program p takes tiles p, p + programs, ...), where the
-    tile of query block m costs ``block_work[m]``.  1.0 is a perfect balance; the
-    kernel's time grows with it (the last program to finish ends the kernel).
+    (:func:`persistent_order` dealt by :func:`dealt_tile`), where the tile of query block
+    m costs ``block_work[m]``.  1.0 is a perfect balance; the kernel's time grows with
+    it (the last program to finish ends the kernel).
 
     The tiles of one section come in runs of n_hz equal tiles (one query block over the
-    section's planes), so each run adds its work to every program floor(len / programs)
-    times and once more to a cyclic range of programs: O(runs + programs)."""
+    section's planes); a run's whole rounds add its work to every program, and its
+    pieces of a round to one range of programs (reversed in odd rounds with ``snake``):
+    O(runs + programs)."""
     num_m = len(block_work)
     num_tiles = num_m * num_hz
     programs = max(1, min(programs, num_tiles))
     diff = [0.0] * (programs + 1)
     flat = 0.0
-    t = 0
+    u = 0
     for base in range(0, num_hz, section):
         n_hz = min(section, num_hz - base)
         for m in range(num_m - 1, -1, -1):
-            w = block_work[m]
-            full, rest = divmod(n_hz, programs)
-            flat += w * full
-            a = t % programs
-            if rest:
-                end = a + rest
-                diff[a] += w
-                if end <= programs:
-                    diff[end] -= w
-                else:
-                    diff[programs] -= w
-                    diff[0] += w
-                    diff[end - programs] -= w
-            t += n_hz
+            w, end = block_work[m], u + n_hz
+            while u < end:
+                start = u - u % programs
+                width = min(programs, num_tiles - start)
+                if u == start and end - u >= programs:  # whole rounds (a round of the full width)
+                    k = (end - u) // programs
+                    flat += w * k
+                    u += k * programs
+                    continue
+                e = min(end, start + width)
+                lo, hi = u - start, e - start
+                if snake and (start // programs) % 2:
+                    lo, hi = width - hi, width - lo
+                diff[lo] += w
+                diff[hi] -= w
+                u = e
     run, most = 0.0, 0.0
     for p in range(programs):
         run += diff[p]
@@ -280,7 +302,8 @@ def walk_balance(block_work: tuple[float, ...], num_hz: int, section: int, progr
 
 
 @functools.lru_cache(maxsize=1024)
-def balanced_section(num_hz: int, group: int, cap: int, block_work: tuple[float, ...], programs: int) -> int:
+def balanced_section(num_hz: int, group: int, cap: int, block_work: tuple[float, ...], programs: int,
+                     snake: bool = False) -> int:
     """The section (planes per section, at most ``cap``) whose static walk is best
     balanced (:func:`walk_balance`), among multiples of the GQA ``group`` (a kv head's
     query heads stay in one section and share its K and V in L2) and ``cap`` itself; the
@@ -296,28 +319,29 @@ def balanced_section(num_hz: int, group: int, cap: int, block_work: tuple[float,
         step = len(ks) / MAX_SECTION_CANDIDATES
         ks = sorted({ks[int(i * step)] for i in range(MAX_SECTION_CANDIDATES)} | {ks[-1]})
     cands = sorted({min(k * group, cap) for k in ks} | {cap})
-    at_cap = walk_balance(block_work, num_hz, cap, programs)
+    at_cap = walk_balance(block_work, num_hz, cap, programs, snake)
     best, best_b = cap, at_cap
     for sec in reversed(cands):
-        b = walk_balance(block_work, num_hz, sec, programs)
+        b = walk_balance(block_work, num_hz, sec, programs, snake)
         if b < best_b - 1e-9:
             best, best_b = sec, b
     return best if best_b < at_cap - 0.005 else cap
 
 
 def walk_section(num_hz: int, group: int, seqlen_q: int, seqlen_k: int, d_pad: int, dv_pad: int, mask: str,
-                 diag_lo: int, diag_hi: int, block_mt: int, block_n: int, programs: int) -> int:
+                 diag_lo: int, diag_hi: int, block_mt: int, block_n: int, programs: int, snake: bool = False) -> int:
     """The launcher's ``section`` argument for the persistent walk of a masked mode:
     :func:`balanced_section` under the L2 cap of :func:`section_planes`, with each query
     block's work its key tiles (:func:`key_tiles`) plus :data:`TILE_OVERHEAD`.
-    ``block_mt``: query rows per tile (BLOCK_M x num_consumers); ``programs``: the grid."""
+    ``block_mt``: query rows per tile (BLOCK_M x num_consumers); ``programs``: the grid;
+    ``snake``: the config's alternating deal."""
     cap = section_planes(num_hz, group, seqlen_k, d_pad, dv_pad)
     if not BALANCE_SECTIONS:
         return cap
     num_m = -(-seqlen_q // block_mt)
     work = tuple(key_tiles(m * block_mt, block_mt, block_n, seqlen_q, seqlen_k, mask, diag_lo, diag_hi) + TILE_OVERHEAD
                  for m in range(num_m))
-    return balanced_section(num_hz, group, cap, work, programs)
+    return balanced_section(num_hz, group, cap, work, programs, snake)
 
 
 def persistent_order(num_m_blocks: int, num_hz: int, section: int) -> list[tuple[int, int]]:
@@ -383,6 +407,12 @@ def check(v: GluonFwdVariant) -> list[str]:
     if c.persistent == 3 and s.sinks:
         why.append("persistent=3 with attention sinks: not built (the sinks variant's code id covers the walk "
                    "of persistent 2 only)")
+    if c.snake and (c.persistent < 2 or s.mask == "none"):
+        why.append(f"snake with persistent={c.persistent} and mask {s.mask!r}: the alternating deal is a mode of "
+                   "the walks of 2 and 3 with a mask (longest-first tiles)")
+    if c.snake and s.sinks:
+        why.append("snake with attention sinks: not built (the sinks variant's code id covers the walk of "
+                   "persistent 2 only)")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
@@ -455,11 +485,12 @@ def default_config(s: GluonFwdSpec) -> GluonFwdConfig:
 def space(s: GluonFwdSpec):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
     :func:`check`)."""
-    for nc, bn, stages, pin, pers, ctas in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True),
-                                                             (0, 1, 2, 3), CTAS_PER_SM):
+    for nc, bn, stages, pin, pers, ctas, snake in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6),
+                                                                    (False, True), (0, 1, 2, 3), CTAS_PER_SM,
+                                                                    (False, True)):
         cr, pr = default_regs(nc, ctas)
         cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
-                             pin_exps=pin, persistent=pers, ctas_per_sm=ctas)
+                             pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake)
         if valid(GluonFwdVariant(s, cfg)):
             yield cfg
 
@@ -476,7 +507,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs, MAXNREG=maxnreg(c),
                 # 0/1 render as False/True, as before the walk existed (the code ids follow the source)
                 PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent if c.persistent >= 2 else bool(c.persistent),
-                CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks,
+                CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks, SNAKE=c.snake,
                 **user_vars(s.user))
 
 

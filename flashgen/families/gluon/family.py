@@ -36,7 +36,7 @@ NAME = "gluon"
 _ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
 #: The TileConfig knobs each Gluon kernel reads (the others must stay 0).
 _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
-              "persistent", "ctas_per_sm", "family"}
+              "persistent", "ctas_per_sm", "snake", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
               "kv_store", "family"}
@@ -118,7 +118,7 @@ def fwd_config(c: TileConfig) -> C.GluonFwdConfig:
         C.default_regs(nc, ctas) if nc in (1, 2, 3) and ctas in C.CTAS_PER_SM else (0, 0)
     return C.GluonFwdConfig(BLOCK_M=c.BLOCK_M, num_consumers=nc, BLOCK_N=c.BLOCK_N, num_stages=c.num_stages,
                             consumer_regs=cr, producer_regs=pr, pin_exps=bool(c.pin),
-                            persistent=int(c.persistent), ctas_per_sm=ctas)
+                            persistent=int(c.persistent), ctas_per_sm=ctas, snake=bool(c.snake))
 
 
 def _bwd_default_regs(consumers: int) -> tuple[int, int]:
@@ -156,7 +156,8 @@ def tile_config(g) -> TileConfig:
         return TileConfig(g.BLOCK_M, g.BLOCK_N, 4 * g.num_consumers, g.num_stages, family=NAME,
                           consumer_regs=0 if regs == default else regs[0],
                           producer_regs=0 if regs == default else regs[1], pin=int(g.pin_exps),
-                          persistent=int(g.persistent), ctas_per_sm=0 if g.ctas_per_sm == 1 else g.ctas_per_sm)
+                          persistent=int(g.persistent), ctas_per_sm=0 if g.ctas_per_sm == 1 else g.ctas_per_sm,
+                          snake=int(g.snake))
     regs = (g.consumer_regs, g.producer_regs)
     default = _bwd_default_regs(g.consumers)
     return TileConfig(g.block_m, g.block_n, 4 * g.consumers, g.stages, family=NAME,
@@ -222,7 +223,8 @@ class GluonFamily:
         was)."""
         if key.spec.kernel == "fwd":
             return {"BLOCK_M": (64,), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12), "num_stages": (2, 3, 4, 5, 6),
-                    "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM)}
+                    "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM),
+                    "snake": (0, 1)}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
                "kv_store": (0, 1)}

@@ -141,7 +141,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         _descriptor(out, rows, pad(dv)), lse, *(() if sinks is None else (sinks,)), softmax_scale * LOG2E,
         num_tiles, num_m_blocks, h, h // hk, sq, sk, diag_lo, diag_hi,
         *((walk_section(b * h, h // hk, sq, sk, pad(d), pad(dv), mask, diag_lo, diag_hi, rows * config.num_consumers,
-                        config.BLOCK_N, grid[0]),) if config.persistent >= 2 and mask != "none" else ()),
+                        config.BLOCK_N, grid[0], config.snake),) if config.persistent >= 2 and mask != "none"
+          else ()),
         *(() if user is None else user.gluon_fwd_args(softmax_scale, rows * config.num_consumers, config.BLOCK_N)),
     )
     kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
