@@ -48,15 +48,15 @@ def record_walks(log: list) -> None:
     from flashgen.families.gluon import config, launch
 
     def walk_section(num_hz, group, seqlen_q, seqlen_k, d_pad, dv_pad, mask, diag_lo, diag_hi, block_mt, block_n,
-                     programs):
+                     programs, snake=False):
         sec = config.walk_section(num_hz, group, seqlen_q, seqlen_k, d_pad, dv_pad, mask, diag_lo, diag_hi,
-                                  block_mt, block_n, programs)
+                                  block_mt, block_n, programs, snake)
         cap = config.section_planes(num_hz, group, seqlen_k, d_pad, dv_pad)
         work = tuple(config.key_tiles(m * block_mt, block_mt, block_n, seqlen_q, seqlen_k, mask, diag_lo, diag_hi)
                      + config.TILE_OVERHEAD for m in range(-(-seqlen_q // block_mt)))
         log.append({"section": sec, "cap": cap, "programs": programs, "block_mt": block_mt, "block_n": block_n,
-                    "balance": config.walk_balance(work, num_hz, sec, programs),
-                    "balance_cap": config.walk_balance(work, num_hz, cap, programs)})
+                    "snake": snake, "balance": config.walk_balance(work, num_hz, sec, programs, snake),
+                    "balance_cap": config.walk_balance(work, num_hz, cap, programs, snake)})
         return sec
 
     launch.walk_section = walk_section

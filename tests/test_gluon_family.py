@@ -785,3 +785,13 @@ def test_a_whole_backward_row_alone_is_named_in_the_reason(tmp_path):
     plan = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90).backward(key("bwd_dq"), capturing=False)
     assert not plan.whole and "has no bwd_dq + bwd_dkdv rows of its bucket" in plan.reason, plan.reason
     assert "untuned" not in plan.reason
+
+
+def test_the_forward_switches_take_0_or_1_only():
+    # pin and snake are switches: another value would give a second id for one kernel
+    base = TileConfig(64, 128, 8, 2, family="gluon", persistent=2)
+    k = key("fwd", "bfloat16", 128, mask="causal")
+    assert GLUON.violated_rules(Variant(k.spec, dataclasses.replace(base, snake=1))) == []
+    for name in ("pin", "snake"):
+        bad = dataclasses.replace(base, **{name: 2})
+        assert f"{name}=2: 0 (off) or 1 (on)" in GLUON.violated_rules(Variant(k.spec, bad))

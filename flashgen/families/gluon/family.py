@@ -269,6 +269,9 @@ class GluonFamily:
             why = _foreign_knobs(c, _FWD_KNOBS)
             if c.num_warps % 4:
                 why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
+            for name in ("pin", "snake"):  # switches: another value would name the same kernel twice
+                if getattr(c, name) not in (0, 1):
+                    why.append(f"{name}={getattr(c, name)}: 0 (off) or 1 (on)")
             return why + C.check(C.GluonFwdVariant(fwd_spec(s), fwd_config(c)))
         if s.kernel == WHOLE_BWD:
             why = _foreign_knobs(c, _BWD_KNOBS)
