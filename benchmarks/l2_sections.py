@@ -52,8 +52,7 @@ def record_walks(log: list) -> None:
         sec = config.walk_section(num_hz, group, seqlen_q, seqlen_k, d_pad, dv_pad, mask, diag_lo, diag_hi,
                                   block_mt, block_n, programs, snake)
         cap = config.section_planes(num_hz, group, seqlen_k, d_pad, dv_pad)
-        work = tuple(config.key_tiles(m * block_mt, block_mt, block_n, seqlen_q, seqlen_k, mask, diag_lo, diag_hi)
-                     + config.TILE_OVERHEAD for m in range(-(-seqlen_q // block_mt)))
+        work = config.block_work(seqlen_q, seqlen_k, mask, diag_lo, diag_hi, block_mt, block_n)
         log.append({"section": sec, "cap": cap, "programs": programs, "block_mt": block_mt, "block_n": block_n,
                     "snake": snake, "balance": config.walk_balance(work, num_hz, sec, programs, snake),
                     "balance_cap": config.walk_balance(work, num_hz, cap, programs, snake)})

@@ -24,10 +24,11 @@ import csv
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from ncu_stalls import find_ncu  # noqa: E402  (benchmarks/ is the script's directory)
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("flashgen", "cudnn")
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
         return 0
     if not args.shape:
         ap.error("at least one --shape is required")
-    ncu = shutil.which("ncu") or next((str(p) for p in Path("/opt/nvidia").glob("nsight-compute/*/ncu")), None)
+    ncu = find_ncu()
     if ncu is None:
         ap.error("ncu (Nsight Compute) is neither on PATH nor under /opt/nvidia/nsight-compute")
     results = [run(s, b, args.kind, ncu) for s in args.shape for b in (args.backend or BACKENDS)]

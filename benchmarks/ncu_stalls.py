@@ -190,6 +190,11 @@ def details_lines(text: str, wanted=("Duration", "Compute (SM) Throughput", "Reg
     return out
 
 
+def find_ncu() -> str | None:
+    """Nsight Compute's ``ncu``: on PATH, else an install under /opt/nvidia/nsight-compute."""
+    return shutil.which("ncu") or next((str(p) for p in Path("/opt/nvidia").glob("nsight-compute/*/ncu")), None)
+
+
 def child(case: str) -> None:
     """The profiled program: two calls of the case (forward, or forward and backward)."""
     sys.path.insert(0, str(ROOT))
@@ -296,7 +301,7 @@ def main(argv=None) -> int:
         return 0
     if not args.out or not args.case:
         ap.error("--out and at least one --case are required")
-    ncu = shutil.which("ncu") or next((str(p) for p in Path("/opt/nvidia").glob("nsight-compute/*/ncu")), None)
+    ncu = find_ncu()
     if ncu is None:
         print("ncu_stalls: Nsight Compute (ncu) is not on this machine", file=sys.stderr)
         return 2

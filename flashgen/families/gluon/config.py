@@ -338,10 +338,17 @@ def walk_section(num_hz: int, group: int, seqlen_q: int, seqlen_k: int, d_pad: i
     cap = section_planes(num_hz, group, seqlen_k, d_pad, dv_pad)
     if not BALANCE_SECTIONS:
         return cap
-    num_m = -(-seqlen_q // block_mt)
-    work = tuple(key_tiles(m * block_mt, block_mt, block_n, seqlen_q, seqlen_k, mask, diag_lo, diag_hi) + TILE_OVERHEAD
-                 for m in range(num_m))
-    return balanced_section(num_hz, group, cap, work, programs, snake)
+    return balanced_section(num_hz, group, cap, block_work(seqlen_q, seqlen_k, mask, diag_lo, diag_hi, block_mt,
+                                                           block_n), programs, snake)
+
+
+@functools.lru_cache(maxsize=1024)
+def block_work(seqlen_q: int, seqlen_k: int, mask: str, diag_lo: int, diag_hi: int, block_mt: int,
+               block_n: int) -> tuple[float, ...]:
+    """Each query block's work in the walk's model: its key tiles (:func:`key_tiles`) plus
+    :data:`TILE_OVERHEAD` (memoized: the launcher asks on every call without a plan)."""
+    return tuple(key_tiles(m * block_mt, block_mt, block_n, seqlen_q, seqlen_k, mask, diag_lo, diag_hi)
+                 + TILE_OVERHEAD for m in range(-(-seqlen_q // block_mt)))
 
 
 def persistent_order(num_m_blocks: int, num_hz: int, section: int) -> list[tuple[int, int]]:
