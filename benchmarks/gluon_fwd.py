@@ -23,7 +23,8 @@ cuDNN, with the geometric mean over the shapes.
 ``--set x3c`` holds variants outside the rules (:data:`RULES_OFF`: three consumers at
 BLOCK_N 128 with the causal mask, which the register model rejects): they are built and
 checked with the rules off, in this process and its children only, to measure what the
-rule costs.
+rule costs.  ``--set sermask`` times the masked tiles without the intra-warpgroup overlap
+(``serial_masked``), which admits that tile within the rules.
 """
 
 from __future__ import annotations
@@ -88,16 +89,24 @@ X3_SHAPES = [(32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True), (8, 32, 
 #: The grid's head_dim 64 causal shapes (the probe of three consumers with the mask).
 X3C_SHAPES = [(32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True), (8, 32, 32, 2048, 64, True),
               (4, 32, 32, 4096, 64, True), (2, 32, 32, 8192, 64, True), (1, 32, 32, 16384, 64, True)]
+#: The set "sermask" times the masked tiles run without the intra-warpgroup overlap
+#: (``serial_masked``): FlashAttention-3's head_dim 64 causal tile (three consumers, BLOCK_N
+#: 128), which that leaves without spills, and the shipped causal rows' tiles with it, on
+#: the grid's causal shapes, the Llama batch-1 keys and the training step's layer.
+SERMASK_SHAPES = X3C_SHAPES + [
+    (32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16, 16, 2048, 128, True),
+    (4, 16, 16, 4096, 128, True), (1, 16, 16, 16384, 128, True), (1, 32, 8, 1024, 128, True),
+    (1, 32, 8, 2048, 128, True), (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True)]
 SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 1024, 128, True),
                 (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True),
                 (32, 16, 16, 512, 128, True), (8, 16, 16, 2048, 128, True), (32, 32, 32, 512, 64, True),
                 (16, 32, 32, 1024, 64, True)]
 
 
-def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False):
+def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
-                          pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake)
+                          pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
 
 
 def variant_set(name: str) -> list[GluonFwdVariant]:
@@ -151,6 +160,24 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
                 GluonFwdVariant(GluonFwdSpec("float16", 64, 64, "causal"), probe[2])]
         return out + [GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, "causal"), c) for c in ref
                       if not check(GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, "causal"), c))]
+    if name == "sermask":
+        # each shipped causal tile and its serial twin; the three-consumer head_dim 64 tile
+        # of BLOCK_N 128, which the rule admits only serial
+        base = {64: [_cfg(nc=1, bn=64, stages=3, ctas=3, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=3, pers=3, snake=True),
+                     _cfg(stages=2, pers=3), _cfg(stages=4)],
+                128: [_cfg(nc=1, bn=64, ctas=2, pers=2), _cfg(bn=64, pers=2, snake=True),
+                      _cfg(pin=True, pers=3), _cfg(pin=True, pers=3, snake=True), _cfg(pers=2, snake=True),
+                      _cfg(pin=True), _cfg(stages=3)]}
+        x3 = [_cfg(nc=3, stages=s, pers=p, serial=True) for s, p in ((2, 0), (3, 0), (4, 0), (2, 2), (3, 3))]
+        x3 += [_cfg(nc=3, stages=3, pers=3, snake=True, serial=True), _cfg(nc=3, stages=2, pers=3, serial=True)]
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), dataclasses.replace(c, serial_masked=sm))
+               for d, cfgs in base.items() for c in cfgs for sm in (False, True)]
+        out += [GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, "causal"), c) for c in x3]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, 64, 64, mask), c) for c in (x3[0], x3[4])
+                for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
+        out += [GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "window"), dataclasses.replace(base[128][2],
+                                                                                                  serial_masked=True))]
+        return [v for v in out if not check(v)]
     if name == "x3":
         cfgs = [_cfg(nc=1, bn=64, stages=3, ctas=2, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=2),
                 _cfg(stages=4, pers=2), _cfg(nc=1, bn=64, stages=3, ctas=3, pers=3),
@@ -414,7 +441,8 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
-    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c"))
+    p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c",
+                                                             "sermask"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -452,7 +480,7 @@ def main(argv=None) -> int:
         out["device"] = torch.cuda.get_device_name()
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
         shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
-                  "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES}.get(args.set)
+                  "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))

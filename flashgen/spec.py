@@ -223,7 +223,7 @@ class KernelSpec:
 #: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
               ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
-              ("kv_store", "_kvt"), ("snake", "_snake"))
+              ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -276,7 +276,8 @@ class TileConfig:
     and dV leave through the program's K and V tiles in shared memory by TMA stores
     instead of register stores (``_kvt``); ``snake`` 1: the forward's walk of 2 or 3 with a
     mask deals its tiles in alternating directions, odd rounds from the last program
-    (``_snake``).
+    (``_snake``); ``serial_masked`` 1: the forward's key tiles that cross a causal or
+    window mask retire the previous P V product before their softmax (``_sermask``).
     """
 
     BLOCK_M: int
@@ -302,6 +303,7 @@ class TileConfig:
     dq_stage: int = 0
     kv_store: int = 0
     snake: int = 0
+    serial_masked: int = 0
 
     @property
     def id(self) -> str:

@@ -792,6 +792,27 @@ def test_the_forward_switches_take_0_or_1_only():
     base = TileConfig(64, 128, 8, 2, family="gluon", persistent=2)
     k = key("fwd", "bfloat16", 128, mask="causal")
     assert GLUON.violated_rules(Variant(k.spec, dataclasses.replace(base, snake=1))) == []
-    for name in ("pin", "snake"):
+    assert GLUON.violated_rules(Variant(k.spec, dataclasses.replace(base, serial_masked=1))) == []
+    for name in ("pin", "snake", "serial_masked"):
         bad = dataclasses.replace(base, **{name: 2})
         assert f"{name}=2: 0 (off) or 1 (on)" in GLUON.violated_rules(Variant(k.spec, bad))
+
+
+def test_refining_consumers_leaves_programs_per_sm_that_only_one_consumer_fits(tmp_path):
+    """A one-consumer row of three programs per SM refined in num_warps, BLOCK_N and
+    serial_masked reaches FlashAttention-3's head_dim 64 causal tile (three consumers,
+    BLOCK_N 128, one program per SM), which only the serial masked tiles fit."""
+    k = key("fwd", "bfloat16", 64, mask="causal")
+    x3 = TileConfig(64, 64, 4, 3, family="gluon", persistent=3, ctas_per_sm=3)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, k, x3, 0.15)
+        [(best, cands)] = tuner.refine_configs(k, db, H200, SM90, ["serial_masked", "num_warps", "BLOCK_N"], ["gluon"])
+    assert best == x3
+    fa3 = TileConfig(64, 128, 12, 3, family="gluon", persistent=3, serial_masked=1)
+    assert fa3 in cands and dataclasses.replace(fa3, serial_masked=0) not in cands
+    assert dataclasses.replace(x3, serial_masked=1) in cands  # the row's own serial twin, still three per SM
+    assert all(not GLUON.violated_rules(Variant(k.spec, c)) for c in cands)
+    # refined in ctas_per_sm too, the knob is not moved
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        [(_, both)] = tuner.refine_configs(k, db, H200, SM90, ["num_warps", "ctas_per_sm"], ["gluon"])
+    assert all(c.num_warps == 4 for c in both if c.ctas_per_sm)

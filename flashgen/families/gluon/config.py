@@ -99,6 +99,12 @@ class GluonFwdConfig:
                    rounds and the p-th from the end of odd ones, so the programs that
                    get a round's longest tiles get the next round's shortest
                    (:func:`dealt_tile`; a boustrophedon order).
+    serial_masked  with a mask: the key tiles that cross it retire the previous
+                   tile's P V product before their softmax (no intra-warpgroup overlap
+                   there), so the previous P is dead while the mask and the
+                   exponentials run and the masked tiles need fewer registers than the
+                   unmasked ones (the mask's own registers leave the model); the other
+                   consumers' matrix work still overlaps them.
     ctas_per_sm    programs resident on one SM (1, 2 or 3): the launch register cap
                    and the shared memory of a program are the SM's divided by it (two
                    or three one-consumer programs overlap one's prologue and epilogue
@@ -116,6 +122,7 @@ class GluonFwdConfig:
     persistent: int = 0
     ctas_per_sm: int = 1
     snake: bool = False
+    serial_masked: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,7 @@ class GluonFwdVariant:
         dt = {"float16": "fp16", "bfloat16": "bf16"}.get(s.dtype, s.dtype)
         pers = {0: "", 1: "_pers"}.get(int(c.persistent), f"_pers{int(c.persistent)}")
         tail = ("_pin" if c.pin_exps else "") + pers + ("_snake" if c.snake else "") + \
+            ("_sermask" if c.serial_masked else "") + \
             (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
@@ -161,14 +169,16 @@ def smem_limit(c: GluonFwdConfig) -> int:
 def consumer_regs_needed(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
     """A consumer thread's register demand: the O accumulator (BLOCK_M x DV_PAD
     float32), one score tile (BLOCK_M x BLOCK_N float32), P of the previous tile in 16
-    bits while its P V product is in flight, a fixed overhead, and with pin_exps half a
-    score tile more (every exponential is live before the wait)."""
+    bits while its P V product is in flight, a fixed overhead, with a mask the mask's
+    terms (not with ``serial_masked``: there the masked tiles hold no previous P, which
+    frees more than the mask takes), and with pin_exps half a score tile more (every
+    exponential is live before the wait)."""
     per = c.BLOCK_M // 64  # a warpgroup holds 64 rows per register set
     o = per * pad(s.head_dim_v) // 2
     sc = per * c.BLOCK_N // 2
     p16 = per * c.BLOCK_N // 4
     user = user_regs(s.user, c.BLOCK_N)
-    return (o + sc + p16 + CONSUMER_OVERHEAD_REGS + (MASK_OVERHEAD_REGS if s.mask != "none" else 0) + user
+    return (o + sc + p16 + CONSUMER_OVERHEAD_REGS + (MASK_OVERHEAD_REGS if s.mask != "none" and not c.serial_masked else 0) + user
             + (sc // 2 if c.pin_exps else 0))
 
 
@@ -420,6 +430,12 @@ def check(v: GluonFwdVariant) -> list[str]:
     if c.snake and s.sinks:
         why.append("snake with attention sinks: not built (the sinks variant's code id covers the walk of "
                    "persistent 2 only)")
+    if c.serial_masked and s.mask == "none":
+        why.append("serial_masked with mask 'none': a mode of the masked key tiles of a causal or window mask "
+                   "(without one only the seqlen_k tail is masked)")
+    if c.serial_masked and (s.sinks or s.user):
+        why.append("serial_masked with attention sinks or user score/mask functions: not built (their code id "
+                   "covers the overlapped masked tiles only)")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
@@ -492,12 +508,12 @@ def default_config(s: GluonFwdSpec) -> GluonFwdConfig:
 def space(s: GluonFwdSpec):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
     :func:`check`)."""
-    for nc, bn, stages, pin, pers, ctas, snake in itertools.product((1, 2, 3), (64, 128), (2, 3, 4, 5, 6),
-                                                                    (False, True), (0, 1, 2, 3), CTAS_PER_SM,
-                                                                    (False, True)):
+    for nc, bn, stages, pin, pers, ctas, snake, serial in itertools.product(
+            (1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True), (0, 1, 2, 3), CTAS_PER_SM, (False, True),
+            (False, True)):
         cr, pr = default_regs(nc, ctas)
         cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
-                             pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake)
+                             pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
         if valid(GluonFwdVariant(s, cfg)):
             yield cfg
 
@@ -515,6 +531,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 # 0/1 render as False/True, as before the walk existed (the code ids follow the source)
                 PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent if c.persistent >= 2 else bool(c.persistent),
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks, SNAKE=c.snake,
+                SERIAL_MASKED=c.serial_masked,
                 **user_vars(s.user))
 
 

@@ -36,7 +36,7 @@ NAME = "gluon"
 _ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
 #: The TileConfig knobs each Gluon kernel reads (the others must stay 0).
 _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
-              "persistent", "ctas_per_sm", "snake", "family"}
+              "persistent", "ctas_per_sm", "snake", "serial_masked", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
               "kv_store", "family"}
@@ -118,7 +118,8 @@ def fwd_config(c: TileConfig) -> C.GluonFwdConfig:
         C.default_regs(nc, ctas) if nc in (1, 2, 3) and ctas in C.CTAS_PER_SM else (0, 0)
     return C.GluonFwdConfig(BLOCK_M=c.BLOCK_M, num_consumers=nc, BLOCK_N=c.BLOCK_N, num_stages=c.num_stages,
                             consumer_regs=cr, producer_regs=pr, pin_exps=bool(c.pin),
-                            persistent=int(c.persistent), ctas_per_sm=ctas, snake=bool(c.snake))
+                            persistent=int(c.persistent), ctas_per_sm=ctas, snake=bool(c.snake),
+                            serial_masked=bool(c.serial_masked))
 
 
 def _bwd_default_regs(consumers: int) -> tuple[int, int]:
@@ -157,7 +158,7 @@ def tile_config(g) -> TileConfig:
                           consumer_regs=0 if regs == default else regs[0],
                           producer_regs=0 if regs == default else regs[1], pin=int(g.pin_exps),
                           persistent=int(g.persistent), ctas_per_sm=0 if g.ctas_per_sm == 1 else g.ctas_per_sm,
-                          snake=int(g.snake))
+                          snake=int(g.snake), serial_masked=int(g.serial_masked))
     regs = (g.consumer_regs, g.producer_regs)
     default = _bwd_default_regs(g.consumers)
     return TileConfig(g.block_m, g.block_n, 4 * g.consumers, g.stages, family=NAME,
@@ -224,7 +225,7 @@ class GluonFamily:
         if key.spec.kernel == "fwd":
             return {"BLOCK_M": (64,), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12), "num_stages": (2, 3, 4, 5, 6),
                     "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM),
-                    "snake": (0, 1)}
+                    "snake": (0, 1), "serial_masked": (0, 1)}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
                "kv_store": (0, 1)}
@@ -247,8 +248,20 @@ class GluonFamily:
         dQ at head_dim 128 or split partitions there take the register stores of dK and
         dV, so refining ``group_split`` or ``dq_atomic`` around a ``_kvt`` row measures
         them; and the unsplit neighbour of a split row, whose register stores the split
-        forced, takes the TMA stores (the default) where the rules admit them."""
-        if "kv_store" in knobs or config.family != NAME or key.spec.kernel != WHOLE_BWD:
+        forced, takes the TMA stores (the default) where the rules admit them.
+
+        In the forward, ``ctas_per_sm`` (when not among ``knobs``) goes back to one program
+        per SM where it alone keeps the neighbour out: a one-consumer row of two or three
+        programs per SM refined in ``num_warps`` reaches the two- and three-consumer tiles
+        (whose registers need the whole SM)."""
+        if config.family != NAME:
+            return config
+        if key.spec.kernel == "fwd":
+            if "ctas_per_sm" in knobs or not config.ctas_per_sm or not self.violated_rules(Variant(key.spec, config)):
+                return config
+            one = dataclasses.replace(config, ctas_per_sm=0)
+            return one if not self.violated_rules(Variant(key.spec, one)) else config
+        if "kv_store" in knobs or key.spec.kernel != WHOLE_BWD:
             return config
         if config.group_split <= 1 < best.group_split and not config.kv_store:
             tma = dataclasses.replace(config, kv_store=1)
@@ -269,7 +282,7 @@ class GluonFamily:
             why = _foreign_knobs(c, _FWD_KNOBS)
             if c.num_warps % 4:
                 why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
-            for name in ("pin", "snake"):  # switches: another value would name the same kernel twice
+            for name in ("pin", "snake", "serial_masked"):  # switches: another value would name the same kernel twice
                 if getattr(c, name) not in (0, 1):
                     why.append(f"{name}={getattr(c, name)}: 0 (off) or 1 (on)")
             return why + C.check(C.GluonFwdVariant(fwd_spec(s), fwd_config(c)))
