@@ -162,6 +162,9 @@ def tune(
                               "group_split,half_partials; dq_ordered measures the Gluon backward's "
                               "bitwise-repeatable dQ, which the deterministic backward runs where it is "
                               "measured ahead; tuner.refine); keys without a tuned row are left out.")] = None,
+    key: Annotated[str | None, typer.Option(
+        metavar="SUBSTR,...", help="Only the presets' problem keys whose id contains one of these "
+                                   "comma-separated substrings (e.g. d64_bf16_causal).")] = None,
 ) -> None:
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
     if sampler not in ("tpe", "grid"):
@@ -192,6 +195,17 @@ def tune(
         device = "cuda" if not simulated and torch.cuda.is_available() else "cpu"
         problems = user_tune.preset_problems(user_presets, dtype, device)
         items += user_tune.items(problems, kernels.split(","))
+    if key is not None:
+        wanted = [s for s in key.split(",") if s]
+        if not wanted:
+            raise typer.BadParameter("give at least one substring of a problem key id", param_hint="'--key'")
+        kept = [(k, s) for k, s in items if any(w in k.id for w in wanted)]
+        if not kept:
+            raise typer.BadParameter(
+                f"no problem key of preset(s) {', '.join(preset)} and kernels {kernels} contains "
+                f"{' or '.join(map(repr, wanted))}; their keys look like {items[0][0].id}" if items else
+                f"preset(s) {', '.join(preset)} yield no problem keys", param_hint="'--key'")
+        items = kept
     if not items:
         raise typer.BadParameter(
             f"preset(s) {', '.join(preset)} yield no problem keys of kernels {kernels}: a preset only yields "

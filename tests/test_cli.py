@@ -68,6 +68,22 @@ def test_tune_only_the_named_kernels(tmp_path, timings):
     assert kernels == {"bwd_dkdv"}
 
 
+def test_tune_only_the_keys_named_by_substring(tmp_path, timings):
+    db = tmp_path / "user.sqlite"
+    small = [k.id for k, _ in presets.expand(["small"], kernels=["fwd"])]
+    want = [k for k in small if "causal" in k]
+    assert want and len(want) < len(small)
+    r = invoke("tune", "--preset", "small", "--fake", timings, "--db", db, "--trials", 2, "--kernels", "fwd",
+               "--key", "causal")
+    assert r.exit_code == 0, r.output
+    keys = {k for (k,) in sqlite3.connect(db).execute("SELECT DISTINCT key FROM measurements")}
+    assert keys == set(want)
+    r = invoke("tune", "--preset", "small", "--fake", timings, "--db", db, "--key", "no_such_key")
+    assert r.exit_code != 0 and "--key" in r.output and "no_such_key" in r.output
+    assert n_rows(db) > 0 and {k for (k,) in sqlite3.connect(db).execute("SELECT DISTINCT key FROM measurements")} \
+        == set(want)
+
+
 def test_merge(tmp_path, timings):
     a, out = tmp_path / "a.sqlite", tmp_path / "out.sqlite"
     assert invoke("tune", "--preset", "small", "--fake", timings, "--db", a, "--trials", 3,
