@@ -950,7 +950,11 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
     one still running ``stop_grace_s`` seconds later is killed; their RUNNING trials
     are failed, ``on_exit`` is called for each, and the exception is raised again.
     Rows already recorded stay in the DB.  A worker whose parent dies (even by SIGKILL)
-    stops by itself (:func:`_stop_when_parent_dies`).
+    stops by itself (:func:`_stop_when_parent_dies`).  When every worker ended by a stop
+    signal (exit code 128 + SIGINT, SIGTERM or SIGHUP) the run was stopped even if this
+    process missed the signal (a Ctrl-C that reached the workers alone, or a
+    KeyboardInterrupt that Python dropped inside a finalizer): :class:`Interrupted` with
+    the first worker's signal is raised after they ended.
     """
     import multiprocessing as mp
     from multiprocessing.connection import wait
@@ -985,6 +989,9 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
                 for sentinel in wait(list(running)):
                     ended(*running[sentinel])
                     del running[sentinel]  # only now: a stop inside ended() sees it again
+        stops = [codes[c.name] - 128 for c in configs if codes[c.name] - 128 in (signal.SIGINT, *_STOP_SIGNALS)]
+        if stops and len(stops) == len(configs):
+            raise Interrupted(stops[0])
     except BaseException:
         with _signals_ignored():  # a second Ctrl-C cannot cut the stopping short
             for _, p, _ in running.values():

@@ -238,6 +238,22 @@ def test_stopping_a_run_with_workers_stops_them_and_keeps_rows(tmp_path, workers
     _check_rows_kept(tmp_path, rows)
 
 
+def test_a_stop_signal_that_reaches_only_the_workers_stops_the_run(tmp_path, workers_run):
+    """Every worker stopped by Ctrl-C while the run itself missed the signal (here sent to
+    the workers alone): the run reports itself stopped, exit code 130, not a finished run."""
+    p, pids, rows, lines = workers_run(start_new_session=True)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGINT)
+    assert p.wait(timeout=20) == 128 + signal.SIGINT, "".join(lines)
+    time.sleep(0.2)  # the output reader
+    out = "".join(lines)
+    assert "Traceback" not in out, out
+    assert "stopped by SIGINT; " in out and "rows recorded so far" in out, out
+    for name in pids:
+        assert f"worker {name} exited with {128 + signal.SIGINT}\n" in out, out
+    _check_rows_kept(tmp_path, rows)
+
+
 def test_workers_stop_by_themselves_when_the_run_is_killed(tmp_path, workers_run):
     p, pids, rows, lines = workers_run()
     p.kill()  # SIGKILL: nothing of the parent runs, its workers are orphaned
