@@ -195,22 +195,20 @@ def tune(
         device = "cuda" if not simulated and torch.cuda.is_available() else "cpu"
         problems = user_tune.preset_problems(user_presets, dtype, device)
         items += user_tune.items(problems, kernels.split(","))
-    if key is not None:
-        wanted = [s for s in key.split(",") if s]
-        if not wanted:
-            raise typer.BadParameter("give at least one substring of a problem key id", param_hint="'--key'")
-        kept = [(k, s) for k, s in items if any(w in k.id for w in wanted)]
-        if not kept:
-            raise typer.BadParameter(
-                f"no problem key of preset(s) {', '.join(preset)} and kernels {kernels} contains "
-                f"{' or '.join(map(repr, wanted))}; their keys look like {items[0][0].id}" if items else
-                f"preset(s) {', '.join(preset)} yield no problem keys", param_hint="'--key'")
-        items = kept
     if not items:
         raise typer.BadParameter(
             f"preset(s) {', '.join(preset)} yield no problem keys of kernels {kernels}: a preset only yields "
             "keys of its own kernels (e.g. decode presets: decode, decode_paged; the others: fwd, bwd_dq, "
             "bwd_dkdv and their varlen forms)", param_hint="'--kernels'")
+    if key is not None:
+        wanted = [s for s in key.split(",") if s]
+        kept = [(k, s) for k, s in items if any(w in k.id for w in wanted)]
+        if not kept:
+            raise typer.BadParameter(
+                f"no problem key of preset(s) {', '.join(preset)} and kernels {kernels} contains "
+                f"{' or '.join(map(repr, wanted)) or 'a substring'}; their keys look like {items[0][0].id}",
+                param_hint="'--key'")
+        items = kept
     env = Environment.current()
     if arch is not None:
         if fake is None and not fake_model and fake_template is None:

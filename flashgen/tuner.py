@@ -989,8 +989,8 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
                 for sentinel in wait(list(running)):
                     ended(*running[sentinel])
                     del running[sentinel]  # only now: a stop inside ended() sees it again
-        stops = [codes[c.name] - 128 for c in configs if codes[c.name] - 128 in (signal.SIGINT, *_STOP_SIGNALS)]
-        if stops and len(stops) == len(configs):
+        stops = [code - 128 for code in codes.values() if code - 128 in (signal.SIGINT, *_STOP_SIGNALS)]
+        if stops and len(stops) == len(codes):
             raise Interrupted(stops[0])
     except BaseException:
         with _signals_ignored():  # a second Ctrl-C cannot cut the stopping short

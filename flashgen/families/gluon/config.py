@@ -178,8 +178,8 @@ def consumer_regs_needed(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
     sc = per * c.BLOCK_N // 2
     p16 = per * c.BLOCK_N // 4
     user = user_regs(s.user, c.BLOCK_N)
-    return (o + sc + p16 + CONSUMER_OVERHEAD_REGS + (MASK_OVERHEAD_REGS if s.mask != "none" and not c.serial_masked else 0) + user
-            + (sc // 2 if c.pin_exps else 0))
+    mask = MASK_OVERHEAD_REGS if s.mask != "none" and not c.serial_masked else 0
+    return o + sc + p16 + CONSUMER_OVERHEAD_REGS + mask + user + (sc // 2 if c.pin_exps else 0)
 
 
 @functools.lru_cache(maxsize=1024)
