@@ -24,7 +24,8 @@ cuDNN, with the geometric mean over the shapes.
 BLOCK_N 128 with the causal mask, which the register model rejects): they are built and
 checked with the rules off, in this process and its children only, to measure what the
 rule costs.  ``--set sermask`` times the masked tiles without the intra-warpgroup overlap
-(``serial_masked``), which admits that tile within the rules.
+(``serial_masked``), which admits that tile within the rules.  ``--set m128`` times
+consumers of 128 query rows (BLOCK_M 128) on the head_dim 64 grid shapes.
 """
 
 from __future__ import annotations
@@ -97,15 +98,20 @@ SERMASK_SHAPES = X3C_SHAPES + [
     (32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16, 16, 2048, 128, True),
     (4, 16, 16, 4096, 128, True), (1, 16, 16, 16384, 128, True), (1, 32, 8, 1024, 128, True),
     (1, 32, 8, 2048, 128, True), (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True)]
+#: The set "m128" times consumers of 128 query rows (BLOCK_M 128: two m64 row blocks per
+#: wgmma, each K/V tile loaded once per 128 rows of a consumer) beside the shipped head_dim
+#: 64 tiles, on the grid's twelve head_dim 64 shapes.
+M128_SHAPES = [(32 // (n // 512), 32, 32, n, 64, causal) for causal in (True, False)
+               for n in (512, 1024, 2048, 4096, 8192, 16384)]
 SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 1024, 128, True),
                 (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True),
                 (32, 16, 16, 512, 128, True), (8, 16, 16, 2048, 128, True), (32, 32, 32, 512, 64, True),
                 (16, 32, 32, 1024, 64, True)]
 
 
-def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False):
+def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False, bm=64):
     cr, pr = regs or default_regs(nc, ctas)
-    return GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
+    return GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
                           pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
 
 
@@ -177,6 +183,31 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
                 for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         out += [GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "window"), dataclasses.replace(base[128][2],
                                                                                                   serial_masked=True))]
+        return [v for v in out if not check(v)]
+    if name == "m128":
+        ref = {"causal": [_cfg(nc=1, bn=64, stages=3, ctas=3, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=3, pers=3,
+                                                                           snake=True, serial=True),
+                          _cfg(stages=2, pers=3, serial=True), _cfg(nc=3, stages=4, serial=True)],
+               "none": [_cfg(stages=3, pers=3), _cfg(nc=3, stages=2, pers=3), _cfg(nc=3, stages=4)]}
+        one = dict(nc=1, bn=64, ctas=2, bm=128)
+        two = dict(nc=2, bn=64, bm=128)
+        probe = {"causal": [_cfg(stages=3, pers=3, **one), _cfg(stages=3, pers=3, serial=True, **one),
+                            _cfg(stages=3, pers=3, pin=True, serial=True, **one), _cfg(stages=2, pers=3, **one),
+                            _cfg(stages=4, pers=3, **one), _cfg(stages=3, pers=2, **one),
+                            _cfg(stages=3, pers=3, snake=True, **one), _cfg(stages=3, pers=3, snake=True, serial=True,
+                                                                             **one),
+                            _cfg(stages=3, **one), _cfg(stages=4, **two), _cfg(stages=4, pers=3, **two),
+                            _cfg(stages=4, pers=3, serial=True, **two), _cfg(stages=4, pin=True, **two),
+                            _cfg(nc=1, bn=64, bm=128, stages=4, pers=3)],
+                 "none": [_cfg(stages=3, pers=3, **one), _cfg(stages=3, pers=3, pin=True, **one),
+                          _cfg(stages=4, pers=1, **one), _cfg(stages=3, **one), _cfg(stages=2, pers=3, **one),
+                          _cfg(stages=4, pers=3, **two), _cfg(stages=4, pin=True, **two),
+                          _cfg(nc=1, bn=64, bm=128, stages=4, pin=True)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, mask), c) for mask in ("causal", "none")
+               for c in ref[mask] + probe[mask]]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, 64, 64, mask), c) for dt, mask, c in (
+            ("bfloat16", "window", probe["causal"][0]), ("bfloat16", "window", probe["causal"][10]),
+            ("float16", "causal", probe["causal"][1]), ("float16", "none", probe["none"][5]))]
         return [v for v in out if not check(v)]
     if name == "x3":
         cfgs = [_cfg(nc=1, bn=64, stages=3, ctas=2, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=2),
@@ -442,7 +473,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
     p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c",
-                                                             "sermask"))
+                                                             "sermask", "m128"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -480,7 +511,8 @@ def main(argv=None) -> int:
         out["device"] = torch.cuda.get_device_name()
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
         shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
-                  "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES}.get(args.set)
+                  "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES,
+                  "m128": M128_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))

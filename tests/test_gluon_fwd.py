@@ -15,8 +15,8 @@ import pytest
 
 from flashgen.families.gluon import shim
 from flashgen.families.gluon.config import (
-    HEAD_DIMS, SMEM_LIMIT_BYTES, GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, maxnreg,
-    smem_bytes, space,
+    CONSUMER_OVERHEAD_REGS, HEAD_DIMS, SMEM_LIMIT_BYTES, GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check,
+    consumer_regs_needed, default_config, maxnreg, smem_bytes, space,
 )
 from flashgen.families.gluon.render import render
 
@@ -80,6 +80,17 @@ def test_validity_rules_say_why():
     # two programs per SM share its registers and shared memory
     assert any("2 program(s) per SM" in w for w in check(GluonFwdVariant(GluonFwdSpec(), GluonFwdConfig(
         num_consumers=1, consumer_regs=232, ctas_per_sm=2))))
+    # a consumer owns one or two m64 row blocks; two double its O and score registers,
+    # which fit at head_dim 64 only
+    assert any("BLOCK_M=96" in w for w in check(GluonFwdVariant(s, GluonFwdConfig(BLOCK_M=96))))
+    m128 = GluonFwdConfig(BLOCK_M=128, num_consumers=1, BLOCK_N=64, consumer_regs=232, ctas_per_sm=2, num_stages=3)
+    assert check(GluonFwdVariant(causal, m128)) == []
+    assert any("registers" in w for w in check(GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "causal"), m128)))
+    assert any("registers" in w for w in check(GluonFwdVariant(causal, dataclasses.replace(m128, BLOCK_N=128))))
+    assert consumer_regs_needed(causal, m128) == 2 * consumer_regs_needed(causal, dataclasses.replace(
+        m128, BLOCK_M=64)) - CONSUMER_OVERHEAD_REGS
+    assert {c.BLOCK_M for c in space(causal)} == {64, 128}
+    assert {c.BLOCK_M for c in space(GluonFwdSpec("bfloat16", 128, 128, "causal"))} == {64}
     with pytest.raises(ValueError, match="cannot be built"):
         render(GluonFwdVariant(s, GluonFwdConfig(BLOCK_N=96)))
     for s in SPECS:
@@ -168,6 +179,10 @@ COMPILE_CASES = [
     ("bfloat16", 64, 64, "window", dict(num_consumers=3, consumer_regs=160, producer_regs=32, num_stages=2,
                                         serial_masked=True)),
     ("bfloat16", 128, 128, "causal", dict(pin_exps=True, persistent=2, serial_masked=True)),
+    # consumers of 128 query rows (BLOCK_M 128): two m64 row blocks per wgmma, head_dim 64
+    ("bfloat16", 64, 64, "causal", dict(BLOCK_M=128, BLOCK_N=64, num_stages=3, num_consumers=1, consumer_regs=232,
+                                        ctas_per_sm=2, persistent=3)),
+    ("bfloat16", 64, 64, "none", dict(BLOCK_M=128, BLOCK_N=64, num_stages=4, pin_exps=True)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
@@ -184,7 +199,8 @@ COMPILE_CASES = [
 #: With ``serial_masked`` the walk's pinned causal d128 tile spills 4 B under 3.6 (its
 #: overlapped twin 108 B) and 8 B under 3.9 (as its twin); FlashAttention-3's
 #: three-consumer head_dim 64 tile spills nothing under 3.6 and 204-376 B under 3.9, as
-#: the unmasked tile does there (312 B: 3.9's ptxas, not the mask).
+#: the unmasked tile does there (312 B: 3.9's ptxas, not the mask).  The pinned
+#: two-consumer tile of 128-row consumers (BLOCK_M 128) spills 4 B under 3.9 (0 under 3.6).
 #: Any other spill fails.
 SPILL_BYTES = {
     "3.6": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2": 108,
@@ -197,7 +213,8 @@ SPILL_BYTES = {
             "gluon_fwd_d128_bf16_none_m64x2_n128_s2_r240-24_pin_pers3": 20,
             "gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2_sermask": 8,
             "gluon_fwd_d64_bf16_causal_m64x3_n128_s3_r160-32_pers3_sermask": 376,
-            "gluon_fwd_d64_bf16_window_m64x3_n128_s2_r160-32_sermask": 204},
+            "gluon_fwd_d64_bf16_window_m64x3_n128_s2_r160-32_sermask": 204,
+            "gluon_fwd_d64_bf16_none_m128x2_n64_s4_r240-24_pin": 4},
 }
 
 _SCRIPT = r'''

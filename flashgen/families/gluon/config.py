@@ -36,6 +36,8 @@ SMEM_PER_SM_BYTES = 233472
 SMEM_RESERVED_PER_CTA_BYTES = 1024
 #: Programs resident per SM a config may ask for (``ctas_per_sm``).
 CTAS_PER_SM = (1, 2, 3)
+#: query rows per consumer warpgroup (one or two m64 wgmma row blocks)
+BLOCK_MS = (64, 128)
 WARPGROUP_THREADS = 128
 #: Registers a consumer thread needs beyond its tiles (indices, row vectors, barriers,
 #: addresses), and more for the mask arithmetic of masked modes; calibrated against
@@ -76,7 +78,11 @@ class GluonFwdSpec:
 class GluonFwdConfig:
     """The tuned knobs of the Gluon forward.
 
-    BLOCK_M        query rows per consumer warpgroup (64: one m64 wgmma row block).
+    BLOCK_M        query rows per consumer warpgroup: 64 (one m64 wgmma row block) or
+                   128 (two row blocks per wgmma; each K/V tile serves twice the rows
+                   for the same shared-memory load, and each thread holds two rows'
+                   independent softmax chains; registers double, so only head_dim_v
+                   64 with BLOCK_N 64 fits).
     num_consumers  consumer warpgroups per program (1-3); a program owns
                    BLOCK_M * num_consumers query rows and they share each K/V tile.
     BLOCK_N        key rows per K/V tile.
@@ -178,8 +184,8 @@ def consumer_regs_needed(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
     sc = per * c.BLOCK_N // 2
     p16 = per * c.BLOCK_N // 4
     user = user_regs(s.user, c.BLOCK_N)
-    mask = MASK_OVERHEAD_REGS if s.mask != "none" and not c.serial_masked else 0
-    return o + sc + p16 + CONSUMER_OVERHEAD_REGS + mask + user + (sc // 2 if c.pin_exps else 0)
+    mask = per * MASK_OVERHEAD_REGS if s.mask != "none" and not c.serial_masked else 0
+    return o + sc + p16 + CONSUMER_OVERHEAD_REGS + mask + per * user + (sc // 2 if c.pin_exps else 0)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -410,8 +416,9 @@ def check(v: GluonFwdVariant) -> list[str]:
             why.append(f"{name}={d}: the Gluon forward is built for {HEAD_DIMS}")
     if s.user and s.user.endswith("m") and s.mask != "window":
         why.append(f"user mask function ({s.user}): compiled into the window kernel (mask 'window'), not {s.mask!r}")
-    if c.BLOCK_M != 64:
-        why.append(f"BLOCK_M={c.BLOCK_M}: a consumer warpgroup owns 64 query rows")
+    if c.BLOCK_M not in BLOCK_MS:
+        why.append(f"BLOCK_M={c.BLOCK_M}: a consumer warpgroup owns 64 or 128 query rows (one or two m64 wgmma "
+                   "row blocks)")
     if c.num_consumers not in (1, 2, 3):
         why.append(f"num_consumers={c.num_consumers}: 1, 2 or 3 consumer warpgroups")
     if c.BLOCK_N not in (64, 128):
@@ -505,14 +512,21 @@ def default_config(s: GluonFwdSpec) -> GluonFwdConfig:
     raise ValueError(f"no Gluon forward config fits {s}: " + "; ".join(check(GluonFwdVariant(s, GluonFwdConfig()))))
 
 
+def block_ms(head_dim_v: int) -> tuple[int, ...]:
+    """The BLOCK_M values worth searching at ``head_dim_v``: 128 doubles a consumer's O
+    and score registers, which fit only with head_dim_v padded to 64 (the register
+    model rejects it above)."""
+    return BLOCK_MS if pad(head_dim_v) <= 64 else BLOCK_MS[:1]
+
+
 def space(s: GluonFwdSpec):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
     :func:`check`)."""
-    for nc, bn, stages, pin, pers, ctas, snake, serial in itertools.product(
-            (1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True), (0, 1, 2, 3), CTAS_PER_SM, (False, True),
-            (False, True)):
+    for bm, nc, bn, stages, pin, pers, ctas, snake, serial in itertools.product(
+            block_ms(s.head_dim_v), (1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True), (0, 1, 2, 3), CTAS_PER_SM,
+            (False, True), (False, True)):
         cr, pr = default_regs(nc, ctas)
-        cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
+        cfg = GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
                              pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
         if valid(GluonFwdVariant(s, cfg)):
             yield cfg
