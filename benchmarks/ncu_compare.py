@@ -2,7 +2,10 @@
 
 For each ``--shape`` (``B,H,HKV,S,D[,causal]``, bf16, layout (batch, heads, seqlen,
 head_dim)) and backend (``flashgen``: ``flashgen.attention``; ``cudnn``: torch SDPA with
-the cuDNN backend, ``enable_gqa`` where HKV < H), Nsight Compute profiles every kernel of
+the cuDNN backend, ``enable_gqa`` where HKV < H; ``gluon``: the Gluon forward of one
+config, ``--gluon-config`` knob=value pairs of ``GluonFwdConfig``, e.g.
+``BLOCK_M=128,num_consumers=1,BLOCK_N=64,num_stages=3,persistent=3,ctas_per_sm=2``, the
+register budgets at their default split unless given), Nsight Compute profiles every kernel of
 one forward (``fwd``) or one forward and backward (``fwdbwd``) after two warm-up calls
 (the child brackets the call with ``cudaProfilerStart``/``Stop``; ``--clock-control
 none``), and prints one row per kernel: its duration, DRAM and L2 bytes and throughput
@@ -31,7 +34,7 @@ from pathlib import Path
 from ncu_stalls import find_ncu  # noqa: E402  (benchmarks/ is the script's directory)
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = ("flashgen", "cudnn")
+BACKENDS = ("flashgen", "cudnn", "gluon")
 #: (column title, ncu metric, scale): printed in this order.
 METRICS = (
     ("us", "gpu__time_duration.sum", 1e-3),
@@ -90,12 +93,24 @@ def short_name(kernel: str, width: int = 44) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def run(shape: str, backend: str, kind: str, ncu: str) -> dict:
+def gluon_config(text: str):
+    """The GluonFwdConfig of ``knob=value,...`` (ints; consumer_regs and producer_regs
+    default to :func:`default_regs` of the consumers and programs per SM)."""
+    from flashgen.families.gluon.config import GluonFwdConfig, default_regs
+
+    kw = {k: int(v) for k, v in (item.split("=", 1) for item in text.split(",") if item)}
+    cr, pr = default_regs(kw.get("num_consumers", 2), kw.get("ctas_per_sm", 1))
+    kw.setdefault("consumer_regs", cr)
+    kw.setdefault("producer_regs", pr)
+    return GluonFwdConfig(**kw)
+
+
+def run(shape: str, backend: str, kind: str, ncu: str, config: str = "") -> dict:
     metrics = [m for _, m, _ in METRICS]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
     for attempt in range(2):
         cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-               "--metrics", ",".join(metrics), sys.executable, __file__, "--child", f"{backend}:{kind}:{shape}"]
+               "--metrics", ",".join(metrics), sys.executable, __file__, "--child", f"{backend}:{kind}:{shape}:{config}"]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=500)
         out = p.stdout + p.stderr
         if p.returncode != 0 and attempt == 0 and "metric" in out.lower():
@@ -105,13 +120,14 @@ def run(shape: str, backend: str, kind: str, ncu: str) -> dict:
     rows = parse_raw_csv(p.stdout)
     if p.returncode != 0 or not rows:
         return {"shape": shape, "backend": backend, "kind": kind, "error": out[-2500:]}
-    return {"shape": shape, "backend": backend, "kind": kind, "kernels": rows}
+    return {"shape": shape, "backend": backend, "kind": kind, "kernels": rows,
+            **({"config": config} if backend == "gluon" else {})}
 
 
 def print_table(results: list[dict]) -> None:
     titles = [t for t, _, _ in METRICS]
     for r in results:
-        print(f"\n== {r['backend']} {r['kind']} {r['shape']}")
+        print(f"\n== {r['backend']} {r['kind']} {r['shape']} {r.get('config', '')}")
         if "error" in r:
             print("  error:", r["error"][-1500:])
             continue
@@ -139,13 +155,22 @@ def child(spec: str) -> None:
     import flashgen
     from profile_call import inputs, parse
 
-    backend, kind, shape = spec.split(":", 2)
+    backend, kind, shape, config = spec.split(":", 3)
     q, k, v, do, causal, window = inputs(shape)
     gqa = parse(shape)[2] < parse(shape)[1]
 
     def call():
         if backend == "flashgen":
             o = flashgen.attention(q, k, v, causal=causal, window=window)
+        elif backend == "gluon":
+            from flashgen.families.gluon import launch
+
+            n = q.shape[2]
+            o = torch.empty_like(q)
+            launch.fwd(q, k, v, softmax_scale=q.shape[-1] ** -0.5, mask="causal" if causal else "none",
+                       diag_lo=0 if causal else -n, diag_hi=0 if causal else n, config=gluon_config(config),
+                       out=o, lse=torch.empty(q.shape[:3], device=q.device, dtype=torch.float32),
+                       check_inputs=False)
         else:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
@@ -166,7 +191,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", action="append", default=[], help="B,H,HKV,S,D[,causal] (repeatable)")
     ap.add_argument("--kind", choices=("fwd", "fwdbwd"), default="fwd")
-    ap.add_argument("--backend", action="append", choices=BACKENDS, help="default: both")
+    ap.add_argument("--backend", action="append", choices=BACKENDS,
+                    help="default: flashgen and cudnn, and gluon with --gluon-config")
+    ap.add_argument("--gluon-config", default="", help="knob=value,... of the gluon backend's GluonFwdConfig")
     ap.add_argument("--out", help="directory for ncu_compare.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -175,10 +202,15 @@ def main(argv=None) -> int:
         return 0
     if not args.shape:
         ap.error("at least one --shape is required")
+    backends = args.backend or (BACKENDS if args.gluon_config else BACKENDS[:2])
+    if "gluon" in backends and (not args.gluon_config or args.kind != "fwd"):
+        ap.error("--backend gluon profiles one Gluon forward config: give --gluon-config and --kind fwd")
+    if args.gluon_config:
+        gluon_config(args.gluon_config)  # a typo fails here, not in the profiled child
     ncu = find_ncu()
     if ncu is None:
         ap.error("ncu (Nsight Compute) is neither on PATH nor under /opt/nvidia/nsight-compute")
-    results = [run(s, b, args.kind, ncu) for s in args.shape for b in (args.backend or BACKENDS)]
+    results = [run(s, b, args.kind, ncu, args.gluon_config) for s in args.shape for b in backends]
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "ncu_compare.json").write_text(json.dumps(results, indent=1))

@@ -42,3 +42,20 @@ def test_short_name_drops_arguments_and_cuts():
     assert ncu_compare.short_name("attn_fwd") == "attn_fwd"
     long = "x" * 60
     assert ncu_compare.short_name(long, width=10) == "xxxxxxx..."
+
+
+def test_gluon_config_reads_knobs_and_defaults_the_register_split():
+    c = ncu_compare.gluon_config("BLOCK_M=128,num_consumers=1,BLOCK_N=64,num_stages=3,persistent=3,ctas_per_sm=2")
+    assert (c.BLOCK_M, c.num_consumers, c.BLOCK_N, c.num_stages, c.persistent, c.ctas_per_sm) == (128, 1, 64, 3, 3, 2)
+    assert (c.consumer_regs, c.producer_regs) == (232, 24)  # two one-consumer programs per SM
+    assert ncu_compare.gluon_config("num_consumers=3,consumer_regs=152").consumer_regs == 152
+    with pytest.raises(TypeError):
+        ncu_compare.gluon_config("BLOCK_Q=64")
+
+
+def test_the_gluon_backend_needs_a_config_and_a_forward(capsys):
+    for argv in (["--shape", "1,2,2,64,64", "--backend", "gluon"],
+                 ["--shape", "1,2,2,64,64", "--kind", "fwdbwd", "--gluon-config", "BLOCK_M=64"]):
+        with pytest.raises(SystemExit):
+            ncu_compare.main(argv)
+        assert "give --gluon-config and --kind fwd" in capsys.readouterr().err
