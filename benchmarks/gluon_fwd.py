@@ -111,8 +111,8 @@ SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32
 
 def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False, bm=64):
     cr, pr = regs or default_regs(nc, ctas)
-    return GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
-                          pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
+    return GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr,
+                          producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
 
 
 def variant_set(name: str) -> list[GluonFwdVariant]:
@@ -397,6 +397,24 @@ def _flops(b, h, sq, sk, d, causal):
     return 4.0 * b * h * sq * sk * d * (0.5 if causal else 1.0)
 
 
+def run_config(q, k, v, config: GluonFwdConfig, causal: bool, out=None, lse=None):
+    """One Gluon forward of ``config`` (``launch.fwd``, inputs not checked) on
+    (batch, heads, seqlen, head_dim) q, k, v with seqlen_q = seqlen_k, causal or without a
+    mask, softmax_scale head_dim ** -0.5; O into ``out`` and the LSE into ``lse``
+    (float32 (batch, heads, seqlen)), each allocated when None.  Returns O."""
+    import torch
+
+    from flashgen.families.gluon import launch
+
+    n = q.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if lse is None else lse
+    launch.fwd(q, k, v, softmax_scale=q.shape[-1] ** -0.5, mask="causal" if causal else "none",
+               diag_lo=0 if causal else -n, diag_hi=0 if causal else n, config=config, out=out, lse=lse,
+               check_inputs=False)
+    return out
+
+
 def time_all(variants, rep_ms: int, shapes=None) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -438,9 +456,7 @@ def time_all(variants, rep_ms: int, shapes=None) -> list[dict]:
                 continue
             out = torch.empty_like(q)
             lse = torch.empty((b, h, n), device="cuda", dtype=torch.float32)
-            bench(var.id, lambda var=var, out=out, lse=lse: launch.fwd(
-                q, k, v, softmax_scale=d ** -0.5, mask=mask, diag_lo=0 if causal else -n, diag_hi=0 if causal else n,
-                config=var.config, out=out, lse=lse, check_inputs=False))
+            bench(var.id, lambda var=var, out=out, lse=lse: run_config(q, k, v, var.config, causal, out, lse))
         rows.append(row)
         print(f"time {row['shape']} causal={causal}: " + ", ".join(f"{k} {x:.0f}" for k, x in row["tflops"].items()),
               flush=True)

@@ -5,7 +5,8 @@ head_dim)) and backend (``flashgen``: ``flashgen.attention``; ``cudnn``: torch S
 the cuDNN backend, ``enable_gqa`` where HKV < H; ``gluon``: the Gluon forward of one
 config, ``--gluon-config`` knob=value pairs of ``GluonFwdConfig``, e.g.
 ``BLOCK_M=128,num_consumers=1,BLOCK_N=64,num_stages=3,persistent=3,ctas_per_sm=2``, the
-register budgets at their default split unless given), Nsight Compute profiles every kernel of
+register budgets at their default split unless given; causal or unmasked shapes only),
+Nsight Compute profiles every kernel of
 one forward (``fwd``) or one forward and backward (``fwdbwd``) after two warm-up calls
 (the child brackets the call with ``cudaProfilerStart``/``Stop``; ``--clock-control
 none``), and prints one row per kernel: its duration, DRAM and L2 bytes and throughput
@@ -32,6 +33,7 @@ import sys
 from pathlib import Path
 
 from ncu_stalls import find_ncu  # noqa: E402  (benchmarks/ is the script's directory)
+from profile_call import parse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("flashgen", "cudnn", "gluon")
@@ -110,7 +112,8 @@ def run(shape: str, backend: str, kind: str, ncu: str, config: str = "") -> dict
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
     for attempt in range(2):
         cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-               "--metrics", ",".join(metrics), sys.executable, __file__, "--child", f"{backend}:{kind}:{shape}:{config}"]
+               "--metrics", ",".join(metrics), sys.executable, __file__, "--child",
+               f"{backend}:{kind}:{shape}:{config}"]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=500)
         out = p.stdout + p.stderr
         if p.returncode != 0 and attempt == 0 and "metric" in out.lower():
@@ -153,24 +156,21 @@ def child(spec: str) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashgen
-    from profile_call import inputs, parse
+    from profile_call import inputs
 
     backend, kind, shape, config = spec.split(":", 3)
     q, k, v, do, causal, window = inputs(shape)
+    if backend == "gluon":
+        from gluon_fwd import run_config
+
+        cfg = gluon_config(config)
     gqa = parse(shape)[2] < parse(shape)[1]
 
     def call():
         if backend == "flashgen":
             o = flashgen.attention(q, k, v, causal=causal, window=window)
         elif backend == "gluon":
-            from flashgen.families.gluon import launch
-
-            n = q.shape[2]
-            o = torch.empty_like(q)
-            launch.fwd(q, k, v, softmax_scale=q.shape[-1] ** -0.5, mask="causal" if causal else "none",
-                       diag_lo=0 if causal else -n, diag_hi=0 if causal else n, config=gluon_config(config),
-                       out=o, lse=torch.empty(q.shape[:3], device=q.device, dtype=torch.float32),
-                       check_inputs=False)
+            o = run_config(q, k, v, cfg, causal)
         else:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
@@ -205,6 +205,8 @@ def main(argv=None) -> int:
     backends = args.backend or (BACKENDS if args.gluon_config else BACKENDS[:2])
     if "gluon" in backends and (not args.gluon_config or args.kind != "fwd"):
         ap.error("--backend gluon profiles one Gluon forward config: give --gluon-config and --kind fwd")
+    if "gluon" in backends and any(parse(s)[6] >= 0 or parse(s)[7] for s in args.shape):
+        ap.error("--backend gluon runs causal or unmasked shapes only (no window=, no sinks)")
     if args.gluon_config:
         gluon_config(args.gluon_config)  # a typo fails here, not in the profiled child
     ncu = find_ncu()

@@ -59,3 +59,6 @@ def test_the_gluon_backend_needs_a_config_and_a_forward(capsys):
         with pytest.raises(SystemExit):
             ncu_compare.main(argv)
         assert "give --gluon-config and --kind fwd" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # its launch knows the causal and unmasked modes only
+        ncu_compare.main(["--shape", "1,2,2,64,64,window=8", "--gluon-config", "BLOCK_M=64"])
+    assert "no window=, no sinks" in capsys.readouterr().err

@@ -526,8 +526,8 @@ def space(s: GluonFwdSpec):
             block_ms(s.head_dim_v), (1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True), (0, 1, 2, 3), CTAS_PER_SM,
             (False, True), (False, True)):
         cr, pr = default_regs(nc, ctas)
-        cfg = GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr, producer_regs=pr,
-                             pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
+        cfg = GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr,
+                             producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
         if valid(GluonFwdVariant(s, cfg)):
             yield cfg
 

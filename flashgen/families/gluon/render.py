@@ -45,8 +45,8 @@ def _env(directory: str | None = None) -> jinja2.Environment:
 #: Knob values added after the forward's code id was first recorded, each an extension
 #: of the id (:class:`.code_id.CodeId`): name -> whether a config has it.
 #: A config of two extensions belongs to the first one listed.
-EXTENSIONS = {"m128": lambda c: c.BLOCK_M == 128, "serial_masked": lambda c: c.serial_masked, "snake": lambda c: c.snake,
-              "ctas3": lambda c: c.ctas_per_sm == 3,
+EXTENSIONS = {"m128": lambda c: c.BLOCK_M == 128, "serial_masked": lambda c: c.serial_masked,
+              "snake": lambda c: c.snake, "ctas3": lambda c: c.ctas_per_sm == 3,
               "persistent2": lambda c: c.persistent == 2, "persistent3": lambda c: c.persistent == 3}
 
 
