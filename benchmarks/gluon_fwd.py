@@ -25,7 +25,11 @@ BLOCK_N 128 with the causal mask, which the register model rejects): they are bu
 checked with the rules off, in this process and its children only, to measure what the
 rule costs.  ``--set sermask`` times the masked tiles without the intra-warpgroup overlap
 (``serial_masked``), which admits that tile within the rules.  ``--set m128`` times
-consumers of 128 query rows (BLOCK_M 128) on the head_dim 64 grid shapes.
+consumers of 128 query rows (BLOCK_M 128) on the head_dim 64 grid shapes.  ``--set xtile``
+times the walks of 3 beside their ``cross_tile`` twins (a tile's last P V product kept in
+flight into the next tile) on the short grid keys and the Llama batch-1 keys.  ``--set oq``
+times the walk of 3 with O staged in the Q buffers (``o_in_q``), which fits the
+one-consumer head_dim 128 tile two to an SM, beside the shipped short head_dim 128 tiles.
 """
 
 from __future__ import annotations
@@ -103,16 +107,31 @@ SERMASK_SHAPES = X3C_SHAPES + [
 #: 64 tiles, on the grid's twelve head_dim 64 shapes.
 M128_SHAPES = [(32 // (n // 512), 32, 32, n, 64, causal) for causal in (True, False)
                for n in (512, 1024, 2048, 4096, 8192, 16384)]
+#: The set "xtile" times the walks of 3 that the shipped rows use beside their cross_tile
+#: twins, on the grid shapes up to seqlen 4096 both masks and the Llama batch-1 and
+#: training-layer keys.
+XTILE_SHAPES = [(16384 // n, 32 // (d // 64), 32 // (d // 64), n, d, causal) for d in (64, 128)
+                for causal in (True, False) for n in (512, 1024, 2048, 4096)] + [
+    (1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (4, 16, 4, 2048, 128, True)]
+#: The set "oq" times the walk of 3 with O staged in its Q buffers (o_in_q) on the head_dim
+#: 128 keys whose shipped rows are one-consumer tiles at two programs per SM, and the
+#: head_dim 64 causal keys of the three-per-SM walk.
+OQ_SHAPES = [(32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16, 16, 2048, 128, True),
+             (32, 16, 16, 512, 128, False), (16, 16, 16, 1024, 128, False), (1, 32, 8, 1024, 128, True),
+             (2, 32, 8, 1024, 128, True), (4, 32, 8, 1024, 128, True), (8, 32, 8, 1024, 128, True),
+             (1, 32, 8, 2048, 128, True), (32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True)]
 SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 1024, 128, True),
                 (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True),
                 (32, 16, 16, 512, 128, True), (8, 16, 16, 2048, 128, True), (32, 32, 32, 512, 64, True),
                 (16, 32, 32, 1024, 64, True)]
 
 
-def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False, bm=64):
+def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False, bm=64,
+         xtile=False, oq=False):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr,
-                          producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
+                          producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake,
+                          serial_masked=serial, cross_tile=xtile, o_in_q=oq)
 
 
 def variant_set(name: str) -> list[GluonFwdVariant]:
@@ -183,6 +202,35 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
                 for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         out += [GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "window"), dataclasses.replace(base[128][2],
                                                                                                   serial_masked=True))]
+        return [v for v in out if not check(v)]
+    if name == "oq":
+        one = dict(nc=1, bn=64, ctas=2)
+        base = {(128, "causal"): [_cfg(pers=2, serial=True, **one), _cfg(**one), _cfg(pers=2, **one),
+                                  _cfg(pers=3, oq=True, **one), _cfg(pers=3, oq=True, serial=True, **one),
+                                  _cfg(pers=3, oq=True, snake=True, **one), _cfg(pers=3, stages=3, oq=True, **one)],
+                (128, "none"): [_cfg(pers=3), _cfg(pers=2, **one), _cfg(pers=3, oq=True, **one),
+                                _cfg(pers=3, oq=True), _cfg(pers=3, pin=True, oq=True)],
+                (64, "causal"): [_cfg(nc=1, bn=64, stages=3, ctas=3, pers=3),
+                                 _cfg(nc=1, bn=64, stages=3, ctas=3, pers=3, oq=True),
+                                 _cfg(nc=1, bn=64, stages=4, ctas=3, pers=3, oq=True)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, mask), c) for (d, mask), cfgs in base.items() for c in cfgs]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), base[(d, "causal")][i]) for d, i in ((128, 3), (64, 1))
+                for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
+        return [v for v in out if not check(v)]
+    if name == "xtile":
+        # the walks of 3 of the shipped rows (and near them), each with its cross_tile twin
+        base = {(64, "causal"): [_cfg(nc=1, bn=64, stages=3, ctas=3, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=3, pers=3,
+                                                                                   snake=True),
+                                 _cfg(stages=2, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=2, pers=3)],
+                (64, "none"): [_cfg(stages=3, pers=3), _cfg(nc=3, stages=2, pers=3),
+                               _cfg(nc=1, bn=64, stages=3, ctas=3, pers=3)],
+                (128, "causal"): [_cfg(pin=True, pers=3), _cfg(pers=3), _cfg(bn=64, stages=3, pers=3),
+                                  _cfg(pin=True, pers=3, snake=True)],
+                (128, "none"): [_cfg(pers=3), _cfg(pin=True, pers=3), _cfg(nc=1, stages=3, pers=3)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, mask), dataclasses.replace(c, cross_tile=xt))
+               for (d, mask), cfgs in base.items() for c in cfgs for xt in (False, True)]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), dataclasses.replace(base[(d, "causal")][i], cross_tile=True))
+                for d, i in ((64, 0), (128, 0)) for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         return [v for v in out if not check(v)]
     if name == "m128":
         ref = {"causal": [_cfg(nc=1, bn=64, stages=3, ctas=3, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=3, pers=3,
@@ -489,7 +537,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
     p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c",
-                                                             "sermask", "m128"))
+                                                             "sermask", "m128", "xtile", "oq"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -511,6 +559,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     out = {"variants": [v.id for v in variants], "argv": sys.argv[1:]}
     path = Path(args.out) / "gluon_fwd.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     if args.set in RULES_OFF:
         rules_off()
     checks = run_checks(variants, args.workers, args.timeout, rules=args.set not in RULES_OFF)
@@ -528,7 +577,7 @@ def main(argv=None) -> int:
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
         shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
                   "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES,
-                  "m128": M128_SHAPES}.get(args.set)
+                  "m128": M128_SHAPES, "xtile": XTILE_SHAPES, "oq": OQ_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))

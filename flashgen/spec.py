@@ -223,7 +223,8 @@ class KernelSpec:
 #: TileConfig knobs shown in ``id`` as a bare tag when set, and those shown as tag + value.
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
               ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
-              ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"))
+              ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"), ("cross_tile", "_xtile"),
+              ("o_in_q", "_oq"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -277,7 +278,10 @@ class TileConfig:
     instead of register stores (``_kvt``); ``snake`` 1: the forward's walk of 2 or 3 with a
     mask deals its tiles in alternating directions, odd rounds from the last program
     (``_snake``); ``serial_masked`` 1: the forward's key tiles that cross a causal or
-    window mask retire the previous P V product before their softmax (``_sermask``).
+    window mask retire the previous P V product before their softmax (``_sermask``);
+    ``cross_tile`` 1: the forward's walk of 3 keeps a tile's last P V product in flight
+    into the next tile (``_xtile``); ``o_in_q`` 1: the forward's walk of 3 stages O in
+    the tile's Q buffer (``_oq``).
     """
 
     BLOCK_M: int
@@ -304,6 +308,8 @@ class TileConfig:
     kv_store: int = 0
     snake: int = 0
     serial_masked: int = 0
+    cross_tile: int = 0
+    o_in_q: int = 0
 
     @property
     def id(self) -> str:

@@ -144,7 +144,23 @@ def test_dq_ordered_is_a_knob_of_the_gluon_backward():
     assert any("needs dq_atomic=0" in r for r in GLUON.violated_rules(Variant(v.spec, both)))
     # outside the search; `flashgen tune --refine dq_ordered` measures it beside a tuned row
     assert "dq_ordered" not in GLUON.domain(key("bwd")) and GLUON.refine_domain(key("bwd")) == {"dq_ordered": (0, 1)}
-    assert GLUON.refine_domain(key("fwd")) == {}
+    assert GLUON.refine_domain(key("fwd")) == {"cross_tile": (0, 1), "o_in_q": (0, 1)}
+
+
+def test_refine_measures_the_cross_tile_twin_of_a_walk_of_3(tmp_path):
+    walk3 = F.tile_config(C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=3, consumer_regs=136,
+                                           producer_regs=24, persistent=3, ctas_per_sm=3))
+    twin = dataclasses.replace(walk3, cross_tile=1)
+    assert twin.id == walk3.id.replace("_x3", "_xtile_x3") and TileConfig.from_dict(twin.as_dict()) == twin
+    assert F.fwd_config(twin).cross_tile and F.tile_config(F.fwd_config(twin)) == twin
+    assert GLUON.violated_rules(Variant(key().spec, twin)) == []
+    assert "cross_tile" not in GLUON.domain(key())  # outside the search
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key(), walk3, 0.2)
+        assert tuner.refine_configs(key(), db, H200, SM90, ["cross_tile"], ["gluon"]) == [(walk3, [twin])]
+        # a row that is not a walk of 3 has no twin
+        _record(db, key(), GFWD, 0.1)
+        assert tuner.refine_configs(key(), db, H200, SM90, ["cross_tile"], ["gluon"]) == [(GFWD, [])]
 
 
 def test_reconcile_moves_the_dk_dv_stores_only_where_they_alone_block_a_neighbour():

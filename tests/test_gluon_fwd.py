@@ -16,7 +16,7 @@ import pytest
 from flashgen.families.gluon import shim
 from flashgen.families.gluon.config import (
     CONSUMER_OVERHEAD_REGS, HEAD_DIMS, SMEM_LIMIT_BYTES, GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check,
-    consumer_regs_needed, default_config, maxnreg, smem_bytes, space,
+    consumer_regs_needed, default_config, maxnreg, refinement_space, smem_bytes, smem_terms, space,
 )
 from flashgen.families.gluon.render import render
 
@@ -91,6 +91,32 @@ def test_validity_rules_say_why():
         m128, BLOCK_M=64)) - CONSUMER_OVERHEAD_REGS
     assert {c.BLOCK_M for c in space(causal)} == {64, 128}
     assert {c.BLOCK_M for c in space(GluonFwdSpec("bfloat16", 128, 128, "causal"))} == {64}
+    # cross_tile is a mode of the walk of 3, outside the search space (a refinement knob)
+    walk3 = GluonFwdConfig(BLOCK_N=64, num_stages=3, num_consumers=1, consumer_regs=136, ctas_per_sm=3,
+                           persistent=3)
+    assert check(GluonFwdVariant(causal, dataclasses.replace(walk3, cross_tile=True))) == []
+    assert any("cross_tile with persistent=2" in w
+               for w in check(GluonFwdVariant(causal, dataclasses.replace(walk3, persistent=2, cross_tile=True))))
+    assert any("cross_tile with serial_masked" in w for w in check(GluonFwdVariant(causal, dataclasses.replace(
+        walk3, serial_masked=True, cross_tile=True))))
+    assert not any(c.cross_tile for c in space(causal))
+    twins = refinement_space(causal, "cross_tile")
+    assert twins and {dataclasses.replace(c, cross_tile=False) for c in twins} == {
+        c for c in space(causal) if c.persistent == 3 and not c.serial_masked}
+    # o_in_q stages O in the walk's Q buffers: the O staging buffer leaves the model, which
+    # admits the one-consumer head_dim 128 walk of 3 at two programs per SM
+    one = GluonFwdConfig(BLOCK_N=64, num_stages=2, num_consumers=1, consumer_regs=232, ctas_per_sm=2, persistent=3)
+    d128 = GluonFwdSpec("bfloat16", 128, 128, "causal")
+    assert any("shared memory" in w for w in check(GluonFwdVariant(d128, one)))
+    oq = dataclasses.replace(one, o_in_q=True)
+    assert check(GluonFwdVariant(d128, oq)) == [] and "o_staging" not in smem_terms(d128, oq)
+    assert oq in refinement_space(d128, "o_in_q") and not any(c.o_in_q for c in space(d128))
+    assert any("o_in_q with persistent=2" in w for w in check(GluonFwdVariant(d128, dataclasses.replace(
+        oq, persistent=2))))
+    assert any("o_in_q with persistent=3 and head dims (128, 64)" in w for w in check(GluonFwdVariant(
+        GluonFwdSpec("bfloat16", 128, 64, "causal"), oq)))
+    assert any("o_in_q with cross_tile" in w for w in check(GluonFwdVariant(d128, dataclasses.replace(
+        oq, cross_tile=True))))
     with pytest.raises(ValueError, match="cannot be built"):
         render(GluonFwdVariant(s, GluonFwdConfig(BLOCK_N=96)))
     for s in SPECS:
@@ -183,6 +209,14 @@ COMPILE_CASES = [
     ("bfloat16", 64, 64, "causal", dict(BLOCK_M=128, BLOCK_N=64, num_stages=3, num_consumers=1, consumer_regs=232,
                                         ctas_per_sm=2, persistent=3)),
     ("bfloat16", 64, 64, "none", dict(BLOCK_M=128, BLOCK_N=64, num_stages=4, pin_exps=True)),
+    # the walk of 3 with a tile's last P V product carried into the next tile (cross_tile),
+    # beside its twin above (three programs per SM, head_dim 64 causal)
+    ("bfloat16", 64, 64, "causal", dict(BLOCK_N=64, num_stages=3, num_consumers=1, consumer_regs=136,
+                                        ctas_per_sm=3, persistent=3, cross_tile=True)),
+    # the walk of 3 with O staged in its Q buffers (o_in_q): the one-consumer head_dim 128
+    # tile two to an SM, which does not fit with an O buffer of its own
+    ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, num_consumers=1, consumer_regs=232, ctas_per_sm=2,
+                                          persistent=3, o_in_q=True)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
@@ -201,6 +235,8 @@ COMPILE_CASES = [
 #: three-consumer head_dim 64 tile spills nothing under 3.6 and 204-376 B under 3.9, as
 #: the unmasked tile does there (312 B: 3.9's ptxas, not the mask).  The pinned
 #: two-consumer tile of 128-row consumers (BLOCK_M 128) spills 4 B under 3.9 (0 under 3.6).
+#: The walk of 3 with ``cross_tile`` at three programs per SM (136 registers) spills 108 B
+#: under 3.9 (0 under 3.6, as its twin under both).
 #: Any other spill fails.
 SPILL_BYTES = {
     "3.6": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2": 108,
@@ -214,7 +250,8 @@ SPILL_BYTES = {
             "gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2_sermask": 8,
             "gluon_fwd_d64_bf16_causal_m64x3_n128_s3_r160-32_pers3_sermask": 376,
             "gluon_fwd_d64_bf16_window_m64x3_n128_s2_r160-32_sermask": 204,
-            "gluon_fwd_d64_bf16_none_m128x2_n64_s4_r240-24_pin": 4},
+            "gluon_fwd_d64_bf16_none_m128x2_n64_s4_r240-24_pin": 4,
+            "gluon_fwd_d64_bf16_causal_m64x1_n64_s3_r136-24_pers3_xtile_x3": 108},
 }
 
 _SCRIPT = r'''
@@ -227,6 +264,7 @@ for dt, d, dv, mask, kw, *sinks in CASES:
     print("OK " + json.dumps(dict(id=v.id, problems=r.problems(v), spill=r.spill_bytes, shared=r.shared_bytes,
                                   model=smem_bytes(v.spec, v.config), setmaxnreg=r.setmaxnreg, hgmma=r.hgmma,
                                   exps=r.exps_between_waits, pin=v.config.pin_exps, block_n=v.config.BLOCK_N,
+                                  waits=r.partial_waits, consumers=v.config.num_consumers,
                                   regs=[v.config.consumer_regs, v.config.producer_regs])))
 '''
 
@@ -260,6 +298,10 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
             twin = by_id.get(row["id"].replace("_sermask", ""))
             if twin is not None:
                 assert row["spill"] <= twin["spill"], (row, twin)
+        if "_xtile" in row["id"]:  # each consumer's first key tile waits partially, with the P V in flight
+            twin = by_id.get(row["id"].replace("_xtile", ""))
+            assert twin is not None, f"{row['id']}: its twin is not among COMPILE_CASES"
+            assert row["waits"] == twin["waits"] + row["consumers"] and row["hgmma"] > twin["hgmma"], (row, twin)
         plain = by_id.get(row["id"].replace("_sinks", ""))
         if "_sinks" in row["id"] and plain is not None:  # the key loop as the plain variant's
             assert (row["hgmma"], row["setmaxnreg"], row["exps"]) == (plain["hgmma"], plain["setmaxnreg"],

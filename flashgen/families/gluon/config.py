@@ -111,6 +111,18 @@ class GluonFwdConfig:
                    exponentials run and the masked tiles need fewer registers than the
                    unmasked ones (the mask's own registers leave the model); the other
                    consumers' matrix work still overlaps them.
+    cross_tile     with ``persistent`` 3: a tile's last P V product stays in flight
+                   into the consumer's next tile (issued after that tile's first
+                   score product, retired after its first softmax), then the finished
+                   tile's O and LSE are stored; the tile boundary gets the
+                   intra-warpgroup overlap the key loop has.  Searched only around
+                   tuned rows (``flashgen tune --refine cross_tile``).
+    o_in_q         with ``persistent`` 3 and head_dim_v padded as head_dim: O is
+                   staged for its TMA store in the tile's own Q buffer instead of a
+                   buffer of its own (BLOCK_M x head_dim_v x 2 B less shared memory per
+                   consumer); a Q buffer is freed once that store has read it, after
+                   the next tile's first softmax, so the producer still loads Q a tile
+                   ahead.  Searched only around tuned rows (``--refine o_in_q``).
     ctas_per_sm    programs resident on one SM (1, 2 or 3): the launch register cap
                    and the shared memory of a program are the SM's divided by it (two
                    or three one-consumer programs overlap one's prologue and epilogue
@@ -129,6 +141,8 @@ class GluonFwdConfig:
     ctas_per_sm: int = 1
     snake: bool = False
     serial_masked: bool = False
+    cross_tile: bool = False
+    o_in_q: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,8 @@ class GluonFwdVariant:
         dt = {"float16": "fp16", "bfloat16": "bf16"}.get(s.dtype, s.dtype)
         pers = {0: "", 1: "_pers"}.get(int(c.persistent), f"_pers{int(c.persistent)}")
         tail = ("_pin" if c.pin_exps else "") + pers + ("_snake" if c.snake else "") + \
-            ("_sermask" if c.serial_masked else "") + \
+            ("_sermask" if c.serial_masked else "") + ("_xtile" if c.cross_tile else "") + \
+            ("_oq" if c.o_in_q else "") + \
             (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
@@ -393,7 +408,8 @@ def smem_terms(s: GluonFwdSpec, c: GluonFwdConfig) -> dict[str, int]:
         "barriers": 8 * ((4 if c.persistent == 3 else 2) * c.num_consumers + 4 * c.num_stages),
         "slack": SMEM_SLACK_BYTES,
     }
-    if dv != d or c.persistent >= 2:  # O is staged in Q's buffer when the shapes agree, except in the walk
+    # O is staged in Q's buffer when the shapes agree, except in the walk (unless o_in_q)
+    if dv != d or (c.persistent >= 2 and not c.o_in_q):
         terms["o_staging"] = c.num_consumers * c.BLOCK_M * dv * es
     return terms
 
@@ -443,6 +459,18 @@ def check(v: GluonFwdVariant) -> list[str]:
     if c.serial_masked and (s.sinks or s.user):
         why.append("serial_masked with attention sinks or user score/mask functions: not built (their code id "
                    "covers the overlapped masked tiles only)")
+    if c.cross_tile and c.persistent != 3:
+        why.append(f"cross_tile with persistent={c.persistent}: a mode of the walk of 3 (the next tile's Q is "
+                   "loaded a tile ahead, so the finishing tile's last P V product can wait for it)")
+    if c.o_in_q and (c.persistent != 3 or pad(s.head_dim_v) != pad(s.head_dim)):
+        why.append(f"o_in_q with persistent={c.persistent} and head dims ({s.head_dim}, {s.head_dim_v}): a mode of "
+                   "the walk of 3 (its two Q buffers per consumer) where an O tile fits a Q tile (head_dim_v "
+                   "padded as head_dim)")
+    if c.o_in_q and c.cross_tile:
+        why.append("o_in_q with cross_tile: not built (the carried tile's O is stored during the next tile)")
+    if c.cross_tile and c.serial_masked:
+        why.append("cross_tile with serial_masked: the next tile's first key tile is masked, and serial_masked "
+                   "retires the previous P V product before a masked tile's softmax")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
@@ -519,17 +547,32 @@ def block_ms(head_dim_v: int) -> tuple[int, ...]:
     return BLOCK_MS if pad(head_dim_v) <= 64 else BLOCK_MS[:1]
 
 
-def space(s: GluonFwdSpec):
+def space(s: GluonFwdSpec, **fixed):
     """Every valid config of the search space for ``s`` (the knob domains, filtered by
-    :func:`check`)."""
+    :func:`check`); ``fixed``: knobs outside the search (``cross_tile``, ``o_in_q``) set on
+    every config before the check, for the variants of a refinement knob."""
     for bm, nc, bn, stages, pin, pers, ctas, snake, serial in itertools.product(
             block_ms(s.head_dim_v), (1, 2, 3), (64, 128), (2, 3, 4, 5, 6), (False, True), (0, 1, 2, 3), CTAS_PER_SM,
             (False, True), (False, True)):
         cr, pr = default_regs(nc, ctas)
         cfg = GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr,
-                             producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake, serial_masked=serial)
+                             producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake,
+                             serial_masked=serial, **fixed)
         if valid(GluonFwdVariant(s, cfg)):
             yield cfg
+
+
+#: Knobs outside the search that ``flashgen tune --refine`` varies around tuned rows.
+REFINE_KNOBS = ("cross_tile", "o_in_q")
+
+
+def refinement_space(s: GluonFwdSpec, knob: str, max_stages: int | None = None) -> list[GluonFwdConfig]:
+    """Every valid config of the search's knob domains with the refinement knob ``knob``
+    (one of :data:`REFINE_KNOBS`) on; ``max_stages``: only those of at most that many ring
+    slots (the stage count is a compile-time constant of the same source)."""
+    if knob not in REFINE_KNOBS:
+        raise ValueError(f"knob {knob!r}: one of {REFINE_KNOBS}")
+    return [c for c in space(s, **{knob: True}) if max_stages is None or c.num_stages <= max_stages]
 
 
 def template_vars(v: GluonFwdVariant) -> dict:
@@ -545,7 +588,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 # 0/1 render as False/True, as before the walk existed (the code ids follow the source)
                 PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent if c.persistent >= 2 else bool(c.persistent),
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks, SNAKE=c.snake,
-                SERIAL_MASKED=c.serial_masked,
+                SERIAL_MASKED=c.serial_masked, CROSS_TILE=c.cross_tile, O_IN_Q=c.o_in_q,
                 **user_vars(s.user))
 
 

@@ -21,7 +21,8 @@ import jinja2
 from ...render import templates_dir
 from .code_id import CodeId, extension_of, read_record
 from .config import (
-    DTYPES, HEAD_DIMS, MASKS, GluonFwdSpec, GluonFwdVariant, check, default_config, space, template_vars,
+    DTYPES, HEAD_DIMS, MASKS, REFINE_KNOBS, GluonFwdSpec, GluonFwdVariant, check, default_config,
+    refinement_space, space, template_vars,
 )
 
 TEMPLATE = "attn_fwd.py.j2"
@@ -45,8 +46,8 @@ def _env(directory: str | None = None) -> jinja2.Environment:
 #: Knob values added after the forward's code id was first recorded, each an extension
 #: of the id (:class:`.code_id.CodeId`): name -> whether a config has it.
 #: A config of two extensions belongs to the first one listed.
-EXTENSIONS = {"m128": lambda c: c.BLOCK_M == 128, "serial_masked": lambda c: c.serial_masked,
-              "snake": lambda c: c.snake, "ctas3": lambda c: c.ctas_per_sm == 3,
+EXTENSIONS = {"o_in_q": lambda c: c.o_in_q, "cross_tile": lambda c: c.cross_tile, "m128": lambda c: c.BLOCK_M == 128,
+              "serial_masked": lambda c: c.serial_masked, "snake": lambda c: c.snake, "ctas3": lambda c: c.ctas_per_sm == 3,
               "persistent2": lambda c: c.persistent == 2, "persistent3": lambda c: c.persistent == 3}
 
 
@@ -64,6 +65,11 @@ def probe_variants(extension: str | None = None) -> list[GluonFwdVariant]:
                     for c in space(s):
                         if extension_of(EXTENSIONS, c) == extension:
                             out.append(GluonFwdVariant(s, c))
+                    if extension in REFINE_KNOBS and dtype == "bfloat16":
+                        # A refinement knob (outside the search): its variants of one dtype
+                        # and at most 3 stages cover every source branch it compiles (dtype
+                        # and stage count are compile-time constants).
+                        out += [GluonFwdVariant(s, c) for c in refinement_space(s, extension, max_stages=3)]
     return out
 
 
