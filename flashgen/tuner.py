@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import os
 import re
 import signal
@@ -276,19 +277,111 @@ def _rdb_storage(url: str) -> optuna.storages.RDBStorage:
                 url, **kw, failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
 
 
-def _sampler(name: str, kernel: str, seed: int) -> optuna.samplers.BaseSampler:
+def _sampler(name: str, space: dict[str, dict[str, tuple]], seed: int) -> optuna.samplers.BaseSampler:
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed)
     if name == "grid":
-        # Every config once.  BruteForceSampler decides what is left from the trials'
-        # params, which stays right with several workers (GridSampler's grid ids can
-        # be claimed by a trial that then runs other params).
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.BruteForceSampler(seed=seed)
+        return ConfigGridSampler(space, seed)
     raise ValueError(f"sampler must be 'tpe' or 'grid', got {name!r}")
+
+
+def grid_params(space: dict[str, dict[str, tuple]]) -> list[dict]:
+    """The trial params of every config of ``space`` (family name -> knob domains, as
+    :func:`search_space`): each family's knob domains' product in domain order, families
+    in ``space``'s order; the ``family`` param where more than one family is searched."""
+    out = []
+    for family, dom in space.items():
+        names = [_param(family, n) for n in dom]
+        head = {"family": family} if len(space) > 1 else {}
+        out += [{**head, **dict(zip(names, values))} for values in itertools.product(*dom.values())]
+    return out
+
+
+class ConfigGridSampler(optuna.samplers.BaseSampler):
+    """The ``grid`` sampler: every config of ``space`` (:func:`search_space`) once, in an
+    order shuffled by ``seed``; the study stops once every config is taken.
+
+    Taken: the params of a trial of the study that is complete, pruned, failed or
+    running, whichever worker ran it (waiting trials take nothing), as with Optuna's
+    BruteForceSampler, so workers sharing a study split the grid and a resumed study
+    goes on where it stopped (Optuna's GridSampler's grid ids can be claimed by a trial
+    that then runs other params).  BruteForceSampler knows no search space beforehand
+    and rebuilds a tree of every trial's params for each parameter of each trial: time
+    quadratic in the trials, minutes over a few thousand configs.  This sampler knows
+    the grid: a trial's first parameter picks its whole config (the first untaken one
+    in the shuffled order that agrees with params already set, an enqueued trial's),
+    and the taken configs are kept between trials, each finished trial read once."""
+
+    def __init__(self, space: dict[str, dict[str, tuple]], seed: int = 0):
+        import random
+
+        params = grid_params(space)
+        random.Random(seed).shuffle(params)
+        self._order = [self._key(p) for p in params]
+        self._params = dict(zip(self._order, params))
+        self._taken: set[tuple] = set()
+        self._read = 0  # the study's first trials, all finished, whose configs are in _taken
+        self._next = 0  # every config before it in _order is taken
+        self._picks: dict[int, dict | None] = {}  # trial number -> its config's params
+        self._rng = random.Random(seed)
+
+    @staticmethod
+    def _key(params: Mapping) -> tuple:
+        return tuple(sorted(params.items()))
+
+    def infer_relative_search_space(self, study, trial) -> dict:
+        return {}
+
+    def sample_relative(self, study, trial, search_space) -> dict:
+        return {}
+
+    def _update(self, study: optuna.Study, current: int) -> None:
+        """Add the configs of the study's trials other than trial ``current`` to the taken
+        ones.  The first ``_read`` trials (creation order) are finished and added already;
+        ``_read`` grows over the finished trials that follow them."""
+        trials = study.get_trials(deepcopy=False)
+        front = True
+        for t in trials[self._read:]:
+            if t.state != TrialState.WAITING and t.number != current:
+                key = self._key(t.params)
+                if key in self._params:
+                    self._taken.add(key)
+            front = front and t.state.is_finished()
+            self._read += front
+        while self._next < len(self._order) and self._order[self._next] in self._taken:
+            self._next += 1
+
+    def _pick(self, study: optuna.Study, trial, name: str) -> dict | None:
+        """The config of ``trial``: the first untaken one that has ``name`` and agrees
+        with the trial's params already set, else the first such config (a repeat),
+        else None."""
+        self._update(study, trial.number)
+        fixed = trial.params
+
+        def agrees(p: dict) -> bool:
+            return name in p and all(n in p and p[n] == v for n, v in fixed.items())
+
+        untaken = (self._params[k] for k in self._order[self._next:] if k not in self._taken)
+        return next((p for p in untaken if agrees(p)), None) or next(filter(agrees, self._params.values()), None)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        pick = self._picks.get(trial.number)
+        if pick is None or param_name not in pick or any(n not in pick or pick[n] != v
+                                                         for n, v in trial.params.items()):
+            pick = self._picks[trial.number] = self._pick(study, trial, param_name)
+        if pick is None:  # params set outside the grid: any choice of the parameter
+            return self._rng.choice(param_distribution.choices)
+        return pick[param_name]
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self._picks.pop(trial.number, None)
+        key = self._key(trial.params)
+        if key in self._params:
+            self._taken.add(key)
+        self._update(study, trial.number)
+        if self._next == len(self._order):
+            with contextlib.suppress(RuntimeError):  # raised outside optimize (ask and tell)
+                study.stop()
 
 
 def search_space(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None
@@ -440,19 +533,33 @@ REJECTED_PER_TRIAL = 20
 def measured_trials(study: optuna.Study) -> int:
     """The study's completed trials that measured a config (or reused its stored row),
     not counting those the rules rejected before compiling (:data:`REJECTED`)."""
-    return sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-               if t.user_attrs.get("status") not in REJECTED)
+    return sum(map(_measured, study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))))
+
+
+def _measured(t) -> bool:
+    """Whether trial ``t`` counts in :func:`measured_trials`."""
+    return t.state == TrialState.COMPLETE and t.user_attrs.get("status") not in REJECTED
 
 
 class _MaxMeasured:
     """Stops a study once it holds ``n`` measured trials (:func:`measured_trials`),
-    whichever worker ran them."""
+    whichever worker ran them.  The study's first trials, while each is finished, are
+    read once (``_read`` of them, ``_done`` measured): a call reads those after them."""
 
     def __init__(self, n: int):
         self.n = n
+        self._read = self._done = 0
 
     def __call__(self, study: optuna.Study, trial) -> None:
-        if measured_trials(study) >= self.n:
+        front, later = True, 0
+        for t in study.get_trials(deepcopy=False)[self._read:]:
+            front = front and t.state.is_finished()
+            if front:
+                self._read += 1
+                self._done += _measured(t)
+            else:
+                later += _measured(t)
+        if self._done + later >= self.n:
             study.stop()
 
 
@@ -483,7 +590,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
                          f"{arch.sm}: " + "; ".join(f"{n}: {why}" for n, why in families.reasons(key, arch)))
     kw = dict(benchmarker=benchmarker, db=db, env=env, arch=arch)
     study = optuna.create_study(storage=open_storage(storage, db),
-                                sampler=_sampler(sampler, key.spec.kernel, seed),
+                                sampler=_sampler(sampler, space, seed),
                                 study_name=study_name(env, key, space), direction="minimize",
                                 load_if_exists=True)
 

@@ -304,3 +304,61 @@ def test_a_new_study_starts_from_the_default_then_the_nearest_keys_winners(db):
     default = heuristics.default_config(SPEC, ARCH)
     dom = space.DOMAINS["fwd"]
     assert params == [{n: getattr(c, n) for n in dom} for c in (default, *got)]
+
+
+def test_the_grid_sampler_takes_every_config_once(db, monkeypatch):
+    """A resumed grid study goes on with the configs no trial took, and stops once every
+    config is taken: each config of the domain is one trial."""
+    monkeypatch.setitem(space.DOMAINS, "fwd", SMALL)
+    bench = tuner.FakeBenchmarker(random_timings())
+    assert run(db, bench, 5, sampler="grid").n_trials == 5
+    run(db, bench, 80, sampler="grid", seed=1)
+    params = [tuple(sorted(t.params.items())) for t in load_study(db).trials]
+    assert len(params) == len(set(params)) == 16  # every config of SMALL once, then the study stopped
+    assert sorted(bench.calls) == sorted(runnable(SPEC, ARCH))
+
+
+def test_grid_samplers_sharing_a_study_split_the_grid():
+    """Two workers' samplers (other seeds) on one study: a trial's config is one no
+    other trial took, a running one's included; an enqueued trial keeps its params; once
+    every config is taken, a trial repeats one and the study stops."""
+    import itertools
+
+    dom = {"a": (1, 2, 3), "b": ("x", "y"), "c": (False, True)}
+    st = optuna.storages.InMemoryStorage()
+    sa = optuna.create_study(storage=st, study_name="s", sampler=tuner.ConfigGridSampler({"triton": dom}, 0))
+    sb = optuna.load_study(storage=st, study_name="s", sampler=tuner.ConfigGridSampler({"triton": dom}, 1))
+    sa.enqueue_trial({"a": 2})
+
+    def suggest(t):
+        return tuple(t.suggest_categorical(n, list(v)) for n, v in dom.items())
+
+    seen = []
+    for _ in range(6):
+        ta, tb = sa.ask(), sb.ask()  # tb asks while ta runs
+        seen += [suggest(ta), suggest(tb)]
+        sa.tell(ta, 0.0)
+        sb.tell(tb, 0.0)
+    assert seen[0][0] == 2 and sorted(seen) == sorted(itertools.product(*dom.values()))
+    sc = optuna.load_study(storage=st, study_name="s", sampler=tuner.ConfigGridSampler({"triton": dom}, 2))
+    sc.optimize(lambda t: len(suggest(t)), n_trials=5)
+    assert len(sc.trials) == 13 and suggest(sc.trials[-1]) in seen
+
+
+def test_the_budget_counts_measured_trials_behind_a_running_one():
+    """The trial budget (measured trials, whichever worker ran them) counts the trials
+    that finish after another worker's running trial, and that trial once it finishes."""
+    study = optuna.create_study()
+    running = study.ask()  # another worker's, still running
+
+    def objective(t):
+        t.set_user_attr("status", "infeasible" if t.number % 2 else "ok")
+        return 0.0
+
+    budget = tuner._MaxMeasured(5)
+    study.optimize(objective, n_trials=50, callbacks=[budget])
+    assert tuner.measured_trials(study) == 5 and len(study.trials) == 11  # ok: trials 2, 4, .., 10
+    study.tell(running, 0.0)  # measured (no rejected status)
+    budget.n = 8
+    study.optimize(objective, n_trials=50, callbacks=[budget])
+    assert tuner.measured_trials(study) == 8 and len(study.trials) == 15
