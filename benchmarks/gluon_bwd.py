@@ -48,7 +48,7 @@ SHAPES = [(4, 16, 4096, 128, False), (1, 16, 16384, 128, True), (8, 32, 2048, 64
 #: (config fields, head_dim, full): the variants one run compiles, checks and times; the
 #: fields are GluonBwdConfig's in order (block_m, block_n, consumers, stages, dq_mode,
 #: consumer_regs, producer_regs, row_load, producer_warps, split, group_split,
-#: half_partials, dq_stage, kv_store); "full" adds the window and float16 checks.  The first two:
+#: half_partials, dq_stage, kv_store, longest_first); "full" adds the window and float16 checks.  The first two:
 #: the defaults of both head dims (the dQ tile in fragment order, dK and dV by TMA stores).
 CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, True),
            ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment", "tma"), 64, True),
@@ -87,7 +87,23 @@ TILE_PROBES = {"d64": [((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, Fals
                "kv-store": [((bm, 64, 2, st, "tma", 240, 24, "tma", 1, split, 1, False, "fragment", kv), d, full)
                             for (bm, d, st, split) in ((64, 128, 2, False), (64, 128, 3, False), (64, 64, 4, True),
                                                        (128, 64, 2, False))
-                            for kv, full in (("ptr", False), ("tma", bm == 64 and st != 3))]}
+                            for kv, full in (("ptr", False), ("tma", bm == 64 and st != 3))],
+               # ``--tiles lpt``: the masked backward's programs in grid order (each (batch,
+               # kv head)'s key blocks after the previous one's) beside longest first across
+               # sections of pairs (longest_first), on the tuned tiles: head_dim 128 lock-step
+               # with TMA or register stores and 3 stages, head_dim 64 split and BLOCK_M 128;
+               # the GQA tiles (group splits 2 and 4, 16-bit partials) are checked on
+               # GQA_CHECKS, not timed (SHAPES are multi-head)
+               "lpt": [((bm, 64, 2, st, "tma", 240, 24, rows, 1, split, gs, half, "fragment", kv, lpt), d,
+                        lpt and full)
+                       for (bm, d, st, rows, split, gs, half, kv, full) in (
+                           (64, 128, 2, "tma", False, 1, False, "tma", True),
+                           (64, 128, 3, "tma", False, 1, False, "ptr", False),
+                           (64, 64, 4, "tma", True, 1, False, "tma", True),
+                           (128, 64, 2, "producer", False, 1, False, "tma", False),
+                           (64, 128, 2, "producer", False, 2, True, "ptr", True),
+                           (64, 128, 2, "producer", False, 4, False, "ptr", False))
+                       for lpt in ((False, True) if gs == 1 else (True,))]}
 
 #: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
 CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),
@@ -201,7 +217,7 @@ def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: 
             worst = 0.0
             # Every config is checked in the modes it is timed in (none, causal); a "full"
             # one also in window mode and in float16.
-            checks = GQA_CHECKS if gqa or (ordered and cfg.group_split > 1) else CHECKS
+            checks = GQA_CHECKS if gqa or cfg.group_split > 1 else CHECKS
             cases = [] if timing else [c for c in checks if full or c[6] == (-1, -1)]
             for case in cases:
                 for dtype_name in (("bfloat16", "float16") if full and case[3] == 1000 and not case[5]
@@ -222,7 +238,7 @@ def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: 
                 row["times"] = [_time_gqa(cfg, *shape) for shape in GQA_SHAPES if shape[4] == d]
             elif timing:
                 for (b, h, s, dd, causal) in SHAPES:
-                    if dd != d:
+                    if dd != d or cfg.group_split > 1 or (cfg.longest_first and not causal):
                         continue
                     dt = torch.bfloat16
                     q, k, v, do, o = (torch.randn(b, h, s, d, device=dev, dtype=dt) for _ in range(5))

@@ -113,6 +113,12 @@ M128_SHAPES = [(32 // (n // 512), 32, 32, n, 64, causal) for causal in (True, Fa
 XTILE_SHAPES = [(16384 // n, 32 // (d // 64), 32 // (d // 64), n, d, causal) for d in (64, 128)
                 for causal in (True, False) for n in (512, 1024, 2048, 4096)] + [
     (1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (4, 16, 4, 2048, 128, True)]
+#: The set "lpt" times the causal tiles the shipped rows run one program per tile
+#: (seqlen 1024 at head_dim 64, 8192-16384) in grid order and longest first across
+#: sections (longest_first).
+LPT_SHAPES = [(16, 32, 32, 1024, 64, True), (1, 32, 32, 16384, 64, True), (2, 16, 16, 8192, 128, True),
+              (1, 16, 16, 16384, 128, True), (1, 32, 8, 8192, 128, True), (2, 32, 8, 8192, 128, True),
+              (4, 32, 8, 8192, 128, True), (8, 32, 8, 8192, 128, True)]
 #: The set "oq" times the walk of 3 with O staged in its Q buffers (o_in_q) on the head_dim
 #: 128 keys whose shipped rows are one-consumer tiles at two programs per SM, and the
 #: head_dim 64 causal keys of the three-per-SM walk.
@@ -127,11 +133,11 @@ SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32
 
 
 def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False, bm=64,
-         xtile=False, oq=False):
+         xtile=False, oq=False, lpt=False):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr,
                           producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake,
-                          serial_masked=serial, cross_tile=xtile, o_in_q=oq)
+                          serial_masked=serial, cross_tile=xtile, o_in_q=oq, longest_first=lpt)
 
 
 def variant_set(name: str) -> list[GluonFwdVariant]:
@@ -216,6 +222,17 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
         out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, mask), c) for (d, mask), cfgs in base.items() for c in cfgs]
         out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), base[(d, "causal")][i]) for d, i in ((128, 3), (64, 1))
                 for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
+        return [v for v in out if not check(v)]
+    if name == "lpt":
+        # the shipped rows' one-program-per-tile causal tiles, each in grid order (a plane's
+        # query blocks after the previous plane's) and longest first across sections
+        # (longest_first)
+        base = {128: [_cfg(pin=True), _cfg(pin=True, stages=3), _cfg(stages=3)],
+                64: [_cfg(nc=1, bn=64, stages=3, ctas=3), _cfg(nc=3, bn=128, stages=4, regs=(160, 32), serial=True)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), dataclasses.replace(c, longest_first=lpt))
+               for d, cfgs in base.items() for c in cfgs for lpt in (False, True)]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), dataclasses.replace(base[d][0], longest_first=True))
+                for d in (128, 64) for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         return [v for v in out if not check(v)]
     if name == "xtile":
         # the walks of 3 of the shipped rows (and near them), each with its cross_tile twin
@@ -537,7 +554,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
     p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c",
-                                                             "sermask", "m128", "xtile", "oq"))
+                                                             "sermask", "m128", "xtile", "oq", "lpt"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -577,7 +594,8 @@ def main(argv=None) -> int:
         out["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
         shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
                   "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES,
-                  "m128": M128_SHAPES, "xtile": XTILE_SHAPES, "oq": OQ_SHAPES}.get(args.set)
+                  "m128": M128_SHAPES, "xtile": XTILE_SHAPES, "oq": OQ_SHAPES,
+                  "lpt": LPT_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         print(table(out["timing"]))

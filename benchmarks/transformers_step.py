@@ -52,6 +52,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 CONFIGS = {
     # name: (hidden, heads, kv_heads, layers, batch, tokens, intermediate, vocab)
@@ -319,6 +320,7 @@ def main(argv=None) -> int:
               "steps": args.steps, "warmup": args.warmup, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL,
               "configs": {}}
     t0 = time.perf_counter()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name, spec in configs.items():
         print(f"{name}: {spec}", flush=True)
         result["configs"][name] = run_config(name, spec, args, impl_fg, device, dtype)

@@ -224,7 +224,7 @@ class KernelSpec:
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
               ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
               ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"), ("cross_tile", "_xtile"),
-              ("o_in_q", "_oq"))
+              ("o_in_q", "_oq"), ("longest_first", "_lpt"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -281,7 +281,9 @@ class TileConfig:
     window mask retire the previous P V product before their softmax (``_sermask``);
     ``cross_tile`` 1: the forward's walk of 3 keeps a tile's last P V product in flight
     into the next tile (``_xtile``); ``o_in_q`` 1: the forward's walk of 3 stages O in
-    the tile's Q buffer (``_oq``).
+    the tile's Q buffer (``_oq``); ``longest_first`` 1: the backward's masked modes start
+    the key blocks that see the most query blocks first, across sections of (batch, kv
+    head) pairs (``_lpt``).
     """
 
     BLOCK_M: int
@@ -310,6 +312,7 @@ class TileConfig:
     serial_masked: int = 0
     cross_tile: int = 0
     o_in_q: int = 0
+    longest_first: int = 0
 
     @property
     def id(self) -> str:

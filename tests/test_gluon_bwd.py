@@ -54,6 +54,10 @@ CASES = [
     ((64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, "causal"),
     # the deterministic backward's shipped row at head_dim 128 causal 4096 (spills: below)
     ((64, 64, 2, 3, "ordered", 240, 24, "producer", 1, False, 1, False, "fragment", "tma"), 128, "causal"),
+    # the longest-first grid: the head_dim 128 default and a GQA split (its coordinates
+    # recomputed for the register stores of the partials)
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma", True), 128, "causal"),
+    ((64, 64, 2, 2, "tma", 240, 24, "producer", 1, False, 4, False, "fragment", "ptr", True), 128, "causal"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -228,6 +232,51 @@ def test_kv_store_rules_launch_and_search():
     src = B.render(cfg, "bfloat16", 64, "none")
     assert "tma_store(DK, [off_z, off_hk, nc, 0]" in src and "gl.store(DK" not in src
     assert "tma_store" not in B.render(dataclasses.replace(cfg, kv_store="ptr"), "bfloat16", 64, "none")
+
+
+def test_longest_first_rules_and_launch():
+    """Under a causal or window mask only, never with the ordered dQ (its own 1-D grid);
+    a 1-D grid of every (key block, pair) with the section as the last argument."""
+    cfg = dataclasses.replace(B.default_config(128), longest_first=True)
+    assert cfg.id.endswith("_dqf_kvt_lpt")
+    assert B.is_valid(cfg, 128, "bfloat16", "causal") and B.is_valid(cfg, 128, "bfloat16", "window")
+    assert any("without a mask" in r for r in B.invalid_reasons(cfg, 128, "bfloat16", "none"))
+    assert any("ordered" in r for r in B.invalid_reasons(dataclasses.replace(cfg, dq_mode="ordered"), 128,
+                                                           "bfloat16", "causal"))
+    q = torch.empty(2, 8, 300, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16)
+    for c, pairs in ((cfg, 4), (dataclasses.replace(cfg, group_split=2, kv_store="ptr"), 8)):
+        a = B.launch_args(q, q, k, k, q, torch.empty(2, 8, 300), softmax_scale=0.1, diag_lo=-300, diag_hi=700,
+                          config=c)
+        grid, args = a["main"]
+        assert grid == (8 * pairs,)  # cdiv(1000, 128) key blocks
+        assert args[-1] == B.longest_first_section(pairs, 4 // c.group_split, 300, 128) == pairs
+    src = B.render(cfg, "bfloat16", 128, "causal")
+    assert "_longest_first_program(gl.program_id(0), gl.num_programs(0), seqlen_k, section)" in src
+    assert "_longest_first_program" not in B.render(B.default_config(128), "bfloat16", 128, "causal")
+
+
+@pytest.mark.parametrize("pairs, n_kb, section", [(1, 1, 1), (7, 3, 7), (16, 8, 4), (12, 5, 6), (64, 32, 4)])
+def test_longest_first_program_covers_the_grid_in_sections(pairs, n_kb, section):
+    """Every (key block, pair) once; the pairs in sections of ``section``, within a
+    section key block major (the first key block of every pair of the section first)."""
+    got = [B.longest_first_program(pid, n_kb * pairs, n_kb, section) for pid in range(n_kb * pairs)]
+    assert sorted(got) == sorted((kb, p) for kb in range(n_kb) for p in range(pairs))
+    want = [(kb, base + p) for base in range(0, pairs, section) for kb in range(n_kb)
+            for p in range(min(section, pairs - base))]
+    assert got == want
+
+
+def test_longest_first_section_is_a_divisor_within_the_l2_share():
+    """The largest divisor of the pairs whose Q and dO fit the L2 share; all pairs when
+    they fit; one pair when even one does not."""
+    per_pair = 4 * 4096 * 128 * 4  # group 4, seqlen 4096, head_dim 128: Q and dO, 2 B each
+    assert B.L2_SECTION_BYTES // per_pair == 4
+    assert B.longest_first_section(64, 4, 4096, 128) == 4
+    assert B.longest_first_section(30, 4, 4096, 128) == 3
+    assert B.longest_first_section(7, 4, 4096, 128) == 1
+    assert B.longest_first_section(16, 2, 2048, 128) == 16
+    assert B.longest_first_section(5, 16, 65536, 128) == 1
 
 
 def test_fragment_order_is_the_accumulator_fragment():

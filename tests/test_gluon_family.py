@@ -143,8 +143,49 @@ def test_dq_ordered_is_a_knob_of_the_gluon_backward():
     both = dataclasses.replace(GBWD_ORD, dq_atomic=1)
     assert any("needs dq_atomic=0" in r for r in GLUON.violated_rules(Variant(v.spec, both)))
     # outside the search; `flashgen tune --refine dq_ordered` measures it beside a tuned row
-    assert "dq_ordered" not in GLUON.domain(key("bwd")) and GLUON.refine_domain(key("bwd")) == {"dq_ordered": (0, 1)}
-    assert GLUON.refine_domain(key("fwd")) == {"cross_tile": (0, 1), "o_in_q": (0, 1)}
+    assert "dq_ordered" not in GLUON.domain(key("bwd")) and \
+        GLUON.refine_domain(key("bwd", mask="none")) == {"dq_ordered": (0, 1)}
+    assert GLUON.refine_domain(key("fwd")) == {"cross_tile": (0, 1), "o_in_q": (0, 1), "longest_first": (0, 1)}
+
+
+def test_refine_measures_the_longest_first_twin_of_a_forward_tile(tmp_path):
+    """The forward's longest_first: one program per tile, under a mask, a row of its own
+    (``_lpt``); the walks (persistent 2, 3) are longest first already."""
+    k = key("fwd", "bfloat16", 128)
+    best = F.tile_config(C.GluonFwdConfig(num_stages=2, pin_exps=True))
+    twin = dataclasses.replace(best, longest_first=1)
+    assert twin.id == best.id + "_lpt" and TileConfig.from_dict(twin.as_dict()) == twin
+    assert F.fwd_config(twin).longest_first and F.tile_config(F.fwd_config(twin)) == twin
+    assert GLUON.violated_rules(Variant(k.spec, twin)) == []
+    walk = dataclasses.replace(twin, persistent=2)
+    assert any("walks take their tiles longest first" in r for r in GLUON.violated_rules(Variant(k.spec, walk)))
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, k, best, 0.5)
+        assert tuner.refine_configs(k, db, H200, SM90, ["longest_first"], ["gluon"]) == [(best, [twin])]
+        _record(db, k, dataclasses.replace(best, persistent=2), 0.4)  # a walk: no twin
+        assert tuner.refine_configs(k, db, H200, SM90, ["longest_first"], ["gluon"])[0][1] == []
+
+
+def test_refine_measures_the_longest_first_twin_of_a_masked_backward(tmp_path):
+    """longest_first: a refinement knob of the masked backward (its grid's order), a row
+    of its own (``_lpt``) that round-trips; not without a mask, not with the ordered dQ."""
+    k = key("bwd", "bfloat16", 128)
+    best = F.tile_config(B.default_config(128, "bfloat16", "causal"))
+    twin = dataclasses.replace(best, longest_first=1)
+    assert twin.id == best.id + "_lpt" and TileConfig.from_dict(twin.as_dict()) == twin
+    assert F.bwd_config(twin).longest_first and F.tile_config(F.bwd_config(twin)) == twin
+    assert GLUON.refine_domain(k) == {"dq_ordered": (0, 1), "longest_first": (0, 1)}
+    assert "longest_first" not in GLUON.domain(k)
+    assert GLUON.violated_rules(Variant(k.spec, twin)) == []
+    assert any("without a mask" in r for r in GLUON.violated_rules(Variant(key("bwd", "bfloat16", 128, mask="none").spec,
+                                                                             twin)))
+    assert any("0 (off) or 1" in r for r in GLUON.violated_rules(Variant(k.spec, dataclasses.replace(twin,
+                                                                                                       longest_first=2))))
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, k, best, 0.5)
+        assert tuner.refine_configs(k, db, H200, SM90, ["longest_first"], ["gluon"]) == [(best, [twin])]
+        _record(db, k, twin, 0.4)
+        assert db.best_configs(H200)[k.id][0] == twin
 
 
 def test_refine_measures_the_cross_tile_twin_of_a_walk_of_3(tmp_path):

@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from flashgen.families.gluon import config as C
 from flashgen.families.gluon import shim
 from flashgen.families.gluon.config import (
     CONSUMER_OVERHEAD_REGS, HEAD_DIMS, SMEM_LIMIT_BYTES, GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check,
@@ -217,6 +218,11 @@ COMPILE_CASES = [
     # tile two to an SM, which does not fit with an O buffer of its own
     ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, num_consumers=1, consumer_regs=232, ctas_per_sm=2,
                                           persistent=3, o_in_q=True)),
+    # one program per tile in the walk's longest-first order (longest_first): the pinned
+    # head_dim 128 causal tile of the long keys, and three one-consumer programs per SM
+    ("bfloat16", 128, 128, "causal", dict(pin_exps=True, longest_first=True)),
+    ("bfloat16", 64, 64, "causal", dict(BLOCK_N=64, num_stages=3, num_consumers=1, consumer_regs=136,
+                                        ctas_per_sm=3, longest_first=True)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
@@ -551,3 +557,27 @@ def test_the_persistent_walk_takes_every_tile_once_longest_first():
         for start in range(0, num_hz, sec):  # one section: blocks longest first
             blocks = [m for hz, m in order if start <= hz < start + sec]
             assert blocks == sorted(blocks, reverse=True)
+
+
+def test_longest_first_is_one_program_per_tile_in_the_walks_order():
+    """longest_first: persistent 0 under a causal or window mask only (not with sinks or
+    user functions); the kernel takes the walk's section argument, the launcher the
+    largest whole section of kv heads' planes within the L2 cap."""
+    s = C.GluonFwdSpec("bfloat16", 128, 128, "causal")
+    c = C.GluonFwdConfig(pin_exps=True, longest_first=True)
+    v = C.GluonFwdVariant(s, c)
+    assert C.check(v) == [] and v.id.endswith("_pin_lpt")
+    for bad in (C.GluonFwdVariant(C.GluonFwdSpec("bfloat16", 128, 128, "none"), c),
+                C.GluonFwdVariant(s, C.replace(c, persistent=3)),
+                C.GluonFwdVariant(C.GluonFwdSpec("bfloat16", 128, 128, "causal", sinks=True), c)):
+        assert any("longest_first" in r for r in C.check(bad))
+    src = render(v)
+    assert "section)" in src and "_tile_coords_lpt(tile" in src
+    assert "_tile_coords_lpt" not in render(C.GluonFwdVariant(s, C.replace(c, longest_first=False)))
+    assert set(C.refinement_space(s, "longest_first")) <= {x for x in C.space(s, longest_first=True)}
+    assert all(x.persistent == 0 for x in C.refinement_space(s, "longest_first"))
+    # 8 kv heads' K and V (8192 x 256 x 2 B each) fit 32 MB: 32 planes of group 4
+    assert C.longest_first_section(256, 4, 8192, 128, 128) == 32
+    assert C.longest_first_section(48, 4, 8192, 128, 128) == 24  # a whole number of sections
+    assert C.longest_first_section(4, 4, 65536, 128, 128) == 4  # at least one kv head's group
+    assert C.longest_first_section(32, 1, 16384, 128, 128) == 4

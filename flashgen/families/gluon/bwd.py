@@ -34,6 +34,7 @@ import jinja2
 from ... import plans
 from ...fastlaunch import launch
 from .code_id import CodeId, extension_of
+from .config import L2_SECTION_BYTES
 
 TEMPLATE = "gluon/attn_bwd.py.j2"
 DTYPES = ("float16", "bfloat16")
@@ -113,6 +114,12 @@ class GluonBwdConfig:
                     reads them back in that order).
     kv_store:       how dK and dV leave (:data:`KV_STORES`; "tma" only without a group
                     split, whose partials take the register stores).
+    longest_first:  under a causal or window mask, a 1-D grid that starts the key blocks
+                    that see the most query blocks first across a section of (batch, kv
+                    head) pairs (:func:`longest_first_program`, :func:`longest_first_section`)
+                    instead of one pair's key blocks after another's, so the hardware
+                    scheduler's last programs are short ones; not with the ordered dQ (its
+                    own 1-D grid orders the adds).
     """
 
     block_m: int = 64
@@ -129,6 +136,7 @@ class GluonBwdConfig:
     half_partials: bool = False
     dq_stage: str = "swizzled"
     kv_store: str = "ptr"
+    longest_first: bool = False
 
     @property
     def block_nt(self) -> int:
@@ -170,7 +178,8 @@ class GluonBwdConfig:
                 + ("" if self.group_split == 1 else f"_gs{self.group_split}")
                 + ("h" if self.half_partials else "")
                 + {"swizzled": "", "fragment": "_dqf"}.get(self.dq_stage, f"_dq-{self.dq_stage}")
-                + {"ptr": "", "tma": "_kvt"}.get(self.kv_store, f"_kv-{self.kv_store}"))
+                + {"ptr": "", "tma": "_kvt"}.get(self.kv_store, f"_kv-{self.kv_store}")
+                + ("_lpt" if self.longest_first else ""))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -291,6 +300,12 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         # (causal, rows by the producer), against none with the register stores
         out.append("kv_store 'tma' with dq_mode 'atomic' at head_dim 128 spills; use the register stores or the "
                    "TMA reduce-add")
+    if c.longest_first and mask == "none":
+        out.append("longest_first orders key blocks by the query blocks that see them: without a mask every key "
+                   "block sees all of them")
+    if c.longest_first and c.dq_mode == "ordered":
+        out.append("longest_first with dq_mode 'ordered': the ordered dQ's own 1-D grid orders the programs (the "
+                   "order of its adds)")
     if c.half_partials and c.group_split == 1:
         out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -428,7 +443,8 @@ CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
 #: "group_split" name variants the tuner records outside the GQA-group-1 search space
 #: (``flashgen tune --refine dq_ordered``; the group splits of GQA keys), which the id
 #: did not cover when it was first recorded.
-EXTENSIONS = {"kv_tma": lambda c, d: c.kv_store == "tma",
+EXTENSIONS = {"longest_first": lambda c, d: c.longest_first,
+              "kv_tma": lambda c, d: c.kv_store == "tma",
               "dq_ordered": lambda c, d: c.dq_mode == "ordered",
               "group_split": lambda c, d: c.group_split > 1,
               "dq_fragment": lambda c, d: c.dq_stage == "fragment",
@@ -452,6 +468,10 @@ def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, s
                 cands = space + [dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)]
                 cands += [o for c in space if c.dq_mode == "tma"
                           for o in [dataclasses.replace(c, dq_mode="ordered")] if is_valid(o, d, dtype, mask)]
+                if mask != "none" and dtype == "bfloat16":
+                    # the longest-first grid: one dtype covers its code (the program's
+                    # coordinates), on every tile of the search space
+                    cands += [dataclasses.replace(c, longest_first=True) for c in space]
                 cands += [o for stage in DQ_STAGES for mode in ("tma", "ordered")
                           for gs in range(2, MAX_GROUP_SPLIT + 1) for half in (False, True)
                           for o in [dataclasses.replace(base, dq_stage=stage, dq_mode=mode, group_split=gs,
@@ -551,7 +571,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
         HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
-        DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store)
+        DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store,
+        LONGEST_FIRST=c.longest_first)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
@@ -706,8 +727,12 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         out["preprocess_strided"] = strided.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad,
                                                               padded=fragment)
     n_kb = math.ceil(sk / c.block_nt)
-    # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program)
-    out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" else (n_kb, b * hk * gs)), main)
+    if c.longest_first:
+        main += (longest_first_section(b * hk * gs, h // hk // gs, sq, d),)
+    # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program);
+    # longest_first: a 1-D grid in sections (longest_first_program)
+    out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" or c.longest_first else (n_kb, b * hk * gs)),
+                   main)
     if fragment:
         out["convert"] = ((b * h * math.ceil(sq / c.block_m),), (dqacc, dq, h, sq, m_pad, *dq.stride()[:3],
                                                                  float(softmax_scale)))
@@ -764,6 +789,34 @@ def ordered_program(pid: int, num_programs: int, n_kb: int, head_group: int) -> 
     gg = min(head_group, pairs - g * head_group)
     rank = r // gg
     return rank, g * head_group + r - rank * gg
+
+
+@functools.lru_cache(maxsize=1024)
+def longest_first_section(pairs: int, group: int, seqlen_q: int, head_dim: int) -> int:
+    """The section of the longest-first grid (``longest_first``): how many of the
+    ``pairs`` (batch, kv head) pairs share one, each program taking ``group`` query
+    heads.  The largest divisor of ``pairs`` whose pairs' Q and dO (group x seqlen_q x
+    head_dim x 2 x 2 B each) fit the forward walk's L2 share (:data:`.config.L2_SECTION_BYTES`,
+    about two thirds of the H200's 50 MB L2), so the programs running at
+    once read them from L2 as the pair-after-pair grid's do, and every section is whole:
+    a smaller last section would start its longest programs last (in a model of the
+    hardware scheduler that starts programs in grid order on the first free SM, a
+    partial last section cost up to 10% against whole ones)."""
+    per_pair = max(1, group * seqlen_q * head_dim * 4)
+    cap = max(1, min(pairs, L2_SECTION_BYTES // per_pair))
+    return next(s for s in range(cap, 0, -1) if pairs % s == 0)
+
+
+def longest_first_program(pid: int, num_programs: int, n_kb: int, section: int) -> tuple[int, int]:
+    """Python mirror of the template's ``_longest_first_program``: (key block, pair) of
+    program ``pid`` of the longest-first grid of ``num_programs`` = ``n_kb`` * pairs."""
+    pairs = num_programs // n_kb
+    span = section * n_kb
+    base = (pid // span) * section
+    n_zh = min(section, pairs - base)
+    r = pid - base * n_kb
+    kb = r // n_zh
+    return kb, base + r - kb * n_zh
 
 
 def check_inputs(do, q, k, v, o, lse) -> None:

@@ -123,6 +123,13 @@ class GluonFwdConfig:
                    consumer); a Q buffer is freed once that store has read it, after
                    the next tile's first softmax, so the producer still loads Q a tile
                    ahead.  Searched only around tuned rows (``--refine o_in_q``).
+    longest_first  with one program per tile (``persistent`` 0) and a mask: the tiles
+                   in sections of (z, h) planes whose K and V fit L2
+                   (:func:`longest_first_section`), query block major within a
+                   section, the blocks that see the most keys first (the walk's order,
+                   ``_tile_coords_lpt``), so the hardware scheduler's last programs are
+                   short ones, not a plane's longest after another plane's shortest.
+                   Searched only around tuned rows (``--refine longest_first``).
     ctas_per_sm    programs resident on one SM (1, 2 or 3): the launch register cap
                    and the shared memory of a program are the SM's divided by it (two
                    or three one-consumer programs overlap one's prologue and epilogue
@@ -143,6 +150,7 @@ class GluonFwdConfig:
     serial_masked: bool = False
     cross_tile: bool = False
     o_in_q: bool = False
+    longest_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ class GluonFwdVariant:
         pers = {0: "", 1: "_pers"}.get(int(c.persistent), f"_pers{int(c.persistent)}")
         tail = ("_pin" if c.pin_exps else "") + pers + ("_snake" if c.snake else "") + \
             ("_sermask" if c.serial_masked else "") + ("_xtile" if c.cross_tile else "") + \
-            ("_oq" if c.o_in_q else "") + \
+            ("_oq" if c.o_in_q else "") + ("_lpt" if c.longest_first else "") + \
             (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
@@ -246,6 +254,18 @@ def section_planes(num_hz: int, group: int, seqlen_k: int, d_pad: int, dv_pad: i
     each, at least one) times the GQA ``group``, at most num_hz."""
     kv_bytes = max(1, seqlen_k * (d_pad + dv_pad) * 2)
     return max(1, min(max(L2_SECTION_BYTES // kv_bytes, 1) * group, num_hz))
+
+
+@functools.lru_cache(maxsize=1024)
+def longest_first_section(num_hz: int, group: int, seqlen_k: int, d_pad: int, dv_pad: int) -> int:
+    """The ``section`` argument of one program per tile in the longest-first order
+    (``longest_first``): the largest multiple of the GQA ``group`` that divides num_hz and
+    is at most :func:`section_planes`' L2 cap (at least ``group``), so a kv head's query
+    heads share a section and every section is whole (the hardware scheduler starts
+    programs in grid order: a smaller last section would start its longest tiles
+    last)."""
+    cap = section_planes(num_hz, group, seqlen_k, d_pad, dv_pad)
+    return next((s for s in range(cap - cap % group, 0, -group) if num_hz % s == 0), group)
 
 
 #: What one tile of the persistent walk costs beyond its key tiles, in key tiles (its Q
@@ -471,6 +491,12 @@ def check(v: GluonFwdVariant) -> list[str]:
     if c.cross_tile and c.serial_masked:
         why.append("cross_tile with serial_masked: the next tile's first key tile is masked, and serial_masked "
                    "retires the previous P V product before a masked tile's softmax")
+    if c.longest_first and (c.persistent or s.mask == "none" or s.sinks or s.user):
+        why.append(f"longest_first with persistent={c.persistent}, mask {s.mask!r}"
+                   + (", sinks" if s.sinks else "") + (", user functions" if s.user else "")
+                   + ": the order of one program per tile under a causal or window mask (the walks take their tiles "
+                   "longest first already; without a mask every query block sees every key); not built with sinks "
+                   "or user functions")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
@@ -563,7 +589,7 @@ def space(s: GluonFwdSpec, **fixed):
 
 
 #: Knobs outside the search that ``flashgen tune --refine`` varies around tuned rows.
-REFINE_KNOBS = ("cross_tile", "o_in_q")
+REFINE_KNOBS = ("cross_tile", "o_in_q", "longest_first")
 
 
 def refinement_space(s: GluonFwdSpec, knob: str, max_stages: int | None = None) -> list[GluonFwdConfig]:
@@ -589,6 +615,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent if c.persistent >= 2 else bool(c.persistent),
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks, SNAKE=c.snake,
                 SERIAL_MASKED=c.serial_masked, CROSS_TILE=c.cross_tile, O_IN_Q=c.o_in_q,
+                LONGEST_FIRST=c.longest_first,
                 **user_vars(s.user))
 
 

@@ -36,10 +36,10 @@ NAME = "gluon"
 _ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
 #: The TileConfig knobs each Gluon kernel reads (the others must stay 0).
 _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
-              "persistent", "ctas_per_sm", "snake", "serial_masked", "cross_tile", "o_in_q", "family"}
+              "persistent", "ctas_per_sm", "snake", "serial_masked", "cross_tile", "o_in_q", "longest_first", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
-              "kv_store", "family"}
+              "kv_store", "longest_first", "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -120,7 +120,7 @@ def fwd_config(c: TileConfig) -> C.GluonFwdConfig:
                             consumer_regs=cr, producer_regs=pr, pin_exps=bool(c.pin),
                             persistent=int(c.persistent), ctas_per_sm=ctas, snake=bool(c.snake),
                             serial_masked=bool(c.serial_masked), cross_tile=bool(c.cross_tile),
-                            o_in_q=bool(c.o_in_q))
+                            o_in_q=bool(c.o_in_q), longest_first=bool(c.longest_first))
 
 
 def _bwd_default_regs(consumers: int) -> tuple[int, int]:
@@ -140,7 +140,7 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
                             dq_stage=B.DQ_STAGES[c.dq_stage] if 0 <= c.dq_stage < len(B.DQ_STAGES)
                             else f"code {c.dq_stage}",
                             kv_store=B.KV_STORES[c.kv_store] if 0 <= c.kv_store < len(B.KV_STORES)
-                            else f"code {c.kv_store}")
+                            else f"code {c.kv_store}", longest_first=bool(c.longest_first))
 
 
 def _dq_mode(c: TileConfig) -> str:
@@ -160,7 +160,7 @@ def tile_config(g) -> TileConfig:
                           producer_regs=0 if regs == default else regs[1], pin=int(g.pin_exps),
                           persistent=int(g.persistent), ctas_per_sm=0 if g.ctas_per_sm == 1 else g.ctas_per_sm,
                           snake=int(g.snake), serial_masked=int(g.serial_masked), cross_tile=int(g.cross_tile),
-                          o_in_q=int(g.o_in_q))
+                          o_in_q=int(g.o_in_q), longest_first=int(g.longest_first))
     regs = (g.consumer_regs, g.producer_regs)
     default = _bwd_default_regs(g.consumers)
     return TileConfig(g.block_m, g.block_n, 4 * g.consumers, g.stages, family=NAME,
@@ -170,7 +170,7 @@ def tile_config(g) -> TileConfig:
                       g.producer_warps, split=int(g.split), group_split=0 if g.group_split == 1 else g.group_split,
                       half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"),
                       dq_stage=B.DQ_STAGES.index(g.dq_stage),
-                      kv_store=B.KV_STORES.index(g.kv_store))
+                      kv_store=B.KV_STORES.index(g.kv_store), longest_first=int(g.longest_first))
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -241,12 +241,14 @@ class GluonFamily:
     def refine_domain(self, key: ProblemKey) -> dict[str, tuple]:
         """Knobs outside the search (:meth:`domain`) that ``flashgen tune --refine`` may
         vary around a tuned row: the backward's ``dq_ordered`` (the deterministic
-        backward's dQ, measured beside the tuned tile it orders) and the forward's
-        ``cross_tile`` and ``o_in_q`` (modes of the walk of 3,
-        :func:`.config.refinement_space`)."""
+        backward's dQ, measured beside the tuned tile it orders) and, under a mask,
+        ``longest_first`` (its grid's order), and the forward's ``cross_tile`` and
+        ``o_in_q`` (modes of the walk of 3, :func:`.config.refinement_space`)."""
         if key.spec.kernel == "fwd":
             return {k: (0, 1) for k in C.REFINE_KNOBS}
-        return {"dq_ordered": (0, 1)} if key.spec.kernel == WHOLE_BWD else {}
+        if key.spec.kernel != WHOLE_BWD:
+            return {}
+        return {"dq_ordered": (0, 1), **({"longest_first": (0, 1)} if key.spec.mask != "none" else {})}
 
     def reconcile(self, key: ProblemKey, config: TileConfig, best: TileConfig, knobs) -> TileConfig:
         """``config``, a neighbour of the tuned row ``best`` of ``key`` in ``knobs`` (those a
@@ -289,7 +291,7 @@ class GluonFamily:
             why = _foreign_knobs(c, _FWD_KNOBS)
             if c.num_warps % 4:
                 why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
-            for name in ("pin", "snake", "serial_masked", "cross_tile", "o_in_q"):  # switches: another value would name the same kernel twice
+            for name in ("pin", "snake", "serial_masked", "cross_tile", "o_in_q", "longest_first"):  # switches: another value would name the same kernel twice
                 if getattr(c, name) not in (0, 1):
                     why.append(f"{name}={getattr(c, name)}: 0 (off) or 1 (on)")
             return why + C.check(C.GluonFwdVariant(fwd_spec(s), fwd_config(c)))
@@ -301,6 +303,8 @@ class GluonFamily:
                 why.append(f"head_dim_v {s.head_dim_v} != head_dim {s.head_dim}")
             if c.dq_ordered and c.dq_atomic:
                 why.append("dq_ordered=1 orders the TMA reduce-adds of dQ: it needs dq_atomic=0")
+            if c.longest_first not in (0, 1):
+                why.append(f"longest_first={c.longest_first}: 0 (off) or 1 (on)")
             if not 0 <= c.row_load < len(_ROW_LOADS):
                 why.append(f"row_load={c.row_load}: 0 (TMA), 1 (producer) or 2 (pointer loads)")
                 return why

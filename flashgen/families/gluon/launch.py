@@ -20,7 +20,9 @@ import torch
 from ... import plans
 from ...fastlaunch import launch
 from ..triton.launch import tma_ok as _tma_ok
-from .config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, pad, walk_section
+from .config import (
+    GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, check, default_config, longest_first_section, pad, walk_section,
+)
 
 LOG2E = 1.4426950408889634
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -142,6 +144,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         num_tiles, num_m_blocks, h, h // hk, sq, sk, diag_lo, diag_hi,
         *((walk_section(b * h, h // hk, sq, sk, pad(d), pad(dv), mask, diag_lo, diag_hi, rows * config.num_consumers,
                         config.BLOCK_N, grid[0], config.snake),) if config.persistent >= 2 and mask != "none"
+          else (longest_first_section(b * h, h // hk, sk, pad(d), pad(dv)),) if config.longest_first and mask != "none"
           else ()),
         *(() if user is None else user.gluon_fwd_args(softmax_scale, rows * config.num_consumers, config.BLOCK_N)),
     )
