@@ -260,7 +260,8 @@ def test_longest_first_rules_and_launch():
 def test_longest_first_program_covers_the_grid_in_sections(pairs, n_kb, section):
     """Every (key block, pair) once; the pairs in sections of ``section``, within a
     section key block major (the first key block of every pair of the section first)."""
-    got = [B.longest_first_program(pid, n_kb * pairs, n_kb, section) for pid in range(n_kb * pairs)]
+    # the template's _longest_first_program is _ordered_program's arithmetic (section = head_group)
+    got = [B.ordered_program(pid, n_kb * pairs, n_kb, section) for pid in range(n_kb * pairs)]
     assert sorted(got) == sorted((kb, p) for kb in range(n_kb) for p in range(pairs))
     want = [(kb, base + p) for base in range(0, pairs, section) for kb in range(n_kb)
             for p in range(min(section, pairs - base))]

@@ -34,7 +34,7 @@ import jinja2
 from ... import plans
 from ...fastlaunch import launch
 from .code_id import CodeId, extension_of
-from .config import L2_SECTION_BYTES
+from .config import L2_SECTION_BYTES, largest_divisor
 
 TEMPLATE = "gluon/attn_bwd.py.j2"
 DTYPES = ("float16", "bfloat16")
@@ -116,7 +116,8 @@ class GluonBwdConfig:
                     split, whose partials take the register stores).
     longest_first:  under a causal or window mask, a 1-D grid that starts the key blocks
                     that see the most query blocks first across a section of (batch, kv
-                    head) pairs (:func:`longest_first_program`, :func:`longest_first_section`)
+                    head) pairs (:func:`ordered_program`'s arithmetic with the section as its
+                    group of pairs, :func:`longest_first_section`)
                     instead of one pair's key blocks after another's, so the hardware
                     scheduler's last programs are short ones; not with the ordered dQ (its
                     own 1-D grid orders the adds).
@@ -730,7 +731,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     if c.longest_first:
         main += (longest_first_section(b * hk * gs, h // hk // gs, sq, d),)
     # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program);
-    # longest_first: a 1-D grid in sections (longest_first_program)
+    # longest_first: a 1-D grid in sections (ordered_program with head_group = section)
     out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" or c.longest_first else (n_kb, b * hk * gs)),
                    main)
     if fragment:
@@ -782,7 +783,9 @@ def ordered_head_group(config: GluonBwdConfig, pairs: int, seqlen_q: int, group:
 
 def ordered_program(pid: int, num_programs: int, n_kb: int, head_group: int) -> tuple[int, int]:
     """Python mirror of the template's ``_ordered_program``: (rank, pair) of program
-    ``pid`` of the ordered backward's 1-D grid of ``num_programs`` = ``n_kb`` * pairs."""
+    ``pid`` of the ordered backward's 1-D grid of ``num_programs`` = ``n_kb`` * pairs.
+    Also the longest-first grid's (key block, pair), with ``head_group`` its section:
+    the template's ``_longest_first_program`` is the same arithmetic."""
     pairs = num_programs // n_kb
     span = head_group * n_kb
     g, r = divmod(pid, span)
@@ -803,20 +806,7 @@ def longest_first_section(pairs: int, group: int, seqlen_q: int, head_dim: int) 
     hardware scheduler that starts programs in grid order on the first free SM, a
     partial last section cost up to 10% against whole ones)."""
     per_pair = max(1, group * seqlen_q * head_dim * 4)
-    cap = max(1, min(pairs, L2_SECTION_BYTES // per_pair))
-    return next(s for s in range(cap, 0, -1) if pairs % s == 0)
-
-
-def longest_first_program(pid: int, num_programs: int, n_kb: int, section: int) -> tuple[int, int]:
-    """Python mirror of the template's ``_longest_first_program``: (key block, pair) of
-    program ``pid`` of the longest-first grid of ``num_programs`` = ``n_kb`` * pairs."""
-    pairs = num_programs // n_kb
-    span = section * n_kb
-    base = (pid // span) * section
-    n_zh = min(section, pairs - base)
-    r = pid - base * n_kb
-    kb = r // n_zh
-    return kb, base + r - kb * n_zh
+    return largest_divisor(pairs, max(1, L2_SECTION_BYTES // per_pair))
 
 
 def check_inputs(do, q, k, v, o, lse) -> None:

@@ -265,7 +265,14 @@ def longest_first_section(num_hz: int, group: int, seqlen_k: int, d_pad: int, dv
     programs in grid order: a smaller last section would start its longest tiles
     last)."""
     cap = section_planes(num_hz, group, seqlen_k, d_pad, dv_pad)
-    return next((s for s in range(cap - cap % group, 0, -group) if num_hz % s == 0), group)
+    return largest_divisor(num_hz, cap, group)
+
+
+def largest_divisor(n: int, cap: int, step: int = 1) -> int:
+    """The largest multiple of ``step`` that divides ``n`` and is at most ``cap``
+    (``step`` when there is none): a whole number of sections of the longest-first
+    orders (:func:`longest_first_section`, and the backward's)."""
+    return next((s for s in range(cap - cap % step, 0, -step) if n % s == 0), step)
 
 
 #: What one tile of the persistent walk costs beyond its key tiles, in key tiles (its Q
