@@ -30,6 +30,8 @@ times the walks of 3 beside their ``cross_tile`` twins (a tile's last P V produc
 flight into the next tile) on the short grid keys and the Llama batch-1 keys.  ``--set oq``
 times the walk of 3 with O staged in the Q buffers (``o_in_q``), which fits the
 one-consumer head_dim 128 tile two to an SM, beside the shipped short head_dim 128 tiles.
+``--set mf`` times the shipped causal tiles with their key tiles last to first
+(``masked_first``) beside the same tiles in key order, and prints each pair's ratio.
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ OQ_SHAPES = [(32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16
              (32, 16, 16, 512, 128, False), (16, 16, 16, 1024, 128, False), (1, 32, 8, 1024, 128, True),
              (2, 32, 8, 1024, 128, True), (4, 32, 8, 1024, 128, True), (8, 32, 8, 1024, 128, True),
              (1, 32, 8, 2048, 128, True), (32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True)]
+#: The set "mf" times the shipped causal tiles in key order and last to first
+#: (masked_first) on the grid's causal shapes and the Llama-3-8B keys.
+MF_SHAPES = [(16384 // n, 32 // (d // 64), 32 // (d // 64), n, d, True) for d in (128, 64)
+             for n in (512, 1024, 2048, 4096, 8192, 16384)] + [
+    (1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (4, 32, 8, 1024, 128, True), (4, 16, 4, 2048, 128, True)]
 SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 1024, 128, True),
                 (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True),
                 (32, 16, 16, 512, 128, True), (8, 16, 16, 2048, 128, True), (32, 32, 32, 512, 64, True),
@@ -133,11 +140,12 @@ SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32
 
 
 def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False, bm=64,
-         xtile=False, oq=False, lpt=False):
+         xtile=False, oq=False, lpt=False, mf=False):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr,
                           producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake,
-                          serial_masked=serial, cross_tile=xtile, o_in_q=oq, longest_first=lpt)
+                          serial_masked=serial, cross_tile=xtile, o_in_q=oq, longest_first=lpt,
+                          masked_first=mf)
 
 
 def variant_set(name: str) -> list[GluonFwdVariant]:
@@ -233,6 +241,22 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
                for d, cfgs in base.items() for c in cfgs for lpt in (False, True)]
         out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), dataclasses.replace(base[d][0], longest_first=True))
                 for d in (128, 64) for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
+        return [v for v in out if not check(v)]
+    if name == "mf":
+        # the shipped rows' causal Gluon tiles, each in key order and last to first
+        # (masked_first)
+        one = dict(nc=1, bn=64, ctas=2)
+        three = dict(nc=1, bn=64, stages=3, ctas=3)
+        base = {128: [_cfg(pers=3, oq=True, **one), _cfg(pers=3, oq=True, serial=True, **one), _cfg(pers=2, **one),
+                      _cfg(pers=2, snake=True, **one), _cfg(pin=True, pers=2, snake=True, serial=True, **one),
+                      _cfg(pers=2, snake=True), _cfg(pin=True, pers=3, oq=True), _cfg(pin=True),
+                      _cfg(pin=True, pers=2, snake=True, serial=True)],
+                64: [_cfg(**three), _cfg(pers=3, oq=True, **three), _cfg(pers=3, snake=True, serial=True, **three),
+                     _cfg(pers=3, serial=True), _cfg(nc=3, stages=4, regs=(160, 32), serial=True)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), dataclasses.replace(c, masked_first=mf))
+               for d, cfgs in base.items() for c in cfgs for mf in (False, True)]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), dataclasses.replace(base[d][i], masked_first=True))
+                for d, i in ((128, 0), (128, 7), (64, 1)) for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         return [v for v in out if not check(v)]
     if name == "xtile":
         # the walks of 3 of the shipped rows (and near them), each with its cross_tile twin
@@ -528,6 +552,27 @@ def time_all(variants, rep_ms: int, shapes=None) -> list[dict]:
     return rows
 
 
+def twin_table(rows, tag: str) -> str:
+    """Each ``tag`` variant against its twin (the same id without the tag) per shape:
+    TFLOP/s and the ratio, with the geometric mean per twin pair."""
+    lines = [f"| variant ({tag} / twin) | " + " | ".join(",".join(map(str, r["shape"])) for r in rows) + " | geomean |",
+             "|---|" + "---|" * (len(rows) + 1)]
+    ids = sorted({k for r in rows for k in r["tflops"] if tag in k})
+    for vid in ids:
+        twin = vid.replace(tag, "")
+        cells, logs = [], []
+        for r in rows:
+            t = r["tflops"]
+            if vid in t and twin in t:
+                cells.append(f"{t[vid]:.0f}/{t[twin]:.0f} {t[vid] / t[twin]:.2f}")
+                logs.append(math.log(t[vid] / t[twin]))
+            else:
+                cells.append("-")
+        gm = f"{math.exp(sum(logs) / len(logs)):.3f}" if logs else "-"
+        lines.append(f"| {vid} | " + " | ".join(cells) + f" | {gm} |")
+    return "\n".join(lines)
+
+
 def table(rows) -> str:
     lines = ["| B,H,Hkv,N,D | causal | SDPA cuDNN | SDPA flash | flashgen | best Gluon (TFLOP/s) | / cuDNN | best variant |",
              "|---|---|---|---|---|---|---|---|"]
@@ -554,7 +599,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
     p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c",
-                                                             "sermask", "m128", "xtile", "oq", "lpt"))
+                                                             "sermask", "m128", "xtile", "oq", "lpt", "mf"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -595,9 +640,11 @@ def main(argv=None) -> int:
         shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
                   "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES,
                   "m128": M128_SHAPES, "xtile": XTILE_SHAPES, "oq": OQ_SHAPES,
-                  "lpt": LPT_SHAPES}.get(args.set)
+                  "lpt": LPT_SHAPES, "mf": MF_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
+        if args.set == "mf":
+            print(twin_table(out["timing"], "_mf"))
         print(table(out["timing"]))
     return 0
 

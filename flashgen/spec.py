@@ -224,7 +224,7 @@ class KernelSpec:
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
               ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
               ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"), ("cross_tile", "_xtile"),
-              ("o_in_q", "_oq"), ("longest_first", "_lpt"))
+              ("o_in_q", "_oq"), ("longest_first", "_lpt"), ("masked_first", "_mf"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -283,7 +283,10 @@ class TileConfig:
     into the next tile (``_xtile``); ``o_in_q`` 1: the forward's walk of 3 stages O in
     the tile's Q buffer (``_oq``); ``longest_first`` 1: the backward's masked modes start
     the key blocks that see the most query blocks first, across sections of (batch, kv
-    head) pairs (``_lpt``).
+    head) pairs (``_lpt``), and the forward's one program per tile under a mask takes
+    its tiles in the persistent walk's longest-first order (``_lpt``); ``masked_first`` 1:
+    the forward's key tiles of each query tile run last to first under a causal or
+    window mask, the diagonal's masked tile first (``_mf``).
     """
 
     BLOCK_M: int
@@ -313,6 +316,7 @@ class TileConfig:
     cross_tile: int = 0
     o_in_q: int = 0
     longest_first: int = 0
+    masked_first: int = 0
 
     @property
     def id(self) -> str:

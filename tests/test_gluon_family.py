@@ -145,7 +145,8 @@ def test_dq_ordered_is_a_knob_of_the_gluon_backward():
     # outside the search; `flashgen tune --refine dq_ordered` measures it beside a tuned row
     assert "dq_ordered" not in GLUON.domain(key("bwd")) and \
         GLUON.refine_domain(key("bwd", mask="none")) == {"dq_ordered": (0, 1)}
-    assert GLUON.refine_domain(key("fwd")) == {"cross_tile": (0, 1), "o_in_q": (0, 1), "longest_first": (0, 1)}
+    assert GLUON.refine_domain(key("fwd")) == {"cross_tile": (0, 1), "o_in_q": (0, 1), "longest_first": (0, 1),
+                                               "masked_first": (0, 1)}
 
 
 def test_refine_measures_the_longest_first_twin_of_a_forward_tile(tmp_path):
@@ -164,6 +165,30 @@ def test_refine_measures_the_longest_first_twin_of_a_forward_tile(tmp_path):
         assert tuner.refine_configs(k, db, H200, SM90, ["longest_first"], ["gluon"]) == [(best, [twin])]
         _record(db, k, dataclasses.replace(best, persistent=2), 0.4)  # a walk: no twin
         assert tuner.refine_configs(k, db, H200, SM90, ["longest_first"], ["gluon"])[0][1] == []
+
+
+def test_refine_measures_the_masked_first_twin_of_a_forward_tile(tmp_path):
+    """The forward's masked_first: under a causal or window mask, the tile's key tiles
+    last to first, a row of its own (``_mf``) that round-trips; every program layout
+    (one per tile and the walks), not without a mask and not with cross_tile."""
+    k = key("fwd", "bfloat16", 128)
+    best = F.tile_config(C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, consumer_regs=232, ctas_per_sm=2, persistent=3,
+                                          o_in_q=True))
+    twin = dataclasses.replace(best, masked_first=1)
+    assert twin.id == best.id.replace("_oq", "_oq_mf") and TileConfig.from_dict(twin.as_dict()) == twin
+    assert F.fwd_config(twin).masked_first and F.tile_config(F.fwd_config(twin)) == twin
+    assert GLUON.violated_rules(Variant(k.spec, twin)) == []
+    assert any("masked_first with mask 'none'" in r for r in GLUON.violated_rules(
+        Variant(key("fwd", "bfloat16", 128, mask="none").spec, twin)))
+    assert any("0 (off) or 1" in r for r in GLUON.violated_rules(Variant(k.spec, dataclasses.replace(twin,
+                                                                                                       masked_first=2))))
+    xtile = F.tile_config(C.GluonFwdConfig(persistent=3, cross_tile=True, masked_first=True))
+    assert any("cross_tile" in r for r in GLUON.violated_rules(Variant(k.spec, xtile)))
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, k, best, 0.5)
+        assert tuner.refine_configs(k, db, H200, SM90, ["masked_first"], ["gluon"]) == [(best, [twin])]
+        _record(db, k, twin, 0.4)
+        assert db.best_configs(H200)[k.id][0] == twin
 
 
 def test_refine_measures_the_longest_first_twin_of_a_masked_backward(tmp_path):

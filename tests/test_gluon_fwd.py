@@ -223,6 +223,10 @@ COMPILE_CASES = [
     ("bfloat16", 128, 128, "causal", dict(pin_exps=True, longest_first=True)),
     ("bfloat16", 64, 64, "causal", dict(BLOCK_N=64, num_stages=3, num_consumers=1, consumer_regs=136,
                                         ctas_per_sm=3, longest_first=True)),
+    # each tile's key tiles last to first (masked_first): the o_in_q tile above, which
+    # serves the short head_dim 128 causal keys in this order
+    ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, num_consumers=1, consumer_regs=232, ctas_per_sm=2,
+                                          persistent=3, o_in_q=True, masked_first=True)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
@@ -310,6 +314,11 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
             twin = by_id.get(row["id"].replace("_xtile", ""))
             assert twin is not None, f"{row['id']}: its twin is not among COMPILE_CASES"
             assert row["waits"] == twin["waits"] + row["consumers"] and row["hgmma"] > twin["hgmma"], (row, twin)
+        if "_mf" in row["id"]:  # the same products and budgets in another key order
+            twin = by_id.get(row["id"].replace("_mf", ""))
+            assert twin is not None, f"{row['id']}: its key-order twin is not among COMPILE_CASES"
+            assert (row["hgmma"], row["setmaxnreg"]) == (twin["hgmma"], twin["setmaxnreg"]), (row, twin)
+            assert row["spill"] <= twin["spill"], (row, twin)
         plain = by_id.get(row["id"].replace("_sinks", ""))
         if "_sinks" in row["id"] and plain is not None:  # the key loop as the plain variant's
             assert (row["hgmma"], row["setmaxnreg"], row["exps"]) == (plain["hgmma"], plain["setmaxnreg"],
@@ -583,3 +592,107 @@ def test_longest_first_is_one_program_per_tile_in_the_walks_order():
     assert C.longest_first_section(48, 4, 8192, 128, 128) == 24  # a whole number of sections
     assert C.longest_first_section(4, 4, 65536, 128, 128) == 4  # at least one kv head's group
     assert C.longest_first_section(32, 1, 16384, 128, 128) == 4
+
+
+def test_masked_first_is_a_mode_of_the_masked_tiles():
+    """masked_first: a causal or window mask only, not with sinks, user functions or
+    cross_tile; outside the search, refined around tuned rows."""
+    s = C.GluonFwdSpec("bfloat16", 128, 128, "causal")
+    c = C.GluonFwdConfig(pin_exps=True, persistent=3, masked_first=True)
+    v = C.GluonFwdVariant(s, c)
+    assert C.check(v) == [] and v.id.endswith("_pin_pers3_mf")
+    for bad in (C.GluonFwdVariant(C.GluonFwdSpec("bfloat16", 128, 128, "none"), c),
+                C.GluonFwdVariant(s, C.replace(c, cross_tile=True)),
+                C.GluonFwdVariant(C.GluonFwdSpec("bfloat16", 128, 128, "causal", sinks=True), C.replace(c, persistent=2))):
+        assert any("masked_first" in r for r in C.check(bad))
+    assert "r_run" in render(v) and "r_run" not in render(C.GluonFwdVariant(s, C.replace(c, masked_first=False)))
+    assert "masked_first" in C.REFINE_KNOBS and all(x.masked_first for x in C.refinement_space(s, "masked_first"))
+    assert not any(x.masked_first for x in C.space(s))
+
+
+def _key_schedule(src: str):
+    """The key tiles a consumer of the rendered forward ``src`` visits, as the kernel's
+    own statements compute them (run on Python ints): a function (m0, C, seqlen_q,
+    seqlen_k, diag_lo, diag_hi) -> [(start_n, masked)] in visiting order, and the
+    producer's load order (m0, ...) -> [start_n]."""
+    import types
+
+    body = ast.parse(src).body
+    fns = {n.name: n for n in body if isinstance(n, ast.FunctionDef)}
+    ns = {"gl": types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda a, b: -(-a // b))}
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_MT"):  # gl.constexpr(...) module constants
+        node = next(n for n in body if isinstance(n, ast.Assign) and n.targets[0].id == name)
+        ns[name] = ast.literal_eval(node.value.args[0])
+    key_tiles = fns["_key_tiles"]
+    key_tiles.decorator_list = []
+    exec(compile(ast.Module(body=[key_tiles], type_ignores=[]), "<key_tiles>", "exec"), ns)
+    wanted = {"n_start", "n_tiles", "r0", "n_full_hi", "n_full_lo", "t_lo", "t_hi", "r_run", "r_low", "n_last"}
+    ev = lambda node, env: eval(compile(ast.Expression(node), "<expr>", "eval"), ns, env)  # noqa: E731
+
+    def consumer(m0, C, seqlen_q, seqlen_k, diag_lo, diag_hi):
+        env = dict(m0=m0, C=C, seqlen_q=seqlen_q, seqlen_k=seqlen_k, diag_lo=diag_lo, diag_hi=diag_hi)
+        tiles = next(n for n in fns["_consumer"].body if isinstance(n, ast.For)).body
+        out = []
+        for st in tiles:
+            if isinstance(st, ast.Assign):
+                names = {t.id for t in ast.walk(st.targets[0]) if isinstance(t, ast.Name)}
+                if names <= wanted:
+                    exec(compile(ast.Module(body=[st], type_ignores=[]), "<stmt>", "exec"), ns, env)
+            elif isinstance(st, ast.If) and ast.unparse(st.test) == "n_tiles > 0":
+                first = next((c for c in ast.walk(st) if isinstance(c, ast.Call) and ast.unparse(c.func) == "_softmax"),
+                             None)
+                if first is not None and env["n_tiles"] > 0:  # the tile's first key tile, its scores alone
+                    out.append((ev(first.args[4], env), first.args[-1].value))
+            elif isinstance(st, ast.For):
+                step = next(c for c in ast.walk(st) if isinstance(c, ast.Call) and ast.unparse(c.func) == "_step")
+                for i in range(*(ev(a, env) for a in st.iter.args)):
+                    env[st.target.id] = i
+                    out.append((ev(step.args[14], env), step.args[-1].value))
+        return out
+
+    def producer(m0, seqlen_q, seqlen_k, diag_lo, diag_hi):
+        env = dict(m0=m0, seqlen_q=seqlen_q, seqlen_k=seqlen_k, diag_lo=diag_lo, diag_hi=diag_hi)
+        env["n_start"], env["n_tiles"] = ns["_key_tiles"](m0, seqlen_q, seqlen_k, diag_lo, diag_hi)
+        loop = next(n for n in ast.walk(fns["_producer"]) if isinstance(n, ast.For) and n.target.id == "j")
+        start = next(n for n in loop.body if isinstance(n, ast.Assign) and n.targets[0].id == "start_n")
+        return [ev(start.value, {**env, "j": j}) for j in range(env["n_tiles"])]
+
+    return consumer, producer
+
+
+@pytest.mark.parametrize("masked_first", [False, True])
+def test_each_consumer_visits_every_key_tile_once_and_masks_the_tiles_that_cross(masked_first):
+    """The forward's key schedule, run from the rendered kernel's own statements: each
+    consumer visits the program's key tiles in the producer's load order, each once, and
+    every tile it runs unmasked lies inside the mask and seqlen_k for all its rows;
+    ``masked_first`` visits them last to first, so under an aligned causal mask a
+    consumer's masked tiles (its diagonal's, and any past it) all come first."""
+    from flashgen.masks import mask_bounds
+
+    for mode, causal, window in (("causal", True, (-1, -1)), ("window", False, (100, 3)), ("window", True, (257, -1)),
+                                 ("window", False, (0, 0))):
+        for nc, bn in ((1, 64), (2, 64), (2, 128), (3, 128)):
+            cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, consumer_regs=160 if nc == 3 else 240,
+                                 producer_regs=32 if nc == 3 else 24, serial_masked=True, masked_first=masked_first)
+            consumer, producer = _key_schedule(render(GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, mode), cfg)))
+            for sq, sk in ((512, 512), (1000, 3000), (3000, 1000), (1, 77), (129, 129)):
+                for align in ("bottom_right", "top_left"):
+                    m, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
+                    if m != mode:
+                        continue
+                    for m0 in range(0, sq, 64 * nc):
+                        loads = producer(m0, sq, sk, lo, hi)
+                        assert loads == sorted(loads, reverse=masked_first) and len(set(loads)) == len(loads)
+                        for c in range(nc):
+                            visits = consumer(m0, c, sq, sk, lo, hi)
+                            assert [s for s, _ in visits] == loads, (mode, nc, bn, sq, sk, align, m0, c)
+                            rows = range(m0 + 64 * c, min(m0 + 64 * c + 64, sq))
+                            for s, masked in visits:
+                                if not masked and rows:  # (rows past seqlen_q are clipped on the store)
+                                    assert s + bn <= sk and all(lo <= j - i <= hi for i in (rows[0], rows[-1])
+                                                                for j in (s, s + bn - 1)), (s, rows, lo, hi)
+                            seen = {j for i in rows for j in range(max(0, i + lo), min(sk, i + hi + 1))}
+                            assert all(any(s <= j < s + bn for s, _ in visits) for j in seen)
+                            if masked_first and mode == "causal" and sq == sk and align == "bottom_right" and rows:
+                                flags = [mk for _, mk in visits]  # the masked tiles first, then none
+                                assert flags == sorted(flags, reverse=True), visits

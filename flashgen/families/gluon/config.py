@@ -130,6 +130,13 @@ class GluonFwdConfig:
                    ``_tile_coords_lpt``), so the hardware scheduler's last programs are
                    short ones, not a plane's longest after another plane's shortest.
                    Searched only around tuned rows (``--refine longest_first``).
+    masked_first   with a causal or window mask: each tile's key tiles last to first
+                   (FlashAttention-3's order).  The tile that crosses the diagonal is
+                   then the tile's first, whose softmax has no P V product in flight to
+                   overlap anyway, and a causal tile's loop after it is unmasked; in key
+                   order it is the last step of the loop, masked (and with
+                   ``serial_masked`` without the overlap).  Searched only around tuned
+                   rows (``--refine masked_first``).
     ctas_per_sm    programs resident on one SM (1, 2 or 3): the launch register cap
                    and the shared memory of a program are the SM's divided by it (two
                    or three one-consumer programs overlap one's prologue and epilogue
@@ -151,6 +158,7 @@ class GluonFwdConfig:
     cross_tile: bool = False
     o_in_q: bool = False
     longest_first: bool = False
+    masked_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,7 +175,7 @@ class GluonFwdVariant:
         pers = {0: "", 1: "_pers"}.get(int(c.persistent), f"_pers{int(c.persistent)}")
         tail = ("_pin" if c.pin_exps else "") + pers + ("_snake" if c.snake else "") + \
             ("_sermask" if c.serial_masked else "") + ("_xtile" if c.cross_tile else "") + \
-            ("_oq" if c.o_in_q else "") + ("_lpt" if c.longest_first else "") + \
+            ("_oq" if c.o_in_q else "") + ("_lpt" if c.longest_first else "") + ("_mf" if c.masked_first else "") + \
             (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
@@ -504,6 +512,11 @@ def check(v: GluonFwdVariant) -> list[str]:
                    + ": the order of one program per tile under a causal or window mask (the walks take their tiles "
                    "longest first already; without a mask every query block sees every key); not built with sinks "
                    "or user functions")
+    if c.masked_first and (s.mask == "none" or s.sinks or s.user or c.cross_tile):
+        why.append(f"masked_first with mask {s.mask!r}" + (", sinks" if s.sinks else "")
+                   + (", user functions" if s.user else "") + (", cross_tile" if c.cross_tile else "")
+                   + ": the key order of a causal or window mask's tiles (without one only the seqlen_k tail is "
+                   "masked); not built with sinks, user functions or cross_tile (their key loops are their own)")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
@@ -596,7 +609,7 @@ def space(s: GluonFwdSpec, **fixed):
 
 
 #: Knobs outside the search that ``flashgen tune --refine`` varies around tuned rows.
-REFINE_KNOBS = ("cross_tile", "o_in_q", "longest_first")
+REFINE_KNOBS = ("cross_tile", "o_in_q", "longest_first", "masked_first")
 
 
 def refinement_space(s: GluonFwdSpec, knob: str, max_stages: int | None = None) -> list[GluonFwdConfig]:
@@ -622,7 +635,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent if c.persistent >= 2 else bool(c.persistent),
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks, SNAKE=c.snake,
                 SERIAL_MASKED=c.serial_masked, CROSS_TILE=c.cross_tile, O_IN_Q=c.o_in_q,
-                LONGEST_FIRST=c.longest_first,
+                LONGEST_FIRST=c.longest_first, MASKED_FIRST=c.masked_first,
                 **user_vars(s.user))
 
 
