@@ -21,11 +21,13 @@ For each configuration and implementation:
   dropout); the loss must agree with the reference's (sdpa; eager for gpt-oss) to 2e-3
   relative, and the gradients are compared per parameter (relative L2 error
   ||g - g_ref|| / ||g_ref||; worst and median over parameters, and over all parameters
-  flattened); ``grads_ok`` when the flattened error is <= 2e-2 (bf16's precision over 8
-  or 4 layers).  gpt-oss routes tokens to experts, so a last-bit difference in attention
-  flips routes and two correct bf16 runs differ far more; there both bf16 runs are
-  compared with the float32 model (eager, same weights and batch), and ``grads_ok``
-  when flashgen's error is <= 2x eager bf16's + 2e-2 (``grad_rel_l2_vs_float32``);
+  flattened; ``grad_rel_l2``, printed).  Two correct bf16 attentions differ from each
+  other by up to the sum of their errors, so the rule is the exactness rule against the
+  float32 model (the reference attention, same weights and batch; a bf16 run's
+  ``grad_rel_l2_vs_float32``): ``grads_ok`` when flashgen's flattened error is <= 2x the
+  bf16 reference's + 2e-3.  gpt-oss routes tokens to experts, so a last-bit difference
+  in attention flips routes and two correct bf16 runs differ far more: there the floor
+  is 2e-2;
 * train step: zero_grad, forward with labels, backward, AdamW step (foreach, lr 1e-5);
   ``--warmup`` steps, then ``--steps`` steps each timed with CUDA events: median ms
   (the weights are restored from the same copy before each implementation's run);
@@ -67,6 +69,8 @@ GPT_OSS = {"gptoss", "smoke_gptoss"}  # GptOssConfig, reference "eager"; the oth
 
 LOSS_RTOL = 2e-3
 GRAD_RTOL = 2e-2
+#: The floor of the gradients' rule against the float32 model (dense models).
+GRAD_FLOOR_VS_FLOAT32 = 2e-3
 
 
 def _parse(argv):
@@ -267,12 +271,14 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
     rec["loss_ok"] = rec["loss_rel_diff"] <= LOSS_RTOL
     rec["grad_rel_l2"] = _grad_errors(grads[impl_fg], grads[ref_impl])
     rec["grads_ok"] = rec["grad_rel_l2"]["all_params"] <= GRAD_RTOL
-    if name in GPT_OSS:
-        # A mixture of experts routes each token to its top experts: a last-bit difference
-        # in attention's output flips some routes, and the gradients of two correct bf16
-        # attentions differ by far more than bf16's precision.  The rule is then the
-        # exactness rule: against the float32 model (eager attention, same weights and
-        # batch), flashgen's gradients within 2x the bf16 reference's error plus GRAD_RTOL.
+    if dtype != torch.float32 or name in GPT_OSS:
+        # Two correct bf16 attentions differ by up to the sum of their errors: the rule is
+        # the exactness rule against the float32 model (the reference attention, same
+        # weights and batch), flashgen's gradients within 2x the bf16 reference's error
+        # plus a floor.  A mixture of experts (gpt-oss) routes each token to its top
+        # experts, so a last-bit difference in attention's output flips some routes and
+        # the floor there is GRAD_RTOL.
+        floor = GRAD_RTOL if name in GPT_OSS else GRAD_FLOOR_VS_FLOAT32
         model.load_state_dict(weights)
         model.to(torch.float32)
         model.set_attn_implementation(ref_impl)
@@ -285,8 +291,8 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         rec["grad_rel_l2_vs_float32"] = {impl: _grad_errors(grads[impl], g32) for impl in (ref_impl, impl_fg)}
         e_ref = rec["grad_rel_l2_vs_float32"][ref_impl]["all_params"]
         e_fg = rec["grad_rel_l2_vs_float32"][impl_fg]["all_params"]
-        rec["grads_rule"] = f"vs float32: {e_fg:.3g} <= 2 x {e_ref:.3g} + {GRAD_RTOL}"
-        rec["grads_ok"] = e_fg <= 2 * e_ref + GRAD_RTOL
+        rec["grads_rule"] = f"vs float32: {e_fg:.3g} <= 2 x {e_ref:.3g} + {floor}"
+        rec["grads_ok"] = e_fg <= 2 * e_ref + floor
         model.zero_grad(set_to_none=True)
         del g32
     rec["train_step_ratio"] = got["train_step_ms"] / ref["train_step_ms"]
