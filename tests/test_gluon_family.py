@@ -83,6 +83,16 @@ def _record(db, k, cfg, ms, env=H200):
     db.record(k, SHAPE, Variant(k.spec, cfg), Measurement("ok", median_ms=ms), env, 0)
 
 
+def _assert_refined_into(path, k, best, twin, knob):
+    """Around a tuned row ``best`` of ``k``, ``flashgen tune --refine knob`` measures the
+    one ``twin``, whose faster row then serves the key."""
+    with TuningDB(path) as db:
+        _record(db, k, best, 0.5)
+        assert tuner.refine_configs(k, db, H200, SM90, [knob], ["gluon"]) == [(best, [twin])]
+        _record(db, k, twin, 0.4)
+        assert db.best_configs(H200)[k.id][0] == twin
+
+
 GFWD = F.tile_config(C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=2, consumer_regs=240,
                                       producer_regs=24))
 GBWD = GLUON.default_config(key("bwd"), SM90)
@@ -184,11 +194,7 @@ def test_refine_measures_the_masked_first_twin_of_a_forward_tile(tmp_path):
                                                                                                        masked_first=2))))
     xtile = F.tile_config(C.GluonFwdConfig(persistent=3, cross_tile=True, masked_first=True))
     assert any("cross_tile" in r for r in GLUON.violated_rules(Variant(k.spec, xtile)))
-    with TuningDB(tmp_path / "t.sqlite") as db:
-        _record(db, k, best, 0.5)
-        assert tuner.refine_configs(k, db, H200, SM90, ["masked_first"], ["gluon"]) == [(best, [twin])]
-        _record(db, k, twin, 0.4)
-        assert db.best_configs(H200)[k.id][0] == twin
+    _assert_refined_into(tmp_path / "t.sqlite", k, best, twin, "masked_first")
 
 
 def test_refine_measures_the_longest_first_twin_of_a_masked_backward(tmp_path):
@@ -206,11 +212,7 @@ def test_refine_measures_the_longest_first_twin_of_a_masked_backward(tmp_path):
                                                                              twin)))
     assert any("0 (off) or 1" in r for r in GLUON.violated_rules(Variant(k.spec, dataclasses.replace(twin,
                                                                                                        longest_first=2))))
-    with TuningDB(tmp_path / "t.sqlite") as db:
-        _record(db, k, best, 0.5)
-        assert tuner.refine_configs(k, db, H200, SM90, ["longest_first"], ["gluon"]) == [(best, [twin])]
-        _record(db, k, twin, 0.4)
-        assert db.best_configs(H200)[k.id][0] == twin
+    _assert_refined_into(tmp_path / "t.sqlite", k, best, twin, "longest_first")
 
 
 def test_refine_measures_the_cross_tile_twin_of_a_walk_of_3(tmp_path):
