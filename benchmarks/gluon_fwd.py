@@ -32,6 +32,9 @@ times the walk of 3 with O staged in the Q buffers (``o_in_q``), which fits the
 one-consumer head_dim 128 tile two to an SM, beside the shipped short head_dim 128 tiles.
 ``--set mf`` times the shipped causal tiles with their key tiles last to first
 (``masked_first``) beside the same tiles in key order, and prints each pair's ratio.
+``--set skip`` times two- and three-consumer tiles in that order with each consumer
+releasing unread the key tiles past its rows (``skip_masked``) beside their
+``masked_first`` twins and the shipped one-consumer tiles, on the short causal keys.
 """
 
 from __future__ import annotations
@@ -133,6 +136,10 @@ OQ_SHAPES = [(32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16
 MF_SHAPES = [(16384 // n, 32 // (d // 64), 32 // (d // 64), n, d, True) for d in (128, 64)
              for n in (512, 1024, 2048, 4096, 8192, 16384)] + [
     (1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (4, 32, 8, 1024, 128, True), (4, 16, 4, 2048, 128, True)]
+#: The set "skip": the causal keys up to seqlen 2048 (grid and Llama-3-8B), where a
+#: consumer's skipped tiles are the largest share of its work.
+SKIP_SHAPES = [(16384 // n, 32 // (d // 64), 32 // (d // 64), n, d, True) for d in (128, 64) for n in (512, 1024, 2048)] + [
+    (1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (4, 32, 8, 1024, 128, True), (4, 16, 4, 2048, 128, True)]
 SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 1024, 128, True),
                 (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True),
                 (32, 16, 16, 512, 128, True), (8, 16, 16, 2048, 128, True), (32, 32, 32, 512, 64, True),
@@ -140,12 +147,16 @@ SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32
 
 
 def _cfg(nc=2, bn=128, stages=2, pin=False, pers=False, ctas=1, regs=None, snake=False, serial=False, bm=64,
-         xtile=False, oq=False, lpt=False, mf=False):
+         xtile=False, oq=False, lpt=False, mf=False, skip=False):
     cr, pr = regs or default_regs(nc, ctas)
     return GluonFwdConfig(BLOCK_M=bm, num_consumers=nc, BLOCK_N=bn, num_stages=stages, consumer_regs=cr,
                           producer_regs=pr, pin_exps=pin, persistent=pers, ctas_per_sm=ctas, snake=snake,
                           serial_masked=serial, cross_tile=xtile, o_in_q=oq, longest_first=lpt,
-                          masked_first=mf)
+                          masked_first=mf, skip_masked=skip)
+
+
+def _cfg_with(c: GluonFwdConfig, mf: bool, skip: bool) -> GluonFwdConfig:
+    return dataclasses.replace(c, masked_first=mf, skip_masked=skip)
 
 
 def variant_set(name: str) -> list[GluonFwdVariant]:
@@ -257,6 +268,25 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
                for d, cfgs in base.items() for c in cfgs for mf in (False, True)]
         out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), dataclasses.replace(base[d][i], masked_first=True))
                 for d, i in ((128, 0), (128, 7), (64, 1)) for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
+        return [v for v in out if not check(v)]
+    if name == "skip":
+        # two- and three-consumer tiles last to first, each with its skip_masked twin, and
+        # the shipped one-consumer tiles of these keys for comparison
+        one = dict(nc=1, bn=64, ctas=2)
+        base = {128: [_cfg(bn=64), _cfg(bn=64, pin=True), _cfg(bn=64, pers=2), _cfg(bn=64, pers=2, snake=True),
+                      _cfg(bn=64, pin=True, pers=2, snake=True, serial=True), _cfg(bn=64, pers=3),
+                      _cfg(bn=64, stages=3, pin=True, pers=3), _cfg(bn=64, pers=3, oq=True)],
+                64: [_cfg(bn=64, pers=2), _cfg(bn=64, pers=3), _cfg(bn=64, stages=3, pers=3, serial=True),
+                     _cfg(nc=3, stages=4, regs=(160, 32), serial=True), _cfg(nc=3, bn=64, stages=4, regs=(160, 32), pers=3)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), _cfg_with(c, mf=True, skip=sk))
+               for d, cfgs in base.items() for c in cfgs for sk in (False, True)]
+        out += [GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "causal"), c) for c in (
+            _cfg(pers=3, oq=True, mf=True, **one), _cfg(pers=2, mf=True, **one),
+            _cfg(pin=True, pers=2, snake=True, serial=True, mf=True), _cfg(pers=2, snake=True, mf=True))]
+        out += [GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, "causal"), _cfg(nc=1, bn=64, stages=3, ctas=3, mf=True))]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), _cfg_with(base[d][i], mf=True, skip=True))
+                for d, i in ((128, 2), (128, 5), (64, 1), (64, 3)) for dt, mask in (("bfloat16", "window"),
+                                                                                 ("float16", "causal"))]
         return [v for v in out if not check(v)]
     if name == "xtile":
         # the walks of 3 of the shipped rows (and near them), each with its cross_tile twin
@@ -599,7 +629,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
     p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c",
-                                                             "sermask", "m128", "xtile", "oq", "lpt", "mf"))
+                                                             "sermask", "m128", "xtile", "oq", "lpt", "mf", "skip"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -640,11 +670,11 @@ def main(argv=None) -> int:
         shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
                   "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES,
                   "m128": M128_SHAPES, "xtile": XTILE_SHAPES, "oq": OQ_SHAPES,
-                  "lpt": LPT_SHAPES, "mf": MF_SHAPES}.get(args.set)
+                  "lpt": LPT_SHAPES, "mf": MF_SHAPES, "skip": SKIP_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
-        if args.set == "mf":
-            print(twin_table(out["timing"], "_mf"))
+        if args.set in ("mf", "skip"):
+            print(twin_table(out["timing"], "_" + args.set))
         print(table(out["timing"]))
     return 0
 

@@ -224,7 +224,7 @@ class KernelSpec:
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
               ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
               ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"), ("cross_tile", "_xtile"),
-              ("o_in_q", "_oq"), ("longest_first", "_lpt"), ("masked_first", "_mf"))
+              ("o_in_q", "_oq"), ("longest_first", "_lpt"), ("masked_first", "_mf"), ("skip_masked", "_skip"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -286,7 +286,9 @@ class TileConfig:
     head) pairs (``_lpt``), and the forward's one program per tile under a mask takes
     its tiles in the persistent walk's longest-first order (``_lpt``); ``masked_first`` 1:
     the forward's key tiles of each query tile run last to first under a causal or
-    window mask, the diagonal's masked tile first (``_mf``).
+    window mask, the diagonal's masked tile first (``_mf``); ``skip_masked`` 1: with
+    ``masked_first``, each consumer warpgroup releases unread the key tiles past its own
+    rows (``_skip``).
     """
 
     BLOCK_M: int
@@ -317,6 +319,7 @@ class TileConfig:
     o_in_q: int = 0
     longest_first: int = 0
     masked_first: int = 0
+    skip_masked: int = 0
 
     @property
     def id(self) -> str:

@@ -156,7 +156,7 @@ def test_dq_ordered_is_a_knob_of_the_gluon_backward():
     assert "dq_ordered" not in GLUON.domain(key("bwd")) and \
         GLUON.refine_domain(key("bwd", mask="none")) == {"dq_ordered": (0, 1)}
     assert GLUON.refine_domain(key("fwd")) == {"cross_tile": (0, 1), "o_in_q": (0, 1), "longest_first": (0, 1),
-                                               "masked_first": (0, 1)}
+                                               "masked_first": (0, 1), "skip_masked": (0, 1)}
 
 
 def test_refine_measures_the_longest_first_twin_of_a_forward_tile(tmp_path):
@@ -195,6 +195,28 @@ def test_refine_measures_the_masked_first_twin_of_a_forward_tile(tmp_path):
     xtile = F.tile_config(C.GluonFwdConfig(persistent=3, cross_tile=True, masked_first=True))
     assert any("cross_tile" in r for r in GLUON.violated_rules(Variant(k.spec, xtile)))
     _assert_refined_into(tmp_path / "t.sqlite", k, best, twin, "masked_first")
+
+
+def test_refine_measures_the_skip_masked_twin_of_a_forward_tile(tmp_path):
+    """The forward's skip_masked (``_skip``): a mode of masked_first with two or three
+    consumers, measured beside a tuned masked_first row, and reached from a one-consumer
+    row when the consumer count and programs per SM are refined with it."""
+    k = key("fwd", "bfloat16", 128)
+    best = F.tile_config(C.GluonFwdConfig(BLOCK_N=64, persistent=2, masked_first=True))
+    twin = dataclasses.replace(best, skip_masked=1)
+    assert twin.id == best.id + "_skip" and TileConfig.from_dict(twin.as_dict()) == twin
+    assert F.fwd_config(twin).skip_masked and F.tile_config(F.fwd_config(twin)) == twin
+    assert GLUON.violated_rules(Variant(k.spec, twin)) == []
+    assert any("skip_masked with masked_first=False" in r for r in GLUON.violated_rules(
+        Variant(k.spec, dataclasses.replace(twin, masked_first=0))))
+    _assert_refined_into(tmp_path / "t.sqlite", k, best, twin, "skip_masked")
+    one = F.tile_config(C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, consumer_regs=232, ctas_per_sm=2, persistent=2,
+                                         masked_first=True))
+    with TuningDB(tmp_path / "t2.sqlite") as db:
+        _record(db, k, one, 0.5)
+        (start, cands), = tuner.refine_configs(k, db, H200, SM90, ["skip_masked", "num_warps", "ctas_per_sm"],
+                                               ["gluon"])
+        assert start == one and twin in cands and all(c.num_warps > 4 for c in cands if c.skip_masked)
 
 
 def test_refine_measures_the_longest_first_twin_of_a_masked_backward(tmp_path):

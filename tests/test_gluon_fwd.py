@@ -227,6 +227,10 @@ COMPILE_CASES = [
     # serves the short head_dim 128 causal keys in this order
     ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, num_consumers=1, consumer_regs=232, ctas_per_sm=2,
                                           persistent=3, o_in_q=True, masked_first=True)),
+    # and with each consumer releasing unread the tiles past its rows (skip_masked): two
+    # consumers at BLOCK_N 64 in the walk of 2, beside its key-order twin
+    ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, persistent=2)),
+    ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, persistent=2, masked_first=True, skip_masked=True)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
@@ -314,8 +318,8 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
             twin = by_id.get(row["id"].replace("_xtile", ""))
             assert twin is not None, f"{row['id']}: its twin is not among COMPILE_CASES"
             assert row["waits"] == twin["waits"] + row["consumers"] and row["hgmma"] > twin["hgmma"], (row, twin)
-        if "_mf" in row["id"]:  # the same products and budgets in another key order
-            twin = by_id.get(row["id"].replace("_mf", ""))
+        if "_mf" in row["id"]:  # the same products and budgets in another key order (a skipped tile runs none)
+            twin = by_id.get(row["id"].replace("_mf", "").replace("_skip", ""))
             assert twin is not None, f"{row['id']}: its key-order twin is not among COMPILE_CASES"
             assert (row["hgmma"], row["setmaxnreg"]) == (twin["hgmma"], twin["setmaxnreg"]), (row, twin)
             assert row["spill"] <= twin["spill"], (row, twin)
@@ -610,6 +614,23 @@ def test_masked_first_is_a_mode_of_the_masked_tiles():
     assert not any(x.masked_first for x in C.space(s))
 
 
+def test_skip_masked_is_a_mode_of_masked_first_with_several_consumers():
+    """skip_masked: with masked_first and two or three consumers only; outside the
+    search, refined around tuned rows (its refinement variants all in masked_first's
+    order)."""
+    s = C.GluonFwdSpec("bfloat16", 128, 128, "causal")
+    c = C.GluonFwdConfig(BLOCK_N=64, persistent=2, masked_first=True, skip_masked=True)
+    v = C.GluonFwdVariant(s, c)
+    assert C.check(v) == [] and v.id.endswith("_n64_s2_r240-24_pers2_mf_skip")
+    for bad in (C.replace(c, masked_first=False),
+                C.replace(c, num_consumers=1, consumer_regs=232, ctas_per_sm=2)):
+        assert any("skip_masked" in r for r in C.check(C.GluonFwdVariant(s, bad)))
+    assert "r_skip" in render(v) and "r_skip" not in render(C.GluonFwdVariant(s, C.replace(c, skip_masked=False)))
+    twins = C.refinement_space(s, "skip_masked")
+    assert twins and all(x.skip_masked and x.masked_first and x.num_consumers > 1 for x in twins)
+    assert not any(x.skip_masked for x in C.space(s))
+
+
 def _key_schedule(src: str):
     """The key tiles a consumer of the rendered forward ``src`` visits, as the kernel's
     own statements compute them (run on Python ints): a function (m0, C, seqlen_q,
@@ -626,55 +647,76 @@ def _key_schedule(src: str):
     key_tiles = fns["_key_tiles"]
     key_tiles.decorator_list = []
     exec(compile(ast.Module(body=[key_tiles], type_ignores=[]), "<key_tiles>", "exec"), ns)
-    wanted = {"n_start", "n_tiles", "r0", "n_full_hi", "n_full_lo", "t_lo", "t_hi", "r_run", "r_low", "n_last"}
-    ev = lambda node, env: eval(compile(ast.Expression(node), "<expr>", "eval"), ns, env)  # noqa: E731
+    wanted = {"n_start", "n_tiles", "r0", "n_full_hi", "n_full_lo", "t_lo", "t_hi", "r_run", "r_low", "n_last",
+              "n_own", "n_run", "r_skip"}
+    code = lambda node: compile(ast.Expression(node), "<expr>", "eval")  # noqa: E731
+    # The consumer's tile loop, compiled once: ("set", stmt) / ("first", test, start_n,
+    # masked) / ("loop", target, range args, start_n or None, masked).
+    plan = []
+    for st in next(n for n in fns["_consumer"].body if isinstance(n, ast.For)).body:
+        if isinstance(st, ast.Assign):
+            if {t.id for t in ast.walk(st.targets[0]) if isinstance(t, ast.Name)} <= wanted:
+                plan.append(("set", compile(ast.Module(body=[st], type_ignores=[]), "<stmt>", "exec")))
+        elif isinstance(st, ast.If) and ast.unparse(st.test) in ("n_tiles > 0", "n_run > 0"):
+            first = next((c for c in ast.walk(st) if isinstance(c, ast.Call) and ast.unparse(c.func) == "_softmax"),
+                         None)
+            if first is not None:  # the tile's first key tile, its scores alone
+                plan.append(("first", code(st.test), code(first.args[4]), first.args[-1].value))
+        elif isinstance(st, ast.For):
+            step = next((c for c in ast.walk(st) if isinstance(c, ast.Call) and ast.unparse(c.func) == "_step"), None)
+            # (a loop without a step releases its ring slots unread: skip_masked)
+            plan.append(("loop", st.target.id, [code(a) for a in st.iter.args],
+                         None if step is None else code(step.args[14]), "skip" if step is None else step.args[-1].value))
 
     def consumer(m0, C, seqlen_q, seqlen_k, diag_lo, diag_hi):
         env = dict(m0=m0, C=C, seqlen_q=seqlen_q, seqlen_k=seqlen_k, diag_lo=diag_lo, diag_hi=diag_hi)
-        tiles = next(n for n in fns["_consumer"].body if isinstance(n, ast.For)).body
         out = []
-        for st in tiles:
-            if isinstance(st, ast.Assign):
-                names = {t.id for t in ast.walk(st.targets[0]) if isinstance(t, ast.Name)}
-                if names <= wanted:
-                    exec(compile(ast.Module(body=[st], type_ignores=[]), "<stmt>", "exec"), ns, env)
-            elif isinstance(st, ast.If) and ast.unparse(st.test) == "n_tiles > 0":
-                first = next((c for c in ast.walk(st) if isinstance(c, ast.Call) and ast.unparse(c.func) == "_softmax"),
-                             None)
-                if first is not None and env["n_tiles"] > 0:  # the tile's first key tile, its scores alone
-                    out.append((ev(first.args[4], env), first.args[-1].value))
-            elif isinstance(st, ast.For):
-                step = next(c for c in ast.walk(st) if isinstance(c, ast.Call) and ast.unparse(c.func) == "_step")
-                for i in range(*(ev(a, env) for a in st.iter.args)):
-                    env[st.target.id] = i
-                    out.append((ev(step.args[14], env), step.args[-1].value))
+        for op in plan:
+            if op[0] == "set":
+                exec(op[1], ns, env)
+            elif op[0] == "first":
+                if eval(op[1], ns, env):
+                    out.append((eval(op[2], ns, env), op[3]))
+            else:
+                _, target, args, start, masked = op
+                for i in range(*(eval(a, ns, env) for a in args)):
+                    env[target] = i
+                    out.append((None if start is None else eval(start, ns, env), masked))
         return out
+
+    loop = next(n for n in ast.walk(fns["_producer"]) if isinstance(n, ast.For) and n.target.id == "j")
+    load_start = code(next(n for n in loop.body if isinstance(n, ast.Assign) and n.targets[0].id == "start_n").value)
 
     def producer(m0, seqlen_q, seqlen_k, diag_lo, diag_hi):
         env = dict(m0=m0, seqlen_q=seqlen_q, seqlen_k=seqlen_k, diag_lo=diag_lo, diag_hi=diag_hi)
         env["n_start"], env["n_tiles"] = ns["_key_tiles"](m0, seqlen_q, seqlen_k, diag_lo, diag_hi)
-        loop = next(n for n in ast.walk(fns["_producer"]) if isinstance(n, ast.For) and n.target.id == "j")
-        start = next(n for n in loop.body if isinstance(n, ast.Assign) and n.targets[0].id == "start_n")
-        return [ev(start.value, {**env, "j": j}) for j in range(env["n_tiles"])]
+        return [eval(load_start, ns, {**env, "j": j}) for j in range(env["n_tiles"])]
 
     return consumer, producer
 
 
-@pytest.mark.parametrize("masked_first", [False, True])
-def test_each_consumer_visits_every_key_tile_once_and_masks_the_tiles_that_cross(masked_first):
+@pytest.mark.parametrize("masked_first, skip", [(False, False), (True, False), (True, True)])
+def test_each_consumer_visits_every_key_tile_once_and_masks_the_tiles_that_cross(masked_first, skip):
     """The forward's key schedule, run from the rendered kernel's own statements: each
     consumer visits the program's key tiles in the producer's load order, each once, and
     every tile it runs unmasked lies inside the mask and seqlen_k for all its rows;
     ``masked_first`` visits them last to first, so under an aligned causal mask a
-    consumer's masked tiles (its diagonal's, and any past it) all come first."""
+    consumer's masked tiles (its diagonal's, and any past it) all come first; with
+    ``skip_masked`` a consumer releases unread exactly the tiles that hold none of its
+    rows' keys, first (none with one consumer; with two at BLOCK_N 64 under an aligned
+    causal mask, one for the first consumer of every 128-row tile)."""
     from flashgen.masks import mask_bounds
 
     for mode, causal, window in (("causal", True, (-1, -1)), ("window", False, (100, 3)), ("window", True, (257, -1)),
                                  ("window", False, (0, 0))):
         for nc, bn in ((1, 64), (2, 64), (2, 128), (3, 128)):
             cfg = GluonFwdConfig(num_consumers=nc, BLOCK_N=bn, consumer_regs=160 if nc == 3 else 240,
-                                 producer_regs=32 if nc == 3 else 24, serial_masked=True, masked_first=masked_first)
-            consumer, producer = _key_schedule(render(GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, mode), cfg)))
+                                 producer_regs=32 if nc == 3 else 24, serial_masked=True, masked_first=masked_first,
+                                 skip_masked=skip and nc > 1)
+            v = GluonFwdVariant(GluonFwdSpec("bfloat16", 64, 64, mode), cfg)
+            assert C.check(v) == []
+            consumer, producer = _key_schedule(render(v))
+            skipped = 0
             for sq, sk in ((512, 512), (1000, 3000), (3000, 1000), (1, 77), (129, 129)):
                 for align in ("bottom_right", "top_left"):
                     m, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
@@ -685,14 +727,28 @@ def test_each_consumer_visits_every_key_tile_once_and_masks_the_tiles_that_cross
                         assert loads == sorted(loads, reverse=masked_first) and len(set(loads)) == len(loads)
                         for c in range(nc):
                             visits = consumer(m0, c, sq, sk, lo, hi)
-                            assert [s for s, _ in visits] == loads, (mode, nc, bn, sq, sk, align, m0, c)
                             rows = range(m0 + 64 * c, min(m0 + 64 * c + 64, sq))
+                            # The keys its rows see: [seen_lo, seen_hi] (empty when seen_lo > seen_hi).
+                            seen_lo, seen_hi = (max(0, rows[0] + lo), min(sk - 1, rows[-1] + hi)) if rows else (0, -1)
+                            n_skip = sum(mk == "skip" for _, mk in visits)
+                            assert all(mk == "skip" for _, mk in visits[:n_skip]), visits  # first
+                            assert not any(s <= seen_hi and s + bn > seen_lo for s in loads[:n_skip])  # unseen
+                            if skip and nc > 1 and rows:  # and every tile wholly past its last row's keys
+                                assert n_skip == sum(s > rows[-1] + hi for s in loads), (loads, rows, hi)
+                            elif not skip:
+                                assert n_skip == 0
+                            skipped += n_skip if sq == sk else 0
+                            visits = list(zip(loads[:n_skip], ["skip"] * n_skip)) + visits[n_skip:]
+                            assert [s for s, _ in visits] == loads, (mode, nc, bn, sq, sk, align, m0, c)
                             for s, masked in visits:
-                                if not masked and rows:  # (rows past seqlen_q are clipped on the store)
+                                if masked is False and rows:  # (rows past seqlen_q are clipped on the store)
                                     assert s + bn <= sk and all(lo <= j - i <= hi for i in (rows[0], rows[-1])
                                                                 for j in (s, s + bn - 1)), (s, rows, lo, hi)
-                            seen = {j for i in rows for j in range(max(0, i + lo), min(sk, i + hi + 1))}
-                            assert all(any(s <= j < s + bn for s, _ in visits) for j in seen)
+                            assert all(s2 - s1 == bn for s1, s2 in zip(sorted(loads), sorted(loads)[1:]))
+                            assert seen_lo > seen_hi or all(any(s <= j < s + bn for s in loads)
+                                                            for j in (seen_lo, seen_hi))
                             if masked_first and mode == "causal" and sq == sk and align == "bottom_right" and rows:
-                                flags = [mk for _, mk in visits]  # the masked tiles first, then none
+                                flags = [mk is not False for _, mk in visits]  # the masked tiles first, then none
                                 assert flags == sorted(flags, reverse=True), visits
+            if mode == "causal":  # square: where a consumer's rows stop a whole tile before the program's
+                assert (skipped > 0) == (skip and bn <= 64 * (nc - 1)), (nc, bn, skipped)

@@ -137,6 +137,16 @@ class GluonFwdConfig:
                    order it is the last step of the loop, masked (and with
                    ``serial_masked`` without the overlap).  Searched only around tuned
                    rows (``--refine masked_first``).
+    skip_masked    with ``masked_first`` and two or three consumers: a consumer
+                   releases unread the key tiles that lie wholly past its own last
+                   row's diagonal (or past seqlen_q), which the producer loads for the
+                   consumers of later rows and which come first in that order, and starts
+                   with its own diagonal's tile.  Without it every consumer runs each
+                   of the program's key tiles, its masked tail all -inf (at BLOCK_N 64
+                   under an aligned causal mask the first consumer of a 128-row tile,
+                   its first 64 query rows, runs one key tile more than they see: 10%
+                   of the consumer steps at seqlen 512).  Searched only around tuned
+                   rows (``--refine skip_masked``).
     ctas_per_sm    programs resident on one SM (1, 2 or 3): the launch register cap
                    and the shared memory of a program are the SM's divided by it (two
                    or three one-consumer programs overlap one's prologue and epilogue
@@ -159,6 +169,7 @@ class GluonFwdConfig:
     o_in_q: bool = False
     longest_first: bool = False
     masked_first: bool = False
+    skip_masked: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,7 +187,7 @@ class GluonFwdVariant:
         tail = ("_pin" if c.pin_exps else "") + pers + ("_snake" if c.snake else "") + \
             ("_sermask" if c.serial_masked else "") + ("_xtile" if c.cross_tile else "") + \
             ("_oq" if c.o_in_q else "") + ("_lpt" if c.longest_first else "") + ("_mf" if c.masked_first else "") + \
-            (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
+            ("_skip" if c.skip_masked else "") + (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
                 f"_s{c.num_stages}_r{c.consumer_regs}-{c.producer_regs}{tail}")
@@ -517,6 +528,10 @@ def check(v: GluonFwdVariant) -> list[str]:
                    + (", user functions" if s.user else "") + (", cross_tile" if c.cross_tile else "")
                    + ": the key order of a causal or window mask's tiles (without one only the seqlen_k tail is "
                    "masked); not built with sinks, user functions or cross_tile (their key loops are their own)")
+    if c.skip_masked and (not c.masked_first or c.num_consumers < 2):
+        why.append(f"skip_masked with masked_first={c.masked_first} and {c.num_consumers} consumer(s): the tiles "
+                   "a consumer skips are those past its own rows that the producer loads first for the consumers "
+                   "below it (a mode of masked_first's order with two or three consumers)")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
@@ -609,16 +624,17 @@ def space(s: GluonFwdSpec, **fixed):
 
 
 #: Knobs outside the search that ``flashgen tune --refine`` varies around tuned rows.
-REFINE_KNOBS = ("cross_tile", "o_in_q", "longest_first", "masked_first")
+REFINE_KNOBS = ("cross_tile", "o_in_q", "longest_first", "masked_first", "skip_masked")
 
 
 def refinement_space(s: GluonFwdSpec, knob: str, max_stages: int | None = None) -> list[GluonFwdConfig]:
     """Every valid config of the search's knob domains with the refinement knob ``knob``
-    (one of :data:`REFINE_KNOBS`) on; ``max_stages``: only those of at most that many ring
+    (one of :data:`REFINE_KNOBS`) on (``skip_masked`` with ``masked_first``); ``max_stages``: only those of at most that many ring
     slots (the stage count is a compile-time constant of the same source)."""
     if knob not in REFINE_KNOBS:
         raise ValueError(f"knob {knob!r}: one of {REFINE_KNOBS}")
-    return [c for c in space(s, **{knob: True}) if max_stages is None or c.num_stages <= max_stages]
+    fixed = {knob: True, **({"masked_first": True} if knob == "skip_masked" else {})}  # a mode of masked_first
+    return [c for c in space(s, **fixed) if max_stages is None or c.num_stages <= max_stages]
 
 
 def template_vars(v: GluonFwdVariant) -> dict:
@@ -635,7 +651,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 PIN_EXPS=c.pin_exps, PERSISTENT=c.persistent if c.persistent >= 2 else bool(c.persistent),
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks, SNAKE=c.snake,
                 SERIAL_MASKED=c.serial_masked, CROSS_TILE=c.cross_tile, O_IN_Q=c.o_in_q,
-                LONGEST_FIRST=c.longest_first, MASKED_FIRST=c.masked_first,
+                LONGEST_FIRST=c.longest_first, MASKED_FIRST=c.masked_first, SKIP_MASKED=c.skip_masked,
                 **user_vars(s.user))
 
 

@@ -37,7 +37,7 @@ _ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
 #: The TileConfig knobs each Gluon kernel reads (the others must stay 0).
 _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
               "persistent", "ctas_per_sm", "snake", "serial_masked", "cross_tile", "o_in_q", "longest_first",
-              "masked_first", "family"}
+              "masked_first", "skip_masked", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
               "kv_store", "longest_first", "family"}
@@ -122,7 +122,7 @@ def fwd_config(c: TileConfig) -> C.GluonFwdConfig:
                             persistent=int(c.persistent), ctas_per_sm=ctas, snake=bool(c.snake),
                             serial_masked=bool(c.serial_masked), cross_tile=bool(c.cross_tile),
                             o_in_q=bool(c.o_in_q), longest_first=bool(c.longest_first),
-                            masked_first=bool(c.masked_first))
+                            masked_first=bool(c.masked_first), skip_masked=bool(c.skip_masked))
 
 
 def _bwd_default_regs(consumers: int) -> tuple[int, int]:
@@ -163,7 +163,7 @@ def tile_config(g) -> TileConfig:
                           persistent=int(g.persistent), ctas_per_sm=0 if g.ctas_per_sm == 1 else g.ctas_per_sm,
                           snake=int(g.snake), serial_masked=int(g.serial_masked), cross_tile=int(g.cross_tile),
                           o_in_q=int(g.o_in_q), longest_first=int(g.longest_first),
-                          masked_first=int(g.masked_first))
+                          masked_first=int(g.masked_first), skip_masked=int(g.skip_masked))
     regs = (g.consumer_regs, g.producer_regs)
     default = _bwd_default_regs(g.consumers)
     return TileConfig(g.block_m, g.block_n, 4 * g.consumers, g.stages, family=NAME,
@@ -247,7 +247,7 @@ class GluonFamily:
         backward's dQ, measured beside the tuned tile it orders) and, under a mask,
         ``longest_first`` (its grid's order), and the forward's ``cross_tile`` and
         ``o_in_q`` (modes of the walk of 3, :func:`.config.refinement_space`),
-        ``longest_first`` and ``masked_first`` (under a mask)."""
+        ``longest_first``, ``masked_first`` and its ``skip_masked`` (under a mask)."""
         if key.spec.kernel == "fwd":
             return {k: (0, 1) for k in C.REFINE_KNOBS}
         if key.spec.kernel != WHOLE_BWD:
@@ -295,7 +295,8 @@ class GluonFamily:
             why = _foreign_knobs(c, _FWD_KNOBS)
             if c.num_warps % 4:
                 why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
-            for name in ("pin", "snake", "serial_masked", "cross_tile", "o_in_q", "longest_first", "masked_first"):  # switches: another value would name the same kernel twice
+            for name in ("pin", "snake", "serial_masked", "cross_tile", "o_in_q", "longest_first", "masked_first",
+                         "skip_masked"):  # switches: another value would name the same kernel twice
                 if getattr(c, name) not in (0, 1):
                     why.append(f"{name}={getattr(c, name)}: 0 (off) or 1 (on)")
             return why + C.check(C.GluonFwdVariant(fwd_spec(s), fwd_config(c)))

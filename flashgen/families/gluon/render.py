@@ -46,7 +46,7 @@ def _env(directory: str | None = None) -> jinja2.Environment:
 #: Knob values added after the forward's code id was first recorded, each an extension
 #: of the id (:class:`.code_id.CodeId`): name -> whether a config has it.
 #: A config of two extensions belongs to the first one listed.
-EXTENSIONS = {"masked_first": lambda c: c.masked_first, "longest_first": lambda c: c.longest_first, "o_in_q": lambda c: c.o_in_q, "cross_tile": lambda c: c.cross_tile, "m128": lambda c: c.BLOCK_M == 128,
+EXTENSIONS = {"skip_masked": lambda c: c.skip_masked, "masked_first": lambda c: c.masked_first, "longest_first": lambda c: c.longest_first, "o_in_q": lambda c: c.o_in_q, "cross_tile": lambda c: c.cross_tile, "m128": lambda c: c.BLOCK_M == 128,
               "serial_masked": lambda c: c.serial_masked, "snake": lambda c: c.snake, "ctas3": lambda c: c.ctas_per_sm == 3,
               "persistent2": lambda c: c.persistent == 2, "persistent3": lambda c: c.persistent == 3}
 
