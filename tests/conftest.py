@@ -19,3 +19,35 @@ def hermetic_dispatcher():
     dispatch.set_default_dispatcher(Dispatcher([], env=Environment.current(), arch=arch.current()))
     yield
     dispatch.set_default_dispatcher(None)
+
+
+#: The Gluon forward's code-id probe variants by extension, and each spec's search space,
+#: once per worker process (see :func:`gluon_fwd_probes_once`).
+_GLUON_FWD_PROBES: dict = {}
+_GLUON_FWD_SPACES: dict = {}
+
+
+@pytest.fixture
+def gluon_fwd_probes_once(monkeypatch):
+    """The Gluon forward's code-id probe variants (``render.probe_variants``, a function of
+    the search space alone) enumerated once per process, each spec's search space once
+    within that, instead of the whole space swept again for every extension of every
+    digest.  What the code-id checks test still runs per call: each template
+    directory's sources rendered and hashed, the records read and written."""
+    from flashgen.families.gluon import render as R
+
+    real_probes, real_space = R.probe_variants, R.space
+
+    def space_once(s, **fixed):
+        key = (s, tuple(sorted(fixed.items())))
+        if key not in _GLUON_FWD_SPACES:
+            _GLUON_FWD_SPACES[key] = tuple(real_space(s, **fixed))
+        return iter(_GLUON_FWD_SPACES[key])
+
+    def probes_once(extension=None):
+        if extension not in _GLUON_FWD_PROBES:
+            _GLUON_FWD_PROBES[extension] = tuple(real_probes(extension))
+        return list(_GLUON_FWD_PROBES[extension])
+
+    monkeypatch.setattr(R, "space", space_once)
+    monkeypatch.setattr(R, "probe_variants", probes_once)

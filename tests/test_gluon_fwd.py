@@ -330,7 +330,7 @@ def test_compiles_for_sm90_with_what_each_variant_is_for():
 
 
 
-def test_code_id_record_is_current():
+def test_code_id_record_is_current(gluon_fwd_probes_once):
     """templates/gluon/attn_fwd.code_id.json matches the template: run ``python3 -m
     flashgen.families.gluon`` after a template edit when this fails (the id stays while
     the recorded variants' code is unchanged, so the tuned rows keep serving)."""
@@ -362,7 +362,7 @@ def test_user_code_id_record_is_current():
     assert rec["probes"] == user_probe_digest() and R.user_code_id() == rec["code"]
 
 
-def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path):
+def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path, gluon_fwd_probes_once):
     """A Jinja comment or a branch no recorded variant renders keeps the forward's id
     (and its tuned rows); a change to the code of a recorded variant gives a new one."""
     import shutil
