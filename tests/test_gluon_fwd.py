@@ -20,6 +20,7 @@ from flashgen.families.gluon.config import (
     consumer_regs_needed, default_config, maxnreg, refinement_space, smem_bytes, smem_terms, space,
 )
 from flashgen.families.gluon.render import render
+from pysource import assert_parses
 
 SPECS = [GluonFwdSpec(dt, d, dv, m) for dt in ("bfloat16", "float16") for d, dv in
          [(d, d) for d in HEAD_DIMS] + [(128, 64), (64, 128), (192, 128)] for m in ("none", "causal", "window")]
@@ -34,7 +35,7 @@ def test_every_space_variant_renders():
         for c in cfgs:
             v = GluonFwdVariant(s, c)
             src = render(v)
-            ast.parse(src)
+            assert_parses(src)  # ast.parse's verdict, each distinct top-level statement parsed once
             assert f'VARIANT_ID = "{v.id}"' in src
             assert f"MAXNREG = {maxnreg(c)}" in src
             assert ("pin = _pin(" in src) == c.pin_exps
