@@ -23,8 +23,13 @@ _DB_CASE = (Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0"),
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 @pytest.mark.parametrize("dims", [(64, 64), (72, 40)])
 def test_tma_variants_are_exact(kernel, mask, dims, monkeypatch):
-    """check_variant: awkward seqlens (301/397), GQA group 2, memory past seqlen_k poisoned,
-    padded head dims; the TMA module itself runs (no silent fallback)."""
+    """check_variant: awkward seqlens, GQA group 2, memory past seqlen_k poisoned, padded
+    head dims; the TMA module itself runs (no silent fallback).  The seqlens are the
+    checks' shape at a third of its size (the interpreter's cost is per tile pair): 101
+    and 141 still span two and three 64-row boxes and four and five 32-row boxes, each
+    ending in a partial one, and leave rows that see no key at the top and at the bottom
+    under the windows."""
+    monkeypatch.setattr(bench, "CHECK_SEQLENS", (101, 141))
     loaded = []
     real = _compile.load
     monkeypatch.setattr(_compile, "load", lambda v: loaded.append(v.id) or real(v))
