@@ -51,3 +51,28 @@ def gluon_fwd_probes_once(monkeypatch):
 
     monkeypatch.setattr(R, "space", space_once)
     monkeypatch.setattr(R, "probe_variants", probes_once)
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory):
+    """``once_per_run(name, compute)``: ``compute()``'s JSON-able result, computed by the
+    first worker process of this pytest run that asks for ``name`` and read back by the
+    others (pytest-xdist runs a module-scoped fixture in every worker that runs one of
+    its tests): a file beside the workers' temporary directories, written under a lock."""
+    import fcntl
+    import json
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this run
+
+    def get(name, compute):
+        path = root / f"once-{name}.json"
+        with open(root / f"once-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                return json.loads(path.read_text())
+            value = compute()
+            path.write_text(json.dumps(value))
+            return value
+    return get
