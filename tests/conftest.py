@@ -9,6 +9,13 @@ os.environ.setdefault("FLASHGEN_CACHE_DIR", os.path.join(os.path.dirname(__file_
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--sm90-cases", choices=("all", "cover"), default="all",
+                     help="the Gluon sm_90 compile tests' cases: all of them, or a subset that covers every "
+                          "knob value, head dim, mask and dtype of the whole list (tests/sm90.py: covering), "
+                          "for a Triton other than the GPU machine's (.ci/newest-triton)")
+
+
 @pytest.fixture
 def hermetic_dispatcher():
     """Heuristic configs only (no shipped or user database), restored afterwards."""

@@ -62,3 +62,32 @@ def json_rows(script: str, cases, timeout=600) -> list[dict]:
     rows = [json.loads(line[3:]) for line in r.stdout.splitlines() if line.startswith("OK ")]
     assert len(rows) == len(list(cases)), r.stdout
     return rows
+
+
+def covering(cases, features):
+    """The cases of ``cases`` that cover every (knob, value) pair the whole list covers,
+    for the compile tests under a Triton other than the GPU machine's (``--sm90-cases
+    cover``): ``features(case)`` is the case's set of (knob, value) pairs (every field
+    of its spec and config, defaults included).  Picked greedily, each time the case
+    that adds the most pairs not yet covered (the first such in list order); then with
+    every case that is a picked one with some of its boolean knobs turned off (the
+    twins the checks compare a knob's variant with).  In list order."""
+    feats = [frozenset(features(c)) for c in cases]
+    want = frozenset().union(*feats)
+    picked, seen = set(), set()
+    while seen != want:
+        i = max(range(len(cases)), key=lambda j: (len(feats[j] - seen), -j))
+        picked.add(i)
+        seen |= feats[i]
+    for i in list(picked):
+        on = {k for k, v in feats[i] if v is True}
+        for j, f in enumerate(feats):
+            differ = {k for k, _ in f ^ feats[i]}
+            if differ and differ <= on and all(v is False for k, v in f if k in differ):
+                picked.add(j)
+    return [cases[i] for i in sorted(picked)]
+
+
+def chosen(config, cases, features):
+    """``cases``, or their :func:`covering` subset under ``--sm90-cases cover``."""
+    return covering(cases, features) if config.getoption("sm90_cases") == "cover" else list(cases)

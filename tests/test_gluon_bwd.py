@@ -102,7 +102,7 @@ for fields, d, mask in CASES:
                               "model": B.smem_bytes(cfg, d), "spill": max(spills) if spills else None,
                               "c751x": re.findall(r"C751[245]", info), "hgmma": sass.count("HGMMA"),
                               "usetmaxreg": sass.count("USETMAXREG"), "num_warps": k.metadata.num_warps,
-                              "split": cfg.split, "tma1d": "cp.async.bulk.tensor.1d" in k.asm["ptx"],
+                              "split": cfg.split, "row_load": cfg.row_load, "tma1d": "cp.async.bulk.tensor.1d" in k.asm["ptx"],
                               "tma2d": k.asm["ptx"].count("cp.async.bulk.tensor.2d"),
                               "reduce2d": k.asm["ptx"].count("cp.reduce.async.bulk.tensor.2d"),
                               "sts128": sass.count("STS.128"), "sts64": sass.count("STS.64"),
@@ -126,6 +126,14 @@ def _have_ptxas():
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
+def compile_features(case) -> set:
+    """The (knob, value) pairs of a CASES entry: every field of its config, its head dim
+    and mask (tests/sm90.py: covering)."""
+    fields, d, mask = case
+    return {(f"config.{k}", x) for k, x in dataclasses.asdict(B.GluonBwdConfig(*fields)).items()} | \
+        {("head_dim", d), ("mask", mask)}
+
+
 def _compile(cases):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", f"ROOT = {ROOT!r}\nCASES = {cases!r}\n" + _SCRIPT], capture_output=True,
@@ -135,11 +143,14 @@ def _compile(cases):
 
 
 @pytest.fixture(scope="module")
-def compiled(once_per_run):
-    """CASES compiled once per test run, the workers' shared."""
+def compiled(request, once_per_run):
+    """CASES (or their covering subset, tests/sm90.py) compiled once per test run, the
+    workers' shared."""
+    from sm90 import chosen
+
     if not _have_ptxas():
         pytest.skip("triton's bundled ptxas is missing")
-    cases = CASES
+    cases = chosen(request.config, CASES, compile_features)
     out = once_per_run("gluon-bwd-compiled", lambda: _compile(cases)).splitlines()
     rows = [json.loads(line[5:]) for line in out if line.startswith("CASE ")]
     aux = [line for line in out if line.startswith("AUX ")]
@@ -174,10 +185,9 @@ def test_sass_is_warp_specialized_hgmma(compiled):
 
 def test_rows_come_by_2d_tma_never_1d(compiled):
     # The 1-D TMA copy of LSE2/delta faulted on the H200; "tma" rows are 2-D copies.
-    for c, (fields, _, _) in zip(compiled, CASES):
+    for c in compiled:
         assert not c["tma1d"], c
-        row_load = fields[7]
-        assert (c["tma2d"] >= 2) == (row_load == "tma"), c
+        assert (c["tma2d"] >= 2) == (c["row_load"] == "tma"), c
 
 
 def test_fragment_staged_dq_is_stored_by_16_byte_stores(compiled):

@@ -286,12 +286,21 @@ for dt, d, dv, mask, kw, *sinks in CASES:
 '''
 
 
-def test_compiles_for_sm90_with_what_each_variant_is_for():
+def compile_features(case) -> set:
+    """The (knob, value) pairs of a COMPILE_CASES entry: every field of its spec and
+    config (tests/sm90.py: covering)."""
+    dt, d, dv, mask, kw, *sinks = case
+    v = GluonFwdVariant(GluonFwdSpec(dt, d, dv, mask, sinks=bool(sinks)), GluonFwdConfig(**kw))
+    return {(f"spec.{k}", x) for k, x in dataclasses.asdict(v.spec).items()} | \
+        {(f"config.{k}", x) for k, x in dataclasses.asdict(v.config).items()}
+
+
+def test_compiles_for_sm90_with_what_each_variant_is_for(request):
     import triton
 
-    from sm90 import json_rows
+    from sm90 import chosen, json_rows
 
-    rows = json_rows(_SCRIPT, COMPILE_CASES)
+    rows = json_rows(_SCRIPT, chosen(request.config, COMPILE_CASES, compile_features))
     spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     by_id = {row["id"]: row for row in rows}
     for row in rows:

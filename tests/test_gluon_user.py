@@ -8,6 +8,7 @@ partial wait in the binary.  Their exactness against float64 is measured on the 
 tuner checks every variant before timing it)."""
 
 import ast
+import dataclasses
 
 import pytest
 import torch
@@ -178,11 +179,19 @@ COMPILE_CASES = [
 SPILL_BYTES = {"3.9": {"gluon_fwd_d128_bf16_causal_u9696a9aac09a_m64x2_n128_s2_r240-24_pin": 4}}
 
 
-def test_user_examples_compile_for_sm90_without_spills():
-    import triton
-    from sm90 import json_rows
+def compile_features(case) -> set:
+    """The (knob, value) pairs of a COMPILE_CASES entry: its example, head dim and every
+    config field (tests/sm90.py: covering)."""
+    name, d, kw = case
+    return {("example", name), ("head_dim", d)} | \
+        {(f"config.{k}", x) for k, x in dataclasses.asdict(C.GluonFwdConfig(**kw)).items()}
 
-    rows = json_rows(_SCRIPT, COMPILE_CASES)
+
+def test_user_examples_compile_for_sm90_without_spills(request):
+    import triton
+    from sm90 import chosen, json_rows
+
+    rows = json_rows(_SCRIPT, chosen(request.config, COMPILE_CASES, compile_features))
     spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
     for row in rows:
         known = spills.get(row["id"], 0)
