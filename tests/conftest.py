@@ -35,13 +35,17 @@ _GLUON_FWD_SPACES: dict = {}
 
 
 @pytest.fixture
-def gluon_fwd_probes_once(monkeypatch):
+def gluon_fwd_probes_once(monkeypatch, once_per_run):
     """The Gluon forward's code-id probe variants (``render.probe_variants``, a function of
-    the search space alone) enumerated once per process, each spec's search space once
-    within that, instead of the whole space swept again for every extension of every
-    digest.  What the code-id checks test still runs per call: each template
-    directory's sources rendered and hashed, the records read and written."""
+    the search space alone) enumerated once per test run (the xdist workers share them,
+    :func:`once_per_run`), each spec's search space once within that, instead of the
+    whole space swept again for every extension of every digest.  What the code-id
+    checks test still runs per call: each template directory's sources rendered and
+    hashed, the records read and written."""
+    import dataclasses
+
     from flashgen.families.gluon import render as R
+    from flashgen.families.gluon.config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant
 
     real_probes, real_space = R.probe_variants, R.space
 
@@ -53,7 +57,10 @@ def gluon_fwd_probes_once(monkeypatch):
 
     def probes_once(extension=None):
         if extension not in _GLUON_FWD_PROBES:
-            _GLUON_FWD_PROBES[extension] = tuple(real_probes(extension))
+            rows = once_per_run(f"gluon-fwd-probes-{extension}", lambda: [
+                [dataclasses.asdict(v.spec), dataclasses.asdict(v.config)] for v in real_probes(extension)])
+            _GLUON_FWD_PROBES[extension] = tuple(GluonFwdVariant(GluonFwdSpec(**s), GluonFwdConfig(**c))
+                                                 for s, c in rows)
         return list(_GLUON_FWD_PROBES[extension])
 
     monkeypatch.setattr(R, "space", space_once)
