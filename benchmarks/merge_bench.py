@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             ap.error(f"shape d{r['d']} {r['mask']} {r['shape']} appears in more than one input")
         seen.add(k)
     rows.sort(key=lambda r: (r["d"], r["mask"] != "none", int(r["shape"].split("x")[-1])))
-    names = [n for n in ("flashgen", "flashgen-default", "sdpa-cudnn", "sdpa-flash", "flex")
+    names = [n for n in ("flashgen", "flashgen-default", "flashgen-deterministic", "sdpa-cudnn", "sdpa-flash", "flex")
              if any(n in r["backends"] for r in rows)]
     md = [f"{len(rows)} shapes from {len(args.inputs)} runs: " + ", ".join(args.inputs), "",
           "TFLOP/s fwd / bwd / fwd+bwd", "",

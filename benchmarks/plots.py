@@ -34,6 +34,7 @@ import merge_bench  # noqa: E402  (a sibling script: imported by name, as the te
 STYLE = {
     "flashgen": dict(color="#d62728", marker="o", ls="-"),
     "flashgen-default": dict(color="#ff9896", marker="s", ls="--"),
+    "flashgen-deterministic": dict(color="#9467bd", marker="P", ls=":"),
     "flashgen-paged": dict(color="#8c564b", marker="D", ls="-"),
     "flashgen-paged-default": dict(color="#c49c94", marker="d", ls="--"),
     "sdpa-cudnn": dict(color="#1f77b4", marker="^", ls="-"),

@@ -693,8 +693,9 @@ def bench(
     shape: Annotated[list[str], typer.Option(metavar="SHAPE", help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
                                                   "(repeatable).")] = [],
     dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
-    backends: Annotated[str, typer.Option(help="Comma-separated subset of flashgen, flashgen-default, sdpa-flash, "
-                                          "sdpa-cudnn, sdpa-efficient, sdpa-math, flex, naive.")] = "all",
+    backends: Annotated[str, typer.Option(help="Comma-separated subset of flashgen, flashgen-default, "
+                                          "flashgen-deterministic (deterministic=True), sdpa-flash, sdpa-cudnn, "
+                                          "sdpa-efficient, sdpa-math, flex, naive.")] = "all",
     out: Annotated[Path, typer.Option(file_okay=False, help="Directory for bench.json, bench.csv and the "
                                       "plots.")] = Path("bench_out"),
     json_out: Annotated[Path | None, typer.Option("--json", dir_okay=False,
@@ -706,9 +707,11 @@ def bench(
     max_matrix_gb: Annotated[float, typer.Option(min=0, help="Skip naive / sdpa-math where their seqlen_q x "
                                                  "seqlen_k matrices would need more than this.")] = 40.0,
 ) -> None:
-    """flashgen (tuned and default config) against torch SDPA's backends, FlexAttention and
-    naive attention: forward, backward, forward+backward, peak memory; table, JSON, CSV,
-    plots."""
+    """flashgen (tuned and default config, and its deterministic backward) against torch
+    SDPA's backends, FlexAttention and naive attention: forward, backward,
+    forward+backward, peak memory; table, JSON, CSV, plots.  Exits 1 when flashgen's
+    float64 check fails on a shape or the deterministic backward's gradients differ
+    between two calls."""
     import torch
 
     from . import compare
@@ -759,6 +762,15 @@ def bench(
         except ImportError as e:
             console.print(f"plots skipped ({e}): pip install 'flashgen[bench]' (matplotlib)", markup=False)
     console.print("wrote " + ", ".join(map(str, written)), markup=False)
+    failed = [r.c for r in rows if "error" in r.check or (compare.max_check(r) or 0.0) > 1.0]
+    unrepeatable = [r.c for r in rows if r.cells.get("flashgen-deterministic", {}).get("repeatable") is False]
+    for what, cases in (("failed its float64 check", failed),
+                        ("flashgen-deterministic gave different gradients in two calls", unrepeatable)):
+        if cases:
+            console.print(f"error: {what} at {len(cases)} shape(s): "
+                          + ", ".join(f"{c.label} d{c.head_dim} {c.mask}" for c in cases), markup=False)
+    if failed or unrepeatable:
+        raise typer.Exit(1)
 
 
 def _precompile_for(cases, dtype: str, names: list[str]) -> None:
@@ -767,7 +779,7 @@ def _precompile_for(cases, dtype: str, names: list[str]) -> None:
     from .dispatch import Dispatcher, default_dispatcher
     from .spec import KernelSpec, Variant
 
-    disps = ([default_dispatcher()] if "flashgen" in names else []) + \
+    disps = ([default_dispatcher()] if {"flashgen", "flashgen-deterministic"} & set(names) else []) + \
         ([Dispatcher(databases=[])] if "flashgen-default" in names else [])
     variants = []
     for disp in disps:
@@ -846,6 +858,10 @@ def _print_bench(console: Console, rows, names: list[str], check: bool, title: s
             if ratios:
                 console.print(f"{n} / {ref} {d}: geomean {compare.geomean(ratios):.3f}x, "
                               f"min {min(ratios):.3f}x over {len(ratios)} shapes", markup=False)
+    if "flashgen-deterministic" in names:
+        seen = [r.cells["flashgen-deterministic"]["repeatable"] for r in rows]
+        console.print(f"flashgen-deterministic: dQ, dK, dV bitwise equal in two backward calls at "
+                      f"{sum(x is True for x in seen)} of {len(seen)} shapes", markup=False)
 
 @app.command()
 def iomodel(

@@ -1,7 +1,9 @@
 """flashgen against its peers, side by side in one run (``flashgen bench``).
 
 Backends (:data:`BACKENDS`): flashgen through the dispatcher (tuned: the shipped and
-user databases), flashgen with the heuristic default config (no database), torch
+user databases), flashgen with the heuristic default config (no database), flashgen's
+deterministic backward (``deterministic=True``, the tuned rows; its cell also records
+whether two backward calls gave bitwise identical gradients), torch
 SDPA's flash, cuDNN, efficient and math backends, FlexAttention (compiled), and the
 naive three-kernel implementation (:mod:`flashgen.peers`).
 
@@ -39,8 +41,8 @@ from .dispatch import Dispatcher, default_dispatcher, set_default_dispatcher
 from .masks import mask_bounds
 from .spec import Shape
 
-BACKENDS = ("flashgen", "flashgen-default", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math",
-            "flex", "naive")
+BACKENDS = ("flashgen", "flashgen-default", "flashgen-deterministic", "sdpa-flash", "sdpa-cudnn",
+            "sdpa-efficient", "sdpa-math", "flex", "naive")
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 #: FLOPs of each direction as a multiple of the forward's.
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
@@ -154,6 +156,9 @@ class Cell:
     peak_mem_bytes: int | None = None
     error: str | None = None
     wall_s: float | None = None  # how long measuring this cell took (compiles included)
+    #: flashgen-deterministic only: dQ, dK and dV bitwise equal in two backward calls on
+    #: the same graph (None: not checked, for the other backends or after a failure)
+    repeatable: bool | None = None
 
 
 @dataclass
@@ -170,6 +175,8 @@ class Row:
 
 def _backend_fn(name: str, case: Case, q, k) -> Callable:
     kw = dict(causal=case.causal, window=case.window)
+    if name == "flashgen-deterministic":
+        return lambda q, k, v: attention(q, k, v, deterministic=True, **kw)
     if name.startswith("flashgen"):
         return lambda q, k, v: attention(q, k, v, **kw)
     if name in peers.SDPA_BACKENDS:
@@ -231,6 +238,12 @@ def measure_cell(name: str, case: Case, q, k, v, do, *, timer: Callable, warmup_
         stage = "bwd"
         o = fn(q, k, v)
         cell.bwd_ms = timer(lambda: torch.autograd.grad(o, grads, do, retain_graph=True), warmup_ms, rep_ms)
+        if name == "flashgen-deterministic":
+            stage = "repeatability"
+            first = torch.autograd.grad(o, grads, do, retain_graph=True)
+            second = torch.autograd.grad(o, grads, do, retain_graph=True)
+            cell.repeatable = all(torch.equal(a, b) for a, b in zip(first, second))
+            first = second = None
         o = None  # free the retained graph
         stage = "fwd+bwd"
         cell.fwdbwd_ms = timer(lambda: torch.autograd.grad(fn(q, k, v), grads, do), warmup_ms, rep_ms)
@@ -332,7 +345,7 @@ def to_json(rows: list[Row], meta: dict | None = None) -> str:
 
 CSV_COLUMNS = ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k", "head_dim", "mask", "dtype",
                "backend", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
-               "peak_mem_bytes", "error", "flashgen_check_max_ratio")
+               "peak_mem_bytes", "error", "repeatable", "flashgen_check_max_ratio")
 
 
 def to_csv(rows: list[Row]) -> str:

@@ -125,22 +125,24 @@ def test_run_on_cpu_with_a_fake_timer():
     case = Case(1, 2, 1, 40, 56, 16, causal=True)  # GQA, seqlen_q != seqlen_k, bottom-right causal
     timer = FakeTimer(2.0)
     seen = []
-    names = ("flashgen", "flashgen-default", "sdpa-cudnn", "flex", "naive", "sdpa-math")
+    names = ("flashgen", "flashgen-default", "flashgen-deterministic", "sdpa-cudnn", "flex", "naive", "sdpa-math")
     rows = compare.run([case], dtype=torch.float32, device="cpu", backends=names, timer=timer,
                        progress=lambda c, name, cell: seen.append(name))
     assert seen == list(names)
     (row,) = rows
-    for name in ("flashgen", "flashgen-default", "naive", "sdpa-math"):
+    for name in ("flashgen", "flashgen-default", "flashgen-deterministic", "naive", "sdpa-math"):
         cell = row.cells[name]
         assert cell["error"] is None, (name, cell["error"])
         assert cell["fwd_ms"] == cell["bwd_ms"] == cell["fwdbwd_ms"] == 2.0
         assert cell["fwd_tflops"] == pytest.approx(case.flops("fwd") / 2.0 / 1e9)
         assert cell["fwdbwd_tflops"] == pytest.approx(3.5 * cell["fwd_tflops"])
         assert cell["peak_mem_bytes"] is None  # measured on CUDA only
+        # two backward calls compared bitwise for the deterministic backend only
+        assert cell["repeatable"] is (True if name == "flashgen-deterministic" else None)
     # cuDNN does not run on CPU: the reason is in the cell, and the run went on
     assert row.cells["sdpa-cudnn"]["fwd_ms"] is None and "no kernel" in row.cells["sdpa-cudnn"]["error"]
     assert row.cells["flex"]["error"].startswith("unsupported: ")
-    assert timer.calls == 4 * 3
+    assert timer.calls == 5 * 3
     assert set(row.check) == {"O", "dQ", "dK", "dV"} and max(row.check.values()) <= 1.0
 
 
@@ -159,6 +161,79 @@ def test_a_failing_stage_is_recorded_and_the_run_goes_on(monkeypatch):
     assert naive["fwd_tflops"] is not None and naive["bwd_tflops"] is None
     assert math_["error"] is None and math_["fwdbwd_ms"] == 2.0
     assert rows[0].check == {}
+
+
+class _NoisyGrad(torch.autograd.Function):
+    """Identity forward; a backward that adds fresh noise on every call (a backward that
+    is not bitwise repeatable)."""
+
+    @staticmethod
+    def forward(ctx, o):
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + 1e-6 * torch.rand_like(g)
+
+
+def _unrepeatable_deterministic(monkeypatch):
+    real = compare._backend_fn
+
+    def fake(name, case, q, k):
+        fn = real(name, case, q, k)
+        if name == "flashgen-deterministic":
+            return lambda q, k, v: fn(_NoisyGrad.apply(q), k, v)
+        return fn
+    monkeypatch.setattr(compare, "_backend_fn", fake)
+
+
+def test_an_unrepeatable_deterministic_backward_is_recorded(monkeypatch):
+    _unrepeatable_deterministic(monkeypatch)
+    rows = compare.run([Case(1, 2, 2, 16, 16, 8)], dtype=torch.float32, device="cpu",
+                       backends=("flashgen", "flashgen-deterministic"), timer=FakeTimer(), check=False)
+    cells = rows[0].cells
+    assert cells["flashgen-deterministic"]["repeatable"] is False and cells["flashgen"]["repeatable"] is None
+    assert cells["flashgen-deterministic"]["error"] is None and cells["flashgen-deterministic"]["bwd_ms"] == 2.0
+    assert "repeatable" in compare.to_csv(rows).splitlines()[0].split(",")
+
+
+def _bench_on_cpu(monkeypatch):
+    """flashgen bench's command with compare.run on CPU and a fake timer."""
+    from flashgen import cli
+
+    real_run = compare.run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu (test)")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # asked once CUDA "is available"
+    monkeypatch.setattr(cli, "_precompile_for", lambda *a: None)
+    monkeypatch.setattr(compare, "run", lambda cases, **kw: real_run(cases, **{**kw, "device": "cpu",
+                                                                              "dtype": torch.float32,
+                                                                              "timer": FakeTimer()}))
+
+
+def test_bench_exits_1_on_an_unrepeatable_deterministic_backward(tmp_path, monkeypatch):
+    _bench_on_cpu(monkeypatch)
+    args = ["bench", "--shape", "1,2,2,16,16,8", "--backends", "flashgen,flashgen-deterministic", "--no-plots",
+            "--out", str(tmp_path / "o")]
+    ok = runner.invoke(app, args)
+    assert ok.exit_code == 0, ok.output
+    assert "flashgen-deterministic: dQ, dK, dV bitwise equal in two backward calls at 1 of 1 shapes" in ok.output
+    _unrepeatable_deterministic(monkeypatch)
+    bad = runner.invoke(app, args)
+    assert bad.exit_code == 1
+    assert "at 0 of 1 shapes" in bad.output
+    assert "error: flashgen-deterministic gave different gradients in two calls at 1 shape(s): 1x2/2x16 d8 none" \
+        in bad.output
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["rows"][0]["cells"][
+        "flashgen-deterministic"]["repeatable"] is False  # the results are written before the exit
+
+
+def test_bench_exits_1_on_a_failed_check(tmp_path, monkeypatch):
+    _bench_on_cpu(monkeypatch)
+    monkeypatch.setattr(compare, "check_slice", lambda *a: {"O": 0.5, "dQ": 3.0, "dK": 0.1, "dV": 0.1})
+    r = runner.invoke(app, ["bench", "--shape", "1,2,2,16,16,8,causal", "--backends", "flashgen", "--no-plots",
+                            "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "error: failed its float64 check at 1 shape(s): 1x2/2x16 d8 causal" in r.output
 
 
 def test_skip_over_the_memory_limit_runs_nothing():
