@@ -20,7 +20,8 @@ alone and the dK/dV reduction alone; writes gluon_bwd_gqa.json.
 (ORDERED_CONFIGS), each checked against float64 on CHECKS (GQA_CHECKS for a group split)
 and for bitwise-identical dQ, dK and dV over three backwards, then timed on
 ORDERED_SHAPES against SDPA cuDNN's backward and flashgen's backward through autograd,
-default and ``deterministic=True``; writes gluon_bwd_ordered.json.
+default and ``deterministic=True``; writes gluon_bwd_ordered.json.  ``--ordered-set writer``:
+the tuned tiles instead, each without and with the dQ writer warp (WRITER_CONFIGS).
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered]
 """
@@ -137,6 +138,17 @@ GQA_CHECKS = [(1, 8, 2, 17, 17, False, (-1, -1), "bottom_right", False),
 ORDERED_CONFIGS = [((64, 64, 2, 2, mode, 240, 24, "tma", 1, False, gs), 128, gs == 1)
                    for gs in (1, 4) for mode in ("tma", "ordered")] + \
                   [((64, 64, 2, 4, mode, 240, 24, "tma", 1, True), 64, True) for mode in ("tma", "ordered")]
+#: ``--ordered --ordered-set writer``: the tuned tiles with dQ by the unordered and the
+#: ordered reduce-add, each without and with the dQ writer warp (dq_writer): head_dim 128
+#: lock-step (and its GQA group split by 4, register stores), head_dim 64 split; fields
+#: as CONFIGS, then dq_writer.
+WRITER_CONFIGS = [((64, 64, 2, st, mode, 240, 24, "tma", 1, split, gs, False, "fragment", kv, False, w), d,
+                   full)
+                  for (d, st, split, gs, kv, full) in ((128, 2, False, 1, "tma", True), (128, 2, False, 4, "ptr", False),
+                                                       (64, 4, True, 1, "tma", True))
+                  for mode in ("tma", "ordered") for w in (False, True)
+                  if not (gs > 1 and mode == "tma")]
+ORDERED_SETS = {"defaults": ORDERED_CONFIGS, "writer": WRITER_CONFIGS}
 #: (batch, num_heads, num_kv_heads, seqlen, head_dim, causal): issue 16's grid shapes and
 #: the GQA shapes of the Llama training step and the Llama-3-8B suite.
 ORDERED_SHAPES = [(4, 16, 16, 4096, 128, False), (1, 16, 16, 16384, 128, True), (4, 16, 16, 4096, 128, True),
@@ -432,6 +444,9 @@ def main() -> int:
     ap.add_argument("--warm-only", action="store_true", help="child: baselines run once, untimed")
     ap.add_argument("--gqa", action="store_true", help="the GQA run (group_split 1, 2, 4 against cuDNN)")
     ap.add_argument("--ordered", action="store_true", help="the deterministic run (dQ added in a fixed order)")
+    ap.add_argument("--ordered-set", choices=sorted(ORDERED_SETS), default="defaults",
+                    help="--ordered: its variants (ORDERED_SETS: the defaults, or the tiles with and without the "
+                         "dQ writer warp)")
     ap.add_argument("--tiles", choices=sorted(TILE_PROBES), default=None,
                     help="time TILE_PROBES[...] (configs outside the rules among them) instead of CONFIGS")
     ap.add_argument("items", nargs="*")
@@ -450,7 +465,7 @@ def main() -> int:
     if a.gqa:
         return _main_gqa(out, min(a.budget_s, 170.0))
     if a.ordered:
-        return _main_ordered(out, a.budget_s)
+        return _main_ordered(out, a.budget_s, ORDERED_SETS[a.ordered_set])
     t0 = time.time()
     deadline = t0 + a.budget_s
     with open(out / "gluon_bwd.log", "w") as log, open(out / "baseline_warm.log", "w") as wlog:
@@ -552,14 +567,14 @@ def _main_gqa(out: Path, budget_s: float) -> int:
     return 0
 
 
-def _main_ordered(out: Path, budget_s: float) -> int:
+def _main_ordered(out: Path, budget_s: float, configs=ORDERED_CONFIGS) -> int:
     """The deterministic run: checks (float64 and repeatability), timings of the variants
     that passed, then the baselines; writes gluon_bwd_ordered.json and prints the table
     last."""
     t0 = time.time()
     deadline = t0 + budget_s
     with open(out / "gluon_bwd_ordered.log", "w") as log:
-        specs = [json.dumps([list(f), d, full]) for f, d, full in ORDERED_CONFIGS]
+        specs = [json.dumps([list(f), d, full]) for f, d, full in configs]
         checked = _run_child(["--child-variants", "--ordered"], specs, 120.0, deadline - 60.0, log)
         (out / "gluon_bwd_ordered.json").write_text(json.dumps({"checked": checked}, indent=1))
         passed = [sp for sp, r in zip(specs, checked) if r.get("check_ok")]

@@ -224,7 +224,8 @@ class KernelSpec:
 _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), ("split", "_split"),
               ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
               ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"), ("cross_tile", "_xtile"),
-              ("o_in_q", "_oq"), ("longest_first", "_lpt"), ("masked_first", "_mf"), ("skip_masked", "_skip"))
+              ("o_in_q", "_oq"), ("longest_first", "_lpt"), ("masked_first", "_mf"), ("skip_masked", "_skip"),
+              ("dq_writer", "_dqw"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -288,7 +289,9 @@ class TileConfig:
     the forward's key tiles of each query tile run last to first under a causal or
     window mask, the diagonal's masked tile first (``_mf``); ``skip_masked`` 1: with
     ``masked_first``, each consumer warpgroup releases unread the key tiles past its own
-    rows (``_skip``).
+    rows (``_skip``); ``dq_writer`` 1: the backward's dQ tiles leave through a one-warp
+    writer partition that issues their reduce-adds (and, ordered, waits on and releases
+    the tiles' semaphores) from two staging buffers per consumer partition (``_dqw``).
     """
 
     BLOCK_M: int
@@ -320,6 +323,7 @@ class TileConfig:
     longest_first: int = 0
     masked_first: int = 0
     skip_masked: int = 0
+    dq_writer: int = 0
 
     @property
     def id(self) -> str:

@@ -58,6 +58,11 @@ CASES = [
     # recomputed for the register stores of the partials)
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma", True), 128, "causal"),
     ((64, 64, 2, 2, "tma", 240, 24, "producer", 1, False, 4, False, "fragment", "ptr", True), 128, "causal"),
+    # the dQ writer warp: the deterministic rows' ordered tile at head_dim 128, the
+    # BLOCK_M 128 tile at head_dim 64, a longest-first GQA split with 16-bit partials
+    ((64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False, 1, False, "fragment", "tma", False, True), 128, "causal"),
+    ((128, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma", False, True), 64, "none"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 4, True, "fragment", "ptr", True, True), 128, "causal"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -75,11 +80,14 @@ SPILL_BYTES = {
     "3.6": {("m128_n64_c2_s2_tma_r240-24_rows-tma", 64, "none"): 36,
             ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 80,
             # 4 B with the TMA stores (0 B with the register stores): measured fastest
-            ("m64_n64_c2_s3_ordered_r240-24_rows-producer_dqf_kvt", 128, "causal"): 4},
+            ("m64_n64_c2_s3_ordered_r240-24_rows-producer_dqf_kvt", 128, "causal"): 4,
+            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt_dqw", 64, "none"): 32},
     "3.9": {("m128_n64_c2_s2_tma_r240-24_rows-tma", 64, "none"): 40, ("m64_n64_c2_s2_tma_r240-24_rows-tma", 128, "causal"): 8,
             ("m64_n64_c2_s3_tma_r240-24_rows-tma", 128, "window"): 24,
             ("m64_n64_c2_s2_atomic_r240-24_rows-producer", 128, "causal"): 28,
-            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 60},
+            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 60,
+            ("m64_n64_c2_s2_ordered_r240-24_rows-tma_dqf_kvt_dqw", 128, "causal"): 8,
+            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt_dqw", 64, "none"): 44},
 }
 
 _SCRIPT = r'''
@@ -209,8 +217,10 @@ def test_kv_store_tma_leaves_no_global_store_to_the_warps(compiled):
     stores to global memory; the register epilogue stores them with STG."""
     for c in compiled:
         if c["kv_store"] == "tma":
-            # (the ordered dQ's two semaphore releases are its only global stores)
-            assert c["stg"] == (2 if "_ordered_" in c["id"] else 0) and c["tma_stores"] == 2 * c["parts"], c
+            # (the ordered dQ's semaphore releases are its only global stores: two in the
+            # consumers, in the loop and after it, or one in the dQ writer's loop)
+            releases = (1 if c["id"].endswith("_dqw") else 2) if "_ordered_" in c["id"] else 0
+            assert c["stg"] == releases and c["tma_stores"] == 2 * c["parts"], c
         else:
             assert c["stg"] > 0 and c["tma_stores"] == 0, c
 
@@ -249,6 +259,41 @@ def test_kv_store_rules_launch_and_search():
     src = B.render(cfg, "bfloat16", 64, "none")
     assert "tma_store(DK, [off_z, off_hk, nc, 0]" in src and "gl.store(DK" not in src
     assert "tma_store" not in B.render(dataclasses.replace(cfg, kv_store="ptr"), "bfloat16", 64, "none")
+
+
+def test_dq_writer_rules_model_and_render():
+    """dq_writer: the reduce-add modes only, not the column halves of split partitions at
+    head_dim 128; two staging tiles per partition and the writer's barriers in the shared
+    memory model; a one-warp writer partition in the producer's warpgroup that alone
+    waits on, adds and (ordered) releases, while the consumers only stage and signal."""
+    base = B.default_config(128)
+    cfg = dataclasses.replace(base, dq_writer=True)
+    assert cfg.id == base.id + "_dqw" and B.is_valid(cfg, 128, "bfloat16", "causal")
+    assert any("dq_writer issues TMA reduce-adds" in r
+               for r in B.invalid_reasons(dataclasses.replace(cfg, dq_mode="atomic", kv_store="ptr"), 128))
+    assert any("column halves" in r for r in B.invalid_reasons(dataclasses.replace(cfg, split=True, kv_store="ptr"),
+                                                                 128))
+    split64 = dataclasses.replace(B.default_config(64), dq_writer=True)
+    assert B.is_valid(split64, 64, "bfloat16", "none")
+    for c, d in ((cfg, 128), (split64, 64)):
+        t, t0 = B.smem_terms(c, d), B.smem_terms(dataclasses.replace(c, dq_writer=False), d)
+        assert t["dq_tile"] == 2 * t0["dq_tile"] == 2 * c.parts * 64 * d * 4 and t["barriers"] == t0["barriers"] + 256
+    # three ring stages and two staging tiles do not fit at head_dim 128
+    assert any("shared memory" in r for r in B.invalid_reasons(dataclasses.replace(cfg, stages=3), 128))
+    assert cfg.maxnreg == base.maxnreg  # the writer's warp shares the producer's warpgroup
+    for mode in ("tma", "ordered"):
+        src = B.render(dataclasses.replace(cfg, dq_mode=mode), "bfloat16", 128, "causal")
+        writer = src[src.index("def _dq_writer("):src.index("def _consumer_0(")]
+        consumer = src[src.index("def _consumer("):src.index("def _dq_writer(")]
+        consumer = consumer[:consumer.index("mbarrier.arrive(empty.index(s))")]  # through the step's end
+        assert "(_dq_writer, writer_args)," in src and "], [1, 1], [24, 24])" in src
+        assert writer.count("tma_reduce_add(") == 1 and "tma_reduce_add(" not in consumer
+        assert "mbarrier.arrive(dq_full.index(slot))" in consumer and "mbarrier.wait(dq_empty.index(slot)" in consumer
+        for call in ("_sem_wait(", "_sem_release(", "_bulk_done(", "store_wait("):
+            assert call not in consumer, (mode, call)
+        assert ("_sem_wait(SEM + tile, u)" in writer) == ("_sem_release(SEM + tile, u + 1)" in writer) == \
+            (mode == "ordered")
+    assert "_dq_writer" not in B.render(base, "bfloat16", 128, "causal")
 
 
 def test_longest_first_rules_and_launch():

@@ -154,7 +154,7 @@ def test_dq_ordered_is_a_knob_of_the_gluon_backward():
     assert any("needs dq_atomic=0" in r for r in GLUON.violated_rules(Variant(v.spec, both)))
     # outside the search; `flashgen tune --refine dq_ordered` measures it beside a tuned row
     assert "dq_ordered" not in GLUON.domain(key("bwd")) and \
-        GLUON.refine_domain(key("bwd", mask="none")) == {"dq_ordered": (0, 1)}
+        GLUON.refine_domain(key("bwd", mask="none")) == {"dq_ordered": (0, 1), "dq_writer": (0, 1)}
     assert GLUON.refine_domain(key("fwd")) == {"cross_tile": (0, 1), "o_in_q": (0, 1), "longest_first": (0, 1),
                                                "masked_first": (0, 1), "skip_masked": (0, 1)}
 
@@ -227,7 +227,7 @@ def test_refine_measures_the_longest_first_twin_of_a_masked_backward(tmp_path):
     twin = dataclasses.replace(best, longest_first=1)
     assert twin.id == best.id + "_lpt" and TileConfig.from_dict(twin.as_dict()) == twin
     assert F.bwd_config(twin).longest_first and F.tile_config(F.bwd_config(twin)) == twin
-    assert GLUON.refine_domain(k) == {"dq_ordered": (0, 1), "longest_first": (0, 1)}
+    assert GLUON.refine_domain(k) == {"dq_ordered": (0, 1), "dq_writer": (0, 1), "longest_first": (0, 1)}
     assert "longest_first" not in GLUON.domain(k)
     assert GLUON.violated_rules(Variant(k.spec, twin)) == []
     assert any("without a mask" in r for r in GLUON.violated_rules(Variant(key("bwd", "bfloat16", 128, mask="none").spec,
@@ -235,6 +235,31 @@ def test_refine_measures_the_longest_first_twin_of_a_masked_backward(tmp_path):
     assert any("0 (off) or 1" in r for r in GLUON.violated_rules(Variant(k.spec, dataclasses.replace(twin,
                                                                                                        longest_first=2))))
     _assert_refined_into(tmp_path / "t.sqlite", k, best, twin, "longest_first")
+
+
+def test_refine_measures_the_dq_writer_twins_of_a_backward(tmp_path):
+    """dq_writer (``_dqw``): a refinement knob of the backward, a row of its own that
+    round-trips; refined with dq_ordered around a tuned row it gives the writer twin of
+    the tile and of its ordered twin (a deterministic backward)."""
+    k = key("bwd", "bfloat16", 128)
+    best = F.tile_config(B.default_config(128, "bfloat16", "causal"))
+    twin = dataclasses.replace(best, dq_writer=1)
+    assert twin.id == best.id + "_dqw" and TileConfig.from_dict(twin.as_dict()) == twin
+    assert F.bwd_config(twin).dq_writer and F.tile_config(F.bwd_config(twin)) == twin
+    assert GLUON.violated_rules(Variant(k.spec, twin)) == []
+    assert "dq_writer" not in GLUON.domain(k)
+    assert any("0 (off) or 1" in r for r in GLUON.violated_rules(Variant(k.spec, dataclasses.replace(twin,
+                                                                                                       dq_writer=2))))
+    assert any("dq_writer issues TMA reduce-adds" in r for r in GLUON.violated_rules(
+        Variant(k.spec, dataclasses.replace(twin, dq_atomic=1, kv_store=0))))
+    _assert_refined_into(tmp_path / "t.sqlite", k, best, twin, "dq_writer")
+    ordered = dataclasses.replace(best, dq_ordered=1)
+    with TuningDB(tmp_path / "t2.sqlite") as db:
+        _record(db, k, best, 0.5)
+        (start, cands), = tuner.refine_configs(k, db, H200, SM90, ["dq_ordered", "dq_writer"], ["gluon"])
+        assert start == best and set(cands) == {twin, ordered, dataclasses.replace(ordered, dq_writer=1)}
+    # the ordered writer twin is a bitwise-repeatable backward, the unordered one is not
+    assert GLUON.deterministic(dataclasses.replace(ordered, dq_writer=1)) and not GLUON.deterministic(twin)
 
 
 def test_refine_measures_the_cross_tile_twin_of_a_walk_of_3(tmp_path):

@@ -121,6 +121,16 @@ class GluonBwdConfig:
                     instead of one pair's key blocks after another's, so the hardware
                     scheduler's last programs are short ones; not with the ordered dQ (its
                     own 1-D grid orders the adds).
+    dq_writer:      the dQ tiles leave through a one-warp writer partition
+                    (FlashAttention-3's dQ writer warp): each consumer partition stores
+                    its step's tile into one of two staging buffers, taken in turn, and
+                    signals an mbarrier; the writer (in the ordered mode: waits on the
+                    tile's semaphore,) issues the reduce-add, waits for it (ordered:
+                    until it has completed, then releases the semaphore) and frees the
+                    buffer.  The consumers' steps then hold no wait on a reduce-add and
+                    no semaphore; twice the dQ staging memory.  With dq_mode "tma" or
+                    "ordered", not with the column halves of split partitions at
+                    head_dim 128.
     """
 
     block_m: int = 64
@@ -138,6 +148,7 @@ class GluonBwdConfig:
     dq_stage: str = "swizzled"
     kv_store: str = "ptr"
     longest_first: bool = False
+    dq_writer: bool = False
 
     @property
     def block_nt(self) -> int:
@@ -180,7 +191,8 @@ class GluonBwdConfig:
                 + ("h" if self.half_partials else "")
                 + {"swizzled": "", "fragment": "_dqf"}.get(self.dq_stage, f"_dq-{self.dq_stage}")
                 + {"ptr": "", "tma": "_kvt"}.get(self.kv_store, f"_kv-{self.kv_store}")
-                + ("_lpt" if self.longest_first else ""))
+                + ("_lpt" if self.longest_first else "")
+                + ("_dqw" if self.dq_writer else ""))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -198,8 +210,11 @@ def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> di
         "do_ring": c.stages * c.block_m * head_dim * elem_bytes,
         "lse_delta_ring": 2 * c.stages * c.block_m * 4 if c.row_load != "ptr" else 0,
         "ds": c.block_nt * c.block_m * elem_bytes,
-        "dq_tile": c.parts * c.block_m * head_dim * 4 if c.dq_mode in ("tma", "ordered") else 0,
-        "barriers": 8 * (1 + 2 * c.stages),
+        "dq_tile": (2 if c.dq_writer else 1) * c.parts * c.block_m * head_dim * 4
+        if c.dq_mode in ("tma", "ordered") else 0,
+        # the writer's full/empty barrier pairs: two arrays, each 128-byte aligned (ptxas:
+        # 112-120 B above its 8 B per barrier with one or two consumer partitions)
+        "barriers": 8 * (1 + 2 * c.stages) + (256 if c.dq_writer else 0),
         "alignment": 256,
     }
     return terms
@@ -307,6 +322,11 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
     if c.longest_first and c.dq_mode == "ordered":
         out.append("longest_first with dq_mode 'ordered': the ordered dQ's own 1-D grid orders the programs (the "
                    "order of its adds)")
+    if c.dq_writer and c.dq_mode not in ("tma", "ordered"):
+        out.append(f"dq_writer issues TMA reduce-adds: dq_mode 'tma' or 'ordered' (got {c.dq_mode!r})")
+    elif c.dq_writer and c.split and head_dim >= 128:
+        out.append("dq_writer with split partitions at head_dim 128: their dQ is computed and staged in two column "
+                   "halves around the dK product; use the lock-step partition")
     if c.half_partials and c.group_split == 1:
         out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -444,7 +464,8 @@ CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
 #: "group_split" name variants the tuner records outside the GQA-group-1 search space
 #: (``flashgen tune --refine dq_ordered``; the group splits of GQA keys), which the id
 #: did not cover when it was first recorded.
-EXTENSIONS = {"longest_first": lambda c, d: c.longest_first,
+EXTENSIONS = {"dq_writer": lambda c, d: c.dq_writer,
+              "longest_first": lambda c, d: c.longest_first,
               "kv_tma": lambda c, d: c.kv_store == "tma",
               "dq_ordered": lambda c, d: c.dq_mode == "ordered",
               "group_split": lambda c, d: c.group_split > 1,
@@ -473,6 +494,14 @@ def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, s
                     # the longest-first grid: one dtype covers its code (the program's
                     # coordinates), on every tile of the search space
                     cands += [dataclasses.replace(c, longest_first=True) for c in space]
+                if dtype == "bfloat16":
+                    # the dQ writer warp: one dtype covers its code, on every reduce-add
+                    # tile of the space and its ordered twin
+                    # (and, under a mask, its longest-first grid)
+                    twins = space + [dataclasses.replace(c, dq_mode="ordered") for c in space]
+                    twins += [dataclasses.replace(c, longest_first=True) for c in space] if mask != "none" else []
+                    cands += [o for c in twins
+                              for o in [dataclasses.replace(c, dq_writer=True)] if is_valid(o, d, dtype, mask)]
                 cands += [o for stage in DQ_STAGES for mode in ("tma", "ordered")
                           for gs in range(2, MAX_GROUP_SPLIT + 1) for half in (False, True)
                           for o in [dataclasses.replace(base, dq_stage=stage, dq_mode=mode, group_split=gs,
@@ -546,7 +575,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     ``header_hash``: the hash the header names (default :func:`template_hash`);
     ``directory``: another templates directory (the code-id checks); ``probe``: one of
     :data:`DQ_PROBES` (dq_mode "ordered" only)."""
-    if probe not in DQ_PROBES or (probe and config.dq_mode != "ordered"):
+    if probe not in DQ_PROBES or (probe and (config.dq_mode != "ordered" or config.dq_writer)):
         raise ValueError(f"probe {probe!r}: one of {DQ_PROBES[1:]} with dq_mode 'ordered'")
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
     if reasons:
@@ -573,7 +602,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
         HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
         DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store,
-        LONGEST_FIRST=c.longest_first)
+        LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:

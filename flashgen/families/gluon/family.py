@@ -40,7 +40,7 @@ _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", 
               "masked_first", "skip_masked", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
-              "kv_store", "longest_first", "family"}
+              "kv_store", "longest_first", "dq_writer", "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -142,7 +142,8 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
                             dq_stage=B.DQ_STAGES[c.dq_stage] if 0 <= c.dq_stage < len(B.DQ_STAGES)
                             else f"code {c.dq_stage}",
                             kv_store=B.KV_STORES[c.kv_store] if 0 <= c.kv_store < len(B.KV_STORES)
-                            else f"code {c.kv_store}", longest_first=bool(c.longest_first))
+                            else f"code {c.kv_store}", longest_first=bool(c.longest_first),
+                            dq_writer=bool(c.dq_writer))
 
 
 def _dq_mode(c: TileConfig) -> str:
@@ -173,7 +174,8 @@ def tile_config(g) -> TileConfig:
                       g.producer_warps, split=int(g.split), group_split=0 if g.group_split == 1 else g.group_split,
                       half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"),
                       dq_stage=B.DQ_STAGES.index(g.dq_stage),
-                      kv_store=B.KV_STORES.index(g.kv_store), longest_first=int(g.longest_first))
+                      kv_store=B.KV_STORES.index(g.kv_store), longest_first=int(g.longest_first),
+                      dq_writer=int(g.dq_writer))
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -244,15 +246,17 @@ class GluonFamily:
     def refine_domain(self, key: ProblemKey) -> dict[str, tuple]:
         """Knobs outside the search (:meth:`domain`) that ``flashgen tune --refine`` may
         vary around a tuned row: the backward's ``dq_ordered`` (the deterministic
-        backward's dQ, measured beside the tuned tile it orders) and, under a mask,
-        ``longest_first`` (its grid's order), and the forward's ``cross_tile`` and
+        backward's dQ, measured beside the tuned tile it orders), ``dq_writer`` (its dQ
+        writer warp) and, under a mask, ``longest_first`` (its grid's order), and the
+        forward's ``cross_tile`` and
         ``o_in_q`` (modes of the walk of 3, :func:`.config.refinement_space`),
         ``longest_first``, ``masked_first`` and its ``skip_masked`` (under a mask)."""
         if key.spec.kernel == "fwd":
             return {k: (0, 1) for k in C.REFINE_KNOBS}
         if key.spec.kernel != WHOLE_BWD:
             return {}
-        return {"dq_ordered": (0, 1), **({"longest_first": (0, 1)} if key.spec.mask != "none" else {})}
+        return {"dq_ordered": (0, 1), "dq_writer": (0, 1),
+                **({"longest_first": (0, 1)} if key.spec.mask != "none" else {})}
 
     def reconcile(self, key: ProblemKey, config: TileConfig, best: TileConfig, knobs) -> TileConfig:
         """``config``, a neighbour of the tuned row ``best`` of ``key`` in ``knobs`` (those a
@@ -308,8 +312,9 @@ class GluonFamily:
                 why.append(f"head_dim_v {s.head_dim_v} != head_dim {s.head_dim}")
             if c.dq_ordered and c.dq_atomic:
                 why.append("dq_ordered=1 orders the TMA reduce-adds of dQ: it needs dq_atomic=0")
-            if c.longest_first not in (0, 1):
-                why.append(f"longest_first={c.longest_first}: 0 (off) or 1 (on)")
+            for name in ("longest_first", "dq_writer"):
+                if getattr(c, name) not in (0, 1):
+                    why.append(f"{name}={getattr(c, name)}: 0 (off) or 1 (on)")
             if not 0 <= c.row_load < len(_ROW_LOADS):
                 why.append(f"row_load={c.row_load}: 0 (TMA), 1 (producer) or 2 (pointer loads)")
                 return why
