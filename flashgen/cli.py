@@ -161,7 +161,8 @@ def tune(
                               "every value the family gives these comma-separated knobs (e.g. "
                               "group_split,half_partials; dq_ordered measures the Gluon backward's "
                               "bitwise-repeatable dQ, which the deterministic backward runs where it is "
-                              "measured ahead; tuner.refine); keys without a tuned row are left out.")] = None,
+                              "measured ahead, dq_writer its dQ writer warp; tuner.refine); keys without a "
+                              "tuned row are left out.")] = None,
     key: Annotated[str | None, typer.Option(
         metavar="SUBSTR,...", help="Only the presets' problem keys whose id contains one of these "
                                    "comma-separated substrings (e.g. d64_bf16_causal).")] = None,
@@ -298,17 +299,24 @@ def tune(
 
     if knobs is not None:
         # --refine starts from tuned rows: without one there is nothing to measure
-        starts = 0
+        starts = neighbours = 0
         if Path(db).exists():
             with TuningDB(db, readonly=True) as tdb:
                 by_family = tdb.best_configs_by_family(env)
-                starts = sum(bool(tuner.refine_configs(k, tdb, env, arch, knobs, family_names, by_family))
-                             for k, _ in items)
+                for k, _ in items:
+                    rows = tuner.refine_configs(k, tdb, env, arch, knobs, family_names, by_family)
+                    starts += bool(rows)
+                    neighbours += sum(len(cands) for _, cands in rows)
         if not starts:
             console.print(Text.assemble(("error: ", "red"), f"--refine {','.join(knobs)}: {db} holds no tuned row of "
                                         f"these keys measured on {env.gpu_name!r} (this Triton and flashgen "
                                         "code) to start from; tune them first"), soft_wrap=True)
             raise typer.Exit(2)
+        if not neighbours:
+            console.print(Text.assemble(("note: ", "yellow"), f"--refine {','.join(knobs)} varies nothing around the "
+                                        f"tuned rows of these {len(items)} keys: no family of theirs takes these "
+                                        "knobs for them, or every other value breaks a rule (flashgen explain "
+                                        "names a row's family); nothing to measure"), soft_wrap=True)
     console.print(f"tuning {len(items)} keys, " + (f"refining {', '.join(knobs)}" if knobs else f"{trials} trials each")
                   + f", on {env.gpu_name} -> {db}"
                   f"{f' with {workers} workers' if workers > 1 else ''}", markup=False)
@@ -710,8 +718,9 @@ def bench(
     """flashgen (tuned and default config, and its deterministic backward) against torch
     SDPA's backends, FlexAttention and naive attention: forward, backward,
     forward+backward, peak memory; table, JSON, CSV, plots.  Exits 1 when flashgen's
-    float64 check fails on a shape or the deterministic backward's gradients differ
-    between two calls."""
+    float64 check (of its default and, when it runs, its deterministic backward) fails on
+    a shape, a flashgen backend fails to run, or the deterministic backward's gradients
+    differ between two calls."""
     import torch
 
     from . import compare
@@ -764,12 +773,17 @@ def bench(
     console.print("wrote " + ", ".join(map(str, written)), markup=False)
     failed = [r.c for r in rows if "error" in r.check or (compare.max_check(r) or 0.0) > 1.0]
     unrepeatable = [r.c for r in rows if r.cells.get("flashgen-deterministic", {}).get("repeatable") is False]
+    # a flashgen backend that failed at a stage (not one it was not meant to run)
+    broken = [r.c for r in rows if any(n.startswith("flashgen") and c["error"]
+                                       and not c["error"].startswith(("skipped", "unsupported"))
+                                       for n, c in r.cells.items())]
     for what, cases in (("failed its float64 check", failed),
-                        ("flashgen-deterministic gave different gradients in two calls", unrepeatable)):
+                        ("flashgen-deterministic gave different gradients in two calls", unrepeatable),
+                        ("a flashgen backend failed (the notes above say where)", broken)):
         if cases:
             console.print(f"error: {what} at {len(cases)} shape(s): "
                           + ", ".join(f"{c.label} d{c.head_dim} {c.mask}" for c in cases), markup=False)
-    if failed or unrepeatable:
+    if failed or unrepeatable or broken:
         raise typer.Exit(1)
 
 

@@ -261,13 +261,15 @@ def measure_cell(name: str, case: Case, q, k, v, do, *, timer: Callable, warmup_
     return cell
 
 
-def check_slice(q, k, v, do, case: Case) -> dict:
-    """Error ratios of flashgen's O, dQ, dK, dV on batch 0 / kv head 0's group."""
+def check_slice(q, k, v, do, case: Case, deterministic: bool = False) -> dict:
+    """Error ratios of flashgen's O, dQ, dK, dV on batch 0 / kv head 0's group (the
+    backward with ``deterministic``; the slice is its own, smaller problem key, so the
+    rows it runs may differ from the full shape's)."""
     g = q.shape[1] // k.shape[1]
     qs, ks, vs, dos = (t[:1, :n].detach().clone().requires_grad_(True)
                        for t, n in ((q, g), (k, 1), (v, 1), (do, g)))
     kw = dict(causal=case.causal, window=case.window)
-    o = attention(qs, ks, vs, **kw)
+    o = attention(qs, ks, vs, deterministic=deterministic, **kw)
     grads = torch.autograd.grad(o, (qs, ks, vs), dos)
     r_o, _, _ = reference.forward(qs, ks, vs, **kw)
     b_o, _, _ = reference.forward(qs, ks, vs, dtype=q.dtype, **kw)
@@ -318,6 +320,9 @@ def run(cases: Iterable[Case], *, dtype=torch.bfloat16, backends=BACKENDS, devic
         if check:
             try:
                 row.check = check_slice(q, k, v, do, case)
+                if "flashgen-deterministic" in backends:  # its gradients too (the forward is the same)
+                    det = check_slice(q, k, v, do, case, deterministic=True)
+                    row.check.update({f"{n} deterministic": r for n, r in det.items() if n != "O"})
             except Exception as e:  # noqa: BLE001
                 row.check = {"error": _describe(e)}
         rows.append(row)

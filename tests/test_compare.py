@@ -143,7 +143,9 @@ def test_run_on_cpu_with_a_fake_timer():
     assert row.cells["sdpa-cudnn"]["fwd_ms"] is None and "no kernel" in row.cells["sdpa-cudnn"]["error"]
     assert row.cells["flex"]["error"].startswith("unsupported: ")
     assert timer.calls == 5 * 3
-    assert set(row.check) == {"O", "dQ", "dK", "dV"} and max(row.check.values()) <= 1.0
+    # the deterministic backward's gradients are checked too
+    assert set(row.check) == {"O", "dQ", "dK", "dV", "dQ deterministic", "dK deterministic", "dV deterministic"}
+    assert max(row.check.values()) <= 1.0
 
 
 def test_a_failing_stage_is_recorded_and_the_run_goes_on(monkeypatch):
@@ -234,6 +236,56 @@ def test_bench_exits_1_on_a_failed_check(tmp_path, monkeypatch):
     r = runner.invoke(app, ["bench", "--shape", "1,2,2,16,16,8,causal", "--backends", "flashgen", "--no-plots",
                             "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "error: failed its float64 check at 1 shape(s): 1x2/2x16 d8 causal" in r.output
+
+
+def test_bench_exits_1_on_wrong_deterministic_gradients_or_a_failed_backend(tmp_path, monkeypatch):
+    _bench_on_cpu(monkeypatch)
+    real = compare.attention
+
+    def wrong_when_deterministic(q, k, v, deterministic=None, **kw):
+        o = real(q, k, v, deterministic=deterministic, **kw)
+        return _Scaled.apply(o) if deterministic else o
+    monkeypatch.setattr(compare, "attention", wrong_when_deterministic)
+    args = ["bench", "--shape", "1,2,2,16,16,8", "--backends", "flashgen,flashgen-deterministic", "--no-plots",
+            "--out", str(tmp_path / "o")]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1 and "error: failed its float64 check at 1 shape(s)" in r.output, r.output
+    check = json.loads((tmp_path / "o" / "bench.json").read_text())["rows"][0]["check"]
+    assert check["dQ deterministic"] > 1 and check["dQ"] <= 1  # the default backward is right
+    monkeypatch.setattr(compare, "attention", real)
+    real_fn = compare._backend_fn
+
+    def broken(name, case, q, k):
+        if name == "flashgen-deterministic":
+            return lambda q, k, v: _Raise.apply(q) + real_fn("flashgen", case, q, k)(q, k, v)
+        return real_fn(name, case, q, k)
+    monkeypatch.setattr(compare, "_backend_fn", broken)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1 and "error: a flashgen backend failed" in r.output, r.output
+
+
+class _Scaled(torch.autograd.Function):
+    """Identity forward; a backward that triples the gradient (a wrong backward)."""
+
+    @staticmethod
+    def forward(ctx, o):
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return 3 * g
+
+
+class _Raise(torch.autograd.Function):
+    """A zero forward whose backward raises (a backward that cannot run)."""
+
+    @staticmethod
+    def forward(ctx, q):
+        return torch.zeros_like(q)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("this backward cannot run")
 
 
 def test_skip_over_the_memory_limit_runs_nothing():

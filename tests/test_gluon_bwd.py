@@ -273,6 +273,7 @@ def test_dq_writer_rules_model_and_render():
                for r in B.invalid_reasons(dataclasses.replace(cfg, dq_mode="atomic", kv_store="ptr"), 128))
     assert any("column halves" in r for r in B.invalid_reasons(dataclasses.replace(cfg, split=True, kv_store="ptr"),
                                                                  128))
+    assert any("producer_warps 1" in r for r in B.invalid_reasons(dataclasses.replace(cfg, producer_warps=4), 128))
     split64 = dataclasses.replace(B.default_config(64), dq_writer=True)
     assert B.is_valid(split64, 64, "bfloat16", "none")
     for c, d in ((cfg, 128), (split64, 64)):

@@ -129,7 +129,8 @@ class GluonBwdConfig:
                     until it has completed, then releases the semaphore) and frees the
                     buffer.  The consumers' steps then hold no wait on a reduce-add and
                     no semaphore; twice the dQ staging memory.  With dq_mode "tma" or
-                    "ordered", not with the column halves of split partitions at
+                    "ordered" and a one-warp producer (whose warpgroup the writer's warp
+                    shares), not with the column halves of split partitions at
                     head_dim 128.
     """
 
@@ -324,6 +325,12 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
                    "order of its adds)")
     if c.dq_writer and c.dq_mode not in ("tma", "ordered"):
         out.append(f"dq_writer issues TMA reduce-adds: dq_mode 'tma' or 'ordered' (got {c.dq_mode!r})")
+    elif c.dq_writer and c.producer_warps != 1:
+        # the writer's warp shares the one-warp producer's warpgroup; beside a 4-warp
+        # producer it takes a warpgroup of its own (16 warps at two consumers), which the
+        # launch cap (maxnreg, 12 warps) and the register budgets do not count
+        out.append(f"dq_writer needs producer_warps 1 (got {c.producer_warps}): the writer's warp shares the "
+                   "producer's warpgroup")
     elif c.dq_writer and c.split and head_dim >= 128:
         out.append("dq_writer with split partitions at head_dim 128: their dQ is computed and staged in two column "
                    "halves around the dK product; use the lock-step partition")
