@@ -698,7 +698,7 @@ def bench(
     preset: Annotated[list[str], typer.Option(metavar="NAME", callback=_check_presets,
                                               help="Preset(s) of shapes: fa-grid, llama3-8b, small "
                                                    "(fa-grid when neither --preset nor --shape is given).")] = [],
-    shape: Annotated[list[str], typer.Option(metavar="SHAPE", help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
+    shape: Annotated[list[str], typer.Option("--shape", metavar="SHAPE", help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
                                                   "(repeatable).")] = [],
     dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     backends: Annotated[str, typer.Option(help="Comma-separated subset of flashgen, flashgen-default, "
