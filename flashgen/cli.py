@@ -1005,6 +1005,24 @@ def explain(
     typer.echo(f"{env.gpu_name} (cc {env.compute_capability}, triton {env.triton_version}); databases: "
                + (", ".join(dict.fromkeys(str(p.resolve()) for p in disp.databases())) or "none"))
     typer.echo(str(report))
+    if arch is not None and gpu is None:
+        # --arch alone names the architecture's reference GPU; rows of its other GPUs
+        # (the shipped H200 rows under sm_90) apply only with --gpu
+        import shlex
+
+        from .db import TuningDB
+
+        others: dict[str, int] = {}
+        for p in dict.fromkeys(disp.databases()):
+            if Path(p).exists():
+                with TuningDB(p, readonly=True) as tdb:
+                    for name, n in tdb.gpus_of(env.compute_capability).items():
+                        if name != env.gpu_name:
+                            others[name] = others.get(name, 0) + n
+        for name, n in sorted(others.items()):
+            typer.echo(f"note: the databases hold {n} rows measured on {name!r} (cc {env.compute_capability}), "
+                       f"not used here (--arch {arch} explains for {env.gpu_name!r}); --gpu {shlex.quote(name)} "
+                       "explains with them")
 
 
 def main() -> None:

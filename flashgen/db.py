@@ -637,6 +637,12 @@ class TuningDB:
             "[gpu_name] = ? AND [compute_capability] = ? GROUP BY [triton_version]",
             [gpu_name, compute_capability])}
 
+    def gpus_of(self, compute_capability: str) -> dict[str, int]:
+        """GPU name -> number of ok rows measured on GPUs of ``compute_capability``."""
+        return {r["gpu_name"]: r["n"] for r in self.db.query(
+            f"SELECT [gpu_name], COUNT(*) AS n FROM {TABLE} WHERE [status] = 'ok' AND [compute_capability] = ? "
+            "GROUP BY [gpu_name]", [compute_capability])}
+
     def lookup(self, key: ProblemKey | str, variant_id: str, env: Environment) -> dict | None:
         """An existing measurement of ``variant_id`` for ``key`` in ``env`` (an ok row if
         there is one, else the latest), or None: the tuner reuses it instead of measuring

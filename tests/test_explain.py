@@ -193,3 +193,23 @@ def test_explain_takes_the_built_in_score_mods():
         flashgen.explain(q, k, v, softcap=float("nan"), dispatcher=disp)
     with pytest.raises(flashgen.InputError, match="are flashgen.attention's arguments"):
         flashgen.explain(q, k, v, softcap=30.0, sdpa=True, dispatcher=disp)
+
+
+def test_cli_explain_with_arch_alone_points_at_the_rows_of_other_gpus():
+    """--arch sm_90 explains for the architecture's reference GPU (an H100), whose rows the
+    shipped database lacks: a note names the H200 rows and the --gpu that uses them;
+    with --gpu there is no note."""
+    from flashgen import dispatch
+
+    (shipped,) = dispatch.shipped_databases()
+    with TuningDB(shipped, readonly=True) as db:
+        n = db.gpus_of("9.0")["NVIDIA H200"]
+    args = ["explain", "--batch", "2", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "4096", "--seqlen-k", "4096",
+            "--head-dim", "128", "--causal", "--deterministic"]
+    r = runner.invoke(app, args + ["--arch", "sm_90"])
+    assert r.exit_code == 0, r.output
+    assert (f"note: the databases hold {n} rows measured on 'NVIDIA H200' (cc 9.0), not used here (--arch sm_90 "
+            "explains for 'NVIDIA H100'); --gpu 'NVIDIA H200' explains with them") in r.output
+    r = runner.invoke(app, args + ["--gpu", "NVIDIA H200"])
+    assert r.exit_code == 0 and "note: the databases hold" not in r.output, r.output
+    assert "bitwise repeatable (dQ added in a fixed order)" in r.output
