@@ -165,17 +165,22 @@ def test_a_failing_stage_is_recorded_and_the_run_goes_on(monkeypatch):
     assert rows[0].check == {}
 
 
-class _NoisyGrad(torch.autograd.Function):
-    """Identity forward; a backward that adds fresh noise on every call (a backward that
-    is not bitwise repeatable)."""
+def _with_backward(grad_fn):
+    """An identity op whose backward returns ``grad_fn(gradient)`` (a backward made wrong,
+    unrepeatable or failing)."""
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
 
-    @staticmethod
-    def forward(ctx, o):
-        return o.clone()
+        @staticmethod
+        def backward(ctx, g):
+            return grad_fn(g)
+    return Op.apply
 
-    @staticmethod
-    def backward(ctx, g):
-        return g + 1e-6 * torch.rand_like(g)
+
+def _raise(g):
+    raise RuntimeError("this backward cannot run")
 
 
 def _unrepeatable_deterministic(monkeypatch):
@@ -184,7 +189,7 @@ def _unrepeatable_deterministic(monkeypatch):
     def fake(name, case, q, k):
         fn = real(name, case, q, k)
         if name == "flashgen-deterministic":
-            return lambda q, k, v: fn(_NoisyGrad.apply(q), k, v)
+            return lambda q, k, v: fn(_with_backward(lambda g: g + 1e-6 * torch.rand_like(g))(q), k, v)
         return fn
     monkeypatch.setattr(compare, "_backend_fn", fake)
 
@@ -244,7 +249,7 @@ def test_bench_exits_1_on_wrong_deterministic_gradients_or_a_failed_backend(tmp_
 
     def wrong_when_deterministic(q, k, v, deterministic=None, **kw):
         o = real(q, k, v, deterministic=deterministic, **kw)
-        return _Scaled.apply(o) if deterministic else o
+        return _with_backward(lambda g: 3 * g)(o) if deterministic else o
     monkeypatch.setattr(compare, "attention", wrong_when_deterministic)
     args = ["bench", "--shape", "1,2,2,16,16,8", "--backends", "flashgen,flashgen-deterministic", "--no-plots",
             "--out", str(tmp_path / "o")]
@@ -257,35 +262,11 @@ def test_bench_exits_1_on_wrong_deterministic_gradients_or_a_failed_backend(tmp_
 
     def broken(name, case, q, k):
         if name == "flashgen-deterministic":
-            return lambda q, k, v: _Raise.apply(q) + real_fn("flashgen", case, q, k)(q, k, v)
+            return lambda q, k, v: real_fn("flashgen", case, q, k)(_with_backward(_raise)(q), k, v)
         return real_fn(name, case, q, k)
     monkeypatch.setattr(compare, "_backend_fn", broken)
     r = runner.invoke(app, args)
     assert r.exit_code == 1 and "error: a flashgen backend failed" in r.output, r.output
-
-
-class _Scaled(torch.autograd.Function):
-    """Identity forward; a backward that triples the gradient (a wrong backward)."""
-
-    @staticmethod
-    def forward(ctx, o):
-        return o.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return 3 * g
-
-
-class _Raise(torch.autograd.Function):
-    """A zero forward whose backward raises (a backward that cannot run)."""
-
-    @staticmethod
-    def forward(ctx, q):
-        return torch.zeros_like(q)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("this backward cannot run")
 
 
 def test_skip_over_the_memory_limit_runs_nothing():
