@@ -49,7 +49,7 @@ SHAPES = [(4, 16, 4096, 128, False), (1, 16, 16384, 128, True), (8, 32, 2048, 64
 #: (config fields, head_dim, full): the variants one run compiles, checks and times; the
 #: fields are GluonBwdConfig's in order (block_m, block_n, consumers, stages, dq_mode,
 #: consumer_regs, producer_regs, row_load, producer_warps, split, group_split,
-#: half_partials, dq_stage, kv_store, longest_first, dq_writer, dq_convert); "full" adds the window and float16 checks.  The first two:
+#: half_partials, dq_stage, kv_store, longest_first); "full" adds the window and float16 checks.  The first two:
 #: the defaults of both head dims (the dQ tile in fragment order, dK and dV by TMA stores).
 CONFIGS = [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 128, True),
            ((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True, 1, False, "fragment", "tma"), 64, True),
@@ -104,20 +104,7 @@ TILE_PROBES = {"d64": [((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, Fals
                            (128, 64, 2, "producer", False, 1, False, "tma", False),
                            (64, 128, 2, "producer", False, 2, True, "ptr", True),
                            (64, 128, 2, "producer", False, 4, False, "ptr", False))
-                       for lpt in ((False, True) if gs == 1 else (True,))],
-               # ``--tiles convert``: the dQ writer's tiles with the convert kernel beside dQ
-               # stored by the main kernel's converter partition (dq_convert "last"): head_dim
-               # 128 lock-step, unordered and ordered; head_dim 64 split and BLOCK_M 128; a
-               # GQA group split by 4 with register stores (checked on GQA_CHECKS)
-               "convert": [((bm, 64, 2, st, mode, 240, 24, "tma", 1, split, gs, gs > 1, "fragment", kv, False, True,
-                             cv), d, full and cv == "last")
-                           for (bm, d, st, mode, split, gs, kv, full) in (
-                               (64, 128, 2, "tma", False, 1, "tma", True),
-                               (64, 128, 2, "ordered", False, 1, "tma", True),
-                               (64, 64, 4, "tma", True, 1, "tma", True),
-                               (128, 64, 2, "tma", False, 1, "tma", False),
-                               (64, 128, 2, "tma", False, 4, "ptr", False))
-                           for cv in ("kernel", "last")]}
+                       for lpt in ((False, True) if gs == 1 else (True,))]}
 
 #: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
 CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),

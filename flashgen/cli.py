@@ -161,8 +161,7 @@ def tune(
                               "every value the family gives these comma-separated knobs (e.g. "
                               "group_split,half_partials; dq_ordered measures the Gluon backward's "
                               "bitwise-repeatable dQ, which the deterministic backward runs where it is "
-                              "measured ahead, dq_writer its dQ writer warp, dq_convert dQ stored by the main "
-                              "kernel instead of a convert kernel; tuner.refine); keys without a "
+                              "measured ahead, dq_writer its dQ writer warp; tuner.refine); keys without a "
                               "tuned row are left out.")] = None,
     key: Annotated[str | None, typer.Option(
         metavar="SUBSTR,...", help="Only the presets' problem keys whose id contains one of these "

@@ -225,7 +225,7 @@ _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), 
               ("half_partials", "_hp"), ("dq_ordered", "_dqord"), ("dq_stage", "_dqf"),
               ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"), ("cross_tile", "_xtile"),
               ("o_in_q", "_oq"), ("longest_first", "_lpt"), ("masked_first", "_mf"), ("skip_masked", "_skip"),
-              ("dq_writer", "_dqw"), ("dq_convert", "_dqc"))
+              ("dq_writer", "_dqw"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
 
 
@@ -291,9 +291,7 @@ class TileConfig:
     ``masked_first``, each consumer warpgroup releases unread the key tiles past its own
     rows (``_skip``); ``dq_writer`` 1: the backward's dQ tiles leave through a one-warp
     writer partition that issues their reduce-adds (and, ordered, waits on and releases
-    the tiles' semaphores) from two staging buffers per consumer partition (``_dqw``);
-    ``dq_convert`` 1: no convert kernel after the backward's main kernel: a converter
-    partition stores each dQ tile once the last add into it has completed (``_dqc``).
+    the tiles' semaphores) from two staging buffers per consumer partition (``_dqw``).
     """
 
     BLOCK_M: int
@@ -326,7 +324,6 @@ class TileConfig:
     masked_first: int = 0
     skip_masked: int = 0
     dq_writer: int = 0
-    dq_convert: int = 0
 
     @property
     def id(self) -> str:

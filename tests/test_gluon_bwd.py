@@ -5,7 +5,6 @@ and cuobjdump (HGMMA,
 USETMAXREG: warp-specialized with register budgets)."""
 
 import dataclasses
-import random
 import json
 import os
 import re
@@ -296,59 +295,6 @@ def test_dq_writer_rules_model_and_render():
         assert ("_sem_wait(SEM + tile, u)" in writer) == ("_sem_release(SEM + tile, u + 1)" in writer) == \
             (mode == "ordered")
     assert "_dq_writer" not in B.render(base, "bfloat16", 128, "causal")
-
-
-def test_dq_convert_rules_model_and_render():
-    """dq_convert "last": with the dQ writer and the fragment-ordered tile only; the ring's
-    barriers in the shared-memory model; a two-warp converter partition after the writer
-    (the producer's warpgroup: 1 + 1 + 2 warps, registers as the producer's), counters
-    zeroed by the preprocess, and no convert launch unless a query block gets no add."""
-    w = dataclasses.replace(B.default_config(128), dq_writer=True)
-    cfg = dataclasses.replace(w, dq_convert="last")
-    assert cfg.id == w.id + "_dqc-last" and B.is_valid(cfg, 128, "bfloat16", "causal")
-    assert any("needs dq_writer" in r for r in B.invalid_reasons(dataclasses.replace(cfg, dq_writer=False), 128))
-    assert any("fragment order" in r for r in B.invalid_reasons(dataclasses.replace(cfg, dq_stage="swizzled"), 128))
-    assert any("is not one of" in r for r in B.invalid_reasons(dataclasses.replace(cfg, dq_convert="x"), 128))
-    assert B.smem_terms(cfg, 128)["barriers"] == B.smem_terms(w, 128)["barriers"] + 2 * B.CV_RING * 8 + 128
-    assert cfg.maxnreg == w.maxnreg
-    src = B.render(cfg, "bfloat16", 128, "causal")
-    assert "(_dq_converter, converter_args)," in src and "], [1, 1, 2], [24, 24, 24])" in src
-    assert "def attn_bwd_preprocess(O, DO, LSE, LSE2, DELTA, DQACC, CNT," in src
-    assert "_dq_converter" not in B.render(w, "bfloat16", 128, "causal")
-    import torch
-
-    q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16)
-    k = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16)
-    lse = torch.empty(2, 4, 300, dtype=torch.float32)
-    for lo, hi, convert in ((-299, 999, False), (-200, 64, False), (-1000, -250, True)):
-        a = B.launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=lo, diag_hi=hi, config=cfg)
-        assert ("convert" in a) == convert and a["cnt"].shape == (8, 384 // 64)
-        assert a["preprocess"][1][6] is a["cnt"] and a["main"][1][12] is a["dq"]
-
-
-@pytest.mark.parametrize("block_m,block_nt", [(64, 128), (128, 128), (64, 64)])
-def test_contributors_counts_the_key_blocks_that_add_into_a_query_block(block_m, block_nt):
-    """The converter's count of a tile's adds: the key blocks whose query-block range
-    (the kernel's _query_blocks) holds the tile, over both causal alignments, windows,
-    seqlen_q != seqlen_k and no mask; tiles_without_adds is true exactly when a count is 0."""
-    rng = random.Random(block_m * 7 + block_nt)
-    cases = [(sq, sk, -(sq - 1), sk - 1) for sq, sk in ((1, 1), (17, 1000), (1000, 17), (4096, 4096))]
-    for _ in range(300):
-        sq, sk = rng.randint(1, 700), rng.randint(1, 700)
-        lo = rng.choice([-(sq - 1), -(sq + sk), rng.randint(-sq - 50, 50), sk - sq - rng.randint(0, 300)])
-        hi = rng.choice([sk - 1, sk - sq, rng.randint(lo, lo + 400), 0])
-        cases.append((sq, sk, lo, max(hi, lo)))
-    for sq, sk, lo, hi in cases:
-        n_kb = -(-sk // block_nt)
-        counts = []
-        for mb in range(-(-sq // block_m)):
-            want = 0
-            for n in range(n_kb):
-                first, n_m = B.query_blocks(n * block_nt, sq, lo, hi, block_m, block_nt)
-                want += first <= mb < first + n_m
-            assert B.contributors(mb, sq, sk, lo, hi, block_m, block_nt) == want, (sq, sk, lo, hi, mb)
-            counts.append(want)
-        assert B.tiles_without_adds(sq, sk, lo, hi, block_m, block_nt) == (0 in counts)
 
 
 def test_longest_first_rules_and_launch():

@@ -10,9 +10,7 @@ Three launches make one backward (``attention_bwd``):
    head), warp-specialized (a TMA producer warp, ``consumers`` warpgroups, in one
    lock-step partition or, ``split``, one partition each); writes dK and dV (summed over the GQA group) and adds each step's dQ
    tile into the accumulator (``dq_mode`` "tma": TMA reduce-add; "atomic": atomics);
-3. ``attn_bwd_convert``: dQ = accumulator * softmax_scale in the inputs' dtype (not
-   with ``dq_convert`` "last", whose main kernel stores dQ itself, tile by tile, as the
-   last add into each tile completes).
+3. ``attn_bwd_convert``: dQ = accumulator * softmax_scale in the inputs' dtype.
 
 dQ is accumulated in float32 in an order that varies from run to run (not bit-wise
 deterministic); dK and dV are deterministic.
@@ -62,12 +60,6 @@ REGS_PER_SM = 65536
 #: The most registers per thread a launch or setmaxnreg gives (ptxas allocates at most
 #: 255; setmaxnreg takes multiples of 8).
 MAX_REGS = 248
-#: How dQ leaves the float32 accumulator: a convert kernel after the main kernel
-#: ("kernel"), or the main kernel's converter partition, tile by tile, once the last add
-#: into a tile has completed ("last").
-DQ_CONVERTS = ("kernel", "last")
-#: The ring of "add completed" barriers between the dQ writer and the converter.
-CV_RING = 4
 #: Rows per program of the preprocess and convert kernels.
 PRE_ROWS = 64
 #: The most programs that may share one kv head's GQA group (group_split).
@@ -140,17 +132,6 @@ class GluonBwdConfig:
                     "ordered" and a one-warp producer (whose warpgroup the writer's warp
                     shares), not with the column halves of split partitions at
                     head_dim 128.
-    dq_convert:     "kernel" (a convert kernel scales and casts the accumulator after
-                    the main kernel) or "last" (no convert kernel: the writer signals
-                    each completed reduce-add to a two-warp converter partition, the rest
-                    of the producer's warpgroup, which counts the adds into the tile in
-                    an int32 counter per tile (zeroed by the preprocess); the program
-                    whose increment is the tile's last add (the number of key blocks that
-                    see it, times the consumer partitions) reads the float32 tile back and
-                    stores it as dQ).  With dq_writer and
-                    dq_stage "fragment".  A query block no key block sees gets no add:
-                    the launcher runs the convert kernel too when the mask leaves such
-                    a block (:func:`tiles_without_adds`).
     """
 
     block_m: int = 64
@@ -169,7 +150,6 @@ class GluonBwdConfig:
     kv_store: str = "ptr"
     longest_first: bool = False
     dq_writer: bool = False
-    dq_convert: str = "kernel"
 
     @property
     def block_nt(self) -> int:
@@ -213,8 +193,7 @@ class GluonBwdConfig:
                 + {"swizzled": "", "fragment": "_dqf"}.get(self.dq_stage, f"_dq-{self.dq_stage}")
                 + {"ptr": "", "tma": "_kvt"}.get(self.kv_store, f"_kv-{self.kv_store}")
                 + ("_lpt" if self.longest_first else "")
-                + ("_dqw" if self.dq_writer else "")
-                + ("" if self.dq_convert == "kernel" else f"_dqc-{self.dq_convert}"))
+                + ("_dqw" if self.dq_writer else ""))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
@@ -236,8 +215,7 @@ def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> di
         if c.dq_mode in ("tma", "ordered") else 0,
         # the writer's full/empty barrier pairs: two arrays, each 128-byte aligned (ptxas:
         # 112-120 B above its 8 B per barrier with one or two consumer partitions)
-        "barriers": 8 * (1 + 2 * c.stages) + (256 if c.dq_writer else 0)
-        + (2 * CV_RING * 8 + 128 if c.dq_convert == "last" else 0),
+        "barriers": 8 * (1 + 2 * c.stages) + (256 if c.dq_writer else 0),
         "alignment": 256,
     }
     return terms
@@ -356,14 +334,6 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
     elif c.dq_writer and c.split and head_dim >= 128:
         out.append("dq_writer with split partitions at head_dim 128: their dQ is computed and staged in two column "
                    "halves around the dK product; use the lock-step partition")
-    if c.dq_convert not in DQ_CONVERTS:
-        out.append(f"dq_convert {c.dq_convert!r} is not one of {DQ_CONVERTS}")
-    elif c.dq_convert == "last" and not c.dq_writer:
-        out.append("dq_convert 'last' needs dq_writer: the writer signals each completed reduce-add to the "
-                   "converter")
-    elif c.dq_convert == "last" and c.dq_stage != "fragment":
-        out.append(f"dq_convert 'last' reads the accumulator in the fragment order (dq_stage 'fragment', got "
-                   f"{c.dq_stage!r})")
     if c.half_partials and c.group_split == 1:
         out.append("half_partials needs group_split > 1 (without a split there are no partials)")
     for name, r in (("consumer_regs", c.consumer_regs), ("producer_regs", c.producer_regs)):
@@ -501,8 +471,7 @@ CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
 #: "group_split" name variants the tuner records outside the GQA-group-1 search space
 #: (``flashgen tune --refine dq_ordered``; the group splits of GQA keys), which the id
 #: did not cover when it was first recorded.
-EXTENSIONS = {"dq_convert": lambda c, d: c.dq_convert != "kernel",
-              "dq_writer": lambda c, d: c.dq_writer,
+EXTENSIONS = {"dq_writer": lambda c, d: c.dq_writer,
               "longest_first": lambda c, d: c.longest_first,
               "kv_tma": lambda c, d: c.kv_store == "tma",
               "dq_ordered": lambda c, d: c.dq_mode == "ordered",
@@ -540,10 +509,6 @@ def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, s
                     twins += [dataclasses.replace(c, longest_first=True) for c in space] if mask != "none" else []
                     cands += [o for c in twins
                               for o in [dataclasses.replace(c, dq_writer=True)] if is_valid(o, d, dtype, mask)]
-                    # the converter partition, on every writer tile
-                    cands += [o for c in twins
-                              for o in [dataclasses.replace(c, dq_writer=True, dq_convert="last")]
-                              if is_valid(o, d, dtype, mask)]
                 cands += [o for stage in DQ_STAGES for mode in ("tma", "ordered")
                           for gs in range(2, MAX_GROUP_SPLIT + 1) for half in (False, True)
                           for o in [dataclasses.replace(base, dq_stage=stage, dq_mode=mode, group_split=gs,
@@ -644,7 +609,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
         HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
         DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store,
-        LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer, DQ_CONVERT=c.dq_convert == "last")
+        LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
@@ -774,10 +739,6 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         out["sem"] = torch.zeros((b * h, m_pad // c.block_m), dtype=torch.int32, device=dev)
         out["head_group"] = ordered_head_group(c, b * hk * gs, sq, h // hk // gs, mask=diag_lo > -sq or diag_hi < sk,
                                                sm_count=_sm_count(dev))
-    convert_last = c.dq_convert == "last"
-    if convert_last:
-        # the converter's counter per (batch * head, query block), zeroed by the preprocess
-        out["cnt"] = torch.empty((b * h, m_pad // c.block_m), dtype=torch.int32, device=dev)
     if gs == 1 and not (dk.is_contiguous() and dv.is_contiguous()):
         # the main kernel stores contiguous dK, dV: into these, then copied ("copy")
         main_dk, main_dv = torch.empty((b, hk, sk, d), dtype=k.dtype, device=dev), \
@@ -793,18 +754,15 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
             _desc_dq(dqacc, c.block_m, c.dq_stage), lse2, delta, dqacc,
             *((_desc4(main_dk, c.part_rows, dtype_name), _desc4(main_dv, c.part_rows, dtype_name))
               if c.kv_store == "tma" else (main_dk, main_dv))) + (
-            (out["sem"], out["head_group"]) if c.dq_mode == "ordered" else ()) + (
-            (dq, out["cnt"], *dq.stride()[:3]) if convert_last else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
+            (out["sem"], out["head_group"]) if c.dq_mode == "ordered" else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
             int(diag_hi), m_pad)
     if o.is_contiguous() and do.is_contiguous():
-        out["preprocess"] = (pre_grid, (o, do, lse, lse2, delta, dqacc) + ((out["cnt"],) if convert_last else ())
-                             + (b * h * m_pad, sq, m_pad, True))
+        out["preprocess"] = (pre_grid, (o, do, lse, lse2, delta, dqacc, b * h * m_pad, sq, m_pad, True))
     else:
         from . import strided
 
         out["preprocess_strided"] = strided.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad,
-                                                              padded=fragment, cnt=out.get("cnt"),
-                                                              cnt_block=c.block_m)
+                                                              padded=fragment)
     n_kb = math.ceil(sk / c.block_nt)
     if c.longest_first:
         main += (longest_first_section(b * hk * gs, h // hk // gs, sq, d),)
@@ -812,9 +770,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     # longest_first: a 1-D grid in sections (ordered_program with head_group = section)
     out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" or c.longest_first else (n_kb, b * hk * gs)),
                    main)
-    if convert_last and not tiles_without_adds(sq, sk, int(diag_lo), int(diag_hi), c.block_m, c.block_nt):
-        pass  # the main kernel stores dQ
-    elif fragment:
+    if fragment:
         out["convert"] = ((b * h * math.ceil(sq / c.block_m),), (dqacc, dq, h, sq, m_pad, *dq.stride()[:3],
                                                                  float(softmax_scale)))
     elif dq.is_contiguous():
@@ -830,39 +786,6 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         dk_scale = 1.0 if c.half_partials else float(softmax_scale)
         out["reduce"] = (reduce.grid(b, hk, sk, d), reduce.args(main_dk, main_dv, dk, dv, dk_scale, gs))
     return out
-
-
-def query_blocks(n0: int, seqlen_q: int, diag_lo: int, diag_hi: int, block_m: int, block_nt: int) -> tuple[int, int]:
-    """Python mirror of the template's masked ``_query_blocks``: (first query block,
-    number of query blocks) that see any of keys [n0, n0 + block_nt)."""
-    i_lo = max(n0 - diag_hi, 0)
-    i_hi = min(n0 + block_nt - 1 - diag_lo, seqlen_q - 1)
-    m_first = i_lo // block_m
-    return m_first, (max(i_hi, 0) // block_m - m_first + 1) if i_hi >= i_lo else 0
-
-
-def contributors(mb: int, seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int, block_m: int,
-                 block_nt: int) -> int:
-    """Python mirror of the template's ``_contributors`` under a mask: how many key
-    blocks add into query block ``mb`` (those whose :func:`query_blocks` range holds
-    it); with diag_lo <= -(seqlen_q - 1) and diag_hi >= seqlen_k - 1 (no mask) every key
-    block, as the unmasked kernel counts."""
-    n_kb = -(-seqlen_k // block_nt)
-    t = mb * block_m + diag_lo + 1
-    n_lo = max(-(-max(t, 0) // block_nt) - 1, 0)
-    w = min(mb * block_m + block_m - 1, seqlen_q - 1) + diag_hi
-    if w < 0:
-        return 0
-    return max(min(w // block_nt, n_kb - 1) - n_lo + 1, 0)
-
-
-def tiles_without_adds(seqlen_q: int, seqlen_k: int, diag_lo: int, diag_hi: int, block_m: int,
-                       block_nt: int) -> bool:
-    """Whether some query block gets no dQ add (no key block sees it: a causal mask with
-    seqlen_q > seqlen_k, a window): under ``dq_convert`` "last" no add converts it, so the
-    launcher runs the convert kernel as well."""
-    return any(contributors(mb, seqlen_q, seqlen_k, diag_lo, diag_hi, block_m, block_nt) == 0
-               for mb in range(-(-seqlen_q // block_m)))
 
 
 def _sm_count(device) -> int:
@@ -982,8 +905,6 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     stages.append(("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}))
     if "convert" in a:
         stages.append(("convert", mod.attn_bwd_convert, {"num_warps": 4}))
-    elif config.dq_convert == "last" and "convert_strided" not in a:
-        pass  # the main kernel stores dQ
     else:
         from . import strided
 
@@ -1020,7 +941,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
 
 #: The scratch buffers of :func:`launch_args` a launch plan allocates again on each call
 #: (with the outputs not given, and the contiguous dK/dV of a "copy").
-_PLANNED = ("lse2", "delta", "dqacc", "sem", "cnt", "dk_partial", "dv_partial")
+_PLANNED = ("lse2", "delta", "dqacc", "sem", "dk_partial", "dv_partial")
 #: Launch plans of :func:`attention_bwd` (:mod:`flashgen.plans`), by config, scalars,
 #: sizes, strides, dtypes, alignments, tensor identity and device.
 _PLANS: dict = {}

@@ -40,7 +40,7 @@ _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", 
               "masked_first", "skip_masked", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
-              "kv_store", "longest_first", "dq_writer", "dq_convert", "family"}
+              "kv_store", "longest_first", "dq_writer", "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -143,9 +143,7 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
                             else f"code {c.dq_stage}",
                             kv_store=B.KV_STORES[c.kv_store] if 0 <= c.kv_store < len(B.KV_STORES)
                             else f"code {c.kv_store}", longest_first=bool(c.longest_first),
-                            dq_writer=bool(c.dq_writer),
-                            dq_convert=B.DQ_CONVERTS[c.dq_convert] if 0 <= c.dq_convert < len(B.DQ_CONVERTS)
-                            else f"code {c.dq_convert}")
+                            dq_writer=bool(c.dq_writer))
 
 
 def _dq_mode(c: TileConfig) -> str:
@@ -177,7 +175,7 @@ def tile_config(g) -> TileConfig:
                       half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"),
                       dq_stage=B.DQ_STAGES.index(g.dq_stage),
                       kv_store=B.KV_STORES.index(g.kv_store), longest_first=int(g.longest_first),
-                      dq_writer=int(g.dq_writer), dq_convert=B.DQ_CONVERTS.index(g.dq_convert))
+                      dq_writer=int(g.dq_writer))
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -249,7 +247,7 @@ class GluonFamily:
         """Knobs outside the search (:meth:`domain`) that ``flashgen tune --refine`` may
         vary around a tuned row: the backward's ``dq_ordered`` (the deterministic
         backward's dQ, measured beside the tuned tile it orders), ``dq_writer`` (its dQ
-        writer warp), ``dq_convert`` (dQ stored by the main kernel's converter) and, under a mask, ``longest_first`` (its grid's order), and the
+        writer warp) and, under a mask, ``longest_first`` (its grid's order), and the
         forward's ``cross_tile`` and
         ``o_in_q`` (modes of the walk of 3, :func:`.config.refinement_space`),
         ``longest_first``, ``masked_first`` and its ``skip_masked`` (under a mask)."""
@@ -257,7 +255,7 @@ class GluonFamily:
             return {k: (0, 1) for k in C.REFINE_KNOBS}
         if key.spec.kernel != WHOLE_BWD:
             return {}
-        return {"dq_ordered": (0, 1), "dq_writer": (0, 1), "dq_convert": (0, 1),
+        return {"dq_ordered": (0, 1), "dq_writer": (0, 1),
                 **({"longest_first": (0, 1)} if key.spec.mask != "none" else {})}
 
     def reconcile(self, key: ProblemKey, config: TileConfig, best: TileConfig, knobs) -> TileConfig:
@@ -314,7 +312,7 @@ class GluonFamily:
                 why.append(f"head_dim_v {s.head_dim_v} != head_dim {s.head_dim}")
             if c.dq_ordered and c.dq_atomic:
                 why.append("dq_ordered=1 orders the TMA reduce-adds of dQ: it needs dq_atomic=0")
-            for name in ("longest_first", "dq_writer", "dq_convert"):
+            for name in ("longest_first", "dq_writer"):
                 if getattr(c, name) not in (0, 1):
                     why.append(f"{name}={getattr(c, name)}: 0 (off) or 1 (on)")
             if not 0 <= c.row_load < len(_ROW_LOADS):
