@@ -946,6 +946,23 @@ def test_ordered_schedule_waits_exactly_on_the_previous_adder(parts):
     assert cases == 8 * 7 * 2
 
 
+def test_pdl_probe_puts_the_grid_dependency_control_first_in_each_kernel():
+    """benchmarks/probe_pdl.py's text edit: one _gdc() definition and, in each of the three
+    Gluon kernels, _gdc() as the first statement after the docstring; the rendered
+    variant is otherwise unchanged."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import probe_pdl
+
+    src = B.render(B.default_config(128), "bfloat16", 128, "causal")
+    out = probe_pdl.pdl_source(src)
+    assert out.count("def _gdc():") == 1 and out.count("    _gdc()\n") == len(probe_pdl.KERNELS)
+    for name in probe_pdl.KERNELS:
+        body = out[out.index(f"def {name}("):]
+        after_doc = body[body.index('"""', body.index('"""') + 3) + 3:]
+        assert after_doc.startswith("\n    _gdc()\n"), name
+    assert out.replace("\n    _gdc()", "").replace(probe_pdl._GDC, "") == src
+
+
 def test_ordered_dq_probes_render_only_what_they_leave_out():
     """benchmarks/probe_dq_order.py's probes of the ordered dQ: no_poll has no semaphore
     wait, no_sync no release either, one_thread waits and releases from one thread per
