@@ -946,21 +946,96 @@ def test_ordered_schedule_waits_exactly_on_the_previous_adder(parts):
     assert cases == 8 * 7 * 2
 
 
-def test_pdl_probe_puts_the_grid_dependency_control_first_in_each_kernel():
-    """benchmarks/probe_pdl.py's text edit: one _gdc() definition and, in each of the three
-    Gluon kernels, _gdc() as the first statement after the docstring; the rendered
-    variant is otherwise unchanged."""
+def _pdl_probe():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import probe_pdl
 
-    src = B.render(B.default_config(128), "bfloat16", 128, "causal")
+    return probe_pdl
+
+
+def _first_statements(src: str, name: str):
+    import ast
+
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return fn.body
+
+
+@pytest.mark.parametrize("d,mask,gs", [(128, "causal", 1), (64, "causal", 1), (128, "causal", 2)])
+def test_pdl_probe_puts_the_grid_dependency_control_first_in_each_kernel(d, mask, gs):
+    """benchmarks/probe_pdl.py's text edit, on the configs it times (the defaults of both
+    head dims, the GQA split by 2): one _gdc() definition, and in each of the three Gluon
+    kernels a _gdc() call as the first statement after the docstring; the rest of the
+    source as rendered.  The launcher gives launch_pdl to those three kernels only."""
+    import ast
+
+    probe_pdl = _pdl_probe()
+    cfg = B.default_config(d, "bfloat16", mask)
+    if gs > 1:
+        cfg = dataclasses.replace(cfg, group_split=gs, half_partials=True, kv_store="ptr")
+    src = B.render(cfg, "bfloat16", d, mask)
     out = probe_pdl.pdl_source(src)
-    assert out.count("def _gdc():") == 1 and out.count("    _gdc()\n") == len(probe_pdl.KERNELS)
+    assert out.count("def _gdc():") == 1
     for name in probe_pdl.KERNELS:
-        body = out[out.index(f"def {name}("):]
-        after_doc = body[body.index('"""', body.index('"""') + 3) + 3:]
-        assert after_doc.startswith("\n    _gdc()\n"), name
+        body = _first_statements(out, name)
+        assert isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), name  # the docstring
+        call = body[1].value
+        assert isinstance(call, ast.Call) and call.func.id == "_gdc" and not call.args, name
     assert out.replace("\n    _gdc()", "").replace(probe_pdl._GDC, "") == src
+    seen = []
+    run = probe_pdl._pdl_launch(lambda fn, grid, args, **opts: seen.append((fn.__name__, opts)))
+    from flashgen.families.gluon import reduce as R
+
+    mod = B.load(cfg, "bfloat16", d, mask)
+    for fn in (mod.attn_bwd_preprocess, mod.attn_bwd, mod.attn_bwd_convert, R.group_reduce):
+        run(fn, (1,), (), num_warps=4)
+    assert [("launch_pdl" in o) for _, o in seen] == [True, True, True, False]
+
+
+def test_pdl_probe_forward_edit_and_sm90_compile():
+    """The forward's edit (--fwd): _gdc() first in attn_fwd; and the backward's edited
+    kernels compile for sm_90 with griddepcontrol.wait and launch_dependents in their PTX."""
+    import ast
+
+    from flashgen.families.gluon import config as C
+    from flashgen.families.gluon import render as R
+
+    probe_pdl = _pdl_probe()
+    spec = C.GluonFwdSpec("bfloat16", 128, 128, "causal")
+    fsrc = R.render(C.GluonFwdVariant(spec, C.default_config(spec)))
+    fout = probe_pdl.fwd_pdl_source(fsrc)
+    call = _first_statements(fout, "attn_fwd")[0].value
+    assert fout.count("def _gdc():") == 1 and isinstance(call, ast.Call) and call.func.id == "_gdc"
+    # compiled without Triton's interpreter (as the sm_90 compile cases: a child process)
+    script = (f"import sys\nsys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'benchmarks')!r}]\n"
+              "import probe_pdl\nfrom flashgen.families.gluon import bwd as B\n"
+              "cfg = B.default_config(128, 'bfloat16', 'none')\n"
+              "mod = probe_pdl._import(probe_pdl.pdl_source(B.render(cfg, 'bfloat16', 128, 'none')), 'test')\n"
+              "B.load = lambda *a, **kw: mod\n"
+              "for name in probe_pdl.KERNELS:\n"
+              "    ptx = B.compile_sm90(cfg, 'bfloat16', 128, 'none', name).asm['ptx']\n"
+              "    print(name, 'griddepcontrol.wait' in ptx, 'griddepcontrol.launch_dependents' in ptx)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("\n")[:3] == [f"{name} True True" for name in probe_pdl.KERNELS], r.stdout
+
+
+def test_dq_count_probe_counts_in_the_writer_only():
+    """benchmarks/probe_dq_count.py's text edit of the writer tiles of both head dims: the
+    counter argument reaches the writer, which counts (one release atomic per add, the
+    last after its loop); the consumers are as rendered."""
+    _pdl_probe()  # the benchmarks directory on the path
+    import probe_dq_count
+
+    for d in (128, 64):
+        cfg = dataclasses.replace(B.default_config(d, "bfloat16", "none"), dq_writer=True)
+        src = B.render(cfg, "bfloat16", d, "none")
+        out = probe_dq_count.count_source(src)
+        writer = out[out.index("def _dq_writer("):out.index("def _consumer_0(")]
+        assert "CNT, qk_scale," in out and writer.count("_count_add(CNT + prev)") == 2
+        assert out[out.index("def _consumer("):out.index("def _dq_writer(")] == \
+            src[src.index("def _consumer("):src.index("def _dq_writer(")]
+        compile(out, "count", "exec")
 
 
 def test_ordered_dq_probes_render_only_what_they_leave_out():
