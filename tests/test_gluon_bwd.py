@@ -900,8 +900,8 @@ def _ordered_model(sq, sk, mode, lo, hi, block_m=64, block_nt=128, parts=1):
 def test_ordered_grid_interleaves_pairs_and_waits_only_on_earlier_programs():
     """The ordered backward's 1-D grid (ordered_program, the template's _ordered_program):
     every (rank, pair) exactly once; the previous rank of a pair is an earlier program,
-    HEAD_GROUP launches before (fewer in the last, smaller group); HEAD_GROUP grows as
-    programs get shorter, never past the pairs."""
+    HEAD_GROUP launches before (fewer in the last, smaller group); HEAD_GROUP, a divisor of
+    the pairs, grows as programs get shorter, never past the pairs."""
     for n_kb, pairs, hg in ((1, 1, 1), (7, 5, 2), (32, 64, 5), (16, 3, 8), (9, 17, 4), (4, 6, 6)):
         seen = {}
         for pid in range(n_kb * pairs):
@@ -912,13 +912,32 @@ def test_ordered_grid_interleaves_pairs_and_waits_only_on_earlier_programs():
                 gap = pid - seen[(r - 1, zh)]
                 assert 0 < gap <= hg and (gap == hg or zh >= pairs // hg * hg), (n_kb, pairs, hg, r, zh)
     cfg = dataclasses.replace(B.default_config(128), dq_mode="ordered")
-    # 2 * 132 / (seqlen_q / 64 steps), rounded up; half the steps under a mask
+    # the largest divisor of the pairs not above 132 / (seqlen_q / 64 steps); half the
+    # steps under a mask; at least 1, at most the pairs
     assert [B.ordered_head_group(cfg, 64, s, 1, mask=False, sm_count=132) for s in (16384, 4096, 1024, 128)] == \
-        [2, 5, 17, 64]
-    assert B.ordered_head_group(cfg, 64, 4096, 1, mask=True, sm_count=132) == 9
-    assert B.ordered_head_group(cfg, 64, 4096, 4, mask=False, sm_count=132) == 2  # 4 query heads per program
+        [1, 2, 8, 64]
+    assert B.ordered_head_group(cfg, 64, 4096, 1, mask=True, sm_count=132) == 4
+    assert B.ordered_head_group(cfg, 48, 4096, 1, mask=True, sm_count=132) == 4  # 4.1: a divisor of 48
+    assert B.ordered_head_group(cfg, 40, 4096, 1, mask=True, sm_count=132) == 4  # not 5: 40 / 5 is whole, 5 > 4.1
+    assert B.ordered_head_group(cfg, 64, 4096, 4, mask=False, sm_count=132) == 1  # 4 query heads per program
+    assert B.ordered_head_group(cfg, 7, 1024, 1, mask=False, sm_count=132) == 7
     split = dataclasses.replace(B.default_config(64), dq_mode="ordered", split=True, stages=4)
-    assert B.ordered_head_group(split, 256, 2048, 1, mask=False, sm_count=132) == 17
+    assert B.ordered_head_group(split, 256, 2048, 1, mask=False, sm_count=132) == 8  # two partitions: 2 * 132 / 32
+
+
+def test_head_group_probe_keeps_the_earlier_rule():
+    """benchmarks/probe_head_group.py times the launcher's HEAD_GROUP against the earlier
+    rule (2 * parts * SMs / steps, rounded up, at most the pairs), which it keeps."""
+    _pdl_probe()  # the benchmarks directory on the path
+    import probe_head_group as P
+
+    cfg = dataclasses.replace(B.default_config(128), dq_mode="ordered")
+    assert [P.earlier_rule(cfg, 64, s, 1, mask=False, sm_count=132) for s in (16384, 4096, 1024, 128)] == \
+        [2, 5, 17, 64]
+    assert P.earlier_rule(cfg, 64, 4096, 1, mask=True, sm_count=132) == 9
+    split = dataclasses.replace(B.default_config(64), dq_mode="ordered", split=True, stages=4)
+    assert P.earlier_rule(split, 256, 2048, 1, mask=False, sm_count=132) == 17
+    assert B.ordered_head_group(cfg, 64, 4096, 1, mask=True, sm_count=132) == 4
 
 
 @pytest.mark.parametrize("parts", [1, 2])
