@@ -6,6 +6,7 @@ USETMAXREG: warp-specialized with register budgets)."""
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -921,6 +922,20 @@ def test_ordered_grid_interleaves_pairs_and_waits_only_on_earlier_programs():
     assert B.ordered_head_group(cfg, 40, 4096, 1, mask=True, sm_count=132) == 4  # not 5: 40 / 5 is whole, 5 > 4.1
     assert B.ordered_head_group(cfg, 64, 4096, 4, mask=False, sm_count=132) == 1  # 4 query heads per program
     assert B.ordered_head_group(cfg, 7, 1024, 1, mask=False, sm_count=132) == 7
+    assert B.ordered_head_group(cfg, 24, 512, 1, mask=False, sm_count=132) == 12  # a divisor: not the cap 16
+    # few divisors (17 is prime, cap 16): the fewest groups of at most the cap, as equal as they come
+    assert B.ordered_head_group(cfg, 17, 512, 1, mask=False, sm_count=132) == 9
+    assert B.ordered_head_group(cfg, 1, 512, 1, mask=False, sm_count=132) == 1
+    assert B.ordered_head_group(cfg, 0, 512, 1, mask=False, sm_count=132) == 1
+    for pairs in range(1, 70):
+        for sq in (128, 512, 2048, 16384):
+            for sms in (78, 114, 132):
+                hg = B.ordered_head_group(cfg, pairs, sq, 1, mask=True, sm_count=sms)
+                cap = max(1, min(pairs, int(sms / (math.ceil(sq / 64) * 0.5))))
+                assert 1 <= hg <= cap, (pairs, sq, sms, hg)
+                # whole groups, or groups no more than one pair apart
+                groups = -(-pairs // hg)
+                assert pairs % hg == 0 or pairs - (groups - 1) * hg >= hg - groups, (pairs, sq, sms, hg)
     split = dataclasses.replace(B.default_config(64), dq_mode="ordered", split=True, stages=4)
     assert B.ordered_head_group(split, 256, 2048, 1, mask=False, sm_count=132) == 8  # two partitions: 2 * 132 / 32
 
@@ -937,7 +952,6 @@ def test_head_group_probe_keeps_the_earlier_rule():
     assert P.earlier_rule(cfg, 64, 4096, 1, mask=True, sm_count=132) == 9
     split = dataclasses.replace(B.default_config(64), dq_mode="ordered", split=True, stages=4)
     assert P.earlier_rule(split, 256, 2048, 1, mask=False, sm_count=132) == 17
-    assert B.ordered_head_group(cfg, 64, 4096, 1, mask=True, sm_count=132) == 4
 
 
 @pytest.mark.parametrize("parts", [1, 2])

@@ -811,13 +811,24 @@ def ordered_head_group(config: GluonBwdConfig, pairs: int, seqlen_q: int, group:
     keeps about ``steps`` / ``parts`` programs running (steps per program: query blocks
     times the query heads of its group, half the query blocks on average under a mask).
     Enough pairs to cover the ``sm_count`` SMs, and no more: the largest divisor of
-    ``pairs`` not above ``parts * sm_count / steps`` (at least 1), so every group is
-    whole.  More pairs at once end the kernel with every pair's longest programs side by
-    side; a smaller last group starts its chains late.  On the H200 this measured 1.037x
-    the earlier rule (twice that ratio, rounded up: 0.99-1.21x over 26 shapes, within
-    1.2% of the best interleave on average; docs/design.md, the ordered dQ)."""
+    ``pairs`` not above ``cap = parts * sm_count / steps`` (at least 1), so every group
+    is whole.  More pairs at once end the kernel with every pair's longest programs side
+    by side; a smaller last group starts its chains late.  On the H200 this measured
+    1.037x the earlier rule (twice that ratio, rounded up: 0.99-1.21x over 26 shapes,
+    whose pair counts are powers of two, within 1.2% of the best interleave on average;
+    docs/design.md, the ordered dQ).  Where that divisor is at most half the cap (a pair
+    count with few divisors, e.g. a prime), the pairs are split into the fewest groups
+    of at most ``cap`` instead, as equal as they come (the last smaller by at most one
+    pair per group): not measured."""
+    if pairs <= 1:
+        return 1
     steps = max(1.0, math.ceil(seqlen_q / config.block_m) * group * (0.5 if mask else 1.0))
-    return largest_divisor(pairs, max(1, int(config.parts * sm_count / steps)))
+    cap = max(1, min(pairs, int(config.parts * sm_count / steps)))
+    whole = largest_divisor(pairs, cap)
+    if 2 * whole > cap:
+        return whole
+    groups = -(-pairs // cap)
+    return -(-pairs // groups)
 
 
 def ordered_program(pid: int, num_programs: int, n_kb: int, head_group: int) -> tuple[int, int]:
