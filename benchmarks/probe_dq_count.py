@@ -16,8 +16,6 @@ blocks times the consumer partitions).  Random inputs: timing only.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -83,14 +81,14 @@ def count_source(src: str) -> str:
     src = src[:j] + "\n    _bulk_done0(n_iter)\n    if n_iter > 0:\n        got = _count_add(CNT + prev)" + src[j:]
     return src
 
-def mk(src, tag):
-    dig = hashlib.sha256(src.encode()).hexdigest()[:20]
-    path = _compile.cache_dir() / "generated" / dig / f"count_{tag}.py"
-    _compile.write_source(path, src)
-    spec = importlib.util.spec_from_file_location(f"count_{dig}", path)
-    m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; spec.loader.exec_module(m); return m
+
+def mk(src: str, tag: str):
+    """The module of an (edited) render."""
+    return _compile.import_generated(f"count_{tag}", src)
+
 
 def run(mod, cfg, a, cnt, counted):
+    """One backward by hand: preprocess, main (with the counters when ``counted``), convert."""
     launch(mod.attn_bwd_preprocess, *a["preprocess"], num_warps=4)
     cnt.zero_()
     grid, args = a["main"]
@@ -98,6 +96,7 @@ def run(mod, cfg, a, cnt, counted):
         args = args[:12] + (cnt,) + args[12:]
     launch(mod.attn_bwd, grid, args, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
     launch(mod.attn_bwd_convert, *a["convert"], num_warps=4)
+
 
 def main() -> int:
     import torch
@@ -119,8 +118,9 @@ def main() -> int:
         cnt = torch.zeros(b * h * (s // 64 + 2), dtype=torch.int32, device="cuda")
         times = {False: [], True: []}
         for counted in (False, True, False, True):
-            fn = lambda: run(mods[counted], cfg, a, cnt, counted)
-            fn(); torch.cuda.synchronize()
+            fn = lambda: run(mods[counted], cfg, a, cnt, counted)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
             times[counted].append(float(triton.testing.do_bench(fn, warmup=10, rep=80, return_mode="median")))
         expect = None
         if not causal:
@@ -128,7 +128,8 @@ def main() -> int:
         got = cnt[: b * h * (s // 64)].view(b * h, -1)
         row = {"shape": [b, h, s, d, causal], "config": cfg.id, "plain_ms": times[False], "count_ms": times[True],
                "counts_min_max": [int(got.min()), int(got.max())], "expected_unmasked": expect}
-        rows.append(row); print(json.dumps(row), flush=True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "count_probe.json"), "w"), indent=1)
     for r in rows:
         p, c = min(r["plain_ms"]), min(r["count_ms"])

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -86,14 +84,7 @@ def fwd_pdl_source(src: str) -> str:
 def _import(src: str, tag: str):
     from flashgen import compile as _compile
 
-    digest = hashlib.sha256(src.encode()).hexdigest()[:20]
-    path = _compile.cache_dir() / "generated" / digest / f"probe_pdl_{tag}.py"
-    _compile.write_source(path, src)
-    spec = importlib.util.spec_from_file_location(f"probe_pdl_{digest}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return _compile.import_generated(f"probe_pdl_{tag}", src)
 
 
 def _main_fwd(out: str) -> int:

@@ -34,8 +34,12 @@ def cache_dir() -> Path:
 
 
 def generated_path(variant: Variant, source: str) -> Path:
+    return _generated_path(variant.id, source)
+
+
+def _generated_path(name: str, source: str) -> Path:
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
-    return cache_dir() / "generated" / digest / f"{variant.id}.py"
+    return cache_dir() / "generated" / digest / f"{name}.py"
 
 
 def write_source(path: Path, source: str) -> None:
@@ -87,11 +91,19 @@ def import_source(variant: Variant, source: str, suffix: str = "") -> ModuleType
     (:func:`generated_path`) and import it as a new module (``suffix`` tells apart
     modules of one file, e.g. compiled for the interpreter).  :func:`load` does this for
     the rendered variant, :func:`load_mode` for a render with probe modes."""
-    path = generated_path(variant, source)
+    return import_generated(variant.id, source, suffix)
+
+
+def import_generated(name: str, source: str, suffix: str = "") -> ModuleType:
+    """Write ``source`` to ``<cache>/generated/<content hash>/<name>.py`` and import it as
+    the new module ``flashgen_generated.<content hash>.<name><suffix>``: what
+    :func:`import_source` does for a variant, for sources named otherwise (the Gluon
+    backward's variants and probes, the benchmarks' edited renders)."""
+    path = _generated_path(name, source)
     write_source(path, source)
-    name = f"flashgen_generated.{path.parent.name}.{variant.id}{suffix}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    modname = f"flashgen_generated.{path.parent.name}.{name}{suffix}"
+    spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
+    sys.modules[modname] = mod
     spec.loader.exec_module(mod)
     return mod

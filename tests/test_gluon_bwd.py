@@ -943,8 +943,7 @@ def test_ordered_grid_interleaves_pairs_and_waits_only_on_earlier_programs():
 def test_head_group_probe_keeps_the_earlier_rule():
     """benchmarks/probe_head_group.py times the launcher's HEAD_GROUP against the earlier
     rule (2 * parts * SMs / steps, rounded up, at most the pairs), which it keeps."""
-    _pdl_probe()  # the benchmarks directory on the path
-    import probe_head_group as P
+    P = _benchmark("probe_head_group")
 
     cfg = dataclasses.replace(B.default_config(128), dq_mode="ordered")
     assert [P.earlier_rule(cfg, 64, s, 1, mask=False, sm_count=132) for s in (16384, 4096, 1024, 128)] == \
@@ -979,11 +978,12 @@ def test_ordered_schedule_waits_exactly_on_the_previous_adder(parts):
     assert cases == 8 * 7 * 2
 
 
-def _pdl_probe():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import probe_pdl
+def _benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module."""
+    import importlib
 
-    return probe_pdl
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    return importlib.import_module(name)
 
 
 def _first_statements(src: str, name: str):
@@ -1001,7 +1001,7 @@ def test_pdl_probe_puts_the_grid_dependency_control_first_in_each_kernel(d, mask
     source as rendered.  The launcher gives launch_pdl to those three kernels only."""
     import ast
 
-    probe_pdl = _pdl_probe()
+    probe_pdl = _benchmark("probe_pdl")
     cfg = B.default_config(d, "bfloat16", mask)
     if gs > 1:
         cfg = dataclasses.replace(cfg, group_split=gs, half_partials=True, kv_store="ptr")
@@ -1032,7 +1032,7 @@ def test_pdl_probe_forward_edit_and_sm90_compile():
     from flashgen.families.gluon import config as C
     from flashgen.families.gluon import render as R
 
-    probe_pdl = _pdl_probe()
+    probe_pdl = _benchmark("probe_pdl")
     spec = C.GluonFwdSpec("bfloat16", 128, 128, "causal")
     fsrc = R.render(C.GluonFwdVariant(spec, C.default_config(spec)))
     fout = probe_pdl.fwd_pdl_source(fsrc)
@@ -1057,8 +1057,7 @@ def test_dq_count_probe_counts_in_the_writer_only():
     """benchmarks/probe_dq_count.py's text edit of the writer tiles of both head dims: the
     counter argument reaches the writer, which counts (one release atomic per add, the
     last after its loop); the consumers are as rendered."""
-    _pdl_probe()  # the benchmarks directory on the path
-    import probe_dq_count
+    probe_dq_count = _benchmark("probe_dq_count")
 
     for d in (128, 64):
         cfg = dataclasses.replace(B.default_config(d, "bfloat16", "none"), dq_writer=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
 from pathlib import Path
 
@@ -632,22 +631,11 @@ def load(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bo
     key = (config, dtype, head_dim, mask, probe)
     mod = _modules.get(key)
     if mod is None:
-        import importlib.util
-        import sys
-
         from flashgen import compile as _compile
 
         src = render(config, dtype, head_dim, mask, check, probe=probe)
         vid = variant_id(config, dtype, head_dim, mask) + (f"_{probe}" if probe else "")
-        digest = hashlib.sha256(src.encode()).hexdigest()[:20]
-        path = _compile.cache_dir() / "generated" / digest / f"{vid}.py"
-        _compile.write_source(path, src)
-        name = f"flashgen_generated.{digest}.{vid}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        _modules[key] = mod
+        mod = _modules[key] = _compile.import_generated(vid, src)
     return mod
 
 
