@@ -1089,3 +1089,47 @@ def test_ordered_dq_probes_render_only_what_they_leave_out():
     with pytest.raises(ValueError, match="probe"):
         B.render(B.GluonBwdConfig(64, 64, 2, 2, "tma", 240, 24, "tma", 1, False), "bfloat16", 128, "causal",
                  probe="no_poll")
+
+
+def test_pingpong_probe_puts_the_turns_around_the_issues():
+    """benchmarks/probe_pingpong.py's text edit of the forward tiles it times (two and
+    three consumers; masked, walks, serial masked tiles, O in the Q buffers): one turn
+    (sync before, arrive after) around the first score product and around each step's two
+    issues, the first turn given by the last consumer, and nothing else changed; tiles
+    whose consumers walk different key tiles are refused."""
+    import dataclasses as dc
+
+    from flashgen.families.gluon import config as C
+    from flashgen.families.gluon import render as R
+
+    P = _benchmark("probe_pingpong")
+    tiles = [(128, "none", C.GluonFwdConfig(num_consumers=2, BLOCK_N=128, num_stages=2, pin_exps=True)),
+             (128, "causal", C.GluonFwdConfig(num_consumers=2, BLOCK_N=128, num_stages=2, persistent=2, snake=True,
+                                              masked_first=True, serial_masked=True)),
+             (128, "causal", C.GluonFwdConfig(num_consumers=2, BLOCK_N=64, num_stages=2, persistent=3, o_in_q=True)),
+             (64, "none", C.GluonFwdConfig(num_consumers=3, BLOCK_N=128, num_stages=4, consumer_regs=160,
+                                           producer_regs=32))]
+    for d, mask, g in tiles:
+        if not g.consumer_regs:
+            g = dc.replace(g, consumer_regs=240, producer_regs=24)
+        v = C.GluonFwdVariant(C.GluonFwdSpec("bfloat16", d, d, mask), g)
+        assert not C.check(v) and P.eligible(g) is None
+        src = R.render(v)
+        out = P.pingpong_source(src)
+        sync, arrive = P._SYNC.format(b=P.BAR0), P._ARRIVE.format(b=P.BAR0)
+        assert out.count(sync) == 2 and out.count(arrive) == 2  # _step, and the first score product
+        step = out[out.index("def _step("):]
+        step = step[:step.index("\n\n@gluon.jit")]
+        assert step.index(sync) < step.index("s_tok = warpgroup_mma(") < step.index("o_tok = warpgroup_mma(") \
+            < step.index(arrive) < step.index("warpgroup_mma_wait(")
+        assert f"if C == NC - 1:\n        _pp_bar({P.BAR0}, False)" in out
+        back = (out.replace(P._HELPER, "").replace(f"            {sync}\n", "").replace(f"            {arrive}\n", "")
+                .replace(f"    {sync}\n", "").replace(f"    {arrive}\n", "")
+                .replace(f"    if C == NC - 1:\n        _pp_bar({P.BAR0}, False)\n", "")
+                .replace("_step(C: gl.constexpr, acc,", "_step(acc,").replace("_step(C, acc,", "_step(acc,"))
+        assert back == src
+    one = C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=2)
+    assert "one consumer" in P.eligible(one)
+    assert "skip_masked" in P.eligible(C.GluonFwdConfig(BLOCK_N=64, persistent=2, masked_first=True,
+                                                        skip_masked=True))
+    assert "cross_tile" in P.eligible(C.GluonFwdConfig(persistent=3, cross_tile=True))
