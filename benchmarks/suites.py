@@ -41,6 +41,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
            "tokens; fwd, bwd, fwd+bwd TFLOP/s and peak memory (about 5 min on an H200)"),
     _dense("llama", "llama3-8b", "Llama-3-8B attention: 32/8 heads, head_dim 128, causal, batch 1-8, "
            "seqlen 1024-8192"),
+    _dense("head-dims", "head-dims", "head_dim 96 (32 heads) and 256 (8/4 heads), none/causal, seqlen "
+           "1024-8192 at 16k tokens"),
     Suite("mods", "score mods (softcap, ALiBi, bias, dropout) against FlexAttention score_mods and SDPA",
           (("benchmarks/mods_bench.py", "--out", "{out}/mods.json"),), ("mods.json",), "mods"),
     Suite("varlen", "ragged batches against FlexAttention document masks and padded SDPA",

@@ -117,7 +117,7 @@ def _read_timings(path: Path) -> dict[str, float]:
 @app.command()
 def tune(
     preset: Annotated[list[str], typer.Option(metavar="NAME", callback=_check_presets,
-                                              help="Preset(s) of shapes: fa-grid, llama3-8b, small, varlen-docs, varlen-small, "
+                                              help="Preset(s) of shapes: fa-grid, llama3-8b, head-dims, small, varlen-docs, varlen-small, "
                                                    "decode, decode-small, mods-bench, mods-d64, mods-small, mods-softcap, mods-alibi, mods-bias, "
                                                    "mods-dropout; user-examples, user-small (the user score/mask "
                                                    "functions and sinks of flashgen.user_examples: their "
@@ -696,7 +696,7 @@ def merge(
 @app.command()
 def bench(
     preset: Annotated[list[str], typer.Option(metavar="NAME", callback=_check_presets,
-                                              help="Preset(s) of shapes: fa-grid, llama3-8b, small "
+                                              help="Preset(s) of shapes: fa-grid, llama3-8b, head-dims, small "
                                                    "(fa-grid when neither --preset nor --shape is given).")] = [],
     shape: Annotated[list[str], typer.Option("--shape", metavar="SHAPE", help="A shape B,H,HKV,SQ,SK,D[,causal][,window=L:R] "
                                                   "(repeatable).")] = [],

@@ -29,6 +29,15 @@ def _llama3_8b() -> list[Entry]:
             for b in (1, 2, 4, 8) for n in (1024, 2048, 4096, 8192)]
 
 
+def _head_dims() -> list[Entry]:
+    """The head dims of models besides 64 and 128, at 16384 tokens per batch, seqlen
+    1024-8192, causal and not: head_dim 96 with 32 query and KV heads (Phi-3-mini's
+    attention) and head_dim 256 with 8 query and 4 KV heads (Gemma's)."""
+    return [(d, mask, Shape(16384 // n, h, hk, n, n))
+            for d, h, hk in ((96, 32, 32), (256, 8, 4)) for mask in ("causal", "none")
+            for n in (1024, 2048, 4096, 8192)]
+
+
 def _small() -> list[Entry]:
     """Tiny shapes for CPU smoke tests (one MHA, one GQA with odd length)."""
     return [(64, "none", Shape(1, 2, 2, 128, 128)), (64, "causal", Shape(1, 4, 2, 97, 97))]
@@ -123,7 +132,7 @@ def _user_small() -> list[Entry]:
     return [(16, name, Shape(1, 2, 2, 64, 64)) for name in ("relpos", "document-causal", "sinks")]
 
 
-PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "small": _small,
+PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "head-dims": _head_dims, "small": _small,
            "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
            "decode": _decode, "decode-small": _decode_small, "mods-bench": _mods_bench,
            "mods-small": _mods_small, "mods-d64": _mods_d64,

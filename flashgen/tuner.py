@@ -413,6 +413,20 @@ def default_config(key: ProblemKey, arch: Arch, family_names: Iterable[str] | No
     return None
 
 
+def family_defaults(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None) -> list[TileConfig]:
+    """The heuristic default of each searched family that has one for ``key``, registry
+    order.  A study measures each of them first (after :func:`default_config`), so every
+    family is compared from the search's start: where one family's valid configs are a
+    small part of the product of its knob domains (the Gluon forward at head_dim 256)
+    the sampler alone may never propose one."""
+    out = []
+    for name in search_space(key, arch, family_names):
+        cfg = families.get(name).default_config(key, arch)
+        if cfg is not None and cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def _param(family: str, knob: str) -> str:
     """The Optuna parameter name of a family's knob (the default family's are bare)."""
     return knob if family == DEFAULT_FAMILY else f"{family}.{knob}"
@@ -577,8 +591,9 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     trial's user attrs, so a supervisor can fail the trials of a worker that died.
 
     The heuristic default config is measured first and enqueued as the study's first
-    trial, followed by :func:`transfer_configs` (the winners of the nearest keys
-    already tuned in ``db``).  ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its
+    trial, followed by each other searched family's default (:func:`family_defaults`)
+    and :func:`transfer_configs` (the winners of the nearest keys already tuned in
+    ``db``).  ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its
     DB row.  ``family_names``: search only these kernel families (default: every one
     that serves ``key`` on ``arch``); a key none of them serves raises InputError.
     Never raises for a failing candidate.
@@ -602,8 +617,10 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     # The grid sampler visits the default anyway (and an enqueued trial would take a
     # grid point it does not evaluate).
     if sampler != "grid" and not study.trials:
-        # The default first, then what won for the nearest keys already tuned here.
-        firsts = [default, *(c for c in transfer_configs(key, db, env, arch) if c.family in space)]
+        # The default first, each other family's default, then what won for the nearest
+        # keys already tuned here.
+        firsts = [default, *family_defaults(key, arch, space),
+                  *(c for c in transfer_configs(key, db, env, arch) if c.family in space)]
         for params in (_params(c, space) for c in dict.fromkeys(firsts)):
             if params is not None:
                 study.enqueue_trial(params)

@@ -562,6 +562,25 @@ def test_tuner_writes_gluon_rows_that_round_trip(tmp_path):
     assert "kernel family gluon" in str(e) and "triton does not serve it: its backward is two kernels" in str(e)
 
 
+
+def test_a_study_measures_each_familys_default_first(tmp_path):
+    """At head_dim 256 the portable family's default is the study's default, and few of
+    the Gluon forward's knob combinations are valid (one consumer's registers hold a
+    64 x 256 float32 O): the Gluon default is measured right after it, before any
+    sampled config, so the family is compared at every key."""
+    shape = Shape(4, 8, 4, 4096, 4096)
+    k = key("fwd", dtype="bfloat16", d=256, mask="none", shape=shape)
+    triton_default, gluon_default = (families.get(n).default_config(k, SM90) for n in ("triton", "gluon"))
+    assert tuner.default_config(k, SM90) == triton_default and gluon_default.family == "gluon"
+    assert tuner.family_defaults(k, SM90) == [triton_default, gluon_default]
+    assert not GLUON.violated_rules(Variant(k.spec, gluon_default))
+    bench_ = tuner.FakeBenchmarker({}, default=1.0)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        tuner.tune_key(k, shape, benchmarker=bench_, db=db, env=H200, arch=SM90, n_trials=3)
+    assert bench_.calls[:2] == [Variant(k.spec, c).id for c in (triton_default, gluon_default)]
+    # a family searched alone: its own default, once
+    assert tuner.family_defaults(k, SM90, ("gluon",)) == [gluon_default]
+
 # -- the launchers with the arguments bench and the library pass ----------------------
 
 class _Kernel:

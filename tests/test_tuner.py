@@ -273,6 +273,9 @@ def test_presets():
         assert key.spec.dtype == "bfloat16" and key == shape.key(key.spec)
     llama = presets.expand(["llama3-8b"], dtype="float16", kernels=["fwd"])
     assert len(llama) == 16 and all(k.group == 4 and k.spec.mask == "causal" for k, _ in llama)
+    dims = presets.expand(["head-dims"], kernels=["fwd"])
+    assert sorted({(k.spec.head_dim, k.spec.head_dim_v, k.group) for k, _ in dims}) == [(96, 96, 1), (256, 256, 2)]
+    assert len(dims) == 16 and all(s.batch * s.seqlen_q == 16384 for _, s in dims)
     # keys in one bucket are kept once, with the first shape
     both = presets.expand(["small", "small"], kernels=["fwd"])
     assert both == presets.expand(["small"], kernels=["fwd"])
