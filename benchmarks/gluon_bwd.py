@@ -104,7 +104,17 @@ TILE_PROBES = {"d64": [((64, 64, 2, 4, "tma", 240, 24, "tma", 1, True), 64, Fals
                            (128, 64, 2, "producer", False, 1, False, "tma", False),
                            (64, 128, 2, "producer", False, 2, True, "ptr", True),
                            (64, 128, 2, "producer", False, 4, False, "ptr", False))
-                       for lpt in ((False, True) if gs == 1 else (True,))]}
+                       for lpt in ((False, True) if gs == 1 else (True,))],
+               # ``--tiles d96``: head_dim 96 on the head_dim 128 tiles (bwd.tile_dim): the
+               # default (window and float16 too), the dQ by atomics with the register stores,
+               # the swizzled dQ tile, the ordered dQ, and a GQA split whose register stores of
+               # the partials mask the padding columns (GQA_CHECKS); checked only (SHAPES hold
+               # no head_dim 96: the tuner times them)
+               "d96": [((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 96, True),
+                       ((64, 64, 2, 2, "atomic", 240, 24, "producer", 1, False, 1, False, "swizzled", "ptr"), 96, False),
+                       ((64, 64, 2, 3, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma"), 96, False),
+                       ((64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 96, False),
+                       ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 2, False, "fragment", "ptr"), 96, True)]}
 
 #: (batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, causal, window, align, nan_kv)
 CHECKS = [(1, 2, 2, 17, 17, False, (-1, -1), "bottom_right", False),

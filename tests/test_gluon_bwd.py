@@ -64,6 +64,10 @@ CASES = [
     ((64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False, 1, False, "fragment", "tma", False, True), 128, "causal"),
     ((128, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma", False, True), 64, "none"),
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 4, True, "fragment", "ptr", True, True), 128, "causal"),
+    # head_dim 96 on the head_dim 128 tiles (bwd.tile_dim): the default, and a GQA split
+    # whose register stores of the partials mask the padding columns
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 96, "causal"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 2, False, "fragment", "ptr"), 96, "none"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -108,7 +112,7 @@ for fields, d, mask in CASES:
         sass = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True).stdout
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", info)]
     print("CASE", json.dumps({"id": cfg.id, "d": d, "mask": mask, "smem": k.metadata.shared,
-                              "model": B.smem_bytes(cfg, d), "spill": max(spills) if spills else None,
+                              "model": B.smem_bytes(cfg, B.tile_dim(d)), "spill": max(spills) if spills else None,
                               "c751x": re.findall(r"C751[245]", info), "hgmma": sass.count("HGMMA"),
                               "usetmaxreg": sass.count("USETMAXREG"), "num_warps": k.metadata.num_warps,
                               "split": cfg.split, "row_load": cfg.row_load, "tma1d": "cp.async.bulk.tensor.1d" in k.asm["ptx"],
@@ -232,6 +236,7 @@ def test_kv_store_rules_launch_and_search():
     partition's rows as the box."""
     for d in B.HEAD_DIMS:
         space = B.search_space(d, "bfloat16", "causal", group=4)
+        d = B.tile_dim(d)  # the rules are the tiles' (96: 128)
         assert {c.kv_store for c in space} == set(B.KV_STORES)
         assert all(c.group_split == 1 for c in space if c.kv_store == "tma")
         # every register-store config has its TMA-store twin unless it splits the group, or
@@ -350,7 +355,7 @@ def test_fragment_order_is_the_accumulator_fragment():
     its m64nNk16 D fragment: thread t of a warp holds (t / 4, 2 (t % 4)) and its neighbours
     (+0, +1), (+8, +0), (+8, +1) in four consecutive registers, stored at 16 t + 0..3."""
     for block_m in (64, 128):
-        for d in B.HEAD_DIMS:
+        for d in sorted({B.tile_dim(d) for d in B.HEAD_DIMS}):
             bases = B.fragment_bases(block_m, d)
             assert len(bases) == (block_m * d).bit_length() - 1
 
@@ -403,7 +408,7 @@ def test_fragment_stage_rules_launch_and_search():
     grid, args = a["convert"]
     assert grid == (b * h * 5,) and args[:5] == (a["dqacc"], a["dq"], h, s, m_pad)
     assert args[5:8] == a["dq"].stride()[:3] == q.stride()[:3]
-    assert a["preprocess_strided"][1][-1] is True  # zero the whole padded accumulator
+    assert a["preprocess_strided"][1][-2:] == (True, None)  # zero the whole padded accumulator; head_dim unpadded
 
 
 def test_shared_memory_model_matches_the_compiler(compiled):
@@ -425,7 +430,7 @@ def test_rules_reject_what_the_kernels_cannot_take():
     m128 = B.GluonBwdConfig(block_m=128)
     assert B.consumer_regs_estimate(m128, 64) == m128.consumer_regs + B.LOCKSTEP_SPILL_SLACK_REGS
     assert B.is_valid(m128, 64) and not B.is_valid(B.GluonBwdConfig(block_m=128, consumer_regs=232), 64)
-    assert any("head_dim" in r for r in B.invalid_reasons(ok, 96))
+    assert any("head_dim" in r for r in B.invalid_reasons(ok, 80))
     assert any("dq_mode" in r for r in B.invalid_reasons(B.GluonBwdConfig(dq_mode="x"), 128))
     assert any("setmaxnreg" in r for r in B.invalid_reasons(B.GluonBwdConfig(consumer_regs=244), 128))
     with pytest.raises(ValueError, match="invalid Gluon backward config"):
@@ -694,12 +699,14 @@ def test_delta_out_receives_the_preprocess_rows(monkeypatch):
     assert torch.allclose(delta, (o.float() * do.float()).sum(-1))
 
 
-@pytest.mark.parametrize("d, dtype", [(64, torch.float16), (128, torch.bfloat16)])
+@pytest.mark.parametrize("d, dtype", [(64, torch.float16), (128, torch.bfloat16), (96, torch.bfloat16)])
 def test_strided_preprocess_and_convert_match_the_contiguous_rule(d, dtype):
     """.strided (Triton's interpreter on CPU): O and dO as transformers hands them,
     (batch, seqlen, heads, head_dim) memory seen through transpose(1, 2), give the delta,
     LSE2 and zeroed dQ accumulator of the rule in the module docstring, and dQ is written
-    into a tensor of that layout, equal to the contiguous result."""
+    into a tensor of that layout, equal to the contiguous result.  Head_dim 96: the
+    accumulator is 128 wide (the tiles'), O, dO and dQ 96 (no column past it read or
+    written: dQ's rows are adjacent heads' rows in this layout)."""
     from flashgen.families.gluon import strided as S
 
     b, h, sq, m_pad = 2, 3, 37, 128
@@ -710,26 +717,28 @@ def test_strided_preprocess_and_convert_match_the_contiguous_rule(d, dtype):
     lse[0, 1, 5] = float("-inf")
     lse2 = torch.full((b * h, m_pad), float("nan"))
     delta = torch.full((b * h, m_pad), float("nan"))
-    dqacc = torch.full((b, h, sq, d), float("nan"))
+    dt = B.tile_dim(d)
+    dqacc = torch.full((b, h, sq, dt), float("nan"))
     grid, args = S.preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad)
     S.preprocess[grid](*args, num_warps=S.NUM_WARPS)
     want_delta = (o.float() * do.float()).sum(-1).reshape(b * h, sq)
     torch.testing.assert_close(delta[:, :sq], want_delta, rtol=1e-5, atol=1e-5)
     assert not delta[:, sq:].any() and not lse2[:, sq:].any() and not dqacc.any()
     # a fragment-order accumulator: (b * h, m_pad, d), every row zeroed, the padding too
-    padded = torch.full((b * h, m_pad, d), float("nan"))
+    padded = torch.full((b * h, m_pad, dt), float("nan"))
     grid, args = S.preprocess_launch(o, do, lse, lse2, delta, padded, m_pad, padded=True)
     S.preprocess[grid](*args, num_warps=S.NUM_WARPS)
     assert not padded.any()
     want_lse2 = torch.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634).reshape(b * h, sq)
     torch.testing.assert_close(lse2[:, :sq], want_lse2)
-    acc = torch.randn(b, h, sq, d, generator=g)
+    acc = torch.randn(b, h, sq, dt, generator=g)
     dq = torch.empty(b, sq, h, d, dtype=dtype).transpose(1, 2)
     grid, args = S.convert_launch(acc, dq, 0.125)
     S.convert[grid](*args, num_warps=S.NUM_WARPS)
     assert dq.stride() == (sq * h * d, d, h * d, 1)
     ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
-    assert ((dq.float() - acc * 0.125).abs() <= (acc * 0.125).abs() * ulp + 1e-30).all()
+    want = acc[..., :d] * 0.125
+    assert ((dq.float() - want).abs() <= want.abs() * ulp + 1e-30).all()
 
 
 def test_group_reduce_writes_outputs_of_any_layout():
@@ -1133,3 +1142,40 @@ def test_pingpong_probe_puts_the_turns_around_the_issues():
     assert "skip_masked" in P.eligible(C.GluonFwdConfig(BLOCK_N=64, persistent=2, masked_first=True,
                                                         skip_masked=True))
     assert "cross_tile" in P.eligible(C.GluonFwdConfig(persistent=3, cross_tile=True))
+
+
+def test_head_dim_96_runs_on_the_head_dim_128_tiles():
+    """Head_dim 96: the rules, models and code of the 128-wide tiles (tile_dim), the
+    variant named by its own head dim; the launch's descriptors take 128-column boxes over
+    the 96-column tensors (the copy engine zero-fills past them and clips the stores), the
+    dQ accumulator is 128 wide, and a group split's partials are the tensors' width (the
+    template's register stores mask the padding columns); the padded source differs from
+    the head_dim 128 one only where it addresses the tensors by pointer."""
+    assert [B.tile_dim(d) for d in B.HEAD_DIMS] == [64, 128, 128]
+    for mask in B.MASKS:
+        assert B.search_space(96, "bfloat16", mask) == B.search_space(128, "bfloat16", mask)
+    c = B.default_config(96, "bfloat16", "causal")
+    assert c == B.default_config(128, "bfloat16", "causal") and B.variant_id(c, "bfloat16", 96, "causal").startswith(
+        "gluon_bwd_d96_bf16_causal_")
+    src96, src128 = (B.render(c, "bfloat16", d, "causal", header_hash="-") for d in (96, 128))
+    assert "DG = gl.constexpr(96)" in src96 and "D = gl.constexpr(128)" in src96 and "DG" not in src128
+    import difflib
+
+    changed = [ln for ln in difflib.unified_diff(src128.splitlines(), src96.splitlines(), lineterm="", n=0)
+               if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    assert all("DG" in ln or "d96" in ln or "d128" in ln or "gl.load(O" in ln
+               or "gl.load(DO" in ln or "gl.store(DQ" in ln or ln.strip() in "+-" or ln.lstrip("+-").startswith("#") for ln in changed), changed
+    gs = dataclasses.replace(c, kv_store="ptr", group_split=2)
+    b, h, hk, s, d = 1, 4, 2, 200, 96
+    q, o, do = (torch.empty(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.empty(b, hk, s, d, dtype=torch.bfloat16) for _ in range(2))
+    for cfg in (c, gs):
+        a = B.launch_args(do, q, k, v, o, torch.empty(b, h, s), softmax_scale=96 ** -0.5, diag_lo=0, diag_hi=0,
+                          config=cfg)
+        descs = a["main"][1][:4]
+        assert [x.block_shape[-1] for x in descs] == [128] * 4 and [x.shape[-1] for x in descs] == [96] * 4
+        assert a["dqacc"].shape[-1] == 128 and a["dq"].shape == q.shape
+        if cfg.group_split > 1:
+            assert a["dk_partial"].shape == (b, hk, 2, s, 96)
+        else:
+            assert [x.block_shape[-1] for x in a["main"][1][10:12]] == [128, 128]  # dK, dV by TMA, clipped

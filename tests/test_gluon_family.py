@@ -53,7 +53,7 @@ def test_unsupported_reasons():
         "tensor descriptor can address (layout strided)": (key(layout="strided"), SM90),
         "score modifications (softcap) are the Triton family's": (key(mods="softcap"), SM90),
         "the Gluon forward is built for": (key(d=80), SM90),
-        "head_dim = head_dim_v in (64, 128)": (key("bwd", d=96), SM90),
+        "head_dim = head_dim_v in (64, 96, 128)": (key("bwd", d=80), SM90),
     }
     for words, (k, arch) in cases.items():
         why = GLUON.unsupported(k, arch)

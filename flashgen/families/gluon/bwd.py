@@ -52,7 +52,16 @@ KV_STORES = ("ptr", "tma")
 #: (1, block_m) box and every pointer load of a query block stays in the buffer, and the
 #: 2-D descriptor's row stride (ROW_PAD * 4 bytes) is 16-byte aligned as TMA requires.
 ROW_PAD = 128
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
+
+
+def tile_dim(head_dim: int) -> int:
+    """The tiles' width for ``head_dim``: the next power of two (96 -> 128).  A padded
+    variant computes on zero columns past head_dim: the copy engine fills them on each
+    load and clips each store, and the pointer accesses (O and dO in the preprocess, dQ in
+    the convert, the register stores of dK and dV) mask them; the dQ accumulator is
+    tile_dim wide."""
+    return 1 << (head_dim - 1).bit_length()
 #: Shared memory per block (opt-in) and registers per SM on sm_90.
 SMEM_LIMIT_BYTES = 232448
 REGS_PER_SM = 65536
@@ -260,8 +269,10 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
     if mask not in MASKS:
         out.append(f"mask {mask!r} is not one of {MASKS}")
     if head_dim not in HEAD_DIMS:
-        out.append(f"head_dim {head_dim} is not one of {HEAD_DIMS} (gl.arange needs a power of two; "
-                   "wgmma n = head_dim)")
+        out.append(f"head_dim {head_dim} is not one of {HEAD_DIMS} (gl.arange needs a power of two, 96 is "
+                   "padded to 128; wgmma n = head_dim)")
+    else:
+        head_dim = tile_dim(head_dim)  # the rules below are the tiles'
     if c.block_m not in (64, 128):
         out.append(f"block_m {c.block_m} must be 64 or 128 (the dQ wgmma's M is at least one warpgroup's 64 rows)")
     if c.block_n != 64:
@@ -435,8 +446,8 @@ def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -
     at 64: docs/results/h200/gluon_bwd/dq-stage/fragment.log); dK and dV stored through
     shared memory by TMA (1.00-1.11x the register stores at both head dims:
     docs/results/h200/gluon_bwd/kv-store/)."""
-    split = head_dim < 128
-    c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if head_dim >= 128 else 4, dq_mode="tma",
+    split = tile_dim(head_dim) < 128
+    c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if tile_dim(head_dim) >= 128 else 4, dq_mode="tma",
                        row_load="tma", producer_warps=1, split=split, dq_stage="fragment", kv_store="tma")
     reasons = invalid_reasons(c, head_dim, dtype, mask)
     if reasons:
@@ -469,14 +480,16 @@ CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
 #: A variant of two extensions belongs to the first one listed.  "dq_ordered" and
 #: "group_split" name variants the tuner records outside the GQA-group-1 search space
 #: (``flashgen tune --refine dq_ordered``; the group splits of GQA keys), which the id
-#: did not cover when it was first recorded.
-EXTENSIONS = {"dq_writer": lambda c, d: c.dq_writer,
+#: did not cover when it was first recorded.  "head_dim_pad" (listed first, so it holds
+#: every variant of a padded head dim) names the head dims that :func:`tile_dim` pads.
+EXTENSIONS = {"head_dim_pad": lambda c, d: tile_dim(d) != d,
+              "dq_writer": lambda c, d: c.dq_writer,
               "longest_first": lambda c, d: c.longest_first,
               "kv_tma": lambda c, d: c.kv_store == "tma",
               "dq_ordered": lambda c, d: c.dq_mode == "ordered",
               "group_split": lambda c, d: c.group_split > 1,
               "dq_fragment": lambda c, d: c.dq_stage == "fragment",
-              "lockstep_spill_slack": lambda c, d: consumer_regs_estimate(c, d) > c.consumer_regs}
+              "lockstep_spill_slack": lambda c, d: consumer_regs_estimate(c, tile_dim(d)) > c.consumer_regs}
 
 
 def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, str, int, str]]:
@@ -588,6 +601,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
                          + "; ".join(reasons))
     c = config
+    head_dim_g, head_dim = head_dim, tile_dim(head_dim)  # the tensors' and the tiles'
     # dQ (block_m x head_dim): split along M when block_m covers every warpgroup's 64 rows,
     # else along head_dim.
     # Split partitions at head_dim 128 compute dQ (TMA mode) in two column halves.
@@ -600,8 +614,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         dq_warps, dq_n = [4, c.consumers], head_dim // c.consumers
     return _env(directory).get_template(TEMPLATE).render(
         template_hash=template_hash() if header_hash is None else header_hash,
-        variant_id=variant_id(c, dtype, head_dim, mask), dtype=dtype,
-        head_dim=head_dim, mask=mask, BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
+        variant_id=variant_id(c, dtype, head_dim_g, mask), dtype=dtype, head_dim=head_dim,
+        head_dim_g=head_dim_g, PAD=head_dim_g != head_dim, GW="DG" if head_dim_g != head_dim else "D", mask=mask, BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
@@ -647,10 +661,12 @@ def _layout(block, dtype_name):
     return nvmma_layout(block, dtype_name)
 
 
-def _desc4(t, rows: int, dtype_name: str):
+def _desc4(t, rows: int, dtype_name: str, cols: int | None = None):
+    """4-D descriptor over ``t``, box (1, 1, rows, cols) (cols: t's last dim when None; a
+    wider box is zero-filled past it on loads and clipped there on stores)."""
     from .shim import descriptor
 
-    block = [1, 1, rows, t.shape[-1]]
+    block = [1, 1, rows, cols or t.shape[-1]]
     return descriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype_name))
 
 
@@ -695,6 +711,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
 
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
+    dt = tile_dim(d)  # the tiles' width: the dQ accumulator's and the descriptors' boxes
     c = config
     gs = c.group_split
     why = group_reasons(c, h // hk)
@@ -717,7 +734,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     delta = torch.empty((b * h, m_pad), dtype=torch.float32, device=dev)
     # "fragment": block_m-row tiles in the accumulator's fragment order, padded to m_pad rows
     fragment = c.dq_stage == "fragment"
-    dqacc = torch.empty((b * h, m_pad, d) if fragment else (b, h, sq, d), dtype=torch.float32, device=dev)
+    dqacc = torch.empty((b * h, m_pad, dt) if fragment else (b, h, sq, dt), dtype=torch.float32, device=dev)
     pre_grid = (math.ceil(b * h * m_pad / PRE_ROWS),)
     out = {"dq": dq, "dk": dk, "dv": dv, "lse2": lse2, "delta": delta, "dqacc": dqacc}
     main_dk, main_dv = dk, dv
@@ -737,10 +754,11 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         partials = torch.empty((2, b, hk, gs, sk, d), dtype=q.dtype if c.half_partials else torch.float32,
                                device=dev)
         main_dk, main_dv = out["dk_partial"], out["dv_partial"] = partials[0], partials[1]
-    main = (_desc4(q, c.block_m, dtype_name), _desc4(k, c.block_nt, dtype_name), _desc4(v, c.block_nt, dtype_name),
-            _desc4(do, c.block_m, dtype_name), _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
+    main = (_desc4(q, c.block_m, dtype_name, dt), _desc4(k, c.block_nt, dtype_name, dt),
+            _desc4(v, c.block_nt, dtype_name, dt), _desc4(do, c.block_m, dtype_name, dt),
+            _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
             _desc_dq(dqacc, c.block_m, c.dq_stage), lse2, delta, dqacc,
-            *((_desc4(main_dk, c.part_rows, dtype_name), _desc4(main_dv, c.part_rows, dtype_name))
+            *((_desc4(main_dk, c.part_rows, dtype_name, dt), _desc4(main_dv, c.part_rows, dtype_name, dt))
               if c.kv_store == "tma" else (main_dk, main_dv))) + (
             (out["sem"], out["head_group"]) if c.dq_mode == "ordered" else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),
             int(diag_hi), m_pad)

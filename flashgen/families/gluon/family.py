@@ -329,7 +329,7 @@ class GluonFamily:
                 arch.smem_per_block_optin
             note = f"{g.ctas_per_sm} programs per SM" if g.ctas_per_sm in (2, 3) else ""
             return SmemEstimate(C.smem_terms(fwd_spec(s), g), limit, note)
-        return SmemEstimate(B.smem_terms(bwd_config(v.config), s.head_dim), arch.smem_per_block_optin)
+        return SmemEstimate(B.smem_terms(bwd_config(v.config), B.tile_dim(s.head_dim)), arch.smem_per_block_optin)
 
     def adapt(self, config: TileConfig, key: ProblemKey) -> TileConfig:
         """A Gluon row of another bucket runs as tuned (its tiles do not depend on the
