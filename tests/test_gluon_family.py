@@ -396,11 +396,15 @@ def test_untuned_defaults_follow_the_measurements():
     assert not d.backward(key("bwd_dq", d=128, shape=Shape(2, 16, 16, 2048, 2048)), capturing=False).whole
     fwd = d.choose(key(shape=BIG), capturing=False)
     assert fwd.family == "gluon" and fwd.source == "default" and "gluon_fwd" in fwd.note
-    # head dims the Gluon forward was checked for but never timed keep the portable default
-    for d_, dv_ in ((96, 96), (256, 256), (128, 64)):
+    # head dims whose Gluon default was timed against the Triton family's tuned forward
+    # (the head-dims preset) take it; those checked for but never timed keep the portable one
+    for d_ in (96, 256):
+        assert d.choose(key(d=d_, shape=BIG), capturing=False).family == "gluon", d_
+    for d_, dv_ in ((192, 192), (128, 64)):
         assert d.choose(key(d=d_, dv=dv_, shape=BIG), capturing=False).family == "triton", (d_, dv_)
     for k, whole in ((key("bwd_dq", d=128, mask="none", shape=BIG), True),
                      (key("bwd_dq", d=64, mask="causal", shape=BIG), True),
+                     (key("bwd_dq", d=96, mask="causal", shape=BIG), True),
                      (key("bwd_dq", d=64, mask="none", shape=BIG), False),
                      (key("bwd_dq", d=128, mask="window", shape=BIG), False)):
         plan = d.backward(k, capturing=False)
@@ -564,12 +568,13 @@ def test_tuner_writes_gluon_rows_that_round_trip(tmp_path):
 
 
 def test_a_study_measures_each_familys_default_first(tmp_path):
-    """At head_dim 256 the portable family's default is the study's default, and few of
-    the Gluon forward's knob combinations are valid (one consumer's registers hold a
-    64 x 256 float32 O): the Gluon default is measured right after it, before any
-    sampled config, so the family is compared at every key."""
+    """At head_dim 192 (tiles of 256) the portable family's default is the study's
+    default, and few of the Gluon forward's knob combinations are valid (one consumer's
+    registers hold a 64 x 256 float32 O): the Gluon default is measured right after it,
+    before any sampled config, so the family is compared at every key (at head_dim 256
+    and 96 the search without it had measured no Gluon config in 10 trials)."""
     shape = Shape(4, 8, 4, 4096, 4096)
-    k = key("fwd", dtype="bfloat16", d=256, mask="none", shape=shape)
+    k = key("fwd", dtype="bfloat16", d=192, mask="none", shape=shape)
     triton_default, gluon_default = (families.get(n).default_config(k, SM90) for n in ("triton", "gluon"))
     assert tuner.default_config(k, SM90) == triton_default and gluon_default.family == "gluon"
     assert tuner.family_defaults(k, SM90) == [triton_default, gluon_default]

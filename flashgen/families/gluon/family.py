@@ -51,16 +51,22 @@ BWD_DEFAULT_AHEAD = {
     (128, "none"): "514 vs 411 TFLOP/s at 4,16,4096,128",
     (128, "causal"): "530 vs 421 at 1,16,16384,128; 431 vs 367 at 4,16,4096,128",
     (64, "causal"): "367 vs 319 at 4,32,4096,64; 307 vs 272 at 8,32,2048,64",
+    # the head-dims preset's tuning (docs/results/h200/tuning/head-dims: the Gluon default
+    # against the Triton family's tuned bwd_dq + bwd_dkdv, each key's rows of one day)
+    (96, "none"): "436 vs 314 at 4,32,4096,96",
+    (96, "causal"): "384 vs 293 at 4,32,4096,96; 250 vs 212 at 16,32,1024,96",
 }
 #: The Gluon forward's default against the Triton family's tuned forward on the H200
 #: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.73-0.94x in the
 #: same run): the default of the forward keys it serves at FWD_DEFAULT_HEAD_DIMS with
 #: enough work (DEFAULT_MIN_FLOPS).
-FWD_DEFAULT_AHEAD = "0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.73-0.94x (docs/results/h200/gluon_fwd)"
-#: The head dims (head_dim == head_dim_v) whose Gluon forward was timed; the others are
-#: exact (checked against float64 on the H200) but untimed, so their untuned default
-#: stays the portable family's.
-FWD_DEFAULT_HEAD_DIMS = (64, 128)
+FWD_DEFAULT_AHEAD = ("0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.73-0.94x (docs/results/h200/gluon_fwd); "
+                     "head_dim 96 and 256: 0.96-1.41x the Triton family's tuned rows, ahead at 15 of the head-dims "
+                     "preset's 16 keys (docs/results/h200/tuning/head-dims)")
+#: The head dims (head_dim == head_dim_v) whose Gluon forward default was timed against
+#: the Triton family's tuned forward; the others are exact (checked against float64 on
+#: the H200) but untimed, so their untuned default stays the portable family's.
+FWD_DEFAULT_HEAD_DIMS = (64, 96, 128, 256)
 #: The least work (FLOPs of the key's size buckets, FlashAttention's count) at which an
 #: untuned key takes the Gluon default.  A Gluon launch costs more host time than the
 #: Triton family's (H200, benchmarks/profile_call.py, docs/results/h200/probes/call-profile:
