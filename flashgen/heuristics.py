@@ -22,13 +22,16 @@ _PREFERENCES: dict[str, list[tuple[int, int, int, int]]] = {
 }
 
 #: On GPUs with the Tensor Memory Accelerator (sm_90+), the dense kernels' first choice
-#: loads the streamed tiles through tensor descriptors: (head_dim <= 64, larger), each
-#: the fastest config of the exhaustive search on the H200 (benchmarks/multi_gpu_tune.py
-#: grid run, docs/design.md), where TMA freed about 100 registers per thread.
-_TMA_PREFERENCES: dict[str, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
-    "fwd": ((128, 128, 4, 3), (64, 64, 4, 3)),
-    "bwd_dkdv": ((32, 128, 4, 3), (64, 64, 4, 2)),
-    "bwd_dq": ((64, 64, 4, 3), (128, 32, 4, 3)),
+#: loads the streamed tiles through tensor descriptors: (head_dim <= 64, <= 128, larger),
+#: the first two the fastest configs of the exhaustive search on the H200
+#: (benchmarks/multi_gpu_tune.py grid run, docs/design.md), where TMA freed about 100
+#: registers per thread; the third the head-dims preset's tuned rows at head_dim 256
+#: (docs/results/h200/tuning/head-dims/tune.log: bwd_dkdv 2.1-2.8x and bwd_dq 1.4-1.6x
+#: the configs the first two tiers gave there at all 8 of its keys).
+_TMA_PREFERENCES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
+    "fwd": ((128, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),
+    "bwd_dkdv": ((32, 128, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2)),
+    "bwd_dq": ((64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3)),
 }
 
 FALLBACK = {"fwd": TileConfig(64, 32, 4, 1), "bwd_dkdv": TileConfig(32, 64, 4, 1),
@@ -88,8 +91,9 @@ def default_config(spec: KernelSpec, arch: Arch, key: ProblemKey | None = None) 
     prefs = [(m, n, w, st, 0) for m, n, w, st in _PREFERENCES[spec.kernel]]
     strided = key is not None and key.layout == "strided"
     if spec.kernel in _TMA_PREFERENCES and resources.supports_tma(arch) and not strided:
-        small, large = _TMA_PREFERENCES[spec.kernel]
-        prefs.insert(0, (*(small if spec.head_dim_pad <= 64 else large), 1))
+        small, medium, large = _TMA_PREFERENCES[spec.kernel]
+        tier = small if spec.head_dim_pad <= 64 else medium if spec.head_dim_pad <= 128 else large
+        prefs.insert(0, (*tier, 1))
     for m, n, w, st, tma in prefs:
         cfg = TileConfig(m, n, w, st, tma=tma)
         v = Variant(spec, cfg)

@@ -147,6 +147,18 @@ def test_default_config_valid_and_feasible(kernel, head_dim, arch):
         assert cfg == heuristics.FALLBACK[kernel]
 
 
+def test_tma_defaults_follow_the_head_dim_tiers():
+    """sm_90: head_dim <= 64, <= 128 and larger take their own TMA tier (the larger one the
+    head-dims preset's tuned rows at head_dim 256); sm_80 has no TMA tier."""
+    want = {("bwd_dkdv", 64): (32, 128, 4, 3), ("bwd_dkdv", 128): (64, 64, 4, 2), ("bwd_dkdv", 256): (64, 64, 8, 2),
+            ("bwd_dq", 64): (64, 64, 4, 3), ("bwd_dq", 96): (128, 32, 4, 3), ("bwd_dq", 256): (128, 32, 8, 3),
+            ("bwd_dq", 192): (128, 32, 8, 3)}
+    for (kernel, d), cfg in want.items():
+        spec = KernelSpec(kernel, "bfloat16", d, d, "causal")
+        assert heuristics.default_config(spec, SM90) == TileConfig(*cfg, tma=1), (kernel, d)
+        assert not heuristics.default_config(spec, TABLE["sm_80"]).tma
+
+
 def test_default_prefers_the_first_preference_that_fits():
     spec = KernelSpec("fwd", "bfloat16", 128, 128, "none")
     # sm_90: the TMA preference measured fastest on the H200
