@@ -30,7 +30,8 @@ flushed), plain and twin alternately, twice.
     PYTHONPATH=. python3 benchmarks/probe_pingpong.py --out pingpong.json
 
 ``--sass``: compile the twins of a few shipped tiles for sm_90 on this machine (no GPU)
-and print registers, spills and the BAR instructions of plain and twin.
+and print registers, spills and the BAR instructions of plain and twin, and the twin's
+SASS order of barriers, HGMMA, waits and exponentials (:func:`order`).
 
 Prints a table last: ms of each plain variant and its twin, and their ratio.
 """
@@ -274,6 +275,23 @@ def _time(jobs, rep: int) -> None:
         print(json.dumps({k_: job[k_] for k_ in ("shape", "role", "plain_ms", "pingpong_ms")}), flush=True)
 
 
+def order(sass: str) -> str:
+    """The SASS as a sequence of the instructions that show the turns: the named barriers
+    of the turns (ids 13-15), HGMMA, the wgmma waits, MUFU.EX2 and the mbarrier waits,
+    repeats counted (``xN``)."""
+    seq = []
+    for line in sass.splitlines():
+        m = re.search(r"(BAR\.(?:SYNC\.DEFER_BLOCKING|ARV) 0x[def]|HGMMA|WARPGROUP\.DEPBAR\.LE gsb0, 0x\d|MUFU\.EX2|"
+                      r"SYNCS\.PHASECHK)", line)
+        if m:
+            tok = m.group(1)
+            if seq and seq[-1][0] == tok:
+                seq[-1][1] += 1
+            else:
+                seq.append([tok, 1])
+    return " | ".join(t if n == 1 else f"{t} x{n}" for t, n in seq)
+
+
 def _sass() -> int:
     from flashgen.families.gluon import config as C
     from flashgen.families.gluon import sm90
@@ -300,6 +318,8 @@ def _sass() -> int:
             bars = sorted(set(re.findall(r"BAR\.(?:SYNC|ARV)[.\w]* [^;]*", rep.sass)))
             print(f"{v.id} {name}: {rep.registers} registers, spills {rep.spill_bytes} B, HGMMA {rep.hgmma}, "
                   f"setmaxnreg {rep.setmaxnreg}, problems {rep.problems(v)}\n    {bars}")
+            if name == "pingpong":
+                print("    order: " + order(rep.sass))
     return 0
 
 

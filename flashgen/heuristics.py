@@ -27,7 +27,8 @@ _PREFERENCES: dict[str, list[tuple[int, int, int, int]]] = {
 #: (benchmarks/multi_gpu_tune.py grid run, docs/design.md), where TMA freed about 100
 #: registers per thread; the third the head-dims preset's tuned rows at head_dim 256
 #: (docs/results/h200/tuning/head-dims/tune.log: bwd_dkdv 2.1-2.8x and bwd_dq 1.4-1.6x
-#: the configs the first two tiers gave there at all 8 of its keys).
+#: the configs the first two tiers gave there at all 8 of its keys; head_dim 192, which
+#: pads to the same tiles, was not timed).
 _TMA_PREFERENCES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
     "fwd": ((128, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),
     "bwd_dkdv": ((32, 128, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2)),

@@ -414,15 +414,19 @@ def default_config(key: ProblemKey, arch: Arch, family_names: Iterable[str] | No
 
 
 def family_defaults(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None) -> list[TileConfig]:
-    """The heuristic default of each searched family that has one for ``key``, registry
-    order.  A study measures each of them first (after :func:`default_config`), so every
+    """The heuristic default of each searched family that has one for ``key`` within its
+    rules and shared memory on ``arch``, registry order.  A study measures each of them first (after :func:`default_config`), so every
     family is compared from the search's start: where one family's valid configs are a
     small part of the product of its knob domains (the Gluon forward at head_dim 256)
     the sampler alone may never propose one."""
     out = []
     for name in search_space(key, arch, family_names):
-        cfg = families.get(name).default_config(key, arch)
-        if cfg is not None and cfg not in out:
+        fam = families.get(name)
+        cfg = fam.default_config(key, arch)
+        if cfg is None or cfg in out:
+            continue
+        v = Variant(key.spec, cfg)
+        if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
             out.append(cfg)
     return out
 
@@ -621,8 +625,12 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         # keys already tuned here.
         firsts = [default, *family_defaults(key, arch, space),
                   *(c for c in transfer_configs(key, db, env, arch) if c.family in space)]
-        for params in (_params(c, space) for c in dict.fromkeys(firsts)):
-            if params is not None:
+        seen = set()
+        for params in (_params(c, space) for c in firsts):
+            # configs that differ only in knobs outside the search (a refined row's) give
+            # the same params: enqueue them once
+            if params is not None and tuple(sorted(params.items())) not in seen:
+                seen.add(tuple(sorted(params.items())))
                 study.enqueue_trial(params)
 
     def n_complete() -> int:

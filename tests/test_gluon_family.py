@@ -409,7 +409,8 @@ def test_untuned_defaults_follow_the_measurements():
                      (key("bwd_dq", d=128, mask="window", shape=BIG), False)):
         plan = d.backward(k, capturing=False)
         assert plan.whole is whole, (k.id, plan.reason)
-        assert ("gluon_bwd" in plan.reason) if whole else ("no measurement puts the gluon backward" in plan.reason)
+        assert (("gluon_bwd" if k.spec.head_dim != 96 else "tuning/head-dims") in plan.reason) if whole \
+            else ("no measurement puts the gluon backward" in plan.reason)
     # where Gluon does not serve: the Triton family, with its reason
     for arch in (by_sm("sm_80"), INTERPRETER):
         d = Dispatcher([], env=H200, arch=arch)
@@ -566,7 +567,6 @@ def test_tuner_writes_gluon_rows_that_round_trip(tmp_path):
     assert "kernel family gluon" in str(e) and "triton does not serve it: its backward is two kernels" in str(e)
 
 
-
 def test_a_study_measures_each_familys_default_first(tmp_path):
     """At head_dim 192 (tiles of 256) the portable family's default is the study's
     default, and few of the Gluon forward's knob combinations are valid (one consumer's
@@ -585,6 +585,28 @@ def test_a_study_measures_each_familys_default_first(tmp_path):
     assert bench_.calls[:2] == [Variant(k.spec, c).id for c in (triton_default, gluon_default)]
     # a family searched alone: its own default, once
     assert tuner.family_defaults(k, SM90, ("gluon",)) == [gluon_default]
+
+
+def test_configs_that_differ_only_outside_the_search_are_enqueued_once(tmp_path, monkeypatch):
+    """A transferred row that is the Gluon default plus a refinement knob (masked_first,
+    outside the search) gives the default's params: the study enqueues them once."""
+    import optuna
+
+    shape = Shape(4, 8, 4, 4096, 4096)
+    k = key("fwd", dtype="bfloat16", d=192, mask="causal", shape=shape)
+    gluon_default = families.get("gluon").default_config(k, SM90)
+    twin = dataclasses.replace(gluon_default, masked_first=1)
+    assert twin != gluon_default
+    monkeypatch.setattr(tuner, "transfer_configs", lambda *a, **kw: [twin])
+    enqueued = []
+    real = optuna.Study.enqueue_trial
+    monkeypatch.setattr(optuna.Study, "enqueue_trial",
+                        lambda self, params, *a, **kw: (enqueued.append(dict(params)), real(self, params, *a, **kw)))
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        tuner.tune_key(k, shape, benchmarker=tuner.FakeBenchmarker({}, default=1.0), db=db, env=H200, arch=SM90,
+                       n_trials=2)
+    assert len(enqueued) == 2 and enqueued[0] != enqueued[1]
+
 
 # -- the launchers with the arguments bench and the library pass ----------------------
 

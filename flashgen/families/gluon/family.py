@@ -51,10 +51,10 @@ BWD_DEFAULT_AHEAD = {
     (128, "none"): "514 vs 411 TFLOP/s at 4,16,4096,128",
     (128, "causal"): "530 vs 421 at 1,16,16384,128; 431 vs 367 at 4,16,4096,128",
     (64, "causal"): "367 vs 319 at 4,32,4096,64; 307 vs 272 at 8,32,2048,64",
-    # the head-dims preset's tuning (docs/results/h200/tuning/head-dims: the Gluon default
-    # against the Triton family's tuned bwd_dq + bwd_dkdv, each key's rows of one day)
-    (96, "none"): "436 vs 314 at 4,32,4096,96",
-    (96, "causal"): "384 vs 293 at 4,32,4096,96; 250 vs 212 at 16,32,1024,96",
+    # the head-dims preset's tuning: the Gluon default against the Triton family's tuned
+    # bwd_dq + bwd_dkdv, each key's rows of one day
+    (96, "none"): "436 vs 314 at 4,32,4096,96 (docs/results/h200/tuning/head-dims)",
+    (96, "causal"): "384 vs 293 at 4,32,4096,96 (docs/results/h200/tuning/head-dims)",
 }
 #: The Gluon forward's default against the Triton family's tuned forward on the H200
 #: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.73-0.94x in the
@@ -64,8 +64,10 @@ FWD_DEFAULT_AHEAD = ("0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.73-0.
                      "head_dim 96 and 256: 0.96-1.41x the Triton family's tuned rows, ahead at 15 of the head-dims "
                      "preset's 16 keys (docs/results/h200/tuning/head-dims)")
 #: The head dims (head_dim == head_dim_v) whose Gluon forward default was timed against
-#: the Triton family's tuned forward; the others are exact (checked against float64 on
-#: the H200) but untimed, so their untuned default stays the portable family's.
+#: the Triton family's tuned forward (bf16, no mask and causal; 96 at GQA group 1, 256 at
+#: group 2: the default extends those timings to windows, float16 and other groups); the
+#: others are exact (checked against float64 on the H200) but untimed, so their untuned
+#: default stays the portable family's.
 FWD_DEFAULT_HEAD_DIMS = (64, 96, 128, 256)
 #: The least work (FLOPs of the key's size buckets, FlashAttention's count) at which an
 #: untuned key takes the Gluon default.  A Gluon launch costs more host time than the
@@ -380,7 +382,9 @@ class GluonFamily:
             timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS and not s.mods
             return FWD_DEFAULT_AHEAD if timed else None
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
-        return None if seen is None else f"H200, {seen} (docs/results/h200/gluon_bwd)"
+        if seen is None:
+            return None
+        return f"H200, {seen}" + ("" if "(docs/" in seen else " (docs/results/h200/gluon_bwd)")
 
     # -- code ---------------------------------------------------------------------------
     def template_hash(self, kernel: str, mods: str = "") -> str:
