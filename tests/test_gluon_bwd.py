@@ -1165,6 +1165,9 @@ def test_head_dim_96_runs_on_the_head_dim_128_tiles():
                if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
     assert all("DG" in ln or "d96" in ln or "d128" in ln or "gl.load(O" in ln
                or "gl.load(DO" in ln or "gl.store(DQ" in ln or ln.strip() in "+-" or ln.lstrip("+-").startswith("#") for ln in changed), changed
+    # a rule of the tiles names both head dims
+    why = B.invalid_reasons(dataclasses.replace(c, dq_mode="atomic"), 96)
+    assert why and all(r.endswith("(head_dim 96 runs on the head_dim 128 tiles)") for r in why), why
     gs = dataclasses.replace(c, kv_store="ptr", group_split=2)
     b, h, hk, s, d = 1, 4, 2, 200, 96
     q, o, do = (torch.empty(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))

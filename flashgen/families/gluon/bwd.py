@@ -271,8 +271,8 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
     if head_dim not in HEAD_DIMS:
         out.append(f"head_dim {head_dim} is not one of {HEAD_DIMS} (gl.arange needs a power of two, 96 is "
                    "padded to 128; wgmma n = head_dim)")
-    else:
-        head_dim = tile_dim(head_dim)  # the rules below are the tiles'
+    requested, head_dim = head_dim, tile_dim(head_dim) if head_dim in HEAD_DIMS else head_dim
+    first_tile_rule = len(out)  # the rules below are the tiles' (head_dim 96: 128)
     if c.block_m not in (64, 128):
         out.append(f"block_m {c.block_m} must be 64 or 128 (the dQ wgmma's M is at least one warpgroup's 64 rows)")
     if c.block_n != 64:
@@ -368,6 +368,9 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         if smem > SMEM_LIMIT_BYTES:
             terms = ", ".join(f"{k} {v}" for k, v in smem_terms(c, head_dim).items())
             out.append(f"shared memory {smem} bytes over the limit {SMEM_LIMIT_BYTES} ({terms})")
+    if requested != head_dim:
+        out[first_tile_rule:] = [f"{r} (head_dim {requested} runs on the head_dim {head_dim} tiles)"
+                                 for r in out[first_tile_rule:]]
     return out
 
 
