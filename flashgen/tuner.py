@@ -415,10 +415,10 @@ def default_config(key: ProblemKey, arch: Arch, family_names: Iterable[str] | No
 
 def family_defaults(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None) -> list[TileConfig]:
     """The heuristic default of each searched family that has one for ``key`` within its
-    rules and shared memory on ``arch``, registry order.  A study measures each of them first (after :func:`default_config`), so every
-    family is compared from the search's start: where one family's valid configs are a
-    small part of the product of its knob domains (the Gluon forward at head_dim 256)
-    the sampler alone may never propose one."""
+    rules and shared memory on ``arch``, registry order.  A study measures each of them
+    first (after :func:`default_config`), so every family is compared from the search's
+    start: where one family's valid configs are a small part of the product of its knob
+    domains (the Gluon forward at head_dim 256) the sampler alone may never propose one."""
     out = []
     for name in search_space(key, arch, family_names):
         fam = families.get(name)

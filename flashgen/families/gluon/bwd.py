@@ -618,7 +618,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     return _env(directory).get_template(TEMPLATE).render(
         template_hash=template_hash() if header_hash is None else header_hash,
         variant_id=variant_id(c, dtype, head_dim_g, mask), dtype=dtype, head_dim=head_dim,
-        head_dim_g=head_dim_g, PAD=head_dim_g != head_dim, GW="DG" if head_dim_g != head_dim else "D", mask=mask, BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
+        head_dim_g=head_dim_g, PAD=head_dim_g != head_dim, GW="DG" if head_dim_g != head_dim else "D", mask=mask,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,
         PRODUCER_WARPS=c.producer_warps, SPLIT=c.split, PART_WARPS=c.num_warps, PART_ROWS=c.part_rows,
