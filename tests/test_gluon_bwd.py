@@ -408,7 +408,7 @@ def test_fragment_stage_rules_launch_and_search():
     grid, args = a["convert"]
     assert grid == (b * h * 5,) and args[:5] == (a["dqacc"], a["dq"], h, s, m_pad)
     assert args[5:8] == a["dq"].stride()[:3] == q.stride()[:3]
-    assert a["preprocess_strided"][1][-2:] == (True, None)  # zero the whole padded accumulator; head_dim unpadded
+    assert a["preprocess_strided"][1][-2:] == (True, d)  # zero the whole padded accumulator; DG = head_dim
 
 
 def test_shared_memory_model_matches_the_compiler(compiled):

@@ -33,7 +33,7 @@ import jinja2
 from ... import plans
 from ...fastlaunch import launch
 from .code_id import CodeId, extension_of
-from .config import L2_SECTION_BYTES, largest_divisor
+from .config import L2_SECTION_BYTES, largest_divisor, pad
 
 TEMPLATE = "gluon/attn_bwd.py.j2"
 DTYPES = ("float16", "bfloat16")
@@ -60,8 +60,8 @@ def tile_dim(head_dim: int) -> int:
     variant computes on zero columns past head_dim: the copy engine fills them on each
     load and clips each store, and the pointer accesses (O and dO in the preprocess, dQ in
     the convert, the register stores of dK and dV) mask them; the dQ accumulator is
-    tile_dim wide."""
-    return 1 << (head_dim - 1).bit_length()
+    tile_dim wide.  The forward's padding rule (:func:`.config.pad`)."""
+    return pad(head_dim)
 #: Shared memory per block (opt-in) and registers per SM on sm_90.
 SMEM_LIMIT_BYTES = 232448
 REGS_PER_SM = 65536
@@ -449,9 +449,9 @@ def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -
     at 64: docs/results/h200/gluon_bwd/dq-stage/fragment.log); dK and dV stored through
     shared memory by TMA (1.00-1.11x the register stores at both head dims:
     docs/results/h200/gluon_bwd/kv-store/)."""
-    split = tile_dim(head_dim) < 128
-    c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if tile_dim(head_dim) >= 128 else 4, dq_mode="tma",
-                       row_load="tma", producer_warps=1, split=split, dq_stage="fragment", kv_store="tma")
+    wide = tile_dim(head_dim) >= 128
+    c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if wide else 4, dq_mode="tma",
+                       row_load="tma", producer_warps=1, split=not wide, dq_stage="fragment", kv_store="tma")
     reasons = invalid_reasons(c, head_dim, dtype, mask)
     if reasons:
         raise ValueError(f"no Gluon backward for head_dim={head_dim} dtype={dtype} mask={mask}: {reasons[0]}")
@@ -618,7 +618,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     return _env(directory).get_template(TEMPLATE).render(
         template_hash=template_hash() if header_hash is None else header_hash,
         variant_id=variant_id(c, dtype, head_dim_g, mask), dtype=dtype, head_dim=head_dim,
-        head_dim_g=head_dim_g, PAD=head_dim_g != head_dim, GW="DG" if head_dim_g != head_dim else "D", mask=mask,
+        head_dim_g=head_dim_g, PAD=head_dim_g != head_dim, mask=mask,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
         MAXNREG=c.maxnreg, DQ_WARPS=dq_warps, DQ_INSTR_N=dq_n, PRE_ROWS=PRE_ROWS, ROW_LOAD=c.row_load,

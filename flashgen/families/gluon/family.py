@@ -48,9 +48,9 @@ _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", 
 #: d64 non-causal measured a tie (359 vs 359 at 8,32,2048,64) and windows were not
 #: timed, so those keys keep the Triton backward until a tuned row says otherwise.
 BWD_DEFAULT_AHEAD = {
-    (128, "none"): "514 vs 411 TFLOP/s at 4,16,4096,128",
-    (128, "causal"): "530 vs 421 at 1,16,16384,128; 431 vs 367 at 4,16,4096,128",
-    (64, "causal"): "367 vs 319 at 4,32,4096,64; 307 vs 272 at 8,32,2048,64",
+    (128, "none"): "514 vs 411 TFLOP/s at 4,16,4096,128 (docs/results/h200/gluon_bwd)",
+    (128, "causal"): "530 vs 421 at 1,16,16384,128; 431 vs 367 at 4,16,4096,128 (docs/results/h200/gluon_bwd)",
+    (64, "causal"): "367 vs 319 at 4,32,4096,64; 307 vs 272 at 8,32,2048,64 (docs/results/h200/gluon_bwd)",
     # the head-dims preset's tuning: the Gluon default against the Triton family's tuned
     # bwd_dq + bwd_dkdv, each key's rows of one day
     (96, "none"): "436 vs 314 at 4,32,4096,96 (docs/results/h200/tuning/head-dims)",
@@ -382,9 +382,7 @@ class GluonFamily:
             timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS and not s.mods
             return FWD_DEFAULT_AHEAD if timed else None
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
-        if seen is None:
-            return None
-        return f"H200, {seen}" + ("" if "(docs/" in seen else " (docs/results/h200/gluon_bwd)")
+        return None if seen is None else f"H200, {seen}"
 
     # -- code ---------------------------------------------------------------------------
     def template_hash(self, kernel: str, mods: str = "") -> str:

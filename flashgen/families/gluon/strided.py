@@ -41,7 +41,7 @@ NUM_WARPS = 4
 @triton.jit
 def preprocess(O, DO, LSE, LSE2, DELTA, DQACC, total_rows, num_heads, seqlen_q, m_pad,
                so_z, so_h, so_m, sdo_z, sdo_h, sdo_m, D: tl.constexpr, ROWS: tl.constexpr,
-               PADDED: tl.constexpr = False, DG: tl.constexpr = None):
+               PADDED: tl.constexpr, DG: tl.constexpr):
     """Grid (cdiv(batch * num_heads * m_pad, ROWS),); see the module docstring."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, D)
@@ -54,7 +54,7 @@ def preprocess(O, DO, LSE, LSE2, DELTA, DQACC, total_rows, num_heads, seqlen_q, 
     m64 = m.to(tl.int64)
     keep = valid[:, None]
     # O and dO: DG columns (the tensors' head_dim); DQACC: D (its padded width)
-    cols_g = (cols < (D if DG is None else DG))[None, :]
+    cols_g = (cols < DG)[None, :]
     o = tl.load(O + (z * so_z + hh * so_h + m64 * so_m)[:, None] + cols[None, :], mask=keep & cols_g, other=0.0)
     do = tl.load(DO + (z * sdo_z + hh * sdo_h + m64 * sdo_m)[:, None] + cols[None, :], mask=keep & cols_g,
                  other=0.0)
@@ -71,7 +71,7 @@ def preprocess(O, DO, LSE, LSE2, DELTA, DQACC, total_rows, num_heads, seqlen_q, 
 
 @triton.jit
 def convert(DQACC, DQ, total_rows, num_heads, seqlen_q, sdq_z, sdq_h, sdq_m, softmax_scale,
-            D: tl.constexpr, ROWS: tl.constexpr, DG: tl.constexpr = None):
+            D: tl.constexpr, ROWS: tl.constexpr, DG: tl.constexpr):
     """Grid (cdiv(batch * num_heads * seqlen_q, ROWS),); see the module docstring."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, D)
@@ -83,7 +83,7 @@ def convert(DQACC, DQ, total_rows, num_heads, seqlen_q, sdq_z, sdq_h, sdq_m, sof
     hh = bh % num_heads
     acc = tl.load(DQACC + (r64 * D)[:, None] + cols[None, :], mask=keep, other=0.0)
     tl.store(DQ + (z * sdq_z + hh * sdq_h + m * sdq_m)[:, None] + cols[None, :],
-             (acc * softmax_scale).to(DQ.dtype.element_ty), mask=keep & (cols < (D if DG is None else DG))[None, :])
+             (acc * softmax_scale).to(DQ.dtype.element_ty), mask=keep & (cols < DG)[None, :])
 
 
 def preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad: int, padded: bool = False):
@@ -94,8 +94,7 @@ def preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad: int, padded: bool =
     total = b * h * m_pad
     dt = dqacc.shape[-1]  # the accumulator's width: d, or d padded (DG = d)
     return (math.ceil(total / ROWS),), (o, do, lse, lse2, delta, dqacc, total, h, sq, m_pad,
-                                         *o.stride()[:3], *do.stride()[:3], dt, ROWS, bool(padded),
-                                         None if dt == d else d)
+                                         *o.stride()[:3], *do.stride()[:3], dt, ROWS, bool(padded), d)
 
 
 def convert_launch(dqacc, dq, softmax_scale: float):
@@ -104,5 +103,4 @@ def convert_launch(dqacc, dq, softmax_scale: float):
     b, h, sq, d = dq.shape
     total = b * h * sq
     dt = dqacc.shape[-1]
-    return (math.ceil(total / ROWS),), (dqacc, dq, total, h, sq, *dq.stride()[:3], float(softmax_scale), dt, ROWS,
-                                         None if dt == d else d)
+    return (math.ceil(total / ROWS),), (dqacc, dq, total, h, sq, *dq.stride()[:3], float(softmax_scale), dt, ROWS, d)
