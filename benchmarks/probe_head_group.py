@@ -37,7 +37,9 @@ SHAPES = ([(b, 16, 16, s, 128, c) for c in (True, False)
 def earlier_rule(config, pairs: int, seqlen_q: int, group: int, *, mask: bool, sm_count: int) -> int:
     """HEAD_GROUP as the launcher chose it before: 2 * parts * SMs / steps, rounded up,
     at most the pairs (not a divisor of them in general)."""
-    steps = max(1.0, math.ceil(seqlen_q / config.block_m) * group * (0.5 if mask else 1.0))
+    from flashgen.families.gluon.bwd import ordered_steps
+
+    steps = ordered_steps(config, seqlen_q, group, mask=mask)
     return max(1, min(pairs, math.ceil(2 * config.parts * sm_count / steps)))
 
 

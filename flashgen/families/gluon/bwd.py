@@ -832,13 +832,19 @@ def ordered_head_group(config: GluonBwdConfig, pairs: int, seqlen_q: int, group:
     pair per group): not measured."""
     if pairs <= 1:
         return 1
-    steps = max(1.0, math.ceil(seqlen_q / config.block_m) * group * (0.5 if mask else 1.0))
+    steps = ordered_steps(config, seqlen_q, group, mask=mask)
     cap = max(1, min(pairs, int(config.parts * sm_count / steps)))
     whole = largest_divisor(pairs, cap)
     if 2 * whole > cap:
         return whole
     groups = -(-pairs // cap)
     return -(-pairs // groups)
+
+
+def ordered_steps(config: GluonBwdConfig, seqlen_q: int, group: int, *, mask: bool) -> float:
+    """Steps of one program of the ordered backward (at least 1): its query blocks times
+    the query heads of its group, half the query blocks on average under a mask."""
+    return max(1.0, math.ceil(seqlen_q / config.block_m) * group * (0.5 if mask else 1.0))
 
 
 def ordered_program(pid: int, num_programs: int, n_kb: int, head_group: int) -> tuple[int, int]:
