@@ -272,14 +272,17 @@ def run_variant_varlen(variant: Variant, q, k, v, do, cu_q, cu_k, max_q, max_k, 
         out = torch.empty(q.shape[:2] + (v.shape[2],), dtype=q.dtype, device=q.device)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
 
+        launch = families.launcher(cfg.family, "fwd_varlen")
+
         def fn():
-            ops.fwd_varlen(q, k, v, *seqs, config=cfg, out=out, lse=lse, **kw)
+            launch(q, k, v, *seqs, config=cfg, out=out, lse=lse, **kw)
         return fn, {"O": out, "LSE": lse}
     from .spec import KernelSpec
 
     arch = arch or _arch()
     fspec = KernelSpec("fwd_varlen", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask)
-    o, lse = ops.fwd_varlen(q, k, v, *seqs, config=default_config(fspec, arch), **kw)
+    fcfg = default_config(fspec, arch)
+    o, lse = families.launcher(fcfg.family, "fwd_varlen")(q, k, v, *seqs, config=fcfg, **kw)
     if spec.kernel == "bwd_dq_varlen":
         dq, delta = torch.empty_like(q), torch.empty_like(lse)
 

@@ -111,6 +111,17 @@ def _any_size(key: ProblemKey) -> bool:
     return True
 
 
+def family_allowed(name: str) -> bool:
+    """Whether the dispatcher may serve a call with family ``name``: the environment
+    variable ``FLASHGEN_FAMILIES`` (comma-separated family names, e.g. ``triton``) limits
+    the families whose rows and defaults it picks, for a side-by-side measurement of one
+    family against the others; the portable family always serves.  Unset or empty: every
+    registered family.  Read when a choice is made (choices are memoized: set it before
+    the first call, or call ``default_dispatcher().clear()``)."""
+    allowed = os.environ.get("FLASHGEN_FAMILIES", "").strip()
+    return not allowed or name == families.portable().name or name in {n.strip() for n in allowed.split(",")}
+
+
 def graph_capturing() -> bool:
     """Whether the current CUDA stream is capturing a CUDA graph (False without CUDA)."""
     import torch
@@ -312,10 +323,11 @@ class Dispatcher:
         return fam.estimate(v, self.arch).feasible and not fam.violated_rules(v)
 
     def _family(self, cfg: TileConfig, key: ProblemKey):
-        """The family of ``cfg`` when it is registered and serves ``key`` on this arch
-        (and the variant has not failed in this process), else None."""
+        """The family of ``cfg`` when it is registered, allowed (:func:`family_allowed`)
+        and serves ``key`` on this arch (and the variant has not failed in this process),
+        else None."""
         fam = families.FAMILIES.get(cfg.family)
-        if fam is None or fam.unsupported(key, self.arch) is not None:
+        if fam is None or not family_allowed(fam.name) or fam.unsupported(key, self.arch) is not None:
             return None
         if _failed and Variant(key.spec, cfg).id in _failed:
             return None

@@ -1003,3 +1003,92 @@ def test_refining_consumers_leaves_programs_per_sm_that_only_one_consumer_fits(t
     with TuningDB(tmp_path / "t.sqlite") as db:
         [(_, both)] = tuner.refine_configs(k, db, H200, SM90, ["num_warps", "ctas_per_sm"], ["gluon"])
     assert all(c.num_warps == 4 for c in both if c.ctas_per_sm)
+
+
+# -- ragged batches (fwd_varlen) ------------------------------------------------------------
+
+def test_the_gluon_forward_serves_ragged_batches_on_sm90_only():
+    k = key("fwd_varlen", "bfloat16", 128, mask="causal")
+    assert GLUON.unsupported(k, SM90) is None and "fwd_varlen" in GLUON.kernels
+    assert "Triton's interpreter" in GLUON.unsupported(k, INTERPRETER)
+    assert "this is sm_80" in GLUON.unsupported(k, by_sm("sm_80"))
+    assert "the Gluon forward is built for" in GLUON.unsupported(key("fwd_varlen", d=80), SM90)
+    # its rows carry their own code id; untuned keys take its default where it measured ahead
+    assert GLUON.template_hash("fwd_varlen") not in (GLUON.template_hash("fwd"), GLUON.template_hash("bwd"))
+    for mask, n, ahead in (("causal", 4096, True), ("causal", 1024, False), ("none", 1024, True),
+                           ("none", 512, False), ("window", 4096, False)):
+        k = key("fwd_varlen", "bfloat16", 128, mask=mask, shape=Shape(16384 // n * 4, 32, 8, n, n))
+        assert GLUON.large_enough(k) and (GLUON.prefers_default(k, SM90) is not None) == ahead, (mask, n)
+    d64 = key("fwd_varlen", "bfloat16", 64, mask="none", shape=Shape(16, 32, 8, 4096, 4096))
+    assert GLUON.prefers_default(d64, SM90) is None  # not timed
+    assert F.fwd_spec(d64).varlen and not F.fwd_spec(key("fwd")).varlen
+
+
+@pytest.mark.parametrize("d,mask", [(64, "causal"), (128, "none")])
+def test_the_varlen_domain_filtered_by_the_rules_is_the_one_program_per_tile_space(d, mask):
+    import itertools
+
+    k = key("fwd_varlen", "bfloat16", d, mask=mask)
+    dom = GLUON.domain(k)
+    admitted = {cfg for values in itertools.product(*dom.values())
+                for cfg in [TileConfig(**dict(zip(dom, values)), family="gluon")]
+                if not GLUON.violated_rules(Variant(k.spec, cfg))}
+    spec = F.fwd_spec(k)
+    assert spec.varlen and admitted == {F.tile_config(c) for c in C.space(spec)} and len(admitted) > 10
+    assert all(not c.persistent and not c.snake for c in admitted)
+    # the dense forward's walks are not built for ragged batches, nor the longest-first order
+    walk = dataclasses.replace(GLUON.default_config(k, SM90), persistent=2)
+    assert any("ragged batches (varlen) with persistent=2" in w for w in GLUON.violated_rules(Variant(k.spec, walk)))
+    assert set(GLUON.refine_domain(k)) == set(F.VARLEN_REFINE_KNOBS)
+
+
+@pytest.mark.parametrize("gluon_ms, winner", [(0.5, "gluon"), (2.0, "triton")])
+def test_dispatch_varlen_forward_by_measurement(tmp_path, gluon_ms, winner):
+    k = key("fwd_varlen", "bfloat16", 128, mask="causal", shape=Shape(8, 4, 2, 1024, 1024))
+    g = GLUON.default_config(k, SM90)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        for cfg, ms in ((T1, 1.0), (g, gluon_ms)):
+            db.record(k, Shape(8, 4, 2, 1024, 1024), Variant(k.spec, cfg), Measurement("ok", median_ms=ms), H200, 0)
+    c = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90).choose(k, capturing=False)
+    assert (c.config.family, c.source) == (winner, "tuned")
+    assert families.launcher(c.config.family, "fwd_varlen") is (F.fwd_varlen if winner == "gluon"
+                                                               else families.portable().launcher("fwd_varlen"))
+
+
+def test_the_varlen_launcher_addresses_the_packed_rows(monkeypatch):
+    """One program per (query block of the longest sequence, sequence, head); the
+    descriptors view the packed tensors as (1, heads, total, head_dim); the sequences'
+    offsets, O's strides and total_q (LSE's row stride) follow; masks as window sizes."""
+    mod = _Module()
+    spec = KernelSpec("fwd_varlen", "float16", 128, 128, "causal")
+    cfg = GLUON.default_config(key("fwd_varlen", d=128), SM90)
+    lens_q, lens_k = [150, 0, 61, 1, 37], [61, 13, 150, 1, 0]
+    q, k, v, do, cu_q, cu_k, mq, mk = bench.make_varlen_inputs(spec, lens_q, lens_k, 4, 2, device="cpu")
+    fn, outs = bench.run_variant_varlen(Variant(spec, cfg), q, k, v, do, cu_q, cu_k, mq, mk)
+    monkeypatch.setattr("flashgen.families.gluon.render.load", lambda variant: mod)
+    monkeypatch.setattr("flashgen.families.gluon.launch.unsupported", lambda *a, **kw: None)
+    fn()
+    (name, grid, args, kw), = mod.log
+    m_blocks = -(-150 // 128)
+    assert name == "attn_fwd" and grid == (m_blocks * 5 * 4,) and kw == {"num_warps": 8, "maxnreg": 168}
+    assert [list(d.shape) for d in args[:4]] == [[1, 4, 249, 128], [1, 2, 225, 128], [1, 2, 225, 128],
+                                                 [1, 4, 249, 128]]
+    assert [list(d.strides) for d in args[:2]] == [[128 * 4, 128, 128 * 4, 1], [128 * 2, 128, 128 * 2, 1]]
+    assert args[4] is outs["LSE"] and outs["LSE"].shape == (4, 249) and outs["O"].shape == (249, 4, 128)
+    assert args[6:14] == (m_blocks * 5 * 4, m_blocks, 4, 2, 150, 150, -1, 0)  # causal: right 0, left unbounded
+    assert args[14] is cu_q and args[15] is cu_k and args[16] is outs["O"] and args[17:] == (4 * 128, 128, 249)
+
+
+def test_flashgen_families_limits_the_dispatchers_families(tmp_path, monkeypatch):
+    """FLASHGEN_FAMILIES=triton: the faster Gluon row and the Gluon default give way to the
+    Triton family (a side-by-side measurement of one family against the other)."""
+    k = key("fwd_varlen", "bfloat16", 128, mask="causal", shape=Shape(8, 4, 2, 1024, 1024))
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        for cfg, ms in ((T1, 1.0), (GLUON.default_config(k, SM90), 0.5)):
+            db.record(k, Shape(8, 4, 2, 1024, 1024), Variant(k.spec, cfg), Measurement("ok", median_ms=ms), H200, 0)
+    big = key("fwd", "bfloat16", 128, mask="causal", shape=Shape(4, 16, 16, 4096, 4096))
+    for allowed, family in (("", "gluon"), ("triton", "triton"), ("gluon, triton", "gluon")):
+        monkeypatch.setenv("FLASHGEN_FAMILIES", allowed)
+        d = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
+        assert d.choose(k, capturing=False).config.family == family, allowed
+        assert d.choose(big, capturing=False).config.family == family, allowed  # the untuned default

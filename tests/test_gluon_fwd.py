@@ -232,6 +232,13 @@ COMPILE_CASES = [
     # consumers at BLOCK_N 64 in the walk of 2, beside its key-order twin
     ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, persistent=2)),
     ("bfloat16", 128, 128, "causal", dict(BLOCK_N=64, persistent=2, masked_first=True, skip_masked=True)),
+    # ragged batches (varlen), each beside its dense twin above: the one-consumer tile two
+    # to an SM (the short documents' tile), a padded head dim, three consumers at float16
+    ("bfloat16", 128, 128, "window", dict(BLOCK_N=64, num_stages=2, num_consumers=1, consumer_regs=232, ctas_per_sm=2),
+     dict(varlen=True)),
+    ("bfloat16", 96, 96, "causal", dict(num_consumers=1, num_stages=3), dict(varlen=True)),
+    ("float16", 64, 64, "none", dict(num_consumers=3, consumer_regs=160, producer_regs=32, BLOCK_N=64, num_stages=6),
+     dict(varlen=True)),
 ]
 
 #: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
@@ -275,8 +282,9 @@ _SCRIPT = r'''
 import json, sys
 from flashgen.families.gluon.config import GluonFwdConfig, GluonFwdSpec, GluonFwdVariant, smem_bytes
 from flashgen.families.gluon.sm90 import compile_sm90, report
-for dt, d, dv, mask, kw, *sinks in CASES:
-    v = GluonFwdVariant(GluonFwdSpec(dt, d, dv, mask, sinks=bool(sinks)), GluonFwdConfig(**kw))
+for dt, d, dv, mask, kw, *extra in CASES:
+    sk = extra[0] if extra and isinstance(extra[0], dict) else dict(sinks=bool(extra))
+    v = GluonFwdVariant(GluonFwdSpec(dt, d, dv, mask, **sk), GluonFwdConfig(**kw))
     r = report(compile_sm90(v))
     print("OK " + json.dumps(dict(id=v.id, problems=r.problems(v), spill=r.spill_bytes, shared=r.shared_bytes,
                                   model=smem_bytes(v.spec, v.config), setmaxnreg=r.setmaxnreg, hgmma=r.hgmma,
@@ -289,8 +297,9 @@ for dt, d, dv, mask, kw, *sinks in CASES:
 def compile_features(case) -> set:
     """The (knob, value) pairs of a COMPILE_CASES entry: every field of its spec and
     config (tests/sm90.py: covering)."""
-    dt, d, dv, mask, kw, *sinks = case
-    v = GluonFwdVariant(GluonFwdSpec(dt, d, dv, mask, sinks=bool(sinks)), GluonFwdConfig(**kw))
+    dt, d, dv, mask, kw, *extra = case
+    sk = extra[0] if extra and isinstance(extra[0], dict) else dict(sinks=bool(extra))
+    v = GluonFwdVariant(GluonFwdSpec(dt, d, dv, mask, **sk), GluonFwdConfig(**kw))
     return {(f"spec.{k}", x) for k, x in dataclasses.asdict(v.spec).items()} | \
         {(f"config.{k}", x) for k, x in dataclasses.asdict(v.config).items()}
 
@@ -331,6 +340,11 @@ def test_compiles_for_sm90_with_what_each_variant_is_for(request):
         if "_mf" in row["id"]:  # the same products and budgets in another key order (a skipped tile runs none)
             twin = by_id.get(row["id"].replace("_mf", "").replace("_skip", ""))
             assert twin is not None, f"{row['id']}: its key-order twin is not among COMPILE_CASES"
+            assert (row["hgmma"], row["setmaxnreg"]) == (twin["hgmma"], twin["setmaxnreg"]), (row, twin)
+            assert row["spill"] <= twin["spill"], (row, twin)
+        if "_varlen" in row["id"]:  # the dense twin's products and budgets; its store of a sequence's tail
+            twin = by_id.get(row["id"].replace("_varlen", ""))
+            assert twin is not None, f"{row['id']}: its dense twin is not among COMPILE_CASES"
             assert (row["hgmma"], row["setmaxnreg"]) == (twin["hgmma"], twin["setmaxnreg"]), (row, twin)
             assert row["spill"] <= twin["spill"], (row, twin)
         plain = by_id.get(row["id"].replace("_sinks", ""))

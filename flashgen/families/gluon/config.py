@@ -72,6 +72,10 @@ class GluonFwdSpec:
     #: (:mod:`flashgen.user_render`, registered in this process), "" for none; with a
     #: mask function the mask mode is "window" (:func:`.user.compiled_mask`)
     user: str = ""
+    #: ragged batches (``attention_varlen``): packed q (total_q, h, d), k and v
+    #: (total_k, hk, d / dv) and cu_seqlens; one program per (query block, z * h) of the
+    #: longest sequence, bottom-right masks per sequence (:mod:`.launch`, ``fwd_varlen``)
+    varlen: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,8 @@ class GluonFwdVariant:
             ("_sermask" if c.serial_masked else "") + ("_xtile" if c.cross_tile else "") + \
             ("_oq" if c.o_in_q else "") + ("_lpt" if c.longest_first else "") + ("_mf" if c.masked_first else "") + \
             ("_skip" if c.skip_masked else "") + (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
-        mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "")
+        mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "") + \
+            ("_varlen" if s.varlen else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
                 f"_s{c.num_stages}_r{c.consumer_regs}-{c.producer_regs}{tail}")
 
@@ -532,6 +537,12 @@ def check(v: GluonFwdVariant) -> list[str]:
         why.append(f"skip_masked with masked_first={c.masked_first} and {c.num_consumers} consumer(s): the tiles "
                    "a consumer skips are those past its own rows that the producer loads first for the consumers "
                    "below it (a mode of masked_first's order with two or three consumers)")
+    if s.varlen and (c.persistent or c.longest_first or s.sinks or s.user):
+        why.append(f"ragged batches (varlen) with persistent={c.persistent}"
+                   + (", longest_first" if c.longest_first else "") + (", sinks" if s.sinks else "")
+                   + (", user functions" if s.user else "")
+                   + ": the varlen forward runs one program per (query block, z * h) of the longest sequence, in "
+                   "the grid's order, without sinks or user functions")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")
@@ -652,7 +663,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks, SNAKE=c.snake,
                 SERIAL_MASKED=c.serial_masked, CROSS_TILE=c.cross_tile, O_IN_Q=c.o_in_q,
                 LONGEST_FIRST=c.longest_first, MASKED_FIRST=c.masked_first, SKIP_MASKED=c.skip_masked,
-                **user_vars(s.user))
+                VARLEN=s.varlen, **user_vars(s.user))
 
 
 def replace(c: GluonFwdConfig, **kw) -> GluonFwdConfig:

@@ -2,8 +2,10 @@
 dispatcher and ``explain`` see of the Gluon forward (:mod:`.config`, :mod:`.render`,
 :mod:`.launch`) and backward (:mod:`.bwd`).
 
-Kernels: ``fwd`` and ``bwd``, the whole backward (:data:`flashgen.spec.WHOLE_BWD`:
-preprocess, main kernel and dQ convert, one row timing all three).  Served on sm_90
+Kernels: ``fwd``, ``bwd``, the whole backward (:data:`flashgen.spec.WHOLE_BWD`:
+preprocess, main kernel and dQ convert, one row timing all three), and ``fwd_varlen``,
+the forward of ragged batches (one program per tile; its backward is the Triton
+family's).  Served on sm_90
 only (compute capability 9.0 exactly: wgmma, setmaxnreg and TMA as these kernels use
 them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, the head
 dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
@@ -33,6 +35,13 @@ from . import bwd as B
 from . import config as C
 
 NAME = "gluon"
+#: The ragged-batch forward (the Gluon forward's ``varlen`` variants, :mod:`.launch`).
+VARLEN_FWD = "fwd_varlen"
+#: The kernels the Gluon forward compiles.
+FWD_KERNELS = ("fwd", VARLEN_FWD)
+#: The refinement knobs of the varlen forward (one program per tile in the grid's order:
+#: no walk, no longest-first order).
+VARLEN_REFINE_KNOBS = ("masked_first", "skip_masked")
 _ROW_LOADS = ("tma", "producer", "ptr")  # TileConfig.row_load 0, 1, 2
 #: The TileConfig knobs each Gluon kernel reads (the others must stay 0).
 _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "pin",
@@ -63,6 +72,15 @@ BWD_DEFAULT_AHEAD = {
 FWD_DEFAULT_AHEAD = ("0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.73-0.94x (docs/results/h200/gluon_fwd); "
                      "head_dim 96 and 256: 0.96-1.41x the Triton family's tuned rows, ahead at 15 of the head-dims "
                      "preset's 16 keys (docs/results/h200/tuning/head-dims)")
+#: Where the Gluon forward's varlen default measured ahead of the Triton family's tuned
+#: varlen forward on the H200 (docs/results/h200/varlen-gluon/gluon_varlen.json: the
+#: varlen-docs preset, head_dim 128, 32 / 8 heads, bf16, both in one run): mask -> the
+#: least max_seqlen_q (the key's bucket) from which the default serves an untuned key.
+#: Below it (documents of at most 512 tokens, and causal 1024) the Triton rows were ahead.
+FWD_VARLEN_DEFAULT_AHEAD = {
+    "causal": (2048, "1.15-1.23x the Triton family's tuned rows at documents of up to 2048-8192 tokens"),
+    "none": (1024, "1.18-1.36x the Triton family's tuned rows at documents of up to 1024-8192 tokens"),
+}
 #: The head dims (head_dim == head_dim_v) whose Gluon forward default was timed against
 #: the Triton family's tuned forward (bf16, no mask and causal; 96 at GQA group 1, 256 at
 #: group 2: the default extends those timings to windows, float16 and other groups); the
@@ -116,7 +134,8 @@ def fwd_spec(key_or_spec) -> C.GluonFwdSpec:
 
         return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, compiled_mask(s.mask, s.mods),
                               sinks=user_render.lowered(s.mods).sinks, user=s.mods)
-    return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, s.mask, sinks=sinks_only(s.mods))
+    return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, s.mask, sinks=sinks_only(s.mods),
+                          varlen=s.kernel == VARLEN_FWD)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -193,7 +212,7 @@ def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
 
 class GluonFamily:
     name = NAME
-    kernels = ("fwd", WHOLE_BWD)
+    kernels = ("fwd", WHOLE_BWD, VARLEN_FWD)
     _launch = None
 
     # -- what it serves ---------------------------------------------------------------
@@ -218,7 +237,7 @@ class GluonFamily:
             return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes user functions)"
         if s.mask not in C.MASKS:
             return f"mask {s.mask}: one of {C.MASKS}"
-        if s.kernel == "fwd":
+        if s.kernel in FWD_KERNELS:
             if s.head_dim not in C.HEAD_DIMS or s.head_dim_v not in C.HEAD_DIMS:
                 return f"head dims ({s.head_dim}, {s.head_dim_v}): the Gluon forward is built for {C.HEAD_DIMS}"
             try:
@@ -238,6 +257,10 @@ class GluonFamily:
         split over the group's divisors, so the domain of multi-head keys is what it
         was; the forward's BLOCK_M 128 only where its registers can fit, head_dim_v
         64)."""
+        if key.spec.kernel == VARLEN_FWD:  # one program per tile: no walk
+            return {"BLOCK_M": C.block_ms(key.spec.head_dim_v), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12),
+                    "num_stages": (2, 3, 4, 5, 6), "pin": (0, 1),
+                    "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM), "serial_masked": (0, 1)}
         if key.spec.kernel == "fwd":
             return {"BLOCK_M": C.block_ms(key.spec.head_dim_v), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12),
                     "num_stages": (2, 3, 4, 5, 6), "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM),
@@ -261,6 +284,8 @@ class GluonFamily:
         ``longest_first``, ``masked_first`` and its ``skip_masked`` (under a mask)."""
         if key.spec.kernel == "fwd":
             return {k: (0, 1) for k in C.REFINE_KNOBS}
+        if key.spec.kernel == VARLEN_FWD:
+            return {k: (0, 1) for k in VARLEN_REFINE_KNOBS}
         if key.spec.kernel != WHOLE_BWD:
             return {}
         return {"dq_ordered": (0, 1), "dq_writer": (0, 1),
@@ -281,7 +306,7 @@ class GluonFamily:
         (whose registers need the whole SM)."""
         if config.family != NAME:
             return config
-        if key.spec.kernel == "fwd":
+        if key.spec.kernel in FWD_KERNELS:
             if "ctas_per_sm" in knobs or not config.ctas_per_sm or not self.violated_rules(Variant(key.spec, config)):
                 return config
             one = dataclasses.replace(config, ctas_per_sm=0)
@@ -303,7 +328,7 @@ class GluonFamily:
 
     def violated_rules(self, v: Variant) -> list[str]:
         s, c = v.spec, v.config
-        if s.kernel == "fwd":
+        if s.kernel in FWD_KERNELS:
             why = _foreign_knobs(c, _FWD_KNOBS)
             if c.num_warps % 4:
                 why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
@@ -331,7 +356,7 @@ class GluonFamily:
 
     def estimate(self, v: Variant, arch) -> SmemEstimate:
         s = v.spec
-        if s.kernel == "fwd":
+        if s.kernel in FWD_KERNELS:
             g = fwd_config(v.config)
             limit = min(arch.smem_per_block_optin, C.smem_limit(g)) if g.ctas_per_sm in C.CTAS_PER_SM else \
                 arch.smem_per_block_optin
@@ -356,7 +381,7 @@ class GluonFamily:
         if self.unsupported(key, arch) is not None:
             return None
         s = key.spec
-        if s.kernel == "fwd":
+        if s.kernel in FWD_KERNELS:
             return tile_config(C.default_config(fwd_spec(s)))
         return tile_config(B.default_config(s.head_dim, s.dtype, s.mask))
 
@@ -365,7 +390,7 @@ class GluonFamily:
         hide a Gluon launch's host time: below it an untuned key takes neither this
         family's default nor its rows of another (nearest) bucket."""
         s = key.spec
-        which = "fwd" if s.kernel == "fwd" else "bwd"
+        which = "fwd" if s.kernel in FWD_KERNELS else "bwd"
         return attention_flops(1, key.batch_heads, key.seqlen_q, key.seqlen_k, s.head_dim, s.head_dim_v,
                                causal=s.mask != "none", kernel=which) >= DEFAULT_MIN_FLOPS[which]
 
@@ -377,6 +402,10 @@ class GluonFamily:
         s = key.spec
         if not self.large_enough(key):
             return None
+        if s.kernel == VARLEN_FWD:
+            least, seen = FWD_VARLEN_DEFAULT_AHEAD.get(s.mask, (None, None))
+            timed = s.head_dim == s.head_dim_v == 128 and least is not None and key.seqlen_q >= least
+            return f"H200, {seen} (docs/results/h200/varlen-gluon)" if timed else None
         if s.kernel == "fwd":
             # the sinks variant has no measurement yet: tuned rows alone pick it
             timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS and not s.mods
@@ -388,7 +417,12 @@ class GluonFamily:
     def template_hash(self, kernel: str, mods: str = "") -> str:
         """The code id of ``kernel``'s Gluon template (templates/gluon/, :mod:`.code_id`): an
         edit that changes the code of a variant the tuner can record invalidates exactly
-        the rows of that kernel's Gluon variants; one that only adds a mode keeps them."""
+        the rows of that kernel's Gluon variants; one that only adds a mode keeps them
+        (``fwd_varlen``: :func:`.render.varlen_code_id`)."""
+        if kernel == VARLEN_FWD:
+            from .render import varlen_code_id
+
+            return "g" + varlen_code_id()[1:]
         if kernel == "fwd":
             from .render import template_hash, user_code_id
 
@@ -401,7 +435,7 @@ class GluonFamily:
 
     def render(self, v: Variant) -> str:
         s = v.spec
-        if s.kernel == "fwd":
+        if s.kernel in FWD_KERNELS:
             from .render import render
 
             return render(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
@@ -413,14 +447,17 @@ class GluonFamily:
         from . import build
 
         s = v.spec
-        if s.kernel == "fwd":
+        if s.kernel in FWD_KERNELS:
             return build.load_fwd(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
         return build.load_bwd(bwd_config(v.config), s.dtype, s.head_dim, s.mask)
 
     def launcher(self, name: str):
-        """``fwd`` (:func:`fwd`) or ``bwd`` (:func:`bwd`, the whole backward)."""
+        """``fwd`` (:func:`fwd`), ``bwd`` (:func:`bwd`, the whole backward) or
+        ``fwd_varlen`` (:func:`fwd_varlen`)."""
         if name == "fwd":
             return fwd
+        if name == VARLEN_FWD:
+            return fwd_varlen
         if name == WHOLE_BWD:
             return bwd
         raise KeyError(f"the Gluon family launches {self.kernels}, not {name!r}")
@@ -446,8 +483,9 @@ def _launch_modules():
 
 
 @functools.lru_cache(maxsize=4096)
-def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: bool = False, user: str = "") -> str:
-    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask, sinks=sinks, user=user), g).id
+def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: bool = False, user: str = "",
+            varlen: bool = False) -> str:
+    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask, sinks=sinks, user=user, varlen=varlen), g).id
 
 
 @functools.lru_cache(maxsize=4096)
@@ -511,3 +549,16 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
 
 FAMILY = GluonFamily()
 assert FAMILY.name != DEFAULT_FAMILY
+
+
+def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float,
+               mask: str, win_left: int, win_right: int, config: TileConfig, out=None, lse=None, module=None):
+    """The family's ragged-batch forward, in :func:`flashgen.ops.fwd_varlen`'s form: (O,
+    LSE) (:func:`.launch.fwd_varlen`).  With ``module`` (the library's call: the
+    dispatcher chose this family for the key) the launcher skips its input checks."""
+    building, launch_mod = _launch_modules()
+    g = fwd_config(config)
+    with building(_fwd_id(launch_mod._DTYPES[q.dtype], q.shape[2], v.shape[2], mask, g, varlen=True)):
+        return launch_mod.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     softmax_scale=softmax_scale, mask=mask, win_left=win_left, win_right=win_right,
+                                     config=g, out=out, lse=lse, module=module, check_inputs=module is None)

@@ -13,6 +13,7 @@ row that sees no key gets O = 0 and LSE = -inf.  The mask is given as bounds on 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -170,3 +171,82 @@ def attention(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -
     mode, lo, hi = mask_bounds(q.shape[2], k.shape[2], causal=causal, window=window, align=align)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     return fwd(q, k, v, softmax_scale=scale, mask=mode, diag_lo=lo, diag_hi=hi, config=config, out=out, lse=lse)
+
+
+def _packed_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, heads, head_dim) tensor as (1, heads, total, head_dim): the 4-D
+    form the forward's descriptors address (rows of one head are ``t.stride(0)`` apart)."""
+    return t.permute(1, 0, 2).unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_spec(dtype: str, d: int, dv: int, mask: str) -> GluonFwdSpec:
+    return GluonFwdSpec(dtype, d, dv, mask, varlen=True)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(spec: GluonFwdSpec, config: GluonFwdConfig) -> str:
+    """The broken rules of a variant, "" when it can be built (memoized: the launch path)."""
+    return "; ".join(check(GluonFwdVariant(spec, config)))
+
+
+def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float,
+               mask: str, win_left: int, win_right: int, config: GluonFwdConfig | None = None, out=None, lse=None,
+               module=None, check_inputs: bool = True):
+    """O and LSE of a ragged batch, :func:`flashgen.ops.fwd_varlen`'s contract: q
+    (total_q, num_heads, head_dim), k (total_k, num_kv_heads, head_dim), v (total_k,
+    num_kv_heads, head_dim_v), float16 or bfloat16, last-dim stride 1 (a tensor whose
+    other strides a descriptor cannot take is copied); cu_seqlens_q / cu_seqlens_k int32
+    (batch + 1,) on q's device, the checked offsets of
+    :func:`flashgen.api.attention_varlen`; max_seqlen_q / max_seqlen_k the longest
+    sequences (they size the grid).  ``win_left`` / ``win_right``: the window per
+    sequence, bottom-right aligned, -1 unbounded (causal: right 0), the mode ``mask``.
+    Returns O (total_q, num_heads, head_dim_v) in q's dtype and LSE (num_heads,
+    total_q) float32, natural log; a row that sees no key gets O = 0 and LSE = -inf.
+    ``out`` / ``lse``: buffers to write, contiguous.  ``check_inputs=False`` skips
+    :func:`unsupported` (the dispatcher has chosen the family for the inputs' key).
+
+    Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
+    from .render import load
+
+    if check_inputs:
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise ValueError("gluon fwd_varlen: q, k, v must be 3-D (total, heads, head_dim)")
+        why = unsupported(*(_packed_view(t) for t in (q, k, v)), mask=mask)
+        if why and "descriptor" not in why:
+            raise ValueError(f"gluon fwd_varlen: {why}")
+    # A descriptor needs 16-byte aligned row strides: a packed tensor of other strides is copied.
+    q4, k4, v4 = (t4 if _tma_ok(t4) else _packed_view(t.contiguous()) for t in (q, k, v) for t4 in (_packed_view(t),))
+    tq, h, d = q.shape
+    hk, dv = k.shape[1], v.shape[2]
+    batch = cu_seqlens_q.shape[0] - 1
+    spec = _varlen_spec(_DTYPES[q.dtype], d, dv, mask)
+    config = config or default_config(spec)
+    why = _checked(spec, config)
+    if why:
+        raise ValueError("gluon fwd_varlen: " + why)
+    if out is None:
+        out = torch.empty((tq, h, dv), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((h, tq), dtype=torch.float32, device=q.device)
+    num_m_blocks = -(-max_seqlen_q // (config.BLOCK_M * config.num_consumers))
+    num_tiles = num_m_blocks * batch * h
+    if num_tiles == 0 or tq == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no key at all (a descriptor cannot have a 0 extent)
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    if out.stride(2) != 1 or lse.stride() != (tq, 1):
+        raise ValueError("gluon fwd_varlen: out needs a last-dim stride of 1 and lse must be contiguous (h, total_q)")
+    mod = module if module is not None else load(GluonFwdVariant(spec, config))
+    rows = config.BLOCK_M
+    args = (
+        _descriptor(q4, rows, pad(d)), _descriptor(k4, config.BLOCK_N, pad(d)), _descriptor(v4, config.BLOCK_N, pad(dv)),
+        _descriptor(_packed_view(out), rows, pad(dv)), lse,
+        softmax_scale * LOG2E, num_tiles, num_m_blocks, h, h // hk, int(max_seqlen_q), int(max_seqlen_k),
+        int(win_left), int(win_right), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), out, out.stride(0),
+        out.stride(1), tq,
+    )
+    launch(mod.attn_fwd, (num_tiles,), args, num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
+    return out, lse

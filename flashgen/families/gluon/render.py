@@ -102,13 +102,29 @@ def sinks_code_id() -> str:
     (dtype, head dims, mask), whose only difference from their plain variants is the
     sink's fold after the key loop; so an edit of either changes it.  Part of
     :func:`user_code_id`, which the sinks variants' rows carry."""
-    h = hashlib.sha256(template_hash().encode())
+    return _defaults_digest(template_hash(), sinks=True)
+
+
+def _defaults_digest(seed: str, **mode: bool) -> str:
+    """sha256 (16 hex digits) of ``seed`` and the sources of the ``mode`` variant
+    (``sinks=True``, ``varlen=True``) of each default config (dtype, head dim, mask)."""
+    h = hashlib.sha256(seed.encode())
     for dtype in DTYPES:
         for d in HEAD_DIMS:
             for mask in MASKS:
-                spec = GluonFwdSpec(dtype, d, d, mask, sinks=True)
+                spec = GluonFwdSpec(dtype, d, d, mask, **mode)
                 h.update(render(GluonFwdVariant(spec, default_config(spec)), header_hash="-").encode())
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_code_id() -> str:
+    """The code id of the ragged-batch variants (``fwd_varlen`` rows): the forward's code
+    id (:func:`template_hash`) and the sources of the varlen variant of each default
+    config (dtype, head dim, mask).  Each varlen variant holds every line the template
+    writes for ragged batches, and the code of each knob's mode is in the forward's
+    code id, so an edit of either changes it."""
+    return _defaults_digest("varlen " + template_hash(), varlen=True)
 
 
 #: The record of the user variants' code id (:func:`user_code_id`), beside the template.
@@ -180,6 +196,7 @@ def write_code_id(directory: str | None = None) -> dict:
     new = _CODE_ID.write(directory)
     template_hash.cache_clear()
     sinks_code_id.cache_clear()
+    varlen_code_id.cache_clear()
     user_code_id.cache_clear()
     return new
 

@@ -56,8 +56,10 @@ def compile_sm90(v: GluonFwdVariant):
             sig[name] = "*fp32"
         elif name in ("qk_scale", "sm_scale"):
             sig[name] = "fp32"
-        elif name == "UBM":
+        elif name in ("UBM", "CU_Q", "CU_K"):
             sig[name] = "*i32"
+        elif name == "O":  # the varlen variants' pointer store of a sequence's last rows
+            sig[name] = "*" + _PTR[s.dtype]
         elif name in bufs:
             sig[name] = bufs[name]
         else:
