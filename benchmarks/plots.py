@@ -190,7 +190,7 @@ def varlen(paths: list[str], out_dir: str | Path, title: str = "") -> list[Path]
             if any(x.get("fwd_tflops") for x in r.get("results", {}).values())]
     backends = list(dict.fromkeys(b for r in rows for b, x in r["results"].items() if x.get("fwd_tflops")))
     fig, axes = _grid(plt, 2, w=max(6.0, 0.6 * len(rows)), h=4.0, ncols=1)
-    labels = [r["label"] + (" causal" if r["causal"] else "") for r in rows]
+    labels = [r["label"] + (" causal" if r["causal"] and "causal" not in r["label"] else "") for r in rows]
     for ax, (metric, name) in zip(axes, (("fwd", "forward"), ("fwd_bwd", "forward+backward"))):
         series = {b: [r["results"].get(b, {}).get(f"{metric}_tflops") for r in rows] for b in backends}
         _bars(ax, labels, series, f"TFLOP/s (useful FLOPs), {name}")

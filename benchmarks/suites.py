@@ -74,4 +74,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "against SDPA cuDNN / FlashAttention-2 and flashgen's Triton family",
           (("benchmarks/gluon_fwd.py", "--out", "{out}"), ("benchmarks/gluon_bwd.py", "--out", "{out}")),
           ("gluon_fwd.json", "gluon_bwd.json")),
+    Suite("gluon-varlen", "the Gluon forward on ragged batches: its variants checked against float64, then timed "
+          "beside the Triton family's varlen forward; then both families' choices on the varlen suite's problems",
+          (("benchmarks/gluon_varlen.py", "--out", "{out}"),
+           ("benchmarks/gluon_varlen.py", "--suite-kernels", "--out", "{out}")),
+          ("gluon_varlen.json", "suite_kernels.json")),
 )}
