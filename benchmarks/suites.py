@@ -75,8 +75,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           (("benchmarks/gluon_fwd.py", "--out", "{out}"), ("benchmarks/gluon_bwd.py", "--out", "{out}")),
           ("gluon_fwd.json", "gluon_bwd.json")),
     Suite("gluon-varlen", "the Gluon forward on ragged batches: its variants checked against float64, then timed "
-          "beside the Triton family's varlen forward; then both families' choices on the varlen suite's problems",
+          "beside the Triton family's varlen forward; the dispatcher's choice against each family's fastest row; "
+          "both families' choices on the varlen suite's problems",
           (("benchmarks/gluon_varlen.py", "--out", "{out}"),
+           ("benchmarks/gluon_varlen.py", "--time-only", "--out", "{out}/dispatcher"),
            ("benchmarks/gluon_varlen.py", "--suite-kernels", "--out", "{out}")),
-          ("gluon_varlen.json", "suite_kernels.json")),
+          ("gluon_varlen.json", "dispatcher/gluon_varlen.json", "suite_kernels.json")),
 )}

@@ -119,7 +119,19 @@ def family_allowed(name: str) -> bool:
     registered family.  Read when a choice is made (choices are memoized: set it before
     the first call, or call ``default_dispatcher().clear()``)."""
     allowed = os.environ.get("FLASHGEN_FAMILIES", "").strip()
-    return not allowed or name == families.portable().name or name in {n.strip() for n in allowed.split(",")}
+    if not allowed:
+        return True
+    names = {n.strip() for n in allowed.split(",") if n.strip()}
+    unknown = sorted(names - set(families.FAMILIES))
+    if unknown and allowed not in _warned_families:
+        _warned_families.add(allowed)
+        warnings.warn(f"flashgen: FLASHGEN_FAMILIES={allowed!r} names no registered kernel family {unknown}; "
+                      f"registered: {sorted(families.FAMILIES)}", stacklevel=2)
+    return name == families.portable().name or name in names
+
+
+#: FLASHGEN_FAMILIES values already warned about (unknown family names).
+_warned_families: set = set()
 
 
 def graph_capturing() -> bool:

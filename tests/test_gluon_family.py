@@ -1035,7 +1035,6 @@ def test_the_varlen_domain_filtered_by_the_rules_is_the_one_program_per_tile_spa
                 if not GLUON.violated_rules(Variant(k.spec, cfg))}
     spec = F.fwd_spec(k)
     assert spec.varlen and admitted == {F.tile_config(c) for c in C.space(spec)} and len(admitted) > 10
-    assert all(not c.persistent and not c.snake for c in admitted)
     # the dense forward's walks are not built for ragged batches, nor the longest-first order
     walk = dataclasses.replace(GLUON.default_config(k, SM90), persistent=2)
     assert any("ragged batches (varlen) with persistent=2" in w for w in GLUON.violated_rules(Variant(k.spec, walk)))
@@ -1092,3 +1091,35 @@ def test_flashgen_families_limits_the_dispatchers_families(tmp_path, monkeypatch
         d = Dispatcher([tmp_path / "t.sqlite"], env=H200, arch=SM90)
         assert d.choose(k, capturing=False).config.family == family, allowed
         assert d.choose(big, capturing=False).config.family == family, allowed  # the untuned default
+
+
+def test_the_varlen_launcher_names_the_argument_it_refuses():
+    from flashgen.families.gluon import launch as L
+
+    t = lambda *shape, dtype=torch.bfloat16: torch.zeros(shape, dtype=dtype)  # noqa: E731
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    kw = dict(softmax_scale=0.1, mask="none", win_left=-1, win_right=-1)
+    cases = {
+        "q, k, v must be 3-D": (t(5, 4, 64)[None], t(5, 2, 64), t(5, 2, 64), cu, cu),
+        "must share (total_k, num_kv_heads)": (t(5, 4, 64), t(5, 2, 64), t(5, 1, 64), cu, cu),
+        "num_heads 4 is not a multiple of num_kv_heads 3": (t(5, 4, 64), t(5, 3, 64), t(5, 3, 64), cu, cu),
+        "cu_seqlens_k must be a 1-D int32 tensor": (t(5, 4, 64), t(5, 2, 64), t(5, 2, 64), cu, cu.long()),
+        "must both be (batch + 1,)": (t(5, 4, 64), t(5, 2, 64), t(5, 2, 64), cu, cu[:2]),
+        "q is not on a CUDA device": (t(5, 4, 64), t(5, 2, 64), t(5, 2, 64), cu, cu),  # then the GPU's checks
+    }
+    for words, (q, k, v, cq, ck) in cases.items():
+        with pytest.raises(ValueError, match="gluon fwd_varlen: .*" + words.replace("(", r"\(").replace(")", r"\)")
+                           .replace("+", r"\+")):
+            L.fwd_varlen(q, k, v, cq, ck, 3, 3, **kw)
+    # a float32 input reaches the launcher's ValueError through the family, not a KeyError
+    with pytest.raises(ValueError, match="gluon fwd_varlen"):
+        F.fwd_varlen(t(5, 4, 64, dtype=torch.float32), t(5, 2, 64, dtype=torch.float32),
+                     t(5, 2, 64, dtype=torch.float32), cu, cu, 3, 3, config=GLUON.default_config(
+                         key("fwd_varlen", "bfloat16", 64, mask="none"), SM90), **kw)
+
+
+def test_an_unknown_family_in_flashgen_families_is_warned_about(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_FAMILIES", "glun")
+    with pytest.warns(UserWarning, match=r"names no registered kernel family \['glun'\]"):
+        assert not dispatch.family_allowed("gluon")
+    assert dispatch.family_allowed("triton")  # the portable family always serves

@@ -239,10 +239,12 @@ COMPILE_CASES = [
     ("bfloat16", 96, 96, "causal", dict(num_consumers=1, num_stages=3), dict(varlen=True)),
     ("float16", 64, 64, "none", dict(num_consumers=3, consumer_regs=160, producer_regs=32, BLOCK_N=64, num_stages=6),
      dict(varlen=True)),
+    # the untuned head_dim 128 causal varlen default (and a tuned row), beside the first case
+    ("bfloat16", 128, 128, "causal", dict(pin_exps=True), dict(varlen=True)),
 ]
 
-#: ptxas spill-store bytes of COMPILE_CASES (none for the defaults, which were measured
-#: on 3.6).  The persistent walk's pinned causal head_dim 128 tile spills 108 B under 3.6
+#: ptxas spill-store bytes of COMPILE_CASES (none for the dense defaults, which were
+#: measured on 3.6).  The persistent walk's pinned causal head_dim 128 tile spills 108 B under 3.6
 #: (8 B under 3.9; 24 B unpinned under 3.6, 0 under 3.9) and measured fastest for some
 #: keys all the same (docs/design.md, the Gluon forward).  Triton 3.9 assembles sm_90 with ptxas 13.x and
 #: ``--regAllocOptLevel=2`` (shim.ptxas_sm90): with that flag the pinned d128 tile
@@ -260,10 +262,14 @@ COMPILE_CASES = [
 #: The walk of 3 with ``cross_tile`` at three programs per SM (136 registers) spills 108 B
 #: under 3.9 (0 under 3.6, as its twin under both).  The pinned d128 tile in the
 #: longest-first order spills the same 4 B under 3.9 as its grid-order twin (0 under 3.6).
-#: Any other spill fails.
+#: The varlen variant of the pinned d128 causal tile (the untuned varlen default there)
+#: keeps a sequence's bounds in registers through the key loop, which the dense tile reads
+#: from its parameters: 16 B under 3.6 (measured on the H200 as tuned, docs/design.md) and
+#: 108 B under 3.9.  Any other spill fails.
 SPILL_BYTES = {
     "3.6": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2": 108,
-            "gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2_sermask": 4},
+            "gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2_sermask": 4,
+            "gluon_fwd_d128_bf16_causal_varlen_m64x2_n128_s2_r240-24_pin": 16},
     "3.9": {"gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_pers2": 8,
             "gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin": 4,
             "gluon_fwd_d128_bf16_causal_m64x2_n128_s2_r240-24_pin_lpt": 4,
@@ -275,7 +281,8 @@ SPILL_BYTES = {
             "gluon_fwd_d64_bf16_causal_m64x3_n128_s3_r160-32_pers3_sermask": 376,
             "gluon_fwd_d64_bf16_window_m64x3_n128_s2_r160-32_sermask": 204,
             "gluon_fwd_d64_bf16_none_m128x2_n64_s4_r240-24_pin": 4,
-            "gluon_fwd_d64_bf16_causal_m64x1_n64_s3_r136-24_pers3_xtile_x3": 108},
+            "gluon_fwd_d64_bf16_causal_m64x1_n64_s3_r136-24_pers3_xtile_x3": 108,
+            "gluon_fwd_d128_bf16_causal_varlen_m64x2_n128_s2_r240-24_pin": 108},
 }
 
 _SCRIPT = r'''
@@ -346,7 +353,7 @@ def test_compiles_for_sm90_with_what_each_variant_is_for(request):
             twin = by_id.get(row["id"].replace("_varlen", ""))
             assert twin is not None, f"{row['id']}: its dense twin is not among COMPILE_CASES"
             assert (row["hgmma"], row["setmaxnreg"]) == (twin["hgmma"], twin["setmaxnreg"]), (row, twin)
-            assert row["spill"] <= twin["spill"], (row, twin)
+            assert row["spill"] <= twin["spill"] or row["id"] in spills, (row, twin)
         plain = by_id.get(row["id"].replace("_sinks", ""))
         if "_sinks" in row["id"] and plain is not None:  # the key loop as the plain variant's
             assert (row["hgmma"], row["setmaxnreg"], row["exps"]) == (plain["hgmma"], plain["setmaxnreg"],

@@ -538,11 +538,11 @@ def check(v: GluonFwdVariant) -> list[str]:
                    "a consumer skips are those past its own rows that the producer loads first for the consumers "
                    "below it (a mode of masked_first's order with two or three consumers)")
     if s.varlen and (c.persistent or c.longest_first or s.sinks or s.user):
-        why.append(f"ragged batches (varlen) with persistent={c.persistent}"
-                   + (", longest_first" if c.longest_first else "") + (", sinks" if s.sinks else "")
-                   + (", user functions" if s.user else "")
-                   + ": the varlen forward runs one program per (query block, z * h) of the longest sequence, in "
-                   "the grid's order, without sinks or user functions")
+        found = [f"persistent={c.persistent}"] * bool(c.persistent) + ["longest_first"] * bool(c.longest_first) + \
+            ["sinks"] * bool(s.sinks) + ["user functions"] * bool(s.user)
+        why.append(f"ragged batches (varlen) with {', '.join(found)}: the varlen forward runs one program per "
+                   "(query block, z * h) of the longest sequence, in the grid's order, without sinks or user "
+                   "functions")
     if c.persistent == 1 and s.mask != "none":
         why.append("persistent with a mask: programs that take the longest-first tiles round-robin are unbalanced "
                    "(H200, causal d128: 0.66-0.79x of one program per tile, which the block scheduler balances)")

@@ -78,7 +78,7 @@ FWD_DEFAULT_AHEAD = ("0.85-1.10x SDPA cuDNN vs the Triton family's tuned 0.73-0.
 #: least max_seqlen_q (the key's bucket) from which the default serves an untuned key.
 #: Below it (documents of at most 512 tokens, and causal 1024) the Triton rows were ahead.
 FWD_VARLEN_DEFAULT_AHEAD = {
-    "causal": (2048, "1.15-1.23x the Triton family's tuned rows at documents of up to 2048-8192 tokens"),
+    "causal": (2048, "1.15-1.24x the Triton family's tuned rows at documents of up to 2048-8192 tokens"),
     "none": (1024, "1.18-1.36x the Triton family's tuned rows at documents of up to 1024-8192 tokens"),
 }
 #: The head dims (head_dim == head_dim_v) whose Gluon forward default was timed against
@@ -558,7 +558,9 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     dispatcher chose this family for the key) the launcher skips its input checks."""
     building, launch_mod = _launch_modules()
     g = fwd_config(config)
-    with building(_fwd_id(launch_mod._DTYPES[q.dtype], q.shape[2], v.shape[2], mask, g, varlen=True)):
+    # (a dtype or rank the launcher refuses is named by its ValueError, not a KeyError here)
+    with building(_fwd_id(launch_mod._DTYPES.get(q.dtype, str(q.dtype)), q.shape[-1], v.shape[-1], mask, g,
+                          varlen=True)):
         return launch_mod.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale=softmax_scale, mask=mask, win_left=win_left, win_right=win_right,
                                      config=g, out=out, lse=lse, module=module, check_inputs=module is None)

@@ -179,6 +179,27 @@ def _packed_view(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 0, 2).unsqueeze(0)
 
 
+def _varlen_why(q, k, v, cu_seqlens_q, cu_seqlens_k) -> str | None:
+    """Why packed q, k, v and their offsets are not what :func:`fwd_varlen` takes (the
+    layout checks; :func:`unsupported` then checks the GPU, dtypes and head dims)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return (f"q, k, v must be 3-D (total, heads, head_dim), got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2] or k.shape[2] != q.shape[2]:
+        return (f"k {tuple(k.shape)} and v {tuple(v.shape)} must share (total_k, num_kv_heads), and k q's head_dim "
+                f"{q.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}"
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.device != q.device:
+            return (f"{name} must be a 1-D int32 tensor on q's device {q.device}, got {t.dtype} {tuple(t.shape)} "
+                    f"on {t.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 1:
+        return (f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} must both be "
+                "(batch + 1,)")
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def _varlen_spec(dtype: str, d: int, dv: int, mask: str) -> GluonFwdSpec:
     return GluonFwdSpec(dtype, d, dv, mask, varlen=True)
@@ -210,13 +231,15 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     from .render import load
 
     if check_inputs:
-        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-            raise ValueError("gluon fwd_varlen: q, k, v must be 3-D (total, heads, head_dim)")
-        why = unsupported(*(_packed_view(t) for t in (q, k, v)), mask=mask)
-        if why and "descriptor" not in why:
+        why = _varlen_why(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if why:
             raise ValueError(f"gluon fwd_varlen: {why}")
     # A descriptor needs 16-byte aligned row strides: a packed tensor of other strides is copied.
     q4, k4, v4 = (t4 if _tma_ok(t4) else _packed_view(t.contiguous()) for t in (q, k, v) for t4 in (_packed_view(t),))
+    if check_inputs:
+        why = unsupported(q4, k4, v4, mask=mask)
+        if why:
+            raise ValueError(f"gluon fwd_varlen: {why}")
     tq, h, d = q.shape
     hk, dv = k.shape[1], v.shape[2]
     batch = cu_seqlens_q.shape[0] - 1
