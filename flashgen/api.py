@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import math
 import numbers
+import weakref
 
 import torch
 
@@ -525,6 +526,15 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         # No values to read (traced or meta tensors), or reading them would synchronize
         # inside a CUDA graph capture: only the shapes are checked then.
         return
+    try:
+        seen = (q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k), cu_seqlens_q._version,
+                cu_seqlens_k._version)
+    except RuntimeError:  # inference tensors keep no version counter: checked every call
+        seen = None
+    memo = _CHECKED_OFFSETS.get((id(cu_seqlens_q), id(cu_seqlens_k)))
+    if seen is not None and memo is not None and memo[0]() is cu_seqlens_q and memo[1]() is cu_seqlens_k \
+            and memo[2] == seen:
+        return  # these tensors' values, unchanged since (same objects, same version), passed for these sizes
     # One device-to-host copy of the offsets (a synchronization on CUDA).
     cus = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu()
     for name, cu, total, mname, m in (("cu_seqlens_q", cus[0], q.shape[0], "max_seqlen_q", max_seqlen_q),
@@ -545,6 +555,22 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             i = int(torch.argmax(lens))
             raise InputError(f"{mname} ({m}) is smaller than the length of sequence {i} ({longest}); "
                              f"it must be >= every length in {name}")
+    if seen is None:
+        return
+    if len(_CHECKED_OFFSETS) >= _CHECKED_OFFSETS_MAX:
+        _CHECKED_OFFSETS.pop(next(iter(_CHECKED_OFFSETS)))
+    _CHECKED_OFFSETS[(id(cu_seqlens_q), id(cu_seqlens_k))] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k),
+                                                                seen)
+
+
+#: Offsets whose values :func:`_check_varlen` read and passed: (id(cu_seqlens_q),
+#: id(cu_seqlens_k)) -> (weak references to both, (total_q, total_k, max_seqlen_q,
+#: max_seqlen_k, both tensors' versions)).  A model's layers pass the same cu_seqlens
+#: tensors to every attention call of a step; the values are read (a synchronization on
+#: CUDA) by the first call only, while the tensors are the same objects at the same
+#: version (an in-place torch operation on them bumps it).  The oldest entry goes first.
+_CHECKED_OFFSETS: dict = {}
+_CHECKED_OFFSETS_MAX = 8
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -591,7 +617,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         LSE is a constant.
 
     The offsets are checked on the host: on CUDA this copies cu_seqlens to the CPU (one
-    synchronization per call).  CPU tensors run through flashgen's reference, one
+    synchronization), once per pair of cu_seqlens tensors and sizes: a later call with the
+    same tensor objects, unmodified (their version counter; an in-place torch operation
+    bumps it), and the same totals and maxima is not checked again, so the layers of a
+    model that share a step's offsets synchronize once.  CPU tensors run through flashgen's reference, one
     sequence at a time (float32 math), or the Triton interpreter with
     ``TRITON_INTERPRET=1`` (float16/float32).  The op is ``torch.ops.flashgen.fwd_varlen``.
 
@@ -601,8 +630,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         not int32, not on q's device, not 1-D, of different lengths, not starting at 0,
         decreasing, or not ending at total_q / total_k; a max_seqlen below a sequence's
         length; a bad window, causal or softmax_scale.  Checking the offsets' values
-        copies them to the host once per call (a synchronization on CUDA); inside a CUDA
-        graph capture they are not read, so there they must already be valid.
+        copies them to the host (a synchronization on CUDA) once per new or modified
+        pair of cu_seqlens tensors; inside a CUDA graph capture they are not read, so
+        there they must already be valid.
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     _check_return_lse(return_lse)

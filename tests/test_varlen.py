@@ -262,3 +262,29 @@ def test_benchmarker_checks_and_runs_varlen_variants():
     assert sorted(k.spec.kernel for k, _ in items) == sorted(VARLEN_KERNELS)
     assert {k.spec.kernel for k, _ in presets.expand(["small"], "float16", KERNELS)} == {"fwd", "bwd_dq", "bwd_dkdv"}
     assert bench.varlen_lengths(4, 100)[0] == 100 and all(50 <= n <= 100 for n in bench.varlen_lengths(4, 100))
+
+
+def test_the_offsets_are_read_once_per_unchanged_pair(monkeypatch):
+    """A model's layers pass one step's cu_seqlens to every call: their values are copied
+    to the host (a synchronization on CUDA) by the first call only, and again once the
+    tensors change in place or other sizes come with them."""
+    from flashgen import api
+
+    reads = []
+    real_stack = torch.stack
+    monkeypatch.setattr(api.torch, "stack", lambda ts, *a, **kw: reads.append(1) or real_stack(ts, *a, **kw))
+    a = _good()
+    for _ in range(3):
+        flashgen.attention_varlen(**a)
+    assert len(reads) == 1
+    flashgen.attention_varlen(**{**a, "max_seqlen_q": 6})  # other sizes: checked again
+    assert len(reads) == 2
+    a["cu_seqlens_k"][1] = 7  # in place (the version counter moves): checked again, and refused
+    with pytest.raises(InputError, match="cu_seqlens_k must be non-decreasing"):
+        flashgen.attention_varlen(**a)
+    assert len(reads) == 3
+    with torch.inference_mode():  # inference tensors keep no version: read every call
+        b = _good()
+        flashgen.attention_varlen(**b)
+        flashgen.attention_varlen(**b)
+    assert len(reads) == 5
