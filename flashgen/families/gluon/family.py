@@ -257,14 +257,14 @@ class GluonFamily:
         split over the group's divisors, so the domain of multi-head keys is what it
         was; the forward's BLOCK_M 128 only where its registers can fit, head_dim_v
         64)."""
-        if key.spec.kernel == VARLEN_FWD:  # one program per tile: no walk
-            return {"BLOCK_M": C.block_ms(key.spec.head_dim_v), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12),
-                    "num_stages": (2, 3, 4, 5, 6), "pin": (0, 1),
-                    "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM), "serial_masked": (0, 1)}
-        if key.spec.kernel == "fwd":
-            return {"BLOCK_M": C.block_ms(key.spec.head_dim_v), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12),
-                    "num_stages": (2, 3, 4, 5, 6), "pin": (0, 1), "persistent": (0, 1, 2, 3), "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM),
-                    "snake": (0, 1), "serial_masked": (0, 1)}
+        if key.spec.kernel in FWD_KERNELS:
+            dom = {"BLOCK_M": C.block_ms(key.spec.head_dim_v), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12),
+                   "num_stages": (2, 3, 4, 5, 6), "pin": (0, 1), "persistent": (0, 1, 2, 3),
+                   "ctas_per_sm": tuple(0 if n == 1 else n for n in C.CTAS_PER_SM), "snake": (0, 1),
+                   "serial_masked": (0, 1)}
+            if key.spec.kernel == VARLEN_FWD:  # one program per tile: no walk
+                del dom["persistent"], dom["snake"]
+            return dom
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
                "kv_store": (0, 1)}
