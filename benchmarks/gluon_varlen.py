@@ -5,8 +5,8 @@ family's varlen forward in the same run.
 Each variant is checked in a child process with a timeout (a kernel that never
 finishes is reported, not waited for) by :func:`flashgen.bench.check_variant_detail`:
 lengths not multiples of any block, seqlen_q > seqlen_k and < on different sequences,
-empty sequences on either side, outputs poisoned with NaN; bfloat16 and float16, GQA
-groups 1 and 4.  Then each variant that passed is timed (``triton.testing.do_bench``,
+empty sequences on either side, outputs poisoned with NaN, and 200 skewed sequences (the
+packed program layout); bfloat16 and float16, GQA groups 1 and 4.  Then each variant that passed is timed (``triton.testing.do_bench``,
 median ms, L2 flushed) on the ``varlen-docs`` preset's problems (Llama-3-8B heads, 32
 query / 8 key-value heads, head_dim 128, documents drawn by
 :func:`flashgen.bench.varlen_lengths`, about 16k tokens; causal and not) beside the

@@ -233,6 +233,12 @@ def varlen_lengths(n_seqs: int, max_len: int) -> list[int]:
 #: lengths not multiples of any block, seqlen_q > seqlen_k and < on different sequences.
 CHECK_VARLEN_LENS = ([150, 0, 61, 1, 37], [61, 13, 150, 1, 0])
 
+#: A second varlen check of the Gluon family (its programs search cu_seqlens_q for their
+#: sequence in chunks of 128): 200 sequences, skewed (most of 0-40 tokens, one of 700
+#: among them, empty ones on either side), so the search crosses chunks.
+CHECK_VARLEN_MANY_LENS = ([700 if i == 150 else (i * 37) % 41 for i in range(200)],
+                          [700 if i == 150 else (i * 23 + 5) % 43 for i in range(200)])
+
 
 def make_varlen_inputs(spec, lens_q, lens_k, num_heads, num_kv_heads, device="cuda", seed=0):
     """(q, k, v, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), packed."""
@@ -328,8 +334,9 @@ def compare_varlen(outs: dict, q, k, v, do, cu_q, cu_k, *, kw: dict) -> dict[str
 def _check_varlen_detail(variant: Variant, group: int, device: str) -> dict:
     spec = variant.spec
     worst, ratios, msgs, cases = 0.0, {}, [], []
-    lens_q, lens_k = CHECK_VARLEN_LENS
-    for i, mask in enumerate(varlen_mask_cases(spec)):
+    lens = [CHECK_VARLEN_LENS] + ([CHECK_VARLEN_MANY_LENS] if variant.family == "gluon" else [])
+    for i, (mask, (lens_q, lens_k)) in enumerate(
+            (m, ls) for ls in lens for m in varlen_mask_cases(spec)):
         q, k, v, do, *seqs = make_varlen_inputs(spec, lens_q, lens_k, 2 * group, 2, device=device, seed=1234 + i)
         fn, outs = run_variant_varlen(variant, q, k, v, do, *seqs, mask=mask)
         for t in outs.values():
@@ -338,7 +345,8 @@ def _check_varlen_detail(variant: Variant, group: int, device: str) -> dict:
         if q.is_cuda:
             torch.cuda.synchronize()
         res = compare_varlen(outs, q, k, v, do, seqs[0], seqs[1], kw=_varlen_mask_kw(spec, mask))
-        tag = "varlen" + ("c" if mask["causal"] else "") + \
+        tag = "varlen" + ("" if (lens_q, lens_k) == CHECK_VARLEN_LENS else f"x{len(lens_q)}") + \
+            ("c" if mask["causal"] else "") + \
             (f"w{mask['window'][0]}_{mask['window'][1]}" if tuple(mask["window"]) != (-1, -1) else "")
         for name, (err, base_err, ratio) in res.items():
             worst = max(worst, ratio)

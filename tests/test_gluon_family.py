@@ -23,6 +23,7 @@ from flashgen.env import Environment
 from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon import config as C
 from flashgen.families.gluon import family as F
+from flashgen.families.gluon import launch as L
 from flashgen.spec import KernelSpec, Measurement, ProblemKey, Shape, TileConfig, Variant
 
 GLUON = families.get("gluon")
@@ -1055,9 +1056,10 @@ def test_dispatch_varlen_forward_by_measurement(tmp_path, gluon_ms, winner):
 
 
 def test_the_varlen_launcher_addresses_the_packed_rows(monkeypatch):
-    """One program per (query block of the longest sequence, sequence, head); the
-    descriptors view the packed tensors as (1, heads, total, head_dim); the sequences'
-    offsets, O's strides and total_q (LSE's row stride) follow; masks as window sizes."""
+    """One program per (query block of the longest sequence, sequence, head) here (the
+    packed layout would not halve the programs); the descriptors view the packed tensors
+    as (1, heads, total, head_dim); the sequences' offsets, O's strides and total_q
+    (LSE's row stride) follow; masks as window sizes."""
     mod = _Module()
     spec = KernelSpec("fwd_varlen", "float16", 128, 128, "causal")
     cfg = GLUON.default_config(key("fwd_varlen", d=128), SM90)
@@ -1070,12 +1072,98 @@ def test_the_varlen_launcher_addresses_the_packed_rows(monkeypatch):
     (name, grid, args, kw), = mod.log
     m_blocks = -(-150 // 128)
     assert name == "attn_fwd" and grid == (m_blocks * 5 * 4,) and kw == {"num_warps": 8, "maxnreg": 168}
+    assert L.varlen_slots(249, 5, 150, 128) == (m_blocks * 5, False)
     assert [list(d.shape) for d in args[:4]] == [[1, 4, 249, 128], [1, 2, 225, 128], [1, 2, 225, 128],
                                                  [1, 4, 249, 128]]
     assert [list(d.strides) for d in args[:2]] == [[128 * 4, 128, 128 * 4, 1], [128 * 2, 128, 128 * 2, 1]]
     assert args[4] is outs["LSE"] and outs["LSE"].shape == (4, 249) and outs["O"].shape == (249, 4, 128)
     assert args[6:14] == (m_blocks * 5 * 4, m_blocks, 4, 2, 150, 150, -1, 0)  # causal: right 0, left unbounded
     assert args[14] is cu_q and args[15] is cu_k and args[16] is outs["O"] and args[17:] == (4 * 128, 128, 249)
+
+
+def test_a_skewed_batch_runs_the_packed_twin(monkeypatch):
+    """Lengths whose longest sequence would leave most programs idle: the launcher loads
+    the config's packed twin (``varlen_packed``), launches total_q // BLOCK_MT + batch
+    slots per head and passes the sequences' count after the offsets."""
+    loaded = []
+    mod = _Module()
+    spec = KernelSpec("fwd_varlen", "float16", 128, 128, "causal")
+    cfg = GLUON.default_config(key("fwd_varlen", d=128), SM90)
+    lens = [700] + [5, 30, 0, 17] * 10
+    q, k, v, do, cu_q, cu_k, mq, mk = bench.make_varlen_inputs(spec, lens, lens, 4, 2, device="cpu")
+    fn, outs = bench.run_variant_varlen(Variant(spec, cfg), q, k, v, do, cu_q, cu_k, mq, mk)
+    monkeypatch.setattr("flashgen.families.gluon.render.load", lambda variant: loaded.append(variant) or mod)
+    monkeypatch.setattr("flashgen.families.gluon.launch.unsupported", lambda *a, **kw: None)
+    L._packed_module.cache_clear()
+    fn()
+    (name, grid, args, kw), = mod.log
+    slots = sum(lens) // 128 + len(lens)
+    assert L.varlen_slots(sum(lens), len(lens), 700, 128) == (slots, True) and slots <= 6 * len(lens) / 2
+    twin = C.GluonFwdVariant(dataclasses.replace(loaded[0].spec, varlen_packed=False), loaded[0].config)
+    assert [v.spec.varlen_packed for v in loaded] == [True]
+    assert loaded[0].id == twin.id.replace("_varlen", "_varlen_packed") and twin.spec.varlen
+    assert grid == (slots * 4,) and args[6:8] == (slots * 4, slots)
+    assert args[14] is cu_q and args[15] is cu_k and args[16] == len(lens) and args[17] is outs["O"]
+
+
+def _varlen_program(slot: int, cu_q: list[int], seq_blocks: int, block_rows: int, masked: bool):
+    """The kernel's program coordinates for one head, in Python: (sequence, first query
+    row within it, live).  seq_blocks > 0: the grid's slots per sequence (_tile_coords:
+    masked modes reverse the blocks of the longest sequence); 0: packed
+    (_varlen_coords)."""
+    num_seqs = len(cu_q) - 1
+    if seq_blocks:
+        z, idx = divmod(slot, seq_blocks)
+        m0 = (seq_blocks - 1 - idx if masked else idx) * block_rows
+        return z, m0, m0 < cu_q[z + 1] - cu_q[z]
+    else:  # the last sequence whose first slot is <= slot (the count of those, minus 1)
+        z = sum(cu_q[i] // block_rows + i <= slot for i in range(num_seqs)) - 1
+        idx = slot - (cu_q[z] // block_rows + z)
+    n_blk = -(-(cu_q[z + 1] - cu_q[z]) // block_rows)
+    live = idx < n_blk
+    return z, (n_blk - 1 - idx if masked else idx) * block_rows, live
+
+
+@pytest.mark.parametrize("lens", [
+    [150, 0, 61, 1, 37],  # one slot per block of the longest sequence
+    [5000] + [17, 200, 0, 96] * 8 + [128, 129],  # skewed: packed
+    [(i * 37) % 41 for i in range(150)] + [700] + [(i * 23) % 43 for i in range(49)],  # 200 sequences: packed
+    [0, 0, 0],
+])
+@pytest.mark.parametrize("block_rows", [64, 128, 192])
+def test_the_varlen_grid_runs_each_query_block_of_each_sequence_once(lens, block_rows):
+    """Either layout of :func:`varlen_slots`, read as the kernel reads it: every query
+    block of every sequence has exactly one live slot, in masked modes the blocks that
+    see the most keys first; the packed layout idles at most one slot per sequence and
+    is taken only where it launches at most VARLEN_PACKED_FRACTION of the programs."""
+    cu_q = [0]
+    for n in lens:
+        cu_q.append(cu_q[-1] + n)
+    total, batch = cu_q[-1], len(lens)
+    slots, packed = L.varlen_slots(total, batch, max(lens), block_rows)
+    if max(lens) == 0:  # no query rows: nothing is launched
+        assert (slots, packed) == (0, False)
+        return
+    per_seq = -(-max(lens) // block_rows) * batch
+    if packed:
+        seq_blocks = 0
+        assert slots == total // block_rows + batch <= L.VARLEN_PACKED_FRACTION * per_seq
+    else:
+        seq_blocks = per_seq // batch
+        assert slots == per_seq and slots < (total // block_rows + batch) / L.VARLEN_PACKED_FRACTION
+    for masked in (False, True):
+        seen = {}
+        for slot in range(slots):
+            z, m0, live = _varlen_program(slot, cu_q, seq_blocks, block_rows, masked)
+            if live:
+                assert 0 <= m0 < lens[z] and (z, m0) not in seen
+                seen[(z, m0)] = slot
+        assert set(seen) == {(z, m) for z, n in enumerate(lens) for m in range(0, n, block_rows)}
+        if packed:
+            assert slots - len(seen) <= batch
+        if masked:  # within a sequence, later blocks (more keys) take earlier slots
+            for (z, m0), slot in seen.items():
+                assert (z, m0 + block_rows) not in seen or seen[(z, m0 + block_rows)] < slot
 
 
 def test_flashgen_families_limits_the_dispatchers_families(tmp_path, monkeypatch):

@@ -104,3 +104,29 @@ def test_mask_or_unmasked():
     assert mod._mask_or_unmasked(runs, lambda: refuses, ()) == (runs, None)
     assert mod._mask_or_unmasked(refuses, lambda: runs, ()) == (runs, "no kernel; attn_mask not supported")
     assert mod._mask_or_unmasked(refuses, lambda: refuses, ()) == (refuses, None)
+
+
+def test_the_grid_probe_names_the_skewed_and_short_batches_and_compares_two_runs(tmp_path, capsys):
+    """benchmarks/probe_varlen_grid.py: its problems hold the suite's skewed batch, a
+    batch of more than 128 short documents (the packed layout's search crosses chunks) and
+    the varlen-docs keys; ``--compare`` prints each (problem, tile) with both files' times
+    and the first over the last."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("probe_varlen_grid",
+                                                      os.path.join(ROOT, "benchmarks", "probe_varlen_grid.py"))
+        P = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(P)
+        probs = {name: (d, mask, heads, lens) for name, d, mask, heads, lens in P._problems()}
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    assert "mix d128 h16 causal" in probs and max(probs["mix d128 h16 causal"][3]) > 2048
+    short = [v for k, v in probs.items() if k.startswith("short")]
+    assert short and all(len(v[3]) > 128 and max(v[3]) <= 96 for v in short)
+    assert sum(k.startswith("varlen-docs") for k in probs) == 10
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([dict(label="per-sequence", problem="mix", tile="default", ms=0.6)]))
+    b.write_text(json.dumps([dict(label="packed", problem="mix", tile="default", ms=0.4)]))
+    P.compare([str(a), str(b)])
+    out = capsys.readouterr().out
+    assert "| per-sequence ms | packed ms |" in out and "| mix | default | 0.6000 | 0.4000 | 1.500x |" in out

@@ -76,6 +76,12 @@ class GluonFwdSpec:
     #: (total_k, hk, d / dv) and cu_seqlens; one program per (query block, z * h) of the
     #: longest sequence, bottom-right masks per sequence (:mod:`.launch`, ``fwd_varlen``)
     varlen: bool = False
+    #: the packed program layout of a varlen variant: total_q // BLOCK_MT + batch query
+    #: block slots per head, each program searching cu_seqlens_q for its sequence; the
+    #: launcher takes this twin of a tuned varlen variant where it launches at most
+    #: :data:`.launch.VARLEN_PACKED_FRACTION` of the programs (skewed lengths;
+    #: :func:`.launch.varlen_slots`)
+    varlen_packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,7 @@ class GluonFwdVariant:
             ("_oq" if c.o_in_q else "") + ("_lpt" if c.longest_first else "") + ("_mf" if c.masked_first else "") + \
             ("_skip" if c.skip_masked else "") + (f"_x{c.ctas_per_sm}" if c.ctas_per_sm != 1 else "")
         mask = (f"{s.mask}_sinks" if s.sinks else s.mask) + (f"_{s.user}" if s.user else "") + \
-            ("_varlen" if s.varlen else "")
+            ("_varlen" if s.varlen else "") + ("_packed" if s.varlen_packed else "")
         return (f"gluon_fwd_d{s.head_dim}{dv}_{dt}_{mask}_m{c.BLOCK_M}x{c.num_consumers}_n{c.BLOCK_N}"
                 f"_s{c.num_stages}_r{c.consumer_regs}-{c.producer_regs}{tail}")
 
@@ -537,6 +543,8 @@ def check(v: GluonFwdVariant) -> list[str]:
         why.append(f"skip_masked with masked_first={c.masked_first} and {c.num_consumers} consumer(s): the tiles "
                    "a consumer skips are those past its own rows that the producer loads first for the consumers "
                    "below it (a mode of masked_first's order with two or three consumers)")
+    if s.varlen_packed and not s.varlen:
+        why.append("varlen_packed without varlen: the packed program layout is one of ragged batches")
     if s.varlen and (c.persistent or c.longest_first or s.sinks or s.user):
         found = [f"persistent={c.persistent}"] * bool(c.persistent) + ["longest_first"] * bool(c.longest_first) + \
             ["sinks"] * bool(s.sinks) + ["user functions"] * bool(s.user)
@@ -663,7 +671,7 @@ def template_vars(v: GluonFwdVariant) -> dict:
                 CTAS_PER_SM=c.ctas_per_sm, SINKS=s.sinks, SNAKE=c.snake,
                 SERIAL_MASKED=c.serial_masked, CROSS_TILE=c.cross_tile, O_IN_Q=c.o_in_q,
                 LONGEST_FIRST=c.longest_first, MASKED_FIRST=c.masked_first, SKIP_MASKED=c.skip_masked,
-                VARLEN=s.varlen, **user_vars(s.user))
+                VARLEN=s.varlen, VARLEN_PACKED=s.varlen_packed, **user_vars(s.user))
 
 
 def replace(c: GluonFwdConfig, **kw) -> GluonFwdConfig:

@@ -13,6 +13,7 @@ row that sees no key gets O = 0 and LSE = -inf.  The mask is given as bounds on 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -200,9 +201,68 @@ def _varlen_why(q, k, v, cu_seqlens_q, cu_seqlens_k) -> str | None:
     return None
 
 
+#: The packed program layout of the varlen forward is taken when it launches at most this
+#: fraction of the programs one slot per query block of the longest sequence would.
+#: Each packed program first searches cu_seqlens_q for its sequence (a load of 128
+#: offsets per step), which costs more than an idle program at batches of short
+#: documents (290 documents of 16-96 tokens: 0.53-0.84x), while removing idle programs
+#: pays at skewed batches (one document in ten long: 1.23-1.64x;
+#: ``benchmarks/probe_varlen_grid.py``, docs/design.md).
+VARLEN_PACKED_FRACTION = 0.5
+
+
+def varlen_slots(total_q: int, batch: int, max_seqlen_q: int, block_rows: int) -> tuple[int, int]:
+    """(query block slots per head, slots per sequence) of the varlen forward's grid for
+    programs of ``block_rows`` query rows: one slot per block of the longest sequence
+    for each sequence (slots per sequence = that count), or packed (slots per sequence
+    0: total_q // block_rows + batch slots, sequence z's blocks from cu_seqlens_q[z] //
+    block_rows + z on, found by the kernel) where that launches at most
+    :data:`VARLEN_PACKED_FRACTION` of the programs.  (0, 0) when max_seqlen_q is 0
+    (no program)."""
+    per_seq = -(-max_seqlen_q // block_rows)
+    if per_seq == 0:
+        return 0, 0
+    packed = total_q // block_rows + batch
+    if packed <= VARLEN_PACKED_FRACTION * per_seq * batch:
+        return packed, 0
+    return per_seq * batch, per_seq
+
+
+#: The packed program layout of the varlen forward (``GluonFwdSpec.varlen_packed``) is
+#: launched where it runs at most this fraction of the programs of one slot per query
+#: block of the longest sequence.  Each packed program first searches cu_seqlens_q for
+#: its sequence (a load of 128 offsets per step), which costs more than an idle program
+#: at batches of short documents (290 documents of 16-96 tokens: 0.53-0.84x), while
+#: removing idle programs pays at skewed batches (one document in ten long: 1.23-1.64x;
+#: ``benchmarks/probe_varlen_grid.py``, docs/design.md).
+VARLEN_PACKED_FRACTION = 0.5
+
+
+def varlen_slots(total_q: int, batch: int, max_seqlen_q: int, block_rows: int) -> tuple[int, bool]:
+    """(query block slots per head, packed) of the varlen forward's grid for programs of
+    ``block_rows`` query rows: one slot per block of the longest sequence for each
+    sequence, or packed (total_q // block_rows + batch slots, sequence z's blocks from
+    cu_seqlens_q[z] // block_rows + z on, found by the kernel) where that launches at
+    most :data:`VARLEN_PACKED_FRACTION` of the programs.  (0, False) when max_seqlen_q
+    is 0 (no program)."""
+    per_seq = -(-max_seqlen_q // block_rows)
+    packed = total_q // block_rows + batch
+    if per_seq > 0 and packed <= VARLEN_PACKED_FRACTION * per_seq * batch:
+        return packed, True
+    return per_seq * batch, False
+
+
 @functools.lru_cache(maxsize=256)
-def _varlen_spec(dtype: str, d: int, dv: int, mask: str) -> GluonFwdSpec:
-    return GluonFwdSpec(dtype, d, dv, mask, varlen=True)
+def _varlen_spec(dtype: str, d: int, dv: int, mask: str, packed: bool = False) -> GluonFwdSpec:
+    return GluonFwdSpec(dtype, d, dv, mask, varlen=True, varlen_packed=packed)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_module(spec: GluonFwdSpec, config: GluonFwdConfig):
+    """The loaded packed twin (``varlen_packed``) of the varlen variant (spec, config)."""
+    from .render import load
+
+    return load(GluonFwdVariant(dataclasses.replace(spec, varlen_packed=True), config))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -220,8 +280,11 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     other strides a descriptor cannot take is copied); cu_seqlens_q / cu_seqlens_k int32
     (batch + 1,) on q's device, the checked offsets of
     :func:`flashgen.api.attention_varlen`; max_seqlen_q / max_seqlen_k the longest
-    sequences (they size the grid).  ``win_left`` / ``win_right``: the window per
-    sequence, bottom-right aligned, -1 unbounded (causal: right 0), the mode ``mask``.
+    sequences (they size the grid with total_q and the batch: :func:`varlen_slots`; 0:
+    nothing to compute).  ``win_left`` / ``win_right``: the window per sequence,
+    bottom-right aligned, -1 unbounded (causal: right 0), the mode ``mask``.
+    ``config`` runs as its packed twin (``GluonFwdSpec.varlen_packed``, ignoring
+    ``module``) where :func:`varlen_slots` takes the packed layout.
     Returns O (total_q, num_heads, head_dim_v) in q's dtype and LSE (num_heads,
     total_q) float32, natural log; a row that sees no key gets O = 0 and LSE = -inf.
     ``out`` / ``lse``: buffers to write, contiguous.  ``check_inputs=False`` skips
@@ -252,8 +315,8 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
         out = torch.empty((tq, h, dv), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((h, tq), dtype=torch.float32, device=q.device)
-    num_m_blocks = -(-max_seqlen_q // (config.BLOCK_M * config.num_consumers))
-    num_tiles = num_m_blocks * batch * h
+    slots, packed = varlen_slots(tq, batch, max_seqlen_q, config.BLOCK_M * config.num_consumers)
+    num_tiles = slots * h
     if num_tiles == 0 or tq == 0:
         return out, lse
     if k.shape[0] == 0:  # no key at all (a descriptor cannot have a 0 extent)
@@ -262,14 +325,19 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
         return out, lse
     if out.stride(2) != 1 or lse.stride() != (tq, 1):
         raise ValueError("gluon fwd_varlen: out needs a last-dim stride of 1 and lse must be contiguous (h, total_q)")
-    mod = module if module is not None else load(GluonFwdVariant(spec, config))
+    if packed:  # its slots per head, and the sequences' count for the search
+        mod = _packed_module(spec, config)
+        tail = (batch,)
+    else:  # the query blocks of the longest sequence
+        mod = module if module is not None else load(GluonFwdVariant(spec, config))
+        slots, tail = slots // batch, ()
     rows = config.BLOCK_M
     args = (
         _descriptor(q4, rows, pad(d)), _descriptor(k4, config.BLOCK_N, pad(d)), _descriptor(v4, config.BLOCK_N, pad(dv)),
         _descriptor(_packed_view(out), rows, pad(dv)), lse,
-        softmax_scale * LOG2E, num_tiles, num_m_blocks, h, h // hk, int(max_seqlen_q), int(max_seqlen_k),
-        int(win_left), int(win_right), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), out, out.stride(0),
-        out.stride(1), tq,
+        softmax_scale * LOG2E, num_tiles, slots, h, h // hk, int(max_seqlen_q), int(max_seqlen_k),
+        int(win_left), int(win_right), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), *tail, out,
+        out.stride(0), out.stride(1), tq,
     )
     launch(mod.attn_fwd, (num_tiles,), args, num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
     return out, lse
