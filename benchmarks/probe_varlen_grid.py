@@ -114,7 +114,7 @@ def run(label: str, rep_ms: float, layouts: bool = False, only: list[str] | None
 
 
 def compare(paths: list[str]) -> None:
-    """One table: each (problem, tile) with each file's ms, and the last over the first."""
+    """One table: each (problem, tile) with each file's ms, and the first over the last."""
     runs = [json.load(open(p)) for p in paths]
     labels = [r[0]["label"] for r in runs]
     by = [{(x["problem"], x["tile"]): x for x in r} for r in runs]

@@ -1081,7 +1081,7 @@ def test_the_varlen_launcher_addresses_the_packed_rows(monkeypatch):
     assert args[14] is cu_q and args[15] is cu_k and args[16] is outs["O"] and args[17:] == (4 * 128, 128, 249)
 
 
-def test_a_skewed_batch_runs_the_packed_twin(monkeypatch):
+def test_a_skewed_batch_runs_the_packed_twin(monkeypatch, request):
     """Lengths whose longest sequence would leave most programs idle: the launcher loads
     the config's packed twin (``varlen_packed``), launches total_q // BLOCK_MT + batch
     slots per head and passes the sequences' count after the offsets."""
@@ -1095,6 +1095,7 @@ def test_a_skewed_batch_runs_the_packed_twin(monkeypatch):
     monkeypatch.setattr("flashgen.families.gluon.render.load", lambda variant: loaded.append(variant) or mod)
     monkeypatch.setattr("flashgen.families.gluon.launch.unsupported", lambda *a, **kw: None)
     L._packed_module.cache_clear()
+    request.addfinalizer(L._packed_module.cache_clear)  # the fake module must not outlive the test
     fn()
     (name, grid, args, kw), = mod.log
     slots = sum(lens) // 128 + len(lens)

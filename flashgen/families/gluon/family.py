@@ -484,8 +484,9 @@ def _launch_modules():
 
 @functools.lru_cache(maxsize=4096)
 def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: bool = False, user: str = "",
-            varlen: bool = False) -> str:
-    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask, sinks=sinks, user=user, varlen=varlen), g).id
+            varlen: bool = False, varlen_packed: bool = False) -> str:
+    return C.GluonFwdVariant(C.GluonFwdSpec(dtype, d, dv, mask, sinks=sinks, user=user, varlen=varlen,
+                                            varlen_packed=varlen_packed), g).id
 
 
 @functools.lru_cache(maxsize=4096)
@@ -558,9 +559,12 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     dispatcher chose this family for the key) the launcher skips its input checks."""
     building, launch_mod = _launch_modules()
     g = fwd_config(config)
-    # (a dtype or rank the launcher refuses is named by its ValueError, not a KeyError here)
+    # (a dtype or rank the launcher refuses is named by its ValueError, not a KeyError here);
+    # a skewed batch builds the config's packed twin (launch.varlen_slots)
+    packed = launch_mod.varlen_slots(q.shape[0], cu_seqlens_q.shape[0] - 1, max_seqlen_q,
+                                     g.BLOCK_M * g.num_consumers)[1] if q.dim() == 3 else False
     with building(_fwd_id(launch_mod._DTYPES.get(q.dtype, str(q.dtype)), q.shape[-1], v.shape[-1], mask, g,
-                          varlen=True)):
+                          varlen=True, varlen_packed=packed)):
         return launch_mod.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale=softmax_scale, mask=mask, win_left=win_left, win_right=win_right,
                                      config=g, out=out, lse=lse, module=module, check_inputs=module is None)

@@ -201,33 +201,6 @@ def _varlen_why(q, k, v, cu_seqlens_q, cu_seqlens_k) -> str | None:
     return None
 
 
-#: The packed program layout of the varlen forward is taken when it launches at most this
-#: fraction of the programs one slot per query block of the longest sequence would.
-#: Each packed program first searches cu_seqlens_q for its sequence (a load of 128
-#: offsets per step), which costs more than an idle program at batches of short
-#: documents (290 documents of 16-96 tokens: 0.53-0.84x), while removing idle programs
-#: pays at skewed batches (one document in ten long: 1.23-1.64x;
-#: ``benchmarks/probe_varlen_grid.py``, docs/design.md).
-VARLEN_PACKED_FRACTION = 0.5
-
-
-def varlen_slots(total_q: int, batch: int, max_seqlen_q: int, block_rows: int) -> tuple[int, int]:
-    """(query block slots per head, slots per sequence) of the varlen forward's grid for
-    programs of ``block_rows`` query rows: one slot per block of the longest sequence
-    for each sequence (slots per sequence = that count), or packed (slots per sequence
-    0: total_q // block_rows + batch slots, sequence z's blocks from cu_seqlens_q[z] //
-    block_rows + z on, found by the kernel) where that launches at most
-    :data:`VARLEN_PACKED_FRACTION` of the programs.  (0, 0) when max_seqlen_q is 0
-    (no program)."""
-    per_seq = -(-max_seqlen_q // block_rows)
-    if per_seq == 0:
-        return 0, 0
-    packed = total_q // block_rows + batch
-    if packed <= VARLEN_PACKED_FRACTION * per_seq * batch:
-        return packed, 0
-    return per_seq * batch, per_seq
-
-
 #: The packed program layout of the varlen forward (``GluonFwdSpec.varlen_packed``) is
 #: launched where it runs at most this fraction of the programs of one slot per query
 #: block of the longest sequence.  Each packed program first searches cu_seqlens_q for
@@ -253,8 +226,8 @@ def varlen_slots(total_q: int, batch: int, max_seqlen_q: int, block_rows: int) -
 
 
 @functools.lru_cache(maxsize=256)
-def _varlen_spec(dtype: str, d: int, dv: int, mask: str, packed: bool = False) -> GluonFwdSpec:
-    return GluonFwdSpec(dtype, d, dv, mask, varlen=True, varlen_packed=packed)
+def _varlen_spec(dtype: str, d: int, dv: int, mask: str) -> GluonFwdSpec:
+    return GluonFwdSpec(dtype, d, dv, mask, varlen=True)
 
 
 @functools.lru_cache(maxsize=256)
