@@ -57,16 +57,15 @@ def run(label: str, rep_ms: float, layouts: bool = False, only: list[str] | None
     import torch
     import triton
 
-    from flashgen.families.gluon import launch as glaunch
-
+    import gluon_varlen as gv
     import varlen_bench as vb
     from flashgen import bench, families, library
-    from flashgen.families.gluon import config as C
-    from flashgen.families.gluon.family import tile_config
-    from flashgen.spec import KernelSpec, TileConfig
+    from flashgen.families.gluon import launch as glaunch
+    from flashgen.spec import KernelSpec
 
+    x1n64x2 = next(kw for name, d, mask, kw in gv.VARIANTS if name == "x1n64x2")
     rows = []
-    default_fraction = getattr(glaunch, "VARLEN_PACKED_FRACTION", None)
+    default_fraction = glaunch.VARLEN_PACKED_FRACTION
     for name, d, mask, (h, hk), lens in _problems():
         if only and not any(o in name for o in only):
             continue
@@ -74,9 +73,9 @@ def run(label: str, rep_ms: float, layouts: bool = False, only: list[str] | None
         q, k, v, do, cu_q, cu_k, mq, mk = bench.make_varlen_inputs(spec, lens, lens, h, hk, seed=5)
         kw = bench._varlen_mask_kw(spec, dict(causal=mask == "causal", window=(-1, -1)))
         flops = vb.fwd_flops(lens, h, d, d, mask == "causal")
-        tiles = [("default", tile_config(C.default_config(C.GluonFwdSpec("bfloat16", d, d, mask, varlen=True))))]
+        tiles = [("default", gv._tile("default", d, mask, None))]
         if d == 128:
-            tiles.append(("x1n64x2", TileConfig(64, 64, 4, 2, family="gluon", ctas_per_sm=2)))
+            tiles.append(("x1n64x2", gv._tile("x1n64x2", d, mask, x1n64x2)))
         os.environ["FLASHGEN_FAMILIES"] = "triton"
         cfg_t, _ = library.varlen_kernel_for("fwd_varlen", q, k, v, mask, len(lens), mq, mk)
         os.environ.pop("FLASHGEN_FAMILIES")

@@ -335,8 +335,7 @@ def _check_varlen_detail(variant: Variant, group: int, device: str) -> dict:
     spec = variant.spec
     worst, ratios, msgs, cases = 0.0, {}, [], []
     lens = [CHECK_VARLEN_LENS] + ([CHECK_VARLEN_MANY_LENS] if variant.family == "gluon" else [])
-    for i, (mask, (lens_q, lens_k)) in enumerate(
-            (m, ls) for ls in lens for m in varlen_mask_cases(spec)):
+    for i, ((lens_q, lens_k), mask) in enumerate(itertools.product(lens, varlen_mask_cases(spec))):
         q, k, v, do, *seqs = make_varlen_inputs(spec, lens_q, lens_k, 2 * group, 2, device=device, seed=1234 + i)
         fn, outs = run_variant_varlen(variant, q, k, v, do, *seqs, mask=mask)
         for t in outs.values():
