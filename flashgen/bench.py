@@ -16,6 +16,7 @@ import itertools
 import math
 import multiprocessing as mp
 import os
+import time
 
 import torch
 
@@ -649,14 +650,32 @@ def compiler_report(variant: Variant) -> dict:
 
 
 def _precompile_one(variant: Variant, group: int = 1) -> tuple[str, str | None, dict]:
-    """Worker: compile (by running once on small shapes) and report."""
+    """Worker: compile (by running once on small shapes) and report.  A failure that left
+    this process's CUDA context unusable (a kernel that faulted: an illegal instruction
+    or address is sticky, every later CUDA call of the process fails) says so in the
+    report (``context_lost``, with the worker's ``pid``): :meth:`KernelBenchmarker.precompile`
+    then checks the variants that worker would have taken in a fresh process."""
     try:
         d = check_variant_detail(variant, group)
         ok, ratio, msg = d["ok"], d["ratio"], d["message"]
         report = {**compiler_report(variant), "check_ratio": ratio, "check_ratios": d["ratios"]}
         return variant.id, None if ok else f"wrong_result: ratio {ratio:.3g}: {msg}", report
     except Exception as e:  # noqa: BLE001 - a failure is a value
-        return variant.id, f"compile_failed: {type(e).__name__}: {str(e)[-500:]}", {}
+        report = {"context_lost": True, "pid": os.getpid(), "t_done": time.monotonic()} if _cuda_context_lost() \
+            else {}
+        return variant.id, f"compile_failed: {type(e).__name__}: {str(e)[-500:]}", report
+
+
+def _cuda_context_lost() -> bool:
+    """Whether this process's CUDA context is unusable (a synchronize, or a one-element
+    kernel and its copy back, raises); False where CUDA was never initialized."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device="cuda").add_(1).item() != 2.0
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return True
 
 
 class KernelBenchmarker:
@@ -683,9 +702,12 @@ class KernelBenchmarker:
 
         A variant whose worker runs longer than ``compile_timeout_s`` (a hung compile or
         kernel) is recorded as ``timeout``; the pool is then killed and the variants not
-        finished yet run again in a fresh one.  ``worker_fn(variant, group)`` replaces
-        the real compile-and-check (tests)."""
-        import time
+        finished yet run again in a fresh one.  So is the pool after a variant whose
+        failure left its worker's CUDA context unusable (``context_lost`` in its report:
+        a kernel that faulted): that variant keeps its failure, and the variants its
+        worker finished after it (failed only because of it) run again with the
+        unfinished ones.  ``worker_fn(variant, group)`` replaces the real
+        compile-and-check (tests)."""
 
         fn = worker_fn or _precompile_one
         todo = [v for v in dict.fromkeys(variants) if v.id not in self._checked]
@@ -706,13 +728,27 @@ class KernelBenchmarker:
             # loaded host).  So a clock starts no earlier than the pool's first result, or,
             # before any result, than startup_grace_s after the pool was made.
             first_done = None
-            while pending and not hung:
+            lost, again = set(), []  # workers whose CUDA context a fault took; variants to check again
+            while pending and not hung and not lost:
                 done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+                results = []
                 for f in done:
                     try:
-                        record(*f.result())
+                        results.append(f.result())
                     except Exception as e:  # noqa: BLE001 - a crashed worker is a value too
-                        record(futs[f].id, f"launch_failed: {type(e).__name__}: {e}", {})
+                        results.append((futs[f].id, f"launch_failed: {type(e).__name__}: {e}", {}))
+                # a worker finishes its variants in order: the first that lost its context
+                # is the one that faulted, the later ones of that worker failed because of it
+                results.sort(key=lambda r: r[2].get("t_done", 0.0) if isinstance(r[2], dict) else 0.0)
+                for vid, failure, report in results:
+                    pid = report.get("pid") if isinstance(report, dict) else None
+                    if pid is not None and pid in lost:
+                        again.append(vid)
+                        continue
+                    if isinstance(report, dict) and report.get("context_lost"):
+                        lost.add(pid)
+                        failure = f"{failure} (the fault left its process's CUDA context unusable)"
+                    record(vid, failure, report)
                 now = time.monotonic()
                 if done and first_done is None:
                     first_done = now
@@ -723,11 +759,12 @@ class KernelBenchmarker:
                 hung = [f for f in pending if f in started and now - max(started[f], floor) > self.compile_timeout_s]
             for f in hung:
                 record(futs[f].id, f"timeout: no result after {self.compile_timeout_s:.0f} s", {})
-            if hung:  # the hung worker cannot be told apart: kill them all, redo the rest
+            if hung or lost:  # the hung or broken worker cannot be told apart: kill them all, redo the rest
                 for p in list(getattr(ex, "_processes", {}).values()):
                     p.terminate()
-            ex.shutdown(wait=not hung, cancel_futures=True)
-            todo = [futs[f] for f in pending if f not in hung]
+            ex.shutdown(wait=not (hung or lost), cancel_futures=True)
+            by_id = {v.id: v for v in todo}
+            todo = [futs[f] for f in pending if f not in hung] + [by_id[vid] for vid in again]
         return {v.id: self._checked[v.id][0] for v in variants}
 
     def __call__(self, variant: Variant, shape: Shape) -> Measurement:
