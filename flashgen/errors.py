@@ -11,3 +11,9 @@ class InputError(FlashgenError, ValueError):
 
 class UnsupportedError(FlashgenError, NotImplementedError):
     """A valid input that flashgen's kernels do not serve (yet)."""
+
+
+class LaunchLimitError(FlashgenError, ValueError):
+    """These inputs' sizes exceed a launch limit of one variant (e.g. CUDA's 65535 programs
+    on a grid's second axis): that call runs on the portable family's kernels, and the
+    variant keeps serving the calls it can take (it is not marked failed)."""

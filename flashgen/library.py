@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch, families, fastlaunch, ops, reference
+from .errors import LaunchLimitError
 from .spec import KernelSpec, ProblemKey, Variant, is_user_mods
 
 
@@ -344,6 +345,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                     dq, dk, dv = families.launcher(cfg.family, "bwd")(do, q, k, v, o, lse, config=cfg, module=mod,
                                                                        delta=delta, **kw)
                     return _signed_dq(dq, sign), dk, dv
+                except LaunchLimitError:  # these sizes only: the two kernels take this call
+                    plan = (kernel_for("bwd_dq", q, k, v, mask, name), kernel_for("bwd_dkdv", q, k, v, mask, name))
                 except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
                     fall_back(cfg, "bwd", q, e, spec_args)
                     continue

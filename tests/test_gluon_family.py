@@ -519,6 +519,40 @@ def test_build_failure_falls_back_with_one_warning(sm90):
     assert dispatch.default_dispatcher().choose(key(), capturing=False).family == "triton"
 
 
+def test_a_launch_limit_sends_that_call_to_the_two_kernels_only(sm90, monkeypatch):
+    """A whole backward whose grid these sizes exceed (LaunchLimitError, e.g. batch *
+    num_kv_heads over CUDA's 65535 programs on the grid's second axis): that call runs
+    the Triton family's bwd_dq + bwd_dkdv, exact, without a warning, and the variant is
+    not marked failed, so the next call takes it again."""
+    from flashgen.errors import LaunchLimitError
+
+    wide = {"on": True}
+    bwd = sm90.launcher("bwd")
+
+    def launcher(name):
+        if name != "bwd":
+            return sm90.launcher(name)
+
+        def limited(*a, **kw):
+            if wide["on"]:
+                sm90.calls.append(("bwd", kw["config"]))
+                raise LaunchLimitError("simulated: programs per key block over CUDA's grid limit 65535")
+            return bwd(*a, **kw)
+        return limited
+
+    monkeypatch.setattr(GLUON, "launcher", launcher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        g = _run()
+    want = _run(deterministic=True)  # the two kernels
+    assert [c[0] for c in sm90.calls] == ["fwd", "bwd", "fwd"] and dispatch._failed == {}
+    assert all(torch.equal(a, b) for a, b in zip(g, want))
+    wide["on"] = False
+    sm90.calls.clear()
+    _run()
+    assert [c[0] for c in sm90.calls] == ["fwd", "bwd"]
+
+
 def test_load_failure_falls_back(sm90, monkeypatch):
     def broken(v):
         raise ImportError("gluon kernel does not build here")

@@ -709,8 +709,10 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     batch * num_kv_heads * S programs per key block, told num_kv_heads * S kv heads, and
     writes partials ``dk_partial`` / ``dv_partial`` of shape (batch, num_kv_heads, S,
     seqlen_k, head_dim), float32 (dK unscaled) or with ``half_partials`` the inputs'
-    dtype (dK scaled), that :func:`.reduce.group_reduce` sums into dk, dv).  Raises ValueError when S does not divide the GQA group or the grid is too
-    tall."""
+    dtype (dK scaled), that :func:`.reduce.group_reduce` sums into dk, dv).  Raises ValueError when S does not divide the GQA group, and
+    :class:`flashgen.errors.LaunchLimitError` (a ValueError) when batch * num_kv_heads *
+    S is over CUDA's 65535 (the limit of the 2-D grid's second axis; the 1-D grids of the
+    ordered and longest-first variants are held to it too: not run beyond it)."""
     import torch
 
     b, h, sq, d = q.shape
@@ -722,8 +724,10 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     if why:
         raise ValueError(f"Gluon backward config {c.id}: {why[0]}")
     if b * hk * gs > MAX_GRID_Y:
-        raise ValueError(f"Gluon backward config {c.id}: batch * num_kv_heads * group_split = {b * hk * gs} "
-                         f"programs per key block, over CUDA's grid limit {MAX_GRID_Y}")
+        from ...errors import LaunchLimitError
+
+        raise LaunchLimitError(f"Gluon backward config {c.id}: batch * num_kv_heads * group_split = {b * hk * gs} "
+                               f"programs per key block, over CUDA's grid limit {MAX_GRID_Y}")
     dtype_name = str(q.dtype).removeprefix("torch.")
     dev = q.device
     lse = lse if lse.is_contiguous() else lse.contiguous()
