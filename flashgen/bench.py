@@ -625,8 +625,6 @@ def script_time_ms(fn, cuda: bool, warmup_ms: int = 10, rep_ms: int = 40) -> flo
     """Median ms of ``fn`` for the benchmark scripts: one call first (compile, warm-up),
     then :func:`time_ms` on CUDA, or on the CPU (their smoke runs, in Triton's
     interpreter) the wall-clock median of 3 calls."""
-    import time
-
     fn()
     if cuda:
         torch.cuda.synchronize()
@@ -739,13 +737,13 @@ class KernelBenchmarker:
                         results.append((futs[f].id, f"launch_failed: {type(e).__name__}: {e}", {}))
                 # a worker finishes its variants in order: the first that lost its context
                 # is the one that faulted, the later ones of that worker failed because of it
-                results.sort(key=lambda r: r[2].get("t_done", 0.0) if isinstance(r[2], dict) else 0.0)
+                results.sort(key=lambda r: r[2].get("t_done", 0.0))
                 for vid, failure, report in results:
-                    pid = report.get("pid") if isinstance(report, dict) else None
+                    pid = report.get("pid")
                     if pid is not None and pid in lost:
                         again.append(vid)
                         continue
-                    if isinstance(report, dict) and report.get("context_lost"):
+                    if report.get("context_lost"):
                         lost.add(pid)
                         failure = f"{failure} (the fault left its process's CUDA context unusable)"
                     record(vid, failure, report)

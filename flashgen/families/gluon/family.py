@@ -561,10 +561,11 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     g = fwd_config(config)
     # (a dtype or rank the launcher refuses is named by its ValueError, not a KeyError here);
     # a skewed batch builds the config's packed twin (launch.varlen_slots)
-    packed = launch_mod.varlen_slots(q.shape[0], cu_seqlens_q.shape[0] - 1, max_seqlen_q,
-                                     g.BLOCK_M * g.num_consumers)[1] if q.dim() == 3 else False
+    layout = launch_mod.varlen_slots(q.shape[0], cu_seqlens_q.shape[0] - 1, max_seqlen_q,
+                                     g.BLOCK_M * g.num_consumers) if q.dim() == 3 else None
     with building(_fwd_id(launch_mod._DTYPES.get(q.dtype, str(q.dtype)), q.shape[-1], v.shape[-1], mask, g,
-                          varlen=True, varlen_packed=packed)):
+                          varlen=True, varlen_packed=bool(layout and layout[1]))):
         return launch_mod.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale=softmax_scale, mask=mask, win_left=win_left, win_right=win_right,
-                                     config=g, out=out, lse=lse, module=module, check_inputs=module is None)
+                                     config=g, out=out, lse=lse, module=module, check_inputs=module is None,
+                                     layout=layout)

@@ -246,7 +246,7 @@ def _checked(spec: GluonFwdSpec, config: GluonFwdConfig) -> str:
 
 def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float,
                mask: str, win_left: int, win_right: int, config: GluonFwdConfig | None = None, out=None, lse=None,
-               module=None, check_inputs: bool = True):
+               module=None, check_inputs: bool = True, layout: tuple[int, bool] | None = None):
     """O and LSE of a ragged batch, :func:`flashgen.ops.fwd_varlen`'s contract: q
     (total_q, num_heads, head_dim), k (total_k, num_kv_heads, head_dim), v (total_k,
     num_kv_heads, head_dim_v), float16 or bfloat16, last-dim stride 1 (a tensor whose
@@ -257,7 +257,8 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     nothing to compute).  ``win_left`` / ``win_right``: the window per sequence,
     bottom-right aligned, -1 unbounded (causal: right 0), the mode ``mask``.
     ``config`` runs as its packed twin (``GluonFwdSpec.varlen_packed``, ignoring
-    ``module``) where :func:`varlen_slots` takes the packed layout.
+    ``module``) where :func:`varlen_slots` takes the packed layout; ``layout``: its
+    answer for these sizes and ``config`` when the caller has it (not computed again).
     Returns O (total_q, num_heads, head_dim_v) in q's dtype and LSE (num_heads,
     total_q) float32, natural log; a row that sees no key gets O = 0 and LSE = -inf.
     ``out`` / ``lse``: buffers to write, contiguous.  ``check_inputs=False`` skips
@@ -288,7 +289,7 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
         out = torch.empty((tq, h, dv), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((h, tq), dtype=torch.float32, device=q.device)
-    slots, packed = varlen_slots(tq, batch, max_seqlen_q, config.BLOCK_M * config.num_consumers)
+    slots, packed = layout or varlen_slots(tq, batch, max_seqlen_q, config.BLOCK_M * config.num_consumers)
     num_tiles = slots * h
     if num_tiles == 0 or tq == 0:
         return out, lse
