@@ -42,6 +42,7 @@ when the dispatcher opens the shipped tuning database).
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --out transformers_step.json
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --configs gptoss --out gptoss_step.json
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --configs gptoss --padding 256 --out gptoss_pad.json
+    PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --packed 8 --out packed_step.json   # padding-free
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --smoke --out /tmp/t.json   # CPU, interpreter
 """
 
@@ -86,6 +87,11 @@ def _parse(argv):
     p.add_argument("--padding", type=int, default=0,
                    help="left-pad every other batch entry by this many tokens (attention_mask 0 there, "
                         "their labels -100): the models then pass a bool mask to attention")
+    p.add_argument("--packed", type=int, default=0,
+                   help="pack this many documents into every batch entry (padding-free training: position_ids "
+                        "restart at each document, no attention_mask, the label of each document's first token "
+                        "-100; lengths drawn at random cut points, seeded): the models then pass a "
+                        "block-diagonal bool mask to attention, which flashgen runs as a ragged batch")
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny float32 model in Triton's interpreter, "
                                                         "wall-clock timing (checks the script, times nothing real)")
     args = p.parse_args(argv)
@@ -99,7 +105,14 @@ def _parse(argv):
         chosen = {n: CONFIGS[n] for n in names}
     if args.padding < 0:
         p.error(f"--padding must be >= 0 (left-padded tokens per padded entry), got {args.padding}")
+    if args.packed < 0 or args.packed == 1:
+        p.error(f"--packed must be 0 (off) or >= 2 (documents per batch entry), got {args.packed}")
+    if args.packed and args.padding:
+        p.error("--packed and --padding are exclusive: transformers detects packed documents only without an "
+                "attention_mask")
     for name, spec in chosen.items():
+        if args.packed > spec[5]:
+            p.error(f"--packed {args.packed} is more documents than config {name} has tokens ({spec[5]})")
         if args.padding >= spec[5]:
             p.error(f"--padding {args.padding} leaves no token of config {name} ({spec[5]} tokens): "
                     f"it must be below the sequence length")
@@ -180,6 +193,19 @@ def _grad_errors(got: dict, ref: dict) -> dict:
             "median": statistics.median(per), "n_params": len(per)}
 
 
+def _packed_positions(batch: int, tokens: int, docs: int, g):
+    """position_ids (batch, tokens): each entry ``docs`` documents, their lengths set by
+    docs - 1 distinct cut points drawn uniformly from 1..tokens-1 (``g`` seeds them)."""
+    import torch
+
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(tokens - 1, generator=g)[:docs - 1].sort().values + 1
+        lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])]))
+        rows.append(torch.cat([torch.arange(int(n)) for n in lengths]))
+    return torch.stack(rows)
+
+
 def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
     import torch
     import transformers
@@ -207,7 +233,10 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, vocab, (batch, tokens), generator=g).to(device)
-    mask, labels = None, ids
+    mask, labels, pos = None, ids, None
+    if args.packed:
+        pos = _packed_positions(batch, tokens, args.packed, g).to(device)
+        labels = ids.masked_fill(pos == 0, -100)  # no document's first token predicted from the one before
     if args.padding:
         mask = torch.ones(batch, tokens, dtype=torch.long)
         mask[1::2, :args.padding] = 0  # left padding of every other entry
@@ -218,7 +247,8 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
     rec = {"model": type(model).__name__, "reference": ref_impl,
            "config": dict(hidden=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=cfg.head_dim,
                           layers=layers, batch=batch, tokens=tokens, intermediate=inter, vocab=vocab,
-                          params=n_params, dtype=str(dtype).replace("torch.", ""), padding=args.padding),
+                          params=n_params, dtype=str(dtype).replace("torch.", ""), padding=args.padding,
+                          packed=args.packed),
            "impl": {}}
     if name in GPT_OSS:
         rec["config"].update(sliding_window=cfg.sliding_window, layer_types=cfg.layer_types,
@@ -230,7 +260,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         # check: one forward + backward from the same weights and batch
         model.train()
         model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
         loss.backward()
         grads[impl] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         r = rec["impl"][impl] = {"loss": loss.item()}
@@ -239,7 +269,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
 
         def step():
             opt.zero_grad(set_to_none=True)
-            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss.backward()
             opt.step()
 
         t0 = time.perf_counter()
@@ -257,7 +287,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
 
         def prefill():
             with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+                model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
 
         _timed(prefill, args.warmup, cuda)
         times = _timed(prefill, args.steps, cuda)
@@ -287,7 +317,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         model.set_attn_implementation(ref_impl)
         model.train()
         model.zero_grad(set_to_none=True)
-        loss32 = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss32 = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
         loss32.backward()
         g32 = {n: p.grad.detach() for n, p in model.named_parameters()}
         rec["float32_loss"] = loss32.item()

@@ -117,6 +117,9 @@ def test_every_backend_of_the_memory_plot_is_drawn(tmp_path):
     (["--configs", "gptoss", "--padding", "2048"], "--padding 2048 leaves no token of config gptoss (2048 tokens)"),
     (["--smoke", "--padding", "32"], "--padding 32 leaves no token of config smoke (32 tokens)"),
     (["--configs", "h2048,nope"], "unknown config 'nope'"),
+    (["--packed", "1"], "--packed must be 0 (off) or >= 2"),
+    (["--packed", "4", "--padding", "8"], "--packed and --padding are exclusive"),
+    (["--smoke", "--packed", "33"], "--packed 33 is more documents than config smoke has tokens (32)"),
 ])
 def test_transformers_step_refuses_bad_arguments(argv, words, capsys):
     """benchmarks/transformers_step.py: a negative --padding (which would pad all but the
@@ -135,3 +138,20 @@ def test_transformers_step_takes_a_padding_below_every_configs_tokens():
 
     assert transformers_step._parse(["--configs", "gptoss", "--padding", "256"]).padding == 256
     assert transformers_step._parse(["--smoke", "--padding", "5"]).padding == 5
+
+
+def test_transformers_step_packs_documents():
+    """--packed: each entry's position_ids restart at exactly the drawn document starts,
+    covering every token, the cut points different across entries."""
+    import torch
+    import transformers_step
+
+    assert transformers_step._parse(["--smoke", "--packed", "32"]).packed == 32
+    pos = transformers_step._packed_positions(3, 40, 5, torch.Generator().manual_seed(0))
+    assert pos.shape == (3, 40)
+    for row in pos:
+        starts = (row == 0).nonzero().reshape(-1)
+        assert starts[0] == 0 and len(starts) == 5
+        ends = torch.cat([starts[1:], torch.tensor([40])])
+        assert all(torch.equal(row[a:b], torch.arange(b - a)) for a, b in zip(starts.tolist(), ends.tolist()))
+    assert not torch.equal(pos[0], pos[1])

@@ -141,6 +141,130 @@ def test_training_step_matches_transformers(arch, padded, calls):
         torch.testing.assert_close(g_got[n], g_ref[n], rtol=1e-4, atol=2e-5, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """(cu_seqlens, max_seqlen, keywords) of every flashgen.attention_varlen call the
+    integration makes."""
+    seen = []
+    real = api.attention_varlen
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        seen.append((cu_q.tolist(), max_q, kw))
+        return real(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+    monkeypatch.setattr(api, "attention_varlen", spy)
+    return seen
+
+
+def _packed_positions(rows: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_packed_sequences_match_transformers(arch, calls, varlen_calls):
+    """Padding-free packing (position_ids restarting at each document, no cache):
+    transformers builds a block-diagonal mask; flashgen runs the documents as one ragged
+    batch (no mask read), except with a softcap (Gemma 2), which the ragged-batch
+    kernels lack: there the mask is read as a bias."""
+    make, reference = CONFIGS[arch]
+    ref, got = _pair(make, reference)
+    rows = [[5, 9, 1, 9], [11, 13]]  # 24 tokens each; Mistral's window 7 is shorter than three documents
+    pos = _packed_positions(rows)
+    ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    outs = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashgen:")  # no fallback
+        for model in (ref, got):
+            model.train()
+            model.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
+            out.loss.backward()
+            outs.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    layers = make().num_hidden_layers
+    if arch == "gemma2":
+        assert varlen_calls == [] and len(calls) == layers
+        assert all(c["bias"] is not None and c["softcap"] == 5.0 for c in calls)
+    else:
+        assert calls == [] and len(varlen_calls) == layers
+        cu = [0, 5, 14, 15, 24, 35, 48]
+        window = (6, 0) if arch == "mistral" else (-1, -1)
+        assert all(c == (cu, 13, dict(causal=True, window=window, softmax_scale=0.25)) for c in varlen_calls)
+    (l_ref, g_ref), (l_got, g_got) = outs
+    torch.testing.assert_close(l_got, l_ref, rtol=1e-4, atol=2e-5)
+    for n in g_ref:
+        torch.testing.assert_close(g_got[n], g_ref[n], rtol=1e-4, atol=2e-5, msg=lambda m: f"{n}: {m}")
+
+
+def _block_mask(rows: list[list[int]], causal=True, window_left=None) -> torch.Tensor:
+    """bool (len(rows), 1, n, n): each row's documents, causal / windowed within each."""
+    out = []
+    for row in rows:
+        doc = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+        i = torch.arange(len(doc))
+        m = doc[:, None] == doc[None, :]
+        if causal:
+            m &= i[None, :] <= i[:, None]
+        if window_left is not None:
+            m &= i[None, :] >= i[:, None] - window_left
+        out.append(m)
+    return torch.stack(out)[:, None]
+
+
+def test_documents_of_a_mask(monkeypatch):
+    """_documents: exactly the block-diagonal patterns, the batch's offsets flattened,
+    memoized per mask object and version; any other mask (one element off, padding, a
+    window the layer does not run) is None."""
+    monkeypatch.setattr(fg_tf, "_DOCUMENT_ROWS", 5)  # several row chunks
+    rows = [[3, 1, 8], [12]]
+    mask = _block_mask(rows)
+    cu, longest = fg_tf._documents(mask, 2, 12, True, None)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 4, 12, 24] and longest == 12
+    assert fg_tf._documents(mask, 2, 12, True, None)[0] is cu  # memoized: the same offsets object
+    # the same documents in each entry of a mask broadcast over the batch
+    assert fg_tf._documents(_block_mask([[3, 1, 8]]), 3, 12, True, None)[0].tolist() == [0, 3, 4, 12, 15, 16, 24,
+                                                                                          27, 28, 36]
+    # within a document: bidirectional, or a causal window
+    assert fg_tf._documents(_block_mask(rows, causal=False), 2, 12, False, None)[0].tolist() == [0, 3, 4, 12, 24]
+    win = _block_mask(rows, window_left=2)
+    assert fg_tf._documents(win, 2, 12, True, 2)[0].tolist() == [0, 3, 4, 12, 24]
+    assert fg_tf._documents(win, 2, 12, True, None) is None  # the layer runs no window
+    assert fg_tf._documents(mask, 2, 12, True, 2) is None  # the layer's window is not in the mask
+    assert fg_tf._documents(mask, 2, 12, False, None) is None  # causal mask, bidirectional layer
+    # one element off, in the last chunk: None, and the edit in place is seen (version)
+    mask[1, 0, 11, 0] = False
+    assert fg_tf._documents(mask, 2, 12, True, None) is None
+    odd = _block_mask(rows)
+    odd[0, 0, 10, 5] = False  # a hole inside a document
+    assert fg_tf._documents(odd, 2, 12, True, None) is None
+    odd = _block_mask(rows)
+    odd[0, 0, 9, 1] = True  # a key of another document
+    assert fg_tf._documents(odd, 2, 12, True, None) is None
+    # a padding mask (left padding: the padded rows see no key): None
+    pad = _block_mask([[12], [12]])
+    pad[1, 0, :, :4] = False
+    assert fg_tf._documents(pad, 2, 12, True, None) is None
+
+
+def test_custom_block_mask_runs_as_documents(calls, varlen_calls):
+    """A custom 4D block-diagonal bool mask handed to the attention function: the ragged
+    batch, the same result as the mask read as a bias; a mask that is the plain causal
+    pattern (one document per entry) runs with no mask."""
+    mod = _Attn()
+    q, k, v = _qkv(b=2, sq=12, sk=12)
+    mask = _block_mask([[3, 1, 8], [7, 5]])
+    out, w = fg_tf.attention_forward(mod, q, k, v, mask, scaling=0.3)
+    assert w is None and out.shape == (2, 12, 4, 16) and out.is_contiguous()
+    assert calls == [] and [c[0] for c in varlen_calls] == [[0, 3, 4, 12, 19, 24]]
+    want = api.attention(q, k, v, bias=mask, softmax_scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    out, _ = fg_tf.attention_forward(mod, q, k, v, _block_mask([[12], [12]]), scaling=0.3)
+    assert len(varlen_calls) == 1 and calls[-1]["causal"] and calls[-1].get("bias") is None
+    torch.testing.assert_close(out, api.attention(q, k, v, causal=True, softmax_scale=0.3).transpose(1, 2))
+    # with dropout the documents keep the bias path (the ragged-batch kernels have no dropout)
+    fg_tf.attention_forward(mod, q, k, v, mask, scaling=0.3, dropout=0.1)
+    assert len(varlen_calls) == 1 and calls[-1]["bias"] is mask and calls[-1]["dropout_p"] == 0.1
+
+
 def test_register_names():
     assert fg_tf.register() == fg_tf.DEFAULT_NAME == NAME
     assert fg_tf.register("fg_other") == "fg_other"
