@@ -217,8 +217,9 @@ def test_documents_of_a_mask(monkeypatch):
     monkeypatch.setattr(fg_tf, "_DOCUMENT_ROWS", 5)  # several row chunks
     rows = [[3, 1, 8], [12]]
     mask = _block_mask(rows)
-    cu, longest = fg_tf._documents(mask, 2, 12, True, None)
+    cu, longest, doc = fg_tf._documents(mask, 2, 12, True, None)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 4, 12, 24] and longest == 12
+    assert doc.tolist() == [[1, 1, 1, 2] + [3] * 8, [1] * 12]
     assert fg_tf._documents(mask, 2, 12, True, None)[0] is cu  # memoized: the same offsets object
     # the same documents in each entry of a mask broadcast over the batch
     assert fg_tf._documents(_block_mask([[3, 1, 8]]), 3, 12, True, None)[0].tolist() == [0, 3, 4, 12, 15, 16, 24,
@@ -514,20 +515,24 @@ def _padded(batch_pad: list[int], sq: int, sk: int, window_left=None) -> torch.T
     return m
 
 
-@pytest.mark.parametrize("case", ["padded", "padded-window", "batch-1", "2-d", "decode", "random", "per-head"])
+@pytest.mark.parametrize("case", ["padded", "padded-window", "batch-1", "2-d", "decode", "documents",
+                                  "documents-window", "random", "per-head"])
 def test_sinks_bool_masks_match_eager(case, calls):
     """gpt-oss's sinks with a bool mask: a mask that is causal (and the layer's window)
-    with key padding runs flashgen (its bounds, and the key padding as a mask_mod), any
+    with key padding or within packed documents runs flashgen (its bounds, and the key
+    padding or the documents as a mask_mod), any
     other falls back to the model's eager_attention_forward with the reason named;
     either way equal to eager in float64, forward and gradients (sinks too), a query row
     that sees no key included."""
     from transformers.models.gpt_oss import modeling_gpt_oss
 
-    sq, sk, window = (1, 12, None) if case == "decode" else (8, 8, 4 if case == "padded-window" else None)
+    sq, sk, window = (1, 12, None) if case == "decode" else (8, 8, 4 if case.endswith("-window") else None)
     mask = {"padded": lambda: _padded([3, 0], sq, sk), "padded-window": lambda: _padded([3, 0], sq, sk, window - 1),
             "batch-1": lambda: _padded([2], sq, sk),  # (1, 1, sq, sk): broadcast over the batch
             "2-d": lambda: fg_tf._band(sq, sk, None, "cpu"),
             "decode": lambda: _padded([5, 0], sq, sk),
+            "documents": lambda: _block_mask([[3, 5], [1, 2, 5]]),  # packed sequences
+            "documents-window": lambda: _block_mask([[6, 2], [1, 7]], window_left=window - 1),
             "random": lambda: torch.rand(2, 1, sq, sk, generator=torch.Generator().manual_seed(4)) > 0.3,
             "per-head": lambda: _padded([3, 0], sq, sk).expand(2, 4, sq, sk)}[case]()
     runs = case not in ("random", "per-head")

@@ -56,9 +56,10 @@ attention module hands them to ``sdpa_attention_forward``):
 * ``s_aux`` (gpt-oss's learnable attention sinks, ``GptOssAttention.sinks``, a
   (num_heads,) parameter in the model's dtype) with no mask (causal, and
   ``sliding_window`` on gpt-oss's sliding layers) or with the bool mask transformers
-  builds for padding (checked to be that causal / window pattern with key padding;
-  flashgen then runs the pattern and reads the (batch, seqlen_k) key padding by a
-  ``mask_mod``, exact): flashgen's ``sinks`` as
+  builds for padding or packed documents (checked to be that causal / window pattern
+  with key padding or within documents; flashgen then runs the pattern and reads the
+  (batch, seqlen_k) key padding, or each token's document number, by a ``mask_mod``,
+  exact): flashgen's ``sinks`` as
   ``s_aux.float()``, so the sinks' gradient (float32 in the kernels) reaches the
   parameter in its own dtype.  The conventions agree: gpt-oss's
   ``eager_attention_forward`` appends the sink as one more logit to each row of
@@ -75,7 +76,7 @@ in a one-time warning per reason): to transformers' ``sdpa_attention_forward`` w
 same arguments, or, for what sdpa lacks (``softcap``, attention sinks ``s_aux``), to
 the model's own ``eager_attention_forward``.  Reasons: a ``position_bias`` (learned,
 needs a gradient), ``s_aux`` with an additive (not bool) mask or a bool one other than
-causal / window with key padding, with dropout > 0 or with softcap, or that is not a
+causal / window with key padding or packed documents, with dropout > 0 or with softcap, or that is not a
 floating (num_heads,) tensor on the query's device, a mask that is not a tensor (a
 flex ``BlockMask``) or that requires grad, of another dtype than bool / the query's, inputs flashgen does not
 take (dtype, head dims not a multiple of 8 in [8, 256], empty), dropout where flashgen's
@@ -233,10 +234,10 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
     if reason is not None:
         return reason
     if s_aux is not None and attention_mask is not None:
-        if _key_padding(attention_mask, query.shape[2], key.shape[2],
-                        *_padding_bounds(module, is_causal, sliding_window)) is None:
+        if _sinks_mask(attention_mask, module, is_causal, sliding_window, query, key) is None:
             return ("s_aux (attention sinks) with an attention_mask other than the causal / sliding-window pattern "
-                    "with key padding (flashgen runs sinks with those bounds and a key-padding mask_mod)")
+                    "with key padding or of packed documents (flashgen runs sinks with those bounds and a "
+                    "key-padding or document mask_mod)")
     if attention_mask is None and _module_causal(module, is_causal) and query.shape[2] > key.shape[2]:
         return (f"causal without a mask and seqlen_q ({query.shape[2]}) > seqlen_k ({key.shape[2]}): sdpa's "
                 "top-left alignment")
@@ -325,11 +326,12 @@ def _documents(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window
 
     Returns:
         None when the mask is any other pattern (a padded row sees not even itself,
-        so padding masks are None).  Else (cu_seqlens, max_seqlen): cu_seqlens int32
-        of shape (documents + 1,) on the mask's device, the documents' starts in the
-        batch's tokens flattened entry after entry (a mask broadcast over the batch
+        so padding masks are None).  Else (cu_seqlens, max_seqlen, doc): cu_seqlens
+        int32 of shape (documents + 1,) on the mask's device, the documents' starts in
+        the batch's tokens flattened entry after entry (a mask broadcast over the batch
         gives each entry the same documents), ending at batch * seqlen; max_seqlen the
-        longest document (a host int).
+        longest document (a host int); doc (batch or 1, seqlen) int64, each token's
+        document number within its entry (the mask's own entries).
 
     Reads the mask's values (a host synchronization), once per mask object and
     version (memoized; the layers that share a mask share the result).
@@ -369,7 +371,7 @@ def _documents(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window
             first = starts.reshape(-1).nonzero().reshape(-1)
             ends = torch.cat([first[1:], first.new_tensor([batch * seqlen])])
             cu = torch.cat([first, first.new_tensor([batch * seqlen])]).to(torch.int32)
-            out = (cu, int((ends - first).max()))
+            out = (cu, int((ends - first).max()), doc)
     _documents_memo[key] = (weakref.ref(mask), mask._version, bounds, out)
     while len(_documents_memo) > _PADDING_MEMO_MAX:
         _documents_memo.pop(next(iter(_documents_memo)))
@@ -395,7 +397,7 @@ def _packed_attention(query, key, value, documents, causal, window_left, scaling
     one ragged batch of documents (a view when the heads are the middle dimension in
     memory, as the models' projections give them).  Returns (batch, seqlen, num_heads,
     head_dim_v), contiguous."""
-    cu, longest = documents
+    cu, longest, _ = documents
     b, h, n, _ = query.shape
 
     def flat(t):
@@ -408,6 +410,33 @@ def _packed_attention(query, key, value, documents, causal, window_left, scaling
     out = api.attention_varlen(flat(query), flat(key), flat(value), cu, cu, longest, longest, causal=causal,
                                window=window, softmax_scale=scaling)
     return out.view(b, n, h, value.shape[3])
+
+
+def _document_mask_mod(doc: torch.Tensor):
+    """A flashgen ``mask_mod`` reading ``doc`` ((batch or 1, seqlen) document numbers,
+    from :func:`_documents`): a query sees the keys of its own document, beside
+    flashgen's own causal / window bounds."""
+    nb = doc.shape[0] > 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc[b if nb else 0, q_idx] == doc[b if nb else 0, kv_idx]
+
+    return mask_mod
+
+
+def _sinks_mask(attention_mask, module, is_causal, sliding_window, query, key):
+    """The ``mask_mod`` that runs sinks with this bool mask beside flashgen's bounds
+    (:func:`_padding_bounds`): the key padding (:func:`_key_padding`) or the packed
+    documents (:func:`_documents`) it is exactly; None for any other mask."""
+    causal, left = _padding_bounds(module, is_causal, sliding_window)
+    keys = _key_padding(attention_mask, query.shape[2], key.shape[2], causal, left)
+    if keys is not None:
+        return _padding_mask_mod(keys)
+    if _may_be_documents(attention_mask, query, key):
+        documents = _documents(attention_mask, query.shape[0], query.shape[2], causal, left)
+        if documents is not None:
+            return _document_mask_mod(documents[2])
+    return None
 
 
 def _sinks_reason(s_aux, query, attention_mask, dropout, softcap) -> str | None:
@@ -508,12 +537,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          sliding_window, softcap, kwargs)
     s_aux = kwargs.get("s_aux")
     if s_aux is not None and attention_mask is not None:
-        # gpt-oss with padding: the mask is causal (and the window) with key padding
-        # (fallback_reason checked it): flashgen's bounds, and the padding as a mask_mod
+        # gpt-oss with padding or packed documents: the mask is causal (and the window)
+        # with key padding or within documents (fallback_reason checked it): flashgen's
+        # bounds, and the padding or the documents as a mask_mod
         causal, left = _padding_bounds(module, is_causal, sliding_window)
-        keys = _key_padding(attention_mask, query.shape[2], key.shape[2], causal, left)
+        mask_mod = _sinks_mask(attention_mask, module, is_causal, sliding_window, query, key)
         out = api.attention(query, key, value, causal=causal, window=(-1, -1) if left is None else (left, 0),
-                            softmax_scale=scaling, sinks=s_aux.float(), mask_mod=_padding_mask_mod(keys))
+                            softmax_scale=scaling, sinks=s_aux.float(), mask_mod=mask_mod)
         return out.transpose(1, 2).contiguous(), None
     if (s_aux is None and not dropout and not softcap and _may_be_documents(attention_mask, query, key)):
         pattern = _padding_bounds(module, is_causal, sliding_window)
