@@ -59,6 +59,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("model", "a transformers model's training step with flashgen's attention against SDPA's",
           (("benchmarks/transformers_step.py", "--out", "{out}/model.json"),), ("model.json",),
           needs="benchmarks/transformers_step.py"),
+    Suite("model-packed", "the same training step on packed documents (padding-free, 8 per batch entry): "
+          "flashgen's ragged batch against SDPA reading the block-diagonal mask",
+          (("benchmarks/transformers_step.py", "--packed", "8", "--out", "{out}/model_packed.json"),),
+          ("model_packed.json",), needs="benchmarks/transformers_step.py"),
     Suite("fwd-configs", "forward tiles outside the tuning domain (BLOCK_M 256) and the pipelined forward "
           "(pipe_qk) against the tuned forward and cuDNN",
           (("benchmarks/probe_fwd_configs.py", "--out", "{out}/fwd_configs.json"),), ("fwd_configs.json",)),
