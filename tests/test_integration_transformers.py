@@ -214,7 +214,7 @@ def test_documents_of_a_mask(monkeypatch):
     """_documents: exactly the block-diagonal patterns, the batch's offsets flattened,
     memoized per mask object and version; any other mask (one element off, padding, a
     window the layer does not run) is None."""
-    monkeypatch.setattr(fg_tf, "_DOCUMENT_ROWS", 5)  # several row chunks
+    monkeypatch.setattr(fg_tf, "_DOCUMENT_ELEMENTS", 100)  # 4 query rows of 2 x 12 keys per step: 3 steps
     rows = [[3, 1, 8], [12]]
     mask = _block_mask(rows)
     cu, longest, doc = fg_tf._documents(mask, 2, 12, True, None)

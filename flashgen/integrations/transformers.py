@@ -304,9 +304,10 @@ def _padding_mask_mod(keys: torch.Tensor):
 #: per forward is live.
 _documents_memo: dict = {}
 
-#: Query rows of the mask compared at once by :func:`_documents` (bounds its temporary
-#: to _DOCUMENT_ROWS x seqlen booleans per batch entry).
-_DOCUMENT_ROWS = 2048
+#: Mask elements compared per step by :func:`_documents` (bounds its temporaries: a
+#: block of query rows at a time, the comparisons accumulated on the device and read
+#: once).
+_DOCUMENT_ELEMENTS = 1 << 26
 
 
 def _documents(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left: int | None):
@@ -353,19 +354,18 @@ def _documents(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window
     if bool(diag.all()):
         doc = starts.cumsum(-1)
         cols = torch.arange(seqlen, device=mask.device)
-        same = True
-        for r0 in range(0, seqlen, _DOCUMENT_ROWS):
-            r1 = min(seqlen, r0 + _DOCUMENT_ROWS)
+        step = max(1, _DOCUMENT_ELEMENTS // (entries * seqlen))
+        differs = torch.zeros((), dtype=torch.bool, device=mask.device)
+        for r0 in range(0, seqlen, step):
+            r1 = min(seqlen, r0 + step)
             want = doc[:, r0:r1, None] == doc[:, None, :]
-            rel = cols[None, :] - cols[r0:r1, None]  # j - i
+            rows = cols[r0:r1, None]
             if causal:
-                want &= (rel <= 0)[None]
+                want &= (cols[None, :] <= rows)[None]
             if window_left is not None:
-                want &= (rel >= -window_left)[None]
-            if not torch.equal(m[:, r0:r1], want):
-                same = False
-                break
-        if same:
+                want &= (cols[None, :] >= rows - window_left)[None]
+            differs |= (m[:, r0:r1] != want).any()
+        if not bool(differs):
             if entries != batch:  # one mask for every entry: the same documents in each
                 starts = starts.expand(batch, seqlen)
             first = starts.reshape(-1).nonzero().reshape(-1)
