@@ -399,7 +399,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             (accumulated in float32); their values must be finite (mask with
             ``mask_mod``).  A function is traced once (cached by its code and its
             closure's objects, so a closure made again on every call over the same
-            objects is not traced again); captured tensors are read at each call.
+            objects is not traced again, and by the values it may have taken as
+            constants from the objects it reads: a changed ``self.temperature``,
+            attribute of a callable object or list item is traced again); captured
+            tensors are read at each call.
             Indices must lie in [0, size) of each dim (a negative index is not
             wrapped as torch wraps it): on the kernel path every index that does not
             depend on the score is checked over the whole (b, h, q_idx, kv_idx) grid
@@ -433,7 +436,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         recomputes P from the LSE; dK and dV are summed over each GQA group).  The
         LSE is returned as a constant (no gradient flows through it, as in
         FlashAttention's interface): a loss that uses it gets no gradient from that
-        term.
+        term.  No double backward: gradients taken with ``create_graph=True`` raise
+        RuntimeError when differentiated again.  The backward re-reads q, k, v, the
+        bias, the ALiBi slopes, the sinks and the tensors the user functions read:
+        modifying one in place before it runs raises autograd's RuntimeError
+        ("modified by an inplace operation").
 
     Precision: float16/bfloat16 inputs are multiplied on tensor cores with float32
     accumulation; float32 inputs in IEEE float32 (no tf32).

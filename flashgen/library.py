@@ -423,6 +423,38 @@ def _backward(ctx, do, _dlse):
 
 fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradients of an eager backward run under ``create_graph=True``, unchanged,
+    joined to the graph of their inputs: differentiating them again (a double backward
+    through attention: gradient penalties, Hessian-vector products) raises, as it does
+    through flashgen's ops (no autograd formula for their backward), instead of
+    silently leaving attention's second-order terms out.
+
+    apply(n, *inputs, *grads) -> views of the grads: ``inputs`` the first ``n``
+    arguments, the tensors the gradients depend on (q, k, v, dO, ...); ``grads`` no
+    None."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tuple(t.view_as(t) for t in tensors[n:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("flashgen's attention has no double backward: a gradient computed through it with "
+                           "create_graph=True was differentiated again (its backward kernels have no autograd "
+                           "formula)")
+
+
+def no_double_backward(inputs: tuple, grads: tuple) -> tuple:
+    """``grads`` as an eager backward returns them: unchanged outside ``create_graph=True``
+    (grad mode off in the backward); under it, joined to ``inputs``' graph by
+    :class:`_NoDoubleBackward`, so a double backward raises."""
+    if not torch.is_grad_enabled():
+        return grads
+    out = iter(_NoDoubleBackward.apply(len(inputs), *inputs, *(g for g in grads if g is not None)))
+    return tuple(None if g is None else next(out) for g in grads)
+
+
 class EagerAttention(torch.autograd.Function):
     """The autograd path of plain eager calls: the same implementations and formula as
     ``flashgen::fwd``/``flashgen::bwd`` without the torch.library dispatcher, which
@@ -444,7 +476,12 @@ class EagerAttention(torch.autograd.Function):
         else:
             calls = None
             o, lse = forward(q, k, v, scale, mask, lo, hi, mods)
-        ctx.save_for_backward(q, k, v, o, lse)
+        # the mods' tensors too: autograd's version check then refuses a backward after
+        # the bias or the slopes were modified in place (the backward re-reads them)
+        if mods is None:
+            ctx.save_for_backward(q, k, v, o, lse)
+        else:
+            ctx.save_for_backward(q, k, v, o, lse, mods.alibi, mods.bias)
         ctx.args = (scale, mask, lo, hi, mods)
         ctx.deterministic = deterministic
         ctx.calls = calls
@@ -460,12 +497,14 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         if do is None:
             return None, None, None, None, None, None, None, None, None, None
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse = ctx.saved_tensors[:5]
         if ctx.calls is not None:
             scale, mask, lo, hi, _ = ctx.args
             dq, dk, dv = ctx.calls.backward(do, q, k, v, o, lse, scale, mask, lo, hi, ctx.deterministic)
         else:
             dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args, deterministic=ctx.deterministic)
+        if torch.is_grad_enabled():  # create_graph=True
+            dq, dk, dv = no_double_backward((q, k, v, do), (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None, None, None
 
 

@@ -29,6 +29,7 @@ import functools
 import inspect
 import math
 import operator
+import types
 import weakref
 
 import torch
@@ -519,6 +520,57 @@ def _reads(fn, out: list, seen: set, depth: int) -> None:
                 _reads(val, out, seen, depth - 1)
 
 
+_SCALARS = (type(None), bool, int, str, bytes, complex)
+_STATE_ITEMS = 64  # containers longer than this are keyed by identity alone
+
+
+def _attributes(obj, names) -> list:
+    """(name, value) of ``obj``'s own attributes (its instance dict; a module's
+    parameters, buffers and submodules too) among ``names``: the state a traced
+    function reads through ``obj.name``.  Class attributes and properties are not
+    looked up (no user code runs)."""
+    d = getattr(obj, "__dict__", None)
+    if not isinstance(d, dict):
+        return []
+    out = []
+    for name in names:
+        if name in d:
+            out.append((name, d[name]))
+        elif isinstance(obj, torch.nn.Module):
+            for store in ("_parameters", "_buffers", "_modules"):
+                held = d.get(store)
+                if isinstance(held, dict) and name in held:
+                    out.append((name, held[name]))
+                    break
+    return out
+
+
+def _state(val, names, depth: int, objs: list):
+    """A hashable token of what a trace may have taken from ``val`` as a constant: a
+    number or string by value, a tensor by identity, a list, tuple or dict by its items,
+    another object by identity and its own attributes among ``names`` (the names the
+    function's code loads), ``depth`` levels down.  Functions, classes and modules are
+    tokens of identity (their code is in the key elsewhere).  Objects keyed by identity
+    are appended to ``objs`` (the cache keeps them, so the identities stay valid)."""
+    if isinstance(val, float):
+        return ("f", val.hex())
+    if isinstance(val, _SCALARS):
+        return ("=", type(val).__name__, val)
+    objs.append(val)
+    if (isinstance(val, torch.Tensor) or depth <= 0 or inspect.isroutine(val) or inspect.isclass(val)
+            or inspect.ismodule(val)):
+        return ("id", id(val))
+    if isinstance(val, (list, tuple)) and len(val) <= _STATE_ITEMS:
+        return ("seq", id(val), tuple(_state(x, names, depth - 1, objs) for x in val))
+    if isinstance(val, dict) and len(val) <= _STATE_ITEMS:
+        return ("map", id(val), tuple((k if isinstance(k, _SCALARS) else id(k), _state(x, names, depth - 1, objs))
+                                      for k, x in val.items()))
+    return ("o", id(val), tuple((n, _state(x, names, depth - 1, objs)) for n, x in _attributes(val, names)))
+
+
+_STATE_DEPTH = 3  # how deep the attributes of the objects a function reads are followed
+
+
 def _trace_key(fn) -> tuple[tuple, list]:
     """What identifies a function for the trace cache, and the objects that key names
     by identity (the cache keeps them alive so the identities stay valid): a Python
@@ -526,30 +578,34 @@ def _trace_key(fn) -> tuple[tuple, list]:
     (:func:`_reads`: closure contents, defaults, the module globals it names), so a
     closure made again on every forward call over the same objects hits, and a
     function whose global tensor was rebound (a re-run notebook cell, a loaded
-    checkpoint) is traced again; a bound method by its function, its instance and the
-    tensors the instance holds under the names its code reads; anything else by
-    identity."""
+    checkpoint) is traced again; a bound method by its function and its instance; a
+    callable object as its bound ``__call__``; anything else by identity.  Besides identities the key holds the values a trace
+    may have taken as constants from the objects the function reads (:func:`_state`:
+    an instance's attributes that its code names, ``self.temperature``; a list's
+    items; numbers by value), so changing one traces again rather than running the
+    old value."""
     if inspect.ismethod(fn) and inspect.isfunction(fn.__func__):
         # a bound method (``self.score_mod`` of a module) is made again on every access:
-        # keyed by its function, its instance and the tensors the instance holds under
-        # the names its code reads (``self.table``)
+        # keyed by its function, its instance and the instance's state its code reads
         inner, reads = _trace_key(fn.__func__)
         owner = fn.__self__
-        held = []
-        for name in _global_names(fn.__func__.__code__):
-            try:
-                val = getattr(owner, name, None)
-            except Exception:  # noqa: BLE001 (a property that fails is not read by the trace either)
-                val = None
-            if isinstance(val, torch.Tensor):
-                held.append(val)
-        reads = reads + [owner] + held
-        return ("method", inner, id(owner), tuple(map(id, held))), reads
+        objs: list = []
+        state = _state(owner, _global_names(fn.__func__.__code__), _STATE_DEPTH, objs)
+        return ("method", inner, state), reads + objs
     if not inspect.isfunction(fn):
+        call = getattr(type(fn), "__call__", None)
+        if inspect.isfunction(call) and not isinstance(fn, torch.nn.Module):
+            key, reads = _trace_key(types.MethodType(call, fn))
+            return ("obj", key), reads + [fn]
         return ("obj", id(fn)), [fn]
     reads: list = []
     _reads(fn, reads, {id(fn)}, _READ_DEPTH)
-    return ("code", fn.__code__, tuple(map(id, reads)), id(fn.__globals__)), reads
+    names = _global_names(fn.__code__)
+    objs: list = []
+    state = tuple(_state(r, names, _STATE_DEPTH - 1, objs) for r in reads
+                  if not isinstance(r, (torch.Tensor, *_SCALARS, float)) and not inspect.isroutine(r)
+                  and not inspect.isclass(r) and not inspect.ismodule(r))
+    return ("code", fn.__code__, tuple(map(id, reads)), id(fn.__globals__), state), reads + objs
 
 
 def trace(fn, kind: str) -> Traced:
@@ -916,6 +972,7 @@ class _Call:
     bwd: UserArgs | None
     sinks: torch.Tensor | None
     grad_shapes: list  # (index into bufs, original tensor) of captured tensors that get a gradient
+    reads: tuple = ()  # the captured tensors the functions read (saved: version-checked in the backward)
 
 
 class _Attention(torch.autograd.Function):
@@ -925,14 +982,16 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, call, *captured):
         o, lse = _forward(q, k, v, call)
-        ctx.save_for_backward(q, k, v, o, lse)
+        # the tensors the functions read and the sinks too: autograd's version check
+        # then refuses a backward after one was modified in place (the backward re-reads them)
+        ctx.save_for_backward(q, k, v, o, lse, sinks, *call.reads)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse = ctx.saved_tensors[:5]
         call = ctx.call
         # bwd_dq (or a whole backward) writes every row's delta; nothing runs when empty
         delta = torch.zeros_like(lse) if library.is_empty(q, k) else torch.empty_like(lse)
@@ -949,6 +1008,8 @@ class _Attention(torch.autograd.Function):
         grads = []
         for n, t in call.grad_shapes:
             grads.append(bwd.grads[n].to(t.dtype).view(t.shape))
+        if torch.is_grad_enabled():  # create_graph=True
+            dq, dk, dv, dsinks, *grads = library.no_double_backward((q, k, v, do), (dq, dk, dv, dsinks, *grads))
         return (dq, dk, dv, dsinks, None, *grads)
 
 
@@ -985,6 +1046,10 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
             raise InputError(f"sinks.device ({sinks.device}) must equal q.device ({q.device})")
     st = trace(score_mod, "score") if score_mod is not None else None
     mt = trace(mask_mod, "mask") if mask_mod is not None else None
+    # every index the functions compute within its tensor's extent (InputError), on both
+    # paths: the reference would wrap a negative one as torch does
+    check_reads(st, b, h, sq, sk, q.device)
+    check_reads(mt, b, h, sq, sk, q.device)
     if not library.use_kernels(q):
         # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)
@@ -993,12 +1058,11 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     sflags = [grad_on and f for f in score_grad_flags(st)]
     needs_grad = grad_on and (q.requires_grad or k.requires_grad or v.requires_grad or any(sflags)
                               or (sinks is not None and sinks.requires_grad))
-    check_reads(st, b, h, sq, sk, q.device)
-    check_reads(mt, b, h, sq, sk, q.device)
     fwd, bwd = kernel_args(st, mt, sflags, sinks, (b, h, hk, sq, sk, lo, hi), q.device, needs_grad)
     grad_shapes = [(n, t) for n, (t, f) in enumerate(zip(st.captured if st else (), sflags))
                    if f and bwd is not None]
-    call = _Call(scale, mask, lo, hi, fwd, bwd, sinks.detach() if sinks is not None else None, grad_shapes)
+    reads = tuple(t for tr in (st, mt) if tr is not None for t in tr.captured)
+    call = _Call(scale, mask, lo, hi, fwd, bwd, sinks.detach() if sinks is not None else None, grad_shapes, reads)
     if not needs_grad:
         return _forward(q, k, v, call)
     captured = [t for _, t in grad_shapes]

@@ -419,3 +419,43 @@ def test_another_head_dims_mods_row_must_satisfy_this_head_dims_rules(tmp_path):
         assert resources.estimate(Variant(spec, row_cfg), SM90).feasible and space.violated_rules(Variant(spec, row_cfg))
         ch = d.choose(shape.key(spec))
         assert not space.violated_rules(Variant(spec, ch.config)), (kernel, ch)
+
+
+@pytest.mark.parametrize("which", ["bias", "alibi_slopes", "bias-via-sdpa"])
+def test_a_bias_or_slopes_modified_before_the_backward_is_refused(which):
+    """The backward re-reads the bias and the ALiBi slopes: modified in place between the
+    forward and the backward (a reused mask buffer), autograd stops with its version
+    error, as for q, k and v, instead of giving the gradients of another function."""
+    q, k, v = _qkv()
+    g = torch.Generator().manual_seed(4)
+    if which == "alibi_slopes":
+        t = torch.rand(q.shape[1], generator=g)
+        o = flashgen.attention(q, k, v, alibi_slopes=t)
+    elif which == "bias":
+        t = torch.randn(q.shape[2], k.shape[2], generator=g, dtype=F16)
+        o = flashgen.attention(q, k, v, bias=t)
+    else:
+        t = torch.randn(q.shape[2], k.shape[2], generator=g, dtype=F16)
+        o = flashgen.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                  attn_mask=t)
+    t.mul_(-3.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.float().sum().backward()
+
+
+@pytest.mark.parametrize("mods", [None, "bias"])
+def test_a_double_backward_is_refused_not_silently_zero(mods):
+    """create_graph=True through the eager path: the first-order gradients equal a plain
+    backward's and carry a graph; differentiating them again raises, as through the
+    ops (whose backward has no autograd formula), instead of leaving attention's
+    second-order terms out."""
+    q, k, v = _qkv(dtype=F32)
+    kw = _mods_kw(mods, q, k) if mods else {}
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    plain = torch.autograd.grad((flashgen.attention(q, k, v, **kw) * w).sum(), (q, k, v))
+    got = torch.autograd.grad((flashgen.attention(q, k, v, **kw) * w).sum(), (q, k, v), create_graph=True)
+    for a, b in zip(got, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(t.requires_grad for t in got)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        (got[0] ** 2).sum().backward()

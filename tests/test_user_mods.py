@@ -615,6 +615,21 @@ def test_a_negative_index_is_an_input_error_not_wrapped():
         _call(mask_mod=lambda b, h, q_idx, kv_idx: doc[q_idx - 1] == doc[kv_idx])
 
 
+def test_the_reference_path_checks_the_indices_as_the_kernels_do(monkeypatch):
+    """CPU tensors off the kernels (no interpreter, or bfloat16) run the float32
+    reference, which calls the functions with torch: it raises the same InputError for
+    an index outside a captured tensor, rather than wrapping a negative one (or raising
+    torch's IndexError past the end)."""
+    monkeypatch.setattr(flashgen.library, "use_kernels", lambda q: False)
+    tab = torch.randn(32)
+    with pytest.raises(InputError, match=r"indices -7\.\.7 along dim 0: indices must lie in \[0, 32\)"):
+        _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[q_idx - kv_idx])
+    with pytest.raises(InputError, match=r"indices 25\.\.32 along dim 0"):
+        _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[kv_idx + 25])
+    o = _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[kv_idx + 24])  # in range: runs
+    assert torch.isfinite(o).all()
+
+
 def test_a_nested_gather_is_checked_with_its_inner_read_first(tiles):
     """tab2[idx[q_idx]]: the outer index is read from a captured tensor, evaluated from
     its values; an inner read past its own tensor is reported before the outer."""
@@ -915,6 +930,126 @@ def test_bound_methods_of_two_modules_read_their_own_tensors(tiles):
     m1.table = torch.nn.Parameter(torch.zeros(45))
     assert user_mods.trace(m1.score_mod, "score").captured[0] is m1.table
 
+
+
+class _Temperature:
+    """A callable object with a number the trace takes as a constant."""
+
+    def __init__(self, c):
+        self.c = c
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score * self.c
+
+
+class _Cfg:
+    def __init__(self, temp):
+        self.temp = temp
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = _Cfg(3.0)
+        self.register_buffer("table", torch.tensor([1.0, 2.0, 0.5, -1.0]))
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score / self.cfg.temp + self.table[h]
+
+
+def test_a_value_the_trace_took_as_a_constant_is_read_again_when_it_changes(tiles):
+    """A number an object holds (a callable object's attribute, a module's nested config
+    through a bound method, a global object's tensor
+    attribute, a global list's item) is part of the trace's key: changed, the next call
+    traces again and runs the new value (against float64); unchanged, the trace is
+    reused."""
+    q, k, v = _qkv(b=1, sq=20, sk=24)
+    sk = k.shape[2]
+
+    def check(fn, want):
+        o = flashgen.attention(q, k, v, score_mod=fn)
+        s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 16 ** -0.5
+        ref = torch.softmax(want(s), -1) @ v.double().repeat_interleave(2, 1)
+        torch.testing.assert_close(o.double(), ref, rtol=0, atol=3e-3)
+
+    heads = torch.arange(4).view(1, 4, 1, 1)
+    sc = _Temperature(2.0)
+    check(sc, lambda s: s * 2.0)
+    a = user_mods.trace(sc, "score")
+    assert user_mods.trace(sc, "score") is a
+    sc.c = 0.5
+    check(sc, lambda s: s * 0.5)
+    assert user_mods.trace(sc, "score") is not a
+
+    m = _Scaled()
+    check(m.score_mod, lambda s: s / 3.0 + m.table.double()[heads])
+    b = user_mods.trace(m.score_mod, "score")
+    assert user_mods.trace(m.score_mod, "score") is b
+    m.cfg.temp = 0.25
+    check(m.score_mod, lambda s: s / 0.25 + m.table.double()[heads])
+    m.table = torch.tensor([0.0, -2.0, 1.0, 3.0])  # a buffer rebound
+    check(m.score_mod, lambda s: s / 0.25 + m.table.double()[heads])
+
+    holder = types.SimpleNamespace(table=torch.tensor([1.0, 2.0, 3.0, 4.0]), scales=[1.0, 2.0])
+    ns = {"holder": holder}
+    exec("def by_head(score, b, h, q_idx, kv_idx):\n"
+         "    return score * holder.scales[1] + holder.table[h]\n", ns)
+    fn = ns["by_head"]
+    check(fn, lambda s: s * 2.0 + holder.table.double()[heads])
+    c = user_mods.trace(fn, "score")
+    assert user_mods.trace(fn, "score") is c
+    holder.table = torch.tensor([-3.0, 0.5, 0.0, 1.0])
+    check(fn, lambda s: s * 2.0 + holder.table.double()[heads])
+    holder.scales[1] = -1.0
+    check(fn, lambda s: -s + holder.table.double()[heads])
+    assert sk == 24
+
+
+def test_a_tensor_the_functions_read_modified_before_the_backward_is_refused(tiles):
+    """The backward re-reads what the functions read: a captured tensor (or the sinks)
+    modified in place between the forward and the backward stops autograd with its
+    version error, as for q, k and v, instead of giving gradients of another
+    function."""
+    q, k, v = _qkv(b=1, sq=20, sk=24)
+    q.requires_grad_()
+    table = torch.randn(4)
+    doc = torch.arange(24) // 7
+    o = flashgen.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h],
+                           mask_mod=lambda b, h, i, j: doc[i] >= doc[j])
+    table.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.float().sum().backward()
+    o = flashgen.attention(q, k, v, mask_mod=lambda b, h, i, j: doc[i] >= doc[j])
+    doc.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.float().sum().backward()
+    sinks = torch.zeros(4, requires_grad=True)
+    o = flashgen.attention(q, k, v, sinks=sinks)
+    with torch.no_grad():
+        sinks.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.float().sum().backward()
+
+
+def test_a_double_backward_through_user_functions_is_refused(tiles):
+    """create_graph=True: the first-order gradients are those of a plain backward, and
+    differentiating them again raises (no silent zero second-order term)."""
+    q, k, v = _qkv(b=1, sq=20, sk=24, dtype=F32)
+    table = torch.randn(4, requires_grad=True)
+    qg = q.clone().requires_grad_()
+    w = torch.randn(1, 4, 20, 16, generator=torch.Generator().manual_seed(3))
+
+    def run(create_graph):
+        o = flashgen.attention(qg, k, v, score_mod=lambda s, b, h, i, j: s + table[h])
+        return torch.autograd.grad((o * w).sum(), (qg, table), create_graph=create_graph)
+
+    plain = run(False)
+    gq, gt = run(True)
+    torch.testing.assert_close(gq, plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(gt, plain[1], rtol=0, atol=0)
+    assert gq.requires_grad
+    with pytest.raises(RuntimeError, match="no double backward"):
+        (gq ** 2).sum().backward()
 
 
 def test_a_repeated_call_neither_lowers_nor_checks_its_functions_again(tiles, monkeypatch):
