@@ -347,7 +347,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             causal=True, right is 0.
         softmax_scale: multiplies q @ k^T; None means 1 / sqrt(head_dim).  0.0 is used
             as given (uniform attention over the visible keys); any other value needs a
-            magnitude in [1e-30, 1e30] (it is applied in float32).
+            magnitude in [1e-30, 1e30] (it is applied in float32).  The backward
+            recomputes P = exp(s - LSE) from the float32 LSE (FlashAttention's
+            recomputation), so its accuracy falls with the scores' magnitude: an
+            absolute error of about |LSE| * 6e-8 in every exponent (rows with scores
+            of 1e4 lose about 1e-3 of their probabilities' relative accuracy; from
+            about 1e6 the gradients are wrong, from 1e8 not finite); the forward is
+            exact at any magnitude.
         return_lse: a bool: also return the log-sum-exp of each score row.
         deterministic: None (default) follows ``torch.are_deterministic_algorithms_enabled()``
             when the backward runs; True makes the backward bitwise repeatable (the
@@ -437,7 +443,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         LSE is returned as a constant (no gradient flows through it, as in
         FlashAttention's interface): a loss that uses it gets no gradient from that
         term.  No double backward: gradients taken with ``create_graph=True`` raise
-        RuntimeError when differentiated again.  The backward re-reads q, k, v, the
+        RuntimeError when differentiated again.  Of torch.func's transforms ``vmap``
+        runs (torch's per-sample fallback, slow); ``grad``, ``jacrev`` and ``jvp``
+        raise (the op's autograd, registered with ``torch.library.register_autograd``,
+        does not take them).  The backward re-reads q, k, v, the
         bias, the ALiBi slopes, the sinks and the tensors the user functions read:
         modifying one in place before it runs raises autograd's RuntimeError
         ("modified by an inplace operation").
@@ -1063,6 +1072,8 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     _check(q, k, v, softmax_scale, causal)
     if not sdpa:
         _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, None)
+        if not q.is_meta:
+            library.check_dropout_runs(q, k, dropout_p)  # as attention refuses it
     b, h, sq, d = q.shape
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align="top_left" if sdpa else "bottom_right")

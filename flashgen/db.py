@@ -234,6 +234,10 @@ def _row_problem(r) -> str | None:
         return f"an ok row needs a finite positive median_ms, got {ms!r}"
     if ms is not None and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
         return f"median_ms must be a finite number of ms or null, got {ms!r}"
+    tf = r.get("tflops")
+    if tf is not None and not (isinstance(tf, (int, float)) and not isinstance(tf, bool) and math.isfinite(tf)
+                               and tf >= 0):
+        return f"tflops must be a finite number >= 0 or null, got {tf!r}"
     return None
 
 
@@ -242,8 +246,8 @@ def check_rows(rows: list, source) -> None:
     a flashgen measurement: all columns (those of :data:`OPTIONAL_COLUMNS` may be missing:
     their defaults, e.g. no ``family`` is the Triton family), a status of
     ``spec.STATUSES``, a registered kernel family, known kernel, dtype, mask, mods and
-    config fields that agree with ``key`` and ``variant_id``, and a finite positive
-    ``median_ms`` for ok rows."""
+    config fields that agree with ``key`` and ``variant_id``, a finite positive
+    ``median_ms`` for ok rows, and a finite ``tflops`` >= 0 (or null)."""
     bad = [(i, why) for i, r in enumerate(rows) if (why := _row_problem(r)) is not None]
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""

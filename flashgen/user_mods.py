@@ -615,6 +615,8 @@ def trace(fn, kind: str) -> Traced:
     reused) is traced again.  ``kind``: "score" or "mask"."""
     if not callable(fn):
         raise InputError(f"{kind}_mod must be callable, got {type(fn).__name__}")
+    if isinstance(fn, torch.nn.Module):  # a module: its forward (torch.fx traces no module call)
+        fn = fn.forward
     tkey, reads = _trace_key(fn)
     key = (tkey, kind)
     hit = _traces.get(key)

@@ -306,7 +306,8 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
               env=None, arch=None, seed: int = 0) -> list:
     """Tune the kernels of ``flashgen.attention(q, k, v, score_mod=..., mask_mod=...,
     sinks=..., causal=..., window=...)`` for these sizes and record every measurement
-    in the tuning DB ``db`` (created if missing; nothing in it is overwritten).
+    in the tuning DB ``db`` (created if missing, in a directory that must exist;
+    nothing in it is overwritten).
 
     q (batch, num_heads, seqlen_q, head_dim), k and v (batch, num_kv_heads, seqlen_k,
     head_dim / head_dim_v) give the sizes, dtype and device only (the measurements use
@@ -318,15 +319,21 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
     that calls the same functions.  Returns the tuner's TuneResult per key.  Needs a
     CUDA device unless ``benchmarker`` is given (``env``/``arch``: the environment the
     rows are recorded under and the rules they follow; default: this machine's).
-    Raises InputError for bad sizes or options, UnsupportedError for functions flashgen
-    cannot compile."""
+    Raises InputError for bad sizes or options (``trials`` below 1; a ``db`` whose
+    directory does not exist, which is never created, or that cannot be written),
+    UnsupportedError for functions flashgen cannot compile."""
     from . import arch as arch_mod, dispatch, tuner
     from .db import TuningDB
     from .env import Environment
 
+    from .db import check_writable
+
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise InputError(f"{name} must be a 4-D torch.Tensor (batch, heads, seqlen, head_dim)")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise InputError(f"trials must be an int >= 1 (Optuna trials per kernel), got {trials!r}")
+    check_writable(Path(db), "db")
     dtype = str(q.dtype).removeprefix("torch.")
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
     problem = UserProblem(score_mod, mask_mod, sinks, causal, tuple(window), q.shape[3], v.shape[3], dtype, shape)

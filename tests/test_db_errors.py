@@ -148,6 +148,8 @@ def _export(tmp_path):
     ("compute_capability", "banana", "compute_capability must read like '9.0'"),
     ("seqlen_q", -3, "seqlen_q must be a whole number >= 0"),
     ("sm_count", -1, "sm_count must be a whole number >= 0"),
+    ("tflops", -5.0, "tflops must be a finite number >= 0 or null"),
+    ("tflops", float("inf"), "tflops must be a finite number >= 0 or null"),
 ])
 def test_import_refuses_rows_that_are_not_measurements_and_writes_nothing(tmp_path, field, value, rule):
     data = _export(tmp_path)

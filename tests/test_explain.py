@@ -83,6 +83,14 @@ def test_explain_paths(monkeypatch):
     assert rep.path.startswith("no launch") and rep.kernels == ()
     with pytest.raises(flashgen.InputError, match="multiple of 8"):
         flashgen.explain(torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 12))
+    # dropout on the reference path: refused as attention refuses it; the interpreter runs it
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(flashgen.InputError, match="dropout_p > 0 runs in the Triton kernels only"):
+        flashgen.explain(q, q, q, dropout_p=0.1, dispatcher=disp)
+    with pytest.raises(flashgen.InputError, match="dropout_p > 0 runs in the Triton kernels only"):
+        flashgen.attention(q, q, q, dropout_p=0.1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert flashgen.explain(q, q, q, dropout_p=0.1, dispatcher=disp).path.startswith("triton interpreter")
 
 
 def test_explain_reads_no_tensor_data():

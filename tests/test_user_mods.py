@@ -1005,6 +1005,27 @@ def test_a_value_the_trace_took_as_a_constant_is_read_again_when_it_changes(tile
     assert sk == 24
 
 
+def test_a_module_as_the_score_function_runs_its_forward(tiles):
+    """An nn.Module passed as score_mod (FlexAttention takes any callable) runs as its
+    forward, the table's gradient included, and its state is read as a bound method's."""
+    class RelBias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, score, b, h, q_idx, kv_idx):
+            return score + self.table[h]
+
+    m = RelBias()
+    q, k, v = _qkv(b=1, sq=20, sk=24)
+    o = flashgen.attention(q, k, v, score_mod=m)
+    want = flashgen.attention(q, k, v, score_mod=m.forward)
+    torch.testing.assert_close(o, want, rtol=0, atol=0)
+    o.float().sum().backward()
+    assert m.table.grad is not None and torch.isfinite(m.table.grad).all()
+    assert user_mods.trace(m, "score") is user_mods.trace(m.forward, "score")
+
+
 def test_a_tensor_the_functions_read_modified_before_the_backward_is_refused(tiles):
     """The backward re-reads what the functions read: a captured tensor (or the sinks)
     modified in place between the forward and the backward stops autograd with its

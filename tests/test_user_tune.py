@@ -171,3 +171,15 @@ def test_tune_mods_records_rows_the_dispatcher_then_uses(tmp_path):
         assert d.choose(r.key).source == "tuned"
     with pytest.raises(flashgen.InputError, match="CUDA"):
         flashgen.tune_mods(q, k, v, score_mod=score_mod, db=tmp_path / "u.sqlite")
+    # a database in a directory that does not exist: refused, the directory not created;
+    # trials below 1 refused (as the CLI's --trials), before anything is written
+    bench = tuner.ModelBenchmarker(arch.current())
+    missing = tmp_path / "no" / "dir" / "t.sqlite"
+    with pytest.raises(flashgen.InputError, match=r"db .*directory .*does not exist"):
+        flashgen.tune_mods(q, k, v, score_mod=score_mod, db=missing, trials=1, benchmarker=bench, env=env)
+    assert not (tmp_path / "no").exists()
+    for trials in (0, -1, 1.5, True):
+        with pytest.raises(flashgen.InputError, match="trials must be an int >= 1"):
+            flashgen.tune_mods(q, k, v, score_mod=score_mod, db=tmp_path / "w.sqlite", trials=trials,
+                               benchmarker=bench, env=env)
+    assert not (tmp_path / "w.sqlite").exists()
