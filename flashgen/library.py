@@ -60,8 +60,8 @@ def use_kernels(q: Tensor) -> bool:
     """Whether the Triton kernels run for ``q``'s device and dtype: always on CUDA; on
     the CPU only in Triton's interpreter, and not for bfloat16 there (the interpreter
     multiplies bfloat16 bit patterns in tl.dot: a known Triton bug), which takes the
-    float32 reference path instead."""
-    return q.is_cuda or (interpreting() and q.dtype != torch.bfloat16)
+    float32 reference path instead (as do meta tensors: sizes only)."""
+    return q.is_cuda or (interpreting() and q.device.type == "cpu" and q.dtype != torch.bfloat16)
 
 
 def is_empty(q: Tensor, k: Tensor) -> bool:
@@ -423,6 +423,13 @@ def _backward(ctx, do, _dlse):
 
 fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
+def versioned(tensors) -> tuple:
+    """``tensors`` to save for a backward only for autograd's version check (the
+    backward reads them elsewhere): None and inference tensors (no version counter,
+    not savable; outside inference mode they cannot be modified in place) left out."""
+    return tuple(t for t in tensors if t is not None and not t.is_inference())
+
+
 class _NoDoubleBackward(torch.autograd.Function):
     """The gradients of an eager backward run under ``create_graph=True``, unchanged,
     joined to the graph of their inputs: differentiating them again (a double backward
@@ -481,7 +488,7 @@ class EagerAttention(torch.autograd.Function):
         if mods is None:
             ctx.save_for_backward(q, k, v, o, lse)
         else:
-            ctx.save_for_backward(q, k, v, o, lse, mods.alibi, mods.bias)
+            ctx.save_for_backward(q, k, v, o, lse, *versioned((mods.alibi, mods.bias)))
         ctx.args = (scale, mask, lo, hi, mods)
         ctx.deterministic = deterministic
         ctx.calls = calls

@@ -525,23 +525,41 @@ _STATE_ITEMS = 64  # containers longer than this are keyed by identity alone
 
 
 def _attributes(obj, names) -> list:
-    """(name, value) of ``obj``'s own attributes (its instance dict; a module's
-    parameters, buffers and submodules too) among ``names``: the state a traced
-    function reads through ``obj.name``.  Class attributes and properties are not
-    looked up (no user code runs)."""
+    """(name, value) of ``obj``'s attributes among ``names``: the state a traced function
+    reads through ``obj.name``.  Its instance dict (a module's parameters, buffers and
+    submodules too), then its class: a plain class attribute by value, a property,
+    ``__slots__`` member or other descriptor by what it returns now (it runs; one
+    that raises is left out, as the trace would have failed on it); methods are code,
+    not state, and are left out."""
     d = getattr(obj, "__dict__", None)
     if not isinstance(d, dict):
-        return []
+        d = {}
     out = []
     for name in names:
         if name in d:
             out.append((name, d[name]))
-        elif isinstance(obj, torch.nn.Module):
+            continue
+        if isinstance(obj, torch.nn.Module):
+            found = False
             for store in ("_parameters", "_buffers", "_modules"):
                 held = d.get(store)
                 if isinstance(held, dict) and name in held:
                     out.append((name, held[name]))
+                    found = True
                     break
+            if found:
+                continue
+        static = inspect.getattr_static(obj, name, _MISSING)
+        if static is _MISSING or inspect.isroutine(static) or isinstance(static, (staticmethod, classmethod)):
+            continue
+        if hasattr(type(static), "__get__"):  # a property, a __slots__ member, another descriptor
+            try:
+                static = getattr(obj, name)
+            except Exception:  # noqa: BLE001
+                continue
+            if inspect.ismethod(static):
+                continue
+        out.append((name, static))
     return out
 
 
@@ -615,7 +633,10 @@ def trace(fn, kind: str) -> Traced:
     reused) is traced again.  ``kind``: "score" or "mask"."""
     if not callable(fn):
         raise InputError(f"{kind}_mod must be callable, got {type(fn).__name__}")
-    if isinstance(fn, torch.nn.Module):  # a module: its forward (torch.fx traces no module call)
+    # a module is traced as its forward (torch.fx traces no module call) and held itself
+    # (its forward is a bound method made again on every access)
+    held = fn
+    if isinstance(fn, torch.nn.Module):
         fn = fn.forward
     tkey, reads = _trace_key(fn)
     key = (tkey, kind)
@@ -623,9 +644,10 @@ def trace(fn, kind: str) -> Traced:
     if hit is not None and hit[0].alive() and len(hit[1]) == len(reads) and \
             all(r() is obj for r, obj in zip(hit[1], reads)):
         _traces.move_to_end(key)
-        hit[0].seen(fn)  # an equal function (same code and objects), alive for this call
+        hit[0].seen(held)  # an equal function (same code and objects), alive for this call
         return hit[0]
     tr = Traced(fn, kind, frozenset(map(id, reads)))
+    tr.seen(held)
     _traces[key] = (tr, [_ref(r) for r in reads])
     if len(_traces) > _TRACES_MAX:
         _traces.popitem(last=False)
@@ -986,7 +1008,7 @@ class _Attention(torch.autograd.Function):
         o, lse = _forward(q, k, v, call)
         # the tensors the functions read and the sinks too: autograd's version check
         # then refuses a backward after one was modified in place (the backward re-reads them)
-        ctx.save_for_backward(q, k, v, o, lse, sinks, *call.reads)
+        ctx.save_for_backward(q, k, v, o, lse, *library.versioned((sinks, *call.reads)))
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -1050,8 +1072,9 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     mt = trace(mask_mod, "mask") if mask_mod is not None else None
     # every index the functions compute within its tensor's extent (InputError), on both
     # paths: the reference would wrap a negative one as torch does
-    check_reads(st, b, h, sq, sk, q.device)
-    check_reads(mt, b, h, sq, sk, q.device)
+    if not q.is_meta:  # sizes only: nothing is read
+        check_reads(st, b, h, sq, sk, q.device)
+        check_reads(mt, b, h, sq, sk, q.device)
     if not library.use_kernels(q):
         # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)

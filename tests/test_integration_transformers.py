@@ -266,6 +266,31 @@ def test_custom_block_mask_runs_as_documents(calls, varlen_calls):
     assert len(varlen_calls) == 1 and calls[-1]["bias"] is mask and calls[-1]["dropout_p"] == 0.1
 
 
+def test_masks_the_documents_check_does_not_read(calls, varlen_calls):
+    """Masks whose values the documents check must not read run as before (the bias):
+    an inference tensor (no version counter: transformers' pipelines and generate run
+    under inference mode), an empty batch or sequence, a meta tensor (sizes only)."""
+    mod = _Attn()
+    q, k, v = _qkv(b=2, sq=12, sk=12)
+    with torch.inference_mode():
+        mask = _block_mask([[3, 1, 8], [7, 5]])
+        out, _ = fg_tf.attention_forward(mod, q, k, v, mask, scaling=0.3)
+        pad = _padded([3, 0], 12, 12)
+        padded, _ = fg_tf.attention_forward(mod, q, k, v, pad, scaling=0.3)
+    assert varlen_calls == [] and [c["bias"] is not None for c in calls] == [True, True]
+    torch.testing.assert_close(out, api.attention(q, k, v, bias=mask, softmax_scale=0.3).transpose(1, 2))
+    torch.testing.assert_close(padded, api.attention(q, k, v, bias=pad, softmax_scale=0.3).transpose(1, 2))
+    for b, n, m in ((0, 12, _block_mask([[3, 9]])), (0, 12, torch.ones(0, 1, 12, 12, dtype=torch.bool)),
+                    (2, 0, torch.ones(2, 1, 0, 0, dtype=torch.bool))):
+        qe, ke, ve = _qkv(b=b, sq=n, sk=n)
+        out, _ = fg_tf.attention_forward(mod, qe, ke, ve, m, scaling=0.3)
+        assert out.shape == (b, n, 4, 16)
+    qm, km, vm = (t.to("meta") for t in _qkv(b=2, sq=12, sk=12))
+    out, _ = fg_tf.attention_forward(mod, qm, km, vm, _block_mask([[3, 9], [12]]).to("meta"), scaling=0.3)
+    assert out.shape == (2, 12, 4, 16) and out.is_meta
+    assert varlen_calls == []
+
+
 def test_register_names():
     assert fg_tf.register() == fg_tf.DEFAULT_NAME == NAME
     assert fg_tf.register("fg_other") == "fg_other"

@@ -443,6 +443,19 @@ def test_a_bias_or_slopes_modified_before_the_backward_is_refused(which):
         o.float().sum().backward()
 
 
+def test_a_bias_and_slopes_made_under_inference_mode_still_train():
+    """Inference tensors have no version counter and cannot be saved for a backward:
+    the version check leaves them out (outside inference mode they cannot be modified
+    in place anyway) and the call trains as before."""
+    q, k, v = _qkv()
+    with torch.inference_mode():
+        bias = torch.randn(q.shape[2], k.shape[2], dtype=F16)
+        slopes = torch.rand(q.shape[1])
+    o = flashgen.attention(q, k, v, bias=bias, alibi_slopes=slopes)
+    o.float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 @pytest.mark.parametrize("mods", [None, "bias"])
 def test_a_double_backward_is_refused_not_silently_zero(mods):
     """create_graph=True through the eager path: the first-order gradients equal a plain

@@ -990,6 +990,30 @@ def test_a_value_the_trace_took_as_a_constant_is_read_again_when_it_changes(tile
     m.table = torch.tensor([0.0, -2.0, 1.0, 3.0])  # a buffer rebound
     check(m.score_mod, lambda s: s / 0.25 + m.table.double()[heads])
 
+    # a tensor behind a property (weight-normed tables), a __slots__ attribute, a class attribute
+    class Normed:
+        __slots__ = ("raw", "c")
+        shift = 0.0
+
+        def __init__(self):
+            self.raw, self.c = torch.tensor([1.0, 2.0, 3.0, 4.0]), 2.0
+
+        @property
+        def table(self):
+            return self.raw / self.raw.norm()
+
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return score * self.c + self.table[h] + self.shift
+
+    nm = Normed()
+    check(nm, lambda s: s * 2.0 + nm.table.double()[heads])
+    nm.raw = torch.tensor([4.0, -1.0, 0.0, 2.0])
+    check(nm, lambda s: s * 2.0 + nm.table.double()[heads])
+    nm.c = 5.0
+    check(nm, lambda s: s * 5.0 + nm.table.double()[heads])
+    Normed.shift = 1.5
+    check(nm, lambda s: s * 5.0 + nm.table.double()[heads] + 1.5)
+
     holder = types.SimpleNamespace(table=torch.tensor([1.0, 2.0, 3.0, 4.0]), scales=[1.0, 2.0])
     ns = {"holder": holder}
     exec("def by_head(score, b, h, q_idx, kv_idx):\n"
@@ -1016,11 +1040,29 @@ def test_a_module_as_the_score_function_runs_its_forward(tiles):
         def forward(self, score, b, h, q_idx, kv_idx):
             return score + self.table[h]
 
-    m = RelBias()
+    class Docs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("doc", torch.arange(24) // 7)
+
+        def forward(self, b, h, q_idx, kv_idx):
+            return self.doc[q_idx] >= self.doc[kv_idx]
+
+    import gc
+
+    m, dm = RelBias(), Docs()
     q, k, v = _qkv(b=1, sq=20, sk=24)
-    o = flashgen.attention(q, k, v, score_mod=m)
-    want = flashgen.attention(q, k, v, score_mod=m.forward)
-    torch.testing.assert_close(o, want, rtol=0, atol=0)
+    outs = []
+    for _ in range(3):  # repeated calls: the trace holds the module, not a freed bound forward
+        gc.collect()
+        outs.append(flashgen.attention(q, k, v, mask_mod=dm))
+    want = flashgen.attention(q, k, v, mask_mod=dm.forward)
+    assert all(torch.equal(o, want) for o in outs)
+    want = flashgen.attention(q, k, v, score_mod=m.forward, mask_mod=dm.forward)
+    for _ in range(2):
+        gc.collect()
+        o = flashgen.attention(q, k, v, score_mod=m, mask_mod=dm)
+        torch.testing.assert_close(o, want, rtol=0, atol=0)
     o.float().sum().backward()
     assert m.table.grad is not None and torch.isfinite(m.table.grad).all()
     assert user_mods.trace(m, "score") is user_mods.trace(m.forward, "score")
@@ -1050,6 +1092,24 @@ def test_a_tensor_the_functions_read_modified_before_the_backward_is_refused(til
         sinks.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         o.float().sum().backward()
+
+
+def test_inference_tensors_and_meta_inputs_run_with_user_functions(tiles):
+    """A table made under torch.inference_mode (no version counter, not savable) read by
+    a score function still trains (the version check leaves it out); meta inputs give
+    the output's sizes without reading the captured tensors."""
+    q, k, v = _qkv(b=1, sq=20, sk=24)
+    with torch.inference_mode():
+        table = torch.randn(4)
+    qg = q.clone().requires_grad_()
+    o = flashgen.attention(qg, k, v, score_mod=lambda s, b, h, i, j: s + table[h])
+    o.float().sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    qm, km, vm = (t.to("meta") for t in (q, k, v))
+    doc = torch.arange(24, device="meta")
+    out = flashgen.attention(qm, km, vm, score_mod=lambda s, b, h, i, j: s + table.to("meta")[h],
+                             mask_mod=lambda b, h, i, j: doc[i] >= doc[j])
+    assert out.is_meta and out.shape == q.shape
 
 
 def test_a_double_backward_through_user_functions_is_refused(tiles):

@@ -257,10 +257,13 @@ def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool,
     the pattern flashgen runs for ``causal`` / ``window_left`` (bottom-right, as
     :func:`_band`) intersected with that key padding; else None (a per-head mask, or
     any other pattern).  The comparison reads the mask's values (a host
-    synchronization), once per mask object and version (memoized)."""
+    synchronization), once per mask object and version (memoized; an inference tensor,
+    which has no version counter, every call)."""
     key = id(mask)
+    version = None if mask.is_inference() else mask._version  # inference tensors: no counter, no memo
     hit = _padding_memo.get(key)
-    if hit is not None and hit[0]() is mask and hit[1:5] == (mask._version, seqlen_q, seqlen_k, (causal, window_left)):
+    if (hit is not None and version is not None and hit[0]() is mask
+            and hit[1:5] == (version, seqlen_q, seqlen_k, (causal, window_left))):
         return hit[5]
     m = mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     out = None
@@ -271,7 +274,9 @@ def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool,
             torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device)
         if torch.equal(rows, band[None] & keys[:, None, :]):
             out = keys.contiguous()
-    _padding_memo[key] = (weakref.ref(mask), mask._version, seqlen_q, seqlen_k, (causal, window_left), out)
+    if version is None:
+        return out
+    _padding_memo[key] = (weakref.ref(mask), version, seqlen_q, seqlen_k, (causal, window_left), out)
     while len(_padding_memo) > _PADDING_MEMO_MAX:
         _padding_memo.pop(next(iter(_padding_memo)))
     return out
@@ -379,14 +384,17 @@ def _documents(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window
 
 
 def _may_be_documents(mask, query, key) -> bool:
-    """Whether :func:`_documents` should read ``mask``: a bool (batch or 1, 1, seqlen,
-    seqlen) tensor for a square problem, outside torch.compile's tracing and CUDA graph
-    capture (reading values synchronizes)."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
-        return False
+    """Whether :func:`_documents` should read ``mask``: a plain bool (batch or 1, 1,
+    seqlen, seqlen) tensor with values (not meta or fake) for a square, non-empty
+    problem, outside torch.compile's tracing and CUDA graph capture (reading values
+    synchronizes).  Not an inference tensor: it has no version counter for the memo,
+    and the mask is then read as the bias (exact, as before)."""
+    if type(mask) is not torch.Tensor or mask.dtype != torch.bool or mask.dim() != 4:
+        return False  # a subclass (fake, functional) holds no values to read
     n = query.shape[2]
     return (mask.shape[1] == 1 and mask.shape[0] in (1, query.shape[0]) and key.shape[2] == n
-            and mask.shape[2] == mask.shape[3] == n and not torch.compiler.is_compiling()
+            and mask.shape[2] == mask.shape[3] == n and query.numel() > 0 and not mask.is_meta
+            and not mask.is_inference() and not torch.compiler.is_compiling()
             and not dispatch.graph_capturing())
 
 
