@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from . import dispatch, dropout, families, hot, library, ops
+from . import dispatch, documents, dropout, families, hot, library, ops
 from .errors import InputError
 from .masks import mask_bounds
 from .spec import KernelSpec, ProblemKey
@@ -926,7 +926,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     ``attn_mask`` (bool: True = take part; or the query's dtype: added to the scores),
     broadcastable to (batch, heads, seqlen_q, seqlen_k), is served as flashgen's
     ``bias`` (read tile by tile); a row it masks entirely outputs 0 (torch's math
-    backend gives NaN).  ``dropout_p`` in [0, 1) is served by flashgen's dropout
+    backend gives NaN).  A bool mask of packed documents (one (seqlen, seqlen) pattern
+    per batch entry or for all, block-causal or bidirectional within consecutive
+    documents, as packed-dataset training builds it; without dropout) runs as one
+    ragged batch through :func:`attention_varlen` instead: the mask is checked once per
+    mask object (one pass over it and a host synchronization) and not read again.  ``dropout_p`` in [0, 1) is served by flashgen's dropout
     (Philox keyed by element, :mod:`flashgen.dropout`; a different random stream from
     torch's).
 
@@ -951,12 +955,63 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
             o = o + (query.sum() + key.sum() + value.sum()) * 0
         return o
+    if attn_mask is not None and not dropout_p:
+        found = _sdpa_documents(query, key, attn_mask)
+        if found is not None:  # packed documents: a ragged batch, the mask not read
+            return documents_attention(query, key, value, found[0], found[1], None, scale)
     if attn_mask is not None or dropout_p:
         return _attention_mods(query, key, value, causal=is_causal, window=(-1, -1), softmax_scale=scale,
                                return_lse=False, align="top_left", softcap=0.0, alibi_slopes=None,
                                bias=attn_mask, dropout_p=float(dropout_p), rng_state=None)
     return _attention(query, key, value, causal=is_causal, window=(-1, -1), softmax_scale=scale,
                       return_lse=False, align="top_left")
+
+
+def documents_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: tuple, causal: bool,
+                        window_left: int | None, softmax_scale: float | None) -> torch.Tensor:
+    """Attention over the packed documents ``docs`` (:func:`flashgen.documents.find`:
+    cu_seqlens over the batch's tokens flattened, the longest document, document
+    numbers) of query (batch, num_heads, seqlen, head_dim) and key / value (batch,
+    num_kv_heads, seqlen, head_dim[_v]): one ragged batch through
+    :func:`attention_varlen` (the tokens flattened: a view when the heads are the middle
+    dimension in memory, as models' projections give them), or, with one document per
+    entry, :func:`attention` with that pattern and no mask.  ``causal`` and
+    ``window_left`` (None or >= 0 keys before the diagonal) are the pattern within each
+    document.  Returns O (batch, num_heads, seqlen, head_dim_v) in memory order (batch,
+    seqlen, num_heads, head_dim_v) for the ragged batch."""
+    cu, longest, _ = docs
+    b, h, n, _ = query.shape
+    window = (-1, -1) if window_left is None else (window_left, 0)
+    if cu.shape[0] == b + 1:
+        return attention(query, key, value, causal=causal, window=window, softmax_scale=softmax_scale)
+
+    def flat(t):
+        return t.transpose(1, 2).reshape(b * n, t.shape[1], t.shape[3])
+
+    out = attention_varlen(flat(query), flat(key), flat(value), cu, cu, longest, longest, causal=causal,
+                           window=window, softmax_scale=softmax_scale)
+    return out.view(b, n, h, value.shape[3]).transpose(1, 2)
+
+
+def _sdpa_documents(query, key, attn_mask):
+    """(documents, causal) when ``attn_mask``, as scaled_dot_product_attention
+    broadcasts it, is one bool (batch or 1, 1, seqlen, seqlen) mask of packed documents,
+    causal (block-causal: each query sees its document's keys up to itself) or
+    bidirectional within each (:func:`flashgen.documents.find`); else None."""
+    m = attn_mask
+    if type(m) is not torch.Tensor or m.dtype != torch.bool or not 2 <= m.dim() <= 4:
+        return None
+    if m.dim() < 4:  # sdpa aligns a smaller mask with the trailing dims: (heads, sq, sk), (sq, sk)
+        if m.dim() == 3 and m.shape[0] != 1:
+            return None
+        m = m.reshape((1, 1) + tuple(m.shape[-2:]))
+    if not documents.readable(m, query, key):
+        return None
+    for causal in (True, False):
+        docs = documents.find(m, query.shape[0], query.shape[2], causal, None)
+        if docs is not None:
+            return docs, causal
+    return None
 
 
 # -- explain ---------------------------------------------------------------------------
@@ -1069,6 +1124,16 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
             mask, lo, hi = mask_bounds(q.shape[2], k.shape[2], causal=causal, window=window, align="top_left")
             scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
             return Explanation("flashgen", "no launch (no heads: an empty output)", None, mask, lo, hi, scale, ())
+        found = None if attn_mask is None or dropout_p else _sdpa_documents(q, k, attn_mask)
+        if found is not None:  # as the call: a ragged batch (reads the mask's values once)
+            (cu, longest, _), docs_causal = found
+            _check(q, k, v, softmax_scale, False)
+            mask, lo, hi = mask_bounds(longest, longest, causal=docs_causal, window=(-1, -1))
+            scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
+            return Explanation("flashgen", f"packed documents: the mask is {cu.shape[0] - 1} documents (longest "
+                               f"{longest}), {'causal' if docs_causal else 'bidirectional'} within each, run as "
+                               "one ragged batch by attention_varlen (the mask is not read; explain the "
+                               "attention_varlen call for its kernels)", None, mask, lo, hi, scale, ())
     _check(q, k, v, softmax_scale, causal)
     if not sdpa:
         _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, None)

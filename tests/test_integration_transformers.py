@@ -18,7 +18,7 @@ import torch
 import transformers  # flashgen's test extra (never skipped: a missing install is an error)
 
 import flashgen
-from flashgen import api
+from flashgen import api, documents
 from flashgen.integrations import transformers as fg_tf
 
 SEQ = 24
@@ -211,39 +211,39 @@ def _block_mask(rows: list[list[int]], causal=True, window_left=None) -> torch.T
 
 
 def test_documents_of_a_mask(monkeypatch):
-    """_documents: exactly the block-diagonal patterns, the batch's offsets flattened,
+    """flashgen.documents.find: exactly the block-diagonal patterns, the batch's offsets flattened,
     memoized per mask object and version; any other mask (one element off, padding, a
     window the layer does not run) is None."""
-    monkeypatch.setattr(fg_tf, "_DOCUMENT_ELEMENTS", 100)  # 4 query rows of 2 x 12 keys per step: 3 steps
+    monkeypatch.setattr(documents, "ELEMENTS", 100)  # 4 query rows of 2 x 12 keys per step: 3 steps
     rows = [[3, 1, 8], [12]]
     mask = _block_mask(rows)
-    cu, longest, doc = fg_tf._documents(mask, 2, 12, True, None)
+    cu, longest, doc = documents.find(mask, 2, 12, True, None)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 4, 12, 24] and longest == 12
     assert doc.tolist() == [[1, 1, 1, 2] + [3] * 8, [1] * 12]
-    assert fg_tf._documents(mask, 2, 12, True, None)[0] is cu  # memoized: the same offsets object
+    assert documents.find(mask, 2, 12, True, None)[0] is cu  # memoized: the same offsets object
     # the same documents in each entry of a mask broadcast over the batch
-    assert fg_tf._documents(_block_mask([[3, 1, 8]]), 3, 12, True, None)[0].tolist() == [0, 3, 4, 12, 15, 16, 24,
+    assert documents.find(_block_mask([[3, 1, 8]]), 3, 12, True, None)[0].tolist() == [0, 3, 4, 12, 15, 16, 24,
                                                                                           27, 28, 36]
     # within a document: bidirectional, or a causal window
-    assert fg_tf._documents(_block_mask(rows, causal=False), 2, 12, False, None)[0].tolist() == [0, 3, 4, 12, 24]
+    assert documents.find(_block_mask(rows, causal=False), 2, 12, False, None)[0].tolist() == [0, 3, 4, 12, 24]
     win = _block_mask(rows, window_left=2)
-    assert fg_tf._documents(win, 2, 12, True, 2)[0].tolist() == [0, 3, 4, 12, 24]
-    assert fg_tf._documents(win, 2, 12, True, None) is None  # the layer runs no window
-    assert fg_tf._documents(mask, 2, 12, True, 2) is None  # the layer's window is not in the mask
-    assert fg_tf._documents(mask, 2, 12, False, None) is None  # causal mask, bidirectional layer
+    assert documents.find(win, 2, 12, True, 2)[0].tolist() == [0, 3, 4, 12, 24]
+    assert documents.find(win, 2, 12, True, None) is None  # the layer runs no window
+    assert documents.find(mask, 2, 12, True, 2) is None  # the layer's window is not in the mask
+    assert documents.find(mask, 2, 12, False, None) is None  # causal mask, bidirectional layer
     # one element off, in the last chunk: None, and the edit in place is seen (version)
     mask[1, 0, 11, 0] = False
-    assert fg_tf._documents(mask, 2, 12, True, None) is None
+    assert documents.find(mask, 2, 12, True, None) is None
     odd = _block_mask(rows)
     odd[0, 0, 10, 5] = False  # a hole inside a document
-    assert fg_tf._documents(odd, 2, 12, True, None) is None
+    assert documents.find(odd, 2, 12, True, None) is None
     odd = _block_mask(rows)
     odd[0, 0, 9, 1] = True  # a key of another document
-    assert fg_tf._documents(odd, 2, 12, True, None) is None
+    assert documents.find(odd, 2, 12, True, None) is None
     # a padding mask (left padding: the padded rows see no key): None
     pad = _block_mask([[12], [12]])
     pad[1, 0, :, :4] = False
-    assert fg_tf._documents(pad, 2, 12, True, None) is None
+    assert documents.find(pad, 2, 12, True, None) is None
 
 
 def test_custom_block_mask_runs_as_documents(calls, varlen_calls):

@@ -154,6 +154,57 @@ def test_attn_mask_is_served_as_a_bias(mask_kind, monkeypatch):
                                              for c in why.kernels)
 
 
+def _doc_mask(rows, causal):
+    out = []
+    for row in rows:
+        doc = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+        i = torch.arange(len(doc))
+        m = doc[:, None] == doc[None, :]
+        out.append(m & (i[None, :] <= i[:, None]) if causal else m)
+    return torch.stack(out)[:, None]
+
+
+@pytest.mark.parametrize("form", ["block-causal 2-D", "per-entry 4-D", "bidirectional 3-D", "gqa"])
+def test_a_packed_documents_mask_runs_as_a_ragged_batch(form, monkeypatch):
+    """A bool attn_mask of packed documents (block-causal, as packed-dataset training
+    builds it, or bidirectional within each) runs through attention_varlen, not as a
+    bias: equal to torch's SDPA with the mask, forward and gradients; explain says so.
+    A mask one element off the pattern, or with dropout, stays a bias."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    b, hk = (2, 2) if form == "gqa" else (2, 4)
+    q, k, v, do = _inputs(b, 4, hk, 12, 12, 16, 16, torch.float32)
+    rows = [[3, 1, 8], [7, 5]]
+    mask = {"block-causal 2-D": lambda: _doc_mask([rows[0]], True)[0, 0],
+            "per-entry 4-D": lambda: _doc_mask(rows, True),
+            "bidirectional 3-D": lambda: _doc_mask([rows[1]], False)[0],
+            "gqa": lambda: _doc_mask(rows, True)}[form]()
+    kw = {"enable_gqa": True} if form == "gqa" else {}
+    seen = []
+    real = flashgen.api.attention_varlen
+    monkeypatch.setattr(flashgen.api, "attention_varlen", lambda *a, **k: seen.append(a[3].tolist()) or real(*a, **k))
+    monkeypatch.setattr(flashgen.api, "_attention_mods", lambda *a, **k: pytest.fail("read the mask as a bias"))
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    got = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    got.backward(do)
+    assert len(seen) == 1 and seen[0][-1] == 24
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    rep = 4 // hk
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
+    ref.backward(do)
+    assert (got - ref).abs().max() < 1e-5
+    for a, t in zip(grads, (q, k, v)):
+        assert (a - t.grad).abs().max() < 1e-4
+    why = flashgen.explain(q.detach(), k.detach(), v.detach(), sdpa=True, attn_mask=mask, **kw)
+    assert why.backend == "flashgen" and why.path.startswith("packed documents") and why.kernels == ()
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    odd = mask.clone()
+    odd[..., 11, 0] = ~odd[..., 11, 0]
+    assert flashgen.explain(q.detach(), k.detach(), v.detach(), sdpa=True, attn_mask=odd, **kw).kernels != ()
+
+
 def test_dropout_p_is_served_by_flashgen(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: pytest.fail("fell back to torch"))

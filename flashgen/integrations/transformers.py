@@ -44,7 +44,7 @@ attention module hands them to ``sdpa_attention_forward``):
   document, no padding mask and no cache, as ``DataCollatorWithFlattening`` gives
   them; transformers then builds a block-diagonal mask), and any custom bool mask of
   that pattern: the mask is checked to be exactly block-diagonal (causal, and the
-  layer's ``sliding_window``, within each document; :func:`_documents`, once per mask
+  layer's ``sliding_window``, within each document; :func:`flashgen.documents.find`, once per mask
   object) and the batch's tokens run as one ragged batch of documents through
   :func:`flashgen.attention_varlen`: no mask is read and no tile spans two documents.
   A mask that is one document per batch entry (exactly the causal / window pattern)
@@ -97,7 +97,7 @@ import weakref
 
 import torch
 
-from .. import api, dispatch
+from .. import api, documents
 from ..errors import InputError, UnsupportedError
 
 #: The name :func:`register` uses by default (see the module docstring for why not "flashgen").
@@ -304,125 +304,9 @@ def _padding_mask_mod(keys: torch.Tensor):
     return mask_mod
 
 
-#: The documents of recent masks (:func:`_documents`): id(mask) -> (a weak reference to
-#: the mask, its version, the pattern's bounds, the result).  One mask per layer type
-#: per forward is live.
-_documents_memo: dict = {}
-
-#: Mask elements compared per step by :func:`_documents` (bounds its temporaries: a
-#: block of query rows at a time, the comparisons accumulated on the device and read
-#: once).
-_DOCUMENT_ELEMENTS = 1 << 26
-
-
-def _documents(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left: int | None):
-    """The packed sequences of ``mask``, when it is exactly block-diagonal: each
-    batch entry's tokens form consecutive documents, and query i sees exactly the keys
-    of its own document (those up to i when ``causal``; with ``window_left`` also at
-    most that many before i), as transformers' masks for packed sequences
-    (``position_ids`` restarting at each document, ``DataCollatorWithFlattening``) and
-    any such custom 4D mask.
-
-    Args:
-        mask: bool (batch or 1, 1, seqlen, seqlen), True = attend.
-        batch: the inputs' batch size.
-        seqlen: the query and key length.
-        causal, window_left: the pattern within a document (``window_left``: None or
-            an int >= 0, with ``causal`` only).
-
-    Returns:
-        None when the mask is any other pattern (a padded row sees not even itself,
-        so padding masks are None).  Else (cu_seqlens, max_seqlen, doc): cu_seqlens
-        int32 of shape (documents + 1,) on the mask's device, the documents' starts in
-        the batch's tokens flattened entry after entry (a mask broadcast over the batch
-        gives each entry the same documents), ending at batch * seqlen; max_seqlen the
-        longest document (a host int); doc (batch or 1, seqlen) int64, each token's
-        document number within its entry (the mask's own entries).
-
-    Reads the mask's values (a host synchronization), once per mask object and
-    version (memoized; the layers that share a mask share the result).
-    """
-    key = id(mask)
-    bounds = (batch, seqlen, causal, window_left)
-    hit = _documents_memo.get(key)
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == bounds:
-        return hit[3]
-    out = None
-    m = mask[:, 0]
-    entries = m.shape[0]
-    diag = m.diagonal(dim1=-2, dim2=-1)
-    # A document starts where a token does not see the one before it (window_left 0
-    # would see no neighbour: every token is its own document then, as the pattern).
-    starts = torch.ones(entries, seqlen, dtype=torch.bool, device=mask.device)
-    if seqlen > 1:
-        starts[:, 1:] = ~m.diagonal(offset=-1, dim1=-2, dim2=-1)
-    if bool(diag.all()):
-        doc = starts.cumsum(-1)
-        cols = torch.arange(seqlen, device=mask.device)
-        step = max(1, _DOCUMENT_ELEMENTS // (entries * seqlen))
-        differs = torch.zeros((), dtype=torch.bool, device=mask.device)
-        for r0 in range(0, seqlen, step):
-            r1 = min(seqlen, r0 + step)
-            want = doc[:, r0:r1, None] == doc[:, None, :]
-            rows = cols[r0:r1, None]
-            if causal:
-                want &= (cols[None, :] <= rows)[None]
-            if window_left is not None:
-                want &= (cols[None, :] >= rows - window_left)[None]
-            differs |= (m[:, r0:r1] != want).any()
-        if not bool(differs):
-            if entries != batch:  # one mask for every entry: the same documents in each
-                starts = starts.expand(batch, seqlen)
-            first = starts.reshape(-1).nonzero().reshape(-1)
-            ends = torch.cat([first[1:], first.new_tensor([batch * seqlen])])
-            cu = torch.cat([first, first.new_tensor([batch * seqlen])]).to(torch.int32)
-            out = (cu, int((ends - first).max()), doc)
-    _documents_memo[key] = (weakref.ref(mask), mask._version, bounds, out)
-    while len(_documents_memo) > _PADDING_MEMO_MAX:
-        _documents_memo.pop(next(iter(_documents_memo)))
-    return out
-
-
-def _may_be_documents(mask, query, key) -> bool:
-    """Whether :func:`_documents` should read ``mask``: a plain bool (batch or 1, 1,
-    seqlen, seqlen) tensor with values (not meta or fake) for a square, non-empty
-    problem, outside torch.compile's tracing and CUDA graph capture (reading values
-    synchronizes).  Not an inference tensor: it has no version counter for the memo,
-    and the mask is then read as the bias (exact, as before)."""
-    if type(mask) is not torch.Tensor or mask.dtype != torch.bool or mask.dim() != 4:
-        return False  # a subclass (fake, functional) holds no values to read
-    n = query.shape[2]
-    return (mask.shape[1] == 1 and mask.shape[0] in (1, query.shape[0]) and key.shape[2] == n
-            and mask.shape[2] == mask.shape[3] == n and query.numel() > 0 and not mask.is_meta
-            and not mask.is_inference() and not torch.compiler.is_compiling()
-            and not dispatch.graph_capturing())
-
-
-def _packed_attention(query, key, value, documents, causal, window_left, scaling) -> torch.Tensor:
-    """Attention of the packed documents ``documents`` (from :func:`_documents`) by
-    :func:`flashgen.attention_varlen`: query (batch, num_heads, seqlen, head_dim) and
-    key / value as the attention function takes them, the batch's tokens flattened into
-    one ragged batch of documents (a view when the heads are the middle dimension in
-    memory, as the models' projections give them).  Returns (batch, seqlen, num_heads,
-    head_dim_v), contiguous."""
-    cu, longest, _ = documents
-    b, h, n, _ = query.shape
-
-    def flat(t):
-        return t.transpose(1, 2).reshape(b * n, t.shape[1], t.shape[3])
-
-    window = (-1, -1) if window_left is None else (window_left, 0)
-    if cu.shape[0] == b + 1:  # one document per entry: the pattern without a mask
-        out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling)
-        return out.transpose(1, 2).contiguous()
-    out = api.attention_varlen(flat(query), flat(key), flat(value), cu, cu, longest, longest, causal=causal,
-                               window=window, softmax_scale=scaling)
-    return out.view(b, n, h, value.shape[3])
-
-
 def _document_mask_mod(doc: torch.Tensor):
     """A flashgen ``mask_mod`` reading ``doc`` ((batch or 1, seqlen) document numbers,
-    from :func:`_documents`): a query sees the keys of its own document, beside
+    from :func:`flashgen.documents.find`): a query sees the keys of its own document, beside
     flashgen's own causal / window bounds."""
     nb = doc.shape[0] > 1
 
@@ -435,15 +319,15 @@ def _document_mask_mod(doc: torch.Tensor):
 def _sinks_mask(attention_mask, module, is_causal, sliding_window, query, key):
     """The ``mask_mod`` that runs sinks with this bool mask beside flashgen's bounds
     (:func:`_padding_bounds`): the key padding (:func:`_key_padding`) or the packed
-    documents (:func:`_documents`) it is exactly; None for any other mask."""
+    documents (:func:`flashgen.documents.find`) it is exactly; None for any other mask."""
     causal, left = _padding_bounds(module, is_causal, sliding_window)
     keys = _key_padding(attention_mask, query.shape[2], key.shape[2], causal, left)
     if keys is not None:
         return _padding_mask_mod(keys)
-    if _may_be_documents(attention_mask, query, key):
-        documents = _documents(attention_mask, query.shape[0], query.shape[2], causal, left)
-        if documents is not None:
-            return _document_mask_mod(documents[2])
+    if documents.readable(attention_mask, query, key):
+        docs = documents.find(attention_mask, query.shape[0], query.shape[2], causal, left)
+        if docs is not None:
+            return _document_mask_mod(docs[2])
     return None
 
 
@@ -553,11 +437,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = api.attention(query, key, value, causal=causal, window=(-1, -1) if left is None else (left, 0),
                             softmax_scale=scaling, sinks=s_aux.float(), mask_mod=mask_mod)
         return out.transpose(1, 2).contiguous(), None
-    if (s_aux is None and not dropout and not softcap and _may_be_documents(attention_mask, query, key)):
+    if (s_aux is None and not dropout and not softcap and documents.readable(attention_mask, query, key)):
         pattern = _padding_bounds(module, is_causal, sliding_window)
-        documents = _documents(attention_mask, query.shape[0], query.shape[2], *pattern)
-        if documents is not None:
-            return _packed_attention(query, key, value, documents, *pattern, scaling), None
+        docs = documents.find(attention_mask, query.shape[0], query.shape[2], *pattern)
+        if docs is not None:
+            out = api.documents_attention(query, key, value, docs, *pattern, scaling)
+            return out.transpose(1, 2).contiguous(), None
     causal = attention_mask is None and _module_causal(module, is_causal)
     window = (-1, -1)
     if causal:
