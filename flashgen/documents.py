@@ -66,10 +66,10 @@ def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left:
     Reads the mask's values (a host synchronization), once per mask object and
     version (memoized; the layers that share a mask share the result).
     """
-    key = id(mask)
     bounds = (batch, seqlen, causal, window_left)
+    key = (id(mask), bounds)  # one entry per pattern asked of a mask (sdpa tries causal, then bidirectional)
     hit = _memo.get(key)
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == bounds:
+    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
         return hit[3]
     out = None
     m = mask[:, 0]
