@@ -520,117 +520,180 @@ def _reads(fn, out: list, seen: set, depth: int) -> None:
                 _reads(val, out, seen, depth - 1)
 
 
-_SCALARS = (type(None), bool, int, str, bytes, complex)
+_SCALARS = (type(None), bool, int, float, str, bytes, complex)
+#: What the state key names by identity alone: code, classes and modules (cheaper to
+#: test than inspect's predicates, on every call).
+_CODE_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType,
+               types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType, type,
+               types.ModuleType, functools.partial)
 _STATE_ITEMS = 64  # containers longer than this are keyed by identity alone
 
 
-def _attributes(obj, names) -> list:
+def _scalar_token(val):
+    """A token of ``val``'s value when it is a Python number, string or None (a float by
+    its bits: NaN equals itself), else None."""
+    if isinstance(val, float):
+        return ("f", val.hex())
+    if isinstance(val, _SCALARS):
+        return ("=", type(val).__name__, val)
+    return None
+
+
+def _attributes(obj, names, own: bool) -> list:
     """(name, value) of ``obj``'s attributes among ``names``: the state a traced function
-    reads through ``obj.name``.  Its instance dict (a module's parameters, buffers and
-    submodules too), then its class: a plain class attribute by value, a property,
-    ``__slots__`` member or other descriptor by what it returns now (it runs; one
-    that raises is left out, as the trace would have failed on it); methods are code,
-    not state, and are left out."""
+    may read through ``obj.name``.  Its instance dict (a module's parameters, buffers
+    and submodules too); for the function's own object (``own``: a bound method's
+    instance, a callable object) also its class's Python properties and ``__slots__``
+    members (run now) and plain class attributes, kept where they give a number,
+    string or tensor.  Methods are code, not state; nothing else runs (no C-level
+    descriptors, no ``__getattr__``)."""
     d = getattr(obj, "__dict__", None)
     if not isinstance(d, dict):
         d = {}
+    stores = [d.get(n) for n in ("_parameters", "_buffers", "_modules")] if isinstance(obj, torch.nn.Module) else []
     out = []
     for name in names:
         if name in d:
             out.append((name, d[name]))
             continue
-        if isinstance(obj, torch.nn.Module):
-            found = False
-            for store in ("_parameters", "_buffers", "_modules"):
-                held = d.get(store)
-                if isinstance(held, dict) and name in held:
-                    out.append((name, held[name]))
-                    found = True
-                    break
-            if found:
-                continue
-        static = inspect.getattr_static(obj, name, _MISSING)
-        if static is _MISSING or inspect.isroutine(static) or isinstance(static, (staticmethod, classmethod)):
+        held = next((st[name] for st in stores if isinstance(st, dict) and name in st), _MISSING)
+        if held is not _MISSING:
+            out.append((name, held))
             continue
-        if hasattr(type(static), "__get__"):  # a property, a __slots__ member, another descriptor
-            try:
-                static = getattr(obj, name)
-            except Exception:  # noqa: BLE001
-                continue
-            if inspect.ismethod(static):
-                continue
-        out.append((name, static))
+        if not own:
+            continue
+        kind = _class_kind(type(obj), name)
+        if kind is None:
+            continue
+        try:
+            val = getattr(obj, name) if kind == "descriptor" else getattr(type(obj), name)
+        except Exception:  # noqa: BLE001 (the trace would have failed on it)
+            continue
+        if isinstance(val, torch.Tensor) or _scalar_token(val) is not None:
+            out.append((name, val))
     return out
 
 
-def _state(val, names, depth: int, objs: list):
+_class_kinds: dict = {}
+
+
+def _class_kind(cls, name: str):
+    """How :func:`_attributes` reads ``name`` on instances of ``cls`` beyond their
+    instance dict: "descriptor" (a Python property or a ``__slots__`` member: run on
+    the instance), "plain" (a class attribute that is no descriptor: read off the
+    class, so a reassigned one is seen), or None (absent, a method, another
+    descriptor).  Memoized per class and name (inspect's static lookup walks the MRO)."""
+    key = (cls, name)
+    kind = _class_kinds.get(key, _MISSING)
+    if kind is _MISSING:
+        static = inspect.getattr_static(cls, name, _MISSING)
+        if isinstance(static, (property, types.MemberDescriptorType)):
+            kind = "descriptor"
+        elif static is _MISSING or hasattr(type(static), "__get__"):
+            kind = None
+        else:
+            kind = "plain"
+        if len(_class_kinds) > 4096:
+            _class_kinds.clear()
+        _class_kinds[key] = kind
+    return kind
+
+
+def _state(val, names, depth: int, objs: list, own: bool = False):
     """A hashable token of what a trace may have taken from ``val`` as a constant: a
-    number or string by value, a tensor by identity, a list, tuple or dict by its items,
-    another object by identity and its own attributes among ``names`` (the names the
-    function's code loads), ``depth`` levels down.  Functions, classes and modules are
-    tokens of identity (their code is in the key elsewhere).  Objects keyed by identity
-    are appended to ``objs`` (the cache keeps them, so the identities stay valid)."""
-    if isinstance(val, float):
-        return ("f", val.hex())
-    if isinstance(val, _SCALARS):
-        return ("=", type(val).__name__, val)
+    number or string by value; a tensor by identity (its version is checked apart,
+    :func:`trace`); a list, tuple or dict of numbers, strings and tensors by its items;
+    another object by identity and its attributes among ``names`` (the names the
+    function's code loads; :func:`_attributes`, ``own`` for the function's own
+    object), ``depth`` levels down.  Objects keyed by identity are appended to
+    ``objs`` (the cache keeps them, so the identities stay valid)."""
+    token = _scalar_token(val)
+    if token is not None:
+        return token
     objs.append(val)
-    if (isinstance(val, torch.Tensor) or depth <= 0 or inspect.isroutine(val) or inspect.isclass(val)
-            or inspect.ismodule(val)):
+    if isinstance(val, torch.Tensor):
+        return ("t", id(val))
+    if isinstance(val, (list, tuple, dict)):
+        items = list(val.items()) if isinstance(val, dict) else list(enumerate(val))
+        if len(items) <= _STATE_ITEMS and all(_scalar_token(k) is not None for k, _ in items):
+            tokens = []
+            for k, x in items:
+                t = _scalar_token(x)
+                if t is None and isinstance(x, torch.Tensor):
+                    objs.append(x)
+                    t = ("t", id(x))
+                if t is None:
+                    break
+                tokens.append((k, t))
+            else:
+                return ("items", id(val), tuple(tokens))
         return ("id", id(val))
-    if isinstance(val, (list, tuple)) and len(val) <= _STATE_ITEMS:
-        return ("seq", id(val), tuple(_state(x, names, depth - 1, objs) for x in val))
-    if isinstance(val, dict) and len(val) <= _STATE_ITEMS:
-        return ("map", id(val), tuple((k if isinstance(k, _SCALARS) else id(k), _state(x, names, depth - 1, objs))
-                                      for k, x in val.items()))
-    return ("o", id(val), tuple((n, _state(x, names, depth - 1, objs)) for n, x in _attributes(val, names)))
+    if depth <= 0 or isinstance(val, _CODE_TYPES):
+        return ("id", id(val))
+    return ("o", id(val), tuple((n, _state(x, names, depth - 1, objs)) for n, x in _attributes(val, names, own)))
 
 
 _STATE_DEPTH = 3  # how deep the attributes of the objects a function reads are followed
 
 
-def _trace_key(fn) -> tuple[tuple, list]:
-    """What identifies a function for the trace cache, and the objects that key names
-    by identity (the cache keeps them alive so the identities stay valid): a Python
-    function by its code and the identities of what it reads besides its arguments
-    (:func:`_reads`: closure contents, defaults, the module globals it names), so a
-    closure made again on every forward call over the same objects hits, and a
-    function whose global tensor was rebound (a re-run notebook cell, a loaded
-    checkpoint) is traced again; a bound method by its function and its instance; a
-    callable object as its bound ``__call__``; anything else by identity.  Besides identities the key holds the values a trace
-    may have taken as constants from the objects the function reads (:func:`_state`:
-    an instance's attributes that its code names, ``self.temperature``; a list's
-    items; numbers by value), so changing one traces again rather than running the
-    old value."""
+def _trace_key(fn) -> tuple[tuple, tuple, list]:
+    """(identity, state, objects) of a function for the trace cache.
+
+    The identity: a Python function by its code and the identities of what it reads
+    besides its arguments (:func:`_reads`: closure contents, defaults, the module
+    globals it names), so a closure made again on every forward call over the same
+    objects hits, and a function whose global tensor was rebound (a re-run notebook
+    cell, a loaded checkpoint) is traced again; a bound method by its function and its
+    instance; a callable object as its bound ``__call__``; anything else by identity.
+    The state: the values a trace may have taken as constants from the objects the
+    function reads (:func:`_state`: ``self.temperature``, a callable object's
+    attribute, a property's tensor, a list's items), so a changed one traces again
+    rather than running the old value.  The objects: those the identity and the state
+    name by identity (the cache keeps them so the identities stay valid)."""
     if inspect.ismethod(fn) and inspect.isfunction(fn.__func__):
         # a bound method (``self.score_mod`` of a module) is made again on every access:
         # keyed by its function, its instance and the instance's state its code reads
-        inner, reads = _trace_key(fn.__func__)
+        ident, state, reads = _trace_key(fn.__func__)
         owner = fn.__self__
-        objs: list = []
-        state = _state(owner, _global_names(fn.__func__.__code__), _STATE_DEPTH, objs)
-        return ("method", inner, state), reads + objs
+        objs: list = [owner]
+        owned = _state(owner, _global_names(fn.__func__.__code__), _STATE_DEPTH, objs, own=True)
+        return ("method", ident, id(owner)), (state, owned), reads + objs
     if not inspect.isfunction(fn):
         call = getattr(type(fn), "__call__", None)
         if inspect.isfunction(call) and not isinstance(fn, torch.nn.Module):
-            key, reads = _trace_key(types.MethodType(call, fn))
-            return ("obj", key), reads + [fn]
-        return ("obj", id(fn)), [fn]
+            ident, state, reads = _trace_key(types.MethodType(call, fn))
+            return ("obj", ident), state, reads
+        return ("obj", id(fn)), (), [fn]
     reads: list = []
     _reads(fn, reads, {id(fn)}, _READ_DEPTH)
     names = _global_names(fn.__code__)
     objs: list = []
     state = tuple(_state(r, names, _STATE_DEPTH - 1, objs) for r in reads
-                  if not isinstance(r, (torch.Tensor, *_SCALARS, float)) and not inspect.isroutine(r)
-                  and not inspect.isclass(r) and not inspect.ismodule(r))
-    return ("code", fn.__code__, tuple(map(id, reads)), id(fn.__globals__), state), reads + objs
+                  if not isinstance(r, (torch.Tensor, *_SCALARS, *_CODE_TYPES)))
+    return ("code", fn.__code__, tuple(map(id, reads)), id(fn.__globals__)), state, reads + objs
+
+
+def _constant_versions(objs: list, tr: "Traced") -> tuple:
+    """(weak reference, version) of the tensors among ``objs`` that ``tr`` does not read
+    as buffers: a trace can only have taken them as constants (``t.item()``,
+    ``float(t)``), so an in-place change traces again.  Inference tensors (no version
+    counter) are left out."""
+    bufs = {id(t) for t in tr.captured}
+    out, seen = [], set()
+    for t in objs:
+        if isinstance(t, torch.Tensor) and id(t) not in bufs and id(t) not in seen and not t.is_inference():
+            seen.add(id(t))
+            out.append((_ref(t), t._version))
+    return tuple(out)
 
 
 def trace(fn, kind: str) -> Traced:
-    """The traced function, cached (:func:`_trace_key`).  The cache holds what its key
-    names by weak reference where the objects take one (functions, tensors, modules), so
-    it keeps no user tensor alive: an entry whose objects died (their identities may be
-    reused) is traced again.  ``kind``: "score" or "mask"."""
+    """The traced function, cached (:func:`_trace_key`): one entry per function identity,
+    traced again (and replaced) when its state or a tensor it took as a constant
+    changed.  The cache holds what it names by weak reference where the objects take
+    one (functions, tensors, modules), so it keeps no user tensor alive: an entry whose
+    objects died (their identities may be reused) is traced again.  ``kind``: "score"
+    or "mask"."""
     if not callable(fn):
         raise InputError(f"{kind}_mod must be callable, got {type(fn).__name__}")
     # a module is traced as its forward (torch.fx traces no module call) and held itself
@@ -638,17 +701,19 @@ def trace(fn, kind: str) -> Traced:
     held = fn
     if isinstance(fn, torch.nn.Module):
         fn = fn.forward
-    tkey, reads = _trace_key(fn)
-    key = (tkey, kind)
+    ident, state, reads = _trace_key(fn)
+    key = (ident, kind)
     hit = _traces.get(key)
-    if hit is not None and hit[0].alive() and len(hit[1]) == len(reads) and \
-            all(r() is obj for r, obj in zip(hit[1], reads)):
+    if (hit is not None and hit[0].alive() and hit[2] == state and len(hit[1]) == len(reads)
+            and all(r() is obj for r, obj in zip(hit[1], reads))
+            and all(r() is not None and r()._version == v for r, v in hit[3])):
         _traces.move_to_end(key)
         hit[0].seen(held)  # an equal function (same code and objects), alive for this call
         return hit[0]
     tr = Traced(fn, kind, frozenset(map(id, reads)))
     tr.seen(held)
-    _traces[key] = (tr, [_ref(r) for r in reads])
+    _traces[key] = (tr, [_ref(r) for r in reads], state, _constant_versions(reads, tr))
+    _traces.move_to_end(key)
     if len(_traces) > _TRACES_MAX:
         _traces.popitem(last=False)
     return tr
@@ -736,7 +801,7 @@ def block_ranges(traced: Traced, kind: str, batch: int, heads: int, kv_heads: in
     ver = _versions(traced.captured)
     key = (id(traced), ver, kind, batch, heads, kv_heads, seqlen_q, seqlen_k, lo, hi, block_m, block_n, str(device))
     hit = _block_cache.get(key) if ver is not None else None
-    if hit is not None and hit[0] is traced:
+    if hit is not None and hit[0]() is traced:
         _block_cache.move_to_end(key)
         return hit[1]
     with torch.no_grad():
@@ -757,7 +822,7 @@ def block_ranges(traced: Traced, kind: str, batch: int, heads: int, kv_heads: in
                 full = full.view(full.shape[0], kv_heads, group, nm, nn).all(2)
             out = _ranges(any_.transpose(-1, -2), full.transpose(-1, -2), block_m, seqlen_q)
     if ver is not None:
-        _block_cache[key] = (traced, out)
+        _block_cache[key] = (weakref.ref(traced), out)
         if len(_block_cache) > _BLOCK_CACHE_MAX:
             _block_cache.popitem(last=False)
     return out
@@ -786,7 +851,7 @@ def check_reads(traced: Traced | None, batch: int, heads: int, seqlen_q: int, se
     key = (id(traced), ver, tuple(tuple(t.shape) for t in traced.captured), batch, heads, seqlen_q, seqlen_k,
            str(device))
     hit = _reads_cache.get(key) if ver is not None else None
-    if hit is not None and hit is traced:
+    if hit is not None and hit() is traced:
         _reads_cache.move_to_end(key)
         return
     if dispatch.graph_capturing():
@@ -799,7 +864,7 @@ def check_reads(traced: Traced | None, batch: int, heads: int, seqlen_q: int, se
     if msg is not None:
         raise InputError(msg)
     if ver is not None:
-        _reads_cache[key] = traced
+        _reads_cache[key] = weakref.ref(traced)
         if len(_reads_cache) > _READS_CACHE_MAX:
             _reads_cache.popitem(last=False)
 
@@ -895,6 +960,11 @@ def score_grad_flags(score: Traced | None) -> list[bool]:
     return [t.requires_grad and t.is_floating_point() for t in (score.captured if score else ())]
 
 
+def _weak_or_none(x):
+    """A weak reference to ``x``, or a callable giving None for None."""
+    return (lambda: None) if x is None else weakref.ref(x)
+
+
 _lowerings: collections.OrderedDict = collections.OrderedDict()
 _LOWERINGS_MAX = 256
 
@@ -912,12 +982,14 @@ def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_fla
     shapes = tuple(tuple(t.shape) for t in score.captured) if score is not None and direction == "bwd" else ()
     key = (direction, id(score), id(mask), flags, sinks, shapes)
     hit = _lowerings.get(key)
-    if hit is not None and hit[0] is score and hit[1] is mask:
+    if hit is not None and hit[0]() is score and hit[1]() is mask:
         _lowerings.move_to_end(key)
         return hit[2]
     low = _lowered(direction, score, mask, flags, sinks)
     user_render.register(low)
-    _lowerings[key] = (score, mask, low)
+    # the traced functions weakly: a trace the trace cache replaced (its captured tensors
+    # with it) is not kept alive here; a dead one's identity never matches again
+    _lowerings[key] = (_weak_or_none(score), _weak_or_none(mask), low)
     if len(_lowerings) > _LOWERINGS_MAX:
         _lowerings.popitem(last=False)
     return low

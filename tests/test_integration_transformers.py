@@ -294,6 +294,26 @@ def test_masks_the_documents_check_does_not_read(calls, varlen_calls):
     assert varlen_calls == []
 
 
+def test_sinks_with_padding_under_inference_mode_trace_once(monkeypatch):
+    """gpt-oss with a padding mask under torch.inference_mode (its masks, inference
+    tensors, are not memoized): the layers' key padding is one tensor, so the key-padding
+    mask_mod is traced once for all layers and forwards, not once per layer."""
+    from flashgen import user_mods
+
+    inits = []
+    real = user_mods.Traced.__init__
+    monkeypatch.setattr(user_mods.Traced, "__init__", lambda self, *a, **kw: inits.append(1) or real(self, *a, **kw))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_gpt_oss(), attn_implementation=NAME).eval()
+    ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.inference_mode():
+        for _ in range(2):
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert 1 <= len(inits) <= 2, len(inits)  # one mask_mod (the window's layer and the full layer share it)
+
+
 def test_register_names():
     assert fg_tf.register() == fg_tf.DEFAULT_NAME == NAME
     assert fg_tf.register("fg_other") == "fg_other"

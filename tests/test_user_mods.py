@@ -1068,6 +1068,71 @@ def test_a_module_as_the_score_function_runs_its_forward(tiles):
     assert user_mods.trace(m, "score") is user_mods.trace(m.forward, "score")
 
 
+def test_the_trace_cache_keeps_one_entry_per_function_and_runs_no_unrelated_code(tiles, monkeypatch):
+    """A property that returns a new tensor on every call traces again each call, but
+    the cache keeps one entry for the function, so the earlier traces' tensors are
+    freed; attributes of other objects than the function's own are not run (a global
+    object's property) nor keyed by C-level descriptors (a numpy array's ``data``):
+    such a function traces once; a tensor the function turns into a number
+    (``.item()``) and that is then changed in place traces again."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    q, k, v = _qkv(b=1, sq=20, sk=24, dtype=F32)
+    inits = []
+    real = user_mods.Traced.__init__
+    monkeypatch.setattr(user_mods.Traced, "__init__", lambda self, *a, **kw: inits.append(1) or real(self, *a, **kw))
+
+    class Fresh:
+        def __init__(self):
+            self.raw = torch.randn(4)
+
+        @property
+        def table(self):
+            return self.raw * 2.0
+
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return score + self.table[h]
+
+    fresh, made = Fresh(), []
+    for _ in range(4):
+        o = flashgen.attention(q, k, v, score_mod=fresh)
+        made.append(weakref.ref(fresh.table))  # a new tensor each read, as each call's
+    gc.collect()
+    assert len(inits) == 4 and sum(1 for key in user_mods._traces if key[0][0] == "obj") >= 1
+    alive = sum(1 for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.shape == (4,)
+                and torch.equal(t, fresh.raw * 2.0))
+    assert alive <= 2, alive  # the last trace's tensor (and at most one being collected)
+
+    runs = []
+
+    class Noisy:
+        @property
+        def rel(self):
+            runs.append(1)
+            return 0
+
+    ns = {"torch": torch, "table": torch.randn(24), "noisy": Noisy(), "data": np.zeros(3),
+          "holder": types.SimpleNamespace(rel=torch.randn(4))}
+    exec("def sm(score, b, h, q_idx, kv_idx):\n"
+         "    return score + holder.rel.data[h] + table[kv_idx] * (noisy is not None)\n", ns)
+    inits.clear()
+    for _ in range(3):
+        flashgen.attention(q, k, v, score_mod=ns["sm"])
+    assert len(inits) == 1 and runs == []
+
+    temp = torch.tensor(2.0)
+    fn = lambda score, b, h, q_idx, kv_idx: score * temp.item()  # noqa: E731
+    s_ = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 16 ** -0.5
+    for t in (2.0, 0.5):
+        temp.fill_(t)
+        o = flashgen.attention(q, k, v, score_mod=fn)
+        ref = torch.softmax(s_ * t, -1) @ v.double().repeat_interleave(2, 1)
+        torch.testing.assert_close(o.double(), ref, rtol=0, atol=1e-4)
+
+
 def test_a_tensor_the_functions_read_modified_before_the_backward_is_refused(tiles):
     """The backward re-reads what the functions read: a captured tensor (or the sinks)
     modified in place between the forward and the backward stops autograd with its

@@ -237,7 +237,8 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
         if _sinks_mask(attention_mask, module, is_causal, sliding_window, query, key) is None:
             return ("s_aux (attention sinks) with an attention_mask other than the causal / sliding-window pattern "
                     "with key padding or of packed documents (flashgen runs sinks with those bounds and a "
-                    "key-padding or document mask_mod)")
+                    "key-padding or document mask_mod; a mask made under inference mode is not checked for "
+                    "packed documents)")
     if attention_mask is None and _module_causal(module, is_causal) and query.shape[2] > key.shape[2]:
         return (f"causal without a mask and seqlen_q ({query.shape[2]}) > seqlen_k ({key.shape[2]}): sdpa's "
                 "top-left alignment")
@@ -275,11 +276,32 @@ def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool,
         if torch.equal(rows, band[None] & keys[:, None, :]):
             out = keys.contiguous()
     if version is None:
-        return out
+        return _stable_keys(out)
     _padding_memo[key] = (weakref.ref(mask), version, seqlen_q, seqlen_k, (causal, window_left), out)
     while len(_padding_memo) > _PADDING_MEMO_MAX:
         _padding_memo.pop(next(iter(_padding_memo)))
     return out
+
+
+#: The last key padding found for an uncached (inference) mask, per shape and device.
+_stable: dict = {}
+
+
+def _stable_keys(keys):
+    """``keys`` or, when equal to the last key padding of its shape and device found for
+    an uncached mask, that earlier tensor: the layers of one forward under inference
+    mode (each handed a mask that is not memoized) then read one tensor, so their
+    ``mask_mod`` is traced once and its block masks are reused."""
+    if keys is None:
+        return None
+    slot = (tuple(keys.shape), keys.device)
+    prev = _stable.get(slot)
+    if prev is not None and torch.equal(prev, keys):
+        return prev
+    if len(_stable) >= _PADDING_MEMO_MAX:
+        _stable.clear()
+    _stable[slot] = keys
+    return keys
 
 
 def _padding_bounds(module, is_causal, sliding_window) -> tuple[bool, int | None]:
