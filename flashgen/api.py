@@ -1008,7 +1008,7 @@ def _sdpa_documents(query, key, attn_mask):
     if not documents.readable(m, query, key):
         return None
     for causal in (True, False):
-        docs = documents.find(m, query.shape[0], query.shape[2], causal, None)
+        docs = documents.find(m, query.shape[0], query.shape[2], causal, None, source=attn_mask)
         if docs is not None:
             return docs, causal
     return None

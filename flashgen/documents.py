@@ -41,7 +41,7 @@ def readable(mask, query, key) -> bool:
             and not dispatch.graph_capturing())
 
 
-def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left: int | None):
+def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left: int | None, source=None):
     """The packed sequences of ``mask``, when it is exactly block-diagonal: each
     batch entry's tokens form consecutive documents, and query i sees exactly the keys
     of its own document (those up to i when ``causal``; with ``window_left`` also at
@@ -53,6 +53,8 @@ def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left:
         seqlen: the query and key length.
         causal, window_left: the pattern within a document (``window_left``: None or
             an int >= 0, with ``causal`` only).
+        source: the tensor ``mask`` views, when it is a view made for this call (a
+            reshape of the caller's mask): the memo follows its identity and version.
 
     Returns:
         None when the mask is any other pattern (a padded row sees not even itself,
@@ -66,10 +68,11 @@ def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left:
     Reads the mask's values (a host synchronization), once per mask object and
     version (memoized; the layers that share a mask share the result).
     """
+    src = mask if source is None else source
     bounds = (batch, seqlen, causal, window_left)
-    key = (id(mask), bounds)  # one entry per pattern asked of a mask (sdpa tries causal, then bidirectional)
+    key = (id(src), bounds)  # one entry per pattern asked of a mask (sdpa tries causal, then bidirectional)
     hit = _memo.get(key)
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+    if hit is not None and hit[0]() is src and hit[1] == src._version:
         return hit[3]
     out = None
     m = mask[:, 0]
@@ -101,7 +104,7 @@ def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left:
             ends = torch.cat([first[1:], first.new_tensor([batch * seqlen])])
             cu = torch.cat([first, first.new_tensor([batch * seqlen])]).to(torch.int32)
             out = (cu, int((ends - first).max()), doc)
-    _memo[key] = (weakref.ref(mask), mask._version, bounds, out)
+    _memo[key] = (weakref.ref(src), src._version, bounds, out)
     while len(_memo) > _MEMO_MAX:
         _memo.pop(next(iter(_memo)))
     return out

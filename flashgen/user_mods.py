@@ -492,11 +492,14 @@ def _global_names(code) -> tuple:
     return names
 
 
-def _reads(fn, out: list, seen: set, depth: int) -> None:
+def _reads(fn, out: list, seen: set, depth: int, names: set | None = None) -> None:
     """Append to ``out`` what a Python function's result depends on besides its
     arguments: its closure cells' contents, its defaults, and the current values of the
     module globals its code names, following the Python functions among them (a helper
-    such as T5's bucket) ``depth`` levels down."""
+    such as T5's bucket) ``depth`` levels down; add to ``names`` the names each of
+    those functions' code loads."""
+    if names is not None:
+        names.update(_global_names(fn.__code__))
     values = []
     for c in fn.__closure__ or ():
         try:
@@ -517,16 +520,14 @@ def _reads(fn, out: list, seen: set, depth: int) -> None:
             if (inspect.isfunction(val) and id(val) not in seen
                     and not (getattr(val, "__module__", None) or "").startswith("torch")):
                 seen.add(id(val))
-                _reads(val, out, seen, depth - 1)
+                _reads(val, out, seen, depth - 1, names)
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes, complex)
 #: What the state key names by identity alone: code, classes and modules (cheaper to
 #: test than inspect's predicates, on every call).
 _CODE_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType,
-               types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType, type,
-               types.ModuleType, functools.partial)
-_STATE_ITEMS = 64  # containers longer than this are keyed by identity alone
+               types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType, types.ModuleType)
 
 
 def _scalar_token(val):
@@ -542,12 +543,15 @@ def _scalar_token(val):
 def _attributes(obj, names, own: bool) -> list:
     """(name, value) of ``obj``'s attributes among ``names``: the state a traced function
     may read through ``obj.name``.  Its instance dict (a module's parameters, buffers
-    and submodules too); for the function's own object (``own``: a bound method's
-    instance, a callable object) also its class's Python properties and ``__slots__``
-    members (run now) and plain class attributes, kept where they give a number,
-    string or tensor.  Methods are code, not state; nothing else runs (no C-level
-    descriptors, no ``__getattr__``)."""
-    d = getattr(obj, "__dict__", None)
+    and submodules too) and ``__slots__`` members; for the function's own object
+    (``own``: a bound method's instance, a callable object) also its class's Python
+    properties (run now) and plain class attributes where they give a number, string
+    or tensor.  Methods are code, not state; nothing else runs (no C-level descriptors,
+    no ``__getattr__``)."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except Exception:  # noqa: BLE001 (no instance dict; a __getattr__ that raises is not asked)
+        d = {}
     if not isinstance(d, dict):
         d = {}
     stores = [d.get(n) for n in ("_parameters", "_buffers", "_modules")] if isinstance(obj, torch.nn.Module) else []
@@ -560,16 +564,14 @@ def _attributes(obj, names, own: bool) -> list:
         if held is not _MISSING:
             out.append((name, held))
             continue
-        if not own:
-            continue
         kind = _class_kind(type(obj), name)
-        if kind is None:
+        if kind is None or (not own and kind != "slot"):
             continue
         try:
-            val = getattr(obj, name) if kind == "descriptor" else getattr(type(obj), name)
+            val = getattr(type(obj), name) if kind == "plain" else getattr(obj, name)
         except Exception:  # noqa: BLE001 (the trace would have failed on it)
             continue
-        if isinstance(val, torch.Tensor) or _scalar_token(val) is not None:
+        if kind == "slot" or isinstance(val, torch.Tensor) or _scalar_token(val) is not None:
             out.append((name, val))
     return out
 
@@ -579,16 +581,19 @@ _class_kinds: dict = {}
 
 def _class_kind(cls, name: str):
     """How :func:`_attributes` reads ``name`` on instances of ``cls`` beyond their
-    instance dict: "descriptor" (a Python property or a ``__slots__`` member: run on
-    the instance), "plain" (a class attribute that is no descriptor: read off the
-    class, so a reassigned one is seen), or None (absent, a method, another
-    descriptor).  Memoized per class and name (inspect's static lookup walks the MRO)."""
+    instance dict: "slot" (a ``__slots__`` member: no user code runs), "property" (a
+    Python property: run on the instance), "plain" (a class attribute that is no
+    descriptor: read off the class, so a reassigned one is seen), or None (absent, a
+    method, another descriptor).  Memoized per class and name (inspect's static lookup
+    walks the MRO)."""
     key = (cls, name)
     kind = _class_kinds.get(key, _MISSING)
     if kind is _MISSING:
         static = inspect.getattr_static(cls, name, _MISSING)
-        if isinstance(static, (property, types.MemberDescriptorType)):
-            kind = "descriptor"
+        if isinstance(static, types.MemberDescriptorType):
+            kind = "slot"
+        elif isinstance(static, property):
+            kind = "property"
         elif static is _MISSING or hasattr(type(static), "__get__"):
             kind = None
         else:
@@ -599,78 +604,128 @@ def _class_kind(cls, name: str):
     return kind
 
 
-def _state(val, names, depth: int, objs: list, own: bool = False):
+_STATE_ITEMS = 256  # tokens one key may hold; past them an object is keyed by identity alone
+
+
+def _state(val, names, depth: int, objs: list, budget: list, own: bool = False):
     """A hashable token of what a trace may have taken from ``val`` as a constant: a
-    number or string by value; a tensor by identity (its version is checked apart,
-    :func:`trace`); a list, tuple or dict of numbers, strings and tensors by its items;
-    another object by identity and its attributes among ``names`` (the names the
-    function's code loads; :func:`_attributes`, ``own`` for the function's own
-    object), ``depth`` levels down.  Objects keyed by identity are appended to
-    ``objs`` (the cache keeps them, so the identities stay valid)."""
+    number or string by value; a tensor by identity (appended to ``objs``; its version
+    is checked apart, :func:`trace`); a list, tuple or dict by its items; a class by its
+    own plain attributes among ``names``; another object by identity and its
+    attributes among ``names`` (the names the function's code, and its helpers', load;
+    :func:`_attributes`, ``own`` for the function's own object), ``depth`` levels down.
+    ``budget`` ([tokens left]) bounds the work: past it, identity alone.  Objects keyed
+    by identity are appended to ``objs`` except containers (the cache would hold them
+    strongly, and the tensors in them with them); their items are tokens."""
     token = _scalar_token(val)
     if token is not None:
         return token
-    objs.append(val)
+    budget[0] -= 1
     if isinstance(val, torch.Tensor):
+        objs.append(val)
         return ("t", id(val))
     if isinstance(val, (list, tuple, dict)):
-        items = list(val.items()) if isinstance(val, dict) else list(enumerate(val))
-        if len(items) <= _STATE_ITEMS and all(_scalar_token(k) is not None for k, _ in items):
-            tokens = []
-            for k, x in items:
-                t = _scalar_token(x)
-                if t is None and isinstance(x, torch.Tensor):
-                    objs.append(x)
-                    t = ("t", id(x))
-                if t is None:
-                    break
-                tokens.append((k, t))
-            else:
-                return ("items", id(val), tuple(tokens))
+        if depth <= 0 or budget[0] <= 0:
+            return ("id", id(val))
+        items = val.items() if isinstance(val, dict) else enumerate(val)
+        return ("items", type(val).__name__, tuple(((k if _scalar_token(k) is not None else id(k)),
+                                                    _state(x, names, depth - 1, objs, budget)) for k, x in items))
+    objs.append(val)
+    if isinstance(val, type):  # a class as a namespace of constants
+        own_attrs = vars(val)
+        return ("cls", id(val), tuple((n, _state(own_attrs[n], names, 0, objs, budget)) for n in names
+                                      if n in own_attrs and not isinstance(own_attrs[n], _CODE_TYPES)))
+    if depth <= 0 or budget[0] <= 0 or isinstance(val, _CODE_TYPES):
         return ("id", id(val))
-    if depth <= 0 or isinstance(val, _CODE_TYPES):
-        return ("id", id(val))
-    return ("o", id(val), tuple((n, _state(x, names, depth - 1, objs)) for n, x in _attributes(val, names, own)))
+    if isinstance(val, functools.partial):
+        return ("partial", id(val.func), _state((val.args, val.keywords), names, depth - 1, objs, budget))
+    return ("o", id(val), tuple((n, _state(x, names, depth - 1, objs, budget))
+                                for n, x in _attributes(val, names, own)))
 
 
 _STATE_DEPTH = 3  # how deep the attributes of the objects a function reads are followed
 
 
+def _method_names(owner, names: set) -> set:
+    """``names`` with those loaded by the code of ``owner``'s methods that ``names``
+    names (``self._bias()`` reading ``self.alpha``), one level down."""
+    out = set(names)
+    for name in names:
+        static = inspect.getattr_static(type(owner), name, None)
+        if isinstance(static, (staticmethod, classmethod)):
+            static = static.__func__
+        if inspect.isfunction(static):
+            out.update(_global_names(static.__code__))
+    return out
+
+
+def _ident_token(val):
+    """A read's part of a function's identity: a number or string by value (a closure
+    over a value computed again per call, equal, is the same function), a container by
+    its type (its items are state), anything else by identity."""
+    token = _scalar_token(val)
+    if token is not None:
+        return token
+    if isinstance(val, (list, tuple, dict)):
+        return ("container", type(val).__name__)
+    return id(val)
+
+
 def _trace_key(fn) -> tuple[tuple, tuple, list]:
     """(identity, state, objects) of a function for the trace cache.
 
-    The identity: a Python function by its code and the identities of what it reads
-    besides its arguments (:func:`_reads`: closure contents, defaults, the module
-    globals it names), so a closure made again on every forward call over the same
-    objects hits, and a function whose global tensor was rebound (a re-run notebook
-    cell, a loaded checkpoint) is traced again; a bound method by its function and its
-    instance; a callable object as its bound ``__call__``; anything else by identity.
-    The state: the values a trace may have taken as constants from the objects the
-    function reads (:func:`_state`: ``self.temperature``, a callable object's
-    attribute, a property's tensor, a list's items), so a changed one traces again
-    rather than running the old value.  The objects: those the identity and the state
-    name by identity (the cache keeps them so the identities stay valid)."""
+    The identity: a Python function by its code and what it reads besides its
+    arguments (:func:`_reads`: closure contents, defaults, the module globals it names
+    and its helpers'), numbers by value and objects by identity, so a closure made again
+    on every forward call over the same objects hits, and a function whose global
+    tensor was rebound (a re-run notebook cell, a loaded checkpoint) is traced again; a
+    bound method by its function and its instance; a callable object as its bound
+    ``__call__``; a ``functools.partial`` by its function; anything else by identity.
+    The state: the values a trace may have taken as constants from what the function
+    reads (:func:`_state`: ``self.temperature``, a callable object's attribute, a
+    property's tensor, a list's items, a partial's arguments), so a changed one traces
+    again rather than running the old value.  The objects: those the identity and the
+    state name by identity (the cache keeps them, weakly where they take it, so the
+    identities stay valid)."""
     if inspect.ismethod(fn) and inspect.isfunction(fn.__func__):
         # a bound method (``self.score_mod`` of a module) is made again on every access:
         # keyed by its function, its instance and the instance's state its code reads
-        ident, state, reads = _trace_key(fn.__func__)
+        ident, state, reads, names = _trace_key_code(fn.__func__)
         owner = fn.__self__
         objs: list = [owner]
-        owned = _state(owner, _global_names(fn.__func__.__code__), _STATE_DEPTH, objs, own=True)
+        owned = _state(owner, _method_names(owner, names), _STATE_DEPTH, objs, [_STATE_ITEMS], own=True)
         return ("method", ident, id(owner)), (state, owned), reads + objs
+    if isinstance(fn, functools.partial):
+        if inspect.isfunction(fn.func):
+            ident, state, reads, names = _trace_key_code(fn.func)
+        else:
+            (ident, state, reads), names = _trace_key(fn.func), set()
+        objs = []
+        bound = _state((fn.args, fn.keywords), names, _STATE_DEPTH, objs, [_STATE_ITEMS])
+        return ("partial", ident), (state, bound), reads + objs
     if not inspect.isfunction(fn):
         call = getattr(type(fn), "__call__", None)
         if inspect.isfunction(call) and not isinstance(fn, torch.nn.Module):
             ident, state, reads = _trace_key(types.MethodType(call, fn))
             return ("obj", ident), state, reads
         return ("obj", id(fn)), (), [fn]
+    ident, state, reads, _ = _trace_key_code(fn)
+    return ident, state, reads
+
+
+def _trace_key_code(fn) -> tuple[tuple, tuple, list, set]:
+    """:func:`_trace_key` of a Python function, and the names its code and its helpers'
+    load."""
     reads: list = []
-    _reads(fn, reads, {id(fn)}, _READ_DEPTH)
-    names = _global_names(fn.__code__)
+    names: set = set()
+    _reads(fn, reads, {id(fn)}, _READ_DEPTH, names)
     objs: list = []
-    state = tuple(_state(r, names, _STATE_DEPTH - 1, objs) for r in reads
+    budget = [_STATE_ITEMS]
+    state = tuple(_state(r, names, _STATE_DEPTH - 1, objs, budget) for r in reads
                   if not isinstance(r, (torch.Tensor, *_SCALARS, *_CODE_TYPES)))
-    return ("code", fn.__code__, tuple(map(id, reads)), id(fn.__globals__)), state, reads + objs
+    held = [r for r in reads if _scalar_token(r) is None and not isinstance(r, (list, tuple, dict))]
+    ident = ("code", fn.__code__, tuple(_ident_token(r) for r in reads), id(fn.__globals__))
+    return ident, state, held + objs, names
 
 
 def _constant_versions(objs: list, tr: "Traced") -> tuple:

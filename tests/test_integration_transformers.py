@@ -308,10 +308,15 @@ def test_sinks_with_padding_under_inference_mode_trace_once(monkeypatch):
     ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, SEQ, dtype=torch.long)
     mask[1, :5] = 0
+    blocks = []
+    real_tiles = user_mods._tiles
+    monkeypatch.setattr(user_mods, "_tiles", lambda *a, **k: blocks.append(a[5:]) or real_tiles(*a, **k))
     with torch.inference_mode():
         for _ in range(2):
             model(input_ids=ids, attention_mask=mask, use_cache=False)
     assert 1 <= len(inits) <= 2, len(inits)  # one mask_mod (the window's layer and the full layer share it)
+    # and its block masks are computed once per bounds and tile shape, not per layer or forward
+    assert blocks and len(blocks) == len(set(blocks)), blocks
 
 
 def test_register_names():

@@ -198,6 +198,15 @@ def test_a_packed_documents_mask_runs_as_a_ragged_batch(form, monkeypatch):
         assert (a - t.grad).abs().max() < 1e-4
     why = flashgen.explain(q.detach(), k.detach(), v.detach(), sdpa=True, attn_mask=mask, **kw)
     assert why.backend == "flashgen" and why.path.startswith("packed documents") and why.kernels == ()
+    # the same mask object again: read once per pattern, whatever its rank (the 2-D and
+    # 3-D masks are viewed as 4-D per call)
+    from flashgen import documents
+
+    scans = []
+    real_find = documents.torch.Tensor.diagonal
+    monkeypatch.setattr(documents.torch.Tensor, "diagonal", lambda *a, **k: scans.append(1) or real_find(*a, **k))
+    flashgen.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), attn_mask=mask, **kw)
+    assert scans == []
     monkeypatch.undo()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     odd = mask.clone()

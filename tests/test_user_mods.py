@@ -1133,6 +1133,80 @@ def test_the_trace_cache_keeps_one_entry_per_function_and_runs_no_unrelated_code
         torch.testing.assert_close(o.double(), ref, rtol=0, atol=1e-4)
 
 
+def test_constants_reached_through_containers_helpers_and_partials_are_read_again(tiles, monkeypatch):
+    """Values a trace takes as constants through a mutable default list, a helper
+    method reading ``self.alpha``, a ``functools.partial``'s bound config and a
+    ``__slots__`` config object are part of its key (a change traces again, against
+    float64); equal values made again per call (a closure over a computed float, a
+    tuple holding a new tensor) do not trace again, and the cache keeps none of the
+    per-call tensors alive."""
+    import dataclasses
+    import functools
+    import gc
+    import weakref
+
+    q, k, v = _qkv(b=1, sq=20, sk=24, dtype=F32)
+    s_ = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 16 ** -0.5
+    vv = v.double().repeat_interleave(2, 1)
+
+    def check(fn, scale):
+        o = flashgen.attention(q, k, v, score_mod=fn)
+        torch.testing.assert_close(o.double(), torch.softmax(s_ * scale, -1) @ vv, rtol=0, atol=1e-4)
+
+    def with_default(score, b, h, q_idx, kv_idx, cfg=[2.0]):  # noqa: B006 (the case itself)
+        return score * cfg[0]
+    check(with_default, 2.0)
+    with_default.__defaults__[0][0] = 0.5
+    check(with_default, 0.5)
+
+    class Layer:
+        def __init__(self):
+            self.alpha = 2.0
+
+        def _scale(self):
+            return self.alpha
+
+        def score(self, score, b, h, q_idx, kv_idx):
+            return score * self._scale()
+    layer = Layer()
+    check(layer.score, 2.0)
+    layer.alpha = -1.0
+    check(layer.score, -1.0)
+
+    @dataclasses.dataclass(slots=True)
+    class Cfg:
+        w: float
+
+    def scaled(score, b, h, q_idx, kv_idx, cfg=None):
+        return score * cfg.w
+    cfg = Cfg(3.0)
+    part = functools.partial(scaled, cfg=cfg)
+    check(part, 3.0)
+    cfg.w = 0.25
+    check(part, 0.25)
+    check(functools.partial(scaled, cfg=Cfg(1.5)), 1.5)
+
+    inits = []
+    real = user_mods.Traced.__init__
+    monkeypatch.setattr(user_mods.Traced, "__init__", lambda self, *a, **kw: inits.append(1) or real(self, *a, **kw))
+    refs = []
+    for i in range(4):
+        c = 1.0 / math.sqrt(4.0)  # a new float object, equal each call
+        bias = torch.zeros(4)
+        refs.append(weakref.ref(bias))
+        held = (bias,)
+        flashgen.attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score * c + held[0][h])
+        del bias, held
+    gc.collect()
+    assert len(inits) == 4  # the tuple's tensor is new each call: traced again ...
+    assert sum(r() is not None for r in refs) == 0  # ... and none of them kept alive
+    inits.clear()
+    for _ in range(3):
+        c = 1.0 / math.sqrt(4.0)
+        flashgen.attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score * c)
+    assert len(inits) == 1
+
+
 def test_a_tensor_the_functions_read_modified_before_the_backward_is_refused(tiles):
     """The backward re-reads what the functions read: a captured tensor (or the sinks)
     modified in place between the forward and the backward stops autograd with its

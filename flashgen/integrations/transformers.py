@@ -300,6 +300,8 @@ def _stable_keys(keys):
         return prev
     if len(_stable) >= _PADDING_MEMO_MAX:
         _stable.clear()
+    with torch.inference_mode(False):  # a normal tensor: a version counter, so block masks are cached
+        keys = keys.clone()
     _stable[slot] = keys
     return keys
 
