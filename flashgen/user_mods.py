@@ -646,16 +646,26 @@ def _state(val, names, depth: int, objs: list, budget: list, own: bool = False):
 _STATE_DEPTH = 3  # how deep the attributes of the objects a function reads are followed
 
 
-def _method_names(owner, names: set) -> set:
+_method_names_of: dict = {}
+
+
+def _method_names(owner, names: set) -> frozenset:
     """``names`` with those loaded by the code of ``owner``'s methods that ``names``
-    names (``self._bias()`` reading ``self.alpha``), one level down."""
-    out = set(names)
-    for name in names:
-        static = inspect.getattr_static(type(owner), name, None)
-        if isinstance(static, (staticmethod, classmethod)):
-            static = static.__func__
-        if inspect.isfunction(static):
-            out.update(_global_names(static.__code__))
+    names (``self._bias()`` reading ``self.alpha``), one level down.  Memoized per
+    class and names."""
+    key = (type(owner), frozenset(names))
+    out = _method_names_of.get(key)
+    if out is None:
+        found = set(names)
+        for name in names:
+            static = inspect.getattr_static(type(owner), name, None)
+            if isinstance(static, (staticmethod, classmethod)):
+                static = static.__func__
+            if inspect.isfunction(static):
+                found.update(_global_names(static.__code__))
+        if len(_method_names_of) > 1024:
+            _method_names_of.clear()
+        out = _method_names_of[key] = frozenset(found)
     return out
 
 
