@@ -14,11 +14,35 @@ import torch
 
 from . import dispatch
 
-#: The documents of recent masks (:func:`find`): id(mask) -> (a weak reference to the
-#: mask, its version, the pattern's bounds, the result).  A model's forward has one mask
-#: per layer type live.
-_memo: dict = {}
-_MEMO_MAX = 8
+class MaskMemo:
+    """Results read from masks' values, kept per (mask object, what was asked) while the
+    mask's version is unchanged: the layers of a forward that share a mask read it
+    once.  Masks are held weakly; the newest ``size`` entries are kept (a model's
+    forward has one mask per layer type live).  An inference tensor has no version
+    counter: its results are not kept."""
+
+    def __init__(self, size: int = 8):
+        self.entries: dict = {}  # (id(mask), asked) -> (weak reference to the mask, its version, result)
+        self.size = size
+
+    def get(self, mask: torch.Tensor, asked):
+        """(True, the result) when one is kept for ``mask`` and ``asked``, else (False, None)."""
+        hit = self.entries.get((id(mask), asked))
+        if hit is not None and hit[0]() is mask and not mask.is_inference() and hit[1] == mask._version:
+            return True, hit[2]
+        return False, None
+
+    def put(self, mask: torch.Tensor, asked, result) -> None:
+        if mask.is_inference():
+            return
+        self.entries[(id(mask), asked)] = (weakref.ref(mask), mask._version, result)
+        while len(self.entries) > self.size:
+            self.entries.pop(next(iter(self.entries)))
+
+
+#: The documents of recent masks (:func:`find`), per mask and pattern asked (sdpa asks
+#: causal, then bidirectional).
+_memo = MaskMemo()
 
 #: Mask elements compared per step by :func:`find` (bounds its temporaries: a block of
 #: query rows at a time, the comparisons accumulated on the device and read once).
@@ -70,10 +94,9 @@ def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left:
     """
     src = mask if source is None else source
     bounds = (batch, seqlen, causal, window_left)
-    key = (id(src), bounds)  # one entry per pattern asked of a mask (sdpa tries causal, then bidirectional)
-    hit = _memo.get(key)
-    if hit is not None and hit[0]() is src and hit[1] == src._version:
-        return hit[3]
+    found, out = _memo.get(src, bounds)
+    if found:
+        return out
     out = None
     m = mask[:, 0]
     entries = m.shape[0]
@@ -104,7 +127,5 @@ def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left:
             ends = torch.cat([first[1:], first.new_tensor([batch * seqlen])])
             cu = torch.cat([first, first.new_tensor([batch * seqlen])]).to(torch.int32)
             out = (cu, int((ends - first).max()), doc)
-    _memo[key] = (weakref.ref(src), src._version, bounds, out)
-    while len(_memo) > _MEMO_MAX:
-        _memo.pop(next(iter(_memo)))
+    _memo.put(src, bounds, out)
     return out

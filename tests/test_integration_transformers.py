@@ -232,7 +232,7 @@ def test_documents_of_a_mask(monkeypatch):
     assert documents.find(mask, 2, 12, True, 2) is None  # the layer's window is not in the mask
     assert documents.find(mask, 2, 12, False, None) is None  # causal mask, bidirectional layer
     # each pattern asked of a mask is memoized apart (sdpa asks causal, then bidirectional)
-    assert {k[1] for k in documents._memo if k[0] == id(mask)} >= {(2, 12, True, None), (2, 12, False, None)}
+    assert {k[1] for k in documents._memo.entries if k[0] == id(mask)} >= {(2, 12, True, None), (2, 12, False, None)}
     assert documents.find(mask, 2, 12, True, None)[0] is cu
     # one element off, in the last chunk: None, and the edit in place is seen (version)
     mask[1, 0, 11, 0] = False

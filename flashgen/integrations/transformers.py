@@ -93,7 +93,6 @@ import math
 import numbers
 import sys
 import warnings
-import weakref
 
 import torch
 
@@ -212,6 +211,31 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
     """Why :func:`attention_forward` hands this call to transformers' implementations
     (sdpa, or the model's eager one where sdpa lacks a feature), or None when flashgen
     runs it.  Takes the arguments the attention function takes."""
+    return _reason_and_sinks_mask(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                  sliding_window, softcap, **kwargs)[0]
+
+
+def _reason_and_sinks_mask(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                           sliding_window=None, softcap=None, **kwargs):
+    """(:func:`fallback_reason`'s answer, the ``mask_mod`` that runs attention sinks
+    with this bool mask when flashgen runs them with one, else None): the mask is read
+    once for both."""
+    reason = _reason(module, query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window,
+                     softcap, **kwargs)
+    if reason is not None or kwargs.get("s_aux") is None or attention_mask is None:
+        return reason, None
+    mask_mod = _sinks_mask(attention_mask, module, is_causal, sliding_window, query, key)
+    if mask_mod is None:
+        return ("s_aux (attention sinks) with an attention_mask other than the causal / sliding-window pattern "
+                "with key padding or of packed documents (flashgen runs sinks with those bounds and a "
+                "key-padding or document mask_mod; a mask made under inference mode is not checked for "
+                "packed documents)"), None
+    return None, mask_mod
+
+
+def _reason(module, query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window, softcap,
+            **kwargs) -> str | None:
+    """:func:`fallback_reason` but for the check of the sinks' bool mask."""
     if kwargs.get("position_bias") is not None:
         return "position_bias (a learned per-layer bias; flashgen's bias gets no gradient)"
     s_aux = kwargs.get("s_aux")
@@ -233,23 +257,14 @@ def fallback_reason(module, query, key, value, attention_mask, dropout: float = 
     reason = api.sdpa_fallback_reason(query, key, value, attention_mask, dropout, False, scaling, enable_gqa=True)
     if reason is not None:
         return reason
-    if s_aux is not None and attention_mask is not None:
-        if _sinks_mask(attention_mask, module, is_causal, sliding_window, query, key) is None:
-            return ("s_aux (attention sinks) with an attention_mask other than the causal / sliding-window pattern "
-                    "with key padding or of packed documents (flashgen runs sinks with those bounds and a "
-                    "key-padding or document mask_mod; a mask made under inference mode is not checked for "
-                    "packed documents)")
     if attention_mask is None and _module_causal(module, is_causal) and query.shape[2] > key.shape[2]:
         return (f"causal without a mask and seqlen_q ({query.shape[2]}) > seqlen_k ({key.shape[2]}): sdpa's "
                 "top-left alignment")
     return None
 
 
-#: The key padding of recent masks (:func:`_key_padding`): id(mask) -> (a weak reference
-#: to the mask, its version, the sizes, the result).  Only a few masks are live at once
-#: (gpt-oss: one per layer type per forward).
-_padding_memo: dict = {}
-_PADDING_MEMO_MAX = 8
+#: The key padding of recent masks (:func:`_key_padding`), per mask and bounds.
+_padding_memo = documents.MaskMemo()
 
 
 def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool, window_left: int | None):
@@ -260,12 +275,10 @@ def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool,
     any other pattern).  The comparison reads the mask's values (a host
     synchronization), once per mask object and version (memoized; an inference tensor,
     which has no version counter, every call)."""
-    key = id(mask)
-    version = None if mask.is_inference() else mask._version  # inference tensors: no counter, no memo
-    hit = _padding_memo.get(key)
-    if (hit is not None and version is not None and hit[0]() is mask
-            and hit[1:5] == (version, seqlen_q, seqlen_k, (causal, window_left))):
-        return hit[5]
+    asked = (seqlen_q, seqlen_k, causal, window_left)
+    found, out = _padding_memo.get(mask, asked)
+    if found:
+        return out
     m = mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     out = None
     if m.dim() == 4 and m.shape[1] == 1:
@@ -275,11 +288,9 @@ def _key_padding(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool,
             torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device)
         if torch.equal(rows, band[None] & keys[:, None, :]):
             out = keys.contiguous()
-    if version is None:
+    if mask.is_inference():
         return _stable_keys(out)
-    _padding_memo[key] = (weakref.ref(mask), version, seqlen_q, seqlen_k, (causal, window_left), out)
-    while len(_padding_memo) > _PADDING_MEMO_MAX:
-        _padding_memo.pop(next(iter(_padding_memo)))
+    _padding_memo.put(mask, asked, out)
     return out
 
 
@@ -298,7 +309,7 @@ def _stable_keys(keys):
     prev = _stable.get(slot)
     if prev is not None and torch.equal(prev, keys):
         return prev
-    if len(_stable) >= _PADDING_MEMO_MAX:
+    if len(_stable) >= _padding_memo.size:
         _stable.clear()
     with torch.inference_mode(False):  # a normal tensor: a version counter, so block masks are cached
         keys = keys.clone()
@@ -443,8 +454,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         (O of shape (batch, seqlen_q, num_heads, head_dim_v), contiguous, in the
         query's dtype; None): the attention weights are never materialized.
     """
-    reason = fallback_reason(module, query, key, value, attention_mask, dropout, scaling, is_causal,
-                             sliding_window, softcap, **kwargs)
+    reason, sinks_mask = _reason_and_sinks_mask(module, query, key, value, attention_mask, dropout, scaling,
+                                                is_causal, sliding_window, softcap, **kwargs)
     if reason is not None:
         if reason not in _warned:
             _warned.add(reason)
@@ -457,9 +468,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # with key padding or within documents (fallback_reason checked it): flashgen's
         # bounds, and the padding or the documents as a mask_mod
         causal, left = _padding_bounds(module, is_causal, sliding_window)
-        mask_mod = _sinks_mask(attention_mask, module, is_causal, sliding_window, query, key)
         out = api.attention(query, key, value, causal=causal, window=(-1, -1) if left is None else (left, 0),
-                            softmax_scale=scaling, sinks=s_aux.float(), mask_mod=mask_mod)
+                            softmax_scale=scaling, sinks=s_aux.float(), mask_mod=sinks_mask)
         return out.transpose(1, 2).contiguous(), None
     if (s_aux is None and not dropout and not softcap and documents.readable(attention_mask, query, key)):
         pattern = _padding_bounds(module, is_causal, sliding_window)
