@@ -248,6 +248,32 @@ def _suite_kernels(rep_ms: float) -> list[dict]:
     return out
 
 
+def check_in_children(check, variants, timeout_s: float, workers: int) -> list[dict]:
+    """``check(i)`` for each of ``variants`` ((name, head_dim, mask, knobs) tuples), each
+    in a fresh spawned process (a kernel that faults leaves its process's CUDA context
+    unusable) with ``timeout_s`` for all of them (a kernel that never finishes is
+    reported, not waited for); prints one PASS / FAIL line per variant.  Returns the
+    results, each with ``kw`` (the knobs) and, on a crash or timeout, ``error``."""
+    t0 = time.time()
+    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), max_tasks_per_child=1)
+    futs = [ex.submit(check, i) for i in range(len(variants))]
+    checked = []
+    for i, f in enumerate(futs):
+        name, d, mask, kw = variants[i]
+        try:
+            r = f.result(timeout=max(1.0, timeout_s - (time.time() - t0)))
+        except Exception as e:  # noqa: BLE001 - a hang or a crash is the finding
+            r = dict(name=name, d=d, mask=mask, checks=[], error=f"{type(e).__name__}: {str(e)[:300]}")
+        r["kw"] = kw
+        checked.append(r)
+        ok = bool(r["checks"]) and all(c["ok"] for c in r["checks"])
+        worst = max((c["ratio"] for c in r["checks"]), default=float("nan"))
+        print(f"check {name:10s} d{d:<4d}{mask:7s} {'PASS' if ok else 'FAIL'} worst ratio {worst:.3f} "
+              f"{r.get('error', '') or ' '.join(c['message'] for c in r['checks'] if not c['ok'])[:300]}", flush=True)
+    ex.shutdown(wait=False, cancel_futures=True)
+    return checked
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench_out/gluon_varlen")
@@ -278,23 +304,7 @@ def main(argv=None) -> int:
         VARIANTS[:] = []
     elif a.only:
         VARIANTS[:] = [v for v in VARIANTS if v[0] in a.only.split(",")]
-    t0 = time.time()
-    ex = cf.ProcessPoolExecutor(max_workers=a.workers, mp_context=mp.get_context("spawn"))
-    futs = [ex.submit(_check, i) for i in range(len(VARIANTS))]
-    checked = []
-    for i, f in enumerate(futs):
-        name, d, mask, kw = VARIANTS[i]
-        try:
-            r = f.result(timeout=max(1.0, a.timeout_s - (time.time() - t0)))
-        except Exception as e:  # noqa: BLE001 - a hang or a crash is the finding
-            r = dict(name=name, d=d, mask=mask, checks=[], error=f"{type(e).__name__}: {str(e)[:300]}")
-        r["kw"] = kw
-        checked.append(r)
-        ok = bool(r["checks"]) and all(c["ok"] for c in r["checks"])
-        worst = max((c["ratio"] for c in r["checks"]), default=float("nan"))
-        print(f"check {name:10s} d{d:<4d}{mask:7s} {'PASS' if ok else 'FAIL'} worst ratio {worst:.3f} "
-              f"{r.get('error', '') or ' '.join(c['message'] for c in r['checks'] if not c['ok'])[:300]}", flush=True)
-    ex.shutdown(wait=False, cancel_futures=True)
+    checked = check_in_children(_check, VARIANTS, a.timeout_s, a.workers)
     ok_rows = [r for r in checked if r["checks"] and all(c["ok"] for c in r["checks"])]
     timed = _time(ok_rows, a.rep_ms) if ok_rows or a.time_only else []
     with open(os.path.join(a.out, "gluon_varlen.json"), "w") as f:

@@ -290,6 +290,13 @@ def run_variant_varlen(variant: Variant, q, k, v, do, cu_q, cu_k, max_q, max_k, 
     fspec = KernelSpec("fwd_varlen", spec.dtype, spec.head_dim, spec.head_dim_v, spec.mask)
     fcfg = default_config(fspec, arch)
     o, lse = families.launcher(fcfg.family, "fwd_varlen")(q, k, v, *seqs, config=fcfg, **kw)
+    if spec.kernel == "bwd_varlen":  # a family's whole ragged-batch backward: dQ, dK, dV (every launch it makes)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        launch = families.launcher(cfg.family, "bwd_varlen")
+
+        def fn():
+            launch(do, q, k, v, o, lse, *seqs, config=cfg, dq=dq, dk=dk, dv=dv, **kw)
+        return fn, {"dQ": dq, "dK": dk, "dV": dv}
     if spec.kernel == "bwd_dq_varlen":
         dq, delta = torch.empty_like(q), torch.empty_like(lse)
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from . import families
 from .arch import INTERPRETER
 from .errors import InputError, UnsupportedError
-from .spec import WHOLE_BWD, ProblemKey, TileConfig, Variant, is_user_mods
+from .spec import WHOLE_BWD, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, is_user_mods, is_varlen
 
 #: Variants of a non-portable family that failed to build or launch in this process
 #: (variant id -> the error): the dispatcher never picks them again, and each was warned
@@ -104,6 +104,11 @@ class BackwardChoice:
         cfg = self.choices[0].config
         fam = families.FAMILIES.get(cfg.family)
         return bool(getattr(fam, "deterministic", None) and fam.deterministic(cfg))
+
+
+#: The backward's kernel names by role (the dense ones; a ragged batch's).
+_BWD_NAMES = {"bwd_dq": "bwd_dq", "bwd_dkdv": "bwd_dkdv", WHOLE_BWD: WHOLE_BWD}
+_BWD_VARLEN_NAMES = {"bwd_dq": "bwd_dq_varlen", "bwd_dkdv": "bwd_dkdv_varlen", WHOLE_BWD: WHOLE_BWD_VARLEN}
 
 
 def _any_size(key: ProblemKey) -> bool:
@@ -441,8 +446,9 @@ class Dispatcher:
 
     def backward(self, key: ProblemKey, *, deterministic: bool = False,
                  capturing: bool | None = None) -> BackwardChoice:
-        """How the dense backward of ``key`` (a ``bwd_dq``, ``bwd_dkdv`` or ``bwd`` key)
-        runs, memoized.  The rule, in order:
+        """How the backward of ``key`` (a ``bwd_dq``, ``bwd_dkdv`` or ``bwd`` key; or of a
+        ragged batch, a ``bwd_dq_varlen``, ``bwd_dkdv_varlen`` or ``bwd_varlen`` key, whose
+        whole backward is ``bwd_varlen``) runs, memoized.  The rule, in order:
 
         1. ``deterministic``: a whole-backward row whose config its family declares
            bitwise repeatable (``deterministic``: the Gluon backward with ``dq_ordered``,
@@ -459,9 +465,11 @@ class Dispatcher:
            its measurements put its default ahead (``prefers_default``; the Gluon
            backward on sm_90 at head_dim 128, and 64 causal), else the two kernels.
 
-        The two kernels' configs are :meth:`choose`'s for their own keys."""
-        whole = ("bwd_dq", "bwd_dkdv") if key.spec.mods else ("bwd_dq", "bwd_dkdv", WHOLE_BWD)
-        kernels = {k: dataclasses.replace(key, spec=dataclasses.replace(key.spec, kernel=k)) for k in whole}
+        The two kernels' configs are :meth:`choose`'s for their own keys (``kernels`` below
+        names them by their dense roles, ``bwd_dq``, ``bwd_dkdv`` and ``bwd``)."""
+        names = _BWD_VARLEN_NAMES if is_varlen(key.spec.kernel) else _BWD_NAMES
+        roles = ("bwd_dq", "bwd_dkdv") if key.spec.mods else ("bwd_dq", "bwd_dkdv", WHOLE_BWD)
+        kernels = {r: dataclasses.replace(key, spec=dataclasses.replace(key.spec, kernel=names[r])) for r in roles}
         memo = (kernels["bwd_dq"], bool(deterministic))
         hit = self._backward.get(memo)
         if hit is not None:
@@ -490,7 +498,7 @@ class Dispatcher:
             if whole_key is not None and not capturing:
                 for fam in families.FAMILIES.values():
                     repeatable = getattr(fam, "deterministic", None)
-                    if WHOLE_BWD not in fam.kernels or repeatable is None:
+                    if whole_key.spec.kernel not in fam.kernels or repeatable is None:
                         continue
                     if fam.unsupported(whole_key, self.arch) is not None:
                         continue
@@ -510,7 +518,7 @@ class Dispatcher:
         if whole_key is None:
             return two(f"score modifications ({kernels['bwd_dq'].spec.mods}) are compiled into bwd_dq and "
                        "bwd_dkdv only")
-        fams = [f for f in families.FAMILIES.values() if WHOLE_BWD in f.kernels]
+        fams = [f for f in families.FAMILIES.values() if whole_key.spec.kernel in f.kernels]
         serving = [f for f in fams if f.unsupported(whole_key, self.arch) is None]
         if not serving:
             why = "; ".join(f"{f.name} does not serve the whole backward: {f.unsupported(whole_key, self.arch)}"
@@ -527,11 +535,12 @@ class Dispatcher:
                 return whole(measured, facts) if ahead else two(facts)
         prefer = getattr(fam, "prefers_default", None)
         why = prefer(whole_key, self.arch) if prefer is not None else None
+        wk, dqk, kvk = whole_key.spec.kernel, kernels["bwd_dq"].spec.kernel, kernels["bwd_dkdv"].spec.kernel
         if not why:
             # a row of the whole backward alone is not compared with anything: say so
             alone = "" if measured is None else (
-                f"its {fam.name} bwd row at {measured.tuned_key or whole_key.id} ({measured.median_ms:.4f} ms) has no "
-                "bwd_dq + bwd_dkdv rows of its bucket to be compared with (tune --kernels bwd_dq,bwd_dkdv,bwd), and ")
+                f"its {fam.name} {wk} row at {measured.tuned_key or whole_key.id} ({measured.median_ms:.4f} ms) has no "
+                f"{dqk} + {kvk} rows of its bucket to be compared with (tune --kernels {dqk},{kvk},{wk}), and ")
             if not getattr(fam, "large_enough", _any_size)(whole_key):
                 return two(f"{alone or 'untuned: '}too little work in this key's size buckets to hide the host "
                            f"time of the {fam.name} whole backward's launches")
@@ -551,13 +560,15 @@ class Dispatcher:
         bucket: (the facts, whether the whole backward is at least as fast), or None when
         the bucket lacks either kernel's row."""
         bucket = measured.tuned_key or measured.key.id
-        prefix = f"attn_{WHOLE_BWD}_"
-        pair = [self._exact(bucket.replace(prefix, f"attn_{k}_", 1)) for k in ("bwd_dq", "bwd_dkdv")]
+        names = _BWD_VARLEN_NAMES if is_varlen(measured.key.spec.kernel) else _BWD_NAMES
+        prefix = f"attn_{names[WHOLE_BWD]}_"
+        pair = [self._exact(bucket.replace(prefix, f"attn_{names[r]}_", 1)) for r in ("bwd_dq", "bwd_dkdv")]
         if any(c is None for c in pair):
             return None
         other_ms = pair[0].median_ms + pair[1].median_ms
-        facts = (f"measured at {bucket}: {fam.name} bwd {measured.median_ms:.4f} ms vs "
-                 f"{pair[0].family} bwd_dq + bwd_dkdv {pair[0].median_ms:.4f} + {pair[1].median_ms:.4f} = "
+        facts = (f"measured at {bucket}: {fam.name} {names[WHOLE_BWD]} {measured.median_ms:.4f} ms vs "
+                 f"{pair[0].family} {names['bwd_dq']} + {names['bwd_dkdv']} {pair[0].median_ms:.4f} + "
+                 f"{pair[1].median_ms:.4f} = "
                  f"{other_ms:.4f} ms")
         return facts, measured.median_ms <= other_ms
 

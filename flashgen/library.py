@@ -150,14 +150,21 @@ def backward_kernels(q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str, dete
     hit = disp.fast.get(fk)
     if hit is not None:
         return hit
+    hit = _backward_plan(disp, fk, _dense_key("bwd_dq", q, k, v, mask, mods), deterministic)
+    return backward_kernels(q, k, v, mask, mods, deterministic) if hit is None else hit
+
+
+def _backward_plan(disp, fk, key: ProblemKey, deterministic: bool):
+    """The loaded modules of the dispatcher's backward plan for ``key`` (a ``bwd_dq`` or
+    ``bwd_dq_varlen`` key), memoized under ``fk`` unless capturing; None when the
+    whole backward it chose failed to build (mark_failed forgot the choice: ask again)."""
     capturing = dispatch.graph_capturing()
-    key = _dense_key("bwd_dq", q, k, v, mask, mods)
     plan = disp.backward(key, deterministic=deterministic, capturing=capturing)
     if plan.whole:
         c = plan.choices[0]
         hit = load_or_fall_back(disp, c.key, c.config, lambda: None)
-        if hit[0] is None:  # it failed to build: the two kernels (mark_failed forgot the choice)
-            return backward_kernels(q, k, v, mask, mods, deterministic)
+        if hit[0] is None:
+            return None
     else:
         hit = tuple(load_or_fall_back(disp, c.key, c.config, lambda c=c: disp.choose(c.key, capturing=capturing).config)
                     for c in plan.choices)
@@ -692,6 +699,28 @@ def varlen_kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, b
     return _choose(disp, fk, key, capturing)
 
 
+def varlen_backward_kernels(q: Tensor, k: Tensor, v: Tensor, mask: str, batch: int, max_seqlen_q: int,
+                            max_seqlen_k: int, deterministic: bool):
+    """The ragged-batch backward's kernels, as :func:`backward_kernels` for the dense one:
+    ``(cfg, module)`` of one family's whole backward (``bwd_varlen``), or
+    ``((cfg_dq, module_dq), (cfg_dkdv, module_dkdv))`` of ``bwd_dq_varlen`` and
+    ``bwd_dkdv_varlen`` (:meth:`flashgen.dispatch.Dispatcher.backward`), memoized per
+    exact sizes."""
+    disp = dispatch.default_dispatcher()
+    interp = not q.is_cuda and interpreting()
+    fk = (("bwd_varlen", deterministic), mask, q.dtype, q.shape[1:], k.shape[1], v.shape[2], batch, max_seqlen_q,
+          max_seqlen_k, interp)
+    hit = disp.fast.get(fk)
+    if hit is not None:
+        return hit
+    spec = KernelSpec("bwd_dq_varlen", ops.dtype_name(q.dtype), q.shape[2], v.shape[2], mask)
+    key = ProblemKey.from_varlen_sizes(spec, batch=batch, num_heads=q.shape[1], num_kv_heads=k.shape[1],
+                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    hit = _backward_plan(disp, fk, key, deterministic)
+    return varlen_backward_kernels(q, k, v, mask, batch, max_seqlen_q, max_seqlen_k, deterministic) \
+        if hit is None else hit
+
+
 def varlen_bounds(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
     """(diag_lo, diag_hi) of one sequence, as the varlen kernels compute them."""
     off = seqlen_k - seqlen_q
@@ -765,7 +794,10 @@ def forward_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
 def backward_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float, mask: str,
                     left: int, right: int):
-    """(dQ, dK, dV): the varlen backward op's real implementation."""
+    """(dQ, dK, dV): the varlen backward op's real implementation: one family's whole
+    backward (``bwd_varlen``; the Gluon one on sm_90, whose dQ accumulation order varies)
+    or the ``bwd_dq_varlen`` + ``bwd_dkdv_varlen`` kernels (bitwise repeatable; always
+    under torch's ``use_deterministic_algorithms``), as the dispatcher chooses."""
     if _varlen_empty(q, k, cu_seqlens_q):
         return _zeros_like(q), _zeros_like(k), _zeros_like(v)
     if do.stride(-1) != 1:
@@ -776,9 +808,22 @@ def backward_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     q, scale, sign = _signed_q(q, scale)
     batch = cu_seqlens_q.shape[0] - 1
     sizes = (batch, max_seqlen_q, max_seqlen_k)
+    det = deterministic_backward(None)
     with _on_device(q):
-        cfg_dq, mod_dq = varlen_kernel_for("bwd_dq_varlen", q, k, v, mask, *sizes)
-        cfg_kv, mod_kv = varlen_kernel_for("bwd_dkdv_varlen", q, k, v, mask, *sizes)
+        while True:
+            plan = varlen_backward_kernels(q, k, v, mask, *sizes, det)
+            if len(plan) == 2 and isinstance(plan[0], tuple):
+                break
+            cfg, mod = plan  # one family's whole backward
+            try:
+                dq, dk, dv = families.launcher(cfg.family, "bwd_varlen")(
+                    do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
+                    mask=mask, win_left=left, win_right=right, config=cfg, module=mod)
+                return _signed_dq(dq, sign), dk, dv
+            except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: fall back
+                fall_back(cfg, "bwd_varlen", q, e, (ops.dtype_name(q.dtype), q.shape[2], v.shape[2], mask, ""))
+        # the two kernels (the Triton family's launcher runs both)
+        (cfg_dq, mod_dq), (cfg_kv, mod_kv) = plan
         dq, dk, dv = families.launcher(cfg_dq.family, "bwd_varlen")(
             do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
             mask=mask, win_left=left, win_right=right, config_dq=cfg_dq, config_dkdv=cfg_kv, module_dq=mod_dq,

@@ -157,8 +157,8 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
     """(ProblemKey, Shape) for every entry of the named presets and every kernel, in
     preset order; a key already produced keeps its first shape.  Dense presets tune
     the dense kernels and varlen presets the varlen ones, whichever of the two names
-    of a kernel ``kernels`` gives (``bwd``, the whole backward, only in dense presets
-    without score mods); decode presets tune each entry's own kernel (only
+    of a kernel ``kernels`` gives (``bwd``, the whole backward, only in presets without
+    score mods; ``bwd_varlen`` in varlen presets); decode presets tune each entry's own kernel (only
     those ``kernels`` names when it names a decode kernel).  Raises KeyError naming
     the known presets for an unknown name."""
     kernels = tuple(kernels)
@@ -177,9 +177,8 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
                     out.setdefault(shape.key(KernelSpec(k, dtype, d, d, mask)), shape)
             continue
         varlen = name in VARLEN_PRESETS
-        # the whole backward (``bwd``, one family's single launch sequence) has no varlen form
-        kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in training
-                                    if not (varlen and k == WHOLE_BWD)))
+        # (the whole backward ``bwd`` of a varlen preset is ``bwd_varlen``)
+        kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in training))
         for d, mask, shape, *mods in PRESETS[name]():
             for k in kinds:
                 if k == WHOLE_BWD and any(mods):

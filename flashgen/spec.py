@@ -42,8 +42,11 @@ KERNELS = DENSE_KERNELS + VARLEN_KERNELS + DECODE_KERNELS
 #: dispatcher compares a ``bwd`` row against the sum of those two
 #: (:meth:`flashgen.dispatch.Dispatcher.backward`).
 WHOLE_BWD = "bwd"
+#: The whole backward of a ragged batch (the Gluon family's), beside the Triton family's
+#: ``bwd_dq_varlen`` + ``bwd_dkdv_varlen``, compared with their sum as ``bwd`` is.
+WHOLE_BWD_VARLEN = "bwd_varlen"
 #: Every kernel name a KernelSpec, a ProblemKey or a DB row may carry.
-ALL_KERNELS = KERNELS + (WHOLE_BWD,)
+ALL_KERNELS = KERNELS + (WHOLE_BWD, WHOLE_BWD_VARLEN)
 #: The mask modes the decode kernels compile (a sliding window is not served).
 DECODE_MASKS = ("none", "causal")
 
@@ -58,7 +61,7 @@ def base_kernel(kernel: str) -> str:
 
 
 def is_varlen(kernel: str) -> bool:
-    return kernel in VARLEN_KERNELS
+    return kernel in VARLEN_KERNELS or kernel == WHOLE_BWD_VARLEN
 
 
 def is_decode(kernel: str) -> bool:

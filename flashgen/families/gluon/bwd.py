@@ -204,9 +204,10 @@ class GluonBwdConfig:
                 + ("_dqw" if self.dq_writer else ""))
 
 
-def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str) -> str:
-    """One identity string: the generated file, the module cache entry and the log line."""
-    return f"gluon_bwd_d{head_dim}_{_SHORT.get(dtype, dtype)}_{mask}_{config.id}"
+def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, varlen: bool = False) -> str:
+    """One identity string: the generated file, the module cache entry and the log line
+    (``varlen``: the ragged-batch variant, ``_varlen`` at the end)."""
+    return f"gluon_bwd_d{head_dim}_{_SHORT.get(dtype, dtype)}_{mask}_{config.id}" + ("_varlen" if varlen else "")
 
 
 def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> dict[str, int]:
@@ -376,6 +377,44 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
 
 def is_valid(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> bool:
     return not invalid_reasons(config, head_dim, dtype, mask)
+
+
+#: The head dims of the ragged-batch backward (no padded head dim: its strided first and
+#: last passes and register stores take the tiles' width).
+VARLEN_HEAD_DIMS = (64, 128)
+
+
+def varlen_row_starts(cu_seqlens_q: list[int]) -> list[int]:
+    """The first row of each sequence in the ragged-batch backward's LSE2 and delta
+    buffers, 4 * (cu_seqlens_q[z] // 4 + z): a multiple of 4 float32 values, since a TMA
+    copy's innermost coordinate must be 16-byte aligned (the H200 raised an illegal
+    instruction for a copy of rows starting at the packed row itself), and past the
+    previous sequence's rows (4 * floor(a / 4) + n <= 4 * floor((a + n) / 4) + 3)."""
+    return [4 * (a // 4 + z) for z, a in enumerate(cu_seqlens_q[:-1])]
+
+
+def varlen_reasons(config: GluonBwdConfig, head_dim: int) -> list[str]:
+    """Why ``config`` cannot serve the ragged-batch backward (``varlen``), beyond
+    :func:`invalid_reasons`: its program's rows start anywhere in the packed tensors, so
+    the knobs that address the dense layout's aligned, per-batch tiles are out."""
+    c, out = config, []
+    if head_dim not in VARLEN_HEAD_DIMS:
+        out.append(f"head_dim {head_dim}: the ragged-batch backward is built for {VARLEN_HEAD_DIMS}")
+    if c.dq_mode != "tma":
+        out.append(f"dq_mode {c.dq_mode!r}: the ragged-batch backward adds dQ by TMA reduce-add ('tma'); its "
+                   "tiles past a sequence's end add zeros into the next sequence's rows, which only an atomic "
+                   "add leaves intact (the ordered dQ serves the dense backward)")
+    if c.dq_stage != "swizzled":
+        out.append(f"dq_stage {c.dq_stage!r}: a sequence's query blocks start at any packed row, not at the "
+                   "block_m-aligned tiles the fragment-ordered accumulator is made of")
+    if c.kv_store != "ptr":
+        out.append(f"kv_store {c.kv_store!r}: a TMA store clips at the tensor's end only and would write the next "
+                   "sequence's rows of dK and dV; the register stores mask them")
+    if c.group_split != 1:
+        out.append(f"group_split {c.group_split}: the ragged-batch backward sums each GQA group in its program")
+    if c.longest_first:
+        out.append("longest_first: the ragged-batch grid is one program per (key block, sequence, kv head)")
+    return out
 
 
 def group_splits(group: int) -> tuple[int, ...]:
@@ -591,15 +630,18 @@ DQ_PROBES = ("", "no_poll", "no_sync", "one_thread")
 
 
 def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, *,
-           header_hash: str | None = None, directory: str | None = None, probe: str = "") -> str:
+           header_hash: str | None = None, directory: str | None = None, probe: str = "", varlen: bool = False) -> str:
     """The Gluon source of one variant (pure text).  Raises ValueError for an invalid one
     (``check=False``: probes render a config the rules reject, e.g. row_load "tma").
     ``header_hash``: the hash the header names (default :func:`template_hash`);
     ``directory``: another templates directory (the code-id checks); ``probe``: one of
-    :data:`DQ_PROBES` (dq_mode "ordered" only)."""
+    :data:`DQ_PROBES` (dq_mode "ordered" only); ``varlen``: the ragged-batch main kernel
+    (:func:`varlen_reasons`; every other variant renders as without it)."""
     if probe not in DQ_PROBES or (probe and (config.dq_mode != "ordered" or config.dq_writer)):
         raise ValueError(f"probe {probe!r}: one of {DQ_PROBES[1:]} with dq_mode 'ordered'")
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
+    if check and varlen:
+        reasons += varlen_reasons(config, head_dim)
     if reasons:
         raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
                          + "; ".join(reasons))
@@ -617,7 +659,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         dq_warps, dq_n = [4, c.consumers], head_dim // c.consumers
     return _env(directory).get_template(TEMPLATE).render(
         template_hash=template_hash() if header_hash is None else header_hash,
-        variant_id=variant_id(c, dtype, head_dim_g, mask), dtype=dtype, head_dim=head_dim,
+        variant_id=variant_id(c, dtype, head_dim_g, mask, varlen), dtype=dtype, head_dim=head_dim,
         head_dim_g=head_dim_g, PAD=head_dim_g != head_dim, mask=mask,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
@@ -626,7 +668,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
         HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
         DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store,
-        LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer)
+        LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer, VARLEN=varlen)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
@@ -643,16 +685,17 @@ def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
 _modules: dict = {}
 
 
-def load(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, probe: str = ""):
+def load(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, probe: str = "",
+         varlen: bool = False):
     """The imported module of one variant (written under its content hash, memoized);
-    ``probe``: :func:`render`'s."""
-    key = (config, dtype, head_dim, mask, probe)
+    ``probe``, ``varlen``: :func:`render`'s."""
+    key = (config, dtype, head_dim, mask, probe, varlen)
     mod = _modules.get(key)
     if mod is None:
         from flashgen import compile as _compile
 
-        src = render(config, dtype, head_dim, mask, check, probe=probe)
-        vid = variant_id(config, dtype, head_dim, mask) + (f"_{probe}" if probe else "")
+        src = render(config, dtype, head_dim, mask, check, probe=probe, varlen=varlen)
+        vid = variant_id(config, dtype, head_dim, mask, varlen) + (f"_{probe}" if probe else "")
         mod = _modules[key] = _compile.import_generated(vid, src)
     return mod
 
@@ -998,14 +1041,172 @@ def _finish(bufs: dict, q, dq, dk, dv, delta_out):
     return dq, dk, dv
 
 
+# --------------------------------------------------------------------------- ragged batches
+
+def _packed4(t):
+    """A packed (total, heads, head_dim) tensor as (1, heads, total, head_dim), the view
+    the 4-D descriptors and the strided passes address (rows of one head are
+    ``t.stride(0)`` apart)."""
+    return t.permute(1, 0, 2).unsqueeze(0)
+
+
+def varlen_launch_args(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                       softmax_scale: float, win_left: int, win_right: int, config: GluonBwdConfig, dq=None, dk=None,
+                       dv=None):
+    """Everything the ragged-batch backward's launches take (:func:`attention_bwd_varlen`),
+    without launching: a dict with the outputs, the scratch buffers and (grid, args) of
+    "preprocess_varlen" (:func:`.strided.varlen_preprocess`: LSE2 and delta at the rows
+    of :func:`varlen_row_starts`), "main" (the template's ``attn_bwd`` rendered with
+    ``varlen``) and "convert_strided" (:mod:`.strided` on dQ viewed as (1, h, total_q,
+    d)).  dk and dv are written contiguous (total_k, hk, d): a given dk/dv of
+    other strides receives a copy ("copy").  Raises ValueError when the grid is too
+    tall."""
+    import torch
+
+    from . import strided
+
+    tq, h, d = q.shape
+    tk, hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    c = config
+    if batch * hk > MAX_GRID_Y:
+        raise ValueError(f"Gluon backward config {c.id}: batch * num_kv_heads = {batch * hk} programs per key "
+                         f"block, over CUDA's grid limit {MAX_GRID_Y}")
+    dtype_name = str(q.dtype).removeprefix("torch.")
+    dev = q.device
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    out = {"dq": dq, "dk": dk, "dv": dv}
+    main_dk, main_dv = dk, dv
+    if not (dk.is_contiguous() and dv.is_contiguous()):
+        main_dk, main_dv = torch.empty((tk, hk, d), dtype=k.dtype, device=dev), \
+            torch.empty((tk, hk, d), dtype=v.dtype, device=dev)
+        out["copy"] = ((main_dk, dk), (main_dv, dv))
+    # LSE2 / delta: sequence z's rows from varlen_row_starts (16-byte aligned for the TMA
+    # copies), 0 between them, ROW_PAD past the last so that a tile's pointer loads at a
+    # sequence's end stay in the buffer
+    m_pad = -(-(4 * (tq // 4 + batch) + ROW_PAD) // ROW_PAD) * ROW_PAD
+    lse2 = torch.zeros((h, m_pad), dtype=torch.float32, device=dev)
+    delta = torch.zeros((h, m_pad), dtype=torch.float32, device=dev)
+    dqacc = torch.empty((1, h, tq, d), dtype=torch.float32, device=dev)
+    out.update(lse2=lse2, delta=delta, dqacc=dqacc)
+    lse = lse if lse.is_contiguous() else lse.contiguous()
+    cu_q = cu_seqlens_q if cu_seqlens_q.is_contiguous() else cu_seqlens_q.contiguous()
+    cu_k = cu_seqlens_k if cu_seqlens_k.is_contiguous() else cu_seqlens_k.contiguous()
+    q4, k4, v4, do4 = (_packed4(t) for t in (q, k, v, do))
+    out["preprocess_varlen"] = strided.varlen_preprocess_launch(o, do, lse, lse2, delta, dqacc, cu_q,
+                                                                int(max_seqlen_q), m_pad)
+    main = (_desc4(q4, c.block_m, dtype_name), _desc4(k4, c.block_nt, dtype_name),
+            _desc4(v4, c.block_nt, dtype_name), _desc4(do4, c.block_m, dtype_name),
+            _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m), _desc_dq(dqacc, c.block_m, c.dq_stage),
+            lse2, delta, dqacc, main_dk, main_dv, float(softmax_scale) * 1.4426950408889634, float(softmax_scale),
+            h, hk, int(max_seqlen_q), int(max_seqlen_k), int(win_left), int(win_right), m_pad, cu_q, cu_k)
+    out["main"] = ((math.ceil(int(max_seqlen_k) / c.block_nt), batch * hk), main)
+    out["convert_strided"] = strided.convert_launch(dqacc, _packed4(dq), softmax_scale)
+    return out
+
+
+def attention_bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                         softmax_scale: float, win_left: int, win_right: int, mask: str,
+                         config: GluonBwdConfig | None = None, dq=None, dk=None, dv=None, module=None,
+                         stage_sync: bool = False, check: bool = True):
+    """dQ, dK, dV of a ragged batch on sm_90, :func:`flashgen.ops.bwd_varlen`'s contract:
+    do, q, o (total_q, num_heads, head_dim), k, v (total_k, num_kv_heads, head_dim),
+    float16 or bfloat16, strides a tensor descriptor can address (last stride 1, the
+    others 16-byte multiples); lse (num_heads, total_q) float32, natural log, -inf for a
+    row that sees no key; cu_seqlens_q / cu_seqlens_k int32 (batch + 1,), checked
+    offsets (:func:`flashgen.api.attention_varlen`); max_seqlen_q / max_seqlen_k the
+    longest sequences (> 0; they size the grid); ``win_left`` / ``win_right`` the window
+    per sequence, bottom-right aligned, -1 unbounded (causal: right 0), the mode
+    ``mask``.  Three launches: the ragged-batch preprocess, the main kernel (one program
+    per key block of the longest sequence, sequence and kv head), the strided convert.
+    Returns (dq, dk, dv) like q, k, v (``torch.empty_like``); dK and dV summed over each
+    GQA group; dQ accumulated in float32 by reduce-adds in arrival order (not bitwise
+    repeatable).  ``module``: the loaded variant (else :func:`load`); ``stage_sync``:
+    synchronize after each launch and raise RuntimeError naming the one that failed.
+    Raises ValueError for a config the ragged-batch backward cannot take."""
+    import torch
+
+    from . import strided
+
+    dtype = str(q.dtype).removeprefix("torch.")
+    d = q.shape[-1]
+    config = config or varlen_default_config(d, dtype, mask)
+    if check:
+        why = invalid_reasons(config, d, dtype, mask) + varlen_reasons(config, d)
+        if why:
+            raise ValueError(f"gluon bwd_varlen: config {config.id}: {'; '.join(why)}")
+    mod = module if module is not None else load(config, dtype, d, mask, check, varlen=True)
+    a = varlen_launch_args(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=softmax_scale, win_left=win_left, win_right=win_right, config=config,
+                           dq=dq, dk=dk, dv=dv)
+    stages = (("preprocess_varlen", strided.varlen_preprocess, {"num_warps": strided.NUM_WARPS}),
+              ("main", mod.attn_bwd, {"num_warps": config.num_warps, "maxnreg": config.maxnreg}),
+              ("convert_strided", strided.convert, {"num_warps": strided.NUM_WARPS}))
+    for stage, fn, opts in stages:
+        grid, args = a[stage]
+        if 0 in grid:
+            continue
+        launch(fn, grid, args, **opts)
+        if stage_sync:
+            try:
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - re-raised with the launch named
+                raise RuntimeError(f"attn_bwd varlen {stage} launch failed: {e}") from e
+    for src, dst in a.get("copy", ()):
+        dst.copy_(src)
+    return a["dq"], a["dk"], a["dv"]
+
+
+def varlen_default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> GluonBwdConfig:
+    """The untuned ragged-batch choice: :func:`default_config` with the knobs the
+    ragged-batch backward takes (:func:`varlen_reasons`): the dQ tile swizzled and dK,
+    dV stored from registers."""
+    c = dataclasses.replace(default_config(head_dim, dtype, mask), dq_stage="swizzled", kv_store="ptr")
+    reasons = varlen_reasons(c, head_dim) + invalid_reasons(c, head_dim, dtype, mask)
+    if reasons:
+        raise ValueError(f"no Gluon ragged-batch backward for head_dim={head_dim} dtype={dtype} mask={mask}: "
+                         f"{reasons[0]}")
+    return c
+
+
+def varlen_search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> list[GluonBwdConfig]:
+    """Every valid ragged-batch config: :func:`search_space` (GQA group 1) less the knobs
+    :func:`varlen_reasons` rules out."""
+    return [c for c in search_space(head_dim, dtype, mask) if not varlen_reasons(c, head_dim)]
+
+
+def _varlen_sources():
+    for d in VARLEN_HEAD_DIMS:
+        for dtype in DTYPES:
+            for mask in MASKS:
+                yield render(varlen_default_config(d, dtype, mask), dtype, d, mask, header_hash="-", varlen=True)
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_code_id() -> str:
+    """The code id of the ragged-batch backward (``bwd_varlen`` rows): the backward's code
+    id (:func:`template_hash`) and the sources of the varlen variant of each default
+    config (dtype, head dim, mask).  Every ragged-batch line of the template is in those
+    sources and the code of each knob's mode in the backward's id, so an edit of either
+    changes it."""
+    import hashlib
+
+    h = hashlib.sha256(("varlen " + template_hash()).encode())
+    for src in _varlen_sources():
+        h.update(src.encode())
+    return h.hexdigest()[:16]
+
+
 # --------------------------------------------------------------------------- sm_90 compile (no GPU needed)
 
 def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, kernel: str = "attn_bwd",
-                 check: bool = True, probe: str = ""):
+                 check: bool = True, probe: str = "", varlen: bool = False):
     """Triton's compiled ``kernel`` of one variant for sm_90 ("attn_bwd", "attn_bwd_preprocess",
     "attn_bwd_convert", or "group_reduce", the Triton kernel of a group_split > 1 variant),
     from CPU tensors' argument types (no GPU needed; run without TRITON_INTERPRET);
-    ``probe``: :func:`render`'s."""
+    ``probe``, ``varlen``: :func:`render`'s (``varlen``: "attn_bwd" only)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -1013,13 +1214,22 @@ def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, k
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    mod = load(config, dtype, head_dim, mask, check, probe)
+    mod = load(config, dtype, head_dim, mask, check, probe, varlen=varlen)
     tdt = getattr(torch, dtype)
     b, h, hk, s = 1, 2 * config.group_split, 1, 256
-    q = torch.empty(b, h, s, head_dim, dtype=tdt)
-    k = torch.empty(b, hk, s, head_dim, dtype=tdt)
-    lse = torch.empty(b, h, s, dtype=torch.float32)
-    a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=config)
+    if varlen:
+        if kernel != "attn_bwd":
+            raise ValueError("varlen: the main kernel only (the first and last passes are .strided's)")
+        qp = torch.empty(s, h, head_dim, dtype=tdt)
+        kp = torch.empty(s, hk, head_dim, dtype=tdt)
+        cu = torch.tensor([0, s], dtype=torch.int32)
+        a = varlen_launch_args(qp, qp, kp, kp, qp, torch.empty(h, s, dtype=torch.float32), cu, cu, s, s,
+                               softmax_scale=0.1, win_left=-1, win_right=-1, config=config)
+    else:
+        q = torch.empty(b, h, s, head_dim, dtype=tdt)
+        k = torch.empty(b, hk, s, head_dim, dtype=tdt)
+        lse = torch.empty(b, h, s, dtype=torch.float32)
+        a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=config)
     if kernel == "group_reduce":
         from . import reduce
 

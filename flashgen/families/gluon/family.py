@@ -3,9 +3,10 @@ dispatcher and ``explain`` see of the Gluon forward (:mod:`.config`, :mod:`.rend
 :mod:`.launch`) and backward (:mod:`.bwd`).
 
 Kernels: ``fwd``, ``bwd``, the whole backward (:data:`flashgen.spec.WHOLE_BWD`:
-preprocess, main kernel and dQ convert, one row timing all three), and ``fwd_varlen``,
-the forward of ragged batches (one program per tile; its backward is the Triton
-family's).  Served on sm_90
+preprocess, main kernel and dQ convert, one row timing all three), ``fwd_varlen``,
+the forward of ragged batches (one program per tile), and ``bwd_varlen``
+(:data:`flashgen.spec.WHOLE_BWD_VARLEN`), their whole backward (its strided first and
+last passes and the main kernel, one row timing all three).  Served on sm_90
 only (compute capability 9.0 exactly: wgmma, setmaxnreg and TMA as these kernels use
 them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, the head
 dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
@@ -30,15 +31,20 @@ import math
 
 from ...arch import INTERPRETER
 from ...resources import SmemEstimate
-from ...spec import DEFAULT_FAMILY, WHOLE_BWD, ProblemKey, TileConfig, Variant, attention_flops, is_user_mods
+from ...spec import (
+    DEFAULT_FAMILY, WHOLE_BWD, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, attention_flops, is_user_mods,
+)
 from . import bwd as B
 from . import config as C
 
 NAME = "gluon"
 #: The ragged-batch forward (the Gluon forward's ``varlen`` variants, :mod:`.launch`).
 VARLEN_FWD = "fwd_varlen"
-#: The kernels the Gluon forward compiles.
+#: The ragged-batch whole backward (the Gluon backward's ``varlen`` variants, :mod:`.bwd`).
+VARLEN_BWD = WHOLE_BWD_VARLEN
+#: The kernels the Gluon forward compiles, and the backward.
 FWD_KERNELS = ("fwd", VARLEN_FWD)
+BWD_KERNELS = (WHOLE_BWD, VARLEN_BWD)
 #: The refinement knobs of the varlen forward (one program per tile in the grid's order:
 #: no walk, no longest-first order).
 VARLEN_REFINE_KNOBS = ("masked_first", "skip_masked")
@@ -65,6 +71,10 @@ BWD_DEFAULT_AHEAD = {
     (96, "none"): "436 vs 314 at 4,32,4096,96 (docs/results/h200/tuning/head-dims)",
     (96, "causal"): "384 vs 293 at 4,32,4096,96 (docs/results/h200/tuning/head-dims)",
 }
+#: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
+#: tuned bwd_dq_varlen + bwd_dkdv_varlen on the H200: (head_dim, mask) -> the
+#: measurement.  Keys not listed keep the Triton kernels until a tuned row says otherwise.
+BWD_VARLEN_DEFAULT_AHEAD: dict[tuple[int, str], str] = {}
 #: The Gluon forward's default against the Triton family's tuned forward on the H200
 #: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.73-0.94x in the
 #: same run): the default of the forward keys it serves at FWD_DEFAULT_HEAD_DIMS with
@@ -212,7 +222,7 @@ def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
 
 class GluonFamily:
     name = NAME
-    kernels = ("fwd", WHOLE_BWD, VARLEN_FWD)
+    kernels = ("fwd", WHOLE_BWD, VARLEN_FWD, VARLEN_BWD)
     _launch = None
 
     # -- what it serves ---------------------------------------------------------------
@@ -245,9 +255,11 @@ class GluonFamily:
             except ValueError as e:
                 return str(e)
         else:
-            if s.head_dim not in B.HEAD_DIMS or s.head_dim_v != s.head_dim:
-                return (f"head dims ({s.head_dim}, {s.head_dim_v}): the Gluon backward is built for "
-                        f"head_dim = head_dim_v in {B.HEAD_DIMS}")
+            dims = B.VARLEN_HEAD_DIMS if s.kernel == VARLEN_BWD else B.HEAD_DIMS
+            if s.head_dim not in dims or s.head_dim_v != s.head_dim:
+                return (f"head dims ({s.head_dim}, {s.head_dim_v}): the Gluon "
+                        f"{'ragged-batch ' if s.kernel == VARLEN_BWD else ''}backward is built for "
+                        f"head_dim = head_dim_v in {dims}")
         return _gluon_missing()
 
     def domain(self, key: ProblemKey) -> dict[str, tuple]:
@@ -265,6 +277,9 @@ class GluonFamily:
             if key.spec.kernel == VARLEN_FWD:  # one program per tile: no walk
                 del dom["persistent"], dom["snake"]
             return dom
+        if key.spec.kernel == VARLEN_BWD:  # the knobs bwd.varlen_reasons leaves (GQA group 1's space)
+            return {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
+                    "row_load": (0, 1), "split": (0, 1)}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
                "kv_store": (0, 1)}
@@ -286,6 +301,8 @@ class GluonFamily:
             return {k: (0, 1) for k in C.REFINE_KNOBS}
         if key.spec.kernel == VARLEN_FWD:
             return {k: (0, 1) for k in VARLEN_REFINE_KNOBS}
+        if key.spec.kernel == VARLEN_BWD:
+            return {"dq_writer": (0, 1)}
         if key.spec.kernel != WHOLE_BWD:
             return {}
         return {"dq_ordered": (0, 1), "dq_writer": (0, 1),
@@ -337,7 +354,7 @@ class GluonFamily:
                 if getattr(c, name) not in (0, 1):
                     why.append(f"{name}={getattr(c, name)}: 0 (off) or 1 (on)")
             return why + C.check(C.GluonFwdVariant(fwd_spec(s), fwd_config(c)))
-        if s.kernel == WHOLE_BWD:
+        if s.kernel in BWD_KERNELS:
             why = _foreign_knobs(c, _BWD_KNOBS)
             if c.num_warps % 4:
                 why.append(f"num_warps={c.num_warps}: 4 per consumer warpgroup")
@@ -351,7 +368,8 @@ class GluonFamily:
             if not 0 <= c.row_load < len(_ROW_LOADS):
                 why.append(f"row_load={c.row_load}: 0 (TMA), 1 (producer) or 2 (pointer loads)")
                 return why
-            return why + B.invalid_reasons(bwd_config(c), s.head_dim, s.dtype, s.mask)
+            why += B.invalid_reasons(bwd_config(c), s.head_dim, s.dtype, s.mask)
+            return why + (B.varlen_reasons(bwd_config(c), s.head_dim) if s.kernel == VARLEN_BWD else [])
         return [f"kernel {s.kernel}: the Gluon family compiles {self.kernels}"]
 
     def estimate(self, v: Variant, arch) -> SmemEstimate:
@@ -383,6 +401,8 @@ class GluonFamily:
         s = key.spec
         if s.kernel in FWD_KERNELS:
             return tile_config(C.default_config(fwd_spec(s)))
+        if s.kernel == VARLEN_BWD:
+            return tile_config(B.varlen_default_config(s.head_dim, s.dtype, s.mask))
         return tile_config(B.default_config(s.head_dim, s.dtype, s.mask))
 
     def large_enough(self, key: ProblemKey) -> bool:
@@ -410,6 +430,9 @@ class GluonFamily:
             # the sinks variant has no measurement yet: tuned rows alone pick it
             timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS and not s.mods
             return FWD_DEFAULT_AHEAD if timed else None
+        if s.kernel == VARLEN_BWD:
+            seen = BWD_VARLEN_DEFAULT_AHEAD.get((s.head_dim, s.mask))
+            return None if seen is None else f"H200, {seen}"
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
         return None if seen is None else f"H200, {seen}"
 
@@ -431,6 +454,8 @@ class GluonFamily:
             return "g" + (user_code_id() if is_user_mods(mods) else template_hash())[1:]
         if kernel == WHOLE_BWD:
             return "g" + B.template_hash()[1:]
+        if kernel == VARLEN_BWD:
+            return "g" + B.varlen_code_id()[1:]
         raise KeyError(f"the Gluon family compiles {self.kernels}, not {kernel!r}")
 
     def render(self, v: Variant) -> str:
@@ -439,7 +464,7 @@ class GluonFamily:
             from .render import render
 
             return render(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
-        return B.render(bwd_config(v.config), s.dtype, s.head_dim, s.mask)
+        return B.render(bwd_config(v.config), s.dtype, s.head_dim, s.mask, varlen=s.kernel == VARLEN_BWD)
 
     def load(self, v: Variant):
         """The imported module; :class:`.build.GluonBuildError` (warned once per variant)
@@ -449,17 +474,20 @@ class GluonFamily:
         s = v.spec
         if s.kernel in FWD_KERNELS:
             return build.load_fwd(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
-        return build.load_bwd(bwd_config(v.config), s.dtype, s.head_dim, s.mask)
+        return build.load_bwd(bwd_config(v.config), s.dtype, s.head_dim, s.mask, varlen=s.kernel == VARLEN_BWD)
 
     def launcher(self, name: str):
-        """``fwd`` (:func:`fwd`), ``bwd`` (:func:`bwd`, the whole backward) or
-        ``fwd_varlen`` (:func:`fwd_varlen`)."""
+        """``fwd`` (:func:`fwd`), ``bwd`` (:func:`bwd`, the whole backward),
+        ``fwd_varlen`` (:func:`fwd_varlen`) or ``bwd_varlen`` (:func:`bwd_varlen`, the
+        whole ragged-batch backward)."""
         if name == "fwd":
             return fwd
         if name == VARLEN_FWD:
             return fwd_varlen
         if name == WHOLE_BWD:
             return bwd
+        if name == VARLEN_BWD:
+            return bwd_varlen
         raise KeyError(f"the Gluon family launches {self.kernels}, not {name!r}")
 
 
@@ -490,8 +518,8 @@ def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: 
 
 
 @functools.lru_cache(maxsize=4096)
-def _bwd_id(g: B.GluonBwdConfig, dtype: str, d: int, mask: str) -> str:
-    return B.variant_id(g, dtype, d, mask)
+def _bwd_id(g: B.GluonBwdConfig, dtype: str, d: int, mask: str, varlen: bool = False) -> str:
+    return B.variant_id(g, dtype, d, mask, varlen)
 
 
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,
@@ -569,3 +597,20 @@ def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
                                      softmax_scale=softmax_scale, mask=mask, win_left=win_left, win_right=win_right,
                                      config=g, out=out, lse=lse, module=module, check_inputs=module is None,
                                      layout=layout)
+
+
+def bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+               softmax_scale: float, mask: str, win_left: int, win_right: int, config: TileConfig, module=None,
+               dq=None, dk=None, dv=None):
+    """The family's whole ragged-batch backward, in :func:`flashgen.ops.bwd_varlen`'s form:
+    (dQ, dK, dV) like q, k, v (:func:`.bwd.attention_bwd_varlen`; dQ accumulated in
+    float32 by reduce-add, not bitwise repeatable).  Tensors a descriptor cannot address
+    (dO from autograd may be an expanded view) are copied."""
+    building, launch_mod = _launch_modules()
+    ok = launch_mod._tma_ok
+    do, q, k, v, o = (t if ok(B._packed4(t)) else t.contiguous() for t in (do, q, k, v, o))
+    g = bwd_config(config)
+    with building(_bwd_id(g, launch_mod._DTYPES.get(q.dtype, str(q.dtype)), q.shape[-1], mask, True)):
+        return B.attention_bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale=softmax_scale, win_left=win_left, win_right=win_right,
+                                      mask=mask, config=g, dq=dq, dk=dk, dv=dv, module=module)

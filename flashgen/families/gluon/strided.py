@@ -86,6 +86,36 @@ def convert(DQACC, DQ, total_rows, num_heads, seqlen_q, sdq_z, sdq_h, sdq_m, sof
              (acc * softmax_scale).to(DQ.dtype.element_ty), mask=keep & (cols < DG)[None, :])
 
 
+@triton.jit
+def varlen_preprocess(O, DO, LSE, LSE2, DELTA, DQACC, CU_Q, total_q, m_pad, so_t, so_h, sdo_t, sdo_h,
+                      D: tl.constexpr, ROWS: tl.constexpr, DG: tl.constexpr):
+    """The ragged-batch backward's first pass.  Grid (cdiv(max_seqlen_q, ROWS), num_seqs,
+    num_heads): rows m < seqlen_q of sequence z and head hh, with q = CU_Q[z] and
+    p = 4 * (q // 4 + z) (:func:`flashgen.families.gluon.bwd.varlen_row_starts`):
+    DELTA[hh, p + m] = sum_d dO[q + m, hh, d] * O[q + m, hh, d] in float32,
+    LSE2[hh, p + m] = LSE[hh, q + m] * log2(e) (0 where LSE = -inf), DQACC[0, hh, q + m, :]
+    = 0.  O, DO packed (total_q, num_heads, DG), any row and head strides (last stride 1);
+    LSE (num_heads, total_q) contiguous; LSE2, DELTA (num_heads, m_pad), zero elsewhere
+    (the caller's); DQACC (1, num_heads, total_q, D) contiguous."""
+    m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    z = tl.program_id(1)
+    hh = tl.program_id(2).to(tl.int64)
+    q0 = tl.load(CU_Q + z)
+    valid = m < tl.load(CU_Q + z + 1) - q0
+    p0 = 4 * (q0 // 4 + z)
+    rows = (q0 + m).to(tl.int64)
+    cols = tl.arange(0, D)
+    keep = valid[:, None] & (cols < DG)[None, :]
+    o = tl.load(O + (rows * so_t + hh * so_h)[:, None] + cols[None, :], mask=keep, other=0.0)
+    do = tl.load(DO + (rows * sdo_t + hh * sdo_h)[:, None] + cols[None, :], mask=keep, other=0.0)
+    out = hh * m_pad + p0 + m
+    tl.store(DELTA + out, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=valid)
+    lse = tl.load(LSE + hh * total_q + rows, mask=valid, other=0.0)
+    tl.store(LSE2 + out, tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634), mask=valid)
+    tl.store(DQACC + ((hh * total_q + rows) * D)[:, None] + cols[None, :], tl.zeros([ROWS, D], tl.float32),
+             mask=valid[:, None])
+
+
 def preprocess_launch(o, do, lse, lse2, delta, dqacc, m_pad: int, padded: bool = False):
     """(grid, args) of :func:`preprocess` for O, dO (batch, num_heads, seqlen_q, head_dim)
     of any strides with last stride 1; ``padded``: DQACC is (batch * num_heads, m_pad,
@@ -104,3 +134,12 @@ def convert_launch(dqacc, dq, softmax_scale: float):
     total = b * h * sq
     dt = dqacc.shape[-1]
     return (math.ceil(total / ROWS),), (dqacc, dq, total, h, sq, *dq.stride()[:3], float(softmax_scale), dt, ROWS, d)
+
+
+def varlen_preprocess_launch(o, do, lse, lse2, delta, dqacc, cu_seqlens_q, max_seqlen_q: int, m_pad: int):
+    """(grid, args) of :func:`varlen_preprocess` for packed O, dO (total_q, num_heads,
+    head_dim) and the int32 offsets cu_seqlens_q (num_seqs + 1,)."""
+    tq, h, d = o.shape
+    return (math.ceil(max_seqlen_q / ROWS), cu_seqlens_q.shape[0] - 1, h), \
+        (o, do, lse, lse2, delta, dqacc, cu_seqlens_q, tq, m_pad, o.stride(0), o.stride(1), do.stride(0),
+         do.stride(1), dqacc.shape[-1], ROWS, d)
