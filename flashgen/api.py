@@ -629,8 +629,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         O of shape (total_q, num_heads, head_dim_v), q's dtype; with ``return_lse``,
         also LSE of shape (num_heads, total_q), float32, natural log, -inf for rows
         that see no key (all rows of a sequence with seqlen_k = 0).  Differentiable in
-        q, k, v (dK and dV summed over each GQA group, deterministic: no atomics); the
-        LSE is a constant.
+        q, k, v (dK and dV summed over each GQA group); the LSE is a constant.  The
+        backward's kernels are the dispatcher's choice: the Triton family's
+        bwd_dq_varlen + bwd_dkdv_varlen are bitwise repeatable; on sm_90 a tuned row
+        may pick the Gluon family's whole backward instead, whose dQ is summed by
+        float32 reduce-adds in arrival order (not bitwise repeatable, as
+        FlashAttention's); ``torch.use_deterministic_algorithms(True)`` keeps the
+        Triton kernels.
 
     The offsets are checked on the host: on CUDA this copies cu_seqlens to the CPU (one
     synchronization), once per pair of cu_seqlens tensors and sizes: a later call with the

@@ -614,9 +614,12 @@ def template_hash() -> str:
 
 
 def write_code_id(directory: str | None = None) -> dict:
-    """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is."""
+    """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is, and the
+    ragged-batch variants' (:data:`VARLEN_CODE_ID_RECORD`)."""
     new = _CODE_ID.write(directory)
+    _VARLEN_CODE_ID.write(directory)
     template_hash.cache_clear()
+    varlen_code_id.cache_clear()
     return new
 
 
@@ -1125,11 +1128,13 @@ def attention_bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_se
     GQA group; dQ accumulated in float32 by reduce-adds in arrival order (not bitwise
     repeatable).  ``module``: the loaded variant (else :func:`load`); ``stage_sync``:
     synchronize after each launch and raise RuntimeError naming the one that failed.
-    Raises ValueError for a config the ragged-batch backward cannot take."""
+    Raises ValueError naming the argument and the rule for inputs the kernels cannot take
+    (:func:`check_varlen_inputs`) and for a config the ragged-batch backward cannot take."""
     import torch
 
     from . import strided
 
+    check_varlen_inputs(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]
     config = config or varlen_default_config(d, dtype, mask)
@@ -1159,6 +1164,33 @@ def attention_bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_se
     return a["dq"], a["dk"], a["dv"]
 
 
+def check_varlen_inputs(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k) -> None:
+    """Raise ValueError naming the argument and the rule it breaks (the ragged batch's
+    layout contract of :func:`attention_bwd_varlen`; the offsets' values are the
+    caller's, :func:`flashgen.api.attention_varlen` checks them)."""
+    import torch
+
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("q, k, v must be 3-D packed (total, heads, head_dim)")
+    tq, h, d = q.shape
+    if k.shape != v.shape or k.shape[2] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (total_k, num_kv_heads, {d})")
+    if h % k.shape[1]:
+        raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {k.shape[1]}")
+    for name, t in (("do", do), ("o", o)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} must have q's shape {tuple(q.shape)}")
+    if lse.shape != (h, tq) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 (num_heads, total_q) = ({h}, {tq}), got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dim() != 1 or t.dtype != torch.int32 or t.shape != cu_seqlens_q.shape:
+            raise ValueError(f"{name} must be int32 (batch + 1,) like cu_seqlens_q, got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("o", o)):
+        if t.dtype != q.dtype or str(t.dtype).removeprefix("torch.") not in DTYPES:
+            raise ValueError(f"{name} must be float16 or bfloat16 like q, got {t.dtype}")
+
+
 def varlen_default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> GluonBwdConfig:
     """The untuned ragged-batch choice: :func:`default_config` with the knobs the
     ragged-batch backward takes (:func:`varlen_reasons`): the dQ tile swizzled and dK,
@@ -1177,26 +1209,41 @@ def varlen_search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "non
     return [c for c in search_space(head_dim, dtype, mask) if not varlen_reasons(c, head_dim)]
 
 
-def _varlen_sources():
+def varlen_probe_variants() -> list[tuple[GluonBwdConfig, str, int, str]]:
+    """(config, dtype, head_dim, mask) of every ragged-batch variant the tuner can record:
+    :func:`varlen_search_space` of each head dim and mask and its dQ writer twins (the
+    ``--refine dq_writer`` knob) in bfloat16 (the dtype only names the tiles' element
+    type), and the default of each (head dim, mask) in float16."""
+    out = []
     for d in VARLEN_HEAD_DIMS:
-        for dtype in DTYPES:
-            for mask in MASKS:
-                yield render(varlen_default_config(d, dtype, mask), dtype, d, mask, header_hash="-", varlen=True)
+        for mask in MASKS:
+            space = varlen_search_space(d, "bfloat16", mask)
+            twins = [o for c in space for o in [dataclasses.replace(c, dq_writer=True)]
+                     if is_valid(o, d, "bfloat16", mask) and not varlen_reasons(o, d)]
+            out += [(c, "bfloat16", d, mask) for c in space + twins]
+            out.append((varlen_default_config(d, "float16", mask), "float16", d, mask))
+    return out
+
+
+def _varlen_sources(directory: str | None = None):
+    for c, dtype, d, mask in varlen_probe_variants():
+        yield render(c, dtype, d, mask, check=False, header_hash="-", directory=directory, varlen=True)
+
+
+#: The record of the ragged-batch variants' code id, beside the template (:mod:`.code_id`).
+VARLEN_CODE_ID_RECORD = "gluon/attn_bwd.varlen_code_id.json"
+_VARLEN_CODE_ID = CodeId(TEMPLATE, VARLEN_CODE_ID_RECORD, _varlen_sources)
 
 
 @functools.lru_cache(maxsize=None)
-def varlen_code_id() -> str:
-    """The code id of the ragged-batch backward (``bwd_varlen`` rows): the backward's code
-    id (:func:`template_hash`) and the sources of the varlen variant of each default
-    config (dtype, head dim, mask).  Every ragged-batch line of the template is in those
-    sources and the code of each knob's mode in the backward's id, so an edit of either
-    changes it."""
-    import hashlib
-
-    h = hashlib.sha256(("varlen " + template_hash()).encode())
-    for src in _varlen_sources():
-        h.update(src.encode())
-    return h.hexdigest()[:16]
+def varlen_code_id(directory: str | None = None) -> str:
+    """The code id of the ragged-batch backward (``bwd_varlen`` rows), a code id of its
+    own (:class:`.code_id.CodeId`) over the sources of :func:`varlen_probe_variants`,
+    every ragged-batch variant the tuner can record: an edit of the code of any of them
+    changes it, an edit of no ragged-batch code keeps it (and the rows), and the dense
+    rows keep theirs either way.  ``python3 -m flashgen.families.gluon`` rewrites its
+    record with the backward's."""
+    return _VARLEN_CODE_ID.code_id(directory)
 
 
 # --------------------------------------------------------------------------- sm_90 compile (no GPU needed)

@@ -605,7 +605,9 @@ def bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     """The family's whole ragged-batch backward, in :func:`flashgen.ops.bwd_varlen`'s form:
     (dQ, dK, dV) like q, k, v (:func:`.bwd.attention_bwd_varlen`; dQ accumulated in
     float32 by reduce-add, not bitwise repeatable).  Tensors a descriptor cannot address
-    (dO from autograd may be an expanded view) are copied."""
+    (dO from autograd may be an expanded view) are copied.  With ``module`` (the
+    library's call: the dispatcher chose this variant for the key) the config's rules are
+    not checked again."""
     building, launch_mod = _launch_modules()
     ok = launch_mod._tma_ok
     do, q, k, v, o = (t if ok(B._packed4(t)) else t.contiguous() for t in (do, q, k, v, o))
@@ -613,4 +615,5 @@ def bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     with building(_bwd_id(g, launch_mod._DTYPES.get(q.dtype, str(q.dtype)), q.shape[-1], mask, True)):
         return B.attention_bwd_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=softmax_scale, win_left=win_left, win_right=win_right,
-                                      mask=mask, config=g, dq=dq, dk=dk, dv=dv, module=module)
+                                      mask=mask, config=g, dq=dq, dk=dk, dv=dv, module=module,
+                                      check=module is None)
