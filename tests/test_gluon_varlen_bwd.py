@@ -227,6 +227,39 @@ def test_the_library_runs_the_whole_backward_the_dispatcher_picks(monkeypatch):
     assert (calls[0]["win_left"], calls[0]["win_right"], calls[0]["mask"]) == (-1, -1, "none")
 
 
+def test_a_launch_limit_sends_that_call_to_the_two_kernels(monkeypatch):
+    """batch * num_kv_heads over the grid's 65535: that call runs bwd_dq_varlen +
+    bwd_dkdv_varlen, and the Gluon variant is not marked failed."""
+    from flashgen import dispatch
+    from flashgen.errors import LaunchLimitError
+
+    cfg = GLUON.default_config(key(), SM90)
+    calls = []
+
+    def whole(*a, **kw):
+        calls.append("gluon")
+        raise LaunchLimitError("simulated: over CUDA's grid limit 65535")
+
+    def two(do, q, k, v, o, lse, cu_q, cu_k, mq, mk, *, config_dq, config_dkdv, **kw):
+        calls.append(("triton", config_dq, config_dkdv))
+        return torch.ones_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(library, "use_kernels", lambda q: True)
+    monkeypatch.setattr(library, "varlen_backward_kernels", lambda *a: (cfg, "module"))
+    monkeypatch.setattr(library, "varlen_kernel_for", lambda kernel, *a: (T1 if "dq" in kernel else T2, kernel))
+    monkeypatch.setattr(families, "launcher", lambda fam, name: {("gluon", "bwd_varlen"): whole,
+                                                                 ("triton", "bwd_varlen"): two}[(fam, name)])
+    monkeypatch.setattr(dispatch, "_failed", {})
+    spec = KernelSpec("bwd_varlen", "float16", 64, 64, "none")
+    q, k, v, do, cu_q, cu_k, mq, mk = bench.make_varlen_inputs(spec, [5, 7], [5, 7], 2, 1, device="cpu")
+    dq, _, _ = library.backward_varlen(do, q, k, v, q, torch.zeros(2, 12), cu_q, cu_k, mq, mk, 0.1, "none", -1, -1)
+    assert calls == ["gluon", ("triton", T1, T2)] and torch.equal(dq, torch.ones_like(q)) and dispatch._failed == {}
+    with pytest.raises(LaunchLimitError, match="grid limit 65535"):
+        B.varlen_launch_args(q, q, k, k, q, torch.zeros(2, 12), torch.zeros(70001, dtype=torch.int32),
+                             torch.zeros(70001, dtype=torch.int32), 5, 5, softmax_scale=0.1, win_left=-1,
+                             win_right=-1, config=F.bwd_config(cfg))
+
+
 # -- sm_90 compile ------------------------------------------------------------------------
 
 #: (config fields over the varlen default, head_dim, mask): each default, the dQ writer twin

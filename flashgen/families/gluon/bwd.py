@@ -1062,8 +1062,8 @@ def varlen_launch_args(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     of :func:`varlen_row_starts`), "main" (the template's ``attn_bwd`` rendered with
     ``varlen``) and "convert_strided" (:mod:`.strided` on dQ viewed as (1, h, total_q,
     d)).  dk and dv are written contiguous (total_k, hk, d): a given dk/dv of
-    other strides receives a copy ("copy").  Raises ValueError when the grid is too
-    tall."""
+    other strides receives a copy ("copy").  Raises :class:`flashgen.errors.LaunchLimitError`
+    (a ValueError) when the grid is too tall (batch * num_kv_heads over 65535)."""
     import torch
 
     from . import strided
@@ -1073,8 +1073,10 @@ def varlen_launch_args(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     batch = cu_seqlens_q.shape[0] - 1
     c = config
     if batch * hk > MAX_GRID_Y:
-        raise ValueError(f"Gluon backward config {c.id}: batch * num_kv_heads = {batch * hk} programs per key "
-                         f"block, over CUDA's grid limit {MAX_GRID_Y}")
+        from ...errors import LaunchLimitError
+
+        raise LaunchLimitError(f"Gluon backward config {c.id}: batch * num_kv_heads = {batch * hk} programs per "
+                               f"key block, over CUDA's grid limit {MAX_GRID_Y}")
     dtype_name = str(q.dtype).removeprefix("torch.")
     dev = q.device
     dq = torch.empty_like(q) if dq is None else dq
