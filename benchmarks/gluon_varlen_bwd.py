@@ -11,9 +11,10 @@ bfloat16 and float16, GQA groups 1 and 4.  Then each variant that passed is time
 Gluon family's three, the Triton family's two kernels and its dQ pass's preprocess) on
 the ``varlen-docs`` preset's problems (32 query / 8 key-value heads, head_dim 128,
 documents of :func:`flashgen.bench.varlen_lengths`, about 16k tokens; causal and not) and
-on ``benchmarks/varlen_bench.py``'s problems, beside the dispatcher's choice with
+on ``benchmarks/varlen_bench.py``'s problems (and two sliding-window ones), beside the dispatcher's choice with
 ``FLASHGEN_FAMILIES=triton`` (the two kernels) and without (its choice between both
-families).  TFLOP/s on useful FLOPs (visible pairs, 2.5x the forward's).  The launchers
+families).  TFLOP/s on useful FLOPs (visible pairs, 2.5x the forward's; windows
+of ``bench.TIMING_WINDOW``).  The launchers
 are called directly (no public-call host work); each timed output of documents of at
 most 2048 tokens is checked against float64 too.
 
@@ -80,10 +81,24 @@ def _problems():
 
     out = [(f"varlen-docs docs{n} 32/8", bench.varlen_lengths(16384 // n * 2, n), 32, 8, 128, mask)
            for mask in ("causal", "none") for n in (512, 1024, 2048, 4096, 8192)]
+    # sliding windows (bench.TIMING_WINDOW, bottom-right per document), as the tuner times them
+    out += [(f"varlen-docs docs{n} 32/8 window", bench.varlen_lengths(16384 // n * 2, n), 32, 8, 128, "window")
+            for n in (2048, 8192)]
     for p in vb.problems(False):
         out.append((vb.label(p), vb.doc_lengths(p["dist"]), p["num_heads"], p["num_kv_heads"], p["head_dim"],
                     "causal" if p["causal"] else "none"))
     return out
+
+
+def _visible_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """(query, key) pairs a sequence's mask lets through, bottom-right aligned; -1 unbounded."""
+    off = seqlen_k - seqlen_q
+    total = 0
+    for i in range(seqlen_q):
+        lo = 0 if left < 0 else max(0, i + off - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + off + right)
+        total += max(0, hi - lo + 1)
+    return total
 
 
 def _time(rows_ok, reps_ms: float) -> list[dict]:
@@ -100,8 +115,8 @@ def _time(rows_ok, reps_ms: float) -> list[dict]:
 
         spec = KernelSpec("bwd_varlen", "bfloat16", d, d, mask)
         q, k, v, do, cu_q, cu_k, mq, mk = bench.make_varlen_inputs(spec, lens, lens, h, hk, seed=7)
-        kw = bench._varlen_mask_kw(spec, dict(causal=mask == "causal", window=(-1, -1)))
-        pairs = sum(n * (n + 1) // 2 if mask == "causal" else n * n for n in lens)
+        kw = bench._varlen_mask_kw(spec, None)
+        pairs = sum(_visible_pairs(n, n, kw["win_left"], kw["win_right"]) for n in lens)
         flops = 2.5 * 4 * pairs * d * h
         o, lse = library.forward_varlen(q, k, v, cu_q, cu_k, mq, mk, kw["softmax_scale"], mask, kw["win_left"],
                                         kw["win_right"])

@@ -164,9 +164,19 @@ def test_dispatch_compares_the_whole_varlen_backward_with_the_two_kernels(tmp_pa
     assert not det.whole and det.reason.startswith("deterministic")
 
 
-def test_an_untuned_varlen_key_keeps_the_two_kernels(tmp_path):
+def test_an_untuned_varlen_key_runs_the_gluon_default_where_it_measured_ahead(tmp_path):
+    """No rows: the Gluon default where BWD_VARLEN_DEFAULT_AHEAD holds a measurement for
+    (head_dim, mask), the reason citing it; the two Triton kernels elsewhere (windows)."""
+    from flashgen.families.gluon.family import BWD_VARLEN_DEFAULT_AHEAD
+
     d = Dispatcher([tmp_path / "none.sqlite"], env=H200, arch=SM90)
-    plan = d.backward(key("bwd_dkdv_varlen", shape=Shape(16, 32, 8, 2048, 2048)), capturing=False)
+    shape = Shape(16, 32, 8, 2048, 2048)
+    for head_dim, mask in ((128, "causal"), (128, "none"), (64, "causal"), (64, "none")):
+        plan = d.backward(key("bwd_dkdv_varlen", d=head_dim, mask=mask, shape=shape), capturing=False)
+        assert plan.whole and plan.family == "gluon", (head_dim, mask, plan.reason)
+        assert plan.choices[0].key.spec.kernel == "bwd_varlen"
+        assert BWD_VARLEN_DEFAULT_AHEAD[(head_dim, mask)] in plan.reason
+    plan = d.backward(key("bwd_dkdv_varlen", mask="window", shape=shape), capturing=False)
     assert not plan.whole and plan.family == "triton" and "no measurement puts the gluon backward ahead" in plan.reason
     assert [c.key.spec.kernel for c in plan.choices] == ["bwd_dq_varlen", "bwd_dkdv_varlen"]
 

@@ -74,7 +74,15 @@ BWD_DEFAULT_AHEAD = {
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
 #: tuned bwd_dq_varlen + bwd_dkdv_varlen on the H200: (head_dim, mask) -> the
 #: measurement.  Keys not listed keep the Triton kernels until a tuned row says otherwise.
-BWD_VARLEN_DEFAULT_AHEAD: dict[tuple[int, str], str] = {}
+#: Windows were checked exact but not timed, so they keep the Triton kernels.
+BWD_VARLEN_DEFAULT_AHEAD: dict[tuple[int, str], str] = {
+    (128, "none"): "1.30-1.54x the Triton kernels' speed over 9 problems (varlen-docs and varlen_bench.py's), "
+                   "288-511 vs 201-373 TFLOP/s (docs/results/h200/varlen-gluon/bwd/aligned-rows)",
+    (128, "causal"): "1.28-1.58x over 9 problems, 183-458 vs 122-343 TFLOP/s "
+                     "(docs/results/h200/varlen-gluon/bwd/aligned-rows)",
+    (64, "none"): "1.53-1.75x over 3 problems of varlen_bench.py (docs/results/h200/varlen-gluon/bwd/aligned-rows)",
+    (64, "causal"): "1.04-1.64x over 3 problems of varlen_bench.py (docs/results/h200/varlen-gluon/bwd/aligned-rows)",
+}
 #: The Gluon forward's default against the Triton family's tuned forward on the H200
 #: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.73-0.94x in the
 #: same run): the default of the forward keys it serves at FWD_DEFAULT_HEAD_DIMS with
