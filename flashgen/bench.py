@@ -22,7 +22,7 @@ import torch
 
 from . import families, ops, reference
 from .masks import mask_bounds
-from .spec import Measurement, Shape, Variant, is_decode, is_varlen
+from .spec import Measurement, Shape, Variant, is_decode, is_varlen, varlen_lengths  # noqa: F401 - varlen_lengths re-exported
 from .heuristics import default_config
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -223,12 +223,6 @@ def run_variant(variant: Variant, q, k, v, do, *seqs, arch=None, mask: dict | No
 
 
 # -- ragged batches (varlen kernels) ---------------------------------------------------
-
-def varlen_lengths(n_seqs: int, max_len: int) -> list[int]:
-    """Deterministic document lengths for a varlen Shape: ``n_seqs`` documents, the
-    first ``max_len`` long, the others spread over [max_len / 2, max_len]."""
-    return [max_len if i == 0 else max(1, max_len - (i * 7919) % (max_len // 2 + 1)) for i in range(n_seqs)]
-
 
 #: The per-sequence lengths of the varlen checks: a length-0 and a length-1 sequence,
 #: lengths not multiples of any block, seqlen_q > seqlen_k and < on different sequences.

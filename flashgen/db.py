@@ -28,7 +28,7 @@ from . import families
 from .env import MATCH_COLUMNS, VERSION_COLUMNS, Environment
 from .errors import InputError
 from .spec import (ALL_KERNELS, KERNELS, STATUSES, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant,
-                   attention_flops)
+                   shape_flops)
 
 TABLE = "measurements"
 #: TileConfig knobs of the Gluon family (:class:`flashgen.spec.TileConfig`): a row stores
@@ -383,16 +383,15 @@ class TuningDB:
         row's id is returned.
 
         ``tflops`` is derived from ``shape`` and ``measurement.median_ms`` (ok rows only)
-        with :func:`flashgen.spec.attention_flops` for ``key.spec.kernel``.
+        with :func:`flashgen.spec.shape_flops` for ``key.spec.kernel`` (a varlen key's
+        documents summed, as the tuner times them).
         """
         if variant.spec != key.spec:
             raise ValueError(f"variant {variant.id} does not belong to key {key.id}")
         s, m = key.spec, measurement
         tflops = None
         if m.status == "ok" and m.median_ms:
-            flops = attention_flops(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k,
-                                    s.head_dim, s.head_dim_v, causal=s.mask == "causal",
-                                    kernel=s.kernel)
+            flops = shape_flops(s.kernel, shape, s.head_dim, s.head_dim_v, causal=s.mask == "causal")
             tflops = flops / (m.median_ms * 1e-3) / 1e12
         row = {
             "created_at": _now(), **key.as_row(), "variant_id": variant.id,

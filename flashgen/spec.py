@@ -503,8 +503,8 @@ def attention_flops(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, he
     backward) is 2.5x the forward: five matmuls, the recomputation of S not counted.
     For the two backward kernels separately we count the matmuls each executes:
     ``bwd_dkdv`` four (S^T, dV, dP^T, dK: 2.0x fwd), ``bwd_dq`` three (S, dP, dQ: 1.5x).
-    A varlen kernel counts as its dense one on the given sizes (the benchmark passes the
-    sum over sequences).  A decode kernel counts as the forward with seqlen_k = the
+    A varlen kernel counts as its dense one on the given sizes (sum over the sequences:
+    :func:`shape_flops`).  A decode kernel counts as the forward with seqlen_k = the
     cache length, not halved for causal (seqlen_q << seqlen_k: the masked triangle is
     negligible); decode is bandwidth-bound, so its figure of merit is bytes / s.
     """
@@ -513,6 +513,26 @@ def attention_flops(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, he
     if causal and not is_decode(kernel):
         f /= 2
     return f * {"fwd": 1.0, "bwd": 2.5, "bwd_dkdv": 2.0, "bwd_dq": 1.5, "decode": 1.0}[base_kernel(kernel)]
+
+
+def varlen_lengths(n_seqs: int, max_len: int) -> list[int]:
+    """Deterministic document lengths for a varlen Shape: ``n_seqs`` documents, the
+    first ``max_len`` long, the others spread over [max_len / 2, max_len].  The tuner
+    and the benchmarks time a varlen key on these lengths."""
+    return [max_len if i == 0 else max(1, max_len - (i * 7919) % (max_len // 2 + 1)) for i in range(n_seqs)]
+
+
+def shape_flops(kernel: str, shape, head_dim: int, head_dim_v: int | None = None, *, causal: bool = False) -> float:
+    """:func:`attention_flops` of ``kernel`` on ``shape`` as the tuner times it: a dense
+    or decode shape as given; a varlen shape as its documents (:func:`varlen_lengths` of
+    Shape.batch documents of up to Shape.seqlen_q / seqlen_k tokens), summed over them."""
+    if not is_varlen(kernel):
+        return attention_flops(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k, head_dim, head_dim_v,
+                               causal=causal, kernel=kernel)
+    lens_q = varlen_lengths(shape.batch, shape.seqlen_q)
+    lens_k = lens_q if shape.seqlen_k == shape.seqlen_q else varlen_lengths(shape.batch, shape.seqlen_k)
+    return sum(attention_flops(1, shape.num_heads, lq, lk, head_dim, head_dim_v, causal=causal, kernel=kernel)
+               for lq, lk in zip(lens_q, lens_k))
 
 
 #: Outcomes of one measurement (KernelTuner's "failures are values").

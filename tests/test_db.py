@@ -8,7 +8,7 @@ import pytest
 from flashgen import render
 from flashgen.db import TuningDB
 from flashgen.env import Environment
-from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant, attention_flops
+from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant, attention_flops, varlen_lengths
 
 ENV = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
 OTHER_GPU = Environment("NVIDIA A100", "8.0", 108, "3.6.0", "2.11.0", "0.1.0")
@@ -58,6 +58,15 @@ def test_record_round_trip_and_tflops(db):
     assert r2["tflops"] == pytest.approx(r["tflops"] / 2 * 1.5)
     assert r2["tflops"] == pytest.approx(
         attention_flops(2, 4, 256, 256, 64, causal=True, kernel="bwd_dq") / 0.5e-3 / 1e12)
+    # a varlen key counts the documents the tuner times (varlen_lengths), not batch x seqlen
+    vspec = KernelSpec("fwd_varlen", "bfloat16", 64, 64, "causal")
+    vshape = Shape(4, 4, 4, 256, 256)
+    lens = varlen_lengths(4, 256)
+    assert lens[0] == 256 and all(128 <= n <= 256 for n in lens) and sum(lens) < 4 * 256
+    r4 = db.get(rec(db, C2, 0.5, key=vshape.key(vspec), shape=vshape))
+    assert r4["tflops"] == pytest.approx(
+        sum(attention_flops(1, 4, n, n, 64, causal=True) for n in lens) / 0.5e-3 / 1e12)
+    assert r4["tflops"] < attention_flops(4, 4, 256, 256, 64, causal=True) / 0.5e-3 / 1e12
     # failures carry no time and no tflops
     r3 = db.get(rec(db, C3, status="compile_failed", error="boom"))
     assert r3["median_ms"] is None and r3["tflops"] is None and r3["error"] == "boom"
