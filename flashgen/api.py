@@ -631,9 +631,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         that see no key (all rows of a sequence with seqlen_k = 0).  Differentiable in
         q, k, v (dK and dV summed over each GQA group); the LSE is a constant.  The
         backward's kernels are the dispatcher's choice: the Triton family's
-        bwd_dq_varlen + bwd_dkdv_varlen are bitwise repeatable; on sm_90 a tuned row
-        may pick the Gluon family's whole backward instead, whose dQ is summed by
-        float32 reduce-adds in arrival order (not bitwise repeatable, as
+        bwd_dq_varlen + bwd_dkdv_varlen are bitwise repeatable; on sm_90 the Gluon
+        family's whole backward (bwd_varlen) runs where a tuned row or its default's
+        measurement puts it ahead (head_dim 64 and 128 without a window), whose dQ is
+        summed by float32 reduce-adds in arrival order (not bitwise repeatable, as
         FlashAttention's); ``torch.use_deterministic_algorithms(True)`` keeps the
         Triton kernels.
 
