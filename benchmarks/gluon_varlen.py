@@ -9,7 +9,7 @@ empty sequences on either side, outputs poisoned with NaN, and 200 skewed sequen
 packed program layout); bfloat16 and float16, GQA groups 1 and 4.  Then each variant that passed is timed (``triton.testing.do_bench``,
 median ms, L2 flushed) on the ``varlen-docs`` preset's problems (Llama-3-8B heads, 32
 query / 8 key-value heads, head_dim 128, documents drawn by
-:func:`flashgen.bench.varlen_lengths`, about 16k tokens; causal and not) beside the
+:func:`flashgen.spec.varlen_lengths`, 22-26k tokens; causal and not) beside the
 dispatcher's choice and the fastest row of each kernel family in the databases it
 reads.  TFLOP/s on useful FLOPs (visible pairs).  The kernels are launched directly
 (no public-call host work: :func:`flashgen.attention_varlen` also copies cu_seqlens to

@@ -10,7 +10,7 @@ bfloat16 and float16, GQA groups 1 and 4.  Then each variant that passed is time
 (``triton.testing.do_bench``, median ms, L2 flushed; every launch of the backward: the
 Gluon family's three, the Triton family's two kernels and its dQ pass's preprocess) on
 the ``varlen-docs`` preset's problems (32 query / 8 key-value heads, head_dim 128,
-documents of :func:`flashgen.bench.varlen_lengths`, about 16k tokens; causal and not) and
+documents of :func:`flashgen.spec.varlen_lengths`, 22-26k tokens; causal and not) and
 on ``benchmarks/varlen_bench.py``'s problems (and two sliding-window ones), beside the dispatcher's choice with
 ``FLASHGEN_FAMILIES=triton`` (the two kernels) and without (its choice between both
 families).  TFLOP/s on useful FLOPs (visible pairs, 2.5x the forward's; windows
@@ -84,6 +84,9 @@ def _problems():
     # sliding windows (bench.TIMING_WINDOW, bottom-right per document), as the tuner times them
     out += [(f"varlen-docs docs{n} 32/8 window", bench.varlen_lengths(16384 // n * 2, n), 32, 8, 128, "window")
             for n in (2048, 8192)]
+    # multi-query attention (one kv head: a program walks all 32 query heads)
+    out += [(f"varlen-docs docs{n} 32/1", bench.varlen_lengths(16384 // n * 2, n), 32, 1, 128, mask)
+            for mask in ("causal", "none") for n in (1024, 4096)]
     for p in vb.problems(False):
         out.append((vb.label(p), vb.doc_lengths(p["dist"]), p["num_heads"], p["num_kv_heads"], p["head_dim"],
                     "causal" if p["causal"] else "none"))

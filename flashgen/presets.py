@@ -46,7 +46,7 @@ def _small() -> list[Entry]:
 def _varlen_docs() -> list[Entry]:
     """Packed documents (ragged batches, ``attention_varlen``): Llama-3-8B heads (32
     query, 8 KV), head_dim 128, causal and not; Shape.batch documents of lengths up to
-    Shape.seqlen_q (:func:`flashgen.bench.varlen_lengths` draws them), about 16k tokens
+    Shape.seqlen_q (:func:`flashgen.spec.varlen_lengths` draws them), 22-26k tokens
     per batch."""
     return [(128, mask, Shape(16384 // n * 2, 32, 8, n, n))
             for mask in ("causal", "none") for n in (512, 1024, 2048, 4096, 8192)]

@@ -72,16 +72,23 @@ BWD_DEFAULT_AHEAD = {
     (96, "causal"): "384 vs 293 at 4,32,4096,96 (docs/results/h200/tuning/head-dims)",
 }
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
-#: tuned bwd_dq_varlen + bwd_dkdv_varlen on the H200: (head_dim, mask) -> the
-#: measurement.  Keys not listed keep the Triton kernels until a tuned row says otherwise.
-#: Windows were checked exact but not timed, so they keep the Triton kernels.
+#: choice (its tuned bwd_dq_varlen + bwd_dkdv_varlen rows where the shipped database has
+#: them, its heuristic defaults elsewhere) on the H200, bf16, GQA groups 1 and 4
+#: (docs/results/h200/varlen-gluon/bwd/aligned-rows): (head_dim, mask) -> the
+#: measurement.  Keys not listed keep the Triton kernels until a tuned row says
+#: otherwise; windows were checked exact but not timed.  float16 (checked exact, not
+#: timed) and other group sizes take the same choice, as the dense table's keys do.
 BWD_VARLEN_DEFAULT_AHEAD: dict[tuple[int, str], str] = {
-    (128, "none"): "1.30-1.54x the Triton kernels' speed over 9 problems (varlen-docs and varlen_bench.py's), "
-                   "288-511 vs 201-373 TFLOP/s (docs/results/h200/varlen-gluon/bwd/aligned-rows)",
-    (128, "causal"): "1.28-1.58x over 9 problems, 183-458 vs 122-343 TFLOP/s "
+    (128, "none"): "1.30-1.48x the Triton family's tuned rows over 6 problems (varlen-docs, 16/4 heads), "
+                   "294-511 vs 227-374 TFLOP/s; 1.43-1.54x its defaults over 3 "
+                   "(docs/results/h200/varlen-gluon/bwd/aligned-rows)",
+    (128, "causal"): "1.28-1.34x the Triton family's tuned rows over 6 problems (varlen-docs, 16/4 heads), "
+                     "184-459 vs 140-343 TFLOP/s; 1.36-1.58x its defaults over 3 "
                      "(docs/results/h200/varlen-gluon/bwd/aligned-rows)",
-    (64, "none"): "1.53-1.75x over 3 problems of varlen_bench.py (docs/results/h200/varlen-gluon/bwd/aligned-rows)",
-    (64, "causal"): "1.04-1.64x over 3 problems of varlen_bench.py (docs/results/h200/varlen-gluon/bwd/aligned-rows)",
+    (64, "none"): "1.53-1.75x the Triton family's defaults over 3 problems of varlen_bench.py "
+                  "(docs/results/h200/varlen-gluon/bwd/aligned-rows)",
+    (64, "causal"): "1.04-1.64x the Triton family's defaults over 3 problems of varlen_bench.py "
+                    "(docs/results/h200/varlen-gluon/bwd/aligned-rows)",
 }
 #: The Gluon forward's default against the Triton family's tuned forward on the H200
 #: (docs/results/h200/gluon_fwd/table.md: 0.85-1.10x SDPA cuDNN vs 0.73-0.94x in the
