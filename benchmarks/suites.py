@@ -85,4 +85,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
            ("benchmarks/gluon_varlen.py", "--time-only", "--out", "{out}/dispatcher"),
            ("benchmarks/gluon_varlen.py", "--suite-kernels", "--out", "{out}")),
           ("gluon_varlen.json", "dispatcher/gluon_varlen.json", "suite_kernels.json")),
+    Suite("gluon-varlen-bwd", "the Gluon backward on ragged batches: its variants checked against float64, then "
+          "timed beside the Triton family's varlen backward kernels and the dispatcher's choice; then, through the "
+          "public call, which backward runs and whether it repeats bit for bit with and without "
+          "torch.use_deterministic_algorithms",
+          (("benchmarks/gluon_varlen_bwd.py", "--out", "{out}"), ("benchmarks/varlen_determinism.py",)),
+          ("checks.json", "timings.json")),
 )}

@@ -633,7 +633,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         backward's kernels are the dispatcher's choice: the Triton family's
         bwd_dq_varlen + bwd_dkdv_varlen are bitwise repeatable; on sm_90 the Gluon
         family's whole backward (bwd_varlen) runs where a tuned row or its default's
-        measurement puts it ahead (head_dim 64 and 128 without a window, a batch with
+        measurement puts it ahead (head_dim 128, head_dim 64 without a window, a batch with
         the work the dispatcher asks of a Gluon launch), whose dQ is
         summed by float32 reduce-adds in arrival order (not bitwise repeatable, as
         FlashAttention's); ``torch.use_deterministic_algorithms(True)`` keeps the

@@ -70,7 +70,7 @@ def test_the_family_serves_the_varlen_backward_on_sm90_only():
     # one with enough work takes the default where BWD_VARLEN_DEFAULT_AHEAD has a measurement
     assert GLUON.prefers_default(key(), SM90) is None
     assert "1.28-1.34x" in GLUON.prefers_default(key(shape=Shape(16, 32, 8, 2048, 2048)), SM90)
-    assert GLUON.prefers_default(key(mask="window", shape=Shape(16, 32, 8, 2048, 2048)), SM90) is None
+    assert GLUON.prefers_default(key(d=64, mask="window", shape=Shape(16, 32, 8, 2048, 2048)), SM90) is None
 
 
 @pytest.mark.parametrize("d, mask", [(128, "causal"), (128, "none"), (64, "causal"), (64, "window")])
@@ -170,17 +170,18 @@ def test_dispatch_compares_the_whole_varlen_backward_with_the_two_kernels(tmp_pa
 
 def test_an_untuned_varlen_key_runs_the_gluon_default_where_it_measured_ahead(tmp_path):
     """No rows: the Gluon default where BWD_VARLEN_DEFAULT_AHEAD holds a measurement for
-    (head_dim, mask), the reason citing it; the two Triton kernels elsewhere (windows)."""
+    (head_dim, mask), the reason citing it; the two Triton kernels elsewhere (head_dim 64
+    windows)."""
     from flashgen.families.gluon.family import BWD_VARLEN_DEFAULT_AHEAD
 
     d = Dispatcher([tmp_path / "none.sqlite"], env=H200, arch=SM90)
     shape = Shape(16, 32, 8, 2048, 2048)
-    for head_dim, mask in ((128, "causal"), (128, "none"), (64, "causal"), (64, "none")):
+    for head_dim, mask in ((128, "causal"), (128, "none"), (128, "window"), (64, "causal"), (64, "none")):
         plan = d.backward(key("bwd_dkdv_varlen", d=head_dim, mask=mask, shape=shape), capturing=False)
         assert plan.whole and plan.family == "gluon", (head_dim, mask, plan.reason)
         assert plan.choices[0].key.spec.kernel == "bwd_varlen"
         assert BWD_VARLEN_DEFAULT_AHEAD[(head_dim, mask)] in plan.reason
-    plan = d.backward(key("bwd_dkdv_varlen", mask="window", shape=shape), capturing=False)
+    plan = d.backward(key("bwd_dkdv_varlen", d=64, mask="window", shape=shape), capturing=False)
     assert not plan.whole and plan.family == "triton" and "no measurement puts the gluon backward ahead" in plan.reason
     assert [c.key.spec.kernel for c in plan.choices] == ["bwd_dq_varlen", "bwd_dkdv_varlen"]
 

@@ -75,9 +75,11 @@ BWD_DEFAULT_AHEAD = {
 #: choice (its tuned bwd_dq_varlen + bwd_dkdv_varlen rows where the shipped database has
 #: them, its heuristic defaults elsewhere) on the H200, bf16, GQA groups 1 and 4
 #: (docs/results/h200/varlen-gluon/bwd/aligned-rows): (head_dim, mask) -> the
-#: measurement.  Keys not listed keep the Triton kernels until a tuned row says
-#: otherwise; windows were checked exact but not timed.  float16 (checked exact, not
-#: timed) and other group sizes take the same choice, as the dense table's keys do.
+#: measurement; a second run (window-mqa/) measured the same ranges within 0.03x, and
+#: head_dim 64 causal at documents of up to 512 tokens 1.49x (1.04x in the first).
+#: Keys not listed keep the Triton kernels until a tuned row says otherwise.  float16
+#: (checked exact, not timed) takes the same choice, as the dense table's keys do;
+#: multi-query (32 query heads on one kv head) measured 1.37-1.48x (window-mqa/).
 BWD_VARLEN_DEFAULT_AHEAD: dict[tuple[int, str], str] = {
     (128, "none"): "1.30-1.48x the Triton family's tuned rows over 6 problems (varlen-docs, 16/4 heads), "
                    "294-511 vs 227-374 TFLOP/s; 1.43-1.54x its defaults over 3 "
@@ -85,6 +87,8 @@ BWD_VARLEN_DEFAULT_AHEAD: dict[tuple[int, str], str] = {
     (128, "causal"): "1.28-1.34x the Triton family's tuned rows over 6 problems (varlen-docs, 16/4 heads), "
                      "184-459 vs 140-343 TFLOP/s; 1.36-1.58x its defaults over 3 "
                      "(docs/results/h200/varlen-gluon/bwd/aligned-rows)",
+    (128, "window"): "1.58-1.65x the Triton family's defaults over 2 varlen-docs problems with "
+                     "bench.TIMING_WINDOW (docs/results/h200/varlen-gluon/bwd/window-mqa)",
     (64, "none"): "1.53-1.75x the Triton family's defaults over 3 problems of varlen_bench.py "
                   "(docs/results/h200/varlen-gluon/bwd/aligned-rows)",
     (64, "causal"): "1.04-1.64x the Triton family's defaults over 3 problems of varlen_bench.py "
