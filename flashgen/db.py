@@ -241,6 +241,18 @@ def _row_problem(r) -> str | None:
     return None
 
 
+def derived_tflops(r: dict):
+    """The ``tflops`` :meth:`TuningDB.record` derives for row ``r`` (a dict of its
+    columns) from its shape and ``median_ms`` (:func:`flashgen.spec.shape_flops`); the
+    stored value where the row lacks what that needs (not an ok row, no shape)."""
+    need = ("kernel", "head_dim", "batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k", "median_ms")
+    if r.get("status") != "ok" or any(r.get(c) is None for c in need) or not r["median_ms"] > 0:
+        return r.get("tflops")
+    shape = Shape(r["batch"], r["num_heads"], r["num_kv_heads"], r["seqlen_q"], r["seqlen_k"])
+    flops = shape_flops(r["kernel"], shape, r["head_dim"], r.get("head_dim_v"), causal=r.get("mask") == "causal")
+    return flops / (r["median_ms"] * 1e-3) / 1e12
+
+
 def check_rows(rows: list, source) -> None:
     """Raise NotATuningDB, naming ``source`` and the first bad rows, unless every row is
     a flashgen measurement: all columns (those of :data:`OPTIONAL_COLUMNS` may be missing:
@@ -464,7 +476,8 @@ class TuningDB:
     def merge_from(self, other_path: str | Path) -> int:
         """Append the rows of another tuning DB that this one lacks (identity:
         :data:`IDENTITY`); returns how many were added.  ``other_path`` is opened
-        read-only and left unchanged."""
+        read-only and left unchanged.  ``tflops`` is derived again (:func:`derived_tflops`):
+        an older flashgen counted a varlen row's FLOPs as batch x longest sequence."""
         cols = [c for c in COLUMNS if c != "id"]
         have = {tuple(r) for r in self._conn.execute(
             f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
@@ -481,6 +494,8 @@ class TuningDB:
         finally:
             src.close()
         check_rows(new, other_path)
+        for r in new:  # derived: counted as this version counts it
+            r["tflops"] = derived_tflops(r)
         self._add_missing_columns()
         with self._conn:
             self._conn.executemany(
@@ -492,7 +507,8 @@ class TuningDB:
     def import_rows(self, rows: list[dict]) -> int:
         """Append exported rows (:meth:`export_best`) that this DB lacks (identity:
         :data:`IDENTITY`); returns how many were added.  Nothing is overwritten; rows that
-        are not measurements (:func:`check_rows`) refuse the whole import."""
+        are not measurements (:func:`check_rows`) refuse the whole import.  ``tflops`` is
+        derived again, as :meth:`merge_from` does."""
         cols = [c for c in COLUMNS if c != "id"]
         check_rows(rows, "rows to import")
         self._add_missing_columns()
@@ -503,6 +519,7 @@ class TuningDB:
             ident = tuple(r.get(c) for c in IDENTITY)
             if ident not in have:
                 have.add(ident)
+                r = {**r, "tflops": derived_tflops(r)}  # derived: counted as this version counts it
                 new.append(tuple(r.get(c) for c in cols))
         with self._conn:
             self._conn.executemany(

@@ -183,6 +183,28 @@ def test_merge_copies_missing_rows_only(tmp_path):
         a.merge_from(tmp_path / "missing.sqlite")
 
 
+def test_merge_and_import_derive_tflops_again(tmp_path):
+    """A varlen row from an older flashgen (its FLOPs counted as batch x longest sequence)
+    arrives with the TFLOP/s this version derives from its shape and median_ms; its other
+    columns as stored."""
+    vspec = KernelSpec("fwd_varlen", "bfloat16", 64, 64, "causal")
+    vshape = Shape(4, 4, 4, 256, 256)
+    old = TuningDB(tmp_path / "old.sqlite")
+    rid = rec(old, C2, 0.5, key=vshape.key(vspec), shape=vshape)
+    right = old.get(rid)["tflops"]
+    inflated = attention_flops(4, 4, 256, 256, 64, causal=True) / 0.5e-3 / 1e12
+    old._conn.execute("UPDATE measurements SET tflops = ? WHERE id = ?", (inflated, rid))
+    old._conn.commit()
+    assert right < inflated
+    a = TuningDB(tmp_path / "a.sqlite")
+    assert a.merge_from(old.path) == 1
+    (r,) = a.rows()
+    assert r["tflops"] == pytest.approx(right) and r["median_ms"] == 0.5
+    b = TuningDB(tmp_path / "b.sqlite")
+    assert b.import_rows([{**dict(old.get(rid)), "tflops": inflated}]) == 1
+    assert b.rows()[0]["tflops"] == pytest.approx(right)
+
+
 def test_journal_mode_is_wal(db):
     assert db.db.journal_mode == "wal"
 
