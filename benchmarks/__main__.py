@@ -100,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output directory (default bench_out/<suite>)")
     a = ap.parse_args(argv)
     if a.suite == "list":
+        width = max(len(n) for n in SUITES)
         for s in SUITES.values():
-            print(f"{s.name:12} {s.what}")
+            print(f"{s.name:{width}} {s.what}")
             for step in s.steps:
-                print(f"{'':12}   python3 {' '.join(step).replace('{out}', f'bench_out/{s.name}')}")
+                print(f"{'':{width}}   python3 {' '.join(step).replace('{out}', f'bench_out/{s.name}')}")
         return 0
     return run_suite(SUITES[a.suite], a.out or Path("bench_out") / a.suite, extra)
 

@@ -288,6 +288,11 @@ def main(argv=None) -> int:
                     help="the forward kernels alone on varlen_bench.py's head_dim 128 problems, both families' "
                          "choices (no variant checks)")
     a = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gluon_varlen.py: needs a CUDA GPU (sm_90); none is visible", file=sys.stderr)
+        return 2
     if a.api_profile:
         _api_profile()
         return 0

@@ -178,6 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated variant names to check and time (default: all)")
     ap.add_argument("--time-only", action="store_true", help="the two dispatcher choices only (no variant checks)")
     a = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gluon_varlen_bwd.py: needs a CUDA GPU (sm_90); none is visible", file=sys.stderr)
+        return 2
     os.makedirs(a.out, exist_ok=True)
     if a.time_only:
         VARIANTS[:] = []

@@ -47,9 +47,17 @@ def child(name):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if len(sys.argv) > 1 and sys.argv[1] in CASES:
         child(sys.argv[1])
         sys.exit(0)
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("probe_varlen_bwd_cases.py: needs a CUDA GPU (sm_90); none is visible", file=sys.stderr)
+        sys.exit(2)
     out = os.environ.get("OUT", "/tmp")
     san = None
     for p in ("/usr/local/cuda/bin/compute-sanitizer", "compute-sanitizer"):

@@ -300,6 +300,13 @@ def main(argv=None) -> int:
             for kern in VARLEN_KERNELS:
                 key = ProblemKey.from_varlen_sizes(KernelSpec(kern, dtype_name, d, d, spec.mask), batch=len(lens),
                                                    num_heads=h, num_kv_heads=hk, max_seqlen_q=mx, max_seqlen_k=mx)
+                if kern == "bwd_dq_varlen":  # the backward as the op runs it: a whole backward or two kernels
+                    plan = disp.backward(key, deterministic=torch.are_deterministic_algorithms_enabled(),
+                                         capturing=False)
+                    entry["configs"]["backward"] = {"family": plan.family, "reason": plan.reason, "kernels": [
+                        {"key": c.key.id, "config": c.config.id, "source": c.source} for c in plan.choices]}
+                if kern != "fwd_varlen":
+                    continue
                 c = disp.choose(key, capturing=False)
                 entry["configs"][kern] = {"key": key.id, "config": c.config.id, "source": c.source}
 

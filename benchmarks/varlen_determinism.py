@@ -8,6 +8,7 @@ bit for bit.
 
     PYTHONPATH=. CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 benchmarks/varlen_determinism.py    # GPU
 """
+import argparse
 import sys
 
 import torch
@@ -17,8 +18,13 @@ from flashgen import bench, library
 from flashgen.spec import KernelSpec
 
 
-def main() -> int:
-    """Print one line per (case, flag); 1 when a deterministic backward did not repeat."""
+def main(argv=None) -> int:
+    """Print one line per (case, flag); 1 when a deterministic backward did not repeat,
+    2 without a GPU."""
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    if not torch.cuda.is_available():
+        print("varlen_determinism.py: needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
     bad = 0
     lens = [700, 300, 1000, 48, 1, 0, 2000]
     cases = ((128, True, (-1, -1)), (128, False, (-1, -1)), (64, True, (-1, -1)), (128, False, (256, 0)))
