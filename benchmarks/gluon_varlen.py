@@ -274,24 +274,46 @@ def check_in_children(check, variants, timeout_s: float, workers: int) -> list[d
     return checked
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench_out/gluon_varlen")
-    ap.add_argument("--timeout-s", type=float, default=240.0)
+def variant_parser(doc: str, out: str, timeout_s: float, rep_ms: float, time_only: str) -> argparse.ArgumentParser:
+    """The arguments of a script that checks variants in children, then times them:
+    --out, --timeout-s, --workers, --rep-ms, --only, --time-only (``time_only``: its help)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--timeout-s", type=float, default=timeout_s)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--rep-ms", type=float, default=60.0)
+    ap.add_argument("--rep-ms", type=float, default=rep_ms)
     ap.add_argument("--only", default=None, help="comma-separated variant names to check and time (default: all)")
-    ap.add_argument("--time-only", action="store_true",
-                    help="time the dispatcher's choice and each family's best row only (no variant checks)")
+    ap.add_argument("--time-only", action="store_true", help=time_only)
+    return ap
+
+
+def no_gpu(script: str) -> bool:
+    """True (after saying so on stderr) when no CUDA GPU is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"{script}: needs a CUDA GPU (sm_90); none is visible", file=sys.stderr)
+    return True
+
+
+def select_variants(variants: list, a) -> None:
+    """Keep in ``variants`` what --time-only (none) or --only (those names) asks for."""
+    if a.time_only:
+        variants[:] = []
+    elif a.only:
+        variants[:] = [v for v in variants if v[0] in a.only.split(",")]
+
+
+def main(argv=None) -> int:
+    ap = variant_parser(__doc__, "bench_out/gluon_varlen", 240.0, 60.0,
+                        "time the dispatcher's choice and each family's best row only (no variant checks)")
     ap.add_argument("--api-profile", action="store_true", help="the public call's host time and profile only")
     ap.add_argument("--suite-kernels", action="store_true",
                     help="the forward kernels alone on varlen_bench.py's head_dim 128 problems, both families' "
                          "choices (no variant checks)")
     a = ap.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("gluon_varlen.py: needs a CUDA GPU (sm_90); none is visible", file=sys.stderr)
+    if no_gpu("gluon_varlen.py"):
         return 2
     if a.api_profile:
         _api_profile()
@@ -305,10 +327,7 @@ def main(argv=None) -> int:
             json.dump(rows, f, indent=1)
         return 0
     os.makedirs(a.out, exist_ok=True)
-    if a.time_only:
-        VARIANTS[:] = []
-    elif a.only:
-        VARIANTS[:] = [v for v in VARIANTS if v[0] in a.only.split(",")]
+    select_variants(VARIANTS, a)
     checked = check_in_children(_check, VARIANTS, a.timeout_s, a.workers)
     ok_rows = [r for r in checked if r["checks"] and all(c["ok"] for c in r["checks"])]
     timed = _time(ok_rows, a.rep_ms) if ok_rows or a.time_only else []

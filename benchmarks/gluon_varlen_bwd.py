@@ -25,7 +25,6 @@ most 2048 tokens is checked against float64 too.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -170,26 +169,14 @@ def _time(rows_ok, reps_ms: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench_out/gluon_varlen_bwd")
-    ap.add_argument("--timeout-s", type=float, default=300.0)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--rep-ms", type=float, default=40.0)
-    ap.add_argument("--only", default=None, help="comma-separated variant names to check and time (default: all)")
-    ap.add_argument("--time-only", action="store_true", help="the two dispatcher choices only (no variant checks)")
-    a = ap.parse_args(argv)
-    import torch
+    from gluon_varlen import check_in_children, no_gpu, select_variants, variant_parser
 
-    if not torch.cuda.is_available():
-        print("gluon_varlen_bwd.py: needs a CUDA GPU (sm_90); none is visible", file=sys.stderr)
+    a = variant_parser(__doc__, "bench_out/gluon_varlen_bwd", 300.0, 40.0,
+                       "the two dispatcher choices only (no variant checks)").parse_args(argv)
+    if no_gpu("gluon_varlen_bwd.py"):
         return 2
     os.makedirs(a.out, exist_ok=True)
-    if a.time_only:
-        VARIANTS[:] = []
-    elif a.only:
-        VARIANTS[:] = [v for v in VARIANTS if v[0] in a.only.split(",")]
-    from gluon_varlen import check_in_children
-
+    select_variants(VARIANTS, a)
     checked = check_in_children(_check, VARIANTS, a.timeout_s, a.workers)
     with open(os.path.join(a.out, "checks.json"), "w") as f:
         json.dump(checked, f, indent=1)

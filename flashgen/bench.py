@@ -22,7 +22,7 @@ import torch
 
 from . import families, ops, reference
 from .masks import mask_bounds
-from .spec import Measurement, Shape, Variant, is_decode, is_varlen, varlen_lengths  # noqa: F401 - varlen_lengths re-exported
+from .spec import Measurement, Shape, Variant, is_decode, is_varlen, varlen_lengths
 from .heuristics import default_config
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

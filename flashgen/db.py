@@ -241,16 +241,21 @@ def _row_problem(r) -> str | None:
     return None
 
 
+def _tflops(kernel: str, shape: Shape, head_dim: int, head_dim_v: int | None, mask: str, median_ms: float) -> float:
+    """TFLOP/s of a measurement (:func:`flashgen.spec.shape_flops` over ``median_ms``)."""
+    flops = shape_flops(kernel, shape, head_dim, head_dim_v, causal=mask == "causal")
+    return flops / (median_ms * 1e-3) / 1e12
+
+
 def derived_tflops(r: dict):
     """The ``tflops`` :meth:`TuningDB.record` derives for row ``r`` (a dict of its
-    columns) from its shape and ``median_ms`` (:func:`flashgen.spec.shape_flops`); the
-    stored value where the row lacks what that needs (not an ok row, no shape)."""
+    columns) from its shape and ``median_ms``; the stored value where the row lacks
+    what that needs (not an ok row, no shape)."""
     need = ("kernel", "head_dim", "batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k", "median_ms")
     if r.get("status") != "ok" or any(r.get(c) is None for c in need) or not r["median_ms"] > 0:
         return r.get("tflops")
     shape = Shape(r["batch"], r["num_heads"], r["num_kv_heads"], r["seqlen_q"], r["seqlen_k"])
-    flops = shape_flops(r["kernel"], shape, r["head_dim"], r.get("head_dim_v"), causal=r.get("mask") == "causal")
-    return flops / (r["median_ms"] * 1e-3) / 1e12
+    return _tflops(r["kernel"], shape, r["head_dim"], r.get("head_dim_v"), r.get("mask"), r["median_ms"])
 
 
 def check_rows(rows: list, source) -> None:
@@ -403,8 +408,7 @@ class TuningDB:
         s, m = key.spec, measurement
         tflops = None
         if m.status == "ok" and m.median_ms:
-            flops = shape_flops(s.kernel, shape, s.head_dim, s.head_dim_v, causal=s.mask == "causal")
-            tflops = flops / (m.median_ms * 1e-3) / 1e12
+            tflops = _tflops(s.kernel, shape, s.head_dim, s.head_dim_v, s.mask, m.median_ms)
         row = {
             "created_at": _now(), **key.as_row(), "variant_id": variant.id,
             **{c: val for c, val in variant.config.as_dict().items() if val or c not in GLUON_KNOBS},

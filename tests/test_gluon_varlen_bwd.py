@@ -290,26 +290,18 @@ SPILLS = {"3.6": {(5, 64, "none"): 64},
           "3.9": {(0, 128, "causal"): 8, (1, 128, "none"): 32, (4, 128, "causal"): 12, (5, 64, "none"): 36}}
 
 _SCRIPT = r'''
-import dataclasses, json, os, re, subprocess, sys, tempfile
+import dataclasses, json, re, sys
 sys.path.insert(0, ROOT)
-from flashgen.families.gluon import bwd as B
-from flashgen.families.gluon.shim import cuobjdump, ptxas_sm90
+from flashgen.families.gluon import bwd as B, sm90
 for i, (kw, d, mask) in enumerate(CASES):
     cfg = B.varlen_default_config(d, "bfloat16", mask)
     cfg = dataclasses.replace(cfg, **kw) if kw else cfg
     for varlen in (True, False):
         k = B.compile_sm90(cfg, "bfloat16", d, mask, varlen=varlen)
-        with tempfile.TemporaryDirectory() as t:
-            ptx, cubin = os.path.join(t, "k.ptx"), os.path.join(t, "k.cubin")
-            open(ptx, "w").write(k.asm["ptx"])
-            info = subprocess.run([*ptxas_sm90(), "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
-                                  capture_output=True, text=True).stderr
-            open(cubin, "wb").write(k.asm["cubin"])
-            sass = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True).stdout
-        spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", info)]
-        print("CASE", json.dumps({"i": i, "varlen": varlen, "spill": max(spills) if spills else 0,
-                                  "c751x": re.findall(r"C751[245]", info), "hgmma": sass.count("HGMMA"),
-                                  "setmaxreg": sorted(set(re.findall(r"USETMAXREG.*?(0x[0-9a-f]+) ;", sass))),
+        rep = sm90.report(k)
+        print("CASE", json.dumps({"i": i, "varlen": varlen, "spill": rep.spill_bytes,
+                                  "c751x": re.findall(r"C751[245]", rep.ptxas_log), "hgmma": rep.hgmma,
+                                  "setmaxreg": rep.setmaxnreg,
                                   "tma2d": k.asm["ptx"].count("cp.async.bulk.tensor.2d"),
                                   "reduce4d": k.asm["ptx"].count("cp.reduce.async.bulk.tensor.4d"),
                                   "smem": k.metadata.shared}))

@@ -84,6 +84,8 @@ class Report:
     partial_waits: int
     exps_between_waits: int
     sass: str = dataclasses.field(repr=False, default="")
+    #: ptxas -v's whole output (its info messages too: C7512-C7515, serialized wgmma)
+    ptxas_log: str = dataclasses.field(repr=False, default="")
 
     def problems(self, v: GluonFwdVariant) -> list[str]:
         """What the binary lacks that the variant is for (empty when nothing)."""
@@ -152,4 +154,5 @@ def report(kernel) -> Report:
         partial_waits=len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]", ptx)),
         exps_between_waits=_exps_between_waits(sass),
         sass=sass,
+        ptxas_log=err,
     )
