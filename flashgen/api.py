@@ -937,7 +937,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     per batch entry or for all, block-causal or bidirectional within consecutive
     documents, as packed-dataset training builds it; without dropout) runs as one
     ragged batch through :func:`attention_varlen` instead: the mask is checked once per
-    mask object (one pass over it and a host synchronization) and not read again.  ``dropout_p`` in [0, 1) is served by flashgen's dropout
+    mask object (one pass over it per pattern tried, block-causal first, each with up to
+    four host synchronizations) and not read again.  ``dropout_p`` in [0, 1) is served by flashgen's dropout
     (Philox keyed by element, :mod:`flashgen.dropout`; a different random stream from
     torch's).
 

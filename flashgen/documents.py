@@ -89,7 +89,8 @@ def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left:
         longest document (a host int); doc (batch or 1, seqlen) int64, each token's
         document number within its entry (the mask's own entries).
 
-    Reads the mask's values (a host synchronization), once per mask object and
+    Reads the mask's values (one pass; up to four host synchronizations: the
+    diagonal, the comparison, the starts and the longest), once per mask object and
     version (memoized; the layers that share a mask share the result).
     """
     src = mask if source is None else source
