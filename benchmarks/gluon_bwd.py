@@ -23,7 +23,13 @@ ORDERED_SHAPES against SDPA cuDNN's backward and flashgen's backward through aut
 default and ``deterministic=True``; writes gluon_bwd_ordered.json.  ``--ordered-set writer``:
 the tuned tiles instead, each without and with the dQ writer warp (WRITER_CONFIGS).
 
-Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered]
+``--wide``: head_dim 256 instead: the column-split programs (``col_split``: the two
+consumer warpgroups share 64 key rows and split the columns; WIDE_CONFIGS, every valid
+one), checked against float64 on CHECKS at head_dim 256, then timed on WIDE_SHAPES (the
+``head-dims`` preset's head_dim 256 shapes: Gemma's 8 query and 4 kv heads) against SDPA
+cuDNN's backward and flashgen's current one through autograd; writes gluon_bwd_wide.json.
+
+Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered | --wide]
 """
 
 from __future__ import annotations
@@ -164,6 +170,26 @@ ORDERED_SETS = {"defaults": ORDERED_CONFIGS, "writer": WRITER_CONFIGS}
 ORDERED_SHAPES = [(4, 16, 16, 4096, 128, False), (1, 16, 16, 16384, 128, True), (4, 16, 16, 4096, 128, True),
                   (8, 32, 32, 2048, 64, False), (4, 32, 32, 4096, 64, True), (4, 16, 4, 2048, 128, True),
                   (2, 32, 8, 4096, 128, True)]
+#: ``--wide``: (batch, num_heads, num_kv_heads, seqlen, head_dim, causal), the head-dims
+#: preset's head_dim 256 shapes (16k tokens per batch).
+WIDE_SHAPES = [(16 * 1024 // s, 8, 4, s, 256, causal) for causal in (False, True) for s in (1024, 2048, 4096, 8192)]
+
+
+def wide_configs():
+    """``--wide``'s variants: every config of the head_dim 256 search space (the default
+    first), each "full" (window and float16 checks too), as (fields, head_dim, full)."""
+    import dataclasses
+
+    from flashgen.families.gluon import bwd as B
+
+    default = B.default_config(256)
+    # the default, then the other ring depth and dQ modes before the load and store choices
+    space = sorted(B.search_space(256, "bfloat16", "causal"),
+                   key=lambda c: (c != default, c.row_load != default.row_load, c.kv_store != default.kv_store,
+                                  -c.stages, c.dq_mode, -c.dq_chunks))
+    return [(dataclasses.astuple(c), 256, True) for c in space]
+
+
 #: HBM bandwidth the reduction's prediction divides its bytes by (bytes/s).
 HBM_BYTES_PER_S = 3.3e12
 FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
@@ -175,7 +201,8 @@ def tflops(b, h, s, d, causal, ms):
 
 # ------------------------------------------------------------------------------- child side
 
-def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: bool = False) -> None:
+def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: bool = False,
+                    wide: bool = False) -> None:
     """Per variant: the float64 checks (``timing`` False) or the timings (True); ``gqa``:
     GQA_CHECKS and GQA_SHAPES (with the main kernel and the reduction also timed alone);
     ``ordered``: CHECKS (GQA_CHECKS for a group split) with the repeatability check, and
@@ -252,7 +279,9 @@ def _child_variants(specs: list[str], timing: bool, gqa: bool = False, ordered: 
                                           "ok": bool(r <= 1.0), "repeatable": rep})
             row["check_ok"] = all(c["ok"] for c in row["checks"])
             row["check_worst"] = worst
-            if timing and ordered:
+            if timing and wide:
+                row["times"] = [_time_gqa(cfg, *shape) for shape in WIDE_SHAPES]
+            elif timing and ordered:
                 row["times"] = [_time_gqa(cfg, *shape) for shape in ORDERED_SHAPES
                                 if shape[4] == d and (shape[1] // shape[2]) % cfg.group_split == 0
                                 and (cfg.group_split == 1 or shape[1] != shape[2])]
@@ -457,15 +486,19 @@ def main() -> int:
     ap.add_argument("--ordered-set", choices=sorted(ORDERED_SETS), default="defaults",
                     help="--ordered: its variants (ORDERED_SETS: the defaults, or the tiles with and without the "
                          "dQ writer warp)")
+    ap.add_argument("--wide", action="store_true", help="head_dim 256: the column-split programs against cuDNN")
+    ap.add_argument("--limit", type=int, default=0, help="--wide: the first N of its variants only (0: all)")
     ap.add_argument("--tiles", choices=sorted(TILE_PROBES), default=None,
                     help="time TILE_PROBES[...] (configs outside the rules among them) instead of CONFIGS")
     ap.add_argument("items", nargs="*")
     a = ap.parse_args()
     if a.child_variants:
-        _child_variants(a.items, a.timing, a.gqa, a.ordered)
+        _child_variants(a.items, a.timing, a.gqa, a.ordered, a.wide)
         return 0
     if a.child_baselines:
-        if a.ordered:
+        if a.wide:
+            _child_baselines_gqa(WIDE_SHAPES, ("cudnn", "flashgen"))
+        elif a.ordered:
             _child_baselines_gqa(ORDERED_SHAPES, ("cudnn", "flashgen", "flashgen_deterministic"))
         else:
             _child_baselines_gqa() if a.gqa else _child_baselines(a.warm_only)
@@ -476,6 +509,8 @@ def main() -> int:
         return _main_gqa(out, min(a.budget_s, 170.0))
     if a.ordered:
         return _main_ordered(out, a.budget_s, ORDERED_SETS[a.ordered_set])
+    if a.wide:
+        return _main_ordered(out, a.budget_s, wide_configs()[:a.limit or None], wide=True)
     t0 = time.time()
     deadline = t0 + a.budget_s
     with open(out / "gluon_bwd.log", "w") as log, open(out / "baseline_warm.log", "w") as wlog:
@@ -577,22 +612,26 @@ def _main_gqa(out: Path, budget_s: float) -> int:
     return 0
 
 
-def _main_ordered(out: Path, budget_s: float, configs=ORDERED_CONFIGS) -> int:
+def _main_ordered(out: Path, budget_s: float, configs=ORDERED_CONFIGS, wide: bool = False) -> int:
     """The deterministic run: checks (float64 and repeatability), timings of the variants
     that passed, then the baselines; writes gluon_bwd_ordered.json and prints the table
-    last."""
+    last.  ``wide``: the head_dim 256 run (``--wide``: no repeatability check, WIDE_SHAPES,
+    gluon_bwd_wide.json)."""
     t0 = time.time()
     deadline = t0 + budget_s
-    with open(out / "gluon_bwd_ordered.log", "w") as log:
+    flag, name = ("--wide", "gluon_bwd_wide") if wide else ("--ordered", "gluon_bwd_ordered")
+    shapes = WIDE_SHAPES if wide else ORDERED_SHAPES
+    names = ("cudnn", "flashgen") if wide else ("cudnn", "flashgen", "flashgen_deterministic")
+    with open(out / f"{name}.log", "w") as log:
         specs = [json.dumps([list(f), d, full]) for f, d, full in configs]
-        checked = _run_child(["--child-variants", "--ordered"], specs, 120.0, deadline - 60.0, log)
-        (out / "gluon_bwd_ordered.json").write_text(json.dumps({"checked": checked}, indent=1))
+        checked = _run_child(["--child-variants", flag], specs, 120.0, deadline - 60.0, log)
+        (out / f"{name}.json").write_text(json.dumps({"checked": checked}, indent=1))
         passed = [sp for sp, r in zip(specs, checked) if r.get("check_ok")]
-        timed = _run_child(["--child-variants", "--timing", "--ordered"], passed, 60.0, deadline - 30.0, log)
-        (out / "gluon_bwd_ordered.json").write_text(json.dumps({"checked": checked, "timed": timed}, indent=1))
-        base = _run_child(["--child-baselines", "--ordered"], ["all"], 90.0, deadline + 30.0, log)
+        timed = _run_child(["--child-variants", "--timing", flag], passed, 60.0, deadline - 30.0, log)
+        (out / f"{name}.json").write_text(json.dumps({"checked": checked, "timed": timed}, indent=1))
+        base = _run_child(["--child-baselines", flag], ["all"], 90.0, deadline + 30.0, log)
     res = {"checked": checked, "timed": timed, "baselines": base, "wall_s": time.time() - t0}
-    (out / "gluon_bwd_ordered.json").write_text(json.dumps(res, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
     print("\nchecks against float64 (worst error / (2 x PyTorch's + floor), <= 1 passes); repeatable: dQ, dK, dV "
           "bitwise equal over three backwards, cases that were / all")
     for r in checked:
@@ -600,16 +639,19 @@ def _main_ordered(out: Path, budget_s: float, configs=ORDERED_CONFIGS) -> int:
             print(f"  {r.get('item', '?')[:60]} ERROR {r.get('error', '')[:100]}")
             continue
         reps = [c["repeatable"] for c in r["checks"]]
+        bad = [f"{c['mode']}{c['case'][3]}x{c['case'][4]}:{max(x[2] for x in c['res'].values()):.2f}"
+               for c in r["checks"] if not c["ok"]][:3]
         print(f"  d{r['head_dim']} {r['config']:<44} ok {r.get('check_ok')} worst {r.get('check_worst', 0):.3f} "
-              f"repeatable {sum(bool(x) for x in reps)}/{len(reps)}" + (" ERR " + r["error"][:80] if "error" in r else ""))
+              + ("" if wide else f"repeatable {sum(bool(x) for x in reps)}/{len(reps)}")
+              + (" FAIL " + " ".join(bad) if bad else "") + (" ERR " + r["error"][:80] if "error" in r else ""))
     bl = {tuple(r["shape"]): r for r in base if "shape" in r}
     print("\nbackward ms, bf16 (whole Gluon backward; baselines through autograd) [cuDNN ms / ms]")
-    for shape in ORDERED_SHAPES:
+    for shape in shapes:
         b, h, hk, s, d, causal = shape
         row = bl.get(tuple(shape), {})
         ref = row.get("cudnn", {}).get("ms")
         cells = [f"{n} " + (f"{row[n]['ms']:.3f}" + (f" [{ref / row[n]['ms']:.2f}]" if ref else "")
-                            if "ms" in row.get(n, {}) else "ERR") for n in ("cudnn", "flashgen", "flashgen_deterministic")]
+                            if "ms" in row.get(n, {}) else "ERR") for n in names]
         print(f"  {b}x{h}/{hk}x{s} d{d}{' causal' if causal else ''}: " + ", ".join(cells))
         for r in timed:
             for t in r.get("times", []):

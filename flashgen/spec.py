@@ -229,7 +229,8 @@ _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), 
               ("kv_store", "_kvt"), ("snake", "_snake"), ("serial_masked", "_sermask"), ("cross_tile", "_xtile"),
               ("o_in_q", "_oq"), ("longest_first", "_lpt"), ("masked_first", "_mf"), ("skip_masked", "_skip"),
               ("dq_writer", "_dqw"))
-_INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"))
+_INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"),
+              ("dq_chunks", "cs"))
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,10 @@ class TileConfig:
     ``masked_first``, each consumer warpgroup releases unread the key tiles past its own
     rows (``_skip``); ``dq_writer`` 1: the backward's dQ tiles leave through a one-warp
     writer partition that issues their reduce-adds (and, ordered, waits on and releases
-    the tiles' semaphores) from two staging buffers per consumer partition (``_dqw``).
+    the tiles' semaphores) from two staging buffers per consumer partition (``_dqw``);
+    ``dq_chunks`` n > 0: the head_dim 256 backward's column-split program (its two
+    consumer warpgroups share the key rows and split the head_dim columns), dQ made and
+    added in n column chunks (``_cs4``).
     """
 
     BLOCK_M: int
@@ -327,6 +331,7 @@ class TileConfig:
     masked_first: int = 0
     skip_masked: int = 0
     dq_writer: int = 0
+    dq_chunks: int = 0
 
     @property
     def id(self) -> str:

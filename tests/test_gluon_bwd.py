@@ -68,6 +68,14 @@ CASES = [
     # whose register stores of the partials mask the padding columns
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"), 96, "causal"),
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 2, False, "fragment", "ptr"), 96, "none"),
+    # head_dim 256 on the column-split program: the default (dQ in four chunks by TMA
+    # reduce-adds, dK and dV by TMA stores), dQ by atomics in two chunks with the register
+    # stores, and one ring stage with two chunks under a window
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, True, 4), 256, "causal"),
+    ((64, 64, 2, 2, "atomic", 240, 24, "tma", 1, False, 1, False, "swizzled", "ptr", False, False, True, 2), 256,
+     "none"),
+    ((64, 64, 2, 1, "tma", 240, 24, "producer", 1, False, 1, False, "swizzled", "tma", False, False, True, 2), 256,
+     "window"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -1182,3 +1190,45 @@ def test_head_dim_96_runs_on_the_head_dim_128_tiles():
             assert a["dk_partial"].shape == (b, hk, 2, s, 96)
         else:
             assert [x.block_shape[-1] for x in a["main"][1][10:12]] == [128, 128]  # dK, dV by TMA, clipped
+
+
+def test_column_split_program_serves_head_dim_256_alone():
+    """head_dim 256 takes the column-split program (its two warpgroups share 64 key rows,
+    each holding half of dK's, dV's and dQ's columns) and no other tile; the program's
+    knobs are refused elsewhere; its space is what fits the shared memory, the default
+    first among them, and the render puts the warpgroups side by side along N with P^T
+    through shared memory and dQ in column chunks."""
+    cs = B.default_config(256)
+    assert cs.col_split and cs.block_nt == 64 and cs.num_warps == 8 and cs.dq_chunks == 4
+    assert B.is_valid(cs, 256) and not B.is_valid(cs, 128)
+    assert any("col_split" in r for r in B.invalid_reasons(dataclasses.replace(cs, col_split=False, dq_chunks=1), 256))
+    assert any("dq_chunks" in r for r in B.invalid_reasons(dataclasses.replace(B.default_config(128), dq_chunks=4), 128))
+    for bad, words in ((dict(dq_mode="ordered"), "deterministic backward at head_dim 256"),
+                       (dict(dq_writer=True), "dq_writer"), (dict(group_split=2), "group_split"),
+                       (dict(dq_stage="fragment"), "fragment"), (dict(split=True), "lock-step"),
+                       (dict(dq_chunks=8), "dq_chunks 8"), (dict(block_m=128), "block_m 64")):
+        assert any(words in r for r in B.invalid_reasons(dataclasses.replace(cs, **bad), 256)), bad
+    # two ring stages fit with four dQ chunks (16 KB staging), not with two (32 KB)
+    assert B.smem_bytes(cs, 256) <= B.SMEM_LIMIT_BYTES
+    assert any("shared memory" in r for r in B.invalid_reasons(dataclasses.replace(cs, dq_chunks=2), 256))
+    for mask in B.MASKS:
+        space = B.search_space(256, "bfloat16", mask)
+        assert cs in space and all(c.col_split and c.block_nt == 64 for c in space)
+        assert {(c.stages, c.dq_mode, c.dq_chunks) for c in space} == {
+            (1, "tma", 2), (1, "tma", 4), (1, "atomic", 2), (1, "atomic", 4), (2, "tma", 4), (2, "atomic", 2),
+            (2, "atomic", 4)}
+    assert B.consumer_regs_estimate(cs, 256) <= cs.consumer_regs
+    src = B.render(cs, "bfloat16", 256, "causal")
+    assert "warps_per_cta=[4, 2], instr_shape=[16, 32, 16]" in src  # S^T, dP^T: half the query columns each
+    assert "warps_per_cta=[4, 2], instr_shape=[16, 128, 16]" in src  # dK, dV: half of head_dim each
+    assert "p_smem.store(pt.to(DTYPE))" in src and src.count("tma_reduce_add(dq_desc") == 4
+    assert "dk = warpgroup_mma(ds_c, q_s, dk, is_async=True)" in src
+    assert "BLOCK_NT = gl.constexpr(64)" in src and "p_smem" not in B.render(B.default_config(128), "bfloat16", 128,
+                                                                           "causal")
+    # the launcher's dQ boxes are the chunks' width; K and V boxes the program's 64 rows
+    q = torch.empty(1, 2, 256, 256, dtype=torch.bfloat16)
+    lse = torch.empty(1, 2, 256, dtype=torch.float32)
+    a = B.launch_args(q, q, q, q, q, lse, softmax_scale=0.1, diag_lo=-256, diag_hi=256, config=cs)
+    assert a["main"][0] == (4, 2)
+    assert list(a["main"][1][6].block_shape) == [1, 1, 64, 64] and list(a["main"][1][1].block_shape) == [1, 1, 64, 256]
+

@@ -54,7 +54,7 @@ def test_unsupported_reasons():
         "tensor descriptor can address (layout strided)": (key(layout="strided"), SM90),
         "score modifications (softcap) are the Triton family's": (key(mods="softcap"), SM90),
         "the Gluon forward is built for": (key(d=80), SM90),
-        "head_dim = head_dim_v in (64, 96, 128)": (key("bwd", d=80), SM90),
+        "head_dim = head_dim_v in (64, 96, 128, 256)": (key("bwd", d=80), SM90),
     }
     for words, (k, arch) in cases.items():
         why = GLUON.unsupported(k, arch)
@@ -310,20 +310,41 @@ def test_reconcile_moves_the_dk_dv_stores_only_where_they_alone_block_a_neighbou
     assert rec(fwd, fwd, ("ctas_per_sm",), key("fwd", "bfloat16", 64)) == fwd
 
 
-@pytest.mark.parametrize("d,mask", [(64, "causal"), (128, "none")])
-def test_forward_domain_filtered_by_the_rules_is_the_search_space(d, mask):
-    """Every knob combination of the forward's domain that the rules admit is a config of
-    :func:`.config.space` and back (three programs per SM included: their register
-    budget is the family's default split, as the TileConfig stores 0)."""
+def _admitted(k) -> set:
+    """Every knob combination of the family's domain for ``k`` that its rules admit."""
     import itertools
 
-    k = key("fwd", "bfloat16", d, mask=mask)
     dom = GLUON.domain(k)
     admitted = set()
     for values in itertools.product(*dom.values()):
         cfg = TileConfig(**dict(zip(dom, values)), family="gluon")
         if not GLUON.violated_rules(Variant(k.spec, cfg)):
             admitted.add(cfg)
+    return admitted
+
+
+@pytest.mark.parametrize("d,mask", [(256, "causal"), (256, "none"), (128, "window")])
+def test_backward_domain_filtered_by_the_rules_is_the_search_space(d, mask):
+    """Every knob combination of the backward's domain that the rules admit is a config of
+    :func:`.bwd.search_space` and back; at head_dim 256 that is the column-split program
+    (``dq_chunks`` > 0), whose TileConfig round-trips."""
+    k = key("bwd", "bfloat16", d, mask=mask)
+    admitted = _admitted(k)
+    assert admitted == {F.tile_config(c) for c in B.search_space(d, "bfloat16", mask)}
+    assert all((c.dq_chunks > 0) == (d == 256) for c in admitted)
+    for c in admitted:
+        assert F.tile_config(F.bwd_config(c)) == c
+    if d == 256:
+        assert F.tile_config(B.default_config(256)).id == "gluon_m64_n64_w8_s2_kvt_cs4"
+
+
+@pytest.mark.parametrize("d,mask", [(64, "causal"), (128, "none")])
+def test_forward_domain_filtered_by_the_rules_is_the_search_space(d, mask):
+    """Every knob combination of the forward's domain that the rules admit is a config of
+    :func:`.config.space` and back (three programs per SM included: their register
+    budget is the family's default split, as the TileConfig stores 0)."""
+    k = key("fwd", "bfloat16", d, mask=mask)
+    admitted = _admitted(k)
     assert admitted == {F.tile_config(c) for c in C.space(F.fwd_spec(k))}
     assert any(c.ctas_per_sm == 3 for c in admitted) == (d == 64)
 

@@ -53,6 +53,15 @@ KV_STORES = ("ptr", "tma")
 #: 2-D descriptor's row stride (ROW_PAD * 4 bytes) is 16-byte aligned as TMA requires.
 ROW_PAD = 128
 HEAD_DIMS = (64, 96, 128)
+#: The head dims whose dK and dV accumulators fit a warpgroup only split over the
+#: columns (``col_split``; 2 x 64 x 256 float32 per warpgroup would be 256 registers a
+#: thread).
+COL_SPLIT_HEAD_DIMS = (256,)
+#: Every head dim the Gluon backward serves: HEAD_DIMS on the tiles of one or two
+#: warpgroups of key rows each, COL_SPLIT_HEAD_DIMS on the column-split program.
+ALL_HEAD_DIMS = HEAD_DIMS + COL_SPLIT_HEAD_DIMS
+#: dQ column chunks of a ``col_split`` program.
+DQ_CHUNK_COUNTS = (2, 4)
 
 
 def tile_dim(head_dim: int) -> int:
@@ -129,6 +138,16 @@ class GluonBwdConfig:
                     instead of one pair's key blocks after another's, so the hardware
                     scheduler's last programs are short ones; not with the ordered dQ (its
                     own 1-D grid orders the adds).
+    col_split:      the one consumer partition's two warpgroups share ``block_n`` key rows
+                    and split the columns (head_dim 256, :data:`COL_SPLIT_HEAD_DIMS`): each
+                    holds half of the head_dim columns of dK, dV and dQ and half of the
+                    query columns of S^T and dP^T; P^T and dS^T pass between them through
+                    shared memory as the A operands of the dV and dK products.  The
+                    program owns ``block_n`` key rows (not ``block_n * consumers``).
+    dq_chunks:      with ``col_split``, dQ is made and added in this many column chunks
+                    (:data:`DQ_CHUNK_COUNTS`), each staged in one float32 tile of
+                    ``block_m`` x head_dim / dq_chunks for its TMA reduce-add (or added by
+                    atomics); 1 otherwise.
     dq_writer:      the dQ tiles leave through a one-warp writer partition
                     (FlashAttention-3's dQ writer warp): each consumer partition stores
                     its step's tile into one of two staging buffers, taken in turn, and
@@ -158,11 +177,13 @@ class GluonBwdConfig:
     kv_store: str = "ptr"
     longest_first: bool = False
     dq_writer: bool = False
+    col_split: bool = False
+    dq_chunks: int = 1
 
     @property
     def block_nt(self) -> int:
         """Key rows per program."""
-        return self.block_n * self.consumers
+        return self.block_n if self.col_split else self.block_n * self.consumers
 
     @property
     def parts(self) -> int:
@@ -201,7 +222,8 @@ class GluonBwdConfig:
                 + {"swizzled": "", "fragment": "_dqf"}.get(self.dq_stage, f"_dq-{self.dq_stage}")
                 + {"ptr": "", "tma": "_kvt"}.get(self.kv_store, f"_kv-{self.kv_store}")
                 + ("_lpt" if self.longest_first else "")
-                + ("_dqw" if self.dq_writer else ""))
+                + ("_dqw" if self.dq_writer else "")
+                + (f"_cs{self.dq_chunks}" if self.col_split else ""))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, varlen: bool = False) -> str:
@@ -220,12 +242,14 @@ def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> di
         "do_ring": c.stages * c.block_m * head_dim * elem_bytes,
         "lse_delta_ring": 2 * c.stages * c.block_m * 4 if c.row_load != "ptr" else 0,
         "ds": c.block_nt * c.block_m * elem_bytes,
-        "dq_tile": (2 if c.dq_writer else 1) * c.parts * c.block_m * head_dim * 4
+        "p": c.block_nt * c.block_m * elem_bytes if c.col_split else 0,
+        "dq_tile": (2 if c.dq_writer else 1) * c.parts * c.block_m * head_dim * 4 // max(1, c.dq_chunks)
         if c.dq_mode in ("tma", "ordered") else 0,
         # the writer's full/empty barrier pairs: two arrays, each 128-byte aligned (ptxas:
         # 112-120 B above its 8 B per barrier with one or two consumer partitions)
         "barriers": 8 * (1 + 2 * c.stages) + (256 if c.dq_writer else 0),
-        "alignment": 256,
+        # (col_split: 16 more, ptxas allocating 4 B over the rest at one stage)
+        "alignment": 256 + (16 if c.col_split else 0),
     }
     return terms
 
@@ -252,6 +276,13 @@ def consumer_regs_estimate(config: GluonBwdConfig, head_dim: int) -> int:
     and the loop state."""
     c = config
     per_wg = 128  # threads of one warpgroup
+    if c.col_split:
+        # every tile over both warpgroups (256 threads): dK, dV; S^T, dP^T, the 16-bit P^T
+        # before its store; two dQ chunks in flight
+        threads = 2 * per_wg
+        st = c.block_n * c.block_m // threads
+        dq = c.block_m * head_dim // max(1, c.dq_chunks) // threads
+        return 2 * c.block_n * head_dim // threads + max(2 * st + st // 2, 2 * dq + st) + 32
     acc = 2 * c.block_n * head_dim // per_wg
     st = c.block_n * c.block_m // per_wg
     op16 = st // 2
@@ -269,10 +300,32 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"dtype {dtype!r} is not one of {DTYPES}")
     if mask not in MASKS:
         out.append(f"mask {mask!r} is not one of {MASKS}")
-    if head_dim not in HEAD_DIMS:
-        out.append(f"head_dim {head_dim} is not one of {HEAD_DIMS} (gl.arange needs a power of two, 96 is "
+    if head_dim not in ALL_HEAD_DIMS:
+        out.append(f"head_dim {head_dim} is not one of {ALL_HEAD_DIMS} (gl.arange needs a power of two, 96 is "
                    "padded to 128; wgmma n = head_dim)")
-    requested, head_dim = head_dim, tile_dim(head_dim) if head_dim in HEAD_DIMS else head_dim
+    elif (head_dim in COL_SPLIT_HEAD_DIMS) != bool(c.col_split):
+        out.append(f"col_split {c.col_split} at head_dim {head_dim}: the column split is for head_dim "
+                   f"{COL_SPLIT_HEAD_DIMS} (a warpgroup's dK and dV of 64 x 256 float32 need 256 registers a thread "
+                   "unsplit), and only there")
+    if c.col_split:
+        if c.consumers != 2 or c.split:
+            out.append("col_split needs 2 consumers in one lock-step partition (split False): its two warpgroups "
+                       "split the columns")
+        if c.block_m != 64:
+            out.append(f"col_split needs block_m 64 (got {c.block_m}): the Q and dO ring of 256-wide tiles")
+        if c.dq_chunks not in DQ_CHUNK_COUNTS:
+            out.append(f"dq_chunks {c.dq_chunks} must be one of {DQ_CHUNK_COUNTS} with col_split")
+        if c.dq_mode not in ("tma", "atomic"):
+            out.append(f"col_split adds dQ by TMA reduce-add or atomics (dq_mode 'tma' or 'atomic', got "
+                       f"{c.dq_mode!r}); the deterministic backward at head_dim 256 is the Triton family's")
+        for knob, on in (("dq_writer", c.dq_writer), ("longest_first", c.longest_first),
+                         ("group_split > 1", c.group_split > 1), ("dq_stage 'fragment'", c.dq_stage != "swizzled")):
+            if on:
+                out.append(f"col_split with {knob}: not built (the column-split program stages its dQ chunks "
+                           "itself, sums the GQA group in the program and takes the 2-D grid)")
+    elif c.dq_chunks != 1:
+        out.append(f"dq_chunks {c.dq_chunks} needs col_split (the other tiles make dQ whole or in halves)")
+    requested, head_dim = head_dim, tile_dim(head_dim) if head_dim in ALL_HEAD_DIMS else head_dim
     first_tile_rule = len(out)  # the rules below are the tiles' (head_dim 96: 128)
     if c.block_m not in (64, 128):
         out.append(f"block_m {c.block_m} must be 64 or 128 (the dQ wgmma's M is at least one warpgroup's 64 rows)")
@@ -357,8 +410,8 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         if c.consumer_regs < c.maxnreg or c.producer_regs > c.maxnreg:
             out.append(f"setmaxnreg moves registers from the producer to the consumers: producer_regs "
                        f"{c.producer_regs} <= maxnreg {c.maxnreg} <= consumer_regs {c.consumer_regs}")
-    if head_dim in HEAD_DIMS and c.block_n == 64 and c.consumers in (1, 2):
-        if not c.split and head_dim % (8 * c.consumers):
+    if head_dim in ALL_HEAD_DIMS and c.block_n == 64 and c.consumers in (1, 2):
+        if not c.split and not c.col_split and head_dim % (8 * c.consumers):
             out.append(f"head_dim {head_dim} must split over {c.consumers} consumers in multiples of 8 (dQ wgmma)")
         need = consumer_regs_estimate(c, head_dim)
         slack = LOCKSTEP_SPILL_SLACK_REGS if c.consumers == 2 and not c.split else 0
@@ -458,6 +511,8 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", gro
     heads per kv head (group_split: :func:`group_splits`).  LSE2 / delta come through the
     ring ("tma" or "producer"); the consumers' own pointer loads ("ptr") cost registers and
     spill at head_dim 128 (0.67x the "tma" variant on the H200), so they are left out."""
+    if tile_dim(head_dim) in COL_SPLIT_HEAD_DIMS:
+        return col_split_space(head_dim, dtype, mask)
     out = []
     for block_m in (64, 128):
         for consumers in (1, 2):
@@ -477,6 +532,23 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", gro
     return out
 
 
+def col_split_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> list[GluonBwdConfig]:
+    """The valid ``col_split`` configs (head_dim 256): ring depth, dQ by TMA reduce-add or
+    atomics in 2 or 4 column chunks, LSE2 / delta by the producer's TMA or loads, dK and dV
+    by register or TMA stores; the shared-memory rule keeps those that fit."""
+    out = []
+    for stages in (1, 2):
+        for dq_mode in SEARCH_DQ_MODES:
+            for chunks in DQ_CHUNK_COUNTS:
+                for row_load in ("tma", "producer"):
+                    for kv in KV_STORES:
+                        c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, kv_store=kv,
+                                           col_split=True, dq_chunks=chunks)
+                        if is_valid(c, head_dim, dtype, mask):
+                            out.append(c)
+    return out
+
+
 def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> GluonBwdConfig:
     """The untuned choice, the fastest config measured on the H200 that passed the float64
     checks (docs/results/h200/gluon_bwd/rows2d_split_gluon_bwd.json): two consumers,
@@ -488,6 +560,13 @@ def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -
     at 64: docs/results/h200/gluon_bwd/dq-stage/fragment.log); dK and dV stored through
     shared memory by TMA (1.00-1.11x the register stores at both head dims:
     docs/results/h200/gluon_bwd/kv-store/)."""
+    if tile_dim(head_dim) in COL_SPLIT_HEAD_DIMS:
+        c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2, dq_mode="tma", row_load="tma",
+                           kv_store="tma", col_split=True, dq_chunks=4)
+        reasons = invalid_reasons(c, head_dim, dtype, mask)
+        if reasons:
+            raise ValueError(f"no Gluon backward for head_dim={head_dim} dtype={dtype} mask={mask}: {reasons[0]}")
+        return c
     wide = tile_dim(head_dim) >= 128
     c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2 if wide else 4, dq_mode="tma",
                        row_load="tma", producer_warps=1, split=not wide, dq_stage="fragment", kv_store="tma")
@@ -525,6 +604,7 @@ CODE_ID_RECORD = "gluon/attn_bwd.code_id.json"
 #: did not cover when it was first recorded.  "head_dim_pad" (listed first, so it holds
 #: every variant of a padded head dim) names the head dims that :func:`tile_dim` pads.
 EXTENSIONS = {"head_dim_pad": lambda c, d: tile_dim(d) != d,
+              "col_split": lambda c, d: c.col_split,
               "dq_writer": lambda c, d: c.dq_writer,
               "longest_first": lambda c, d: c.longest_first,
               "kv_tma": lambda c, d: c.kv_store == "tma",
@@ -542,10 +622,13 @@ def probe_variants(extension: str | None = None) -> list[tuple[GluonBwdConfig, s
     defines the code id; those of an :data:`EXTENSIONS` entry are that extension's probes
     (``extension``)."""
     out = []
-    for d in HEAD_DIMS:
+    for d in ALL_HEAD_DIMS:
         for dtype in DTYPES:
             for mask in MASKS:
                 space = list(search_space(d, dtype, mask))
+                if d in COL_SPLIT_HEAD_DIMS:  # its own program: the space alone
+                    out += [(c, dtype, d, mask) for c in space if extension_of(EXTENSIONS, c, d) == extension]
+                    continue
                 # the probes outside the space on the default tile as first recorded
                 base = dataclasses.replace(default_config(d, dtype, mask), dq_stage="swizzled", kv_store="ptr")
                 cands = space + [dataclasses.replace(base, row_load="ptr"), dataclasses.replace(base, producer_warps=4)]
@@ -654,7 +737,13 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     # else along head_dim.
     # Split partitions at head_dim 128 compute dQ (TMA mode) in two column halves.
     dq_halves = c.split and c.dq_mode == "tma" and head_dim >= 128  # ordered: refused there
-    if dq_halves:
+    dq_cols = head_dim // max(1, c.dq_chunks)
+    mma_warps, st_n, kv_n = [c.num_warps, 1], c.block_m, head_dim
+    if c.col_split:
+        # every wgmma over both warpgroups side by side along N
+        mma_warps, st_n, kv_n = [4, 2], c.block_m // 2, head_dim // 2
+        dq_warps, dq_n = [4, 2], dq_cols // 2
+    elif dq_halves:
         dq_warps, dq_n = [c.num_warps, 1], head_dim // 2
     elif c.split or c.block_m >= 64 * c.consumers:
         dq_warps, dq_n = [c.num_warps, 1], head_dim
@@ -671,7 +760,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         NUM_PARTS=c.parts, ROW_PAD=ROW_PAD, DQ_HALVES=dq_halves, GROUP_SPLIT=c.group_split,
         HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
         DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store,
-        LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer, VARLEN=varlen)
+        LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer, VARLEN=varlen, BLOCK_NT=c.block_nt,
+        MMA_WARPS=mma_warps, ST_N=st_n, KV_N=kv_n, COL_SPLIT=c.col_split, DQ_CHUNKS=c.dq_chunks, DQ_COLS=dq_cols)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
@@ -727,12 +817,13 @@ def _rows_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
-def _desc_dq(dqacc, block_m: int, stage: str):
+def _desc_dq(dqacc, block_m: int, stage: str, cols: int | None = None):
     """The reduce-add's descriptor over the float32 dQ accumulator: (z, h, M, D), box (1,
-    1, block_m, D), swizzled as the default layout; "fragment": (z * h * m_pad, D), box
-    (block_m, D), no swizzle (the tile is copied in its fragment order as it is)."""
+    1, block_m, cols) (cols: D unless the dQ comes in column chunks, ``col_split``),
+    swizzled as the default layout; "fragment": (z * h * m_pad, D), box (block_m, D), no
+    swizzle (the tile is copied in its fragment order as it is)."""
     if stage != "fragment":
-        return _desc4(dqacc, block_m, "float32")
+        return _desc4(dqacc, block_m, "float32", cols)
     from .shim import descriptor
 
     rows, d = dqacc.shape[0] * dqacc.shape[1], dqacc.shape[2]
@@ -811,7 +902,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     main = (_desc4(q, c.block_m, dtype_name, dt), _desc4(k, c.block_nt, dtype_name, dt),
             _desc4(v, c.block_nt, dtype_name, dt), _desc4(do, c.block_m, dtype_name, dt),
             _desc_rows(lse2, c.block_m), _desc_rows(delta, c.block_m),
-            _desc_dq(dqacc, c.block_m, c.dq_stage), lse2, delta, dqacc,
+            _desc_dq(dqacc, c.block_m, c.dq_stage, dt // c.dq_chunks), lse2, delta, dqacc,
             *((_desc4(main_dk, c.part_rows, dtype_name, dt), _desc4(main_dv, c.part_rows, dtype_name, dt))
               if c.kv_store == "tma" else (main_dk, main_dv))) + (
             (out["sem"], out["head_group"]) if c.dq_mode == "ordered" else ()) + (float(softmax_scale) * 1.4426950408889634, float(softmax_scale), h, hk * gs, sq, sk, int(diag_lo),

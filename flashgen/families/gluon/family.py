@@ -55,7 +55,7 @@ _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", 
               "masked_first", "skip_masked", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
-              "kv_store", "longest_first", "dq_writer", "family"}
+              "kv_store", "longest_first", "dq_writer", "dq_chunks", "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -70,6 +70,12 @@ BWD_DEFAULT_AHEAD = {
     # bwd_dq + bwd_dkdv, each key's rows of one day
     (96, "none"): "436 vs 314 at 4,32,4096,96 (docs/results/h200/tuning/head-dims)",
     (96, "causal"): "384 vs 293 at 4,32,4096,96 (docs/results/h200/tuning/head-dims)",
+    # the column-split program against the Triton family's tuned rows through the public
+    # call, the head-dims preset's head_dim 256 shapes (8 / 4 heads), one run
+    (256, "none"): "1.10-1.15x the Triton family's tuned rows at 16x8/4x1024 to 2x8/4x8192, 268-310 TFLOP/s "
+                   "(docs/results/h200/gluon_bwd/d256)",
+    (256, "causal"): "1.08-1.12x the Triton family's tuned rows at 16x8/4x1024 to 2x8/4x8192, 206-307 TFLOP/s "
+                     "(docs/results/h200/gluon_bwd/d256)",
 }
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
 #: choice (its tuned bwd_dq_varlen + bwd_dkdv_varlen rows where the shipped database has
@@ -199,7 +205,7 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
                             else f"code {c.dq_stage}",
                             kv_store=B.KV_STORES[c.kv_store] if 0 <= c.kv_store < len(B.KV_STORES)
                             else f"code {c.kv_store}", longest_first=bool(c.longest_first),
-                            dq_writer=bool(c.dq_writer))
+                            dq_writer=bool(c.dq_writer), col_split=c.dq_chunks > 0, dq_chunks=c.dq_chunks or 1)
 
 
 def _dq_mode(c: TileConfig) -> str:
@@ -231,7 +237,7 @@ def tile_config(g) -> TileConfig:
                       half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"),
                       dq_stage=B.DQ_STAGES.index(g.dq_stage),
                       kv_store=B.KV_STORES.index(g.kv_store), longest_first=int(g.longest_first),
-                      dq_writer=int(g.dq_writer))
+                      dq_writer=int(g.dq_writer), dq_chunks=g.dq_chunks if g.col_split else 0)
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -274,7 +280,7 @@ class GluonFamily:
             except ValueError as e:
                 return str(e)
         else:
-            dims = B.VARLEN_HEAD_DIMS if s.kernel == VARLEN_BWD else B.HEAD_DIMS
+            dims = B.VARLEN_HEAD_DIMS if s.kernel == VARLEN_BWD else B.ALL_HEAD_DIMS
             if s.head_dim not in dims or s.head_dim_v != s.head_dim:
                 return (f"head dims ({s.head_dim}, {s.head_dim_v}): the Gluon "
                         f"{'ragged-batch ' if s.kernel == VARLEN_BWD else ''}backward is built for "
@@ -299,6 +305,9 @@ class GluonFamily:
         if key.spec.kernel == VARLEN_BWD:  # the knobs bwd.varlen_reasons leaves (GQA group 1's space)
             return {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                     "row_load": (0, 1), "split": (0, 1)}
+        if B.tile_dim(key.spec.head_dim) in B.COL_SPLIT_HEAD_DIMS:  # the column-split program (bwd.col_split_space)
+            return {"BLOCK_M": (64,), "BLOCK_N": (64,), "num_warps": (8,), "num_stages": (1, 2), "dq_atomic": (0, 1),
+                    "row_load": (0, 1), "kv_store": (0, 1), "dq_chunks": B.DQ_CHUNK_COUNTS}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
                "kv_store": (0, 1)}
