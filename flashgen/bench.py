@@ -22,7 +22,7 @@ import torch
 
 from . import families, ops, reference
 from .masks import mask_bounds
-from .spec import Measurement, Shape, Variant, is_decode, is_varlen, varlen_lengths
+from .spec import TIMING_WINDOW, Measurement, Shape, Variant, is_decode, is_varlen, varlen_lengths
 from .heuristics import default_config
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -62,9 +62,6 @@ def make_inputs(spec, shape: Shape, device="cuda", seed=0, requires_grad=False):
 #: multiple of any block, wider than the smallest tiles on the left, and with rows that
 #: see no key once seqlen_q > seqlen_k (bottom-right alignment).
 CHECK_WINDOW = (37, 11)
-#: The window ``window`` variants are timed with when no window is given (the tuner's
-#: problem keys carry no window size): a local causal window.
-TIMING_WINDOW = (1024, 0)
 #: The checks' (shorter, longer) seqlens: not multiples of any block.
 CHECK_SEQLENS = (301, 397)
 

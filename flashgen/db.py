@@ -27,8 +27,8 @@ import sqlite_utils
 from . import families
 from .env import MATCH_COLUMNS, VERSION_COLUMNS, Environment
 from .errors import InputError
-from .spec import (ALL_KERNELS, KERNELS, STATUSES, Measurement, kernel_mods, ProblemKey, Shape, TileConfig, Variant,
-                   shape_flops)
+from .spec import (ALL_KERNELS, KERNELS, STATUSES, TIMING_WINDOW, Measurement, kernel_mods, ProblemKey, Shape,
+                   TileConfig, Variant, shape_flops)
 
 TABLE = "measurements"
 #: TileConfig knobs of the Gluon family (:class:`flashgen.spec.TileConfig`): a row stores
@@ -242,8 +242,10 @@ def _row_problem(r) -> str | None:
 
 
 def _tflops(kernel: str, shape: Shape, head_dim: int, head_dim_v: int | None, mask: str, median_ms: float) -> float:
-    """TFLOP/s of a measurement (:func:`flashgen.spec.shape_flops` over ``median_ms``)."""
-    flops = shape_flops(kernel, shape, head_dim, head_dim_v, causal=mask == "causal")
+    """TFLOP/s of a measurement (:func:`flashgen.spec.shape_flops` over ``median_ms``); a
+    ``window`` row's FLOPs are the scores :data:`flashgen.spec.TIMING_WINDOW` lets through."""
+    flops = shape_flops(kernel, shape, head_dim, head_dim_v, causal=mask == "causal",
+                        window=TIMING_WINDOW if mask == "window" else None)
     return flops / (median_ms * 1e-3) / 1e12
 
 
@@ -401,7 +403,8 @@ class TuningDB:
 
         ``tflops`` is derived from ``shape`` and ``measurement.median_ms`` (ok rows only)
         with :func:`flashgen.spec.shape_flops` for ``key.spec.kernel`` (a varlen key's
-        documents summed, as the tuner times them).
+        documents summed, a ``window`` key's scores inside
+        :data:`flashgen.spec.TIMING_WINDOW`, as the tuner times them).
         """
         if variant.spec != key.spec:
             raise ValueError(f"variant {variant.id} does not belong to key {key.id}")
@@ -481,7 +484,8 @@ class TuningDB:
         """Append the rows of another tuning DB that this one lacks (identity:
         :data:`IDENTITY`); returns how many were added.  ``other_path`` is opened
         read-only and left unchanged.  ``tflops`` is derived again (:func:`derived_tflops`):
-        an older flashgen counted a varlen row's FLOPs as batch x longest sequence."""
+        an older flashgen counted a varlen row's FLOPs as batch x longest sequence,
+        a window row's as unmasked."""
         cols = [c for c in COLUMNS if c != "id"]
         have = {tuple(r) for r in self._conn.execute(
             f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}

@@ -19,6 +19,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from .iomodel import visible_pairs
+
 #: The kernels flashgen generates.  ``fwd`` is the forward pass (O and LSE).  The
 #: backward is two kernels with their own tile sizes, tuned independently:
 #: ``bwd_dkdv`` (one program per key block, loops over query blocks, writes dK and dV)
@@ -78,6 +80,10 @@ def supports(kernel: str, mask: str) -> bool:
 #: top-left alignment).  ``window``: query i sees key j iff lo <= j - i <= hi, both
 #: runtime values (a sliding window, optionally causal).
 MASKS = ("none", "causal", "window")
+#: The window (left, right) ``window`` keys are timed with, bottom-right aligned (the
+#: tuner's problem keys carry no window size): a local causal window.  Their FLOPs
+#: count the scores it lets through (:func:`shape_flops`).
+TIMING_WINDOW = (1024, 0)
 
 #: Score modifications compiled into the dense kernels (``KernelSpec.mods``), applied
 #: in this order to s = softmax_scale * q·k (FlashAttention-2's ``softcap`` and
@@ -504,8 +510,9 @@ def attention_flops(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int, he
     """FLOPs by the FlashAttention papers' convention.
 
     ``fwd``: 2·b·h·sq·sk·(d + dv) (= 4·b·h·sq·sk·d when d == dv), halved for causal
-    (exact counts for windows are the benchmark's business).  ``bwd`` (the whole
-    backward) is 2.5x the forward: five matmuls, the recomputation of S not counted.
+    (a sliding window's count is the scores it lets through: :func:`shape_flops`).
+    ``bwd`` (the whole backward) is 2.5x the forward: five matmuls, the recomputation
+    of S not counted.
     For the two backward kernels separately we count the matmuls each executes:
     ``bwd_dkdv`` four (S^T, dV, dP^T, dK: 2.0x fwd), ``bwd_dq`` three (S, dP, dQ: 1.5x).
     A varlen kernel counts as its dense one on the given sizes (sum over the sequences:
@@ -527,17 +534,34 @@ def varlen_lengths(n_seqs: int, max_len: int) -> list[int]:
     return [max_len if i == 0 else max(1, max_len - (i * 7919) % (max_len // 2 + 1)) for i in range(n_seqs)]
 
 
-def shape_flops(kernel: str, shape, head_dim: int, head_dim_v: int | None = None, *, causal: bool = False) -> float:
-    """:func:`attention_flops` of ``kernel`` on ``shape`` as the tuner times it: a dense
-    or decode shape as given; a varlen shape as its documents (:func:`varlen_lengths` of
-    Shape.batch documents of up to Shape.seqlen_q / seqlen_k tokens), summed over them."""
-    if not is_varlen(kernel):
-        return attention_flops(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k, head_dim, head_dim_v,
-                               causal=causal, kernel=kernel)
-    lens_q = varlen_lengths(shape.batch, shape.seqlen_q)
-    lens_k = lens_q if shape.seqlen_k == shape.seqlen_q else varlen_lengths(shape.batch, shape.seqlen_k)
-    return sum(attention_flops(1, shape.num_heads, lq, lk, head_dim, head_dim_v, causal=causal, kernel=kernel)
-               for lq, lk in zip(lens_q, lens_k))
+def shape_flops(kernel: str, shape, head_dim: int, head_dim_v: int | None = None, *, causal: bool = False,
+                window: tuple[int, int] | None = None) -> float:
+    """FLOPs (a count, not a rate) of ``kernel`` on ``shape`` as the tuner times it, by
+    :func:`attention_flops`' convention (the FlashAttention papers'): a dense or decode
+    shape (batch, heads, seqlen_q, seqlen_k) as given; a varlen shape as its documents
+    (:func:`varlen_lengths` of Shape.batch documents of up to Shape.seqlen_q / seqlen_k
+    tokens, batch 1 each), summed over them.
+
+    ``window``: (left, right) in tokens, -1 unbounded, as
+    :func:`flashgen.masks.mask_bounds` takes it (``window`` keys are timed with
+    :data:`TIMING_WINDOW`).  None or (-1, -1): :func:`attention_flops`' count (causal
+    halves it).  Otherwise the count of the scores the window lets through: the
+    (query i, key j) pairs with diag_lo <= j - i <= diag_hi, bottom-right aligned,
+    ``causal`` closing the right side (:func:`flashgen.iomodel.visible_pairs`, per
+    document for a varlen shape), times a score's FLOPs: 2·b·h·(d + dv) for ``fwd``
+    (4·b·h·d when d == dv), 2.5x that for ``bwd``, 2.0x for ``bwd_dkdv``, 1.5x for
+    ``bwd_dq``."""
+    if is_varlen(kernel):
+        lens_q = varlen_lengths(shape.batch, shape.seqlen_q)
+        lens_k = lens_q if shape.seqlen_k == shape.seqlen_q else varlen_lengths(shape.batch, shape.seqlen_k)
+        batch, seqs = 1, list(zip(lens_q, lens_k))
+    else:
+        batch, seqs = shape.batch, [(shape.seqlen_q, shape.seqlen_k)]
+    if window is None or tuple(window) == (-1, -1):
+        return sum(attention_flops(batch, shape.num_heads, lq, lk, head_dim, head_dim_v, causal=causal, kernel=kernel)
+                   for lq, lk in seqs)
+    per_score = attention_flops(batch, shape.num_heads, 1, 1, head_dim, head_dim_v, kernel=kernel)
+    return per_score * sum(visible_pairs(lq, lk, causal=causal, window=tuple(window)) for lq, lk in seqs)
 
 
 #: Outcomes of one measurement (KernelTuner's "failures are values").

@@ -6,9 +6,10 @@ import sqlite3
 import pytest
 
 from flashgen import render
-from flashgen.db import TuningDB
+from flashgen.db import TuningDB, derived_tflops
 from flashgen.env import Environment
-from flashgen.spec import KernelSpec, Measurement, Shape, TileConfig, Variant, attention_flops, varlen_lengths
+from flashgen.spec import (TIMING_WINDOW, KernelSpec, Measurement, Shape, TileConfig, Variant, attention_flops,
+                           shape_flops, varlen_lengths)
 
 ENV = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
 OTHER_GPU = Environment("NVIDIA A100", "8.0", 108, "3.6.0", "2.11.0", "0.1.0")
@@ -70,6 +71,80 @@ def test_record_round_trip_and_tflops(db):
     # failures carry no time and no tflops
     r3 = db.get(rec(db, C3, status="compile_failed", error="boom"))
     assert r3["median_ms"] is None and r3["tflops"] is None and r3["error"] == "boom"
+
+
+def _band(seqlen_q, seqlen_k, left, right):
+    """Brute force: the (i, j) with diag_lo <= j - i <= diag_hi, bottom-right aligned
+    (offset seqlen_k - seqlen_q), -1 unbounded."""
+    off = seqlen_k - seqlen_q
+    return sum(1 for i in range(seqlen_q) for j in range(seqlen_k)
+               if (left < 0 or j - i >= off - left) and (right < 0 or j - i <= off + right))
+
+
+@pytest.mark.parametrize("kernel,factor", [("fwd", 1.0), ("bwd", 2.5), ("bwd_dkdv", 2.0), ("bwd_dq", 1.5)])
+@pytest.mark.parametrize("sq,sk,window", [(97, 97, (16, 0)), (60, 130, (16, 0)), (130, 60, (16, 3)),
+                                          (50, 50, (7, 11)), (40, 90, (-1, 5)), (90, 40, (200, 0))])
+def test_shape_flops_of_a_window_counts_the_band(kernel, factor, sq, sk, window):
+    """A window's FLOPs: the scores the band lets through x 2·b·h·(d + dv) x the kernel's
+    factor, not the dense (or causal-halved) count."""
+    shape, d, dv = Shape(3, 5, 5, sq, sk), 64, 32
+    per_score = 2.0 * 3 * 5 * (d + dv) * factor
+    band = _band(sq, sk, *window)
+    assert band < sq * sk
+    assert shape_flops(kernel, shape, d, dv, window=window) == pytest.approx(per_score * band)
+    # causal closes the right side
+    assert shape_flops(kernel, shape, d, dv, causal=True, window=window) == \
+        pytest.approx(per_score * _band(sq, sk, window[0], 0))
+
+
+def test_shape_flops_of_the_timing_window():
+    """A ``window`` key as the tuner times it (TIMING_WINDOW = (1024, 0), bottom-right):
+    at 2048 x 2048 query i sees min(i, 1024) + 1 keys, 1,574,400 pairs of 4,194,304."""
+    assert TIMING_WINDOW == (1024, 0)
+    shape = Shape(8, 16, 16, 2048, 2048)
+    pairs = sum(min(i, 1024) + 1 for i in range(2048))
+    assert pairs == 1_574_400
+    assert shape_flops("fwd", shape, 128, window=TIMING_WINDOW) == 4.0 * 8 * 16 * 128 * pairs
+    assert shape_flops("fwd", shape, 128, window=TIMING_WINDOW) < shape_flops("fwd", shape, 128, causal=True)
+    # varlen: per document
+    vshape = Shape(4, 4, 4, 3000, 3000)
+    lens = varlen_lengths(4, 3000)
+    assert shape_flops("fwd_varlen", vshape, 64, window=TIMING_WINDOW) == pytest.approx(
+        4.0 * 4 * 64 * sum(sum(min(i, 1024) + 1 for i in range(n)) for n in lens))
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd_dq", "fwd_varlen", "bwd_dkdv_varlen", "decode"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_shape_flops_without_a_window_is_unchanged(kernel, causal):
+    shape = Shape(3, 4, 2, 300, 500)
+    base = shape_flops(kernel, shape, 64, 128, causal=causal)
+    assert shape_flops(kernel, shape, 64, 128, causal=causal, window=None) == base
+    assert shape_flops(kernel, shape, 64, 128, causal=causal, window=(-1, -1)) == base
+    if not kernel.endswith("_varlen"):
+        assert base == attention_flops(3, 4, 300, 500, 64, 128, causal=causal, kernel=kernel)
+
+
+def test_window_row_tflops_count_the_timing_window(db):
+    """A ``window`` row's TFLOP/s (record, derived_tflops, merge) count the scores
+    TIMING_WINDOW lets through, not the unmasked score matrix."""
+    wspec = KernelSpec("fwd", "bfloat16", 64, 64, "window")
+    shape = Shape(2, 4, 4, 2048, 2048)
+    r = db.get(rec(db, C2, 0.5, key=shape.key(wspec), shape=shape))
+    band = 2.0 * 2 * 4 * 128 * sum(min(i, 1024) + 1 for i in range(2048)) / 0.5e-3 / 1e12
+    dense = attention_flops(2, 4, 2048, 2048, 64) / 0.5e-3 / 1e12
+    assert r["tflops"] == pytest.approx(band) and r["tflops"] < 0.4 * dense
+    assert derived_tflops({**r, "tflops": dense}) == pytest.approx(band)
+    # the same row's shape under mask none / causal keeps the dense / halved count
+    assert derived_tflops({**r, "mask": "none"}) == pytest.approx(dense)
+    assert derived_tflops({**r, "mask": "causal"}) == pytest.approx(dense / 2)
+    # varlen window: per document
+    vspec = KernelSpec("fwd_varlen", "bfloat16", 64, 64, "window")
+    vshape = Shape(4, 4, 4, 3000, 3000)
+    rv = db.get(rec(db, C1, 0.5, key=vshape.key(vspec), shape=vshape))
+    assert rv["tflops"] == pytest.approx(
+        shape_flops("fwd_varlen", vshape, 64, window=TIMING_WINDOW) / 0.5e-3 / 1e12)
+    assert rv["tflops"] < sum(attention_flops(1, 4, n, n, 64, causal=True) for n in varlen_lengths(4, 3000)) \
+        / 0.5e-3 / 1e12
 
 
 def _key_cols(r):
