@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from flashgen import arch, dispatch
 from flashgen.cli import app
-from flashgen.db import TuningDB
+from flashgen.db import TuningDB, derived_tflops
 from flashgen.dispatch import Dispatcher
 from flashgen.env import Environment
-from flashgen.spec import KernelSpec, Shape
+from flashgen.spec import KernelSpec, Shape, shape_flops
 
 REPO_DBS = sorted((Path(__file__).resolve().parent.parent / "tuning_db").glob("*.sqlite"))
 
@@ -85,3 +85,21 @@ def test_a_rollback_journal_database_keeps_its_mode_when_written(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ship.sqlite"]
     with TuningDB(p, readonly=True) as db, pytest.raises(Exception, match="read-only"):
         db.use_rollback_journal()
+
+
+@pytest.mark.parametrize("path", REPO_DBS, ids=lambda p: p.name)
+def test_shipped_tflops_are_the_derived_ones(path):
+    """Every shipped row's ``tflops`` is what this version derives from its shape and
+    median_ms (:func:`flashgen.db.derived_tflops`); ``window`` rows count the scores
+    TIMING_WINDOW lets through, so none claims the unmasked count's rate."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as c:
+        c.row_factory = sqlite3.Row
+        rows = [dict(r) for r in c.execute("SELECT * FROM measurements")]
+    assert rows
+    for r in rows:
+        assert r["tflops"] == pytest.approx(derived_tflops(r), rel=1e-9), (r["id"], r["key"])
+    window = [r for r in rows if r["mask"] == "window" and r["status"] == "ok"]
+    for r in window:
+        dense = shape_flops(r["kernel"], Shape(r["batch"], r["num_heads"], r["num_kv_heads"], r["seqlen_q"],
+                                               r["seqlen_k"]), r["head_dim"], r["head_dim_v"])
+        assert r["tflops"] < 0.5 * dense / (r["median_ms"] * 1e-3) / 1e12, (r["id"], r["key"])
