@@ -488,6 +488,7 @@ def main() -> int:
                          "dQ writer warp)")
     ap.add_argument("--wide", action="store_true", help="head_dim 256: the column-split programs against cuDNN")
     ap.add_argument("--limit", type=int, default=0, help="--wide: the first N of its variants only (0: all)")
+    ap.add_argument("--match", default="", help="--wide: only the variants whose id matches this regular expression")
     ap.add_argument("--tiles", choices=sorted(TILE_PROBES), default=None,
                     help="time TILE_PROBES[...] (configs outside the rules among them) instead of CONFIGS")
     ap.add_argument("items", nargs="*")
@@ -510,7 +511,12 @@ def main() -> int:
     if a.ordered:
         return _main_ordered(out, a.budget_s, ORDERED_SETS[a.ordered_set])
     if a.wide:
-        return _main_ordered(out, a.budget_s, wide_configs()[:a.limit or None], wide=True)
+        import re
+
+        from flashgen.families.gluon import bwd as B
+
+        chosen = [w for w in wide_configs() if re.search(a.match, B.GluonBwdConfig(*w[0]).id)]
+        return _main_ordered(out, a.budget_s, chosen[:a.limit or None], wide=True)
     t0 = time.time()
     deadline = t0 + a.budget_s
     with open(out / "gluon_bwd.log", "w") as log, open(out / "baseline_warm.log", "w") as wlog:

@@ -463,7 +463,9 @@ class Dispatcher:
            this GPU: the faster.
         4. Otherwise (no such pair of measurements): that family's row or default where
            its measurements put its default ahead (``prefers_default``; the Gluon
-           backward on sm_90 at head_dim 128, and 64 causal), else the two kernels.
+           backward on sm_90 at the head dims and masks of ``BWD_DEFAULT_AHEAD`` and
+           ``BWD_VARLEN_DEFAULT_AHEAD`` in :mod:`flashgen.families.gluon.family`), else
+           the two kernels.
 
         The two kernels' configs are :meth:`choose`'s for their own keys (``kernels`` below
         names them by their dense roles, ``bwd_dq``, ``bwd_dkdv`` and ``bwd``)."""

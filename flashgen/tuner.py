@@ -102,7 +102,7 @@ class ModelBenchmarker:
     owns BLOCK_M x consumers query rows (consumers = num_warps / 4) and ``ctas_per_sm``
     programs (default 1) share an SM (setmaxnreg hands them the register file); the
     whole backward (``bwd``) is the dK/dV kernel's traffic over BLOCK_N x consumers key
-    rows plus a float32 dQ tile added per (key block, query block), and 3 launches
+    rows (BLOCK_N for the column-split program, ``dq_chunks`` > 0) plus a float32 dQ tile added per (key block, query block), and 3 launches
     (``group_split`` S > 1: S times the programs, each loading its K and V, the dK/dV
     partials, float32 or ``half_partials``, written and read back, and 4 launches).
     """
@@ -125,7 +125,8 @@ class ModelBenchmarker:
         gluon = variant.family == "gluon"
         launches = 1
         if gluon and kernel == "bwd":
-            nt = c.BLOCK_N * max(1, c.num_warps // 4)
+            # key rows per program (the head_dim 256 column-split program, dq_chunks: BLOCK_N)
+            nt = c.BLOCK_N if c.dq_chunks else c.BLOCK_N * max(1, c.num_warps // 4)
             io = iomodel.tiled_bwd_dkdv(p, c.BLOCK_M, nt)
             io.add("dQ float32 reduce-add, one tile per (key block, query block)", "write",
                    -(-shape.seqlen_k // nt) * shape.batch * shape.num_heads * shape.seqlen_q * s.head_dim * 4)

@@ -336,6 +336,9 @@ def test_backward_domain_filtered_by_the_rules_is_the_search_space(d, mask):
         assert F.tile_config(F.bwd_config(c)) == c
     if d == 256:
         assert F.tile_config(B.default_config(256)).id == "gluon_m64_n64_w8_s2_kvt_cs4"
+        assert GLUON.refine_domain(k) == {}  # no dq_ordered, dq_writer or longest_first there
+        # dQ by atomics takes the register stores of dK and dV here (the TMA stores unchecked on the GPU)
+        assert not any(c.dq_atomic and c.kv_store for c in admitted)
 
 
 @pytest.mark.parametrize("d,mask", [(64, "causal"), (128, "none")])
@@ -1267,3 +1270,14 @@ def test_an_unknown_family_in_flashgen_families_is_warned_about(monkeypatch):
     with pytest.warns(UserWarning, match=r"names no registered kernel family \['glun'\]"):
         assert not dispatch.family_allowed("gluon")
     assert dispatch.family_allowed("triton")  # the portable family always serves
+
+
+def test_model_benchmarker_counts_the_column_split_programs_key_rows():
+    """``flashgen tune --fake-model``'s byte model: the head_dim 256 column-split backward
+    (``dq_chunks`` > 0) owns BLOCK_N key rows, not BLOCK_N x consumers, so it runs twice
+    the programs of a 128-row program, each streaming Q and dO and adding its dQ tiles."""
+    model = tuner.ModelBenchmarker(SM90)
+    wide = Variant(KernelSpec("bwd", "bfloat16", 256, 256, "none"), F.tile_config(B.default_config(256)))
+    rows128 = dataclasses.replace(wide.config, dq_chunks=0)
+    big = Shape(4, 8, 4, 4096, 4096)
+    assert model.median_ms(wide, big) > model.median_ms(Variant(wide.spec, rows128), big)

@@ -8,7 +8,9 @@ Three launches make one backward (``attention_bwd``):
    zeroed float32 dQ accumulator;
 2. ``attn_bwd``: one program per ``block_n * consumers`` key rows of one (batch, kv
    head), warp-specialized (a TMA producer warp, ``consumers`` warpgroups, in one
-   lock-step partition or, ``split``, one partition each); writes dK and dV (summed over the GQA group) and adds each step's dQ
+   lock-step partition or, ``split``, one partition each; at head_dim 256, ``col_split``,
+   one program per ``block_n`` key rows whose two warpgroups split the head_dim
+   columns); writes dK and dV (summed over the GQA group) and adds each step's dQ
    tile into the accumulator (``dq_mode`` "tma": TMA reduce-add; "atomic": atomics);
 3. ``attn_bwd_convert``: dQ = accumulator * softmax_scale in the inputs' dtype.
 
@@ -91,7 +93,8 @@ class GluonBwdConfig:
     """Knobs of the Gluon backward.
 
     block_m:        query rows per step (the streamed Q / dO tile), 64 or 128.
-    block_n:        key rows per consumer warpgroup (64).
+    block_n:        key rows per consumer warpgroup (64; with ``col_split``, of the program,
+                    shared by its two warpgroups).
     consumers:      warpgroups in the consumer partition (1 or 2); the program owns
                     block_n * consumers key rows, resident in shared memory.
     stages:         depth of the Q / dO / LSE2 / delta ring (1 to 4).
@@ -273,7 +276,9 @@ def consumer_regs_estimate(config: GluonBwdConfig, head_dim: int) -> int:
     P^T (16-bit) at the dS^T step, or the dQ tile (float32, split over the
     consumers of a lock-step partition, whole in each split partition) with the 16-bit
     P^T and dS^T operands of the in-flight wgmmas; plus about 32 for addresses, indices
-    and the loop state."""
+    and the loop state.  ``col_split``: every tile spread over both warpgroups (256
+    threads): dK and dV, then the larger of (S^T, dP^T and the 16-bit P^T before its
+    store) and (two dQ chunks in flight with S^T's share), + 32."""
     c = config
     per_wg = 128  # threads of one warpgroup
     if c.col_split:
@@ -376,6 +381,11 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"kv_store 'tma' with split partitions at head_dim {head_dim}: a partition's rows of K and V "
                    "are not contiguous in shared memory (column blocks of the 128-byte swizzle); use the "
                    "lock-step partition or the register stores")
+    elif c.kv_store == "tma" and c.dq_mode == "atomic" and c.col_split:
+        # ptxas (Triton 3.6) compiles these without spills, but none has run on the H200:
+        # the column-split program's atomic dQ is checked and served with the register stores
+        out.append("kv_store 'tma' with dq_mode 'atomic' at head_dim 256 has not been checked on the GPU; use the "
+                   "register stores or the TMA reduce-add")
     elif c.kv_store == "tma" and c.dq_mode == "atomic" and head_dim >= 128:
         # the atomic dQ's epilogue with the TMA stores: ptxas (Triton 3.6) spills 40 B
         # (causal, rows by the producer), against none with the register stores

@@ -292,7 +292,8 @@ class GluonFamily:
         :func:`.config.space` (forward) / :func:`.bwd.search_space` (backward, for the
         key's GQA group: ``group_split`` and ``half_partials`` only for a group > 1, the
         split over the group's divisors, so the domain of multi-head keys is what it
-        was; the forward's BLOCK_M 128 only where its registers can fit, head_dim_v
+        was; at head_dim 256 the column-split program's knobs alone, ``dq_chunks`` among
+        them; the forward's BLOCK_M 128 only where its registers can fit, head_dim_v
         64)."""
         if key.spec.kernel in FWD_KERNELS:
             dom = {"BLOCK_M": C.block_ms(key.spec.head_dim_v), "BLOCK_N": (64, 128), "num_warps": (4, 8, 12),
@@ -331,8 +332,8 @@ class GluonFamily:
             return {k: (0, 1) for k in VARLEN_REFINE_KNOBS}
         if key.spec.kernel == VARLEN_BWD:
             return {"dq_writer": (0, 1)}
-        if key.spec.kernel != WHOLE_BWD:
-            return {}
+        if key.spec.kernel != WHOLE_BWD or B.tile_dim(key.spec.head_dim) in B.COL_SPLIT_HEAD_DIMS:
+            return {}  # (the column-split program takes none of these)
         return {"dq_ordered": (0, 1), "dq_writer": (0, 1),
                 **({"longest_first": (0, 1)} if key.spec.mask != "none" else {})}
 
