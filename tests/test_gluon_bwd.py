@@ -100,7 +100,10 @@ SPILL_BYTES = {
             ("m64_n64_c2_s2_atomic_r240-24_rows-producer", 128, "causal"): 28,
             ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt", 64, "causal"): 60,
             ("m64_n64_c2_s2_ordered_r240-24_rows-tma_dqf_kvt_dqw", 128, "causal"): 8,
-            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt_dqw", 64, "none"): 44},
+            ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt_dqw", 64, "none"): 44,
+            # head_dim 256's one-stage column-split program with two dQ chunks under a
+            # window (3.6: none; its default and atomic variants spill nothing under 3.9)
+            ("m64_n64_c2_s1_tma_r240-24_rows-producer_kvt_cs2", 256, "window"): 96},
 }
 
 _SCRIPT = r'''
