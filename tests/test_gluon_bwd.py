@@ -71,10 +71,10 @@ CASES = [
     # head_dim 256 on the column-split program: the default (dQ in four chunks by TMA
     # reduce-adds, dK and dV by TMA stores), dQ by atomics in two chunks with the register
     # stores, and one ring stage with two chunks under a window
-    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, True, 4), 256, "causal"),
-    ((64, 64, 2, 2, "atomic", 240, 24, "tma", 1, False, 1, False, "swizzled", "ptr", False, False, True, 2), 256,
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, 4), 256, "causal"),
+    ((64, 64, 2, 2, "atomic", 240, 24, "tma", 1, False, 1, False, "swizzled", "ptr", False, False, 2), 256,
      "none"),
-    ((64, 64, 2, 1, "tma", 240, 24, "producer", 1, False, 1, False, "swizzled", "tma", False, False, True, 2), 256,
+    ((64, 64, 2, 1, "tma", 240, 24, "producer", 1, False, 1, False, "swizzled", "tma", False, False, 2), 256,
      "window"),
 ]
 
@@ -1204,7 +1204,7 @@ def test_column_split_program_serves_head_dim_256_alone():
     cs = B.default_config(256)
     assert cs.col_split and cs.block_nt == 64 and cs.num_warps == 8 and cs.dq_chunks == 4
     assert B.is_valid(cs, 256) and not B.is_valid(cs, 128)
-    assert any("col_split" in r for r in B.invalid_reasons(dataclasses.replace(cs, col_split=False, dq_chunks=1), 256))
+    assert any("col_split" in r for r in B.invalid_reasons(dataclasses.replace(cs, dq_chunks=1), 256))
     assert any("dq_chunks" in r for r in B.invalid_reasons(dataclasses.replace(B.default_config(128), dq_chunks=4), 128))
     for bad, words in ((dict(dq_mode="ordered"), "deterministic backward at head_dim 256"),
                        (dict(dq_writer=True), "dq_writer"), (dict(group_split=2), "group_split"),

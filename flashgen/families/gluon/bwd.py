@@ -141,16 +141,16 @@ class GluonBwdConfig:
                     instead of one pair's key blocks after another's, so the hardware
                     scheduler's last programs are short ones; not with the ordered dQ (its
                     own 1-D grid orders the adds).
-    col_split:      the one consumer partition's two warpgroups share ``block_n`` key rows
-                    and split the columns (head_dim 256, :data:`COL_SPLIT_HEAD_DIMS`): each
-                    holds half of the head_dim columns of dK, dV and dQ and half of the
-                    query columns of S^T and dP^T; P^T and dS^T pass between them through
-                    shared memory as the A operands of the dV and dK products.  The
-                    program owns ``block_n`` key rows (not ``block_n * consumers``).
-    dq_chunks:      with ``col_split``, dQ is made and added in this many column chunks
-                    (:data:`DQ_CHUNK_COUNTS`), each staged in one float32 tile of
-                    ``block_m`` x head_dim / dq_chunks for its TMA reduce-add (or added by
-                    atomics); 1 otherwise.
+    dq_chunks:      1, or one of :data:`DQ_CHUNK_COUNTS` for the column-split program
+                    (the ``col_split`` property; head_dim 256, :data:`COL_SPLIT_HEAD_DIMS`):
+                    the one consumer partition's two warpgroups share ``block_n`` key rows
+                    and split the columns, each holding half of the head_dim columns of dK,
+                    dV and dQ and half of the query columns of S^T and dP^T; P^T and dS^T
+                    pass between them through shared memory as the A operands of the dV
+                    and dK products; the program owns ``block_n`` key rows (not
+                    ``block_n * consumers``), and dQ is made and added in ``dq_chunks``
+                    column chunks, each staged in one float32 tile of ``block_m`` x
+                    head_dim / dq_chunks for its TMA reduce-add (or added by atomics).
     dq_writer:      the dQ tiles leave through a one-warp writer partition
                     (FlashAttention-3's dQ writer warp): each consumer partition stores
                     its step's tile into one of two staging buffers, taken in turn, and
@@ -180,8 +180,12 @@ class GluonBwdConfig:
     kv_store: str = "ptr"
     longest_first: bool = False
     dq_writer: bool = False
-    col_split: bool = False
     dq_chunks: int = 1
+
+    @property
+    def col_split(self) -> bool:
+        """The column-split program (``dq_chunks`` > 1)."""
+        return self.dq_chunks > 1
 
     @property
     def block_nt(self) -> int:
@@ -309,17 +313,15 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"head_dim {head_dim} is not one of {ALL_HEAD_DIMS} (gl.arange needs a power of two, 96 is "
                    "padded to 128; wgmma n = head_dim)")
     elif (head_dim in COL_SPLIT_HEAD_DIMS) != bool(c.col_split):
-        out.append(f"col_split {c.col_split} at head_dim {head_dim}: the column split is for head_dim "
-                   f"{COL_SPLIT_HEAD_DIMS} (a warpgroup's dK and dV of 64 x 256 float32 need 256 registers a thread "
-                   "unsplit), and only there")
+        out.append(f"col_split {c.col_split} (dq_chunks {c.dq_chunks}) at head_dim {head_dim}: the column split "
+                   f"is for head_dim {COL_SPLIT_HEAD_DIMS} (a warpgroup's dK and dV of 64 x 256 float32 need 256 "
+                   "registers a thread unsplit), and only there")
     if c.col_split:
         if c.consumers != 2 or c.split:
             out.append("col_split needs 2 consumers in one lock-step partition (split False): its two warpgroups "
                        "split the columns")
         if c.block_m != 64:
             out.append(f"col_split needs block_m 64 (got {c.block_m}): the Q and dO ring of 256-wide tiles")
-        if c.dq_chunks not in DQ_CHUNK_COUNTS:
-            out.append(f"dq_chunks {c.dq_chunks} must be one of {DQ_CHUNK_COUNTS} with col_split")
         if c.dq_mode not in ("tma", "atomic"):
             out.append(f"col_split adds dQ by TMA reduce-add or atomics (dq_mode 'tma' or 'atomic', got "
                        f"{c.dq_mode!r}); the deterministic backward at head_dim 256 is the Triton family's")
@@ -328,8 +330,9 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
             if on:
                 out.append(f"col_split with {knob}: not built (the column-split program stages its dQ chunks "
                            "itself, sums the GQA group in the program and takes the 2-D grid)")
-    elif c.dq_chunks != 1:
-        out.append(f"dq_chunks {c.dq_chunks} needs col_split (the other tiles make dQ whole or in halves)")
+    if c.dq_chunks not in (1, *DQ_CHUNK_COUNTS):
+        out.append(f"dq_chunks {c.dq_chunks} must be 1 (dQ whole or in halves) or one of {DQ_CHUNK_COUNTS} (the "
+                   "column-split program)")
     requested, head_dim = head_dim, tile_dim(head_dim) if head_dim in ALL_HEAD_DIMS else head_dim
     first_tile_rule = len(out)  # the rules below are the tiles' (head_dim 96: 128)
     if c.block_m not in (64, 128):
@@ -553,7 +556,7 @@ def col_split_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") 
                 for row_load in ("tma", "producer"):
                     for kv in KV_STORES:
                         c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, kv_store=kv,
-                                           col_split=True, dq_chunks=chunks)
+                                           dq_chunks=chunks)
                         if is_valid(c, head_dim, dtype, mask):
                             out.append(c)
     return out
@@ -572,7 +575,7 @@ def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -
     docs/results/h200/gluon_bwd/kv-store/)."""
     if tile_dim(head_dim) in COL_SPLIT_HEAD_DIMS:
         c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2, dq_mode="tma", row_load="tma",
-                           kv_store="tma", col_split=True, dq_chunks=4)
+                           kv_store="tma", dq_chunks=4)
         reasons = invalid_reasons(c, head_dim, dtype, mask)
         if reasons:
             raise ValueError(f"no Gluon backward for head_dim={head_dim} dtype={dtype} mask={mask}: {reasons[0]}")

@@ -205,7 +205,7 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
                             else f"code {c.dq_stage}",
                             kv_store=B.KV_STORES[c.kv_store] if 0 <= c.kv_store < len(B.KV_STORES)
                             else f"code {c.kv_store}", longest_first=bool(c.longest_first),
-                            dq_writer=bool(c.dq_writer), col_split=c.dq_chunks > 0, dq_chunks=c.dq_chunks or 1)
+                            dq_writer=bool(c.dq_writer), dq_chunks=c.dq_chunks or 1)
 
 
 def _dq_mode(c: TileConfig) -> str:
@@ -237,7 +237,7 @@ def tile_config(g) -> TileConfig:
                       half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"),
                       dq_stage=B.DQ_STAGES.index(g.dq_stage),
                       kv_store=B.KV_STORES.index(g.kv_store), longest_first=int(g.longest_first),
-                      dq_writer=int(g.dq_writer), dq_chunks=g.dq_chunks if g.col_split else 0)
+                      dq_writer=int(g.dq_writer), dq_chunks=0 if g.dq_chunks == 1 else g.dq_chunks)
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
