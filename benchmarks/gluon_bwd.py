@@ -24,10 +24,11 @@ default and ``deterministic=True``; writes gluon_bwd_ordered.json.  ``--ordered-
 the tuned tiles instead, each without and with the dQ writer warp (WRITER_CONFIGS).
 
 ``--wide``: head_dim 256 instead: the column-split programs (``col_split``: the two
-consumer warpgroups share 64 key rows and split the columns; WIDE_CONFIGS, every valid
-one), checked against float64 on CHECKS at head_dim 256, then timed on WIDE_SHAPES (the
-``head-dims`` preset's head_dim 256 shapes: Gemma's 8 query and 4 kv heads) against SDPA
-cuDNN's backward and flashgen's current one through autograd; writes gluon_bwd_wide.json.
+consumer warpgroups share 64 key rows and split the columns; every valid config,
+``wide_configs``), checked against float64 on CHECKS at head_dim 256, then timed on
+WIDE_SHAPES (the ``head-dims`` preset's head_dim 256 shapes: Gemma's 8 query and 4 kv
+heads) against SDPA cuDNN's backward and flashgen's current one through autograd; writes
+gluon_bwd_wide.json (``--match REGEX``, ``--limit N``: fewer variants).
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered | --wide]
 """
@@ -432,6 +433,12 @@ def _child_baselines(warm_only: bool) -> None:
 
 # ------------------------------------------------------------------------------ parent side
 
+def _failed_cases(checks: list[dict]) -> list[str]:
+    """The first three failed float64 checks of a variant, as mode, sizes and worst ratio."""
+    return [f"{c['mode']}{c['case'][3]}x{c['case'][4]}:{max(x[2] for x in c['res'].values()):.2f}"
+            for c in checks if not c["ok"]][:3]
+
+
 def _run_child(args: list[str], items: list[str], per_item_s: float, deadline: float, log) -> list[dict]:
     """Run a child over ``items``; a child silent for ``per_item_s`` after an item's START
     is killed, the item recorded as hung, and a new child takes the rest."""
@@ -558,8 +565,7 @@ def main() -> int:
             ref = bl.get((b, h, s, d, c), {}).get("cudnn", {}).get("tflops")
             cells.append(f"{b},{h},{s},{'c' if c else 'n'}:{t['tflops']:.0f}" + (f"[{t['tflops'] / ref:.2f}]" if ref else ""))
         err = v.get("error", "")[:60]
-        bad = [f"{c['mode']}{c['case'][3]}x{c['case'][4]}:{max(x[2] for x in c['res'].values()):.2f}"
-               for c in v["checks"] if not c["ok"]][:3]
+        bad = _failed_cases(v["checks"])
         print(f"{v['config']:<30} {v['head_dim']:>3} {str(v.get('check_ok', '-')):>6} {v.get('check_worst', 0):6.3f}  "
               + " ".join(cells) + (" ERR " + err if err else "") + (" FAIL " + " ".join(bad) if bad else ""))
     for r in base:
@@ -591,8 +597,7 @@ def _main_gqa(out: Path, budget_s: float) -> int:
         if "config" not in r:
             print(f"  {r.get('item', '?')[:60]} ERROR {r.get('error', '')[:100]}")
             continue
-        bad = [f"{c['mode']}{c['case'][3]}x{c['case'][4]}:{max(x[2] for x in c['res'].values()):.2f}"
-               for c in r["checks"] if not c["ok"]][:3]
+        bad = _failed_cases(r["checks"])
         print(f"  {r['config']:<46} ok {r.get('check_ok')} worst {r.get('check_worst', 0):.3f} "
               f"({len(r['checks'])} cases)" + (" FAIL " + " ".join(bad) if bad else "")
               + (" ERR " + r["error"][:80] if "error" in r else ""))
@@ -645,8 +650,7 @@ def _main_ordered(out: Path, budget_s: float, configs=ORDERED_CONFIGS, wide: boo
             print(f"  {r.get('item', '?')[:60]} ERROR {r.get('error', '')[:100]}")
             continue
         reps = [c["repeatable"] for c in r["checks"]]
-        bad = [f"{c['mode']}{c['case'][3]}x{c['case'][4]}:{max(x[2] for x in c['res'].values()):.2f}"
-               for c in r["checks"] if not c["ok"]][:3]
+        bad = _failed_cases(r["checks"])
         print(f"  d{r['head_dim']} {r['config']:<44} ok {r.get('check_ok')} worst {r.get('check_worst', 0):.3f} "
               + ("" if wide else f"repeatable {sum(bool(x) for x in reps)}/{len(reps)}")
               + (" FAIL " + " ".join(bad) if bad else "") + (" ERR " + r["error"][:80] if "error" in r else ""))
