@@ -73,6 +73,14 @@ def tile_dim(head_dim: int) -> int:
     the convert, the register stores of dK and dV) mask them; the dQ accumulator is
     tile_dim wide.  The forward's padding rule (:func:`.config.pad`)."""
     return pad(head_dim)
+
+
+def col_split_dim(head_dim: int) -> bool:
+    """Whether ``head_dim`` runs on the column-split program (its tiles' width is one of
+    :data:`COL_SPLIT_HEAD_DIMS`)."""
+    return tile_dim(head_dim) in COL_SPLIT_HEAD_DIMS
+
+
 #: Shared memory per block (opt-in) and registers per SM on sm_90.
 SMEM_LIMIT_BYTES = 232448
 REGS_PER_SM = 65536
@@ -524,7 +532,7 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", gro
     heads per kv head (group_split: :func:`group_splits`).  LSE2 / delta come through the
     ring ("tma" or "producer"); the consumers' own pointer loads ("ptr") cost registers and
     spill at head_dim 128 (0.67x the "tma" variant on the H200), so they are left out."""
-    if tile_dim(head_dim) in COL_SPLIT_HEAD_DIMS:
+    if col_split_dim(head_dim):
         return col_split_space(head_dim, dtype, mask)
     out = []
     for block_m in (64, 128):
@@ -573,7 +581,7 @@ def default_config(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -
     at 64: docs/results/h200/gluon_bwd/dq-stage/fragment.log); dK and dV stored through
     shared memory by TMA (1.00-1.11x the register stores at both head dims:
     docs/results/h200/gluon_bwd/kv-store/)."""
-    if tile_dim(head_dim) in COL_SPLIT_HEAD_DIMS:
+    if col_split_dim(head_dim):
         c = GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2, dq_mode="tma", row_load="tma",
                            kv_store="tma", dq_chunks=4)
         reasons = invalid_reasons(c, head_dim, dtype, mask)

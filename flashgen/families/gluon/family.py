@@ -306,7 +306,7 @@ class GluonFamily:
         if key.spec.kernel == VARLEN_BWD:  # the knobs bwd.varlen_reasons leaves (GQA group 1's space)
             return {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                     "row_load": (0, 1), "split": (0, 1)}
-        if B.tile_dim(key.spec.head_dim) in B.COL_SPLIT_HEAD_DIMS:  # the column-split program (bwd.col_split_space)
+        if B.col_split_dim(key.spec.head_dim):  # the column-split program (bwd.col_split_space)
             return {"BLOCK_M": (64,), "BLOCK_N": (64,), "num_warps": (8,), "num_stages": (1, 2), "dq_atomic": (0, 1),
                     "row_load": (0, 1), "kv_store": (0, 1), "dq_chunks": B.DQ_CHUNK_COUNTS}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
@@ -332,7 +332,7 @@ class GluonFamily:
             return {k: (0, 1) for k in VARLEN_REFINE_KNOBS}
         if key.spec.kernel == VARLEN_BWD:
             return {"dq_writer": (0, 1)}
-        if key.spec.kernel != WHOLE_BWD or B.tile_dim(key.spec.head_dim) in B.COL_SPLIT_HEAD_DIMS:
+        if key.spec.kernel != WHOLE_BWD or B.col_split_dim(key.spec.head_dim):
             return {}  # (the column-split program takes none of these)
         return {"dq_ordered": (0, 1), "dq_writer": (0, 1),
                 **({"longest_first": (0, 1)} if key.spec.mask != "none" else {})}
