@@ -28,7 +28,10 @@ consumer warpgroups share 64 key rows and split the columns; every valid config,
 ``wide_configs``), checked against float64 on CHECKS at head_dim 256, then timed on
 WIDE_SHAPES (the ``head-dims`` preset's head_dim 256 shapes: Gemma's 8 query and 4 kv
 heads) against SDPA cuDNN's backward and flashgen's current one through autograd; writes
-gluon_bwd_wide.json (``--match REGEX``, ``--limit N``: fewer variants).
+gluon_bwd_wide.json (``--match REGEX``, ``--limit N``: fewer variants).  ``--wide --unchecked``:
+the default beside the configs the rules refuse only until their float64 checks have run
+here (``bwd.NOT_CHECKED``: the next step's S^T and dP^T issued during the dQ chunks,
+``lookahead`` 1 and 2; dQ by atomics with dK and dV stored by TMA).
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered | --wide]
 """
@@ -176,14 +179,22 @@ ORDERED_SHAPES = [(4, 16, 16, 4096, 128, False), (1, 16, 16, 16384, 128, True), 
 WIDE_SHAPES = [(16 * 1024 // s, 8, 4, s, 256, causal) for causal in (False, True) for s in (1024, 2048, 4096, 8192)]
 
 
-def wide_configs():
+def wide_configs(unchecked: bool = False):
     """``--wide``'s variants: every config of the head_dim 256 search space (the default
-    first), each "full" (window and float16 checks too), as (fields, head_dim, full)."""
+    first), each "full" (window and float16 checks too), as (fields, head_dim, full).
+    ``unchecked``: the default, then the configs the rules refuse only because their
+    float64 checks have not run on the GPU (``bwd.col_split_space(unchecked=True)``)."""
     import dataclasses
 
     from flashgen.families.gluon import bwd as B
 
     default = B.default_config(256)
+    if unchecked:
+        # the lookahead twins of the default's neighbours first
+        rest = sorted(B.col_split_space(256, "bfloat16", "causal", unchecked=True),
+                      key=lambda c: (not c.lookahead, c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
+                                     c.row_load != default.row_load, -c.stages, -c.dq_chunks))
+        return [(dataclasses.astuple(c), 256, True) for c in [default, *rest]]
     # the default, then the other ring depth and dQ modes before the load and store choices
     space = sorted(B.search_space(256, "bfloat16", "causal"),
                    key=lambda c: (c != default, c.row_load != default.row_load, c.kv_store != default.kv_store,
@@ -496,6 +507,8 @@ def main() -> int:
     ap.add_argument("--wide", action="store_true", help="head_dim 256: the column-split programs against cuDNN")
     ap.add_argument("--limit", type=int, default=0, help="--wide: the first N of its variants only (0: all)")
     ap.add_argument("--match", default="", help="--wide: only the variants whose id matches this regular expression")
+    ap.add_argument("--unchecked", action="store_true",
+                    help="--wide: the default and the configs refused only until checked on the GPU")
     ap.add_argument("--tiles", choices=sorted(TILE_PROBES), default=None,
                     help="time TILE_PROBES[...] (configs outside the rules among them) instead of CONFIGS")
     ap.add_argument("items", nargs="*")
@@ -522,7 +535,7 @@ def main() -> int:
 
         from flashgen.families.gluon import bwd as B
 
-        chosen = [w for w in wide_configs() if re.search(a.match, B.GluonBwdConfig(*w[0]).id)]
+        chosen = [w for w in wide_configs(a.unchecked) if re.search(a.match, B.GluonBwdConfig(*w[0]).id)]
         return _main_ordered(out, a.budget_s, chosen[:a.limit or None], wide=True)
     t0 = time.time()
     deadline = t0 + a.budget_s

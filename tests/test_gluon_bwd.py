@@ -76,6 +76,16 @@ CASES = [
      "none"),
     ((64, 64, 2, 1, "tma", 240, 24, "producer", 1, False, 1, False, "swizzled", "tma", False, False, 2), 256,
      "window"),
+    # the column-split program issuing the next step's S^T and dP^T ahead (lookahead 1:
+    # after dK; 2: interleaved with the dQ chunks), refused until checked on the GPU
+    # (bwd.NOT_CHECKED): compiled as it would run, on the default and with atomic dQ and
+    # the register stores
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, 4, 1), 256,
+     "causal"),
+    ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, 4, 2), 256,
+     "causal"),
+    ((64, 64, 2, 2, "atomic", 240, 24, "producer", 1, False, 1, False, "swizzled", "ptr", False, False, 4, 1),
+     256, "window"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -113,7 +123,9 @@ from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon.shim import cuobjdump, ptxas_sm90
 for fields, d, mask in CASES:
     cfg = B.GluonBwdConfig(*fields)
-    k = B.compile_sm90(cfg, "bfloat16", d, mask)
+    # a variant refused only until its float64 checks have run on the GPU compiles as it will run
+    reasons = B.invalid_reasons(cfg, d, "bfloat16", mask)
+    k = B.compile_sm90(cfg, "bfloat16", d, mask, check=not reasons or not all(B.NOT_CHECKED in r for r in reasons))
     with tempfile.TemporaryDirectory() as t:
         ptx, cubin = os.path.join(t, "k.ptx"), os.path.join(t, "k.cubin")
         open(ptx, "w").write(k.asm["ptx"])
@@ -132,7 +144,8 @@ for fields, d, mask in CASES:
                               "sts128": sass.count("STS.128"), "sts64": sass.count("STS.64"),
                               "parts": cfg.parts, "block_m": cfg.block_m, "stage": cfg.dq_stage,
                               "kv_store": cfg.kv_store, "stg": len(re.findall(r"\bSTG\.E", sass)),
-                              "tma_stores": sass.count("UTMASTG")}))
+                              "tma_stores": sass.count("UTMASTG"),
+                              "waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)}))
 for kern in ("attn_bwd_preprocess", "attn_bwd_convert"):
     B.compile_sm90(B.default_config(128), "float16", 128, "none", kern)
     print("AUX", kern)
@@ -1193,6 +1206,70 @@ def test_head_dim_96_runs_on_the_head_dim_128_tiles():
             assert a["dk_partial"].shape == (b, hk, 2, s, 96)
         else:
             assert [x.block_shape[-1] for x in a["main"][1][10:12]] == [128, 128]  # dK, dV by TMA, clipped
+
+
+def test_lookahead_is_refused_until_checked_and_listed_for_the_check():
+    """``lookahead`` (the column-split program issuing the next step's S^T and dP^T during
+    its dQ chunks: 1 after dK, 2 interleaved with the chunks) is built for that program
+    alone, with a ring of two or more stages and four dQ chunks (two chunks: the register
+    model is over the budget); the rules refuse it only for not having run on the GPU, so
+    the search space and the code id's probes leave it out, and
+    ``col_split_space(unchecked=True)`` lists it for the GPU check."""
+    cs = B.default_config(256)
+    la, lai = dataclasses.replace(cs, lookahead=1), dataclasses.replace(cs, lookahead=2)
+    assert (la.id, lai.id) == (cs.id + "_la", cs.id + "_lai")
+    for c in (la, lai):
+        assert [r for r in B.invalid_reasons(c, 256)] == [f"lookahead {B.NOT_CHECKED}"]
+        assert any("stages >= 2" in r for r in B.invalid_reasons(dataclasses.replace(c, stages=1), 256))
+    assert any("column-split program only" in r
+               for r in B.invalid_reasons(dataclasses.replace(B.default_config(128), lookahead=1), 128))
+    assert any("lookahead 3" in r for r in B.invalid_reasons(dataclasses.replace(cs, lookahead=3), 256))
+    assert any("dq_chunks 4" in r for r in B.invalid_reasons(dataclasses.replace(lai, dq_chunks=2), 256))
+    two = dataclasses.replace(la, dq_chunks=2, dq_mode="atomic")
+    assert B.consumer_regs_estimate(two, 256) > two.consumer_regs + B.LOCKSTEP_SPILL_SLACK_REGS
+    assert B.consumer_regs_estimate(la, 256) == B.consumer_regs_estimate(lai, 256) <= la.consumer_regs
+    for mask in B.MASKS:
+        assert not any(c.lookahead for c in B.search_space(256, "bfloat16", mask))
+        ahead = [c for c in B.col_split_space(256, "bfloat16", mask, unchecked=True) if c.lookahead]
+        assert la in ahead and lai in ahead and {(c.stages, c.dq_chunks) for c in ahead} == {(2, 4)}
+        assert all(all(B.NOT_CHECKED in r for r in B.invalid_reasons(c, 256, "bfloat16", mask))
+                   for c in B.col_split_space(256, "bfloat16", mask, unchecked=True))
+    assert not any(c.lookahead for c, *_ in B.probe_variants("col_split"))
+    # the render: the first step's products before the loop, the next step's after dK,
+    # retired with the first dQ chunk; without the knob the source has none of it
+    src, base = B.render(la, "bfloat16", 256, "causal", check=False), B.render(cs, "bfloat16", 256, "causal")
+    body = src[src.index("def _consumer("):]
+    assert body.index("dk = warpgroup_mma(ds_c, q_s, dk") < body.index("st_next = warpgroup_mma(k_o")
+    assert "dv, dq = warpgroup_mma_wait(3, deps=[dv, dq])" in body
+    assert "dq, st_next, dpt_next = warpgroup_mma_wait(0, deps=[dq_next, st_next, dpt_next])" in body
+    assert "st_next" not in base and "_opaque(s * 0)" not in base
+    body = B.render(lai, "bfloat16", 256, "causal", check=False)
+    body = body[body.index("def _consumer("):]
+    steps = [body.index(s) for s in ("k_o.slice(64, DQC", "st_next = warpgroup_mma(k_o", "k_o.slice(128, DQC",
+                                     "dpt_next = warpgroup_mma(v_o", "k_o.slice(192, DQC")]
+    assert steps == sorted(steps) and "dq, dpt_next = warpgroup_mma_wait(0, deps=[dq_next, dpt_next])" in body
+
+
+def test_lookahead_sass_issues_the_next_products_behind_dk(compiled):
+    """The column-split program's HGMMA: S^T and dP^T 16 each over head_dim 256, dV and dK
+    4 each over BLOCK_M 64, 4 per dQ chunk; the lookahead variants 32 more (the first
+    step's S^T and dP^T before the loop) and the partial wait that leaves dK and the next
+    step's two products in flight (3) while the first dQ chunk goes out, or (interleaved,
+    ``_lai``) the two waits that leave one of them in flight (1) while chunks 1 and 2 go
+    out."""
+    for c in compiled:
+        chunks = re.search(r"_cs(\d)", c["id"])
+        if chunks:
+            base = 2 * 16 + 2 * 4 + 4 * int(chunks.group(1))
+            n = int(chunks.group(1))
+            ahead = re.search(r"_la(i?)$", c["id"])
+            assert c["hgmma"] == base + (32 if ahead else 0), c
+            # the wgmma waits in program order: without lookahead S^T, dP^T, dV with chunk
+            # 0 (1 left in flight each), then the chunks and dK; the lookahead variants
+            # start with the first step's products (0)
+            waits = (["0x1"] * 3 + ["0x0"] * n if not ahead else ["0x0", "0x3"] + ["0x0"] * n
+                     if not ahead.group(1) else ["0x0"] + ["0x1"] * 3 + ["0x0"] * (n - 2))
+            assert c["waits"] == waits, c
 
 
 def test_column_split_program_serves_head_dim_256_alone():

@@ -170,6 +170,15 @@ class GluonBwdConfig:
                     "ordered" and a one-warp producer (whose warpgroup the writer's warp
                     shares), not with the column halves of split partitions at
                     head_dim 128.
+    lookahead:      0; with ``col_split``, each step issues the next step's S^T and
+                    dP^T (waiting on its ring slot, so ``stages`` >= 2) during its dQ
+                    chunks, so the tensor cores run them while the chunks go out; they are
+                    retired within the step and carried into the next one, which starts
+                    at its softmax.  1 (``_la``): both right after dK, retired with the
+                    first chunk's wait; 2 (``_lai``): S^T behind dQ chunk 1 and dP^T
+                    behind chunk 2 (``dq_chunks`` 4), interleaved with the chunks.
+                    Refused until its float64 checks have run on the GPU
+                    (:data:`NOT_CHECKED`).
     """
 
     block_m: int = 64
@@ -189,6 +198,7 @@ class GluonBwdConfig:
     longest_first: bool = False
     dq_writer: bool = False
     dq_chunks: int = 1
+    lookahead: int = 0
 
     @property
     def col_split(self) -> bool:
@@ -238,7 +248,8 @@ class GluonBwdConfig:
                 + {"ptr": "", "tma": "_kvt"}.get(self.kv_store, f"_kv-{self.kv_store}")
                 + ("_lpt" if self.longest_first else "")
                 + ("_dqw" if self.dq_writer else "")
-                + (f"_cs{self.dq_chunks}" if self.col_split else ""))
+                + (f"_cs{self.dq_chunks}" if self.col_split else "")
+                + {0: "", 1: "_la", 2: "_lai"}.get(self.lookahead, f"_la{self.lookahead}"))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, varlen: bool = False) -> str:
@@ -273,6 +284,19 @@ def smem_bytes(config: GluonBwdConfig, head_dim: int) -> int:
     return sum(smem_terms(config, head_dim).values())
 
 
+#: ``lookahead`` values: off; the next step's S^T and dP^T after dK; interleaved with
+#: the dQ chunks.
+LOOKAHEADS = (0, 1, 2)
+
+
+#: The words of the rules that refuse a variant only because its float64 checks have not
+#: run on the GPU yet (it compiles for sm_90 cleanly); ``col_split_space(unchecked=True)``
+#: lists them for ``benchmarks/gluon_bwd.py --wide --unchecked``, which runs those checks.
+#: Admitting one adds a code-id extension (:data:`EXTENSIONS`) listed before
+#: "col_split", so the shipped rows' code id stays.
+NOT_CHECKED = "has not been checked on the GPU"
+
+
 #: Registers over its budget a lock-step partition's modeled demand may be: BLOCK_M 128
 #: at head_dim 64 (model 256 against 240) spills 36 B without a mask and 76 B causal
 #: under Triton 3.6's ptxas, and on the H200 measured 1.11x the default tile without a
@@ -290,7 +314,8 @@ def consumer_regs_estimate(config: GluonBwdConfig, head_dim: int) -> int:
     P^T and dS^T operands of the in-flight wgmmas; plus about 32 for addresses, indices
     and the loop state.  ``col_split``: every tile spread over both warpgroups (256
     threads): dK and dV, then the larger of (S^T, dP^T and the 16-bit P^T before its
-    store) and (two dQ chunks in flight with S^T's share), + 32."""
+    store) and (two dQ chunks in flight with S^T's share; ``lookahead``: and the next
+    step's S^T and dP^T), + 32."""
     c = config
     per_wg = 128  # threads of one warpgroup
     if c.col_split:
@@ -299,7 +324,8 @@ def consumer_regs_estimate(config: GluonBwdConfig, head_dim: int) -> int:
         threads = 2 * per_wg
         st = c.block_n * c.block_m // threads
         dq = c.block_m * head_dim // max(1, c.dq_chunks) // threads
-        return 2 * c.block_n * head_dim // threads + max(2 * st + st // 2, 2 * dq + st) + 32
+        ahead = 2 * st if c.lookahead else 0
+        return 2 * c.block_n * head_dim // threads + max(2 * st + st // 2, 2 * dq + st + ahead) + 32
     acc = 2 * c.block_n * head_dim // per_wg
     st = c.block_n * c.block_m // per_wg
     op16 = st // 2
@@ -338,6 +364,20 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
             if on:
                 out.append(f"col_split with {knob}: not built (the column-split program stages its dQ chunks "
                            "itself, sums the GQA group in the program and takes the 2-D grid)")
+    if c.lookahead not in LOOKAHEADS:
+        out.append(f"lookahead {c.lookahead!r} is not one of {LOOKAHEADS}")
+    elif c.lookahead == 2 and c.dq_chunks != 4:
+        out.append(f"lookahead 2 issues the next step's dP^T behind dQ chunk 2 of 4 (dq_chunks 4, got "
+                   f"{c.dq_chunks})")
+    if c.lookahead and not c.col_split:
+        out.append("lookahead is built for the column-split program only (dq_chunks 2 or 4, head_dim 256)")
+    if c.lookahead and c.stages < 2:
+        out.append(f"lookahead needs stages >= 2 (got {c.stages}): the next step's tile is read while this "
+                   "step's slot is still in use")
+    if c.lookahead and c.col_split:
+        # compiled without spills or C751x under Triton 3.6 (tests/test_gluon_bwd.py); the
+        # next step's products issued before this step's are retired have not run yet
+        out.append(f"lookahead {NOT_CHECKED}")
     if c.dq_chunks not in (1, *DQ_CHUNK_COUNTS):
         out.append(f"dq_chunks {c.dq_chunks} must be 1 (dQ whole or in halves) or one of {DQ_CHUNK_COUNTS} (the "
                    "column-split program)")
@@ -395,8 +435,8 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
     elif c.kv_store == "tma" and c.dq_mode == "atomic" and c.col_split:
         # ptxas (Triton 3.6) compiles these without spills, but none has run on the H200:
         # the column-split program's atomic dQ is checked and served with the register stores
-        out.append("kv_store 'tma' with dq_mode 'atomic' at head_dim 256 has not been checked on the GPU; use the "
-                   "register stores or the TMA reduce-add")
+        out.append(f"kv_store 'tma' with dq_mode 'atomic' at head_dim 256 {NOT_CHECKED}; use the register stores "
+                   "or the TMA reduce-add")
     elif c.kv_store == "tma" and c.dq_mode == "atomic" and head_dim >= 128:
         # the atomic dQ's epilogue with the TMA stores: ptxas (Triton 3.6) spills 40 B
         # (causal, rows by the producer), against none with the register stores
@@ -553,20 +593,26 @@ def search_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none", gro
     return out
 
 
-def col_split_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> list[GluonBwdConfig]:
+def col_split_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
+                    unchecked: bool = False) -> list[GluonBwdConfig]:
     """The valid ``col_split`` configs (head_dim 256): ring depth, dQ by TMA reduce-add or
     atomics in 2 or 4 column chunks, LSE2 / delta by the producer's TMA or loads, dK and dV
-    by register or TMA stores; the shared-memory rule keeps those that fit."""
+    by register or TMA stores, the next step's S^T and dP^T issued ahead or not; the
+    shared-memory and register rules keep those that fit.  ``unchecked``: instead, the
+    configs refused only for not having run their float64 checks on the GPU
+    (:data:`NOT_CHECKED`)."""
     out = []
     for stages in (1, 2):
         for dq_mode in SEARCH_DQ_MODES:
             for chunks in DQ_CHUNK_COUNTS:
                 for row_load in ("tma", "producer"):
                     for kv in KV_STORES:
-                        c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, kv_store=kv,
-                                           dq_chunks=chunks)
-                        if is_valid(c, head_dim, dtype, mask):
-                            out.append(c)
+                        for ahead in LOOKAHEADS:
+                            c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, kv_store=kv,
+                                               dq_chunks=chunks, lookahead=ahead)
+                            reasons = invalid_reasons(c, head_dim, dtype, mask)
+                            if (all(NOT_CHECKED in r for r in reasons) and reasons) if unchecked else not reasons:
+                                out.append(c)
     return out
 
 
@@ -782,7 +828,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         HALF_PARTIALS=c.half_partials, DQ_PROBE=probe, DQ_STAGE=c.dq_stage,
         DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store,
         LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer, VARLEN=varlen, BLOCK_NT=c.block_nt,
-        MMA_WARPS=mma_warps, ST_N=st_n, KV_N=kv_n, COL_SPLIT=c.col_split, DQ_CHUNKS=c.dq_chunks, DQ_COLS=dq_cols)
+        MMA_WARPS=mma_warps, ST_N=st_n, KV_N=kv_n, COL_SPLIT=c.col_split, DQ_CHUNKS=c.dq_chunks, DQ_COLS=dq_cols,
+        LOOKAHEAD=c.lookahead)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
