@@ -13,6 +13,12 @@ For each shape of the ``decode`` preset (bf16, Llama-3-8B heads 32/8, d 128; bat
 * ``flashgen-default``: the same with the heuristic default (no database);
 * ``flashgen-paged`` / ``flashgen-paged-default``: the paged cache (page size 64, pages
   shuffled in the pool) where the preset lists it;
+* ``flashgen-attention``: the dense op ``flashgen.attention`` on the (b, h, s, d) views of
+  the contiguous cache (what a model calls), which runs these shapes in its
+  flash-decoding form (``library.decode_form``: the decode kernels); checked;
+* ``flashgen-attention-tiles``: the same call with the flash-decoding form off
+  (``library.DECODE_FORM_ROWS`` 0, its own dispatcher): the forward kernels' tiles,
+  one program per (batch, head, query block); checked;
 * ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``: torch SDPA restricted to one backend
   (``torch.nn.attention.sdpa_kernel``) on the contiguous cache viewed as (b, h, s, d)
   (enable_gqa; bottom-right causal via ``causal_lower_right``); every cache is full, so
@@ -43,8 +49,8 @@ import sys
 import time
 import traceback
 
-BACKENDS = ("flashgen", "flashgen-default", "flashgen-paged", "flashgen-paged-default", "sdpa-flash",
-            "sdpa-cudnn", "sdpa-efficient", "flex", "copy")
+BACKENDS = ("flashgen", "flashgen-default", "flashgen-paged", "flashgen-paged-default", "flashgen-attention",
+            "flashgen-attention-tiles", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "copy")
 
 
 def _parse(argv):
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
     import torch
 
     import flashgen
-    from flashgen import bench, dispatch, presets, reference
+    from flashgen import bench, dispatch, library, presets, reference
     from flashgen.dispatch import Dispatcher
     from flashgen.spec import KernelSpec, ProblemKey, Variant
 
@@ -112,6 +118,9 @@ def main(argv=None) -> int:
     results = []
     default_disp = Dispatcher(databases=[])
     tuned_disp = dispatch.default_dispatcher()
+    # the dense op without its flash-decoding form: a dispatcher of its own, so no call
+    # memoized with the form on answers a call with it off
+    tiles_disp = Dispatcher(databases=tuned_disp.databases())
 
     def time_ms(fn) -> float:
         return bench.script_time_ms(fn, device == "cuda", args.warmup_ms, args.rep_ms)
@@ -234,6 +243,18 @@ def main(argv=None) -> int:
         from flashgen import peers
 
         qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+        for name, rows, disp in (("flashgen-attention", library.DECODE_FORM_ROWS, tuned_disp),
+                                 ("flashgen-attention-tiles", 0, tiles_disp)):
+            def dense(rows=rows, disp=disp):
+                keep, prev = library.DECODE_FORM_ROWS, dispatch._default
+                library.DECODE_FORM_ROWS = rows
+                dispatch.set_default_dispatcher(disp)
+                try:
+                    return flashgen.attention(qt, kt, vt, causal=causal)
+                finally:
+                    library.DECODE_FORM_ROWS = keep
+                    dispatch.set_default_dispatcher(prev)
+            record(name, dense, out_check=lambda dense=dense: check(dense().transpose(1, 2)))
         for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):
             if name in wanted:
                 fn_ = peers.sdpa(name, qt, kt, causal=causal, softmax_scale=d ** -0.5)
@@ -309,7 +330,7 @@ def _flex_fn(q, k, v, lens, causal: bool, scale: float):
 
 def _table(results, wanted):
     cols = [c for c in BACKENDS if c in wanted]
-    head = f"{'shape':<28}" + "".join(f"{c:>24}" for c in cols)
+    head = f"{'shape':<28}" + "".join(f" {c:>25}" for c in cols)
     print()
     print("median ms | achieved GB/s | % of copy bandwidth   (- : not run; x : failed, see JSON)")
     print(head)
@@ -330,7 +351,7 @@ def _table(results, wanted):
                 pct = x.get("pct_of_copy")
                 cells.append(f"{x['ms']:.4f}|{x['gbps']:.0f}" + (f"|{pct:.0f}%" if pct is not None and
                                                                  math.isfinite(pct) else ""))
-        print(f"{name:<28}" + "".join(f"{c:>24}" for c in cells))
+        print(f"{name:<28}" + "".join(f" {c:>25}" for c in cells))
 
 
 if __name__ == "__main__":

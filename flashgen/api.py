@@ -182,10 +182,10 @@ def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
             dev = q.device.index
             with torch.cuda.device(dev):
                 capturing = dispatch.graph_capturing()
-                cfg, mod = library.kernel_for("fwd", q, k, v, mask)
+                cfg, mod = library.kernel_for("fwd", q, k, v, mask, bounds=(lo, hi))
         else:
             capturing = dispatch.graph_capturing()
-            cfg, mod = library.kernel_for("fwd", q, k, v, mask)
+            cfg, mod = library.kernel_for("fwd", q, k, v, mask, bounds=(lo, hi))
         if ekey[12] == 0:
             # a call whose scale takes the checked path comes here every time: keep its recipes
             old = disp.fast.get(ekey)
@@ -1181,7 +1181,15 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
 
         det = library.deterministic_backward(deterministic)
         plan = disp.backward(key_of("bwd_dq"), deterministic=det, capturing=False)
-        kernels = tuple(KernelChoice.of(c) for c in (disp.choose(key_of("fwd"), capturing=False), *plan.choices))
+        fwd_key = key_of("fwd")
+        if not mods and library.decode_form(q, k, v, mask, lo, hi):
+            fwd_key = ProblemKey.from_sizes(KernelSpec("decode", dtype, d, dv, "causal" if mask == "causal" and sq > 1
+                                                       else "none"),
+                                            batch=b, num_heads=h, num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk)
+            path += (f"; the forward runs as flash-decoding (seqlen_q x group = {sq * (h // hk)} <= "
+                     f"{library.DECODE_FORM_ROWS} query rows per kv head, seqlen_k >= "
+                     f"{library.DECODE_FORM_MIN_SEQLEN_K}): the decode kernel over k, v as a full cache")
+        kernels = tuple(KernelChoice.of(c) for c in (disp.choose(fwd_key, capturing=False), *plan.choices))
         how = "whole backward (bwd)" if plan.whole else "bwd_dq + bwd_dkdv"
         repeat = ("bitwise repeatable" if not plan.whole else "bitwise repeatable (dQ added in a fixed order)"
                   if plan.repeatable else "not bitwise repeatable (dQ by reduce-add)")

@@ -120,11 +120,53 @@ def _fast_key(kernel, q, k, v, mask, mods):
             k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, mods)
 
 
-def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str = ""):
+#: The dense forward's flash-decoding form (:func:`decode_form`): at most this many query
+#: rows per kv head (seqlen_q x the GQA group: one packed tile of the decode kernel) ...
+DECODE_FORM_ROWS = 64
+#: ... and at least this many keys (shorter calls are bound by their launches either way).
+DECODE_FORM_MIN_SEQLEN_K = 512
+
+
+def decode_form(q: Tensor, k: Tensor, v: Tensor, mask: str, lo: int, hi: int) -> bool:
+    """Whether the dense forward of q (batch, num_heads, seqlen_q, head_dim) over k, v
+    (batch, num_kv_heads, seqlen_k, head_dim[_v]) with mask bounds (``mask``, ``lo``,
+    ``hi``: :func:`flashgen.masks.mask_bounds`) runs as flash-decoding, as
+    FlashAttention's forward does for a single query (its split-KV path with the GQA
+    group's heads swapped into the rows): the decode kernel of
+    :func:`flashgen.attention_with_kvcache` over k and v as a full cache, which packs
+    the group's query heads x seqlen_q rows into one tile (each K/V element read once per
+    kv head) and splits the keys over programs.  For a few query rows per kv head
+    (seqlen_q x group <= :data:`DECODE_FORM_ROWS`) and seqlen_k >=
+    :data:`DECODE_FORM_MIN_SEQLEN_K`, without a mask or with bottom-right causal alone
+    (the decode kernel's two masks; a window, a top-left alignment and score
+    modifications take the forward kernels).  O and LSE are the same function; the
+    backward is unchanged."""
+    sq, sk = q.shape[2], k.shape[2]
+    return (sq * (q.shape[1] // max(1, k.shape[1])) <= DECODE_FORM_ROWS and sk >= DECODE_FORM_MIN_SEQLEN_K
+            and (mask == "none" or (mask == "causal" and hi == sk - sq and lo <= -sq)))
+
+
+def decode_form_kernel(q: Tensor, k: Tensor, v: Tensor, mask: str):
+    """(TileConfig, loaded module) of the decode kernel that runs the dense forward of
+    these inputs in its flash-decoding form (:func:`decode_form`): the ``decode``
+    kernel's tuned row or default for q seen as (batch, seqlen_q, num_heads, head_dim)
+    and k, v as a cache of seqlen_k keys.  Its config has ``num_splits`` >= 1, which
+    the Triton family's forward launcher runs as that kernel."""
+    disp = dispatch._default or dispatch.default_dispatcher()
+    dmask = "causal" if mask == "causal" and q.shape[2] > 1 else "none"
+    return _decode_kernel(disp, "decode", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dmask, k.shape[2])
+
+
+def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str = "",
+               bounds: tuple[int, int] | None = None):
     """(TileConfig, loaded module) of ``kernel`` for these inputs, from the default
     dispatcher.  Memoized per exact sizes in the dispatcher's ``fast`` table (cleared
     with it); inside a CUDA graph capture a miss takes the dispatcher's capture-safe
-    answer (cache or default) and is not memoized."""
+    answer (cache or default) and is not memoized.  ``bounds``: the forward's (lo, hi),
+    with which a "fwd" call without ``mods`` that :func:`decode_form` takes gets the
+    decode kernel's (:func:`decode_form_kernel`)."""
+    if kernel == "fwd" and bounds is not None and not mods and decode_form(q, k, v, mask, *bounds):
+        return decode_form_kernel(q, k, v, mask)
     disp = dispatch.default_dispatcher()
     fk = _fast_key(kernel, q, k, v, mask, mods)
     hit = disp.fast.get(fk)
@@ -310,7 +352,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, h
     name = mods.name if mods is not None else ""
     with _on_device(q):
         while True:
-            cfg, mod = kernel_for("fwd", q, k, v, mask, name)
+            cfg, mod = kernel_for("fwd", q, k, v, mask, name, (lo, hi))
             # kernel_for gives a tma config only to inputs a descriptor can address
             try:
                 return families.launcher(cfg.family, "fwd")(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo,

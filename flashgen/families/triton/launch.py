@@ -183,7 +183,13 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     :func:`tma_ok`: an unaligned slice, expanded heads) runs the same tiles with
     pointer loads instead.  ``addressable=True``: the caller has established that q, k
     and v are (their ProblemKey layout is ""), so the check is skipped.  ``mods``: the
-    score modifications' arguments (the variant compiled with ``mods.name``)."""
+    score modifications' arguments (the variant compiled with ``mods.name``).
+
+    A config with ``num_splits`` >= 1 is the decode kernel's: the forward runs in its
+    flash-decoding form (:func:`flashgen.library.decode_form`), ``module`` the decode
+    kernel's, k and v a full cache of seqlen_k keys (:func:`_fwd_decode_form`)."""
+    if config.num_splits:
+        return _fwd_decode_form(q, k, v, softmax_scale, mask, config, out, lse, module)
     key, inputs = None, (q, k, v, out, lse)
     if mods is None:
         key, bufs = plans.replay(_FWD_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
@@ -213,6 +219,25 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     _record(mod, kernel)
     if key is not None:
         plans.record_one(_FWD_PLANS, key, kernel, grid, args, inputs, {"out": out, "lse": lse})
+    return out, lse
+
+
+def _fwd_decode_form(q, k, v, softmax_scale, mask, config, out, lse, module):
+    """O (batch, heads, seqlen_q, head_dim_v) and LSE of the dense forward by the decode
+    kernel (:func:`decode`) over q seen as (batch, seqlen_q, heads, head_dim) and k, v as
+    a contiguous cache of seqlen_k keys (every batch entry's length seqlen_k); ``mask``
+    "causal" is bottom-right (:func:`flashgen.library.decode_form`).  O is written
+    through its strides (default: contiguous, as :func:`fwd` allocates it).  Not a
+    launch plan's: a capture around the call records no recipe (:func:`plans.taint`)."""
+    plans.taint()
+    b, h, sq, _ = q.shape
+    sk, dv = k.shape[2], v.shape[3]
+    if out is None:
+        out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
+    lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
+    dmask = "causal" if mask == "causal" and sq > 1 else "none"
+    _, lse = decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lens, softmax_scale=softmax_scale,
+                    mask=dmask, config=config, out=out.transpose(1, 2), lse=lse, module=module)
     return out, lse
 
 

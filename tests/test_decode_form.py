@@ -1,0 +1,143 @@
+"""The dense forward's flash-decoding form (library.decode_form): flashgen.attention with
+a few query rows per kv head (seqlen_q x group <= DECODE_FORM_ROWS) over a long k, v runs
+the decode kernel over k and v as a full cache, as FlashAttention's forward does for a
+single query.  In Triton's interpreter (float16/float32, small shapes) against float64:
+O, LSE and the gradients (the backward is the usual one), every call path (no autograd,
+autograd, the op, explain); windows, top-left alignment and score modifications keep the
+forward kernels.
+
+Pass rule (FlashAttention's): max |kernel - ref64| <= 2 * max |torch at dtype - ref64|
++ floor.
+"""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import arch, dispatch, library, reference
+from flashgen.dispatch import Dispatcher
+from flashgen.env import Environment
+from flashgen.families.triton import launch as triton_launch
+from flashgen.masks import mask_bounds
+
+F16, F32 = torch.float16, torch.float32
+FLOOR = {F16: 2e-3, F32: 2e-5}
+SK = library.DECODE_FORM_MIN_SEQLEN_K + 13  # off the tiles
+
+
+@pytest.fixture(autouse=True)
+def hermetic_dispatcher():
+    dispatch.set_default_dispatcher(Dispatcher([], env=Environment.current(), arch=arch.current()))
+    yield
+    dispatch.set_default_dispatcher(None)
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """The decode-form launches of the test (one entry per call)."""
+    calls = []
+    real = triton_launch._fwd_decode_form
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(triton_launch, "_fwd_decode_form", spy)
+    return calls
+
+
+def _inputs(b, h, hk, sq, sk, d, dtype, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, s, d, generator=g).to(dtype) for n, s in ((h, sq), (hk, sk), (hk, sk)))
+    # a NaN past seqlen_k in the buffer k and v are sliced from: never read
+    kb, vb = (torch.cat([t, torch.full((b, hk, 7, d), float("nan"), dtype=dtype)], 2) for t in (k, v))
+    k, v = kb[:, :, :sk], vb[:, :, :sk]
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def _within(name, got, ref64, base, floor):
+    err, berr = reference.max_error(got, ref64), reference.max_error(base, ref64)
+    assert not torch.isnan(got).any(), name
+    assert err <= 2 * berr + floor, f"{name}: err {err:.3g} > 2 x {berr:.3g} + {floor}"
+
+
+@pytest.mark.parametrize("h,hk,sq,causal,dtype", [
+    (8, 2, 1, False, F16),   # a decode step, GQA 4
+    (8, 2, 1, True, F32),    # causal with one query: every key
+    (4, 1, 5, True, F16),    # MQA, a speculative chunk: bottom-right causal rows
+    (4, 4, 16, False, F32),  # MHA, 16 rows per kv head
+])
+def test_short_queries_run_the_decode_kernel_and_match_float64(h, hk, sq, causal, dtype, decode_calls):
+    """Without autograd, forward-only: O and LSE of the decode form within the rule of
+    float64, and the decode kernel ran."""
+    q, k, v = _inputs(2, h, hk, sq, SK, 32, dtype)
+    mode, lo, hi = mask_bounds(sq, SK, causal=causal, window=(-1, -1))
+    assert library.decode_form(q, k, v, mode, lo, hi)
+    o, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
+    assert len(decode_calls) == 1
+    scale = 32 ** -0.5
+    o64, lse64, _ = reference.forward_bounds(q, k, v, scale, lo, hi)
+    ob, lseb, _ = reference.forward_bounds(q, k, v, scale, lo, hi, dtype=dtype)
+    assert o.shape == (2, h, sq, 32) and o.is_contiguous() and lse.shape == (2, h, sq)
+    _within("O", o, o64, ob, FLOOR[dtype])
+    _within("LSE", lse, lse64, lseb.float(), FLOOR[F32])
+
+
+def test_gradients_through_the_decode_form_match_float64(decode_calls):
+    """With autograd the forward runs the decode form and saves its O and LSE; the
+    backward (the usual kernels) gives dQ, dK, dV within the rule."""
+    q, k, v = _inputs(1, 8, 2, 3, SK, 32, F32, grad=True, seed=1)
+    do = torch.randn(1, 8, 3, 32, generator=torch.Generator().manual_seed(2))
+    o = flashgen.attention(q, k, v, causal=True)
+    o.backward(do)
+    assert len(decode_calls) == 1
+    mode, lo, hi = mask_bounds(3, SK, causal=True, window=(-1, -1))
+    scale = 32 ** -0.5
+    grads64 = reference.backward_bounds(do, q.detach(), k.detach(), v.detach(), scale, lo, hi)
+    base = reference.backward_bounds(do, q.detach(), k.detach(), v.detach(), scale, lo, hi, dtype=F32)
+    for name, got, r, b in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), grads64, base):
+        _within(name, got, r, b, FLOOR[F32])
+
+
+def test_the_op_writes_o_in_its_layout_through_the_decode_form(decode_calls):
+    """The op (what torch.compile traces) allocates O like q (``out_like``): a q seen
+    through transpose(1, 2) gets an O of that memory order, which the decode form writes
+    through its strides."""
+    q, k, v = _inputs(2, 8, 2, 4, SK, 32, F16, seed=3)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    mode, lo, hi = mask_bounds(4, SK, causal=False, window=(-1, -1))
+    o, lse = library.FWD(qt, k, v, 32 ** -0.5, mode, lo, hi)
+    assert len(decode_calls) == 1 and o.stride() == library.out_like(qt, 32).stride()
+    o64, _, _ = reference.forward_bounds(q, k, v, 32 ** -0.5, lo, hi)
+    ob, _, _ = reference.forward_bounds(q, k, v, 32 ** -0.5, lo, hi, dtype=F16)
+    _within("O", o, o64, ob, FLOOR[F16])
+
+
+@pytest.mark.parametrize("kw,sq,sk,why", [
+    (dict(window=(100, 0)), 1, SK, "a window"),
+    (dict(sdpa_causal=True), 4, SK, "top-left causal (scaled_dot_product_attention)"),
+    (dict(softcap=30.0), 1, SK, "a score modification"),
+    (dict(), 17, SK, "17 x 4 rows per kv head"),
+    (dict(), 1, library.DECODE_FORM_MIN_SEQLEN_K - 1, "a short seqlen_k"),
+])
+def test_other_calls_keep_the_forward_kernels(kw, sq, sk, why, decode_calls):
+    """Calls outside the decode form run the forward kernels (and stay exact)."""
+    q, k, v = _inputs(1, 8, 2, sq, sk, 32, F32, seed=4)
+    if kw.pop("sdpa_causal", False):
+        o = flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        o = flashgen.attention(q, k, v, **kw)
+    assert decode_calls == [], why
+    assert o.shape == (1, 8, sq, 32) and not torch.isnan(o).any()
+
+
+def test_explain_names_the_decode_form():
+    q, k, v = (torch.empty(s, device="meta", dtype=torch.bfloat16) for s in ((4, 32, 1, 128), (4, 8, 4096, 128),
+                                                                            (4, 8, 4096, 128)))
+    e = flashgen.explain(q, k, v, causal=True)
+    assert "flash-decoding" in str(e) and e.kernels[0].key.startswith("attn_decode_")
+    e = flashgen.explain(q, k, v, window=(128, 0))
+    assert "flash-decoding" not in str(e) and e.kernels[0].key.startswith("attn_fwd_")
