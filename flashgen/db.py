@@ -37,7 +37,7 @@ TABLE = "measurements"
 GLUON_KNOBS = ("consumer_regs", "producer_regs", "pin", "persistent", "ctas_per_sm", "dq_atomic", "row_load",
                "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
                "kv_store", "snake", "serial_masked", "cross_tile", "o_in_q", "longest_first", "masked_first",
-               "skip_masked", "dq_writer", "dq_chunks")
+               "skip_masked", "dq_writer", "dq_chunks", "lookahead")
 BUSY_TIMEOUT_S = 60.0
 
 COLUMNS: dict[str, type] = {

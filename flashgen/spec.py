@@ -236,7 +236,7 @@ _FLAG_TAGS = (("pin", "_pin"), ("persistent", "_pers"), ("dq_atomic", "_dqat"), 
               ("o_in_q", "_oq"), ("longest_first", "_lpt"), ("masked_first", "_mf"), ("skip_masked", "_skip"),
               ("dq_writer", "_dqw"))
 _INT_TAGS = (("ctas_per_sm", "x"), ("row_load", "rows"), ("producer_warps", "p"), ("group_split", "gs"),
-              ("dq_chunks", "cs"))
+              ("dq_chunks", "cs"), ("lookahead", "la"))
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,9 @@ class TileConfig:
     the tiles' semaphores) from two staging buffers per consumer partition (``_dqw``);
     ``dq_chunks`` n > 0: the head_dim 256 backward's column-split program (its two
     consumer warpgroups share the key rows and split the head_dim columns), dQ made and
-    added in n column chunks (``_cs4``).
+    added in n column chunks (``_cs4``); ``lookahead`` 1 or 2: that program issues the
+    next step's S^T and dP^T during its dQ chunks, after dK (``_la1``) or interleaved
+    with the chunks (``_la2``).
     """
 
     BLOCK_M: int
@@ -338,6 +340,7 @@ class TileConfig:
     skip_masked: int = 0
     dq_writer: int = 0
     dq_chunks: int = 0
+    lookahead: int = 0
 
     @property
     def id(self) -> str:

@@ -1217,7 +1217,7 @@ def test_lookahead_is_refused_until_checked_and_listed_for_the_check():
     ``col_split_space(unchecked=True)`` lists it for the GPU check."""
     cs = B.default_config(256)
     la, lai = dataclasses.replace(cs, lookahead=1), dataclasses.replace(cs, lookahead=2)
-    assert (la.id, lai.id) == (cs.id + "_la", cs.id + "_lai")
+    assert (la.id, lai.id) == (cs.id + "_la1", cs.id + "_la2")
     for c in (la, lai):
         assert [r for r in B.invalid_reasons(c, 256)] == [f"lookahead {B.NOT_CHECKED}"]
         assert any("stages >= 2" in r for r in B.invalid_reasons(dataclasses.replace(c, stages=1), 256))
@@ -1255,20 +1255,20 @@ def test_lookahead_sass_issues_the_next_products_behind_dk(compiled):
     4 each over BLOCK_M 64, 4 per dQ chunk; the lookahead variants 32 more (the first
     step's S^T and dP^T before the loop) and the partial wait that leaves dK and the next
     step's two products in flight (3) while the first dQ chunk goes out, or (interleaved,
-    ``_lai``) the two waits that leave one of them in flight (1) while chunks 1 and 2 go
+    ``_la2``) the two waits that leave one of them in flight (1) while chunks 1 and 2 go
     out."""
     for c in compiled:
         chunks = re.search(r"_cs(\d)", c["id"])
         if chunks:
             base = 2 * 16 + 2 * 4 + 4 * int(chunks.group(1))
             n = int(chunks.group(1))
-            ahead = re.search(r"_la(i?)$", c["id"])
+            ahead = re.search(r"_la([12])$", c["id"])
             assert c["hgmma"] == base + (32 if ahead else 0), c
             # the wgmma waits in program order: without lookahead S^T, dP^T, dV with chunk
             # 0 (1 left in flight each), then the chunks and dK; the lookahead variants
             # start with the first step's products (0)
             waits = (["0x1"] * 3 + ["0x0"] * n if not ahead else ["0x0", "0x3"] + ["0x0"] * n
-                     if not ahead.group(1) else ["0x0"] + ["0x1"] * 3 + ["0x0"] * (n - 2))
+                     if ahead.group(1) == "1" else ["0x0"] + ["0x1"] * 3 + ["0x0"] * (n - 2))
             assert c["waits"] == waits, c
 
 

@@ -339,6 +339,14 @@ def test_backward_domain_filtered_by_the_rules_is_the_search_space(d, mask):
         assert GLUON.refine_domain(k) == {}  # no dq_ordered, dq_writer or longest_first there
         # dQ by atomics takes the register stores of dK and dV here (the TMA stores unchecked on the GPU)
         assert not any(c.dq_atomic and c.kv_store for c in admitted)
+        # lookahead: the domain holds the values checked on the GPU, and a TileConfig of
+        # every value round-trips (the database's column)
+        assert GLUON.domain(k)["lookahead"] == B.CHECKED_LOOKAHEADS
+        assert {c.lookahead for c in admitted} == set(B.CHECKED_LOOKAHEADS)
+        for c in B.col_split_space(d, "bfloat16", mask, unchecked=True):
+            tc = F.tile_config(c)
+            assert F.bwd_config(tc) == c and tc.lookahead == c.lookahead
+            assert (f"_la{c.lookahead}" in tc.id) == bool(c.lookahead)
 
 
 @pytest.mark.parametrize("d,mask", [(64, "causal"), (128, "none")])

@@ -174,8 +174,8 @@ class GluonBwdConfig:
                     dP^T (waiting on its ring slot, so ``stages`` >= 2) during its dQ
                     chunks, so the tensor cores run them while the chunks go out; they are
                     retired within the step and carried into the next one, which starts
-                    at its softmax.  1 (``_la``): both right after dK, retired with the
-                    first chunk's wait; 2 (``_lai``): S^T behind dQ chunk 1 and dP^T
+                    at its softmax.  1 (``_la1``): both right after dK, retired with the
+                    first chunk's wait; 2 (``_la2``): S^T behind dQ chunk 1 and dP^T
                     behind chunk 2 (``dq_chunks`` 4), interleaved with the chunks.
                     Refused until its float64 checks have run on the GPU
                     (:data:`NOT_CHECKED`).
@@ -249,7 +249,7 @@ class GluonBwdConfig:
                 + ("_lpt" if self.longest_first else "")
                 + ("_dqw" if self.dq_writer else "")
                 + (f"_cs{self.dq_chunks}" if self.col_split else "")
-                + {0: "", 1: "_la", 2: "_lai"}.get(self.lookahead, f"_la{self.lookahead}"))
+                + (f"_la{self.lookahead}" if self.lookahead else ""))
 
 
 def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, varlen: bool = False) -> str:
@@ -287,6 +287,9 @@ def smem_bytes(config: GluonBwdConfig, head_dim: int) -> int:
 #: ``lookahead`` values: off; the next step's S^T and dP^T after dK; interleaved with
 #: the dQ chunks.
 LOOKAHEADS = (0, 1, 2)
+#: The ``lookahead`` values whose variants have passed their float64 checks on the GPU
+#: (the others: :data:`NOT_CHECKED`); the family's domain searches these.
+CHECKED_LOOKAHEADS = (0,)
 
 
 #: The words of the rules that refuse a variant only because its float64 checks have not
@@ -374,9 +377,9 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
     if c.lookahead and c.stages < 2:
         out.append(f"lookahead needs stages >= 2 (got {c.stages}): the next step's tile is read while this "
                    "step's slot is still in use")
-    if c.lookahead and c.col_split:
-        # compiled without spills or C751x under Triton 3.6 (tests/test_gluon_bwd.py); the
-        # next step's products issued before this step's are retired have not run yet
+    if c.lookahead and c.col_split and c.lookahead not in CHECKED_LOOKAHEADS:
+        # compiled without spills or C751x under Triton 3.6 and 3.9 (tests/test_gluon_bwd.py);
+        # the next step's products issued before this step's are retired have not run yet
         out.append(f"lookahead {NOT_CHECKED}")
     if c.dq_chunks not in (1, *DQ_CHUNK_COUNTS):
         out.append(f"dq_chunks {c.dq_chunks} must be 1 (dQ whole or in halves) or one of {DQ_CHUNK_COUNTS} (the "

@@ -55,7 +55,7 @@ _FWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", 
               "masked_first", "skip_masked", "family"}
 _BWD_KNOBS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "consumer_regs", "producer_regs", "dq_atomic",
               "row_load", "producer_warps", "split", "group_split", "half_partials", "dq_ordered", "dq_stage",
-              "kv_store", "longest_first", "dq_writer", "dq_chunks", "family"}
+              "kv_store", "longest_first", "dq_writer", "dq_chunks", "lookahead", "family"}
 
 #: Where the Gluon backward's default measured ahead of the Triton family's backward on
 #: the H200 (docs/results/h200/gluon_bwd/README.md, rows2d_split run, bf16, TFLOP/s of
@@ -205,7 +205,7 @@ def bwd_config(c: TileConfig) -> B.GluonBwdConfig:
                             else f"code {c.dq_stage}",
                             kv_store=B.KV_STORES[c.kv_store] if 0 <= c.kv_store < len(B.KV_STORES)
                             else f"code {c.kv_store}", longest_first=bool(c.longest_first),
-                            dq_writer=bool(c.dq_writer), dq_chunks=c.dq_chunks or 1)
+                            dq_writer=bool(c.dq_writer), dq_chunks=c.dq_chunks or 1, lookahead=c.lookahead)
 
 
 def _dq_mode(c: TileConfig) -> str:
@@ -237,7 +237,8 @@ def tile_config(g) -> TileConfig:
                       half_partials=int(g.half_partials), dq_ordered=int(g.dq_mode == "ordered"),
                       dq_stage=B.DQ_STAGES.index(g.dq_stage),
                       kv_store=B.KV_STORES.index(g.kv_store), longest_first=int(g.longest_first),
-                      dq_writer=int(g.dq_writer), dq_chunks=0 if g.dq_chunks == 1 else g.dq_chunks)
+                      dq_writer=int(g.dq_writer), dq_chunks=0 if g.dq_chunks == 1 else g.dq_chunks,
+                      lookahead=g.lookahead)
 
 
 def _foreign_knobs(c: TileConfig, allowed: set[str]) -> list[str]:
@@ -308,7 +309,8 @@ class GluonFamily:
                     "row_load": (0, 1), "split": (0, 1)}
         if B.col_split_dim(key.spec.head_dim):  # the column-split program (bwd.col_split_space)
             return {"BLOCK_M": (64,), "BLOCK_N": (64,), "num_warps": (8,), "num_stages": (1, 2), "dq_atomic": (0, 1),
-                    "row_load": (0, 1), "kv_store": (0, 1), "dq_chunks": B.DQ_CHUNK_COUNTS}
+                    "row_load": (0, 1), "kv_store": (0, 1), "dq_chunks": B.DQ_CHUNK_COUNTS,
+                    "lookahead": B.CHECKED_LOOKAHEADS}
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
                "kv_store": (0, 1)}
