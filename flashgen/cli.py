@@ -118,7 +118,7 @@ def _read_timings(path: Path) -> dict[str, float]:
 def tune(
     preset: Annotated[list[str], typer.Option(metavar="NAME", callback=_check_presets,
                                               help="Preset(s) of shapes: fa-grid, llama3-8b, head-dims, small, varlen-docs, varlen-small, "
-                                                   "decode, decode-small, mods-bench, mods-d64, mods-small, mods-softcap, mods-alibi, mods-bias, "
+                                                   "decode, decode-form, decode-small, mods-bench, mods-d64, mods-small, mods-softcap, mods-alibi, mods-bias, "
                                                    "mods-dropout; user-examples, user-small (the user score/mask "
                                                    "functions and sinks of flashgen.user_examples: their "
                                                    "variants' fwd, bwd_dq, bwd_dkdv).")] = ["fa-grid"],

@@ -111,6 +111,16 @@ def _decode() -> list[Entry]:
     return out
 
 
+def _decode_form() -> list[Entry]:
+    """Where the dense forward's flash-decoding form pays (``library.decode_form``): the
+    decode kernel at Llama-3-8B heads (32 / 8), head_dim 128, batch 1 and 8, caches of 4k
+    and 32k tokens, over seqlen_q 1 to 64 (4 to 256 query rows per kv head; bottom-right
+    causal from seqlen_q 2), which ``benchmarks/decode_bench.py --preset decode-form``
+    times beside the forward kernels on the same calls (``flashgen-attention-tiles``)."""
+    return [(128, "none" if sq == 1 else "causal", Shape(b, 32, 8, sq, n), "decode")
+            for b in (1, 8) for n in (4096, 32768) for sq in (1, 4, 16, 32, 64)]
+
+
 def _decode_small() -> list[Entry]:
     """Tiny decode problems for CPU smoke tests."""
     return [(64, "none", Shape(2, 4, 1, 1, 100), "decode"), (64, "causal", Shape(2, 4, 2, 3, 96), "decode_paged")]
@@ -134,7 +144,8 @@ def _user_small() -> list[Entry]:
 
 PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "head-dims": _head_dims, "small": _small,
            "varlen-docs": _varlen_docs, "varlen-small": _varlen_small,
-           "decode": _decode, "decode-small": _decode_small, "mods-bench": _mods_bench,
+           "decode": _decode, "decode-form": _decode_form, "decode-small": _decode_small,
+           "mods-bench": _mods_bench,
            "mods-small": _mods_small, "mods-d64": _mods_d64,
            **{f"mods-{m}": _mods_one(m) for m in ("softcap", "alibi", "bias", "dropout")},
            "user-examples": _user_examples, "user-small": _user_small}
@@ -143,7 +154,7 @@ PRESETS = {"fa-grid": _fa_grid, "llama3-8b": _llama3_8b, "head-dims": _head_dims
 VARLEN_PRESETS = {"varlen-docs", "varlen-small"}
 #: Presets of decode problems: each entry names its kernel (decode or decode_paged);
 #: ``--kernels`` selects among them when it names a decode kernel, else all run.
-DECODE_PRESETS = {"decode", "decode-small"}
+DECODE_PRESETS = {"decode", "decode-form", "decode-small"}
 #: Presets whose entries carry score mods (a 4th element: KernelSpec.mods).
 #: Presets of user functions (:mod:`flashgen.user_examples`): :func:`expand` does not
 #: take them (their keys come from tracing the functions: :func:`flashgen.user_tune.items`
