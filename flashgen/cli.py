@@ -239,6 +239,9 @@ def tune(
     if storage is not None and "://" not in storage:
         with _user_errors(Path(storage)):  # a user's file is never appended to, a directory never opened
             tuner.check_journal(storage)
+    elif storage is not None:
+        with _user_errors():  # a user's SQLite file never gets Optuna's tables; a missing driver is named
+            tuner.check_rdb(storage)
     if fake is not None:
         timings = _read_timings(fake)
         missing = [v.id for v in tuner.feasible_variants([k for k, _ in items], arch, family_names)

@@ -264,6 +264,57 @@ def check_journal(path: str | Path, what: str = "--storage") -> None:
                              "it is left untouched: name a new file or an existing journal")
 
 
+def check_rdb(url: str, what: str = "--storage") -> None:
+    """Raise InputError (naming ``url`` and the rule) unless an Optuna RDB storage can be
+    kept at ``url``: a URL SQLAlchemy reads whose database driver is installed; for an
+    SQLite file, its directory exists and is writable and the file, if there, is empty or
+    already an Optuna storage (a ``studies`` table), so Optuna's tables are never added to
+    a file of the user's (a tuning database, another program's); for a server, a
+    connection opens.  Creates and writes nothing."""
+    import sqlite3
+    import urllib.parse
+
+    import sqlalchemy
+
+    from .db import check_writable
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sqlalchemy.exc.ArgumentError as e:
+        raise InputError(f"{what} {url}: not a database URL ({e})") from None
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        path = Path(parsed.database)
+        if path.exists() and not path.is_file():
+            raise InputError(f"{what} {url}: {path} is not a file")
+        check_writable(path, what)
+        if path.exists() and path.stat().st_size:
+            try:
+                # immutable: reading creates no -wal/-shm file beside it
+                conn = sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro&immutable=1",
+                                       uri=True)
+                try:
+                    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                finally:
+                    conn.close()
+            except sqlite3.DatabaseError as e:
+                raise InputError(f"{what} {url}: {path} is not an SQLite database (SQLite says: {e}); it is left "
+                                 "untouched") from None
+            if tables and "studies" not in tables:
+                raise InputError(f"{what} {url}: {path} is not an Optuna storage (tables: {sorted(tables)[:5]}); it "
+                                 "is left untouched: name a new file or an existing Optuna storage")
+        return
+    try:
+        engine = sqlalchemy.create_engine(url)  # imports the driver; connects on connect()
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except (ImportError, sqlalchemy.exc.SQLAlchemyError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{what} {url}: cannot open this Optuna storage ({type(e).__name__}: {reason})") from None
+
+
 def _rdb_storage(url: str) -> optuna.storages.RDBStorage:
     import warnings
 

@@ -213,3 +213,32 @@ def test_a_storage_path_that_is_no_journal_is_refused_untouched(tmp_path, timing
     journal = tmp_path / "ok.journal"
     assert tune(timings, db, "--storage", journal).exit_code == 0 and journal.stat().st_size > 0
     assert tune(timings, db, "--storage", journal).exit_code == 0  # an existing journal resumes
+
+
+def test_a_storage_url_to_a_file_that_is_no_optuna_storage_is_refused_untouched(tmp_path, timings):
+    """--storage sqlite:///PATH names an Optuna RDB storage: Optuna's tables are never
+    added to a file of the user's (another program's SQLite file, a tuning database, a
+    file that is no SQLite database); a URL whose driver or dialect is missing is one
+    line naming it; nothing is created."""
+    other = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE notes (x)")
+    conn.commit()
+    conn.close()
+    mine = tmp_path / "mine.sqlite"
+    TuningDB(mine).close()
+    text = tmp_path / "notes.txt"
+    text.write_text("my notes\n")
+    before = {p: p.read_bytes() for p in (other, mine, text)}
+    db = tmp_path / "t.sqlite"
+    names = listing(tmp_path)
+    one_error_line(tune(timings, db, "--storage", f"sqlite:///{other}"), str(other), "not an Optuna storage",
+                   "untouched")
+    one_error_line(tune(timings, db, "--storage", f"sqlite:///{mine}"), str(mine), "not an Optuna storage")
+    one_error_line(tune(timings, db, "--storage", f"sqlite:///{text}"), str(text), "not an SQLite database")
+    one_error_line(tune(timings, db, "--storage", f"sqlite:///{tmp_path / 'no' / 's.db'}"), "does not exist")
+    one_error_line(tune(timings, db, "--storage", "nosuchdialect://host/x"), "nosuchdialect", "cannot open")
+    assert {p: p.read_bytes() for p in before} == before and listing(tmp_path) == names
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    assert tune(timings, db, "--storage", url).exit_code == 0
+    assert tune(timings, db, "--storage", url).exit_code == 0  # an existing Optuna storage resumes
