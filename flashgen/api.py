@@ -615,7 +615,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             total_q (resp. total_k).  A sequence may have length 0 (on either side).
         max_seqlen_q, max_seqlen_k: ints >= the longest query (key) sequence; they size
             the launch grid (programs past a sequence's end exit at once) and pick the
-            tuned config's bucket, so pass the true maxima.
+            tuned config's bucket, so pass the true maxima (a value above total_q
+            (total_k) is taken as total_q (total_k)).
         causal: FlashAttention's bottom-right alignment, per sequence: with
             off_z = seqlen_k(z) - seqlen_q(z), query i of sequence z sees key j of that
             sequence iff j <= i + off_z (i, j counted from the sequence's first row).
@@ -663,7 +664,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     left, right = int(window[0]), (0 if causal else int(window[1]))
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    o, lse = library.FWD_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+    # No sequence is longer than its side's packed tokens: a larger maximum (an upper bound
+    # such as the model's context) would only add launch programs that exit at once.
+    max_seqlen_q, max_seqlen_k = min(int(max_seqlen_q), q.shape[0]), min(int(max_seqlen_k), k.shape[0])
+    o, lse = library.FWD_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                                 mask, left, right)
     return (o, lse) if return_lse else o
 

@@ -123,6 +123,29 @@ def test_op_autograd_equals_dense_op_on_each_sequence():
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
 
 
+def test_a_max_seqlen_above_the_packed_tokens_sizes_no_larger_grid(monkeypatch):
+    """max_seqlen_q / max_seqlen_k are upper bounds: one far above the packed tokens (a
+    model's whole context) gives the same result as the true maxima, without a launch
+    grid sized by it (at 2**40 the grid would not fit a CUDA launch, and the interpreter
+    would run its programs for hours)."""
+    lq, lk = [5, 3], [4, 7]
+    q, k, v, do = _inputs(lq, lk, 2, 1, 16, 16, F32, seed=7)
+    cq, ck = _cu(lq), _cu(lk)
+    grids = []
+    real = library.forward_varlen
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, *rest):
+        grids.append((max_q, max_k))
+        assert max_q <= q.shape[0] and max_k <= k.shape[0], f"a grid sized by max_seqlen {max_q}, {max_k}"
+        return real(q, k, v, cu_q, cu_k, max_q, max_k, *rest)
+
+    want = flashgen.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=True)
+    monkeypatch.setattr(library, "forward_varlen", spy)
+    got = flashgen.attention_varlen(q, k, v, cq, ck, 2**40, 2**40, causal=True)
+    assert grids == [(sum(lq), sum(lk))]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_reference_path_without_interpreter(monkeypatch):
     """CPU without the interpreter: the per-sequence float32 reference, same results as
     the kernels (window, GQA, sq != sk both ways)."""
