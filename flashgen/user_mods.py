@@ -1181,9 +1181,13 @@ def _forward(q, k, v, call: _Call):
     return o, lse
 
 
-def _kernel_buffer(t: torch.Tensor, name: str, device) -> torch.Tensor:
+def _check_device(t: torch.Tensor, name: str, device) -> None:
     if t.device != device:
         raise InputError(f"{name} reads a captured tensor on {t.device}; q is on {device}: move it there")
+
+
+def _kernel_buffer(t: torch.Tensor, name: str, device) -> torch.Tensor:
+    _check_device(t, name, device)
     t = t.detach()
     if t.dtype == torch.bool:
         t = t.view(torch.int8)  # the same bytes (0 / 1): no copy kept for the backward
@@ -1207,6 +1211,9 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
             raise InputError(f"sinks.device ({sinks.device}) must equal q.device ({q.device})")
     st = trace(score_mod, "score") if score_mod is not None else None
     mt = trace(mask_mod, "mask") if mask_mod is not None else None
+    for tr, name in ((st, "score_mod"), (mt, "mask_mod")):  # on both paths, before anything reads them
+        for t in (tr.captured if tr is not None else ()):
+            _check_device(t, name, q.device)
     # every index the functions compute within its tensor's extent (InputError), on both
     # paths: the reference would wrap a negative one as torch does
     if not q.is_meta:  # sizes only: nothing is read

@@ -223,3 +223,18 @@ def test_explain_cli_errors_name_the_flag(args, needle):
         base[args[i]] = args[i + 1]
     r = CliRunner().invoke(app, ["explain", *[x for kv in base.items() for x in kv]])
     assert r.exit_code != 0 and needle in r.output, r.output
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_a_captured_tensor_on_another_device_is_named_on_both_paths(interpret, monkeypatch):
+    """A score_mod / mask_mod reading a tensor that is not on q's device is an InputError
+    naming the function and both devices, on the kernel path and on the reference path
+    (CPU without the interpreter) alike."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q, k, v = (torch.randn(1, 2, 6, 16) for _ in range(3))
+    table = torch.zeros(8, device="meta")
+    doc = torch.zeros(6, dtype=torch.long, device="meta")
+    with pytest.raises(InputError, match="score_mod reads a captured tensor on meta; q is on cpu"):
+        flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[ki])
+    with pytest.raises(InputError, match="mask_mod reads a captured tensor on meta; q is on cpu"):
+        flashgen.attention(q, k, v, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])
