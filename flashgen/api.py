@@ -662,6 +662,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     _check_return_lse(return_lse)
     mask, _, _ = mask_bounds(0, 0, causal=causal, window=window)
     left, right = int(window[0]), (0 if causal else int(window[1]))
+    # a side wider than every sequence (e.g. sys.maxsize) hides nothing: bounded to fit the kernels' integers
+    left, right = min(left, k.shape[0]), min(right, q.shape[0])
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     # No sequence is longer than its side's packed tokens: a larger maximum (an upper bound

@@ -30,7 +30,9 @@ def mask_bounds(seqlen_q: int, seqlen_k: int, *, causal: bool, window: tuple[int
     """(mask mode, diag_lo, diag_hi): query i sees key j iff diag_lo <= j - i <= diag_hi.
 
     Unbounded sides are given as -seqlen_q (lo) and seqlen_k (hi), which every pair
-    satisfies.  Raises InputError for a malformed window or alignment.
+    satisfies; a window side wider than that (e.g. ``sys.maxsize``) is given the same
+    bound, so the bounds fit the kernels' integers and the visible pairs are the same.
+    Raises InputError for a malformed window or alignment.
     """
     if align not in ("bottom_right", "top_left"):
         raise InputError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
@@ -43,8 +45,8 @@ def mask_bounds(seqlen_q: int, seqlen_k: int, *, causal: bool, window: tuple[int
     off = seqlen_k - seqlen_q if align == "bottom_right" else 0
     if causal:
         right = 0
-    hi = off + right if right >= 0 else seqlen_k
-    lo = off - left if left >= 0 else -seqlen_q
+    hi = min(off + right, seqlen_k) if right >= 0 else seqlen_k
+    lo = max(off - left, -seqlen_q) if left >= 0 else -seqlen_q
     if left >= 0:
         mode = "window"
     elif right >= 0:

@@ -225,3 +225,24 @@ def test_lse_in_the_loss_leaves_the_gradients_of_o_alone():
         grads.append([t.grad.clone() for t in (q, k, v)])
         q.grad = k.grad = v.grad = None
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_a_window_side_wider_than_any_sequence_hides_nothing(interpret, monkeypatch):
+    """A window side of sys.maxsize (or beyond int64) lets every key through on that
+    side, as -1 does: the same output on the kernel and the reference path, dense and
+    ragged, never an integer overflow in the kernels' bounds."""
+    import sys
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    for wide, same in (((0, sys.maxsize), (0, -1)), ((sys.maxsize, sys.maxsize), (-1, -1)),
+                       ((2**64, 3), (-1, 3)), ((sys.maxsize, 0), (-1, 0))):
+        torch.testing.assert_close(flashgen.attention(q, k, v, window=wide), flashgen.attention(q, k, v, window=same),
+                                   rtol=0, atol=0, msg=f"window={wide}")
+        cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+        packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+        torch.testing.assert_close(flashgen.attention_varlen(*packed, cu, cu, 25, 25, window=wide),
+                                   flashgen.attention_varlen(*packed, cu, cu, 25, 25, window=same),
+                                   rtol=0, atol=0, msg=f"varlen window={wide}")
