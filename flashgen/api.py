@@ -257,6 +257,8 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
             or softcap < 0:
         raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
+    if softcap > SCALE_MAX:  # past float32's range the kernels' s / softcap and softcap * tanh(...) give NaN
+        raise InputError(f"softcap must be at most {SCALE_MAX:g} (the kernels apply it in float32), got {softcap!r}")
     dropout_p = dropout.check_p(dropout_p)
     if alibi_slopes is not None:
         a = alibi_slopes
@@ -368,7 +370,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     this order, before the mask:
 
         softcap: > 0: s <- softcap * tanh(s / softcap) (Gemma 2's logit soft-capping,
-            FlashAttention-2's ``softcap``); 0 (default) is off.
+            FlashAttention-2's ``softcap``); 0 (default) is off; at most 1e30 (it is
+            applied in float32).
         alibi_slopes: float32 (num_heads,) or (batch, num_heads): s <- s - slope *
             |i + seqlen_k - seqlen_q - j| (Press et al. 2022, "Train Short, Test Long";
             FlashAttention-2's bottom-right ALiBi).  No gradient.
