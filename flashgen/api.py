@@ -1239,6 +1239,14 @@ def explain_sizes(*, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqle
                     ("seqlen_k", seqlen_k)):
         if n < 0:
             raise InputError(f"{name} must be >= 0, got {n}")
+    _check_head_dims((("head_dim", head_dim), ("head_dim_v", head_dim if head_dim_v is None else head_dim_v)))
+    # the meta tensors' sizes in elements must fit int64, as a real tensor's must
+    largest = max(batch * heads * seqlen_q, batch * kv_heads * seqlen_k) * 256
+    if bias:
+        largest = max(largest, batch * heads * seqlen_q * seqlen_k)
+    if largest >= 2 ** 63:
+        raise InputError(f"sizes too large for a tensor: batch {batch} x heads {max(heads, kv_heads)} x seqlen "
+                         f"{max(seqlen_q, seqlen_k)} x head_dim elements exceed int64")
     meta = dict(device="meta", dtype=tdtype)
     q = torch.empty(batch, heads, seqlen_q, head_dim, **meta)
     k = torch.empty(batch, kv_heads, seqlen_k, head_dim, **meta)

@@ -226,3 +226,17 @@ def test_cli_explain_with_arch_alone_points_at_the_rows_of_other_gpus():
     r = runner.invoke(app, args + ["--gpu", "NVIDIA H200"])
     assert r.exit_code == 0 and "note: the databases hold" not in r.output, r.output
     assert "bitwise repeatable (dQ added in a fixed order)" in r.output
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(head_dim=-8), "head_dim must be a multiple of 8"),
+    (dict(head_dim_v=12), "head_dim_v must be a multiple of 8"),
+    (dict(batch=99999999999, heads=99999, seqlen_q=99999999), "too large for a tensor"),
+    (dict(seqlen_q=2 ** 20, seqlen_k=2 ** 40, bias=True), "too large for a tensor"),
+])
+def test_explain_sizes_names_bad_sizes(kw, message):
+    """explain_sizes refuses what no tensor can hold with an InputError naming it, as the
+    CLI's options do, instead of torch's error from building the meta tensors."""
+    args = {**dict(batch=1, heads=8, kv_heads=2, seqlen_q=128, seqlen_k=128, head_dim=64), **kw}
+    with pytest.raises(flashgen.InputError, match=message):
+        flashgen.api.explain_sizes(**args)
