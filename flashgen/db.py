@@ -12,6 +12,7 @@ file never creates -wal/-shm files beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -207,6 +208,12 @@ def _row_problem(r) -> str | None:
     family = r.get("family")
     if family is not None and family not in families.FAMILIES:
         return f"family {family!r} is not a registered kernel family ({', '.join(families.FAMILIES)})"
+    for f in dataclasses.fields(TileConfig):  # whole numbers, as their columns hold them
+        val = r.get(f.name)
+        if f.name != "family" and val is not None and type(val) is not int:
+            return f"config field {f.name} must be a whole number, got {val!r}"
+    if not (isinstance(r["created_at"], str) and r["created_at"]):
+        return f"created_at must be the measurement's time, got {r['created_at']!r}"
     try:
         key = ProblemKey.from_row(r)
         cfg = TileConfig.from_dict(r)
@@ -227,7 +234,7 @@ def _row_problem(r) -> str | None:
     if not (isinstance(cc, str) and re.fullmatch(r"\d+\.\d+", cc)):
         return f"compute_capability must read like '9.0', got {cc!r}"
     for col in ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k", "sm_count"):
-        if col in r and r[col] is not None and not (isinstance(r[col], int) and r[col] >= 0):
+        if col in r and r[col] is not None and not (type(r[col]) is int and r[col] >= 0):
             return f"{col} must be a whole number >= 0, got {r[col]!r}"
     ms = r["median_ms"]
     if r["status"] == "ok" and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
@@ -265,7 +272,8 @@ def check_rows(rows: list, source) -> None:
     a flashgen measurement: all columns (those of :data:`OPTIONAL_COLUMNS` may be missing:
     their defaults, e.g. no ``family`` is the Triton family), a status of
     ``spec.STATUSES``, a registered kernel family, known kernel, dtype, mask, mods and
-    config fields that agree with ``key`` and ``variant_id``, a finite positive
+    whole-number config fields that agree with ``key`` and ``variant_id``, a
+    ``created_at`` time, whole-number sizes, a finite positive
     ``median_ms`` for ok rows, and a finite ``tflops`` >= 0 (or null)."""
     bad = [(i, why) for i, r in enumerate(rows) if (why := _row_problem(r)) is not None]
     if bad:
