@@ -31,7 +31,8 @@ heads) against SDPA cuDNN's backward and flashgen's current one through autograd
 gluon_bwd_wide.json (``--match REGEX``, ``--limit N``: fewer variants).  ``--wide --unchecked``:
 the default beside the configs the rules refuse only until their float64 checks have run
 here (``bwd.NOT_CHECKED``: the next step's S^T and dP^T issued during the dQ chunks,
-``lookahead`` 1 and 2; dQ by atomics with dK and dV stored by TMA).
+``lookahead`` 1 and 2; the role split, ``split``, whose partitions make S^T and P^T, dP^T and
+dS^T; dQ by atomics with dK and dV stored by TMA).
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered | --wide]
 """
@@ -190,9 +191,9 @@ def wide_configs(unchecked: bool = False):
 
     default = B.default_config(256)
     if unchecked:
-        # the lookahead twins of the default's neighbours first
+        # the new programs (lookahead, the role split) first, the default's neighbours first
         rest = sorted(B.col_split_space(256, "bfloat16", "causal", unchecked=True),
-                      key=lambda c: (not c.lookahead, c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
+                      key=lambda c: (not (c.lookahead or c.split), c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
                                      c.row_load != default.row_load, -c.stages, -c.dq_chunks))
         return [(dataclasses.astuple(c), 256, True) for c in [default, *rest]]
     # the default, then the other ring depth and dQ modes before the load and store choices

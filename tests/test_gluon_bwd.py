@@ -86,6 +86,11 @@ CASES = [
      "causal"),
     ((64, 64, 2, 2, "atomic", 240, 24, "producer", 1, False, 1, False, "swizzled", "ptr", False, False, 4, 1),
      256, "window"),
+    # its role split (two 4-warp partitions: S^T and P^T, dP^T and dS^T), refused until
+    # checked on the GPU: two stages under a mask, one without
+    ((64, 64, 2, 2, "atomic", 240, 24, "tma", 1, True, 1, False, "swizzled", "ptr", False, False, 4), 256, "causal"),
+    ((64, 64, 2, 1, "atomic", 240, 24, "producer", 1, True, 1, False, "swizzled", "ptr", False, False, 4), 256,
+     "none"),
 ]
 
 #: ptxas spill-store bytes of CASES (by config id, head_dim, mask) under a Triton other
@@ -113,7 +118,9 @@ SPILL_BYTES = {
             ("m128_n64_c2_s2_tma_r240-24_rows-tma_dqf_kvt_dqw", 64, "none"): 44,
             # head_dim 256's one-stage column-split program with two dQ chunks under a
             # window (3.6: none; its default and atomic variants spill nothing under 3.9)
-            ("m64_n64_c2_s1_tma_r240-24_rows-producer_kvt_cs2", 256, "window"): 96},
+            ("m64_n64_c2_s1_tma_r240-24_rows-producer_kvt_cs2", 256, "window"): 96,
+            # its one-stage role split (3.6: none; two stages: none under 3.9)
+            ("m64_n64_c2_s1_atomic_r240-24_rows-producer_split_cs4", 256, "none"): 72},
 }
 
 _SCRIPT = r'''
@@ -1259,7 +1266,12 @@ def test_lookahead_sass_issues_the_next_products_behind_dk(compiled):
     out."""
     for c in compiled:
         chunks = re.search(r"_cs(\d)", c["id"])
-        if chunks:
+        if chunks and "_split" in c["id"]:
+            # the role split: each partition its S^T or dP^T at N 64 (16), its halves of dV
+            # and dK (4 each) and its half of the dQ chunks (4 each)
+            assert c["hgmma"] == 2 * (16 + 4 + 4 + 4 * int(chunks.group(1)) // 2), c
+            assert c["parts"] == 2 and c["num_warps"] == 12 and "0x1" in c["waits"], c
+        elif chunks:
             base = 2 * 16 + 2 * 4 + 4 * int(chunks.group(1))
             n = int(chunks.group(1))
             ahead = re.search(r"_la([12])$", c["id"])
@@ -1270,6 +1282,32 @@ def test_lookahead_sass_issues_the_next_products_behind_dk(compiled):
             waits = (["0x1"] * 3 + ["0x0"] * n if not ahead else ["0x0", "0x3"] + ["0x0"] * n
                      if ahead.group(1) == "1" else ["0x0"] + ["0x1"] * 3 + ["0x0"] * (n - 2))
             assert c["waits"] == waits, c
+
+
+def test_role_split_is_refused_until_checked_and_listed_for_the_check():
+    """The column-split program's role split (``split``: partition 0 makes S^T and P^T,
+    partition 1 dP^T and dS^T, each over all of head_dim at wgmma N 64; both their half
+    of dV's, dK's and dQ's columns): built with atomic dQ, register stores and four dQ
+    chunks (two: over the register budget), refused only for not having run on the GPU,
+    listed by ``col_split_space(unchecked=True)``, absent from the search space and the
+    code id's probes; its render has the role-split consumer and the hand-off barriers,
+    which no other variant's has."""
+    rs = dataclasses.replace(B.default_config(256), dq_mode="atomic", kv_store="ptr", split=True)
+    assert rs.role_split and rs.parts == 2 and rs.part_rows == 64 and rs.num_warps == 4
+    assert rs.id.endswith("_split_cs4")
+    assert B.invalid_reasons(rs, 256) == [f"col_split with split (the role split) {B.NOT_CHECKED}"]
+    for bad, words in ((dict(dq_mode="tma"), "dq_mode 'tma'"), (dict(kv_store="tma"), "kv_store 'tma'"),
+                       (dict(lookahead=1), "and lookahead"), (dict(dq_chunks=2), "registers")):
+        assert any(words in r for r in B.invalid_reasons(dataclasses.replace(rs, **bad), 256)), bad
+    assert B.consumer_regs_estimate(rs, 256) <= rs.consumer_regs and B.smem_bytes(rs, 256) <= B.SMEM_LIMIT_BYTES
+    for mask in B.MASKS:
+        assert not any(c.split for c in B.search_space(256, "bfloat16", mask))
+        assert rs in B.col_split_space(256, "bfloat16", mask, unchecked=True)
+    assert not any(c.split for c, *_ in B.probe_variants("col_split"))
+    src = B.render(rs, "bfloat16", 256, "causal", check=False)
+    assert src.count("_consumer_rs(") == 3 and "hs = gl.allocate_shared_memory(gl.int64, [4, 1]" in src
+    assert "warps_per_cta=[4, 1], instr_shape=[16, 64, 16]" in src  # S^T, dP^T whole: N 64
+    assert "_consumer_rs" not in B.render(B.default_config(256), "bfloat16", 256, "causal")
 
 
 def test_column_split_program_serves_head_dim_256_alone():

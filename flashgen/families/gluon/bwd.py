@@ -216,9 +216,16 @@ class GluonBwdConfig:
         return self.consumers if self.split else 1
 
     @property
+    def role_split(self) -> bool:
+        """The column-split program in two role-split partitions (``col_split`` and
+        ``split``): partition 0 makes S^T and P^T, partition 1 dP^T and dS^T."""
+        return self.col_split and self.split
+
+    @property
     def part_rows(self) -> int:
-        """Key rows of one consumer partition."""
-        return self.block_nt // self.parts
+        """Key rows of one consumer partition (the column-split program's partitions
+        share all of the program's)."""
+        return self.block_nt if self.col_split else self.block_nt // self.parts
 
     @property
     def num_warps(self) -> int:
@@ -273,7 +280,8 @@ def smem_terms(config: GluonBwdConfig, head_dim: int, elem_bytes: int = 2) -> di
         if c.dq_mode in ("tma", "ordered") else 0,
         # the writer's full/empty barrier pairs: two arrays, each 128-byte aligned (ptxas:
         # 112-120 B above its 8 B per barrier with one or two consumer partitions)
-        "barriers": 8 * (1 + 2 * c.stages) + (256 if c.dq_writer else 0),
+        # (role_split: its four hand-off barriers, 32 B, ptxas allocating 168 B for them)
+        "barriers": 8 * (1 + 2 * c.stages) + (256 if c.dq_writer else 0) + (168 if c.role_split else 0),
         # (col_split: 16 more, ptxas allocating 4 B over the rest at one stage)
         "alignment": 256 + (16 if c.col_split else 0),
     }
@@ -284,6 +292,10 @@ def smem_bytes(config: GluonBwdConfig, head_dim: int) -> int:
     return sum(smem_terms(config, head_dim).values())
 
 
+#: Whether the column-split program's role split (``col_split`` with ``split``) has passed
+#: its float64 checks on the GPU (False: :data:`NOT_CHECKED`); the family's domain
+#: searches it once it has.
+ROLE_SPLIT_CHECKED = False
 #: ``lookahead`` values: off; the next step's S^T and dP^T after dK; interleaved with
 #: the dQ chunks.
 LOOKAHEADS = (0, 1, 2)
@@ -321,6 +333,13 @@ def consumer_regs_estimate(config: GluonBwdConfig, head_dim: int) -> int:
     step's S^T and dP^T), + 32."""
     c = config
     per_wg = 128  # threads of one warpgroup
+    if c.role_split:
+        # a partition of one warpgroup: its halves of dK and dV; S^T with the 16-bit P^T
+        # (partition 0), or dP^T with P^T read back and the 16-bit dS^T (partition 1: the
+        # larger); or two dQ chunks of its columns in flight
+        st = c.block_n * c.block_m // per_wg
+        dq = c.block_m * head_dim // max(1, c.dq_chunks) // per_wg
+        return 2 * c.block_n * (head_dim // 2) // per_wg + max(2 * st + st // 2, 2 * dq) + 32
     if c.col_split:
         # every tile over both warpgroups (256 threads): dK, dV; S^T, dP^T, the 16-bit P^T
         # before its store; two dQ chunks in flight
@@ -354,9 +373,18 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
                    f"is for head_dim {COL_SPLIT_HEAD_DIMS} (a warpgroup's dK and dV of 64 x 256 float32 need 256 "
                    "registers a thread unsplit), and only there")
     if c.col_split:
-        if c.consumers != 2 or c.split:
-            out.append("col_split needs 2 consumers in one lock-step partition (split False): its two warpgroups "
-                       "split the columns")
+        if c.consumers != 2:
+            out.append("col_split needs 2 consumers: its two warpgroups split the columns")
+        if c.split:
+            # the role split: built with atomic dQ and register stores of dK and dV
+            for knob, on in (("dq_mode 'tma'", c.dq_mode != "atomic"), ("kv_store 'tma'", c.kv_store != "ptr"),
+                             ("lookahead", bool(c.lookahead))):
+                if on:
+                    out.append(f"col_split with split (the role split) and {knob}: not built (its partitions add "
+                               "their dQ columns by atomics and store dK and dV from registers)")
+            if not ROLE_SPLIT_CHECKED:
+                # compiled without spills or C751x under Triton 3.6 (tests/test_gluon_bwd.py)
+                out.append(f"col_split with split (the role split) {NOT_CHECKED}")
         if c.block_m != 64:
             out.append(f"col_split needs block_m 64 (got {c.block_m}): the Q and dO ring of 256-wide tiles")
         if c.dq_mode not in ("tma", "atomic"):
@@ -611,11 +639,12 @@ def col_split_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
                 for row_load in ("tma", "producer"):
                     for kv in KV_STORES:
                         for ahead in LOOKAHEADS:
-                            c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, kv_store=kv,
-                                               dq_chunks=chunks, lookahead=ahead)
-                            reasons = invalid_reasons(c, head_dim, dtype, mask)
-                            if (all(NOT_CHECKED in r for r in reasons) and reasons) if unchecked else not reasons:
-                                out.append(c)
+                            for split in (False, True):
+                                c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, split,
+                                                   kv_store=kv, dq_chunks=chunks, lookahead=ahead)
+                                reasons = invalid_reasons(c, head_dim, dtype, mask)
+                                if (all(NOT_CHECKED in r for r in reasons) and reasons) if unchecked else not reasons:
+                                    out.append(c)
     return out
 
 
@@ -809,7 +838,11 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     dq_halves = c.split and c.dq_mode == "tma" and head_dim >= 128  # ordered: refused there
     dq_cols = head_dim // max(1, c.dq_chunks)
     mma_warps, st_n, kv_n = [c.num_warps, 1], c.block_m, head_dim
-    if c.col_split:
+    if c.role_split:
+        # each partition's wgmmas over its own warpgroup: S^T or dP^T whole, half of dK, dV
+        mma_warps, st_n, kv_n = [4, 1], c.block_m, head_dim // 2
+        dq_warps, dq_n = [4, 1], dq_cols
+    elif c.col_split:
         # every wgmma over both warpgroups side by side along N
         mma_warps, st_n, kv_n = [4, 2], c.block_m // 2, head_dim // 2
         dq_warps, dq_n = [4, 2], dq_cols // 2
@@ -832,7 +865,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store,
         LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer, VARLEN=varlen, BLOCK_NT=c.block_nt,
         MMA_WARPS=mma_warps, ST_N=st_n, KV_N=kv_n, COL_SPLIT=c.col_split, DQ_CHUNKS=c.dq_chunks, DQ_COLS=dq_cols,
-        LOOKAHEAD=c.lookahead)
+        LOOKAHEAD=c.lookahead, ROLE_SPLIT=c.role_split)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
