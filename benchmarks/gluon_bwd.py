@@ -337,10 +337,14 @@ def _time_gqa(cfg, b, h, hk, s, d, causal) -> dict:
     k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=dt) for _ in range(2))
     lse = torch.randn(b, h, s, device="cuda", dtype=torch.float32).abs() + 5.0
     mode, lo, hi = mask_bounds(s, s, causal=causal, window=(-1, -1))
+    # the rules on for a config they admit (its launch plans, as the dispatcher runs it);
+    # off for one they refuse only until its float64 checks have run here (--unchecked:
+    # bwd.NOT_CHECKED), as _child_variants' checks built it
+    check = not B.invalid_reasons(cfg, d, "bfloat16", mode)
     kw = dict(softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi)
-    whole = lambda: B.attention_bwd(do, q, k, v, o, lse, mask=mode, config=cfg, **kw)  # noqa: E731
+    whole = lambda: B.attention_bwd(do, q, k, v, o, lse, mask=mode, config=cfg, check=check, **kw)  # noqa: E731
     whole()
-    mod = B.load(cfg, "bfloat16", d, mode)
+    mod = B.load(cfg, "bfloat16", d, mode, check)
     a = B.launch_args(do, q, k, v, o, lse, config=cfg, **kw)
     grid, args = a["preprocess"]
     mod.attn_bwd_preprocess[grid](*args, num_warps=4)

@@ -1257,6 +1257,47 @@ def test_lookahead_is_refused_until_checked_and_listed_for_the_check():
     assert steps == sorted(steps) and "dq, dpt_next = warpgroup_mma_wait(0, deps=[dq_next, dpt_next])" in body
 
 
+def test_wide_unchecked_timing_builds_the_variants_the_rules_refuse_until_checked(monkeypatch):
+    """benchmarks/gluon_bwd.py --wide --unchecked times the variants that passed its float64
+    checks in a child of their own (_time_gqa): it builds a config the rules refuse only
+    until those checks have run (bwd.NOT_CHECKED: lookahead, the atomic dQ with the TMA
+    stores) with the rules off, as the checks did, and every other one with them on."""
+    import types
+
+    import triton.testing
+
+    G = _benchmark("gluon_bwd")
+    built = []
+
+    class _Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: None
+
+    def load(cfg, dtype, d, mask, check=True, probe="", varlen=False):
+        B.render(cfg, dtype, d, mask, check)  # ValueError for a config the rules refuse
+        built.append((cfg, check))
+        return types.SimpleNamespace(attn_bwd_preprocess=_Kernel(), attn_bwd=_Kernel())
+
+    def attention_bwd(do, q, k, v, o, lse, *, mask, config, check=True, **kw):
+        load(config, "bfloat16", q.shape[-1], mask, check)
+
+    real_randn = torch.randn
+    monkeypatch.setattr(B, "load", load)
+    monkeypatch.setattr(B, "attention_bwd", attention_bwd)
+    monkeypatch.setattr(B, "launch_args", lambda do, q, k, v, o, lse, *, softmax_scale, diag_lo, diag_hi, config:
+                        {"preprocess": ((1,), ()), "main": ((1,), ())})
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch, "randn", lambda *size, device=None, **kw: real_randn(*size, **kw))
+    configs = [B.GluonBwdConfig(*fields) for fields, _, _ in G.wide_configs(unchecked=True)]
+    assert any(c.lookahead for c in configs)
+    for cfg in configs:
+        G._time_gqa(cfg, 1, 2, 1, 64, 256, True)
+    for cfg in configs:
+        valid = not B.invalid_reasons(cfg, 256, "bfloat16", "causal")
+        assert {check for c, check in built if c == cfg} == {valid}, cfg.id
+
+
 def test_lookahead_sass_issues_the_next_products_behind_dk(compiled):
     """The column-split program's HGMMA: S^T and dP^T 16 each over head_dim 256, dV and dK
     4 each over BLOCK_M 64, 4 per dQ chunk; the lookahead variants 32 more (the first
