@@ -141,3 +141,78 @@ def test_explain_names_the_decode_form():
     assert "flash-decoding" in str(e) and e.kernels[0].key.startswith("attn_decode_")
     e = flashgen.explain(q, k, v, window=(128, 0))
     assert "flash-decoding" not in str(e) and e.kernels[0].key.startswith("attn_fwd_")
+
+
+def _softmax_ref64(q, k, v, scale, causal):
+    """O and LSE of softmax(q k^T * scale) v in float64, bottom-right causal, each query
+    head on its kv head h // group."""
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    sq, sk = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    if causal:
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        s = s.masked_fill(j - i > sk - sq, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def _close64(o, lse, q, k, v, scale, causal, tol):
+    o64, lse64 = _softmax_ref64(q, k, v, scale, causal)
+    assert o.shape == o64.shape and lse.shape == lse64.shape
+    assert (o.double() - o64).abs().max().item() < tol
+    assert (lse.double() - lse64).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("b,h,hk,sq,d,dv,causal,dtype", [
+    (2, 8, 2, 5, 32, 16, True, F32),    # head_dim_v < head_dim, causal rows of a GQA tile
+    (1, 6, 2, 7, 40, 24, True, F32),    # head dims off the powers of two
+    (3, 4, 1, 16, 8, 8, False, F16),    # MQA, the smallest head dim
+    (1, 64, 1, 1, 16, 16, True, F32),   # 64 query heads on one kv head: a full tile
+])
+def test_decode_form_head_dims_and_groups_against_float64(b, h, hk, sq, d, dv, causal, dtype, decode_calls):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, SK, d, generator=g).to(dtype)
+    v = torch.randn(b, hk, SK, dv, generator=g).to(dtype)
+    o, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
+    assert len(decode_calls) == 1
+    _close64(o, lse, q, k, v, d ** -0.5, causal, 2e-3 if dtype == F16 else 1e-4)
+
+
+def test_decode_form_reads_transposed_expanded_and_sliced_inputs(decode_calls):
+    """q in (batch, seqlen, heads, head_dim) memory, k one kv head expanded to two (stride
+    0), v a column slice of a wider buffer, then k and v expanded over the batch."""
+    g = torch.Generator().manual_seed(6)
+    b, h, hk, sq, d = 2, 8, 2, 3, 32
+    q = torch.randn(b, sq, h, d, generator=g).transpose(1, 2)
+    k = torch.randn(b, SK, 1, d, generator=g).transpose(1, 2).expand(b, hk, SK, d)
+    v = torch.randn(b, hk, SK + 5, 2 * d, generator=g)[:, :, 3:3 + SK, d:]
+    o, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    _close64(o, lse, q, k, v, d ** -0.5, True, 1e-4)
+    kb = torch.randn(1, hk, SK, d, generator=g).expand(b, hk, SK, d)
+    o, lse = flashgen.attention(q, kb, kb, return_lse=True)
+    _close64(o, lse, q, kb, kb, d ** -0.5, False, 1e-4)
+    assert len(decode_calls) == 2
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.7])
+def test_decode_form_any_scale_on_every_path(scale, decode_calls):
+    """A negative, zero and positive softmax_scale: the first call, the memoized second
+    one (no autograd) and a call through autograd, with its gradients."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, n, s, 32, generator=g) for n, s in ((8, 2), (2, SK), (2, SK)))
+    for _ in range(2):
+        o, lse = flashgen.attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
+        _close64(o, lse, q, k, v, scale, True, 1e-4)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o, lse = flashgen.attention(qg, kg, vg, causal=True, softmax_scale=scale, return_lse=True)
+    _close64(o.detach(), lse, q, k, v, scale, True, 1e-4)
+    o.sum().backward()
+    q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
+    s = torch.einsum("bhid,bhjd->bhij", q64, k64.repeat_interleave(4, 1)) * scale
+    i, j = torch.arange(2)[:, None], torch.arange(SK)[None, :]
+    (torch.softmax(s.masked_fill(j - i > SK - 2, float("-inf")), -1) @ v64.repeat_interleave(4, 1)).sum().backward()
+    for got, r in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
+        assert (got.double() - r).abs().max().item() < 1e-4
+    assert len(decode_calls) == 3
