@@ -191,9 +191,9 @@ def wide_configs(unchecked: bool = False):
 
     default = B.default_config(256)
     if unchecked:
-        # the new programs (lookahead, the role split) first, the default's neighbours first
+        # the new programs first (the role split, then lookahead), the default's neighbours first
         rest = sorted(B.col_split_space(256, "bfloat16", "causal", unchecked=True),
-                      key=lambda c: (not (c.lookahead or c.split), c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
+                      key=lambda c: (not c.split, not c.lookahead, c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
                                      c.row_load != default.row_load, -c.stages, -c.dq_chunks))
         return [(dataclasses.astuple(c), 256, True) for c in [default, *rest]]
     # the default, then the other ring depth and dQ modes before the load and store choices
