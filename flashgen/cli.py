@@ -880,6 +880,12 @@ def _print_bench(console: Console, rows, names: list[str], check: bool, title: s
         console.print(f"flashgen-deterministic: dQ, dK, dV bitwise equal in two backward calls at "
                       f"{sum(x is True for x in seen)} of {len(seen)} shapes", markup=False)
 
+
+#: The largest sequence length (and tile size) ``flashgen iomodel`` takes: its model walks
+#: the query and key tiles one by one.
+IOMODEL_MAX = 1 << 24
+
+
 @app.command()
 def iomodel(
     seqlen: Annotated[str, typer.Option(help="Comma-separated N (seqlen_q = seqlen_k).")] = "1024,4096,16384",
@@ -906,6 +912,9 @@ def iomodel(
             raise typer.BadParameter(f"{text!r}: comma-separated integers", param_hint=name) from None
         if not vals or min(vals) < 1:
             raise typer.BadParameter(f"{text!r}: give positive integers", param_hint=name)
+        if max(vals) > IOMODEL_MAX:
+            raise typer.BadParameter(f"{text!r}: at most {IOMODEL_MAX:,} (the model walks the tiles one by one)",
+                                     param_hint=name)
         return vals
 
     ns = ints(seqlen, "'--seqlen'")

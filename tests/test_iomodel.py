@@ -53,6 +53,9 @@ def test_cli_prints_the_table():
     assert "BLOCK_M" in r.output and "256" in r.output  # the tile-size table
     r = CliRunner().invoke(app, ["iomodel", "--seqlen", "10,x"])
     assert r.exit_code == 2 and "--seqlen" in r.output
+    # a length past what the model walks tile by tile is refused at once, not run out of memory
+    r = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["iomodel", "--seqlen", "99999999999999999999"])
+    assert r.exit_code == 2 and "at most 16,777,216" in r.output
 
 
 def test_fmt_bytes():
