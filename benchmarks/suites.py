@@ -49,6 +49,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           (("benchmarks/varlen_bench.py", "--out", "{out}/varlen.json"),), ("varlen.json",), "varlen"),
     Suite("decode", "KV-cache decode (contiguous and paged) against SDPA, FlexAttention and a device copy",
           (("benchmarks/decode_bench.py", "--out", "{out}/decode.json"),), ("decode.json",), "decode"),
+    Suite("decode-form", "flashgen.attention with few query rows per kv head: its flash-decoding form and the "
+          "forward kernels beside the decode kernel, SDPA cuDNN and a device copy, seqlen_q 1-64 (the form's "
+          "threshold, library.DECODE_FORM_ROWS)",
+          (("benchmarks/decode_bench.py", "--preset", "decode-form", "--backends",
+            "flashgen,flashgen-attention,flashgen-attention-tiles,sdpa-cudnn,copy", "--out", "{out}/decode_form.json"),),
+          ("decode_form.json",)),
     Suite("overhead", "host time per call on decode-like shapes against a raw launch and torch SDPA",
           (("benchmarks/overhead.py", "--out", "{out}/overhead.json"),), ("overhead.json",)),
     Suite("exactness", "the float64 matrix at GPU sizes and every search-space config, then the op under "
@@ -78,6 +84,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "against SDPA cuDNN / FlashAttention-2 and flashgen's Triton family",
           (("benchmarks/gluon_fwd.py", "--out", "{out}"), ("benchmarks/gluon_bwd.py", "--out", "{out}")),
           ("gluon_fwd.json", "gluon_bwd.json")),
+    Suite("gluon-unchecked", "the head_dim 256 backward's variants the rules refuse until checked here (the role "
+          "split, lookahead, atomic dQ with TMA stores): float64 checks, then timings beside the default and cuDNN",
+          (("benchmarks/gluon_bwd.py", "--wide", "--unchecked", "--budget-s", "500", "--out", "{out}"),),
+          ("gluon_bwd_wide.json",)),
     Suite("gluon-varlen", "the Gluon forward on ragged batches: its variants checked against float64, then timed "
           "beside the Triton family's varlen forward; the dispatcher's choice against each family's fastest row; "
           "both families' choices on the varlen suite's problems",
