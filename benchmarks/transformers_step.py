@@ -32,7 +32,13 @@ For each configuration and implementation:
   ``--warmup`` steps, then ``--steps`` steps each timed with CUDA events: median ms
   (the weights are restored from the same copy before each implementation's run);
 * prefill: forward only under ``torch.no_grad()``, eval mode, ``use_cache=False``,
-  logits of the last position only (``logits_to_keep=1``): median ms.
+  logits of the last position only (``logits_to_keep=1``): median ms;
+* decode (Llama configurations without ``--padding`` or ``--packed``): after a prefill of
+  the batch into a ``DynamicCache``, one generation step per call (one new token per batch
+  entry over the cache of ``tokens`` keys, the cache cropped back after each step, so
+  every step sees the same length): median ms; attention then gets one query row per
+  head, which flashgen runs in its flash-decoding form (``library.decode_form``).  The
+  first step's logits against the reference's: ``decode_logits_rel_l2`` (relative L2).
 
 Ratios are flashgen / reference time (below 1: flashgen faster).  JSON goes to --out
 (rewritten after each configuration); a table is printed last.  Needs a CUDA GPU, torch,
@@ -253,7 +259,7 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
     if name in GPT_OSS:
         rec["config"].update(sliding_window=cfg.sliding_window, layer_types=cfg.layer_types,
                              num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok)
-    grads = {}
+    grads, decode_logits = {}, {}
     for impl in (ref_impl, impl_fg):
         model.set_attn_implementation(impl)
         model.load_state_dict(weights)
@@ -293,6 +299,25 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         times = _timed(prefill, args.steps, cuda)
         r["prefill_ms"] = statistics.median(times)
         r["prefill_ms_all"] = times
+        if name not in GPT_OSS and not (args.padding or args.packed):
+            with torch.no_grad():
+                cache = transformers.DynamicCache(config=model.config)
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                nxt = out.logits[:, -1:].argmax(-1)
+
+            def decode():
+                with torch.no_grad():
+                    logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+                cache.crop(-1)  # back to the prefill's tokens
+                return logits
+
+            decode_logits[impl] = decode().float()
+            assert cache.get_seq_length() == tokens, (cache.get_seq_length(), tokens)  # every step sees tokens keys
+            _timed(decode, args.warmup, cuda)
+            times = _timed(decode, args.steps, cuda)
+            r["decode_ms"] = statistics.median(times)
+            r["decode_ms_all"] = times
+            del cache
         if cuda:
             r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
@@ -330,6 +355,10 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         del g32
     rec["train_step_ratio"] = got["train_step_ms"] / ref["train_step_ms"]
     rec["prefill_ratio"] = got["prefill_ms"] / ref["prefill_ms"]
+    if "decode_ms" in got:
+        rec["decode_ratio"] = got["decode_ms"] / ref["decode_ms"]
+        a, b = decode_logits[impl_fg], decode_logits[ref_impl]
+        rec["decode_logits_rel_l2"] = ((a - b).norm() / b.norm()).item()
     del model, grads, weights
     if cuda:
         torch.cuda.empty_cache()
@@ -370,7 +399,7 @@ def main(argv=None) -> int:
           f"{transformers.__version__}; median of {args.steps} (ms); ratio = flashgen / reference (sdpa; eager "
           "for gpt-oss)")
     print(f"{'config':12} {'ref':5} {'step ref':>10} {'step fg':>9} {'ratio':>6} {'prefill ref':>13} {'prefill fg':>11} "
-          f"{'ratio':>6} {'loss rel':>9} {'grad relL2':>11} ok")
+          f"{'ratio':>6} {'decode ref':>11} {'decode fg':>10} {'ratio':>6} {'loss rel':>9} {'grad relL2':>11} ok")
     ok = True
     for name, r in result["configs"].items():
         s, f_ = r["impl"][r["reference"]], r["impl"][impl_fg]
@@ -378,6 +407,8 @@ def main(argv=None) -> int:
         ok &= good
         print(f"{name:12} {r['reference']:5} {s['train_step_ms']:10.2f} {f_['train_step_ms']:9.2f} {r['train_step_ratio']:6.3f} "
               f"{s['prefill_ms']:13.2f} {f_['prefill_ms']:11.2f} {r['prefill_ratio']:6.3f} "
+              + (f"{s['decode_ms']:11.3f} {f_['decode_ms']:10.3f} {r['decode_ratio']:6.3f} " if "decode_ratio" in r
+                 else f"{'-':>11} {'-':>10} {'-':>6} ") +
               f"{r['loss_rel_diff']:9.2e} {r['grad_rel_l2']['all_params']:11.2e} {'yes' if good else 'NO'}"
               + (f"  (grads {r['grads_rule']})" if "grads_rule" in r else ""))
     for name, r in result["configs"].items():
