@@ -193,8 +193,9 @@ def wide_configs(unchecked: bool = False):
     if unchecked:
         # the new programs first (the role split, then lookahead), the default's neighbours first
         rest = sorted(B.col_split_space(256, "bfloat16", "causal", unchecked=True),
-                      key=lambda c: (not c.split, not c.lookahead, c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
-                                     c.row_load != default.row_load, -c.stages, -c.dq_chunks))
+                      key=lambda c: (not c.split, not c.lookahead, c.dq_mode != default.dq_mode,
+                                     c.kv_store != default.kv_store, c.row_load != default.row_load, -c.stages,
+                                     -c.dq_chunks))
         return [(dataclasses.astuple(c), 256, True) for c in [default, *rest]]
     # the default, then the other ring depth and dQ modes before the load and store choices
     space = sorted(B.search_space(256, "bfloat16", "causal"),

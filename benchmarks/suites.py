@@ -53,7 +53,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "forward kernels beside the decode kernel, SDPA cuDNN and a device copy, seqlen_q 1-64 (the form's "
           "threshold, library.DECODE_FORM_ROWS)",
           (("benchmarks/decode_bench.py", "--preset", "decode-form", "--backends",
-            "flashgen,flashgen-attention,flashgen-attention-tiles,sdpa-cudnn,copy", "--out", "{out}/decode_form.json"),),
+            "flashgen,flashgen-attention,flashgen-attention-tiles,sdpa-cudnn,copy",
+            "--out", "{out}/decode_form.json"),),
           ("decode_form.json",)),
     Suite("overhead", "host time per call on decode-like shapes against a raw launch and torch SDPA",
           (("benchmarks/overhead.py", "--out", "{out}/overhead.json"),), ("overhead.json",)),
