@@ -149,15 +149,16 @@ def check_writable(path: Path, what: str = "--db") -> None:
     exists, is writable.  Creates nothing."""
     path = Path(path)
     parent = path.parent
+    export = path.suffix == ".json"  # flashgen export's JSON file, not a database
     if not parent.is_dir():
         raise InputError(f"{what} {path}: directory {parent} does not exist (flashgen never creates "
-                         "directories for a database; create it first)")
+                         f"directories for {'an export' if export else 'a database'}; create it first)")
     if path.exists() and not _may_write(path):
         raise InputError(f"{what} {path} is not writable: rows are appended to it (make it writable, "
                          "or name another file)")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{what} {path}: directory {parent} is not writable (SQLite creates the "
-                         "database's -wal/-shm/-journal files beside it)")
+        raise InputError(f"{what} {path}: directory {parent} is not writable"
+                         + ("" if export else " (SQLite creates the database's -wal/-shm/-journal files beside it)"))
 
 
 def row_count(path: Path) -> int:

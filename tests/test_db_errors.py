@@ -104,7 +104,8 @@ def test_a_database_in_a_missing_directory_is_refused_naming_it(tmp_path, timing
     args = {"tune": ("tune", "--preset", "small", "--kernels", "fwd", "--fake", timings, "--db", target),
             "merge": ("merge", target, src), "import": ("import", src, "--db", target),
             "export-json": ("export", target, src), "export-sqlite": ("export", target, src)}[cmd]
-    one_error_line(invoke(*args), f"directory {tmp_path / 'no' / 'such'} does not exist", "create it first")
+    one_error_line(invoke(*args), f"directory {tmp_path / 'no' / 'such'} does not exist", "create it first",
+                   "for an export" if cmd == "export-json" else "for a database")
     assert not (tmp_path / "no").exists()
 
 
