@@ -890,9 +890,10 @@ IOMODEL_MAX = 1 << 24
 def iomodel(
     seqlen: Annotated[str, typer.Option(help="Comma-separated N (seqlen_q = seqlen_k).")] = "1024,4096,16384",
     head_dim: Annotated[int, typer.Option(min=1)] = 64,
-    block_m: Annotated[int, typer.Option("--block-m", min=1, help="Query tile (forward, dQ); key tile "
-                                         "(dK/dV).")] = 128,
-    block_n: Annotated[int, typer.Option("--block-n", min=1, help="The tile streamed through each program.")] = 64,
+    block_m: Annotated[int, typer.Option("--block-m", min=1, max=IOMODEL_MAX, help="Query tile (forward, dQ); "
+                                         "key tile (dK/dV).")] = 128,
+    block_n: Annotated[int, typer.Option("--block-n", min=1, max=IOMODEL_MAX,
+                                         help="The tile streamed through each program.")] = 64,
     dtype: Annotated[DtypeName, typer.Option(help="Element type (its bytes per element).")] = "float16",
     batch: Annotated[int, typer.Option(min=1)] = 1,
     heads: Annotated[int, typer.Option(min=1)] = 1,
