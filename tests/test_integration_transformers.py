@@ -141,6 +141,39 @@ def test_training_step_matches_transformers(arch, padded, calls):
         torch.testing.assert_close(g_got[n], g_ref[n], rtol=1e-4, atol=2e-5, msg=lambda m: f"{n}: {m}")
 
 
+def test_a_decode_step_over_a_cache_runs_the_flash_decoding_form(calls, monkeypatch):
+    """Generation through transformers' cache: after a prefill of 520 tokens, one decode
+    step gives flashgen.attention one query per head over 521 keys, which it runs in its
+    flash-decoding form (the decode kernel, library.decode_form); the step's logits match
+    the sdpa model's."""
+    from flashgen.families.triton import launch
+
+    decoded = []
+    real = launch._fwd_decode_form
+    monkeypatch.setattr(launch, "_fwd_decode_form", lambda *a, **kw: decoded.append(a[0].shape) or real(*a, **kw))
+    tokens = flashgen.library.DECODE_FORM_MIN_SEQLEN_K + 8
+
+    def make():
+        cfg = _llama()
+        cfg.max_position_embeddings = tokens + 8
+        return cfg
+
+    ref, got = _pair(make, "sdpa")
+    ids = torch.randint(0, 96, (2, tokens), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for name, model in (("ref", ref), ("got", got)):
+        model.eval()
+        with torch.no_grad():
+            cache = transformers.DynamicCache(config=model.config)
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1:].argmax(-1)
+            logits[name] = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+    layers = make().num_hidden_layers
+    assert [c["shapes"] for c in calls[-layers:]] == [((2, 4, 1, 16), (2, 2, tokens + 1, 16))] * layers
+    assert decoded == [(2, 4, 1, 16)] * layers  # the decode step's layers; the prefill's took the forward
+    torch.testing.assert_close(logits["got"], logits["ref"], rtol=1e-4, atol=2e-5)
+
+
 @pytest.fixture
 def varlen_calls(monkeypatch):
     """(cu_seqlens, max_seqlen, keywords) of every flashgen.attention_varlen call the
