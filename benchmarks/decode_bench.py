@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     import flashgen
     from flashgen import bench, dispatch, library, presets, reference
     from flashgen.dispatch import Dispatcher
+    from flashgen.masks import decode_mask
     from flashgen.spec import KernelSpec, ProblemKey, Variant
 
     picked = bench.script_device(args.smoke, args.dtype)
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
             return fn
 
         def choice(disp, kernel):
-            spec = KernelSpec(kernel, dtype_name, d, d, "causal" if causal and sq > 1 else "none")
+            spec = KernelSpec(kernel, dtype_name, d, d, decode_mask(causal, sq))
             key = ProblemKey.from_sizes(spec, batch=b, num_heads=h, num_kv_heads=hk, seqlen_q=sq, seqlen_k=n)
             c = disp.choose(key, capturing=False)
             return Variant(spec, c.config), {"key": key.id, "config": c.config.id, "source": c.source}

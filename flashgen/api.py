@@ -1192,9 +1192,7 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         plan = disp.backward(key_of("bwd_dq"), deterministic=det, capturing=False)
         fwd_key = key_of("fwd")
         if not mods and library.decode_form(q, k, v, mask, lo, hi):
-            fwd_key = ProblemKey.from_sizes(KernelSpec("decode", dtype, d, dv, "causal" if mask == "causal" and sq > 1
-                                                       else "none"),
-                                            batch=b, num_heads=h, num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk)
+            fwd_key = library.decode_form_key(q, k, v, mask)
             path += (f"; the forward runs as flash-decoding (seqlen_q x group = {sq * (h // hk)} <= "
                      f"{library.DECODE_FORM_ROWS} query rows per kv head, seqlen_k >= "
                      f"{library.DECODE_FORM_MIN_SEQLEN_K}): the decode kernel over k, v as a full cache")

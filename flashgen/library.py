@@ -44,6 +44,7 @@ from torch import Tensor
 
 from . import dispatch, families, fastlaunch, ops, reference
 from .errors import LaunchLimitError
+from .masks import decode_mask
 from .spec import KernelSpec, ProblemKey, Variant, is_user_mods
 
 
@@ -153,8 +154,16 @@ def decode_form_kernel(q: Tensor, k: Tensor, v: Tensor, mask: str):
     and k, v as a cache of seqlen_k keys.  Its config has ``num_splits`` >= 1, which
     the Triton family's forward launcher runs as that kernel."""
     disp = dispatch._default or dispatch.default_dispatcher()
-    dmask = "causal" if mask == "causal" and q.shape[2] > 1 else "none"
-    return _decode_kernel(disp, "decode", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dmask, k.shape[2])
+    return _decode_kernel(disp, "decode", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          decode_mask(mask == "causal", q.shape[2]), k.shape[2])
+
+
+def decode_form_key(q: Tensor, k: Tensor, v: Tensor, mask: str) -> ProblemKey:
+    """The ``decode`` ProblemKey whose row or default :func:`decode_form_kernel` takes for
+    these inputs (q (batch, num_heads, seqlen_q, head_dim); sizes only)."""
+    b, h, sq, d = q.shape
+    return _decode_key("decode", q.dtype, b, sq, h, k.shape[1], d, v.shape[3], decode_mask(mask == "causal", sq),
+                       k.shape[2])
 
 
 def kernel_for(kernel: str, q: Tensor, k: Tensor, v: Tensor, mask: str, mods: str = "",
@@ -650,10 +659,15 @@ def _decode_kernel(disp, kernel, q, k_cache, v_cache, mask, capacity):
         return hit
     capturing = dispatch.graph_capturing()
     b, sq, h, d = q.shape
-    spec = KernelSpec(kernel, ops.dtype_name(q.dtype), d, v_cache.shape[3], mask)
-    key = ProblemKey.from_sizes(spec, batch=b, num_heads=h, num_kv_heads=k_cache.shape[2], seqlen_q=sq,
-                                seqlen_k=capacity)
+    key = _decode_key(kernel, q.dtype, b, sq, h, k_cache.shape[2], d, v_cache.shape[3], mask, capacity)
     return _choose(disp, fk, key, capturing)
+
+
+def _decode_key(kernel, dtype, batch, seqlen_q, num_heads, num_kv_heads, head_dim, head_dim_v, mask, capacity):
+    """The ProblemKey of a decode call: ``capacity`` keys in the cache."""
+    spec = KernelSpec(kernel, ops.dtype_name(dtype), head_dim, head_dim_v, mask)
+    return ProblemKey.from_sizes(spec, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                 seqlen_q=seqlen_q, seqlen_k=capacity)
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale: float, causal: bool):
@@ -663,7 +677,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale: floa
     b, sq, h, d = q.shape
     dv = v_cache.shape[3]
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    mask = "causal" if causal and sq > 1 else "none"
+    mask = decode_mask(causal, sq)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads it with stride 1
     if b == 0 or sq == 0:

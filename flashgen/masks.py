@@ -25,6 +25,13 @@ import numbers
 from .errors import InputError
 
 
+def decode_mask(causal: bool, seqlen_q: int) -> str:
+    """The decode kernels' mask mode for ``seqlen_q`` new queries at the end of the cache:
+    "causal" (bottom-right) when causal with more than one query, else "none" (a single
+    last query sees every key either way)."""
+    return "causal" if causal and seqlen_q > 1 else "none"
+
+
 def mask_bounds(seqlen_q: int, seqlen_k: int, *, causal: bool, window: tuple[int, int],
                 align: str = "bottom_right") -> tuple[str, int, int]:
     """(mask mode, diag_lo, diag_hi): query i sees key j iff diag_lo <= j - i <= diag_hi.

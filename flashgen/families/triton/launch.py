@@ -19,6 +19,7 @@ import torch
 from ... import compile as _compile
 from ... import plans
 from ...fastlaunch import launch
+from ...masks import decode_mask
 from ...spec import KernelSpec, TileConfig, Variant, mods_name
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -235,9 +236,9 @@ def _fwd_decode_form(q, k, v, softmax_scale, mask, config, out, lse, module):
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
-    dmask = "causal" if mask == "causal" and sq > 1 else "none"
     _, lse = decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lens, softmax_scale=softmax_scale,
-                    mask=dmask, config=config, out=out.transpose(1, 2), lse=lse, module=module)
+                    mask=decode_mask(mask == "causal", sq), config=config, out=out.transpose(1, 2), lse=lse,
+                    module=module)
     return out, lse
 
 
