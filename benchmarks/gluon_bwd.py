@@ -195,12 +195,11 @@ def wide_configs(unchecked: bool = False):
         # lookahead variants, the other role splits (a program that hangs costs the
         # child's timeout once before the other program is checked), then the rest
         rest = sorted(B.col_split_space(256, "bfloat16", "causal", unchecked=True),
-                      key=lambda c: (not c.split, not c.lookahead, c.dq_mode != default.dq_mode,
-                                     c.kv_store != default.kv_store, c.row_load != default.row_load, -c.stages,
-                                     -c.dq_chunks))
+                      key=lambda c: (c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
+                                     c.row_load != default.row_load, -c.stages, -c.dq_chunks))
         split = [c for c in rest if c.split]
-        ahead = [c for c in rest if c.lookahead]
-        rest = split[:1] + ahead + split[1:] + [c for c in rest if not c.split and not c.lookahead]
+        rest = split[:1] + [c for c in rest if c.lookahead] + split[1:] + \
+            [c for c in rest if not c.split and not c.lookahead]
         return [(dataclasses.astuple(c), 256, True) for c in [default, *rest]]
     # the default, then the other ring depth and dQ modes before the load and store choices
     space = sorted(B.search_space(256, "bfloat16", "causal"),

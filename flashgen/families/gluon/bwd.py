@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from pathlib import Path
 
@@ -633,18 +634,13 @@ def col_split_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
     configs refused only for not having run their float64 checks on the GPU
     (:data:`NOT_CHECKED`)."""
     out = []
-    for stages in (1, 2):
-        for dq_mode in SEARCH_DQ_MODES:
-            for chunks in DQ_CHUNK_COUNTS:
-                for row_load in ("tma", "producer"):
-                    for kv in KV_STORES:
-                        for ahead in LOOKAHEADS:
-                            for split in (False, True):
-                                c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, split,
-                                                   kv_store=kv, dq_chunks=chunks, lookahead=ahead)
-                                reasons = invalid_reasons(c, head_dim, dtype, mask)
-                                if (all(NOT_CHECKED in r for r in reasons) and reasons) if unchecked else not reasons:
-                                    out.append(c)
+    for stages, dq_mode, chunks, row_load, kv, ahead, split in itertools.product(
+            (1, 2), SEARCH_DQ_MODES, DQ_CHUNK_COUNTS, ("tma", "producer"), KV_STORES, LOOKAHEADS, (False, True)):
+        c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, split, kv_store=kv, dq_chunks=chunks,
+                           lookahead=ahead)
+        reasons = invalid_reasons(c, head_dim, dtype, mask)
+        if (reasons and all(NOT_CHECKED in r for r in reasons)) if unchecked else not reasons:
+            out.append(c)
     return out
 
 
