@@ -17,7 +17,7 @@ For each shape of the ``decode`` preset (bf16, Llama-3-8B heads 32/8, d 128; bat
   the contiguous cache (what a model calls), which runs these shapes in its
   flash-decoding form (``library.decode_form``: the decode kernels); checked;
 * ``flashgen-attention-tiles``: the same call with the flash-decoding form off
-  (``library.DECODE_FORM_ROWS`` 0, its own dispatcher): the forward kernels' tiles,
+  (``library.DECODE_FORM_RULES`` empty, its own dispatcher): the forward kernels' tiles,
   one program per (batch, head, query block); checked;
 * ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``: torch SDPA restricted to one backend
   (``torch.nn.attention.sdpa_kernel``) on the contiguous cache viewed as (b, h, s, d)
@@ -244,16 +244,16 @@ def main(argv=None) -> int:
         from flashgen import peers
 
         qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-        for name, rows, disp in (("flashgen-attention", library.DECODE_FORM_ROWS, tuned_disp),
-                                 ("flashgen-attention-tiles", 0, tiles_disp)):
-            def dense(rows=rows, disp=disp):
-                keep, prev = library.DECODE_FORM_ROWS, dispatch._default
-                library.DECODE_FORM_ROWS = rows
+        for name, rules, disp in (("flashgen-attention", library.DECODE_FORM_RULES, tuned_disp),
+                                  ("flashgen-attention-tiles", (), tiles_disp)):
+            def dense(rules=rules, disp=disp):
+                keep, prev = library.DECODE_FORM_RULES, dispatch._default
+                library.DECODE_FORM_RULES = rules
                 dispatch.set_default_dispatcher(disp)
                 try:
                     return flashgen.attention(qt, kt, vt, causal=causal)
                 finally:
-                    library.DECODE_FORM_ROWS = keep
+                    library.DECODE_FORM_RULES = keep
                     dispatch.set_default_dispatcher(prev)
             record(name, dense, out_check=lambda dense=dense: check(dense().transpose(1, 2)))
         for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):

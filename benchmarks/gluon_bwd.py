@@ -30,9 +30,8 @@ WIDE_SHAPES (the ``head-dims`` preset's head_dim 256 shapes: Gemma's 8 query and
 heads) against SDPA cuDNN's backward and flashgen's current one through autograd; writes
 gluon_bwd_wide.json (``--match REGEX``, ``--limit N``: fewer variants).  ``--wide --unchecked``:
 the default beside the configs the rules refuse only until their float64 checks have run
-here (``bwd.NOT_CHECKED``: the next step's S^T and dP^T issued during the dQ chunks,
-``lookahead`` 1 and 2; the role split, ``split``, whose partitions make S^T and P^T, dP^T and
-dS^T; dQ by atomics with dK and dV stored by TMA).
+here (``bwd.NOT_CHECKED``: ``lookahead`` 1 and 2, the next step's S^T and dP^T issued
+during the dQ chunks, with atomic dQ; dQ by atomics with dK and dV stored by TMA).
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered | --wide]
 """
@@ -191,15 +190,10 @@ def wide_configs(unchecked: bool = False):
 
     default = B.default_config(256)
     if unchecked:
-        # the new programs first, the default's neighbours first: one role split, the
-        # lookahead variants, the other role splits (a program that hangs costs the
-        # child's timeout once before the other program is checked), then the rest
+        # the default's neighbours first, the lookahead variants before the rest
         rest = sorted(B.col_split_space(256, "bfloat16", "causal", unchecked=True),
-                      key=lambda c: (c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
+                      key=lambda c: (not c.lookahead, c.dq_mode != default.dq_mode, c.kv_store != default.kv_store,
                                      c.row_load != default.row_load, -c.stages, -c.dq_chunks))
-        split = [c for c in rest if c.split]
-        rest = split[:1] + [c for c in rest if c.lookahead] + split[1:] + \
-            [c for c in rest if not c.split and not c.lookahead]
         return [(dataclasses.astuple(c), 256, True) for c in [default, *rest]]
     # the default, then the other ring depth and dQ modes before the load and store choices
     space = sorted(B.search_space(256, "bfloat16", "causal"),

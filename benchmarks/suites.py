@@ -51,7 +51,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           (("benchmarks/decode_bench.py", "--out", "{out}/decode.json"),), ("decode.json",), "decode"),
     Suite("decode-form", "flashgen.attention with few query rows per kv head: its flash-decoding form and the "
           "forward kernels beside the decode kernel, SDPA cuDNN and a device copy, seqlen_q 1-64 (the form's "
-          "threshold, library.DECODE_FORM_ROWS)",
+          "rules, library.DECODE_FORM_RULES)",
           (("benchmarks/decode_bench.py", "--preset", "decode-form", "--backends",
             "flashgen,flashgen-attention,flashgen-attention-tiles,sdpa-cudnn,copy",
             "--out", "{out}/decode_form.json"),),

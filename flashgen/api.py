@@ -1193,9 +1193,11 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         fwd_key = key_of("fwd")
         if not mods and library.decode_form(q, k, v, mask, lo, hi):
             fwd_key = library.decode_form_key(q, k, v, mask)
-            path += (f"; the forward runs as flash-decoding (seqlen_q x group = {sq * (h // hk)} <= "
-                     f"{library.DECODE_FORM_ROWS} query rows per kv head, seqlen_k >= "
-                     f"{library.DECODE_FORM_MIN_SEQLEN_K}): the decode kernel over k, v as a full cache")
+            rows, from_k, most = library.decode_form_rule(q, k)
+            path += (f"; the forward runs as flash-decoding (seqlen_q x group = {sq * (h // hk)} <= {rows} query "
+                     f"rows per kv head, seqlen_k >= {from_k}"
+                     + (f", batch x num_heads <= {most}" if most is not None else "")
+                     + "): the decode kernel over k, v as a full cache")
         kernels = tuple(KernelChoice.of(c) for c in (disp.choose(fwd_key, capturing=False), *plan.choices))
         how = "whole backward (bwd)" if plan.whole else "bwd_dq + bwd_dkdv"
         repeat = ("bitwise repeatable" if not plan.whole else "bitwise repeatable (dQ added in a fixed order)"

@@ -121,11 +121,28 @@ def _fast_key(kernel, q, k, v, mask, mods):
             k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, mods)
 
 
-#: The dense forward's flash-decoding form (:func:`decode_form`): at most this many query
-#: rows per kv head (seqlen_q x the GQA group: one packed tile of the decode kernel) ...
-DECODE_FORM_ROWS = 64
-#: ... and at least this many keys (shorter calls are bound by their launches either way).
-DECODE_FORM_MIN_SEQLEN_K = 512
+#: When the dense forward runs in its flash-decoding form (:func:`decode_form`): rules of
+#: (at most this many query rows per kv head, i.e. seqlen_q x the GQA group; from this
+#: seqlen_k; at most this many batch x num_heads, None: any).  From the decode kernel
+#: against the forward kernels on the same calls (``python -m benchmarks decode-form``,
+#: 32 / 8 heads, head_dim 128, bf16; docs/design.md, the dispatcher): up to 16 rows it was
+#: faster from 4k keys on; 64 rows were 0.4-0.7x the forward kernels' time at 32k keys
+#: and 1.0-1.8x at 4k; 128 and 256 rows 0.37-0.41x at batch 1 and 32k keys, where the
+#: forward kernels run one program per (batch, head) on a 132-SM GPU, and 0.81-1.26x
+#: at batch 8.  Below 512 keys both are bound by their launches.
+DECODE_FORM_RULES = ((16, 512, None), (64, 8192, None), (256, 8192, 64))
+
+
+def decode_form_rule(q: Tensor, k: Tensor) -> tuple | None:
+    """The first of :data:`DECODE_FORM_RULES` that q (batch, num_heads, seqlen_q, ...)
+    over k (batch, num_kv_heads, seqlen_k, ...) meets, or None (sizes only; the mask is
+    :func:`decode_form`'s)."""
+    b, h, sq = q.shape[:3]
+    rows, sk = sq * (h // max(1, k.shape[1])), k.shape[2]
+    for rule in DECODE_FORM_RULES:
+        if rows <= rule[0] and sk >= rule[1] and (rule[2] is None or b * h <= rule[2]):
+            return rule
+    return None
 
 
 def decode_form(q: Tensor, k: Tensor, v: Tensor, mask: str, lo: int, hi: int) -> bool:
@@ -136,14 +153,13 @@ def decode_form(q: Tensor, k: Tensor, v: Tensor, mask: str, lo: int, hi: int) ->
     group's heads swapped into the rows): the decode kernel of
     :func:`flashgen.attention_with_kvcache` over k and v as a full cache, which packs
     the group's query heads x seqlen_q rows into one tile (each K/V element read once per
-    kv head) and splits the keys over programs.  For a few query rows per kv head
-    (seqlen_q x group <= :data:`DECODE_FORM_ROWS`) and seqlen_k >=
-    :data:`DECODE_FORM_MIN_SEQLEN_K`, without a mask or with bottom-right causal alone
-    (the decode kernel's two masks; a window, a top-left alignment and score
-    modifications take the forward kernels).  O and LSE are the same function; the
-    backward is unchanged."""
+    kv head) and splits the keys over programs.  For a few query rows per kv head over
+    many keys (:data:`DECODE_FORM_RULES`, :func:`decode_form_rule`), without a mask or
+    with bottom-right causal alone (the decode kernel's two masks; a window, a top-left
+    alignment and score modifications take the forward kernels).  O and LSE are the same
+    function; the backward is unchanged."""
     sq, sk = q.shape[2], k.shape[2]
-    return (sq * (q.shape[1] // max(1, k.shape[1])) <= DECODE_FORM_ROWS and sk >= DECODE_FORM_MIN_SEQLEN_K
+    return (decode_form_rule(q, k) is not None
             and (mask == "none" or (mask == "causal" and hi == sk - sq and lo <= -sq)))
 
 

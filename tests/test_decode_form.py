@@ -1,5 +1,5 @@
 """The dense forward's flash-decoding form (library.decode_form): flashgen.attention with
-a few query rows per kv head (seqlen_q x group <= DECODE_FORM_ROWS) over a long k, v runs
+a few query rows per kv head over a long k, v (library.DECODE_FORM_RULES) runs
 the decode kernel over k and v as a full cache, as FlashAttention's forward does for a
 single query.  In Triton's interpreter (float16/float32, small shapes) against float64:
 O, LSE and the gradients (the backward is the usual one), every call path (no autograd,
@@ -22,7 +22,7 @@ from flashgen.masks import mask_bounds
 
 F16, F32 = torch.float16, torch.float32
 FLOOR = {F16: 2e-3, F32: 2e-5}
-SK = library.DECODE_FORM_MIN_SEQLEN_K + 13  # off the tiles
+SK = library.DECODE_FORM_RULES[0][1] + 13  # off the tiles
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +30,14 @@ def hermetic_dispatcher():
     dispatch.set_default_dispatcher(Dispatcher([], env=Environment.current(), arch=arch.current()))
     yield
     dispatch.set_default_dispatcher(None)
+
+
+@pytest.fixture
+def up_to_64_rows(monkeypatch):
+    """The decode form for up to 64 rows per kv head from SK keys on (the kernel's packed
+    tiles up to their largest at the interpreter's sizes; which calls take the form in
+    use is test_the_rules_follow_the_measured_crossovers')."""
+    monkeypatch.setattr(library, "DECODE_FORM_RULES", ((64, SK, None),))
 
 
 @pytest.fixture
@@ -70,7 +78,8 @@ def _within(name, got, ref64, base, floor):
     (4, 1, 5, True, F16),    # MQA, a speculative chunk: bottom-right causal rows
     (4, 4, 16, False, F32),  # MHA, 16 rows per kv head
 ])
-def test_short_queries_run_the_decode_kernel_and_match_float64(h, hk, sq, causal, dtype, decode_calls):
+def test_short_queries_run_the_decode_kernel_and_match_float64(h, hk, sq, causal, dtype, decode_calls,
+                                                              up_to_64_rows):
     """Without autograd, forward-only: O and LSE of the decode form within the rule of
     float64, and the decode kernel ran."""
     q, k, v = _inputs(2, h, hk, sq, SK, 32, dtype)
@@ -121,7 +130,7 @@ def test_the_op_writes_o_in_its_layout_through_the_decode_form(decode_calls):
     (dict(sdpa_causal=True), 4, SK, "top-left causal (scaled_dot_product_attention)"),
     (dict(softcap=30.0), 1, SK, "a score modification"),
     (dict(), 17, SK, "17 x 4 rows per kv head"),
-    (dict(), 1, library.DECODE_FORM_MIN_SEQLEN_K - 1, "a short seqlen_k"),
+    (dict(), 1, library.DECODE_FORM_RULES[0][1] - 1, "a short seqlen_k"),
 ])
 def test_other_calls_keep_the_forward_kernels(kw, sq, sk, why, decode_calls):
     """Calls outside the decode form run the forward kernels (and stay exact)."""
@@ -132,6 +141,25 @@ def test_other_calls_keep_the_forward_kernels(kw, sq, sk, why, decode_calls):
         o = flashgen.attention(q, k, v, **kw)
     assert decode_calls == [], why
     assert o.shape == (1, 8, sq, 32) and not torch.isnan(o).any()
+
+
+@pytest.mark.parametrize("b,h,hk,sq,sk,taken", [
+    (1, 32, 8, 1, 512, True),       # a decode step: 4 rows per kv head
+    (8, 32, 8, 4, 4096, True),      # 16 rows
+    (1, 32, 8, 1, 511, False),      # too few keys
+    (1, 32, 8, 16, 4096, False),    # 64 rows over 4k keys: the forward kernels were faster
+    (8, 32, 8, 16, 8192, True),     # 64 rows over 8k keys
+    (1, 32, 8, 64, 32768, True),    # 256 rows, batch x heads 32: the forward kernels fill a quarter of the SMs
+    (2, 32, 8, 64, 8192, True),     # batch x heads 64
+    (4, 32, 8, 32, 32768, False),   # 128 rows at batch x heads 128
+    (1, 32, 8, 65, 32768, False),   # 260 rows
+])
+def test_the_rules_follow_the_measured_crossovers(b, h, hk, sq, sk, taken):
+    q = torch.empty(b, h, sq, 128, device="meta")
+    k = torch.empty(b, hk, sk, 128, device="meta")
+    mode, lo, hi = mask_bounds(sq, sk, causal=True, window=(-1, -1))
+    assert library.decode_form(q, k, k, mode, lo, hi) is taken
+    assert (library.decode_form_rule(q, k) is not None) is taken
 
 
 def test_explain_names_the_decode_form():
@@ -170,7 +198,8 @@ def _close64(o, lse, q, k, v, scale, causal, tol):
     (3, 4, 1, 16, 8, 8, False, F16),    # MQA, the smallest head dim
     (1, 64, 1, 1, 16, 16, True, F32),   # 64 query heads on one kv head: a full tile
 ])
-def test_decode_form_head_dims_and_groups_against_float64(b, h, hk, sq, d, dv, causal, dtype, decode_calls):
+def test_decode_form_head_dims_and_groups_against_float64(b, h, hk, sq, d, dv, causal, dtype, decode_calls,
+                                                          up_to_64_rows):
     g = torch.Generator().manual_seed(5)
     q = torch.randn(b, h, sq, d, generator=g).to(dtype)
     k = torch.randn(b, hk, SK, d, generator=g).to(dtype)

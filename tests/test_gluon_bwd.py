@@ -77,17 +77,16 @@ CASES = [
     ((64, 64, 2, 1, "tma", 240, 24, "producer", 1, False, 1, False, "swizzled", "tma", False, False, 2), 256,
      "window"),
     # the column-split program issuing the next step's S^T and dP^T ahead (lookahead 1:
-    # after dK; 2: interleaved with the dQ chunks), refused until checked on the GPU
-    # (bwd.NOT_CHECKED): compiled as it would run, on the default and with atomic dQ and
-    # the register stores
+    # after dK; 2: interleaved with the dQ chunks) on the default, and with atomic dQ and
+    # the register stores (refused until checked on the GPU, bwd.NOT_CHECKED)
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, 4, 1), 256,
      "causal"),
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, 4, 2), 256,
      "causal"),
     ((64, 64, 2, 2, "atomic", 240, 24, "producer", 1, False, 1, False, "swizzled", "ptr", False, False, 4, 1),
      256, "window"),
-    # its role split (two 4-warp partitions: S^T and P^T, dP^T and dS^T), refused until
-    # checked on the GPU: two stages under a mask, one without
+    # its role split (two 4-warp partitions: S^T and P^T, dP^T and dS^T; refused as
+    # measured slower, bwd.ROLE_SPLIT_SLOWER): two stages under a mask, one without
     ((64, 64, 2, 2, "atomic", 240, 24, "tma", 1, True, 1, False, "swizzled", "ptr", False, False, 4), 256, "causal"),
     ((64, 64, 2, 1, "atomic", 240, 24, "producer", 1, True, 1, False, "swizzled", "ptr", False, False, 4), 256,
      "none"),
@@ -130,9 +129,11 @@ from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon.shim import cuobjdump, ptxas_sm90
 for fields, d, mask in CASES:
     cfg = B.GluonBwdConfig(*fields)
-    # a variant refused only until its float64 checks have run on the GPU compiles as it will run
+    # a variant refused only until its float64 checks have run on the GPU, or (the role
+    # split) for its measured speed, compiles as it would run
     reasons = B.invalid_reasons(cfg, d, "bfloat16", mask)
-    k = B.compile_sm90(cfg, "bfloat16", d, mask, check=not reasons or not all(B.NOT_CHECKED in r for r in reasons))
+    k = B.compile_sm90(cfg, "bfloat16", d, mask,
+                       check=not reasons or not all(B.NOT_CHECKED in r or r == B.ROLE_SPLIT_SLOWER for r in reasons))
     with tempfile.TemporaryDirectory() as t:
         ptx, cubin = os.path.join(t, "k.ptx"), os.path.join(t, "k.cubin")
         open(ptx, "w").write(k.asm["ptx"])
@@ -1215,18 +1216,22 @@ def test_head_dim_96_runs_on_the_head_dim_128_tiles():
             assert [x.block_shape[-1] for x in a["main"][1][10:12]] == [128, 128]  # dK, dV by TMA, clipped
 
 
-def test_lookahead_is_refused_until_checked_and_listed_for_the_check():
+def test_lookahead_is_served_with_the_tma_dq_and_probed_under_its_own_extension():
     """``lookahead`` (the column-split program issuing the next step's S^T and dP^T during
     its dQ chunks: 1 after dK, 2 interleaved with the chunks) is built for that program
     alone, with a ring of two or more stages and four dQ chunks (two chunks: the register
-    model is over the budget); the rules refuse it only for not having run on the GPU, so
-    the search space and the code id's probes leave it out, and
-    ``col_split_space(unchecked=True)`` lists it for the GPU check."""
+    model is over the budget).  Its float64 checks have run on the GPU with dQ by TMA
+    reduce-add, so the search space holds those variants and the code id probes them
+    under the "lookahead" extension (listed before "col_split": the shipped rows' id
+    stays); with atomic dQ the rules refuse it until checked, and
+    ``col_split_space(unchecked=True)`` lists those for the check."""
     cs = B.default_config(256)
     la, lai = dataclasses.replace(cs, lookahead=1), dataclasses.replace(cs, lookahead=2)
     assert (la.id, lai.id) == (cs.id + "_la1", cs.id + "_la2")
     for c in (la, lai):
-        assert [r for r in B.invalid_reasons(c, 256)] == [f"lookahead {B.NOT_CHECKED}"]
+        assert B.invalid_reasons(c, 256) == []
+        atomic = dataclasses.replace(c, dq_mode="atomic", kv_store="ptr")
+        assert B.invalid_reasons(atomic, 256) == [f"lookahead with dq_mode 'atomic' {B.NOT_CHECKED}"]
         assert any("stages >= 2" in r for r in B.invalid_reasons(dataclasses.replace(c, stages=1), 256))
     assert any("column-split program only" in r
                for r in B.invalid_reasons(dataclasses.replace(B.default_config(128), lookahead=1), 128))
@@ -1236,12 +1241,14 @@ def test_lookahead_is_refused_until_checked_and_listed_for_the_check():
     assert B.consumer_regs_estimate(two, 256) > two.consumer_regs + B.LOCKSTEP_SPILL_SLACK_REGS
     assert B.consumer_regs_estimate(la, 256) == B.consumer_regs_estimate(lai, 256) <= la.consumer_regs
     for mask in B.MASKS:
-        assert not any(c.lookahead for c in B.search_space(256, "bfloat16", mask))
-        ahead = [c for c in B.col_split_space(256, "bfloat16", mask, unchecked=True) if c.lookahead]
-        assert la in ahead and lai in ahead and {(c.stages, c.dq_chunks) for c in ahead} == {(2, 4)}
-        assert all(all(B.NOT_CHECKED in r for r in B.invalid_reasons(c, 256, "bfloat16", mask))
-                   for c in B.col_split_space(256, "bfloat16", mask, unchecked=True))
-    assert not any(c.lookahead for c, *_ in B.probe_variants("col_split"))
+        ahead = [c for c in B.search_space(256, "bfloat16", mask) if c.lookahead]
+        assert la in ahead and lai in ahead and {(c.stages, c.dq_chunks, c.dq_mode) for c in ahead} == {(2, 4, "tma")}
+        unchecked = [c for c in B.col_split_space(256, "bfloat16", mask, unchecked=True) if c.lookahead]
+        assert unchecked and all(c.dq_mode == "atomic" for c in unchecked)
+    probed = {c for c, *_ in B.probe_variants("lookahead")}
+    assert la in probed and lai in probed and not any(c.lookahead for c, *_ in B.probe_variants("col_split"))
+    assert B.EXTENSIONS["lookahead"](la, 256) and list(B.EXTENSIONS).index("lookahead") < \
+        list(B.EXTENSIONS).index("col_split")
     # the render: the first step's products before the loop, the next step's after dK,
     # retired with the first dQ chunk; without the knob the source has none of it
     src, base = B.render(la, "bfloat16", 256, "causal", check=False), B.render(cs, "bfloat16", 256, "causal")
@@ -1325,25 +1332,26 @@ def test_lookahead_sass_issues_the_next_products_behind_dk(compiled):
             assert c["waits"] == waits, c
 
 
-def test_role_split_is_refused_until_checked_and_listed_for_the_check():
+def test_role_split_is_refused_as_measured_slower():
     """The column-split program's role split (``split``: partition 0 makes S^T and P^T,
     partition 1 dP^T and dS^T, each over all of head_dim at wgmma N 64; both their half
     of dV's, dK's and dQ's columns): built with atomic dQ, register stores and four dQ
-    chunks (two: over the register budget), refused only for not having run on the GPU,
-    listed by ``col_split_space(unchecked=True)``, absent from the search space and the
-    code id's probes; its render has the role-split consumer and the hand-off barriers,
-    which no other variant's has."""
+    chunks (two: over the register budget); its float64 checks pass on the GPU but it
+    measured slower than the lock-step program at every shape, so the rules refuse it
+    (bwd.ROLE_SPLIT_SLOWER) and neither the search space, the GPU check's list nor the
+    code id's probes hold it; its render has the role-split consumer and the hand-off
+    barriers, which no other variant's has."""
     rs = dataclasses.replace(B.default_config(256), dq_mode="atomic", kv_store="ptr", split=True)
     assert rs.role_split and rs.parts == 2 and rs.part_rows == 64 and rs.num_warps == 4
     assert rs.id.endswith("_split_cs4")
-    assert B.invalid_reasons(rs, 256) == [f"col_split with split (the role split) {B.NOT_CHECKED}"]
+    assert B.invalid_reasons(rs, 256) == [B.ROLE_SPLIT_SLOWER] and B.NOT_CHECKED not in B.ROLE_SPLIT_SLOWER
     for bad, words in ((dict(dq_mode="tma"), "dq_mode 'tma'"), (dict(kv_store="tma"), "kv_store 'tma'"),
                        (dict(lookahead=1), "and lookahead"), (dict(dq_chunks=2), "registers")):
         assert any(words in r for r in B.invalid_reasons(dataclasses.replace(rs, **bad), 256)), bad
     assert B.consumer_regs_estimate(rs, 256) <= rs.consumer_regs and B.smem_bytes(rs, 256) <= B.SMEM_LIMIT_BYTES
     for mask in B.MASKS:
         assert not any(c.split for c in B.search_space(256, "bfloat16", mask))
-        assert rs in B.col_split_space(256, "bfloat16", mask, unchecked=True)
+        assert rs not in B.col_split_space(256, "bfloat16", mask, unchecked=True)
     assert not any(c.split for c, *_ in B.probe_variants("col_split"))
     src = B.render(rs, "bfloat16", 256, "causal", check=False)
     assert src.count("_consumer_rs(") == 3 and "hs = gl.allocate_shared_memory(gl.int64, [4, 1]" in src

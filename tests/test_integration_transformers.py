@@ -151,7 +151,7 @@ def test_a_decode_step_over_a_cache_runs_the_flash_decoding_form(calls, monkeypa
     decoded = []
     real = launch._fwd_decode_form
     monkeypatch.setattr(launch, "_fwd_decode_form", lambda *a, **kw: decoded.append(a[0].shape) or real(*a, **kw))
-    tokens = flashgen.library.DECODE_FORM_MIN_SEQLEN_K + 8
+    tokens = flashgen.library.DECODE_FORM_RULES[0][1] + 8
 
     def make():
         cfg = _llama()

@@ -45,7 +45,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(fastlaunch, "_current_device", lambda: 0)
     monkeypatch.setattr(fastlaunch, "ensure_context", lambda dev: None)
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
-    tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS)
+    tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS, T._DECODE_PLANS)
     for table in tables:
         table.clear()
     yield log
@@ -205,6 +205,50 @@ def test_triton_launchers_replay_their_own_launches(fake_gpu, tma):
     delta = torch.randn(1, 4, s)
     _check_replay(fake_gpu, lambda q, k, v, o, do, lse: T.bwd_dkdv(do, q, k, v, lse, delta, **kw),
                   lambda: make()[:5] + (delta,))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_replays_its_own_launches(fake_gpu, paged, splits):
+    """The decode launcher's plan holds its split kernel and, with more than one split,
+    the combine kernel (their partial buffers allocated again), for a contiguous and a
+    paged cache; the outputs the caller passes stay the caller's."""
+    cfg = TileConfig(16, 32, 4, 2, num_splits=splits)
+    b, sq, h, hk, d, n = 2, 1, 8, 2, 64, 96
+
+    def make():
+        q = torch.randn(b, sq, h, d, dtype=torch.float16)
+        if paged:
+            kc, vc = (torch.randn(12, 16, hk, d, dtype=torch.float16) for _ in range(2))
+            bt = torch.arange(12, dtype=torch.int32).reshape(b, 6)
+        else:
+            kc, vc = (torch.randn(b, n, hk, d, dtype=torch.float16) for _ in range(2))
+            bt = None
+        return q, kc, vc, torch.tensor([n, n - 5], dtype=torch.int32), bt
+
+    kw = dict(softmax_scale=0.125, mask="causal", config=cfg)
+    _check_replay(fake_gpu, lambda q, kc, vc, lens, bt: T.decode(q, kc, vc, lens, bt, **kw), make)
+    assert {len(fake_gpu)} == {2 if splits > 1 else 1}
+    fake_gpu.clear()
+    out = torch.empty(b, sq, h, d, dtype=torch.float16)
+    got = T.decode(*make(), out=out, **kw)[0]
+    assert got is out and [how for how, *_ in fake_gpu] == ["launch"] * len(fake_gpu)
+
+
+def test_the_decode_form_replays_with_one_lengths_tensor(fake_gpu):
+    """The dense forward's flash-decoding form passes the decode kernel a lengths tensor
+    kept per device (every entry the int32 maximum, which the kernel clamps to the
+    cache's capacity), so a repeated call replays its plan instead of filling one."""
+    cfg = TileConfig(16, 32, 4, 2, num_splits=2)
+    make = lambda: (torch.randn(1, 8, 1, 64, dtype=torch.float16),  # noqa: E731
+                    *(torch.randn(1, 2, 600, 64, dtype=torch.float16) for _ in range(2)))
+    T._LENGTHS.clear()
+    kw = dict(softmax_scale=0.125, mask="none", diag_lo=-1, diag_hi=600, config=cfg)
+    _check_replay(fake_gpu, lambda q, k, v: T.fwd(q, k, v, **kw), make)
+    lens = fake_gpu[0][3][3]
+    assert lens.dtype == torch.int32 and lens.numel() >= 1 and (lens == 2 ** 31 - 1).all()
+    assert lens is T._LENGTHS[lens.device]
+    T._LENGTHS.clear()
 
 
 def test_the_current_device_is_part_of_the_key(fake_gpu, monkeypatch):

@@ -310,7 +310,7 @@ class GluonFamily:
         if B.col_split_dim(key.spec.head_dim):  # the column-split program (bwd.col_split_space)
             return {"BLOCK_M": (64,), "BLOCK_N": (64,), "num_warps": (8,), "num_stages": (1, 2), "dq_atomic": (0, 1),
                     "row_load": (0, 1), "kv_store": (0, 1), "dq_chunks": B.DQ_CHUNK_COUNTS,
-                    "lookahead": B.CHECKED_LOOKAHEADS, "split": (0, 1) if B.ROLE_SPLIT_CHECKED else (0,)}
+                    "lookahead": B.CHECKED_LOOKAHEADS, "split": (0,)}  # the role split: bwd.ROLE_SPLIT_SLOWER
         dom = {"BLOCK_M": (64, 128), "BLOCK_N": (64,), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
                "dq_atomic": (0, 1), "row_load": (0, 1), "split": (0, 1), "dq_stage": (0, 1),
                "kv_store": (0, 1)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 
 import torch
 
@@ -232,14 +233,41 @@ def _fwd_decode_form(q, k, v, softmax_scale, mask, config, out, lse, module):
     launch plan's: a capture around the call records no recipe (:func:`plans.taint`)."""
     plans.taint()
     b, h, sq, _ = q.shape
-    sk, dv = k.shape[2], v.shape[3]
+    dv = v.shape[3]
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
-    lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
+    lens = _lengths(b, q.device)
     _, lse = decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lens, softmax_scale=softmax_scale,
                     mask=decode_mask(mask == "causal", sq), config=config, out=out.transpose(1, 2), lse=lse,
                     module=module)
     return out, lse
+
+
+#: Per device, the decode form's cache lengths (:func:`_lengths`).
+_LENGTHS: dict = {}
+_LENGTHS_LOCK = threading.Lock()
+
+
+def _lengths(batch: int, device) -> torch.Tensor:
+    """An int32 tensor of ``batch`` (or more) entries, each the int32 maximum, on
+    ``device``: the decode form's ``cache_seqlens``, which the decode kernel clamps to
+    the cache's capacity (seqlen_k).  One per device, made once and grown when a larger
+    batch comes (never written after), so repeated calls pass the same tensor and replay
+    their plan instead of filling one per call.  During CUDA-graph capture a tensor made
+    now would live in the graph's pool: a fresh one is made and not kept."""
+    t = _LENGTHS.get(device)
+    if t is not None and t.numel() >= batch:
+        return t
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full((batch,), 2 ** 31 - 1, dtype=torch.int32, device=device)
+    with _LENGTHS_LOCK:
+        t = _LENGTHS.get(device)
+        if t is None or t.numel() < batch:
+            t = torch.full((max(batch, 64),), 2 ** 31 - 1, dtype=torch.int32, device=device)
+            if device.type == "cuda":  # filled before any stream reads it
+                torch.cuda.synchronize(device)
+            _LENGTHS[device] = t
+    return t
 
 
 def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
@@ -316,12 +344,14 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     return dk, dv
 
 
-#: Launch plans of :func:`fwd`, :func:`bwd_dq` and :func:`bwd_dkdv`, one table each
-#: (:mod:`flashgen.plans`; not with score modifications, whose tensors are arguments
-#: too), by config, module, scalars, sizes, strides, dtypes, alignments and device.
+#: Launch plans of :func:`fwd`, :func:`bwd_dq`, :func:`bwd_dkdv` and :func:`decode` (its
+#: split kernel and combine kernel as one plan), one table each (:mod:`flashgen.plans`;
+#: not with score modifications, whose tensors are arguments too), by config, module,
+#: scalars, sizes, strides, dtypes, alignments and device.
 _FWD_PLANS: dict = {}
 _DQ_PLANS: dict = {}
 _DKDV_PLANS: dict = {}
+_DECODE_PLANS: dict = {}
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
@@ -472,6 +502,10 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
     kernel runs on (batch * kv_heads * row blocks * num_splits) programs; with more than
     one split the partials (``o_part``/``lse_part``, allocated when None) are merged by
     the combine kernel.  Needs softmax_scale > 0."""
+    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, o_part, lse_part)
+    key, bufs = plans.replay(_DECODE_PLANS, inputs, config, module, mask, softmax_scale)
+    if bufs is not None:
+        return bufs.get("out", out), bufs.get("lse", lse)
     b, sq, h, d = q.shape
     paged = block_table is not None
     hk, dv = k_cache.shape[2], v_cache.shape[3]
@@ -485,6 +519,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
     if splits > 1 and (o_part is None or lse_part is None):
         o_part, lse_part = decode_partials(b, h, sq, dv, splits, q.device)
     if b == 0 or sq == 0 or h == 0:
+        plans.taint()
         return out, lse
     group = h // hk
     num_m_blocks = _cdiv(group * sq, config.BLOCK_M)
@@ -504,16 +539,28 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
     op = out if o_part is None else o_part
     lp = lse if lse_part is None else lse_part
     grid = (b * hk * num_m_blocks * splits,)
-    _record(mod, launch(mod.attn_decode, grid, (
+    args = (
         q, k_cache, v_cache, cache_seqlens, bt, out, lse, op, lp, softmax_scale * LOG2E,
         *q.stride()[:3],
         kb, kp, kn, kh, vb, vp, vn, vh, stride_bt,
         *out.stride()[:3],
         h, hk, group, sq, capacity, num_m_blocks, page_size, rows,
-    ), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
+    )
+    kernel = launch(mod.attn_decode, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+    _record(mod, kernel)
+    rec = plans.Recorder() if key is not None else None
+    if rec is not None:
+        rec.add(kernel, grid, args)
     if splits > 1:
-        mod.attn_decode_combine[(_cdiv(rows, mod.COMBINE_ROWS),)](
-            o_part, lse_part, out, lse, *out.stride()[:3], h, sq, rows,
-            num_warps=mod.COMBINE_WARPS, num_stages=1,
-        )
+        grid = (_cdiv(rows, mod.COMBINE_ROWS),)
+        args = (o_part, lse_part, out, lse, *out.stride()[:3], h, sq, rows)
+        kernel = launch(mod.attn_decode_combine, grid, args, num_warps=mod.COMBINE_WARPS, num_stages=1)
+        if rec is not None:
+            rec.add(kernel, grid, args)
+    if rec is not None:
+        given = {id(t) for t in inputs if t is not None}
+        plans.record(_DECODE_PLANS, key, rec, inputs, {n: t for n, t in
+                                                       (("out", out), ("lse", lse), ("o_part", o_part),
+                                                        ("lse_part", lse_part))
+                                                       if t is not None and id(t) not in given})
     return out, lse
