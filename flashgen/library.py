@@ -124,13 +124,14 @@ def _fast_key(kernel, q, k, v, mask, mods):
 #: When the dense forward runs in its flash-decoding form (:func:`decode_form`): rules of
 #: (at most this many query rows per kv head, i.e. seqlen_q x the GQA group; from this
 #: seqlen_k; at most this many batch x num_heads, None: any).  From the decode kernel
-#: against the forward kernels on the same calls (``python -m benchmarks decode-form``,
-#: 32 / 8 heads, head_dim 128, bf16; docs/design.md, the dispatcher): up to 16 rows it was
-#: faster from 4k keys on; 64 rows were 0.4-0.7x the forward kernels' time at 32k keys
-#: and 1.0-1.8x at 4k; 128 and 256 rows 0.37-0.41x at batch 1 and 32k keys, where the
-#: forward kernels run one program per (batch, head) on a 132-SM GPU, and 0.81-1.26x
-#: at batch 8.  Below 512 keys both are bound by their launches.
-DECODE_FORM_RULES = ((16, 512, None), (64, 8192, None), (256, 8192, 64))
+#: against the forward kernels on the same calls (``python -m benchmarks decode-form``:
+#: 32 / 8 heads, head_dim 128, bf16, batch 1 and 8, 4k and 32k keys, 4-256 rows per kv
+#: head; docs/benchmarks.md, the dense op's flash-decoding form): up to 64 rows the
+#: decode kernel took 0.24-1.02x the forward kernels' GPU time at every measured size;
+#: 128 and 256 rows 0.41-0.75x at batch 1 (the forward kernels run one program per
+#: (batch, head), 32 on a 132-SM GPU) and 0.84-1.74x at batch 8.  Below 512 keys both
+#: are bound by their launches.
+DECODE_FORM_RULES = ((64, 512, None), (256, 4096, 64))
 
 
 def decode_form_rule(q: Tensor, k: Tensor) -> tuple | None:

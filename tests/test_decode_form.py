@@ -145,13 +145,12 @@ def test_other_calls_keep_the_forward_kernels(kw, sq, sk, why, decode_calls):
 
 @pytest.mark.parametrize("b,h,hk,sq,sk,taken", [
     (1, 32, 8, 1, 512, True),       # a decode step: 4 rows per kv head
-    (8, 32, 8, 4, 4096, True),      # 16 rows
+    (8, 32, 8, 16, 4096, True),     # 64 rows
     (1, 32, 8, 1, 511, False),      # too few keys
-    (1, 32, 8, 16, 4096, False),    # 64 rows over 4k keys: the forward kernels were faster
-    (8, 32, 8, 16, 8192, True),     # 64 rows over 8k keys
-    (1, 32, 8, 64, 32768, True),    # 256 rows, batch x heads 32: the forward kernels fill a quarter of the SMs
-    (2, 32, 8, 64, 8192, True),     # batch x heads 64
-    (4, 32, 8, 32, 32768, False),   # 128 rows at batch x heads 128
+    (1, 32, 8, 64, 4096, True),     # 256 rows, batch x heads 32: the forward kernels fill a quarter of the SMs
+    (2, 32, 8, 32, 32768, True),    # 128 rows, batch x heads 64
+    (1, 32, 8, 64, 4095, False),    # 256 rows over fewer keys
+    (8, 32, 8, 32, 32768, False),   # 128 rows at batch x heads 256
     (1, 32, 8, 65, 32768, False),   # 260 rows
 ])
 def test_the_rules_follow_the_measured_crossovers(b, h, hk, sq, sk, taken):

@@ -96,9 +96,9 @@ def test_explain_paths(monkeypatch):
 def test_explain_reads_no_tensor_data():
     """Meta tensors (and the CLI) need no device and no data."""
     disp = Dispatcher([], env=Environment.current(), arch=arch.current())
-    rep = flashgen.api.explain_sizes(batch=1, heads=32, kv_heads=8, seqlen_q=32, seqlen_k=4096, head_dim=128,
+    rep = flashgen.api.explain_sizes(batch=4, heads=32, kv_heads=8, seqlen_q=32, seqlen_k=4096, head_dim=128,
                                      dispatcher=disp)
-    assert rep.kernels[0].key == "attn_fwd_d128_bf16_none_g4_q32_k4096_bh32"
+    assert rep.kernels[0].key == "attn_fwd_d128_bf16_none_g4_q32_k4096_bh128"
     # one query per head: the forward's flash-decoding form (library.decode_form)
     rep = flashgen.api.explain_sizes(batch=1, heads=32, kv_heads=8, seqlen_q=1, seqlen_k=4096, head_dim=128,
                                      dispatcher=disp)

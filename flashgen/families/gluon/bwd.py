@@ -305,7 +305,7 @@ ROLE_SPLIT_SLOWER = ("col_split with split (the role split) measured slower than
 LOOKAHEADS = (0, 1, 2)
 #: The ``lookahead`` values whose variants have passed their float64 checks on the GPU,
 #: with dQ by TMA reduce-add (with atomic dQ: :data:`NOT_CHECKED`); the family's domain
-#: searches these.  Measured 1.00-1.03x the default causal, 0.93-0.96x without a mask
+#: searches these.  Measured 0.97-1.03x the default causal, 0.93-0.96x without a mask
 #: (H100; the tuner picks per key).
 CHECKED_LOOKAHEADS = (0, 1, 2)
 
