@@ -95,6 +95,22 @@ def test_short_queries_run_the_decode_kernel_and_match_float64(h, hk, sq, causal
     _within("LSE", lse, lse64, lseb.float(), FLOOR[F32])
 
 
+def test_more_rows_than_one_packed_tile_at_few_heads_match_float64(decode_calls):
+    """Up to 256 rows per kv head where batch x num_heads is small (the second rule): 8
+    query heads on one kv head x 20 queries = 160 rows, more than one packed tile of the
+    decode kernel, bottom-right causal over 4k keys."""
+    sk = library.DECODE_FORM_RULES[1][1] + 13
+    q, k, v = _inputs(1, 8, 1, 20, sk, 16, F16, seed=7)
+    mode, lo, hi = mask_bounds(20, sk, causal=True, window=(-1, -1))
+    assert library.decode_form_rule(q, k) == library.DECODE_FORM_RULES[1]
+    o, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    assert len(decode_calls) == 1
+    o64, lse64, _ = reference.forward_bounds(q, k, v, 0.25, lo, hi)
+    ob, lseb, _ = reference.forward_bounds(q, k, v, 0.25, lo, hi, dtype=F16)
+    _within("O", o, o64, ob, FLOOR[F16])
+    _within("LSE", lse, lse64, lseb.float(), FLOOR[F32])
+
+
 def test_gradients_through_the_decode_form_match_float64(decode_calls):
     """With autograd the forward runs the decode form and saves its O and LSE; the
     backward (the usual kernels) gives dQ, dK, dV within the rule."""
