@@ -128,8 +128,8 @@ def _fast_key(kernel, q, k, v, mask, mods):
 #: 32 / 8 heads, head_dim 128, bf16, batch 1 and 8, 4k and 32k keys, 4-256 rows per kv
 #: head; docs/benchmarks.md, the dense op's flash-decoding form): up to 64 rows the
 #: decode kernel took 0.24-1.02x the forward kernels' GPU time at every measured size;
-#: 128 and 256 rows 0.41-0.75x at batch 1 (the forward kernels run one program per
-#: (batch, head), 32 on a 132-SM GPU) and 0.84-1.74x at batch 8.  Below 512 keys both
+#: 128 and 256 rows 0.37-0.74x at batch 1 (the forward kernels run one program per
+#: (batch, head), 32 on a 132-SM GPU) and 0.84-1.73x at batch 8 (an H100).  Below 512 keys both
 #: are bound by their launches.
 DECODE_FORM_RULES = ((64, 512, None), (256, 4096, 64))
 
