@@ -314,10 +314,14 @@ class TuningDB:
 
     def __init__(self, path: str | Path, readonly: bool | None = None, immutable: bool = False):
         self.path = Path(path)
+        # A read-only connection to a WAL-mode file (validate()'s too) creates its -wal and
+        # -shm files and, unable to checkpoint, leaves them at close (see close()).
+        tidy = not immutable and not any(Path(f"{self.path}{s}").exists() for s in ("-wal", "-shm"))
         validate(self.path)
         if readonly is None:
             readonly = self.path.exists() and not (_may_write(self.path) and os.access(self.path.parent, os.W_OK))
         self.readonly = readonly
+        self._tidy = readonly and tidy
         if readonly:
             self._conn = _connect_readonly(self.path, immutable)
             if not self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
@@ -354,7 +358,25 @@ class TuningDB:
                     time.sleep(0.1)
 
     def close(self) -> None:
+        """Close the connection.  A read-only one that created a WAL-mode file's -wal and
+        -shm files (absent when it opened) has a writable connection open and close the
+        file once, where the file and its directory are writable: SQLite's last
+        connection to close checkpoints an empty WAL (no change to the file) and removes
+        both, and leaves them while another process has the file open."""
         self._conn.close()
+        if not self._tidy or not any(Path(f"{self.path}{s}").exists() for s in ("-wal", "-shm")):
+            return
+        self._tidy = False
+        if not (self.path.is_file() and _may_write(self.path) and os.access(self.path.parent, os.W_OK)):
+            return
+        try:
+            conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
+            try:
+                conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            finally:
+                conn.close()
+        except sqlite3.Error:
+            pass  # the files stay, as SQLite left them
 
     def _add_missing_columns(self) -> None:
         """Before the first write: a file written before a column existed gets it (NULL

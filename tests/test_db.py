@@ -362,3 +362,40 @@ def test_a_read_only_file_stays_read_only_for_root(tmp_path, monkeypatch):
     fdb.check_writable(path)  # a write bit: writable
     with fdb.TuningDB(path) as db:
         assert not db.readonly
+
+
+def _side_files(path):
+    return sorted(p.name[len(path.name):] for p in path.parent.iterdir() if p.name.startswith(path.name + "-"))
+
+
+def test_reading_a_wal_file_leaves_no_files_beside_it(tmp_path):
+    """A read-only open of a WAL-mode file (``flashgen show``, ``export``) creates its -wal
+    and -shm files; closing removes them again when they were absent before and the file
+    is writable, and leaves the file's bytes as they were.  While another connection has
+    the file open they stay, and that connection reads and writes as before."""
+    path = tmp_path / "t.sqlite"
+    with TuningDB(path) as d:
+        rec(d, C1, 1.0)
+    before = path.read_bytes()
+    assert _side_files(path) == []
+    with TuningDB(path, readonly=True) as ro:
+        assert len(ro.rows()) == 1
+        assert _side_files(path) == ["-shm", "-wal"]
+    assert _side_files(path) == [] and path.read_bytes() == before
+    ro = TuningDB(path, readonly=True)
+    writer = sqlite3.connect(str(path))
+    assert writer.execute("SELECT COUNT(*) FROM measurements").fetchone() == (1,)
+    ro.close()  # another connection is open: the files stay
+    assert _side_files(path) == ["-shm", "-wal"]
+    writer.execute("DELETE FROM measurements")
+    writer.commit()
+    writer.close()
+    assert _side_files(path) == []
+    with TuningDB(path, readonly=True) as ro:
+        assert ro.rows() == []
+    path.chmod(0o444)  # a file it may not write: left as SQLite leaves it
+    try:
+        TuningDB(path, readonly=True).close()
+        assert _side_files(path) == ["-shm", "-wal"]
+    finally:
+        path.chmod(0o644)
