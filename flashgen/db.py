@@ -142,6 +142,11 @@ def _may_write(path: Path) -> bool:
     return os.geteuid() != 0 or bool(path.stat().st_mode & 0o222) if hasattr(os, "geteuid") else True
 
 
+def _wal_files(path: Path) -> bool:
+    """Whether a WAL-mode database's -wal or -shm file lies beside ``path``."""
+    return any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm"))
+
+
 def check_writable(path: Path, what: str = "--db") -> None:
     """Raise InputError (naming ``path`` and the rule) unless a tuning database can be
     written at ``path``: its directory exists (never created here) and is writable
@@ -316,7 +321,7 @@ class TuningDB:
         self.path = Path(path)
         # A read-only connection to a WAL-mode file (validate()'s too) creates its -wal and
         # -shm files and, unable to checkpoint, leaves them at close (see close()).
-        tidy = not immutable and not any(Path(f"{self.path}{s}").exists() for s in ("-wal", "-shm"))
+        tidy = not immutable and not _wal_files(self.path)
         validate(self.path)
         if readonly is None:
             readonly = self.path.exists() and not (_may_write(self.path) and os.access(self.path.parent, os.W_OK))
@@ -364,7 +369,7 @@ class TuningDB:
         connection to close checkpoints an empty WAL (no change to the file) and removes
         both, and leaves them while another process has the file open."""
         self._conn.close()
-        if not self._tidy or not any(Path(f"{self.path}{s}").exists() for s in ("-wal", "-shm")):
+        if not self._tidy or not _wal_files(self.path):
             return
         self._tidy = False
         if not (self.path.is_file() and _may_write(self.path) and os.access(self.path.parent, os.W_OK)):

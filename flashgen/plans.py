@@ -396,12 +396,17 @@ def replay(table: dict, tensors: tuple, *scalars):
     return key, bufs
 
 
+def record_outputs(table: dict, key, rec: "Recorder", inputs: tuple, outputs: dict) -> None:
+    """Record the launches of ``rec`` under ``key`` (:func:`build`, :func:`remember`):
+    ``inputs`` as given to :func:`replay`; ``outputs`` (name -> tensor or None) those the
+    call made or returns, each a buffer to allocate again unless it is None or one of the
+    inputs (an output the caller passed in)."""
+    given = {id(t) for t in inputs if t is not None}
+    record(table, key, rec, inputs, {n: t for n, t in outputs.items() if t is not None and id(t) not in given})
+
+
 def record_one(table: dict, key, kernel, grid, args, inputs: tuple, outputs: dict) -> None:
-    """Record a call of one launch under ``key`` (:func:`build`, :func:`remember`):
-    ``inputs`` as given to :func:`replay`; ``outputs`` (name -> tensor) those the call
-    returns, each a buffer to allocate again unless it is one of the inputs (an output
-    the caller passed in)."""
+    """Record a call of one launch under ``key`` (:func:`record_outputs`)."""
     rec = Recorder()
     rec.add(kernel, grid, args)
-    given = {id(t) for t in inputs if t is not None}
-    record(table, key, rec, inputs, {n: t for n, t in outputs.items() if id(t) not in given})
+    record_outputs(table, key, rec, inputs, outputs)

@@ -272,11 +272,10 @@ def check_rdb(url: str, what: str = "--storage") -> None:
     a file of the user's (a tuning database, another program's); for a server, a
     connection opens.  Creates and writes nothing."""
     import sqlite3
-    import urllib.parse
 
     import sqlalchemy
 
-    from .db import check_writable
+    from .db import _connect_readonly, check_writable
 
     try:
         parsed = sqlalchemy.engine.make_url(url)
@@ -289,9 +288,7 @@ def check_rdb(url: str, what: str = "--storage") -> None:
         check_writable(path, what)
         if path.exists() and path.stat().st_size:
             try:
-                # immutable: reading creates no -wal/-shm file beside it
-                conn = sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro&immutable=1",
-                                       uri=True)
+                conn = _connect_readonly(path, immutable=True)  # creates no -wal/-shm file beside it
                 try:
                     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
                 finally:

@@ -558,9 +558,6 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
         if rec is not None:
             rec.add(kernel, grid, args)
     if rec is not None:
-        given = {id(t) for t in inputs if t is not None}
-        plans.record(_DECODE_PLANS, key, rec, inputs, {n: t for n, t in
-                                                       (("out", out), ("lse", lse), ("o_part", o_part),
-                                                        ("lse_part", lse_part))
-                                                       if t is not None and id(t) not in given})
+        plans.record_outputs(_DECODE_PLANS, key, rec, inputs,
+                             {"out": out, "lse": lse, "o_part": o_part, "lse_part": lse_part})
     return out, lse
