@@ -21,8 +21,10 @@
 * launch plans (``flashgen.plans``): three calls of each shape and layout with new
   inputs each, after a call that passes one tensor as q, k and v where the head counts
   allow (the second and third replay the first's launches) against float64 and
-  against the same inputs with plans off (``FLASHGEN_LAUNCH_PLANS=0``): O bitwise,
-  gradients to the dtype's tolerance (the Gluon backward's dQ adds in a varying order).
+  against the same inputs with plans off (``FLASHGEN_LAUNCH_PLANS=0``): O bitwise (with
+  and without autograd), gradients to the dtype's tolerance (the Gluon backward's dQ
+  adds in a varying order); three of the shapes run the dense op's flash-decoding form
+  (``library.decode_form``: 4-64 query rows per kv head over 1024-4096 keys).
 
 Prints a PASS/FAIL/SKIP table; exit status 1 if anything failed.
 
@@ -515,6 +517,10 @@ REPLAY_CASES = [
     (2, 8, 8, 512, 64, False, True),
     (2, 16, 16, 1024, 128, False, True),
     (4, 16, 4, 1024, 128, True, True),
+    # (seqlen_q, seqlen_k): the dense op's flash-decoding form (library.decode_form)
+    (1, 32, 8, (1, 4096), 128, True, False),
+    (4, 16, 4, (4, 2048), 128, True, True),
+    (2, 32, 8, (16, 1024), 64, False, True),
 ]
 
 
@@ -526,18 +532,25 @@ def check_replay(device, dtype) -> list[Row]:
     rows = []
     cases = REPLAY_CASES if device.type == "cuda" else [(1, 2, 2, 48, 32, True, False), (1, 2, 1, 40, 32, False, True)]
     for b, h, hk, s, d, causal, bshd in cases:
-        name = f"plans {b}x{h}/{hk}x{s} d{d}{' causal' if causal else ''}{' bshd' if bshd else ''}"
+        sq, sk = s if isinstance(s, tuple) else (s, s)
+        form = " (decode form)" if sq != sk else ""
+        name = f"plans {b}x{h}/{hk}x{sq}{f'x{sk}' if form else ''} d{d}{' causal' if causal else ''}" \
+               f"{' bshd' if bshd else ''}{form}"
         worst = 0.0
         for call in range(3):
             torch.manual_seed(10 + call)
 
-            def t(heads):
-                x = torch.randn(b, s, heads, d, device=device, dtype=dtype) if bshd else \
-                    torch.randn(b, heads, s, d, device=device, dtype=dtype)
+            def t(heads, n):
+                x = torch.randn(b, n, heads, d, device=device, dtype=dtype) if bshd else \
+                    torch.randn(b, heads, n, d, device=device, dtype=dtype)
                 return x.transpose(1, 2) if bshd else x
 
-            q, k, v, do = t(h), t(hk), t(hk), t(h)
-            if call == 0 and h == hk:
+            q, k, v, do = t(h, sq), t(hk, sk), t(hk, sk), t(h, sq)
+            if call == 0 and form:
+                # the form's plan without autograd first (flashgen.attention's direct path)
+                with torch.no_grad():
+                    flashgen.attention(q, k, v, causal=causal)
+            if call == 0 and h == hk and not form:
                 # one tensor as q, k and v first (recorded apart from three tensors)
                 with torch.no_grad():
                     flashgen.attention(q, q, q, causal=causal)
@@ -548,19 +561,23 @@ def check_replay(device, dtype) -> list[Row]:
                     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
                     o = flashgen.attention(qg, kg, vg, causal=causal)
                     outs[plans_on] = [o.detach(), *torch.autograd.grad(o, (qg, kg, vg), do)]
+                    with torch.no_grad():  # the op's direct path (no autograd node)
+                        outs[plans_on].append(flashgen.attention(q, k, v, causal=causal))
                 finally:
                     os.environ.pop("FLASHGEN_LAUNCH_PLANS", None)
             # errors relative to the largest entry of what they are measured against:
             # garbage (zeros, NaN, another buffer) is far above REL_TOL, rounding below
             errs = [_rel(a, b2) for a, b2 in zip(outs["1"], outs["0"])]
-            if errs[0] != 0 or max(errs[1:]) > REL_TOL[dtype]:
-                return rows + [Row(name, "FAIL", f"call {call}: plans on vs off (O, dQ, dK, dV) relative err "
+            if errs[0] != 0 or errs[4] != 0 or max(errs[1:4]) > REL_TOL[dtype]:
+                return rows + [Row(name, "FAIL", f"call {call}: plans on vs off (O, dQ, dK, dV, O without "
+                                                 "autograd) relative err "
                                                  + ", ".join(f"{e:.3g}" for e in errs))]
             ro, _, _ = reference.forward(q, k, v, causal=causal)
             refs = [ro, *reference.backward(do, q, k, v, causal=causal)]
-            worst = max([worst] + [_rel(a, r) for a, r in zip(outs["1"], refs)])
+            worst = max([worst] + [_rel(a, r) for a, r in zip(outs["1"], refs + [ro])])
         rows.append(Row(name, "PASS" if worst <= REL_TOL[dtype] else "FAIL",
-                        f"3 calls: plans on == off (O bitwise), max relative err vs float64 {worst:.3g}"))
+                        f"3 calls: plans on == off (O bitwise, with and without autograd), max relative err vs "
+                        f"float64 {worst:.3g}"))
     return rows
 
 

@@ -15,7 +15,8 @@ caching allocator, whose blocks are 512-byte aligned, so they never lose an alig
 the recorded kernels were specialized on.
 
 A recording is refused (the caller keeps its normal path) when a launch argument is a
-tensor that is neither an input nor a declared buffer (the plan could not supply it),
+tensor that is neither an input, a declared buffer, a declared view of one at its own
+address nor a declared kept tensor (the plan could not supply it),
 when a launch went through Triton's own path (``fastlaunch`` returned no kept kernel),
 or when a launch hook is installed.  Plans are off with ``FLASHGEN_LAUNCH_PLANS=0``, and
 with ``FLASHGEN_FAST_LAUNCH=0`` and under Triton's interpreter as the direct launch is
@@ -108,12 +109,17 @@ def _is_desc(a) -> bool:
     return hasattr(a, "block_shape") and hasattr(a, "base") and hasattr(a, "strides")
 
 
-def build(rec: Recorder, inputs: tuple, buffers: dict, zeroed: tuple = ()) -> Plan | None:
+def build(rec: Recorder, inputs: tuple, buffers: dict, zeroed: tuple = (), views: tuple = (),
+          kept: tuple = ()) -> Plan | None:
     """The plan of a recorded call, or None when it cannot be replayed (module
     docstring).  ``inputs``: the tensors the caller passes again on every call (in this
     order to :meth:`Plan.run`); ``buffers``: name -> tensor the call allocated, each to be
     allocated again with its shape and strides (``zeroed`` names those that must start
-    at zero)."""
+    at zero).  ``views``: (view, tensor) pairs, a launch argument that views an input or
+    a buffer at its own address (a transpose), replayed as that tensor (a kernel
+    argument is its address; the key fixes the view's strides); ``kept``: tensors the
+    plan holds and passes as they are on every replay (never written after the
+    recording)."""
     if not rec.ok or not rec.launches:
         return None
     slot_of = {}
@@ -124,6 +130,12 @@ def build(rec: Recorder, inputs: tuple, buffers: dict, zeroed: tuple = ()) -> Pl
     for j, (name, t) in enumerate(buffers.items()):
         slot_of.setdefault(id(t), len(inputs) + j)
         specs.append((name, tuple(t.shape), tuple(t.stride()), t.dtype, t.device, name in zeroed))
+    for view, t in views:
+        slot = slot_of.get(id(t))
+        if slot is None or view.data_ptr() != t.data_ptr() or view.dtype != t.dtype:
+            return None
+        slot_of.setdefault(id(view), slot)
+    held = {id(t) for t in kept}
     stages = []
     for kernel, grid, args in rec.launches:
         template, tensors, descs = [], [], []
@@ -131,6 +143,9 @@ def build(rec: Recorder, inputs: tuple, buffers: dict, zeroed: tuple = ()) -> Pl
             template.append(None)
             if isinstance(a, torch.Tensor):
                 slot = slot_of.get(id(a))
+                if slot is None and id(a) in held:
+                    template[pos] = a
+                    continue
                 if slot is None:
                     return None
                 tensors.append((pos, slot))
@@ -369,10 +384,11 @@ def taint() -> None:
         cur.ok = False
 
 
-def record(table: dict, key, rec: "Recorder", inputs: tuple, buffers: dict, zeroed: tuple = ()) -> None:
+def record(table: dict, key, rec: "Recorder", inputs: tuple, buffers: dict, zeroed: tuple = (),
+           views: tuple = (), kept: tuple = ()) -> None:
     """Build the plan of a recorded call (:func:`build`) and keep it under ``key``
     (:func:`remember`)."""
-    plan = build(rec, inputs, buffers, zeroed)
+    plan = build(rec, inputs, buffers, zeroed, views, kept)
     remember(table, key, plan)
     _captured(inputs, plan, buffers)
 
@@ -396,13 +412,16 @@ def replay(table: dict, tensors: tuple, *scalars):
     return key, bufs
 
 
-def record_outputs(table: dict, key, rec: "Recorder", inputs: tuple, outputs: dict) -> None:
+def record_outputs(table: dict, key, rec: "Recorder", inputs: tuple, outputs: dict, views: tuple = (),
+                   kept: tuple = ()) -> None:
     """Record the launches of ``rec`` under ``key`` (:func:`build`, :func:`remember`):
     ``inputs`` as given to :func:`replay`; ``outputs`` (name -> tensor or None) those the
     call made or returns, each a buffer to allocate again unless it is None or one of the
-    inputs (an output the caller passed in)."""
+    inputs (an output the caller passed in); ``views``, ``kept`` as :func:`build` takes
+    them."""
     given = {id(t) for t in inputs if t is not None}
-    record(table, key, rec, inputs, {n: t for n, t in outputs.items() if t is not None and id(t) not in given})
+    record(table, key, rec, inputs, {n: t for n, t in outputs.items() if t is not None and id(t) not in given},
+           views=views, kept=kept)
 
 
 def record_one(table: dict, key, kernel, grid, args, inputs: tuple, outputs: dict) -> None:

@@ -10,9 +10,11 @@ import torch
 
 import flashgen
 from flashgen import dispatch, hot, library, plans
+from flashgen.masks import mask_bounds
 from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon import config as C
 from flashgen.families.gluon import family as GF
+from flashgen.families.triton import launch as T
 
 from test_plans import _same, _same_launches, fake_gpu  # noqa: F401  (fixture)
 
@@ -220,3 +222,45 @@ def test_a_scale_that_takes_the_checked_path_keeps_its_recipes(kernels):
     torch.autograd.grad(flashgen.attention(q, k, v, causal=True, softmax_scale=1), (q, k, v), do)
     assert _calls() is calls and kernels and all(how == "replay" for how, *_ in kernels)
     assert [type(r) for r in (*calls.fwd.values(), *calls.bwd.values())] == [hot.Recipe, hot.Recipe]
+
+
+def test_the_decode_form_gets_a_recipe(kernels, monkeypatch):
+    """A call the dense op runs in its flash-decoding form (few query rows per kv head,
+    many keys: library.decode_form) is all in its plans: its forward replays a recipe that
+    launches what the layers launch (the split and combine kernels), its backward too."""
+    b, h, hk, sq, sk, d = 1, 8, 2, 2, 700, 64
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(b, h, sq, d, generator=g).to(torch.float16).requires_grad_()
+        k = torch.randn(b, hk, sk, d, generator=g).to(torch.float16).requires_grad_()
+        v = torch.randn(b, hk, sk, d, generator=g).to(torch.float16).requires_grad_()
+        return q, k, v, torch.randn(b, h, sq, d, generator=g).to(torch.float16)
+
+    q, k, v, _ = make(0)
+    assert library.decode_form(q, k, v, *mask_bounds(sq, sk, causal=True, window=(-1, -1)))
+
+    def fwd_bwd(q, k, v, do):
+        o = flashgen.attention(q, k, v, causal=True)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    for seed in (0, 1):
+        fwd_bwd(*make(seed))
+    calls = _calls()
+    assert all(isinstance(r, hot.Recipe) for r in (*calls.fwd.values(), *calls.bwd.values()))
+    inputs = make(2)
+    kernels.clear()
+    got = fwd_bwd(*inputs)
+    replayed = list(kernels)
+    assert replayed and all(how == "replay" for how, *_ in replayed)
+    assert len(plans_of(T._FORM_PLANS)) == 1
+    kernels.clear()
+    monkeypatch.setattr(plans, "usable", lambda: False)
+    want = fwd_bwd(*inputs)
+    pairs = _same_launches(replayed, list(kernels), inputs)
+    for x, y in zip(got, want):
+        _same(x.detach() if x.requires_grad else x, y.detach() if y.requires_grad else y, inputs, pairs)
+
+
+def plans_of(table):
+    return [p for p in table.values() if p is not None]

@@ -45,7 +45,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(fastlaunch, "_current_device", lambda: 0)
     monkeypatch.setattr(fastlaunch, "ensure_context", lambda dev: None)
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
-    tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS, T._DECODE_PLANS)
+    tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS, T._DECODE_PLANS, T._FORM_PLANS)
     for table in tables:
         table.clear()
     yield log
@@ -62,6 +62,15 @@ def _same(a, b, inputs, pairs) -> None:
         if any(b is t for t in inputs):
             assert a is b
             return
+        base = b._base
+        if base is not None and b.data_ptr() == base.data_ptr() and (
+                any(base is t for t in inputs) or (a._base is None and a.shape != b.shape)):
+            # a view at its tensor's own address (the decode form's transposes): the
+            # kernel reads the address, so a replay passes the tensor it views
+            b = base
+            if any(b is t for t in inputs):
+                assert a is b
+                return
         assert not any(a is t for t in inputs)
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
         assert pairs.setdefault(id(b), a) is a  # one buffer for one buffer, in every launch
@@ -543,3 +552,70 @@ def test_two_threads_recording_put_back_tritons_own_encoder(nvidia_launcher):
     for name in "AB":
         parts = results[name]
         assert parts is not None and type(parts[0]) is plans._Map and parts[0].encoder is fill
+
+
+def test_the_decode_form_replays_its_own_plan(fake_gpu):
+    """The dense forward's flash-decoding form keeps one plan over q, k, v (not the
+    decode launcher's over their transposed views): a replay passes each tensor where
+    the recording passed its view at the same address, and the kept lengths tensor as
+    it is; the caller's O stays the caller's."""
+    cfg = TileConfig(16, 32, 4, 2, num_splits=3)
+    make = lambda: (torch.randn(2, 8, 2, 64, dtype=torch.float16),  # noqa: E731
+                    *(torch.randn(2, 2, 700, 64, dtype=torch.float16) for _ in range(2)))
+    T._LENGTHS.clear()
+    kw = dict(softmax_scale=0.125, mask="causal", diag_lo=698, diag_hi=700, config=cfg)
+    _check_replay(fake_gpu, lambda q, k, v: T.fwd(q, k, v, **kw), make)
+    assert len(T._FORM_PLANS) == 1 and not T._DECODE_PLANS
+    split, combine = fake_gpu  # the replayed launches
+    q, k, v = make()
+    fake_gpu.clear()
+    T.fwd(q, k, v, **kw)
+    (_, _, _, args), _ = fake_gpu
+    assert args[0] is q and args[1] is k and args[2] is v and args[3] is T._LENGTHS[q.device]
+    out = torch.empty(2, 8, 2, 64, dtype=torch.float16)
+    fake_gpu.clear()
+    got, _ = T.fwd(q, k, v, out=out, **kw)
+    assert got is out and [how for how, *_ in fake_gpu] == ["launch", "launch"]  # another key: recorded
+    fake_gpu.clear()
+    got, _ = T.fwd(q, k, v, out=out, **kw)
+    assert got is out and [how for how, *_ in fake_gpu] == ["replay", "replay"]
+    assert fake_gpu[0][3][5] is out  # the caller's O, where the recording passed its transpose
+    T._LENGTHS.clear()
+
+
+def test_the_decode_form_records_no_plan_with_a_capture_s_lengths(fake_gpu, monkeypatch):
+    """During a CUDA-graph capture the form's lengths tensor is made for the capture and
+    not kept: a plan holding it would read memory the graph's pool hands out again, so
+    none is recorded (and a capture around the call records no recipe)."""
+    cfg = TileConfig(16, 32, 4, 2, num_splits=2)
+    q = torch.randn(1, 8, 1, 64, dtype=torch.float16)
+    k, v = (torch.randn(1, 2, 600, 64, dtype=torch.float16) for _ in range(2))
+    monkeypatch.setattr(T, "_lengths", lambda b, device: torch.full((b,), 2 ** 31 - 1, dtype=torch.int32))
+    kw = dict(softmax_scale=0.125, mask="none", diag_lo=-1, diag_hi=600, config=cfg)
+    with plans.capture() as cap:
+        T.fwd(q, k, v, **kw)
+    T.fwd(q, k, v, **kw)
+    assert [how for how, *_ in fake_gpu] == ["launch"] * 4 and not T._FORM_PLANS and not cap.ok
+
+
+def test_views_and_kept_tensors_in_a_plan(fake_gpu):
+    """A declared view replays as the tensor it views only at that tensor's own address;
+    a kept tensor is passed as it is; any other tensor still refuses the recording."""
+    q, held = torch.randn(2, 4, 8), torch.zeros(3, dtype=torch.int32)
+    kernel = FakeKernel([])
+    rec = plans.Recorder()
+    view = q.transpose(0, 1)
+    rec.add(kernel, (1,), (view, held, 5))
+    plan = plans.build(rec, (q,), {}, views=((view, q),), kept=(held,))
+    assert plan is not None
+    q2 = torch.randn(2, 4, 8)
+    plan.run((q2,))
+    (_, _, _, args), = kernel.log
+    assert args[0] is q2 and args[1] is held and args[2] == 5
+    rec = plans.Recorder()
+    shifted = q[1:]
+    rec.add(kernel, (1,), (shifted,))
+    assert plans.build(rec, (q,), {}, views=((shifted, q),)) is None
+    rec = plans.Recorder()
+    rec.add(kernel, (1,), (view, held))
+    assert plans.build(rec, (q,), {}, views=((view, q),)) is None  # held, not declared kept

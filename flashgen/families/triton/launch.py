@@ -229,17 +229,33 @@ def _fwd_decode_form(q, k, v, softmax_scale, mask, config, out, lse, module):
     kernel (:func:`decode`) over q seen as (batch, seqlen_q, heads, head_dim) and k, v as
     a contiguous cache of seqlen_k keys (every batch entry's length seqlen_k); ``mask``
     "causal" is bottom-right (:func:`flashgen.library.decode_form`).  O is written
-    through its strides (default: contiguous, as :func:`fwd` allocates it).  Not a
-    launch plan's: a capture around the call records no recipe (:func:`plans.taint`)."""
-    plans.taint()
+    through its strides (default: contiguous, as :func:`fwd` allocates it).
+
+    One launch plan per key of q, k, v, out, lse (``_FORM_PLANS``), recorded with the
+    transposed views the decode kernel reads, each replayed as the tensor it views (the
+    kernels read the same address) and the kept lengths tensor (:func:`_lengths`) held
+    by the plan: a replay makes no view and builds no nine-tensor key."""
+    inputs = (q, k, v, out, lse)
+    key, bufs = plans.replay(_FORM_PLANS, inputs, config, module, mask, softmax_scale)
+    if bufs is not None:
+        return bufs.get("out", out), bufs.get("lse", lse)
     b, h, sq, _ = q.shape
     dv = v.shape[3]
     if out is None:
         out = torch.empty((b, h, sq, dv), dtype=q.dtype, device=q.device)
     lens = _lengths(b, q.device)
-    _, lse = decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lens, softmax_scale=softmax_scale,
-                    mask=decode_mask(mask == "causal", sq), config=config, out=out.transpose(1, 2), lse=lse,
-                    module=module)
+    if key is not None and _LENGTHS.get(q.device) is not lens:  # a capture's own lengths: not kept
+        plans.taint()
+        key = None
+    rec = plans.Recorder() if key is not None else None
+    views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2))
+    _, lse, o_part, lse_part = _decode_launches(*views[:3], lens, None, softmax_scale,
+                                                decode_mask(mask == "causal", sq), config, views[3], lse, None,
+                                                None, module, rec)
+    if rec is not None:
+        plans.record_outputs(_FORM_PLANS, key, rec, inputs,
+                             {"out": out, "lse": lse, "o_part": o_part, "lse_part": lse_part},
+                             views=tuple(zip(views, (q, k, v, out))), kept=(lens,))
     return out, lse
 
 
@@ -352,6 +368,8 @@ _FWD_PLANS: dict = {}
 _DQ_PLANS: dict = {}
 _DKDV_PLANS: dict = {}
 _DECODE_PLANS: dict = {}
+#: Launch plans of the dense forward's flash-decoding form (:func:`_fwd_decode_form`).
+_FORM_PLANS: dict = {}
 
 
 def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
@@ -506,6 +524,20 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
     key, bufs = plans.replay(_DECODE_PLANS, inputs, config, module, mask, softmax_scale)
     if bufs is not None:
         return bufs.get("out", out), bufs.get("lse", lse)
+    rec = plans.Recorder() if key is not None else None
+    out, lse, o_part, lse_part = _decode_launches(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
+                                                  mask, config, out, lse, o_part, lse_part, module, rec)
+    if rec is not None:
+        plans.record_outputs(_DECODE_PLANS, key, rec, inputs,
+                             {"out": out, "lse": lse, "o_part": o_part, "lse_part": lse_part})
+    return out, lse
+
+
+def _decode_launches(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, mask, config, out, lse,
+                     o_part, lse_part, module, rec):
+    """:func:`decode`'s launches (the split kernel, then with more than one split the
+    combine kernel), each added to ``rec`` when it is a Recorder; returns (out, lse,
+    o_part, lse_part), the buffers it allocated where None was given."""
     b, sq, h, d = q.shape
     paged = block_table is not None
     hk, dv = k_cache.shape[2], v_cache.shape[3]
@@ -520,7 +552,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
         o_part, lse_part = decode_partials(b, h, sq, dv, splits, q.device)
     if b == 0 or sq == 0 or h == 0:
         plans.taint()
-        return out, lse
+        return out, lse, o_part, lse_part
     group = h // hk
     num_m_blocks = _cdiv(group * sq, config.BLOCK_M)
     if paged:
@@ -548,7 +580,6 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
     )
     kernel = launch(mod.attn_decode, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
-    rec = plans.Recorder() if key is not None else None
     if rec is not None:
         rec.add(kernel, grid, args)
     if splits > 1:
@@ -557,7 +588,4 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table=None, *, softmax_scal
         kernel = launch(mod.attn_decode_combine, grid, args, num_warps=mod.COMBINE_WARPS, num_stages=1)
         if rec is not None:
             rec.add(kernel, grid, args)
-    if rec is not None:
-        plans.record_outputs(_DECODE_PLANS, key, rec, inputs,
-                             {"out": out, "lse": lse, "o_part": o_part, "lse_part": lse_part})
-    return out, lse
+    return out, lse, o_part, lse_part
