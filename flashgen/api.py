@@ -230,6 +230,10 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align, det
         o, lse = library.FWD(q, k, v, scale, mask, lo, hi, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, None, deterministic, calls)
+    elif calls is not None and calls.ready(scale):
+        # Kernels, non-empty, no autograd, 16-byte aligned, plans usable: the call's recipe
+        # (flashgen.hot), recorded through library.forward on its first call
+        o, lse = calls.forward(q, k, v, scale, mask, lo, hi)
     elif mod is not None and scale > 0:
         # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
         launch = families.launcher(cfg.family, "fwd")

@@ -110,13 +110,14 @@ class Calls:
         self.fwd: dict = {}
         self.bwd: dict = {}
 
-    def _ready(self, scale) -> bool:
+    def ready(self, scale) -> bool:
+        """Whether recipes may run for a call of this scale now (module docstring)."""
         return (ENABLED and type(scale) in (float, int) and scale > 0 and plans.usable()
                 and (self.device < 0 or fastlaunch._current_device() == self.device))
 
     def forward(self, q, k, v, scale, mask, lo, hi):
         """(O, LSE) of :func:`flashgen.library.forward` (no score mods)."""
-        if not self._ready(scale):
+        if not self.ready(scale):
             return library.forward(q, k, v, scale, mask, lo, hi)
         key = (scale, q is k, q is v, k is v)
         recipe = self.fwd.get(key, self)
@@ -136,7 +137,7 @@ class Calls:
 
     def backward(self, do, q, k, v, o, lse, scale, mask, lo, hi, deterministic):
         """(dQ, dK, dV) of :func:`flashgen.library.backward` (no score mods, no delta)."""
-        if not self._ready(scale):
+        if not self.ready(scale):
             return library.backward(do, q, k, v, o, lse, scale, mask, lo, hi, deterministic=deterministic)
         # the saved tensors too: a saved-tensor hook (activation offloading) may hand the
         # backward copies in another layout than the forward's

@@ -264,3 +264,24 @@ def test_the_decode_form_gets_a_recipe(kernels, monkeypatch):
 
 def plans_of(table):
     return [p for p in table.values() if p is not None]
+
+
+def test_a_call_without_autograd_replays_the_same_recipe(kernels, monkeypatch):
+    """Without autograd the op replays the forward recipe of its fast-table entry too
+    (the one an autograd call records), launching what the layers launch."""
+    q, k, v, _ = _inputs(2, 4, 2, 192, 64, 0)
+    with torch.no_grad():
+        flashgen.attention(q, k, v, causal=True)
+    calls = _calls()
+    assert len(calls.fwd) == 1 and all(isinstance(r, hot.Recipe) for r in calls.fwd.values())
+    inputs = _inputs(2, 4, 2, 192, 64, 1)[:3]
+    kernels.clear()
+    with torch.no_grad():
+        got = flashgen.attention(*inputs, causal=True)
+        replayed = list(kernels)
+        assert replayed and all(how == "replay" for how, *_ in replayed)
+        kernels.clear()
+        monkeypatch.setattr(plans, "usable", lambda: False)
+        want = flashgen.attention(*inputs, causal=True)
+    pairs = _same_launches(replayed, list(kernels), inputs)
+    _same(got, want, inputs, pairs)
