@@ -674,3 +674,31 @@ def test_sinks_padding_keeps_no_mask_alive(calls):
     calls.clear()
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+def test_repeated_plain_calls_skip_the_checks_alike(calls, monkeypatch):
+    """A call without a mask like an earlier one (every layer of a model after the first)
+    takes the earlier call's checks and choices (causal, window, keys cut to seqlen_q):
+    the same flashgen.attention call and output as the checked path; an argument the
+    checks read that differs (a window, an invalid scale, a module that is not causal,
+    is_causal given) is checked again."""
+    fg_tf._PLAIN.clear()
+    checked = []
+    real = fg_tf._reason_and_sinks_mask
+    monkeypatch.setattr(fg_tf, "_reason_and_sinks_mask", lambda *a, **k: checked.append(1) or real(*a, **k))
+    mod = _Attn()
+    q, k, v = _qkv(sq=3, sk=8)
+    first, _ = fg_tf.attention_forward(mod, q, k, v, None, scaling=0.25)
+    again, _ = fg_tf.attention_forward(mod, q, k, v, None, scaling=0.25)
+    assert len(checked) == 1 and calls[0] == calls[1] and torch.equal(first, again)
+    assert calls[1]["shapes"] == ((1, 4, 3, 16), (1, 2, 3, 16))  # the keys cut, as sdpa's top-left causal
+    n = len(checked)
+    for kw in (dict(scaling=0.25, sliding_window=2), dict(scaling=float("inf")), dict(scaling=0.25, is_causal=False),
+               dict(scaling=0.25, dropout=0.5), dict(scaling=True)):
+        fg_tf.attention_forward(mod, q, k, v, None, **kw)
+        assert len(checked) == n + 1, kw
+        n += 1
+    mod.is_causal = False
+    out, _ = fg_tf.attention_forward(mod, q, k, v, None, scaling=0.25)
+    assert len(checked) == n + 1 and calls[-1]["causal"] is False and calls[-1]["shapes"][1] == (1, 2, 8, 16)
+    fg_tf._PLAIN.clear()
