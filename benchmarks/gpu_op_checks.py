@@ -28,7 +28,7 @@
 
 Prints a PASS/FAIL/SKIP table; exit status 1 if anything failed.
 
-    PYTHONPATH=. python3 benchmarks/gpu_op_checks.py [--dtype bfloat16] [--backend inductor]
+    PYTHONPATH=. python3 benchmarks/gpu_op_checks.py [--dtype bfloat16] [--backend inductor] [--only plans,...]
 
 ``run_checks(torch.device("cpu"), dtype=torch.float32, backend="aot_eager")`` runs the
 same logic on CPU (flashgen's reference path; CUDA-only rows are SKIP): tests/test_library.py
@@ -581,17 +581,28 @@ def check_replay(device, dtype) -> list[Row]:
     return rows
 
 
-def run_checks(device, *, dtype=torch.bfloat16, backend="inductor") -> list[Row]:
-    rows = check_compile(device, dtype, backend)
-    rows += check_cuda_graph(device, dtype)
-    rows += check_dropout_graph(device, dtype)
-    rows += check_capture_cold(device, dtype)
-    rows += check_device1(dtype)
-    rows += check_sdpa(device, dtype)
-    rows += check_bias_tma(device, dtype)
-    rows += check_layouts(device, dtype)
-    rows += check_new_thread(device, dtype)
-    rows += check_replay(device, dtype)
+#: The groups of checks, by the name ``--only`` takes, in the order they run.
+GROUPS = ("compile", "cuda-graph", "dropout-graph", "capture-cold", "device1", "sdpa", "bias-tma", "layouts",
+          "new-thread", "plans")
+
+
+def run_checks(device, *, dtype=torch.bfloat16, backend="inductor", only=GROUPS) -> list[Row]:
+    run = {
+        "compile": lambda: check_compile(device, dtype, backend),
+        "cuda-graph": lambda: check_cuda_graph(device, dtype),
+        "dropout-graph": lambda: check_dropout_graph(device, dtype),
+        "capture-cold": lambda: check_capture_cold(device, dtype),
+        "device1": lambda: check_device1(dtype),
+        "sdpa": lambda: check_sdpa(device, dtype),
+        "bias-tma": lambda: check_bias_tma(device, dtype),
+        "layouts": lambda: check_layouts(device, dtype),
+        "new-thread": lambda: check_new_thread(device, dtype),
+        "plans": lambda: check_replay(device, dtype),
+    }
+    rows = []
+    for group in GROUPS:
+        if group in only:
+            rows += run[group]()
     return rows
 
 
@@ -599,12 +610,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--only", default=",".join(GROUPS),
+                   help=f"comma-separated groups of checks to run (default: all): {', '.join(GROUPS)}")
     args = p.parse_args(argv)
+    only = tuple(g.strip() for g in args.only.split(",") if g.strip())
+    unknown = [g for g in only if g not in GROUPS]
+    if unknown or not only:
+        p.error(f"--only takes a comma-separated subset of {', '.join(GROUPS)}; got {args.only!r}")
     if not torch.cuda.is_available():
         print("no CUDA device: these checks are for the GPU (tests/test_library.py runs their logic on CPU)")
         return 2
     t0 = time.perf_counter()
-    rows = run_checks(torch.device("cuda:0"), dtype=getattr(torch, args.dtype), backend=args.backend)
+    rows = run_checks(torch.device("cuda:0"), dtype=getattr(torch, args.dtype), backend=args.backend, only=only)
     w = max(len(r.name) for r in rows)
     print(f"{'check':{w}}  result  detail   ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.dtype})")
