@@ -235,16 +235,18 @@ def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align, det
         # (flashgen.hot), recorded through library.forward on its first call
         o, lse = calls.forward(q, k, v, scale, mask, lo, hi)
     elif mod is not None and scale > 0:
-        # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device.
+        # Kernels, non-empty, no autograd: launch the memoized kernel on the inputs' device,
+        # into an O laid out as every other path lays it out (library.out_like)
         launch = families.launcher(cfg.family, "fwd")
+        out = library.out_like(q, v.shape[3])
         try:
             if dev is None or dev == torch.cuda.current_device():
                 o, lse = launch(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
-                                module=mod, addressable=True)
+                                module=mod, addressable=True, out=out)
             else:
                 with torch.cuda.device(dev):
                     o, lse = launch(q, k, v, softmax_scale=scale, mask=mask, diag_lo=lo, diag_hi=hi, config=cfg,
-                                    module=mod, addressable=True)
+                                    module=mod, addressable=True, out=out)
         except Exception as e:  # noqa: BLE001 - a non-portable family's build failure: warn, fall back
             library.fall_back(cfg, "fwd", q, e, (ops.dtype_name(q.dtype), q.shape[3], v.shape[3], mask, ""))
             o, lse = library.forward(q, k, v, scale, mask, lo, hi)

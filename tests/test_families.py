@@ -78,9 +78,11 @@ class FakeFamily:
     def launcher(self, name):
         assert name == "fwd", name
 
-        def fwd(q, k, v, *, softmax_scale, mask, diag_lo, diag_hi, config, module, addressable, mods=None):
+        def fwd(q, k, v, *, softmax_scale, mask, diag_lo, diag_hi, config, module, addressable, mods=None,
+                out=None):
             self.launched.append((config, module))
-            return library.reference_forward(q, k, v, softmax_scale, diag_lo, diag_hi, mods)
+            o, lse = library.reference_forward(q, k, v, softmax_scale, diag_lo, diag_hi, mods)
+            return (o, lse) if out is None else (out.copy_(o), lse)
 
         return fwd
 

@@ -285,3 +285,28 @@ def test_a_call_without_autograd_replays_the_same_recipe(kernels, monkeypatch):
         want = flashgen.attention(*inputs, causal=True)
     pairs = _same_launches(replayed, list(kernels), inputs)
     _same(got, want, inputs, pairs)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 192, 192, 64), (1, 8, 2, 2, 700, 64)], ids=["fwd-kernels", "decode-form"])
+def test_o_is_laid_out_alike_whichever_path_runs_without_autograd(kernels, monkeypatch, shape):
+    """Without autograd, O is laid out like q (library.out_like) whether the call replays
+    its recipe, launches the memoized kernel (plans off; a q not 16-byte aligned) or
+    runs the layers, as with autograd."""
+    b, h, hk, sq, sk, d = shape
+
+    def bshd(s, heads, offset=0):
+        flat = torch.randn(b * s * heads * d + offset).to(torch.float16)
+        return flat[offset:].view(b, s, heads, d).transpose(1, 2)
+
+    q, k, v = bshd(sq, h), bshd(sk, hk), bshd(sk, hk)
+    want = library.out_like(q, d).stride()
+    with torch.no_grad():
+        flashgen.attention(q, k, v, causal=True)
+        assert flashgen.attention(q, k, v, causal=True).stride() == want  # the recipe
+        with monkeypatch.context() as m:
+            m.setattr(plans, "usable", lambda: False)
+            assert flashgen.attention(q, k, v, causal=True).stride() == want  # the memoized launch
+        q1 = bshd(sq, h, offset=1)  # 2 bytes past 16-byte alignment: no recipe
+        assert flashgen.attention(q1, k, v, causal=True).stride() == want
+    o = flashgen.attention(q.requires_grad_(), k, v, causal=True)
+    assert o.stride() == want

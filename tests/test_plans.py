@@ -62,15 +62,17 @@ def _same(a, b, inputs, pairs) -> None:
         if any(b is t for t in inputs):
             assert a is b
             return
-        base = b._base
-        if base is not None and b.data_ptr() == base.data_ptr() and (
-                any(base is t for t in inputs) or (a._base is None and a.shape != b.shape)):
-            # a view at its tensor's own address (the decode form's transposes): the
-            # kernel reads the address, so a replay passes the tensor it views
-            b = base
-            if any(b is t for t in inputs):
-                assert a is b
+        if b._base is not None:
+            # a view at a tensor's own address (the decode form's transposes of q, k, v,
+            # which may be views themselves): the kernel reads the address, so a replay
+            # passes the input it views, or a buffer where the recording viewed its own
+            same = [t for t in inputs if t is not None and t.data_ptr() == b.data_ptr() and t.dtype == b.dtype]
+            if same:
+                assert any(a is t for t in same)
                 return
+            base = b._base
+            if b.data_ptr() == base.data_ptr() and a._base is None and a.shape != b.shape:
+                b = base
         assert not any(a is t for t in inputs)
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
         assert pairs.setdefault(id(b), a) is a  # one buffer for one buffer, in every launch
@@ -619,3 +621,27 @@ def test_views_and_kept_tensors_in_a_plan(fake_gpu):
     rec = plans.Recorder()
     rec.add(kernel, (1,), (view, held))
     assert plans.build(rec, (q,), {}, views=((view, q),)) is None  # held, not declared kept
+
+
+@pytest.mark.parametrize("layout", ["bshd", "packed-kv", "bshd-out"])
+def test_the_decode_form_replays_views_of_views(fake_gpu, layout):
+    """q, k, v (and O) that are views already (transformers' (batch, seqlen, heads,
+    head_dim) seen through transpose(1, 2); k and v as slices of one packed tensor): the
+    form's plan replays them as the launcher's own path launches them."""
+    cfg = TileConfig(16, 32, 4, 2, num_splits=2)
+
+    def make():
+        q = torch.randn(2, 3, 8, 64, dtype=torch.float16).transpose(1, 2)
+        if layout == "packed-kv":
+            kv = torch.randn(2, 700, 2, 2, 64, dtype=torch.float16)
+            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        else:
+            k, v = (torch.randn(2, 700, 2, 64, dtype=torch.float16).transpose(1, 2) for _ in range(2))
+        out = torch.empty(2, 3, 8, 64, dtype=torch.float16).transpose(1, 2) if layout == "bshd-out" else None
+        return q, k, v, out
+
+    T._LENGTHS.clear()
+    kw = dict(softmax_scale=0.125, mask="causal", diag_lo=697, diag_hi=700, config=cfg)
+    _check_replay(fake_gpu, lambda q, k, v, out: T.fwd(q, k, v, out=out, **kw), make)
+    assert len(T._FORM_PLANS) == 1
+    T._LENGTHS.clear()
