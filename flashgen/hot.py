@@ -15,7 +15,8 @@ where they came from (the call's own tensors, the O buffer the forward allocates
 results named the same way.  A call is turned into a recipe only when all of it is in
 its plans: no launch without a plan, no work a launcher did beside its plan
 (:func:`flashgen.plans.taint`), every tensor accounted for.  Otherwise the call's key
-keeps None and takes the layers every time.
+keeps None and takes the layers every time.  A call without autograd replays the same
+forward recipes (``flashgen.api``'s fast path, where :meth:`Calls.ready`).
 
 :class:`Calls` holds the recipes of one entry of the API's fast table (fixed sizes,
 strides, dtypes, devices and mask, with 16-byte aligned q, k, v): the forward's per
