@@ -645,3 +645,24 @@ def test_the_decode_form_replays_views_of_views(fake_gpu, layout):
     _check_replay(fake_gpu, lambda q, k, v, out: T.fwd(q, k, v, out=out, **kw), make)
     assert len(T._FORM_PLANS) == 1
     T._LENGTHS.clear()
+
+
+def test_a_replaced_lengths_tensor_stays_alive():
+    """A larger batch replaces the decode form's lengths tensor (at least doubled); the
+    one it replaces is kept, since a CUDA graph captured with it reads its address
+    whether or not a launch plan holds it (plans off)."""
+    import gc
+    import weakref
+
+    T._LENGTHS.clear()
+    dev = torch.device("cpu")
+    first = T._lengths(3, dev)
+    assert first.numel() == 64 and T._lengths(64, dev) is first
+    ref = weakref.ref(first)
+    del first
+    grown = T._lengths(65, dev)
+    assert grown.numel() == 128 and (grown == 2 ** 31 - 1).all()
+    gc.collect()
+    assert ref() is not None and ref() is T._LENGTHS_RETIRED[-1]
+    T._LENGTHS.clear()
+    T._LENGTHS_RETIRED.clear()

@@ -261,15 +261,19 @@ def _fwd_decode_form(q, k, v, softmax_scale, mask, config, out, lse, module):
 
 #: Per device, the decode form's cache lengths (:func:`_lengths`).
 _LENGTHS: dict = {}
+#: The lengths tensors a larger one replaced, kept alive: a CUDA graph captured earlier
+#: may read one (a plan holds its own, but with plans off nothing else would).
+_LENGTHS_RETIRED: list = []
 _LENGTHS_LOCK = threading.Lock()
 
 
 def _lengths(batch: int, device) -> torch.Tensor:
     """An int32 tensor of ``batch`` (or more) entries, each the int32 maximum, on
     ``device``: the decode form's ``cache_seqlens``, which the decode kernel clamps to
-    the cache's capacity (seqlen_k).  One per device, made once and grown when a larger
-    batch comes (never written after), so repeated calls pass the same tensor and replay
-    their plan instead of filling one per call.  During CUDA-graph capture a tensor made
+    the cache's capacity (seqlen_k).  One per device, made once and grown (at least
+    doubled) when a larger batch comes, never written after and never freed (a graph
+    captured with an earlier one still reads it), so repeated calls pass the same tensor
+    and replay their plan instead of filling one per call.  During CUDA-graph capture a tensor made
     now would live in the graph's pool: a fresh one is made and not kept."""
     t = _LENGTHS.get(device)
     if t is not None and t.numel() >= batch:
@@ -279,7 +283,10 @@ def _lengths(batch: int, device) -> torch.Tensor:
     with _LENGTHS_LOCK:
         t = _LENGTHS.get(device)
         if t is None or t.numel() < batch:
-            t = torch.full((max(batch, 64),), 2 ** 31 - 1, dtype=torch.int32, device=device)
+            if t is not None:
+                _LENGTHS_RETIRED.append(t)
+            t = torch.full((max(batch, 64, 2 * (t.numel() if t is not None else 0)),), 2 ** 31 - 1,
+                           dtype=torch.int32, device=device)
             if device.type == "cuda":  # filled before any stream reads it
                 torch.cuda.synchronize(device)
             _LENGTHS[device] = t
