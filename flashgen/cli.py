@@ -960,7 +960,8 @@ def explain(
                                              "this machine's device.")] = None,
     gpu: Annotated[str | None, typer.Option(help="Match tuning rows of this GPU name (e.g. 'NVIDIA H200') "
                                             "instead of this machine's; without a GPU here and without "
-                                            "--arch, also explain for that GPU's architecture.")] = None,
+                                            "--arch, also explain for that GPU's architecture (a name it does not "
+                                            "know needs --arch).")] = None,
     deterministic: Annotated[bool, typer.Option("--deterministic", help="The backward of "
                                                 "flashgen.attention(..., deterministic=True).")] = False,
     softcap: Annotated[float, typer.Option(help="flashgen.attention's softcap (0: off).")] = 0.0,
@@ -1002,6 +1003,11 @@ def explain(
         if named is not None:  # no GPU here: explain for the named GPU's architecture
             a = named
             env = dataclasses.replace(env, compute_capability="%d.%d" % a.compute_capability, sm_count=a.sm_count)
+        elif arch is None and a.name == arch_mod.INTERPRETER.name:
+            raise typer.BadParameter(
+                f"{gpu!r}: no GPU here and no architecture known for this name (known names contain "
+                f"{', '.join(p for p, _ in arch_mod._NAME_PARTS)}); give its architecture with --arch "
+                f"(one of {', '.join(sorted(arch_mod.TABLE))})", param_hint="'--gpu'")
     disp = Dispatcher(env=env, arch=a)
     if db is not None:
         if not db.exists():
