@@ -1003,7 +1003,8 @@ def explain(
         if named is not None:  # no GPU here: explain for the named GPU's architecture
             a = named
             env = dataclasses.replace(env, compute_capability="%d.%d" % a.compute_capability, sm_count=a.sm_count)
-        elif arch is None and a.name == arch_mod.INTERPRETER.name:
+        elif arch is None and a.name == arch_mod.INTERPRETER.name and not gpu.startswith(a.name):
+            # (the interpreter's own rows, e.g. "triton-interpreter (model)" of --fake-model, keep it)
             raise typer.BadParameter(
                 f"{gpu!r}: no GPU here and no architecture known for this name (known names contain "
                 f"{', '.join(p for p, _ in arch_mod._NAME_PARTS)}); give its architecture with --arch "
