@@ -1204,6 +1204,12 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
                      f"rows per kv head, seqlen_k >= {from_k}"
                      + (f", batch x num_heads <= {most}" if most is not None else "")
                      + "): the decode kernel over k, v as a full cache")
+        elif library.decode_form_rule(q, k) is not None:
+            why = (f"score modifications ({mods})" if mods else
+                   "a window" if mask == "window" else
+                   "top-left causal (scaled_dot_product_attention's)" if mask == "causal" else f"mask {mask}")
+            path += (f"; not as flash-decoding, which these sizes would take (library.DECODE_FORM_RULES): {why} "
+                     "(the decode kernel runs no mask or bottom-right causal alone, without score modifications)")
         kernels = tuple(KernelChoice.of(c) for c in (disp.choose(fwd_key, capturing=False), *plan.choices))
         how = "whole backward (bwd)" if plan.whole else "bwd_dq + bwd_dkdv"
         repeat = ("bitwise repeatable" if not plan.whole else "bitwise repeatable (dQ added in a fixed order)"

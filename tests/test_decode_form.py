@@ -183,7 +183,12 @@ def test_explain_names_the_decode_form():
     e = flashgen.explain(q, k, v, causal=True)
     assert "flash-decoding" in str(e) and e.kernels[0].key.startswith("attn_decode_")
     e = flashgen.explain(q, k, v, window=(128, 0))
-    assert "flash-decoding" not in str(e) and e.kernels[0].key.startswith("attn_fwd_")
+    assert "runs as flash-decoding" not in str(e) and e.kernels[0].key.startswith("attn_fwd_")
+    assert "not as flash-decoding, which these sizes would take (library.DECODE_FORM_RULES): a window" in str(e)
+    e = flashgen.explain(q, k, v, causal=True, softcap=30.0)
+    assert "not as flash-decoding" in str(e) and "score modifications (softcap)" in str(e)
+    e = flashgen.explain(q, k[:, :, :100], v[:, :, :100], causal=True)  # too few keys: no word of the form
+    assert "flash-decoding" not in str(e)
 
 
 def _softmax_ref64(q, k, v, scale, causal):
