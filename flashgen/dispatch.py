@@ -518,8 +518,8 @@ class Dispatcher:
                     why = facts
             return two(f"deterministic: dQ by a separate pass (bwd_dq), bitwise repeatable ({why})")
         if whole_key is None:
-            return two(f"score modifications ({kernels['bwd_dq'].spec.mods}) are compiled into bwd_dq and "
-                       "bwd_dkdv only")
+            return two(f"score modifications ({kernels['bwd_dq'].spec.mods}): no family's whole backward (bwd) "
+                       "serves them; bwd_dq and bwd_dkdv compile them in")
         fams = [f for f in families.FAMILIES.values() if whole_key.spec.kernel in f.kernels]
         serving = [f for f in fams if f.unsupported(whole_key, self.arch) is None]
         if not serving:
