@@ -989,6 +989,12 @@ def explain(
     if heads % kv_heads:
         raise typer.BadParameter(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})",
                                  param_hint="'--heads' / '--kv-heads'")
+    if left < -1 or right < -1:
+        raise typer.BadParameter(f"{window!r}: each side must be >= 0, or -1 for unbounded", param_hint="'--window'")
+    if not 0.0 <= dropout_p < 1.0:
+        raise typer.BadParameter(f"{dropout_p}: must be in [0, 1)", param_hint="'--dropout-p'")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise typer.BadParameter(f"{softcap}: must be a finite number >= 0 (0: off)", param_hint="'--softcap'")
     env, a = Environment.current(), arch_mod.current()
     if arch is not None:
         try:

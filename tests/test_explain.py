@@ -128,6 +128,9 @@ def test_cli_explain(tuned_db):
     (["--head-dim", "64", "--window", "x"], "LEFT,RIGHT"),
     (["--head-dim", "64", "--arch", "sm_1"], "unknown architecture"),
     (["--head-dim", "64", "--dtype", "int8"], "is not one of"),
+    (["--head-dim", "64", "--window", "-2,0"], "'--window': '-2,0': each side must be >= 0"),
+    (["--head-dim", "64", "--dropout-p", "1.5"], "'--dropout-p': 1.5: must be in [0, 1)"),
+    (["--head-dim", "64", "--softcap", "-1"], "'--softcap': -1.0: must be a finite number >= 0"),
 ])
 def test_cli_explain_errors(extra, message):
     r = runner.invoke(app, ["explain", "--batch", "1", "--heads", "4", "--kv-heads", "2", "--seqlen-q", "8",
