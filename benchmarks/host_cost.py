@@ -98,35 +98,37 @@ def cpu_stubbed(n: int = 200) -> dict:
 def cpu_plans(n: int = 500) -> dict:
     """Host us per call on the CPU with launch plans and recipes as on a GPU: every
     kernel launch faked (the first call of a signature returns a kept kernel whose replay
-    does nothing), so the number is flashgen's own Python per call, its launches' host
+    only counts), so the number is flashgen's own Python per call, its launches' host
     cost excluded.  Without autograd, bfloat16, 32 / 8 heads, head_dim 128, causal:
     flashgen.attention on the forward kernels' path (seqlen_q 1 and 16 over 128 keys) and
     in the flash-decoding form (seqlen_q 1 over 4096 keys, batch 1 and 4), and the
-    transformers integration's attention function on the form's call."""
+    transformers integration's attention function on the form's call.  Returns name ->
+    dict(us=, replays=launches replayed per call); everything it patches is restored."""
     import torch
 
     import flashgen
-    from flashgen import fastlaunch, library, plans
+    from flashgen import dispatch, fastlaunch, library, plans
     from flashgen.families.gluon import bwd as B
     from flashgen.families.gluon import launch as L
     from flashgen.families.triton import launch as T
+
+    replays = []
 
     class Kept:  # what plans.Recorder takes for a kept kernel
         packed_metadata = object()
         function = 0
 
         def run(self, *args):
-            pass
+            replays.append(1)
 
     kept = {}
-    for mod in (B, L, T):
-        mod.launch = lambda fn, grid, args, **options: kept.setdefault((fn, tuple(sorted(options.items()))), Kept())
-    plans.usable = lambda: True
-    fastlaunch._device_and_stream = lambda: (0, 0)
-    fastlaunch._current_device = lambda: 0
-    fastlaunch.ensure_context = lambda dev: None
-    L._sm_count = lambda device: 132
-    library.use_kernels = lambda q: True
+    patches = [(m, "launch", lambda fn, grid, args, **o: kept.setdefault((fn, tuple(sorted(o.items()))), Kept()))
+               for m in (B, L, T)]
+    patches += [(plans, "usable", lambda: True), (fastlaunch, "_device_and_stream", lambda: (0, 0)),
+                (fastlaunch, "_current_device", lambda: 0), (fastlaunch, "ensure_context", lambda dev: None),
+                (L, "_sm_count", lambda device: 132), (library, "use_kernels", lambda q: True)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS, T._DECODE_PLANS, T._FORM_PLANS)
 
     def per_call(fn):
         with torch.no_grad():
@@ -134,43 +136,54 @@ def cpu_plans(n: int = 500) -> dict:
                 fn()
             best = float("inf")
             for _ in range(7):
+                replays.clear()
                 t0 = time.perf_counter()
                 for _ in range(n):
                     fn()
                 best = min(best, (time.perf_counter() - t0) / n * 1e6)
-        return best
+        return dict(us=best, replays=len(replays) / n)
 
     def qkv(b, sq, sk):
         return (torch.randn(b, 32, sq, 128, dtype=torch.bfloat16), torch.randn(b, 8, sk, 128, dtype=torch.bfloat16),
                 torch.randn(b, 8, sk, 128, dtype=torch.bfloat16))
 
     out = {}
-    for label, (b, sq, sk) in (("forward kernels, b1 sq1 sk128", (1, 1, 128)),
-                               ("forward kernels, b1 sq16 sk128", (1, 16, 128)),
-                               ("flash-decoding form, b1 sq1 sk4096", (1, 1, 4096)),
-                               ("flash-decoding form, b4 sq1 sk4096", (4, 1, 4096))):
-        q, k, v = qkv(b, sq, sk)
-        out[f"flashgen.attention: {label}"] = per_call(lambda q=q, k=k, v=v: flashgen.attention(q, k, v, causal=True))
+    for m, name, value in patches:
+        setattr(m, name, value)
     try:
-        import flashgen.integrations.transformers as fg_tf
-    except ImportError:
+        for label, (b, sq, sk) in (("forward kernels, b1 sq1 sk128", (1, 1, 128)),
+                                   ("forward kernels, b1 sq16 sk128", (1, 16, 128)),
+                                   ("flash-decoding form, b1 sq1 sk4096", (1, 1, 4096)),
+                                   ("flash-decoding form, b4 sq1 sk4096", (4, 1, 4096))):
+            q, k, v = qkv(b, sq, sk)
+            out[f"flashgen.attention: {label}"] = per_call(
+                lambda q=q, k=k, v=v: flashgen.attention(q, k, v, causal=True))
+        try:
+            import flashgen.integrations.transformers as fg_tf
+        except ImportError:
+            return out
+
+        class Attn(torch.nn.Module):
+            is_causal = True
+
+        q, k, v = qkv(1, 1, 4096)
+        module = Attn()
+        out["transformers attention_forward: flash-decoding form, b1 sq1 sk4096"] = per_call(
+            lambda: fg_tf.attention_forward(module, q, k, v, None, scaling=128 ** -0.5))
         return out
-
-    class Attn(torch.nn.Module):
-        is_causal = True
-
-    q, k, v = qkv(1, 1, 4096)
-    module = Attn()
-    out["transformers attention_forward: flash-decoding form, b1 sq1 sk4096"] = per_call(
-        lambda: fg_tf.attention_forward(module, q, k, v, None, scaling=128 ** -0.5))
-    return out
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+        for table in tables:  # plans of the fake kernels must not outlive them
+            table.clear()
+        dispatch.default_dispatcher().fast.clear()
 
 
 def main() -> int:
     if "--cpu-plans" in sys.argv[1:]:
         print("host us per call, launches faked, plans and recipes on (CPU; bf16, 32/8 heads, d128, causal, no grad)")
-        for name, us in cpu_plans().items():
-            print(f"  {name:<70} {us:8.1f}")
+        for name, r in cpu_plans().items():
+            print(f"  {name:<70} {r['us']:8.1f}   {r['replays']:.0f} launches replayed")
         return 0
     if "--cpu-stubbed" in sys.argv[1:]:
         print("host us per call, launches stubbed (CPU; b1 h2 s16 d64 float16, causal)")

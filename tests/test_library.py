@@ -524,3 +524,18 @@ def test_host_cost_cpu_stubbed_counts_the_launches_of_a_call():
     fb = r["forward+backward"]
     assert fb["launches"] == 3 and fb["kernels"] == ["attn_bwd_dkdv", "attn_bwd_dq", "attn_fwd"]
     assert all(x["us"] > 0 for x in r.values())
+
+
+def test_host_cost_cpu_plans_replays_the_launches_of_a_call():
+    """benchmarks/host_cost.py --cpu-plans (flashgen's own host path per call with plans
+    and recipes as on a GPU, launches faked): the forward kernels' path replays one
+    launch per call, the flash-decoding form two (split and combine kernels), through
+    the transformers integration too; what it patched is restored."""
+    from flashgen import library, plans
+
+    usable, use_kernels = plans.usable, library.use_kernels
+    r = _bench_script("host_cost").cpu_plans(n=5)
+    assert plans.usable is usable and library.use_kernels is use_kernels
+    assert all(x["us"] > 0 for x in r.values())
+    assert {x["replays"] for name, x in r.items() if "forward kernels" in name} == {1}
+    assert {x["replays"] for name, x in r.items() if "flash-decoding" in name} == {2}
