@@ -437,7 +437,7 @@ _PLAIN_MAX = 256
 def _plain_key(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap, kwargs):
     """The key of :data:`_PLAIN` for a call without a mask, or None (sinks, a position
     bias, a tensor subclass: the checks run every call).  Values with their types (the
-    checks tell 1 from True); a NaN scale equals no key."""
+    checks tell 1 from True); only calls that passed every check are recorded."""
     if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
         return None
     if not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor):
