@@ -42,6 +42,22 @@ def per_call_us(fn, n=300, reps=5):
     return best
 
 
+def _best_cpu_us(fn, n: int, reps: int, log: list) -> float:
+    """Host us per call of ``fn`` on the CPU (no device synchronization): 20 untimed calls,
+    then the best of ``reps`` loops of ``n`` calls; ``log`` is emptied before each loop,
+    so after it holds what the last loop appended."""
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        log.clear()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
 def cpu_stubbed(n: int = 200) -> dict:
     """Host us per flashgen.attention call on the CPU, launches stubbed: forward (no
     grad) and forward+backward (causal, b1 h2 s16 d64 float16), with the launches per
@@ -80,15 +96,7 @@ def cpu_stubbed(n: int = 200) -> dict:
                       (f"{label}: forward+backward", lambda kw=kw: fwdbwd(**kw))]
         out = {}
         for name, fn in cases:
-            for _ in range(20):
-                fn()
-            best = float("inf")
-            for _ in range(5):
-                launched.clear()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / n * 1e6)
+            best = _best_cpu_us(fn, n, 5, launched)
             out[name] = dict(us=best, launches=len(launched) / n, kernels=sorted(set(launched)))
         return out
     finally:
@@ -132,15 +140,7 @@ def cpu_plans(n: int = 500) -> dict:
 
     def per_call(fn):
         with torch.no_grad():
-            for _ in range(20):
-                fn()
-            best = float("inf")
-            for _ in range(7):
-                replays.clear()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / n * 1e6)
+            best = _best_cpu_us(fn, n, 7, replays)
         return dict(us=best, replays=len(replays) / n)
 
     def qkv(b, sq, sk):
