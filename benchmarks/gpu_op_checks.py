@@ -581,28 +581,28 @@ def check_replay(device, dtype) -> list[Row]:
     return rows
 
 
-#: The groups of checks, by the name ``--only`` takes, in the order they run.
-GROUPS = ("compile", "cuda-graph", "dropout-graph", "capture-cold", "device1", "sdpa", "bias-tma", "layouts",
-          "new-thread", "plans")
+#: The groups of checks, by the name ``--only`` takes, in the order they run:
+#: name -> (device, dtype, backend) -> rows.
+CHECKS = {
+    "compile": lambda device, dtype, backend: check_compile(device, dtype, backend),
+    "cuda-graph": lambda device, dtype, backend: check_cuda_graph(device, dtype),
+    "dropout-graph": lambda device, dtype, backend: check_dropout_graph(device, dtype),
+    "capture-cold": lambda device, dtype, backend: check_capture_cold(device, dtype),
+    "device1": lambda device, dtype, backend: check_device1(dtype),
+    "sdpa": lambda device, dtype, backend: check_sdpa(device, dtype),
+    "bias-tma": lambda device, dtype, backend: check_bias_tma(device, dtype),
+    "layouts": lambda device, dtype, backend: check_layouts(device, dtype),
+    "new-thread": lambda device, dtype, backend: check_new_thread(device, dtype),
+    "plans": lambda device, dtype, backend: check_replay(device, dtype),
+}
+GROUPS = tuple(CHECKS)
 
 
 def run_checks(device, *, dtype=torch.bfloat16, backend="inductor", only=GROUPS) -> list[Row]:
-    run = {
-        "compile": lambda: check_compile(device, dtype, backend),
-        "cuda-graph": lambda: check_cuda_graph(device, dtype),
-        "dropout-graph": lambda: check_dropout_graph(device, dtype),
-        "capture-cold": lambda: check_capture_cold(device, dtype),
-        "device1": lambda: check_device1(dtype),
-        "sdpa": lambda: check_sdpa(device, dtype),
-        "bias-tma": lambda: check_bias_tma(device, dtype),
-        "layouts": lambda: check_layouts(device, dtype),
-        "new-thread": lambda: check_new_thread(device, dtype),
-        "plans": lambda: check_replay(device, dtype),
-    }
     rows = []
-    for group in GROUPS:
+    for group, check in CHECKS.items():
         if group in only:
-            rows += run[group]()
+            rows += check(device, dtype, backend)
     return rows
 
 
