@@ -32,7 +32,7 @@ import torch
 
 from . import fastlaunch
 
-#: Plans kept per launcher; later keys take the launcher's own path (see :func:`remember`).
+#: Plans kept per launcher; a new key then replaces the oldest (see :func:`remember`).
 PLAN_MAX = 512
 
 
@@ -310,12 +310,18 @@ _KNOBS: list = []
 
 
 def remember(table: dict, key, plan) -> None:
-    """Keep ``plan`` under ``key`` (None is kept too: that key is not recorded again),
-    unless the table holds :data:`PLAN_MAX` plans already (:func:`lookup` then records
-    no new key: the plans of the first keys stay, and a long tail of sizes costs no
-    recording on every call)."""
-    if len(table) < PLAN_MAX:
-        table[key] = plan
+    """Keep ``plan`` under ``key`` (None is kept too: that key is not recorded again);
+    when the table holds :data:`PLAN_MAX` plans already, the oldest goes first.  A model
+    calls every size once per layer, and a generation loop's seqlen_k grows by one per
+    step: a table that stopped recording when full would leave every layer of every
+    later step without a plan (after 512 tokens), while a size seen once costs only its
+    recording, as every size does before the table fills."""
+    while key not in table and len(table) >= PLAN_MAX:
+        try:  # another thread may change the table meanwhile
+            table.pop(next(iter(table)), None)
+        except (RuntimeError, StopIteration):
+            break
+    table[key] = plan
 
 
 def key_of(tensors, *scalars):
@@ -336,13 +342,13 @@ def key_of(tensors, *scalars):
 
 def lookup(table: dict, key):
     """(key, plan): the plan kept under ``key``; (key, None) when none is kept yet (record
-    this call); (None, None) when this call is not to be recorded: ``key`` is None, the
-    key was recorded and found not replayable, or the table is full."""
+    this call); (None, None) when this call is not to be recorded: ``key`` is None, or
+    the key was recorded and found not replayable."""
     if key is None:
         return None, None
     plan = table.get(key, table)
     if plan is table:
-        return (key, None) if len(table) < PLAN_MAX else (None, None)
+        return key, None
     return (key, plan) if plan is not None else (None, None)
 
 

@@ -354,15 +354,28 @@ def test_a_nan_scale_takes_no_plan(fake_gpu):
     assert not T._FWD_PLANS and [how for how, *_ in fake_gpu] == ["launch"] * 3
 
 
-def test_a_full_table_records_no_new_key(fake_gpu, monkeypatch):
+def test_a_full_table_replaces_its_oldest_plan(fake_gpu, monkeypatch):
+    # a generation loop's seqlen_k grows by one per step: past PLAN_MAX sizes a table
+    # that stopped recording would leave every later call without a plan
     monkeypatch.setattr(plans, "PLAN_MAX", 2)
     cfg = TileConfig(64, 64, 4, 2)
-    for s in (64, 80, 96, 96, 64):
+    for s in (64, 80, 96, 96, 64, 96):
         q = _bhsd(1, 2, s, 64, dtype=torch.float16)
         T.fwd(q, q, q, softmax_scale=0.1, mask="none", diag_lo=-s, diag_hi=s, config=cfg, addressable=True)
-    # 64 and 80 recorded; 96 never (its second call launches again); 64 replays
-    assert [how for how, *_ in fake_gpu] == ["launch", "launch", "launch", "launch", "replay"]
+    # 64 and 80 recorded; 96 replaces 64 and replays; 64 recorded again (replacing 80)
+    assert [how for how, *_ in fake_gpu] == ["launch", "launch", "launch", "replay", "launch", "replay"]
     assert len(T._FWD_PLANS) == 2
+
+
+def test_a_full_table_keeps_a_known_key_without_evicting(monkeypatch):
+    monkeypatch.setattr(plans, "PLAN_MAX", 2)
+    table = {}
+    plans.remember(table, "a", None)
+    plans.remember(table, "b", None)
+    plans.remember(table, "b", None)
+    assert list(table) == ["a", "b"]
+    plans.remember(table, "c", None)
+    assert list(table) == ["b", "c"]
 
 
 # -- direct stages: the raw launcher called with what Triton's own wrapper passes ------
