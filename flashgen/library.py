@@ -97,14 +97,19 @@ def load_or_fall_back(disp, key: ProblemKey, cfg, choose):
 
 def _choose(disp, fk, key: ProblemKey, capturing: bool):
     """(TileConfig, loaded module) of ``key``: the dispatcher's family and config, the
-    module loaded by that family; memoized under ``fk`` in the dispatcher's ``fast`` table
-    unless ``capturing`` (a CUDA graph capture's answer may be the default)."""
-    cfg = disp.choose(key, capturing=capturing).config
-    hit = load_or_fall_back(disp, key, cfg, lambda: disp.choose(key, capturing=capturing).config)
+    module loaded by that family; memoized under ``fk`` and under ``key`` (the
+    dispatcher's answer is a function of the key, whose seqlen buckets hold many exact
+    sizes: a generation loop's growing seqlen_k asks again only per bucket) in the
+    dispatcher's ``fast`` table unless ``capturing`` (a CUDA graph capture's answer may
+    be the default, which a later call must not take from the table)."""
+    hit = disp.fast.get(key)  # another exact size of this key: its answer (clear() forgets both)
+    if hit is None:
+        cfg = disp.choose(key, capturing=capturing).config
+        hit = load_or_fall_back(disp, key, cfg, lambda: disp.choose(key, capturing=capturing).config)
     if not capturing:
         if len(disp.fast) >= FAST_TABLE_MAX:  # e.g. a decode loop with a growing seqlen_k
             disp.fast.clear()
-        disp.fast[fk] = hit
+        disp.fast[fk] = disp.fast[key] = hit
     return hit
 
 
