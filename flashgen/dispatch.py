@@ -41,7 +41,7 @@ from pathlib import Path
 from . import families
 from .arch import INTERPRETER
 from .errors import InputError, UnsupportedError
-from .spec import WHOLE_BWD, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, is_user_mods, is_varlen
+from .spec import WHOLE_BWD, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, is_decode, is_user_mods, is_varlen
 
 #: Variants of a non-portable family that failed to build or launch in this process
 #: (variant id -> the error): the dispatcher never picks them again, and each was warned
@@ -358,8 +358,15 @@ class Dispatcher:
         tile fits this head dim's rules and shared memory.  Those tiles were tuned
         holding the mod's registers, the plain key's were not (H200, head_dim 64
         forward: the plain keys' tiles ran 1.0-2.25x slower than the mods-tuned m64
-        n64 w4 and spilled with dropout; docs/design.md).  One pass over the rows."""
+        n64 w4 and spilled with dropout; docs/design.md).  A decode key takes another
+        seqlen_q bucket's row only where its packed rows (the group's heads x seqlen_q)
+        keep that row's BLOCK_M (:meth:`adapt` sets BLOCK_M to them): a taller tile is
+        another kernel (H200: seqlen_q 4's rows taken at 16-64 query rows per kv head
+        ran 1.5-4x slower than the heuristic default, and at batch 8 their BLOCK_N 256
+        did not fit shared memory once the tile was 64 rows).  Every candidate must fit
+        ``key`` as adapted.  One pass over the rows."""
         s = key.spec
+        decode = is_decode(s.kernel)
         best = {True: (None, math.inf), False: (None, math.inf)}  # same spec? -> (choice, distance)
         for path, table in tables:
             for key_id, cfg, row in ((k, c, r) for k, rows in table.items() for c, r in rows):
@@ -383,9 +390,11 @@ class Dispatcher:
                 if not getattr(fam, "large_enough", _any_size)(key):
                     continue  # another bucket's row of a family whose host time this key would not hide
                 # Another head dim's tile can break this one's rules (e.g. the float32
-                # accumulators of d128's m64 n64 w4 dK/dV at d256) as well as its shared memory.
-                if o != s and (fam.violated_rules(Variant(s, cfg))
-                               or not fam.estimate(Variant(s, cfg), self.arch).feasible):
+                # accumulators of d128's m64 n64 w4 dK/dV at d256) as well as its shared
+                # memory; another bucket's tile, as its family adapts it to this key, too.
+                fit = Variant(s, fam.adapt(cfg, key))
+                if ((decode and fit.config.BLOCK_M != cfg.BLOCK_M) or fam.violated_rules(fit)
+                        or not fam.estimate(fit, self.arch).feasible):
                     continue
                 best[o == s] = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path),
                                       tuned_under=self.env.version_note(row)), d

@@ -277,10 +277,16 @@ def test_tuner_over_a_decode_key(tmp_path, monkeypatch):
     disp = Dispatcher([tdb], env=env, arch=sm90)
     choice = disp.choose(key, capturing=False)
     assert choice.source == "tuned" and choice.config == res.best_config
-    # a nearby key (seqlen_q 2) takes the nearest bucket, with its own BLOCK_M
-    near = ProblemKey(key.spec, key.group, 8, key.seqlen_k, key.batch_heads)
+    # a nearby key whose packed rows keep the tile (seqlen_q 4: 16 rows) takes the
+    # nearest bucket; one whose rows need a taller tile (seqlen_q 8: 32 rows, BLOCK_M 32)
+    # another kernel: the heuristic default, not the row adapted
+    near = ProblemKey(key.spec, key.group, 4, key.seqlen_k, key.batch_heads)
     c2 = disp.choose(near, capturing=False)
-    assert c2.source == "nearest" and c2.config.BLOCK_M == 32 and c2.config.num_splits == res.best_config.num_splits
+    assert c2.source == "nearest" and c2.config == res.best_config
+    tall = ProblemKey(key.spec, key.group, 8, key.seqlen_k, key.batch_heads)
+    c3 = disp.choose(tall, capturing=False)
+    assert c3.source == "default" and c3.config == heuristics.default_config(key.spec, sm90, tall)
+    assert c3.config.BLOCK_M == 32
     # precompile sees only this key's BLOCK_M
     vs = tuner.feasible_variants([key], sm90)
     assert vs and {v.config.BLOCK_M for v in vs} == {16}
@@ -444,3 +450,34 @@ def test_decode_op_compiles_fullgraph_and_equals_eager(interpret, monkeypatch):
             assert torch.equal(a, b)
         torch.library.opcheck(library.DECODE, (q, kc, vc, lens, bt, 0.125, True),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_shipped_decode_rows_give_every_decode_size_a_tile_that_fits():
+    """On the H200, a seqlen_q 4 row (BLOCK_N 256, two stages) adapted to 64 packed
+    rows per kv head no longer fit shared memory, so the dense op's flash-decoding form
+    raised at batch 8, 32 / 8 heads, seqlen_q 16, 4096 keys.  Every decode size of the
+    shipped rows' GPU now chooses a tile that fits: another bucket's row only where it
+    keeps its BLOCK_M, else the heuristic default."""
+    import warnings
+
+    from flashgen import resources
+    from flashgen.dispatch import Dispatcher
+
+    env = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    sm90 = TABLE["sm_90"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        disp = Dispatcher(env=env, arch=sm90)
+        sources = set()
+        for kernel in ("decode", "decode_paged"):
+            for mask in ("none", "causal"):
+                spec = KernelSpec(kernel, "bfloat16", 128, 128, mask)
+                for sq in (1, 2, 4, 8, 16, 32, 64):
+                    for sk in (4096, 32768, 131072):
+                        for bh in (32, 256, 1024):
+                            key = ProblemKey(spec, 4, sq, sk, bh)
+                            c = disp.choose(key, capturing=False)
+                            sources.add(c.source)
+                            assert c.config.BLOCK_M == space.decode_block_m(4, sq), key.id
+                            assert resources.estimate(Variant(spec, c.config), sm90).feasible, key.id
+    assert {"tuned", "nearest", "default"} <= sources
