@@ -98,6 +98,10 @@ def _parse(argv):
                         "restart at each document, no attention_mask, the label of each document's first token "
                         "-100; lengths drawn at random cut points, seeded): the models then pass a "
                         "block-diagonal bool mask to attention, which flashgen runs as a ragged batch")
+    p.add_argument("--generate", type=int, default=0,
+                   help="also time this many generation steps after a prefill, the cache growing by one key per "
+                        "step (Llama configurations without --padding or --packed): median ms per step over the "
+                        "first and the last 100 (JSON generate_ms_first / _last, a table of its own)")
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny float32 model in Triton's interpreter, "
                                                         "wall-clock timing (checks the script, times nothing real)")
     args = p.parse_args(argv)
@@ -318,6 +322,24 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
             r["decode_ms"] = statistics.median(times)
             r["decode_ms_all"] = times
             del cache
+            if args.generate:
+                # generation as a user runs it: the cache grows by one key per step, so
+                # every step is a new seqlen_k (flashgen's per-size tables see a new key
+                # per step; past 512 steps a table of 512 entries is full)
+                with torch.no_grad():
+                    cache = transformers.DynamicCache(config=model.config)
+                    nxt = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                    nxt = nxt[:, -1:].argmax(-1)
+
+                    def step():
+                        return model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+
+                    times = _timed(step, args.generate, cuda)
+                assert cache.get_seq_length() == tokens + args.generate
+                r["generate_ms_all"] = times
+                r["generate_ms_first"] = statistics.median(times[:100])
+                r["generate_ms_last"] = statistics.median(times[-100:])
+                del cache
         if cuda:
             r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
@@ -355,6 +377,9 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         del g32
     rec["train_step_ratio"] = got["train_step_ms"] / ref["train_step_ms"]
     rec["prefill_ratio"] = got["prefill_ms"] / ref["prefill_ms"]
+    if "generate_ms_first" in got:
+        rec["generate_ratio_first"] = got["generate_ms_first"] / ref["generate_ms_first"]
+        rec["generate_ratio_last"] = got["generate_ms_last"] / ref["generate_ms_last"]
     if "decode_ms" in got:
         rec["decode_ratio"] = got["decode_ms"] / ref["decode_ms"]
         a, b = decode_logits[impl_fg], decode_logits[ref_impl]
@@ -411,6 +436,15 @@ def main(argv=None) -> int:
                  else f"{'-':>11} {'-':>10} {'-':>6} ") +
               f"{r['loss_rel_diff']:9.2e} {r['grad_rel_l2']['all_params']:11.2e} {'yes' if good else 'NO'}"
               + (f"  (grads {r['grads_rule']})" if "grads_rule" in r else ""))
+    gen = {n: r for n, r in result["configs"].items() if "generate_ratio_first" in r}
+    if gen:
+        print(f"\ngeneration, {args.generate} steps, the cache growing by one key per step: median ms per step "
+              "over the first / last 100")
+        for name, r in gen.items():
+            s, f_ = r["impl"][r["reference"]], r["impl"][impl_fg]
+            print(f"{name:12} {r['reference']:5} first {s['generate_ms_first']:.3f} / {f_['generate_ms_first']:.3f} "
+                  f"({r['generate_ratio_first']:.3f}x)  last {s['generate_ms_last']:.3f} / {f_['generate_ms_last']:.3f} "
+                  f"({r['generate_ratio_last']:.3f}x)")
     for name, r in result["configs"].items():
         ks, kf = r["impl"][r["reference"]].get("step_kernels"), r["impl"][impl_fg].get("step_kernels")
         if ks is None or kf is None:
