@@ -102,14 +102,17 @@ def _choose(disp, fk, key: ProblemKey, capturing: bool):
     sizes: a generation loop's growing seqlen_k asks again only per bucket) in the
     dispatcher's ``fast`` table unless ``capturing`` (a CUDA graph capture's answer may
     be the default, which a later call must not take from the table)."""
-    hit = disp.fast.get(key)  # another exact size of this key: its answer (clear() forgets both)
+    # another exact size of this key: its answer (the module loaded depends on the
+    # interpreter too; clear() forgets both entries)
+    kkey = ("choice", key, interpreting())
+    hit = disp.fast.get(kkey)
     if hit is None:
         cfg = disp.choose(key, capturing=capturing).config
         hit = load_or_fall_back(disp, key, cfg, lambda: disp.choose(key, capturing=capturing).config)
     if not capturing:
         if len(disp.fast) >= FAST_TABLE_MAX:  # e.g. a decode loop with a growing seqlen_k
             disp.fast.clear()
-        disp.fast[fk] = disp.fast[key] = hit
+        disp.fast[fk] = disp.fast[kkey] = hit
     return hit
 
 

@@ -539,3 +539,23 @@ def test_host_cost_cpu_plans_replays_the_launches_of_a_call():
     assert all(x["us"] > 0 for x in r.values())
     assert {x["replays"] for name, x in r.items() if "forward kernels" in name} == {1}
     assert {x["replays"] for name, x in r.items() if "flash-decoding" in name} == {2}
+
+
+def test_a_new_exact_size_of_a_known_key_asks_the_dispatcher_once(monkeypatch):
+    """A generation loop's seqlen_k grows by one key per step: every step is a new exact
+    size of the same ProblemKey, whose answer the fast table holds (per interpreter
+    mode, since the module loaded depends on it)."""
+    disp = dispatch.default_dispatcher()
+    disp.clear()
+    asked = []
+    real = disp.choose
+    monkeypatch.setattr(disp, "choose", lambda key, **kw: asked.append(key) or real(key, **kw))
+    q = torch.randn(1, 4, 1, 16, dtype=F16)
+    for sk in (40, 41, 42):
+        k = torch.randn(1, 2, sk, 16, dtype=F16)
+        library.kernel_for("fwd", q, k, k, "none")
+    assert len(asked) == 1 and len(set(asked)) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if library.interpreting() else "1")
+    library.kernel_for("fwd", q, torch.randn(1, 2, 43, 16, dtype=F16), torch.randn(1, 2, 43, 16, dtype=F16), "none")
+    assert len(asked) == 2 and asked[1] == asked[0]
+    disp.clear()
