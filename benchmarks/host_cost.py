@@ -17,6 +17,9 @@ launcher is in the number): ``python3 benchmarks/host_cost.py --cpu-stubbed``.
 plans and recipes running as on a GPU (every launch faked), on the forward kernels' path,
 in the flash-decoding form and through the transformers integration:
 ``python3 benchmarks/host_cost.py --cpu-plans``.
+
+``--cpu-generate`` (no GPU): the same per call of a generation loop (8 layers, the cache
+growing by one key per step, 700 steps): ``python3 benchmarks/host_cost.py --cpu-generate``.
 """
 
 from __future__ import annotations
@@ -103,54 +106,73 @@ def cpu_stubbed(n: int = 200) -> dict:
         interp.GridExecutor.__call__ = real
 
 
+class _FakedLaunches:
+    """``with _FakedLaunches() as replays:`` every kernel launch of the three launchers
+    faked (the first call of a signature returns a kept kernel whose replay only
+    appends to ``replays``), plans usable as on a GPU; everything patched is restored
+    and the plan tables and the fast table emptied on exit (plans of the fake kernels
+    must not outlive them)."""
+
+    def __enter__(self):
+        from flashgen import fastlaunch, library, plans
+        from flashgen.families.gluon import bwd as B
+        from flashgen.families.gluon import launch as L
+        from flashgen.families.triton import launch as T
+
+        replays = self.replays = []
+
+        class Kept:  # what plans.Recorder takes for a kept kernel
+            packed_metadata = object()
+            function = 0
+
+            def run(self, *args):
+                replays.append(1)
+
+        kept = {}
+        patches = [(m, "launch", lambda fn, grid, args, **o: kept.setdefault((fn, tuple(sorted(o.items()))), Kept()))
+                   for m in (B, L, T)]
+        patches += [(plans, "usable", lambda: True), (fastlaunch, "_device_and_stream", lambda: (0, 0)),
+                    (fastlaunch, "_current_device", lambda: 0), (fastlaunch, "ensure_context", lambda dev: None),
+                    (L, "_sm_count", lambda device: 132), (library, "use_kernels", lambda q: True)]
+        self.saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+        self.tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS, T._DECODE_PLANS, T._FORM_PLANS)
+        for m, name, value in patches:
+            setattr(m, name, value)
+        return replays
+
+    def __exit__(self, *exc):
+        from flashgen import dispatch
+
+        for m, name, value in self.saved:
+            setattr(m, name, value)
+        for table in self.tables:
+            table.clear()
+        dispatch.default_dispatcher().fast.clear()
+
+
 def cpu_plans(n: int = 500) -> dict:
     """Host us per call on the CPU with launch plans and recipes as on a GPU: every
-    kernel launch faked (the first call of a signature returns a kept kernel whose replay
-    only counts), so the number is flashgen's own Python per call, its launches' host
-    cost excluded.  Without autograd, bfloat16, 32 / 8 heads, head_dim 128, causal:
-    flashgen.attention on the forward kernels' path (seqlen_q 1 and 16 over 128 keys) and
-    in the flash-decoding form (seqlen_q 1 over 4096 keys, batch 1 and 4), and the
-    transformers integration's attention function on the form's call.  Returns name ->
-    dict(us=, replays=launches replayed per call); everything it patches is restored."""
+    kernel launch faked (:class:`_FakedLaunches`), so the number is flashgen's own
+    Python per call, its launches' host cost excluded.  Without autograd, bfloat16, 32 /
+    8 heads, head_dim 128, causal: flashgen.attention on the forward kernels' path
+    (seqlen_q 1 and 16 over 128 keys) and in the flash-decoding form (seqlen_q 1 over
+    4096 keys, batch 1 and 4), and the transformers integration's attention function on
+    the form's call.  Returns name -> dict(us=, replays=launches replayed per call)."""
     import torch
 
     import flashgen
-    from flashgen import dispatch, fastlaunch, library, plans
-    from flashgen.families.gluon import bwd as B
-    from flashgen.families.gluon import launch as L
-    from flashgen.families.triton import launch as T
-
-    replays = []
-
-    class Kept:  # what plans.Recorder takes for a kept kernel
-        packed_metadata = object()
-        function = 0
-
-        def run(self, *args):
-            replays.append(1)
-
-    kept = {}
-    patches = [(m, "launch", lambda fn, grid, args, **o: kept.setdefault((fn, tuple(sorted(o.items()))), Kept()))
-               for m in (B, L, T)]
-    patches += [(plans, "usable", lambda: True), (fastlaunch, "_device_and_stream", lambda: (0, 0)),
-                (fastlaunch, "_current_device", lambda: 0), (fastlaunch, "ensure_context", lambda dev: None),
-                (L, "_sm_count", lambda device: 132), (library, "use_kernels", lambda q: True)]
-    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
-    tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS, T._DECODE_PLANS, T._FORM_PLANS)
-
-    def per_call(fn):
-        with torch.no_grad():
-            best = _best_cpu_us(fn, n, 7, replays)
-        return dict(us=best, replays=len(replays) / n)
 
     def qkv(b, sq, sk):
         return (torch.randn(b, 32, sq, 128, dtype=torch.bfloat16), torch.randn(b, 8, sk, 128, dtype=torch.bfloat16),
                 torch.randn(b, 8, sk, 128, dtype=torch.bfloat16))
 
     out = {}
-    for m, name, value in patches:
-        setattr(m, name, value)
-    try:
+    with _FakedLaunches() as replays:
+        def per_call(fn):
+            with torch.no_grad():
+                best = _best_cpu_us(fn, n, 7, replays)
+            return dict(us=best, replays=len(replays) / n)
+
         for label, (b, sq, sk) in (("forward kernels, b1 sq1 sk128", (1, 1, 128)),
                                    ("forward kernels, b1 sq16 sk128", (1, 16, 128)),
                                    ("flash-decoding form, b1 sq1 sk4096", (1, 1, 4096)),
@@ -170,16 +192,51 @@ def cpu_plans(n: int = 500) -> dict:
         module = Attn()
         out["transformers attention_forward: flash-decoding form, b1 sq1 sk4096"] = per_call(
             lambda: fg_tf.attention_forward(module, q, k, v, None, scaling=128 ** -0.5))
-        return out
-    finally:
-        for m, name, value in saved:
-            setattr(m, name, value)
-        for table in tables:  # plans of the fake kernels must not outlive them
-            table.clear()
-        dispatch.default_dispatcher().fast.clear()
+    return out
+
+
+def cpu_generate(steps: int = 700, layers: int = 8, prefill: int = 1024, window: int = 50) -> list[dict]:
+    """Host us per call of a generation loop on the CPU, launches faked as in
+    :func:`cpu_plans`: ``layers`` calls per step of flashgen.attention without autograd
+    (1 x 32 / 8 heads, head_dim 128, bf16, one query row, causal: the flash-decoding
+    form), each layer over its own cache of ``prefill`` + step keys, so every step is a
+    new seqlen_k.  Returns per window of ``window`` steps the median us of the step's
+    first layer (the new size's first call) and of the others."""
+    import statistics
+
+    import torch
+
+    import flashgen
+
+    cap = prefill + steps
+    caches = [(torch.randn(1, 8, cap, 128, dtype=torch.bfloat16), torch.randn(1, 8, cap, 128, dtype=torch.bfloat16))
+              for _ in range(layers)]
+    q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
+    t = []
+    with _FakedLaunches(), torch.no_grad():
+        for s in range(steps):
+            n = prefill + s
+            for kc, vc in caches:
+                k, v = kc[:, :, :n], vc[:, :, :n]
+                t0 = time.perf_counter()
+                flashgen.attention(q, k, v, causal=True)
+                t.append((time.perf_counter() - t0) * 1e6)
+    out = []
+    for w in range(0, steps, window):
+        step_t = [t[(s * layers):(s + 1) * layers] for s in range(w, min(steps, w + window))]
+        out.append(dict(steps=(w, w + len(step_t)), first_us=statistics.median(x[0] for x in step_t),
+                        other_us=statistics.median(y for x in step_t for y in x[1:])))
+    return out
 
 
 def main() -> int:
+    if "--cpu-generate" in sys.argv[1:]:
+        print("host us per call of a generation loop, launches faked (CPU; 8 layers, 1 x 32/8 heads, d128, bf16, one "
+              "query row, causal, 1024 + step keys), median per 50 steps")
+        for r in cpu_generate():
+            print(f"  steps {r['steps'][0]:>3}-{r['steps'][1]:<3}  first layer {r['first_us']:7.1f}   "
+                  f"other layers {r['other_us']:6.1f}")
+        return 0
     if "--cpu-plans" in sys.argv[1:]:
         print("host us per call, launches faked, plans and recipes on (CPU; bf16, 32/8 heads, d128, causal, no grad)")
         for name, r in cpu_plans().items():
