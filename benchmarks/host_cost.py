@@ -109,9 +109,9 @@ def cpu_stubbed(n: int = 200) -> dict:
 class _FakedLaunches:
     """``with _FakedLaunches() as replays:`` every kernel launch of the three launchers
     faked (the first call of a signature returns a kept kernel whose replay only
-    appends to ``replays``), plans usable as on a GPU; everything patched is restored
-    and the plan tables and the fast table emptied on exit (plans of the fake kernels
-    must not outlive them)."""
+    appends to ``replays``), plans usable as on a GPU; everything patched is restored,
+    the Triton launcher's table of compiled kernels put back, and the plan tables and
+    the fast table emptied on exit (nothing may keep a fake kernel)."""
 
     def __enter__(self):
         from flashgen import fastlaunch, library, plans
@@ -136,6 +136,7 @@ class _FakedLaunches:
                     (L, "_sm_count", lambda device: 132), (library, "use_kernels", lambda q: True)]
         self.saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
         self.tables = (B._PLANS, L._PLANS, T._FWD_PLANS, T._DQ_PLANS, T._DKDV_PLANS, T._DECODE_PLANS, T._FORM_PLANS)
+        self.compiled = (T.compiled, dict(T.compiled))  # the launcher keeps each variant's first kernel
         for m, name, value in patches:
             setattr(m, name, value)
         return replays
@@ -147,6 +148,9 @@ class _FakedLaunches:
             setattr(m, name, value)
         for table in self.tables:
             table.clear()
+        live, before = self.compiled
+        live.clear()
+        live.update(before)
         dispatch.default_dispatcher().fast.clear()
 
 
@@ -202,6 +206,8 @@ def cpu_generate(steps: int = 700, layers: int = 8, prefill: int = 1024, window:
     form), each layer over its own cache of ``prefill`` + step keys, so every step is a
     new seqlen_k.  Returns per window of ``window`` steps the median us of the step's
     first layer (the new size's first call) and of the others."""
+    if layers < 2:
+        raise ValueError(f"layers={layers}: at least 2 (the first layer's calls are timed apart from the others')")
     import statistics
 
     import torch

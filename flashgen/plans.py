@@ -310,8 +310,9 @@ _KNOBS: list = []
 
 
 def remember(table: dict, key, plan) -> None:
-    """Keep ``plan`` under ``key`` (None is kept too: that key is not recorded again);
-    when the table holds :data:`PLAN_MAX` plans already, the oldest goes first.  A model
+    """Keep ``plan`` under ``key`` (None is kept too: that key is not recorded again
+    while it stays in the table); when the table holds :data:`PLAN_MAX` plans already,
+    the oldest goes first (an evicted key records anew when it comes back).  A model
     calls every size once per layer, and a generation loop's seqlen_k grows by one per
     step: a table that stopped recording when full would leave every layer of every
     later step without a plan (after 512 tokens), while a size seen once costs only its
