@@ -480,12 +480,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         pkey = _plain_key(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap, kwargs)
         hit = _PLAIN.get(pkey) if pkey is not None else None
         if hit is not None:  # the checks and the choices below, made for a call like this one before
-            causal, window, cut = hit
-            if cut:
-                key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
-            out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
-                                softcap=0.0, bias=None, dropout_p=0.0)
-            return out.transpose(1, 2).contiguous(), None
+            return _dense(query, key, value, *hit, scaling, softcap, None, dropout)
     reason, sinks_mask = _reason_and_sinks_mask(module, query, key, value, attention_mask, dropout, scaling,
                                                 is_causal, sliding_window, softcap, **kwargs)
     if reason is not None:
@@ -512,22 +507,30 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = attention_mask is None and _module_causal(module, is_causal)
     window, cut = (-1, -1), False
     if causal:
-        sq, sk = query.shape[2], key.shape[2]
-        if 1 < sq < sk:  # sdpa's is_causal is top-left: the keys past seqlen_q are never seen
-            key, value, cut = key[:, :, :sq], value[:, :, :sq], True
+        # sdpa's is_causal is top-left: the keys past seqlen_q are never seen
+        cut = 1 < query.shape[2] < key.shape[2]
         if sliding_window is not None:
             window = (sliding_window - 1, 0)
     if pkey is not None and s_aux is None and not dropout and not softcap:
         if len(_PLAIN) >= _PLAIN_MAX:
             _PLAIN.clear()
         _PLAIN[pkey] = (causal, window, cut)
-    if s_aux is not None:
-        # float32 as flashgen's sinks take them; .float() keeps the gradient's way back to
-        # the model's parameter in its own dtype
-        out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
-                            sinks=s_aux.float())
-    else:
-        out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
-                            softcap=float(softcap) if softcap else 0.0, bias=attention_mask,
-                            dropout_p=float(dropout) if dropout else 0.0)
+    if s_aux is None:
+        return _dense(query, key, value, causal, window, cut, scaling, softcap, attention_mask, dropout)
+    if cut:
+        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    # float32 as flashgen's sinks take them; .float() keeps the gradient's way back to
+    # the model's parameter in its own dtype
+    out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling, sinks=s_aux.float())
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _dense(query, key, value, causal, window, cut, scaling, softcap, attention_mask, dropout):
+    """:func:`attention_forward`'s call of flashgen.attention without sinks, from its
+    choices (``cut``: the keys cut to seqlen_q), in transformers' layout."""
+    if cut:
+        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    out = api.attention(query, key, value, causal=causal, window=window, softmax_scale=scaling,
+                        softcap=float(softcap) if softcap else 0.0, bias=attention_mask,
+                        dropout_p=float(dropout) if dropout else 0.0)
     return out.transpose(1, 2).contiguous(), None
