@@ -55,6 +55,7 @@ when the dispatcher opens the shipped tuning database).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -88,8 +89,9 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=10, help="timed train steps / prefills per implementation")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles flashgen's kernels)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one train step per implementation: GPU time per kernel name (JSON "
-                        "step_kernels) and a table of the kernels whose time differs most")
+                   help="also profile one train step and one prefill per implementation: GPU time per kernel "
+                        "name (JSON step_kernels, prefill_kernels) and a table of the kernels whose time differs "
+                        "most")
     p.add_argument("--padding", type=int, default=0,
                    help="left-pad every other batch entry by this many tokens (attention_mask 0 there, "
                         "their labels -100): the models then pass a bool mask to attention")
@@ -303,6 +305,8 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         times = _timed(prefill, args.steps, cuda)
         r["prefill_ms"] = statistics.median(times)
         r["prefill_ms_all"] = times
+        if args.profile and cuda:
+            r["prefill_kernels"] = _step_kernels(prefill)
         if name not in GPT_OSS and not (args.padding or args.packed):
             with torch.no_grad():
                 cache = transformers.DynamicCache(config=model.config)
@@ -445,12 +449,13 @@ def main(argv=None) -> int:
             print(f"{name:12} {r['reference']:5} first {s['generate_ms_first']:.3f} / {f_['generate_ms_first']:.3f} "
                   f"({r['generate_ratio_first']:.3f}x)  last {s['generate_ms_last']:.3f} / {f_['generate_ms_last']:.3f} "
                   f"({r['generate_ratio_last']:.3f}x)")
-    for name, r in result["configs"].items():
-        ks, kf = r["impl"][r["reference"]].get("step_kernels"), r["impl"][impl_fg].get("step_kernels")
+    for (name, r), (field, what) in itertools.product(result["configs"].items(), (("step_kernels", "train step"),
+                                                                                 ("prefill_kernels", "prefill"))):
+        ks, kf = r["impl"][r["reference"]].get(field), r["impl"][impl_fg].get(field)
         if ks is None or kf is None:
             continue
         tot_s, tot_f = sum(t for _, t in ks.values()), sum(t for _, t in kf.values())
-        print(f"\n{name}: one train step's GPU time, {r['reference']} {tot_s / 1e3:.2f} ms, flashgen "
+        print(f"\n{name}: one {what}'s GPU time, {r['reference']} {tot_s / 1e3:.2f} ms, flashgen "
               f"{tot_f / 1e3:.2f} ms; kernels by |difference| (calls, us: {r['reference']} | flashgen)")
         names = sorted(set(ks) | set(kf), key=lambda n: -abs(kf.get(n, [0, 0])[1] - ks.get(n, [0, 0])[1]))
         for n in names[:14]:
