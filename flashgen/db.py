@@ -26,7 +26,7 @@ import jinja2
 import sqlite_utils
 
 from . import families
-from .env import MATCH_COLUMNS, VERSION_COLUMNS, Environment
+from .env import MATCH_COLUMNS, SIBLING_COLUMNS, VERSION_COLUMNS, Environment
 from .errors import InputError
 from .spec import (ALL_KERNELS, KERNELS, STATUSES, TIMING_WINDOW, Measurement, kernel_mods, ProblemKey, Shape,
                    TileConfig, Variant, shape_flops)
@@ -288,13 +288,21 @@ def check_rows(rows: list, source) -> None:
                            "nothing was imported: " + "; ".join(f"row {i}: {w}" for i, w in bad[:3]) + more)
 
 
-def _env_where(env: Environment, versions: bool = True) -> tuple[str, list]:
+def _env_where(env: Environment, versions: bool = True, sibling: bool = False) -> tuple[str, list]:
     """SQL condition (and its parameters) selecting the rows that ``env`` matches
     (``versions``), or the rows of ``env``'s GPU, compute capability and code hash
-    measured under another Triton version (``versions=False``)."""
+    measured under another Triton version (``versions=False``); with ``sibling``, the
+    same over the rows of the other GPUs of ``env``'s compute capability and SM count
+    (:data:`flashgen.env.SIBLING_COLUMNS`) instead of ``env``'s GPU."""
     cols = MATCH_COLUMNS if versions else tuple(c for c in MATCH_COLUMNS if c not in VERSION_COLUMNS)
+    if sibling:
+        cols = tuple(c for c in cols if c != "gpu_name")
+        cols = (*cols, *(c for c in SIBLING_COLUMNS if c not in cols))
     params: list = [getattr(env, c) for c in cols]
     cond = " AND ".join(f"[{c}] = ?" for c in cols)
+    if sibling:
+        cond += " AND [gpu_name] != ?"
+        params.append(env.gpu_name)
     if not versions:
         cond += " AND IFNULL([triton_version], '') != ?"
         params.append(env.triton_version)
@@ -601,7 +609,8 @@ class TuningDB:
     @staticmethod
     def _filters(key: ProblemKey | str | None = None, key_contains: str | None = None,
                  status: str | None = None, variant_id: str | None = None,
-                 env: Environment | None = None, versions: bool = True) -> tuple[list[str], list]:
+                 env: Environment | None = None, versions: bool = True,
+                 sibling: bool = False) -> tuple[list[str], list]:
         where, params = [], []
         for col, val in (("key", key and _key_id(key)), ("status", status),
                          ("variant_id", variant_id)):
@@ -612,7 +621,7 @@ class TuningDB:
             where.append("instr([key], ?) > 0")
             params.append(key_contains)
         if env is not None:
-            cond, p = _env_where(env, versions)
+            cond, p = _env_where(env, versions, sibling)
             where.append(cond)
             params += p
         return where, params
@@ -633,15 +642,19 @@ class TuningDB:
         return rows[0] if rows else None
 
     def best_rows(self, env: Environment | None = None,
-                  key_contains: str | None = None, versions: bool = True) -> list[dict]:
+                  key_contains: str | None = None, versions: bool = True, sibling: bool = False) -> list[dict]:
         """The best ok row per key and environment (rows matching ``env`` only when
         given; with ``versions=False``, the rows of ``env``'s GPU and code measured under
-        another Triton version), by key, in one query; and the best bitwise-repeatable
+        another Triton version; with ``sibling``, the same of the other GPUs of ``env``'s
+        compute capability and SM count), by key, in one query; and the best bitwise-repeatable
         one beside it where the key has rows of both (``dq_ordered``: what the
         deterministic backward runs).  A row whose ``variant_id`` this version cannot
         rebuild from its columns was written by a flashgen with more knobs
         (:func:`_from_newer_version`): the next fastest row of its group is taken."""
-        where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions)
+        if sibling and (env is None or any(c not in self._t.columns_dict for c in SIBLING_COLUMNS)):
+            return []  # a database whose rows do not record the SM count has no sibling rows
+        where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions,
+                                      sibling=sibling)
         where.append("[median_ms] IS NOT NULL")
         cols = ("key", *_ENV_GROUP)
         part = ", ".join(f"[{c}]" for c in cols)
@@ -680,16 +693,17 @@ class TuningDB:
         next, flagged)."""
         return {k: rows[0] for k, rows in self.best_configs_by_family(env, versions).items()}
 
-    def best_configs_by_family(self, env: Environment,
-                               versions: bool = True) -> dict[str, tuple[tuple[TileConfig, dict], ...]]:
+    def best_configs_by_family(self, env: Environment, versions: bool = True,
+                               sibling: bool = False) -> dict[str, tuple[tuple[TileConfig, dict], ...]]:
         """key id -> the best (TileConfig, row) of each kernel family with an ok row in
         ``env`` (and its best bitwise-repeatable one, :meth:`best_rows`), fastest first
-        (``versions`` as in :meth:`best_configs`).  What the
+        (``versions`` as in :meth:`best_configs`, ``sibling`` as in :meth:`best_rows`:
+        rows of several sibling GPUs compete by their times).  What the
         dispatcher loads: the fastest family's row may not serve the key on the arch at
         hand (the Gluon family on sm_80, or in the interpreter), and then the next
         family's row does."""
         out: dict[str, list[tuple[TileConfig, dict]]] = {}
-        for r in self.best_rows(env, versions=versions):
+        for r in self.best_rows(env, versions=versions, sibling=sibling):
             out.setdefault(r["key"], []).append((TileConfig.from_dict(r), r))
         return {k: tuple(sorted(v, key=lambda cr: (cr[1]["median_ms"], cr[1]["id"]))) for k, v in out.items()}
 

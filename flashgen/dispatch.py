@@ -16,9 +16,15 @@ key's rows, then its nearest bucket, are taken first from the rows of this Trito
 (exact), then from those of another Triton version: the same generated code on the same
 GPU, flagged with the versions it was tuned under (``Choice.tuned_under``, shown by
 ``explain``); ``flashgen tune`` records rows for the installed versions.  The torch
-version is recorded, never matched.  Rows of another GPU or other code are ignored, with
-one warning per user database; a GPU that has shipped rows and still runs a default
-gets one warning per process.  A database is read once and read again when its file
+version is recorded, never matched.  A key that none of this GPU's rows serves (exactly
+or by its nearest bucket) takes a *sibling* GPU's rows the same way: another GPU of the
+same compute capability and SM count (the H200's rows on an H100 SXM; H100, both tables
+measured side by side: the shipped H200 rows 1.16x / 1.19x / 1.13x the heuristic defaults'
+forward / backward / forward+backward over eight shapes of the FlashAttention grid, the
+Llama-3-8B shapes and the training step's layer,
+docs/benchmarks.md), flagged with its name.  Rows of other GPUs or other code are
+ignored, with one warning per user database; a GPU that has shipped rows and still runs
+a default gets one warning per process.  A database is read once and read again when its file
 changes (checked on a cache miss only, so the hot path is one dict lookup).
 
 Inside a CUDA graph capture (:func:`graph_capturing`) the dispatcher never tunes, never reads
@@ -253,9 +259,11 @@ class Dispatcher:
             wal_state = None
         return (st.st_mtime_ns, st.st_size, wal_state)
 
-    def _table(self, path: Path) -> tuple[dict, dict, int]:
+    def _table(self, path: Path) -> tuple[dict, dict, dict, dict, int]:
         """(rows of this environment, rows of this GPU and code under another Triton
-        version, ok rows of this GPU in any environment) of one database."""
+        version, the same two of its sibling GPUs (:data:`flashgen.env.SIBLING_COLUMNS`),
+        ok rows of this GPU in any environment) of one database: the lookup's tiers in
+        order, then the count."""
         try:
             mtime = self._file_state(path)
         except FileNotFoundError:
@@ -263,7 +271,7 @@ class Dispatcher:
                 self._warned.add(path)
                 warnings.warn(f"flashgen: FLASHGEN_DB={path} does not exist; using the shipped "
                               "tuning databases only", stacklevel=4)
-            return {}, {}, 0
+            return {}, {}, {}, {}, 0
         hit = self._tables.get(path)
         if hit is not None and hit[0] == mtime:
             return hit[1]
@@ -279,30 +287,40 @@ class Dispatcher:
             with TuningDB(path, readonly=True, immutable=path in shipped_databases()) as db:
                 table = db.best_configs_by_family(self.env)
                 other = db.best_configs_by_family(self.env, versions=False)
+                sib = db.best_configs_by_family(self.env, sibling=True)
+                sib_other = db.best_configs_by_family(self.env, versions=False, sibling=True)
                 n_gpu = sum(db.ok_rows_of_gpu(self.env.gpu_name, self.env.compute_capability).values())
-                n_ok = db.count_ok() if not (table or other) else 0
+                n_ok = db.count_ok() if not (table or other or sib or sib_other) else 0
         except NotATuningDB as e:
             origin = "FLASHGEN_DB" if str(path) == os.environ.get("FLASHGEN_DB") else "tuning database"
             raise InputError(f"{origin} {path}: {e}") from None
         # Shipped databases hold other GPUs' rows by design: warn only about the user's.
-        if not (table or other) and path not in self._warned and n_ok > 0 and path not in shipped_databases():
+        if (not (table or other or sib or sib_other) and path not in self._warned and n_ok > 0
+                and path not in shipped_databases()):
             self._warned.add(path)
             warnings.warn(f"flashgen: tuning database {path} has no rows for this environment "
                           f"({self.env.gpu_name}, cc {self.env.compute_capability}, flashgen's "
                           "generated code); its rows are ignored", stacklevel=3)
-        self._tables[path] = (mtime, (table, other, n_gpu))
-        return table, other, n_gpu
+        self._tables[path] = (mtime, (table, other, sib, sib_other, n_gpu))
+        return table, other, sib, sib_other, n_gpu
 
     def _lookup(self, key: ProblemKey, serve: ProblemKey | None = None, where=None) -> Choice | None:
         """The tuned or nearest row of ``key``; with ``serve``, only rows whose config
         also serves ``serve`` (its family serves it and the config fits its shared
         memory); with ``where`` (TileConfig -> bool), only rows whose config it accepts."""
         loaded = [(p, self._table(p)) for p in self.databases()]
-        best = self._exact(key.id, loaded, serve, where)
-        if best is not None:
-            return best
-        tiers = [[(p, t[i]) for p, t in loaded] for i in (0, 1)]  # this Triton version, then others
-        near = self._nearest(key, tiers[0], serve, where) or self._nearest(key, tiers[1], serve, where)
+        near = None
+        # this GPU's rows (this Triton version, then others), then its siblings' the same way
+        for group in ((0, 1), (2, 3)):
+            best = self._exact(key.id, loaded, serve, where, tiers=group)
+            if best is not None:
+                return best
+            for i in group:
+                near = self._nearest(key, [(p, t[i]) for p, t in loaded], serve, where)
+                if near is not None:
+                    break
+            if near is not None:
+                break
         if near is None and key.spec.mods:
             # Score mods nobody tuned: the fastest tiles tuned for the same problem without
             # them that serve it (a family of its own, e.g. Gluon's forward, may not).
@@ -433,14 +451,15 @@ class Dispatcher:
 
     # -- the backward ------------------------------------------------------------
     def _exact(self, key_id: str, loaded: list | None = None, serve: ProblemKey | None = None,
-               where=None) -> Choice | None:
-        """The fastest row of exactly ``key_id`` (this Triton version's rows first) whose
-        family serves its key here (and whose config serves ``serve``: :meth:`_serves`);
-        None when there is none.  ``loaded``: the databases' tables, when the caller has
-        them."""
+               where=None, tiers: tuple[int, ...] = (0, 1, 2, 3)) -> Choice | None:
+        """The fastest row of exactly ``key_id`` in the first of ``tiers`` that has one
+        (:meth:`_table`'s order: this GPU under this Triton version, under others, then
+        its sibling GPUs the same way) whose family serves its key here (and whose config
+        serves ``serve``: :meth:`_serves`); None when there is none.  ``loaded``: the
+        databases' tables, when the caller has them."""
         if loaded is None:
             loaded = [(p, self._table(p)) for p in self.databases()]
-        for i in (0, 1):
+        for i in tiers:
             best = None
             for path, t in loaded:
                 for cfg, row in t[i].get(key_id, ()):
@@ -617,7 +636,7 @@ class Dispatcher:
             return
         shipped = [p for p in self.databases() if p in shipped_databases()]
         tables = [self._table(p) for p in shipped]
-        n_gpu = sum(t[2] for t in tables)
+        n_gpu = sum(t[4] for t in tables)
         if not n_gpu:
             return
         _warned_shipped_default = True

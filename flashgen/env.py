@@ -4,8 +4,12 @@ Every tuning-database row carries one.  A row matches exactly when the GPU, its 
 capability, the Triton version and the kernel's code hash (template hash) all equal the
 current ones; the tuner reuses only such rows.  The dispatcher also serves rows of the
 same GPU and code measured under another Triton version, after the exact ones and
-flagged (:data:`VERSION_COLUMNS`, ``flashgen.dispatch``).  Rows of another GPU or other
-code are never used.
+flagged (:data:`VERSION_COLUMNS`, ``flashgen.dispatch``), and, for a key none of this
+GPU's rows serves, rows of the same code measured on a *sibling* GPU: another name with
+the same compute capability and SM count (:data:`SIBLING_COLUMNS`; e.g. the H100 SXM and
+the H200, both sm_90 with 132 SMs and the same shared memory), flagged with that GPU's
+name.  Rows of other code, or of a GPU of another compute capability or SM count, are
+never used.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ MATCH_COLUMNS = ("gpu_name", "compute_capability", "triton_version")
 #: other versions still describes the same generated kernel on the same GPU (the dispatcher
 #: uses it after the exact rows, flagged); the torch version is recorded, never matched.
 VERSION_COLUMNS = ("triton_version", "torch_version")
+#: Row columns a *sibling* GPU shares with this one (its ``gpu_name`` differs): the same
+#: compiled code runs there, and the same tiles fit (shared memory and registers per SM
+#: are a function of the compute capability), over as many SMs.
+SIBLING_COLUMNS = ("compute_capability", "sm_count")
 
 
 def installed_versions() -> dict[str, str]:
@@ -69,11 +77,15 @@ class Environment:
         return d
 
     def version_note(self, row: dict) -> str | None:
-        """The versions ``row`` was measured under where they differ from this
-        environment's, e.g. ``"triton 3.6.0"`` or ``"triton 3.6.0, torch 2.11.0"``
-        (None: the same versions)."""
+        """The GPU and versions ``row`` was measured under where they differ from this
+        environment's, e.g. ``"triton 3.6.0"``, ``"triton 3.6.0, torch 2.11.0"`` or, for a
+        sibling GPU's row, ``"NVIDIA H200 (sm_90, 132 SMs, as this GPU), torch 2.11.0"``
+        (None: this GPU and the same versions)."""
         diff = [f"{c.split('_')[0]} {row.get(c)}" for c in VERSION_COLUMNS
                 if row.get(c) is not None and row.get(c) != getattr(self, c)]
+        if row.get("gpu_name") is not None and row.get("gpu_name") != self.gpu_name:
+            cc = str(row.get("compute_capability", "")).replace(".", "")
+            diff.insert(0, f"{row['gpu_name']} (sm_{cc}, {row.get('sm_count')} SMs, as this GPU)")
         return ", ".join(diff) or None
 
     def matches(self, row: dict) -> bool:

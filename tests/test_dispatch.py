@@ -114,9 +114,13 @@ def test_nearest_bucket_of_the_same_spec(db_path):
     assert ch.source == "default" and ch.config == DEFAULT
 
 
-@pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("compute_capability", "8.0")])
-def test_rows_of_another_environment_are_ignored_with_a_warning(db_path, field, value):
-    other = dataclasses.replace(ENV, **{field: value})
+@pytest.mark.parametrize("fields", [{"gpu_name": "NVIDIA H100 PCIe", "sm_count": 114},
+                                    {"gpu_name": "NVIDIA A100", "compute_capability": "8.0"},
+                                    {"compute_capability": "8.0"}])
+def test_rows_of_another_environment_are_ignored_with_a_warning(db_path, fields):
+    """Rows of a GPU that is not this one nor its sibling (another SM count or compute
+    capability: test_a_sibling_gpus_rows_serve_the_keys_this_gpu_has_no_row_for)."""
+    other = dataclasses.replace(ENV, **fields)
     with TuningDB(db_path) as db:
         rec(db, C2, 0.1, env=other)
         rec(db, C3, 0.1, env=other, key=OTHER_BUCKET)
@@ -169,6 +173,45 @@ def test_rows_of_another_triton_version_come_after_exact_rows_and_before_the_nea
     assert ENV.version_note({"triton_version": "3.6.0", "torch_version": "2.9.0"}) == "torch 2.9.0"
 
 
+H100 = dataclasses.replace(ENV, gpu_name="NVIDIA H100 80GB HBM3")  # sm_90, 132 SMs: the H200's sibling
+
+
+def test_a_sibling_gpus_rows_serve_the_keys_this_gpu_has_no_row_for(db_path):
+    """Rows of another GPU of the same compute capability and SM count (the H200's on an
+    H100 SXM) serve a key that none of this GPU's rows serves, exactly or by its nearest
+    bucket, flagged with that GPU's name; this GPU's own rows come first, and a GPU of
+    another SM count or compute capability takes none of them."""
+    with TuningDB(db_path) as db:
+        rec(db, C2, 0.5)  # the H200's row of KEY
+        rec(db, C3, 0.7, key=FAR_BUCKET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rows that apply: no "no rows for this environment"
+        ch = disp(db_path, env=H100).choose(KEY)
+    assert (ch.source, ch.config, ch.median_ms, ch.tuned_key) == ("tuned", C2, 0.5, KEY.id)
+    assert ch.tuned_under == "NVIDIA H200 (sm_90, 132 SMs, as this GPU)"
+    ch = disp(db_path, env=H100).choose(OTHER_BUCKET)  # the sibling's nearest bucket
+    assert (ch.source, ch.config, ch.tuned_key) == ("nearest", C2, KEY.id)
+    # under another Triton the sibling's rows are flagged with both
+    ch = disp(db_path, env=dataclasses.replace(H100, triton_version="3.9.0")).choose(KEY)
+    assert (ch.config, ch.tuned_under) == (C2, "NVIDIA H200 (sm_90, 132 SMs, as this GPU), triton 3.6.0")
+    # this GPU's own rows first: its exact row, even when slower, and its nearest bucket
+    # before the sibling's exact row
+    with TuningDB(db_path) as db:
+        rec(db, C1, 3.0, key=OTHER_BUCKET, env=H100)
+    ch = disp(db_path, env=H100).choose(KEY)
+    assert (ch.source, ch.config, ch.tuned_key, ch.tuned_under) == ("nearest", C1, OTHER_BUCKET.id, None)
+    ch = disp(db_path, env=H100).choose(OTHER_BUCKET)
+    assert (ch.source, ch.config, ch.median_ms, ch.tuned_under) == ("tuned", C1, 3.0, None)
+    # no sibling: another SM count (the H100 PCIe), another compute capability
+    pcie = dataclasses.replace(ENV, gpu_name="NVIDIA H100 PCIe", sm_count=114)
+    with pytest.warns(UserWarning, match="has no rows for this environment"):
+        ch = disp(db_path, env=pcie, arch=dataclasses.replace(ARCH, sm_count=114)).choose(KEY)
+    assert ch.source == "default"
+    with pytest.warns(UserWarning, match="has no rows for this environment"):
+        ch = disp(db_path, env=dataclasses.replace(H100, compute_capability="10.0")).choose(KEY)
+    assert ch.source == "default"
+
+
 @pytest.fixture
 def shipped(db_path, monkeypatch):
     """db_path stands in for the shipped database; the once-per-process warning re-armed."""
@@ -193,7 +236,8 @@ def test_a_gpu_with_shipped_rows_running_defaults_warns_once_per_process(shipped
     monkeypatch.setattr(dispatch, "_warned_shipped_default", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert disp(shipped, env=dataclasses.replace(ENV, gpu_name="NVIDIA A100")).choose(KEY).source == "default"
+        a100 = dataclasses.replace(ENV, gpu_name="NVIDIA A100-SXM4-80GB", compute_capability="8.0", sm_count=108)
+        assert disp(shipped, env=a100, arch=farch.TABLE["sm_80"]).choose(KEY).source == "default"
 
 
 def test_a_spec_without_shipped_rows_warns_naming_it(shipped):
