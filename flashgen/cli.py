@@ -513,49 +513,48 @@ def _print_results(console, env, results) -> None:
 @app.command()
 def show(
     db: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="Tuning DB to read (default: "
-                                            f"{DEFAULT_DB} if it exists, else the shipped one).")] = None,
+                                            f"{DEFAULT_DB} if it exists, else each shipped one).")] = None,
     key: Annotated[str | None, typer.Option(help="Only keys containing this text.")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Every row, not only the best per key.")] = False,
 ) -> None:
     """Show the best ok row per key and environment (or every row) and the row count per
-    status."""
+    status, of one database (each shipped one in turn by default)."""
     from .db import TuningDB
 
     console = _console()
+    dbs = [db]
     if db is None:
         from .dispatch import shipped_databases
 
         shipped = shipped_databases()
-        if DEFAULT_DB.exists() or not shipped:
-            db = DEFAULT_DB
-        else:
-            db = shipped[0]
-    if not db.exists():
-        raise typer.BadParameter(f"{db} does not exist", param_hint="'--db'")
-    with _user_errors(db):
-        TuningDB(db, readonly=True).close()
-    with TuningDB(db, readonly=True) as tdb:
-        if all_:
-            rows = tdb.rows(key_contains=key)
-            cols = ("id", "key", "config", "status", "median ms", "TFLOP/s", "smem model B", "gpu",
-                    "error")
-            cells = [(str(r["id"]), r["key"], _config_id(r), r["status"], _fmt(r["median_ms"]),
-                      _fmt(r["tflops"], ".4g"), str(r["smem_bytes_model"]), r["gpu_name"],
-                      (r["error"] or "")[:60]) for r in rows]
-        else:
-            rows = tdb.best_rows(key_contains=key)
-            cols = ("key", "config", "median ms", "TFLOP/s", "gpu", "triton", "template")
-            cells = [(r["key"], _config_id(r), _fmt(r["median_ms"]), _fmt(r["tflops"], ".4g"),
-                      r["gpu_name"], r["triton_version"], r["template_hash"]) for r in rows]
-        counts = tdb.status_counts(key_contains=key)
-    table = Table(title=Text(f"{db}: {'all rows' if all_ else 'best per key'}"))
-    for c in cols:
-        table.add_column(c, no_wrap=c == "key")
-    for row in cells:
-        table.add_row(*map(Text, row))
-    console.print(table)
-    console.print("rows per status: " + (", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
-                                         or "none"))
+        dbs = [DEFAULT_DB] if DEFAULT_DB.exists() or not shipped else shipped
+    for db in dbs:
+        if not db.exists():
+            raise typer.BadParameter(f"{db} does not exist", param_hint="'--db'")
+        with _user_errors(db):
+            TuningDB(db, readonly=True).close()
+        with TuningDB(db, readonly=True) as tdb:
+            if all_:
+                rows = tdb.rows(key_contains=key)
+                cols = ("id", "key", "config", "status", "median ms", "TFLOP/s", "smem model B", "gpu",
+                        "error")
+                cells = [(str(r["id"]), r["key"], _config_id(r), r["status"], _fmt(r["median_ms"]),
+                          _fmt(r["tflops"], ".4g"), str(r["smem_bytes_model"]), r["gpu_name"],
+                          (r["error"] or "")[:60]) for r in rows]
+            else:
+                rows = tdb.best_rows(key_contains=key)
+                cols = ("key", "config", "median ms", "TFLOP/s", "gpu", "triton", "template")
+                cells = [(r["key"], _config_id(r), _fmt(r["median_ms"]), _fmt(r["tflops"], ".4g"),
+                          r["gpu_name"], r["triton_version"], r["template_hash"]) for r in rows]
+            counts = tdb.status_counts(key_contains=key)
+        table = Table(title=Text(f"{db}: {'all rows' if all_ else 'best per key'}"))
+        for c in cols:
+            table.add_column(c, no_wrap=c == "key")
+        for row in cells:
+            table.add_row(*map(Text, row))
+        console.print(table)
+        console.print("rows per status: " + (", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
+                                             or "none"))
 
 
 @contextlib.contextmanager

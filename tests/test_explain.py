@@ -143,7 +143,7 @@ def test_cli_explain_serves_shipped_rows_under_another_triton(monkeypatch):
     still names the shipped tuned rows, flagged with the version they were tuned under."""
     from flashgen import dispatch, env as fenv
 
-    (shipped,) = dispatch.shipped_databases()
+    (shipped,) = [p for p in dispatch.shipped_databases() if p.name == "h200.sqlite"]
     with TuningDB(shipped, readonly=True) as db:
         tuned_under = set(db.ok_rows_of_gpu("NVIDIA H200", "9.0"))
     assert "3.9.0" not in tuned_under and tuned_under  # the situation of triton 3.9.0 today
@@ -221,7 +221,7 @@ def test_cli_explain_with_arch_alone_points_at_the_rows_of_other_gpus():
     with --gpu there is no note."""
     from flashgen import dispatch
 
-    (shipped,) = dispatch.shipped_databases()
+    (shipped,) = [p for p in dispatch.shipped_databases() if p.name == "h200.sqlite"]
     with TuningDB(shipped, readonly=True) as db:
         n = db.gpus_of("9.0")["NVIDIA H200"]
     args = ["explain", "--batch", "2", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "4096", "--seqlen-k", "4096",

@@ -419,7 +419,7 @@ def test_wheel_contains_tuning_db_and_templates(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     (whl,) = out.glob("flashgen-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
-    assert "flashgen/tuning_db/h200.sqlite" in names
+    assert {"flashgen/tuning_db/h200.sqlite", "flashgen/tuning_db/h100.sqlite"} <= names
     for t in ("_common.j2", "attn_fwd.py.j2", "attn_bwd_dq.py.j2", "attn_bwd_dkdv.py.j2"):
         assert f"flashgen/templates/{t}" in names
     assert "flashgen/library.py" in names and "flashgen/api.py" in names

@@ -42,7 +42,7 @@ def read_only_copy(tmp_path, monkeypatch):
     d = tmp_path / "site-packages" / "tuning_db"
     d.mkdir(parents=True)
     copy = d / "h200.sqlite"
-    shutil.copyfile(REPO_DBS[0], copy)
+    shutil.copyfile(next(p for p in REPO_DBS if p.name == "h200.sqlite"), copy)
     d.chmod(stat.S_IRUSR | stat.S_IXUSR)
     copy.chmod(stat.S_IRUSR)
     monkeypatch.setattr(dispatch, "shipped_databases", lambda: [copy])

@@ -122,6 +122,7 @@ def test_show_defaults_to_the_shipped_db(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no flashgen_tuning.sqlite here
     res = CliRunner().invoke(app, ["show"])
     assert res.exit_code == 0 and "h200.sqlite" in res.output and "attn_fwd_d128_bf16" in res.output
+    assert "h100.sqlite" in res.output and "attn_decode_d128_bf16" in res.output  # each shipped database
 
 
 # -- a second new-user review ----------------------------------------------------------
