@@ -563,6 +563,46 @@ def transfer_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch
     return out
 
 
+def sibling_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch,
+                    shipped: Iterable[Path] | None = None) -> list[TileConfig]:
+    """The best config of each kernel family for exactly ``key`` measured on a *sibling*
+    GPU of ``env`` (another GPU of its compute capability and SM count,
+    :data:`flashgen.env.SIBLING_COLUMNS`) in ``db`` and the shipped databases
+    (``shipped``; default :func:`flashgen.dispatch.shipped_databases`), this Triton
+    version's rows first, fastest first; valid and feasible on ``arch``, without repeats.
+
+    The dispatcher serves a sibling's rows only to keys this GPU has no row for, and
+    prefers a row of this GPU once there is one, so a new study measures these right
+    after the defaults: a short tune compares the sibling's tiles on this GPU before
+    its own row replaces them (only the searched knobs are enqueued: a refined row's
+    refinement knobs take ``flashgen tune --refine``).  On an H100 the H200's rows ran
+    1.13-1.19x the heuristic defaults (docs/benchmarks.md)."""
+    from .dispatch import shipped_databases
+
+    paths = [p for p in (shipped_databases() if shipped is None else shipped)
+             if Path(p).resolve() != Path(db.path).resolve()]
+    rows = []
+    for versions in (True, False):
+        rows += [r for r in db.best_rows(env, key_contains=key.id, versions=versions, sibling=True)
+                 if r["key"] == key.id]
+        for path in paths:
+            try:
+                with TuningDB(path, readonly=True, immutable=True) as other:
+                    rows += [r for r in other.best_rows(env, key_contains=key.id, versions=versions, sibling=True)
+                             if r["key"] == key.id]
+            except Exception:  # noqa: BLE001 - a seed is optional; an unreadable file gives none
+                continue
+    out: list[TileConfig] = []
+    for r in sorted(rows, key=lambda r: (r.get("triton_version") != env.triton_version, r["median_ms"])):
+        cfg = TileConfig.from_dict(r)
+        v = Variant(key.spec, cfg)
+        fam = families.FAMILIES.get(cfg.family)
+        if (cfg not in out and fam is not None and fam.unsupported(key, arch) is None
+                and not fam.violated_rules(v) and fam.estimate(v, arch).feasible):
+            out.append(cfg)
+    return out
+
+
 def _measure(key: ProblemKey, shape: Shape, cfg: TileConfig, *, benchmarker: Benchmarker,
              db: TuningDB, env: Environment, arch: Arch) -> dict:
     """The DB row of ``cfg`` for ``key`` in ``env``: the stored one if any, else a new
@@ -644,10 +684,10 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     trial's user attrs, so a supervisor can fail the trials of a worker that died.
 
     The heuristic default config is measured first and enqueued as the study's first
-    trial, followed by each other searched family's default (:func:`family_defaults`)
-    and :func:`transfer_configs` (the winners of the nearest keys already tuned in
-    ``db``).  ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its
-    DB row.  ``family_names``: search only these kernel families (default: every one
+    trial, followed by each other searched family's default (:func:`family_defaults`),
+    then :func:`sibling_configs` (this key's winners on a sibling GPU) and
+    :func:`transfer_configs` (the winners of the nearest keys already tuned in ``db``).
+    ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its DB row.  ``family_names``: search only these kernel families (default: every one
     that serves ``key`` on ``arch``); a key none of them serves raises InputError.
     Never raises for a failing candidate.
     """
@@ -670,9 +710,11 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     # The grid sampler visits the default anyway (and an enqueued trial would take a
     # grid point it does not evaluate).
     if sampler != "grid" and not study.trials:
-        # The default first, each other family's default, then what won for the nearest
+        # The default first, each other family's default, this key's winners on a sibling
+        # GPU (the rows the dispatcher served here before), then what won for the nearest
         # keys already tuned here.
         firsts = [default, *family_defaults(key, arch, space),
+                  *(c for c in sibling_configs(key, db, env, arch) if c.family in space),
                   *(c for c in transfer_configs(key, db, env, arch) if c.family in space)]
         seen = set()
         for params in (_params(c, space) for c in firsts):

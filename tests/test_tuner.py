@@ -1,5 +1,6 @@
 """The tuner against a FakeBenchmarker: no GPU, no Triton kernels."""
 
+import dataclasses
 import random
 
 import optuna
@@ -15,6 +16,7 @@ ENV = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
 SPEC = KernelSpec("fwd", "bfloat16", 64, 64, "none")
 SHAPE = Shape(2, 4, 4, 256, 256)
 KEY = SHAPE.key(SPEC)
+NEAR_KEY = Shape(2, 4, 4, 512, 512).key(SPEC)
 # fwd d64 bf16 needs q 128*M + (k + v) 256*N*stages bytes: the default (128, 64, 8, 3)
 # needs 65536; any BLOCK_N 128 / 3-stage config (>= 106496) exceeds this arch's limit.
 ARCH = Arch("test-gpu", (9, 0), 132, 70000)
@@ -281,6 +283,28 @@ def test_presets():
     assert both == presets.expand(["small"], kernels=["fwd"])
     with pytest.raises(KeyError, match="fa-grid"):
         presets.expand(["nope"])
+
+
+def test_a_new_study_measures_this_keys_winner_on_a_sibling_gpu_right_after_the_defaults(db):
+    """sibling_configs: this key's best config on a GPU of the same compute capability and
+    SM count (the rows the dispatcher served here before this GPU had its own), measured
+    right after the defaults, so a short tune records no row below it."""
+    sib = dataclasses.replace(ENV, gpu_name="NVIDIA H100 80GB HBM3")
+    won, slower = TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2)
+    db.record(KEY, SHAPE, Variant(SPEC, won), Measurement("ok", median_ms=0.5), sib, 1)
+    db.record(KEY, SHAPE, Variant(SPEC, slower), Measurement("ok", median_ms=0.9), sib, 1)
+    pcie = dataclasses.replace(ENV, gpu_name="NVIDIA H100 PCIe", sm_count=114)  # another SM count
+    db.record(KEY, SHAPE, Variant(SPEC, TileConfig(64, 32, 4, 1)), Measurement("ok", median_ms=0.1), pcie, 1)
+    assert tuner.sibling_configs(KEY, db, ENV, ARCH, shipped=[]) == [won]
+    assert tuner.sibling_configs(KEY, db, pcie, ARCH, shipped=[]) == []
+    assert tuner.sibling_configs(NEAR_KEY, db, ENV, ARCH, shipped=[]) == []  # another key's winner: none
+    run(db, tuner.FakeBenchmarker(random_timings()), 4)
+    dom = space.DOMAINS["fwd"]
+    params = [t.params for t in load_study(db).trials]
+    defaults = [{n: getattr(c, n) for n in dom} for c in (heuristics.default_config(SPEC, ARCH),
+                                                          *tuner.family_defaults(KEY, ARCH))]
+    i = params.index({n: getattr(won, n) for n in dom})
+    assert all(p in defaults for p in params[:i])
 
 
 def test_a_new_study_starts_from_the_default_then_the_nearest_keys_winners(db):
