@@ -243,6 +243,9 @@ def main() -> int:
             print(f"  steps {r['steps'][0]:>3}-{r['steps'][1]:<3}  first layer {r['first_us']:7.1f}   "
                   f"other layers {r['other_us']:6.1f}")
         return 0
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return 0
     if "--cpu-plans" in sys.argv[1:]:
         print("host us per call, launches faked, plans and recipes on (CPU; bf16, 32/8 heads, d128, causal, no grad)")
         for name, r in cpu_plans().items():
@@ -256,6 +259,8 @@ def main() -> int:
     import torch
     import triton.testing
 
+    if not torch.cuda.is_available():
+        raise SystemExit("host_cost.py: needs a CUDA GPU without --cpu-stubbed, --cpu-plans or --cpu-generate")
     import flashgen
     from flashgen import compile as _compile, ops
     from flashgen.spec import KernelSpec, TileConfig, Variant
