@@ -71,14 +71,23 @@ _NAME_PARTS = (("H100", "sm_90"), ("H200", "sm_90"), ("H800", "sm_90"), ("H20", 
                ("RTX 3090", "sm_86"), ("A10", "sm_86"), ("A40", "sm_86"), ("RTX A6000", "sm_86"))
 
 
+#: SM counts of parts whose count differs from their architecture's flagship in
+#: :data:`TABLE` (or is worth stating), by a substring of the device name, most specific
+#: first (vendors' data sheets; what ``flashgen explain --gpu`` assumes without the GPU).
+_SM_COUNTS = (("H100 PCIe", 114), ("H100", 132), ("GH200", 132), ("H200", 132), ("H800 PCIe", 114),
+              ("H800", 132), ("H20", 78), ("A100", 108), ("A800", 108))
+
+
 def by_gpu_name(name: str) -> Arch | None:
     """The architecture of a CUDA device name (``torch.cuda.get_device_name``, e.g.
-    "NVIDIA H200") as an Arch named ``name``, from :data:`TABLE`'s limits; None for a
-    name it does not know."""
+    "NVIDIA H200") as an Arch named ``name``, from :data:`TABLE`'s limits and the part's
+    SM count where :data:`_SM_COUNTS` knows it (else the flagship's); None for a name it
+    does not know."""
     for part, sm in _NAME_PARTS:
         if part in name:
             a = TABLE[sm]
-            return Arch(name, a.compute_capability, a.sm_count, a.smem_per_block_optin, a.regs_per_sm)
+            sms = next((n for p, n in _SM_COUNTS if p in name), a.sm_count)
+            return Arch(name, a.compute_capability, sms, a.smem_per_block_optin, a.regs_per_sm)
     return None
 
 

@@ -1037,17 +1037,24 @@ def explain(
 
         from .db import TuningDB
 
-        others: dict[str, int] = {}
+        from .env import real_gpu
+
+        others: dict[tuple[str, int | None], int] = {}
         for p in dict.fromkeys(disp.databases()):
             if Path(p).exists():
                 with TuningDB(p, readonly=True) as tdb:
-                    for name, n in tdb.gpus_of(env.compute_capability).items():
+                    for (name, sms), n in tdb.gpu_sm_counts(env.compute_capability).items():
                         if name != env.gpu_name:
-                            others[name] = others.get(name, 0) + n
-        for name, n in sorted(others.items()):
-            typer.echo(f"note: the databases hold {n} rows measured on {name!r} (cc {env.compute_capability}), "
-                       f"not used here (--arch {arch} explains for {env.gpu_name!r}); --gpu {shlex.quote(name)} "
-                       "explains with them")
+                            others[name, sms] = others.get((name, sms), 0) + n
+        for (name, sms), n in sorted(others.items(), key=lambda t: (t[0][0], t[0][1] or 0)):
+            held = f"the databases hold {n} rows measured on {name!r} (cc {env.compute_capability}, {sms} SMs)"
+            if sms == env.sm_count and real_gpu(name):
+                typer.echo(f"note: {held}: a sibling of {env.gpu_name!r} (the same compute capability and SM "
+                           f"count), used where it has no row of its own (--arch {arch} explains for "
+                           f"{env.gpu_name!r}); --gpu {shlex.quote(name)} explains with them as that GPU's own")
+            else:
+                typer.echo(f"note: {held}, not used here (--arch {arch} explains for {env.gpu_name!r}); "
+                           f"--gpu {shlex.quote(name)} explains with them")
 
 
 def main() -> None:

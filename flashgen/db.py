@@ -26,7 +26,8 @@ import jinja2
 import sqlite_utils
 
 from . import families
-from .env import MATCH_COLUMNS, SIBLING_COLUMNS, VERSION_COLUMNS, Environment
+from .env import (INTERPRETER_GPU, MATCH_COLUMNS, SIBLING_COLUMNS, SYNTHETIC_GPU_SUFFIXES, VERSION_COLUMNS,
+                  Environment, real_gpu)
 from .errors import InputError
 from .spec import (ALL_KERNELS, KERNELS, STATUSES, TIMING_WINDOW, Measurement, kernel_mods, ProblemKey, Shape,
                    TileConfig, Variant, shape_flops)
@@ -301,8 +302,10 @@ def _env_where(env: Environment, versions: bool = True, sibling: bool = False) -
     params: list = [getattr(env, c) for c in cols]
     cond = " AND ".join(f"[{c}] = ?" for c in cols)
     if sibling:
-        cond += " AND [gpu_name] != ?"
-        params.append(env.gpu_name)
+        # another GPU, measured on a GPU (not the interpreter's or a fake run's rows)
+        cond += " AND [gpu_name] != ? AND [gpu_name] NOT LIKE ?" + " AND [gpu_name] NOT LIKE ?" * len(
+            SYNTHETIC_GPU_SUFFIXES)
+        params += [env.gpu_name, f"{INTERPRETER_GPU}%", *(f"%{s}" for s in SYNTHETIC_GPU_SUFFIXES)]
     if not versions:
         cond += " AND IFNULL([triton_version], '') != ?"
         params.append(env.triton_version)
@@ -651,8 +654,8 @@ class TuningDB:
         deterministic backward runs).  A row whose ``variant_id`` this version cannot
         rebuild from its columns was written by a flashgen with more knobs
         (:func:`_from_newer_version`): the next fastest row of its group is taken."""
-        if sibling and (env is None or any(c not in self._t.columns_dict for c in SIBLING_COLUMNS)):
-            return []  # a database whose rows do not record the SM count has no sibling rows
+        if sibling and (env is None or not real_gpu(env.gpu_name)):
+            return []  # the interpreter and fake runs have no siblings
         where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions,
                                       sibling=sibling)
         where.append("[median_ms] IS NOT NULL")
@@ -720,6 +723,13 @@ class TuningDB:
         return {r["gpu_name"]: r["n"] for r in self.db.query(
             f"SELECT [gpu_name], COUNT(*) AS n FROM {TABLE} WHERE [status] = 'ok' AND [compute_capability] = ? "
             "GROUP BY [gpu_name]", [compute_capability])}
+
+    def gpu_sm_counts(self, compute_capability: str) -> dict[tuple[str, int | None], int]:
+        """(GPU name, SM count) -> number of ok rows measured on GPUs of
+        ``compute_capability``."""
+        return {(r["gpu_name"], r["sm_count"]): r["n"] for r in self.db.query(
+            f"SELECT [gpu_name], [sm_count], COUNT(*) AS n FROM {TABLE} WHERE [status] = 'ok' AND "
+            "[compute_capability] = ? GROUP BY [gpu_name], [sm_count]", [compute_capability])}
 
     def lookup(self, key: ProblemKey | str, variant_id: str, env: Environment) -> dict | None:
         """An existing measurement of ``variant_id`` for ``key`` in ``env`` (an ok row if

@@ -72,8 +72,12 @@ class Choice:
     #: the dispatcher's arch (``explain`` prints them).
     unserved: tuple[tuple[str, str], ...] = ()
     #: The versions the row was measured under where they differ from the installed
-    #: ones (e.g. "triton 3.6.0"); None for a default or a row of these versions.
+    #: ones (e.g. "triton 3.6.0"), after the GPU's name for a sibling GPU's row; None
+    #: for a default or a row of this GPU and these versions.
     tuned_under: str | None = None
+    #: The GPU the row was measured on where it is not this one (a sibling GPU's row,
+    #: :data:`flashgen.env.SIBLING_COLUMNS`); None otherwise.
+    tuned_on: str | None = None
     #: Why a family other than the portable one serves an untuned key (the measurement
     #: its default rests on); None otherwise.
     note: str | None = None
@@ -416,7 +420,8 @@ class Dispatcher:
                         or not fam.estimate(fit, self.arch).feasible):
                     continue
                 best[o == s] = Choice(key, cfg, "nearest", key_id, row["median_ms"], row.get("tflops"), str(path),
-                                      tuned_under=self.env.version_note(row)), d
+                                      tuned_under=self.env.version_note(row),
+                                      tuned_on=self._other_gpu(row)), d
         return best[True][0] or best[False][0]
 
     # -- the hot path ------------------------------------------------------------
@@ -468,7 +473,8 @@ class Dispatcher:
                         continue
                     if best is None or row["median_ms"] < best.median_ms:
                         best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
-                                      tuned_under=self.env.version_note(row))
+                                      tuned_under=self.env.version_note(row),
+                                      tuned_on=self._other_gpu(row))
             if best is not None:
                 return best
         return None
@@ -586,18 +592,26 @@ class Dispatcher:
         return whole(Choice(whole_key, cfg, "default", note=why), f"untuned: the {fam.name} default measured "
                      f"ahead: {why}")
 
+    def _other_gpu(self, row: dict) -> str | None:
+        """The GPU of ``row`` where it is not this one (a sibling's), else None."""
+        return row.get("gpu_name") if row.get("gpu_name") != self.env.gpu_name else None
+
     def _versus_two(self, measured: Choice, fam) -> tuple[str, bool] | None:
         """A whole-backward row against the best ``bwd_dq`` + ``bwd_dkdv`` rows of its
-        bucket: (the facts, whether the whole backward is at least as fast), or None when
-        the bucket lacks either kernel's row."""
+        bucket measured on the same GPU (this one, or the sibling ``measured`` came from):
+        (the facts, whether the whole backward is at least as fast), or None when the
+        bucket lacks either kernel's row on that GPU."""
         bucket = measured.tuned_key or measured.key.id
         names = _BWD_VARLEN_NAMES if is_varlen(measured.key.spec.kernel) else _BWD_NAMES
         prefix = f"attn_{names[WHOLE_BWD]}_"
-        pair = [self._exact(bucket.replace(prefix, f"attn_{names[r]}_", 1)) for r in ("bwd_dq", "bwd_dkdv")]
-        if any(c is None for c in pair):
+        tiers = (0, 1) if measured.tuned_on is None else (2, 3)
+        pair = [self._exact(bucket.replace(prefix, f"attn_{names[r]}_", 1), tiers=tiers)
+                for r in ("bwd_dq", "bwd_dkdv")]
+        if any(c is None or c.tuned_on != measured.tuned_on for c in pair):
             return None
         other_ms = pair[0].median_ms + pair[1].median_ms
-        facts = (f"measured at {bucket}: {fam.name} {names[WHOLE_BWD]} {measured.median_ms:.4f} ms vs "
+        on = "" if measured.tuned_on is None else f" on {measured.tuned_on}"
+        facts = (f"measured{on} at {bucket}: {fam.name} {names[WHOLE_BWD]} {measured.median_ms:.4f} ms vs "
                  f"{pair[0].family} {names['bwd_dq']} + {names['bwd_dkdv']} {pair[0].median_ms:.4f} + "
                  f"{pair[1].median_ms:.4f} = "
                  f"{other_ms:.4f} ms")

@@ -31,6 +31,18 @@ VERSION_COLUMNS = ("triton_version", "torch_version")
 #: compiled code runs there, and the same tiles fit (shared memory and registers per SM
 #: are a function of the compute capability), over as many SMs.
 SIBLING_COLUMNS = ("compute_capability", "sm_count")
+#: Suffixes ``flashgen tune`` gives the GPU name of rows it did not measure on a GPU
+#: (``--fake`` replays, ``--fake-model`` timings): never a sibling's rows.
+SYNTHETIC_GPU_SUFFIXES = (" (fake)", " (model)")
+#: The GPU name of the Triton interpreter's environment (:data:`flashgen.arch.INTERPRETER`).
+INTERPRETER_GPU = "triton-interpreter"
+
+
+def real_gpu(gpu_name: str | None) -> bool:
+    """Whether rows of ``gpu_name`` were measured on a GPU: not the interpreter's, not
+    a ``--fake`` or ``--fake-model`` run's (:data:`SYNTHETIC_GPU_SUFFIXES`)."""
+    return bool(gpu_name) and not gpu_name.startswith(INTERPRETER_GPU) and not gpu_name.endswith(
+        SYNTHETIC_GPU_SUFFIXES)
 
 
 def installed_versions() -> dict[str, str]:

@@ -184,6 +184,9 @@ def test_a_sibling_gpus_rows_serve_the_keys_this_gpu_has_no_row_for(db_path):
     with TuningDB(db_path) as db:
         rec(db, C2, 0.5)  # the H200's row of KEY
         rec(db, C3, 0.7, key=FAR_BUCKET)
+        # rows no GPU measured (a --fake-model or --fake run, the interpreter's): never a sibling's
+        for name in ("NVIDIA H200 (model)", "NVIDIA H100 PCIe (fake)", "triton-interpreter"):
+            rec(db, C1, 0.01, env=dataclasses.replace(ENV, gpu_name=name))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # rows that apply: no "no rows for this environment"
         ch = disp(db_path, env=H100).choose(KEY)

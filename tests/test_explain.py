@@ -216,9 +216,10 @@ def test_explain_takes_the_built_in_score_mods():
 
 
 def test_cli_explain_with_arch_alone_points_at_the_rows_of_other_gpus():
-    """--arch sm_90 explains for the architecture's reference GPU (an H100), whose rows the
-    shipped database lacks: a note names the H200 rows and the --gpu that uses them;
-    with --gpu there is no note."""
+    """--arch sm_90 explains for the architecture's reference GPU (an H100 with 132 SMs),
+    whose rows the shipped H200 database lacks: the H200 (132 SMs) is its sibling, whose
+    rows serve it, and a note says so and names the --gpu that takes them as its own;
+    with --gpu there is no note.  A GPU of another SM count gets none of them."""
     from flashgen import dispatch
 
     (shipped,) = [p for p in dispatch.shipped_databases() if p.name == "h200.sqlite"]
@@ -228,11 +229,43 @@ def test_cli_explain_with_arch_alone_points_at_the_rows_of_other_gpus():
             "--head-dim", "128", "--causal", "--deterministic"]
     r = runner.invoke(app, args + ["--arch", "sm_90"])
     assert r.exit_code == 0, r.output
-    assert (f"note: the databases hold {n} rows measured on 'NVIDIA H200' (cc 9.0), not used here (--arch sm_90 "
-            "explains for 'NVIDIA H100'); --gpu 'NVIDIA H200' explains with them") in r.output
+    assert (f"note: the databases hold {n} rows measured on 'NVIDIA H200' (cc 9.0, 132 SMs): a sibling of "
+            "'NVIDIA H100' (the same compute capability and SM count), used where it has no row of its own "
+            "(--arch sm_90 explains for 'NVIDIA H100'); --gpu 'NVIDIA H200' explains with them as that GPU's own"
+            ) in r.output
+    assert "tuned under NVIDIA H200 (sm_90, 132 SMs, as this GPU)" in r.output
     r = runner.invoke(app, args + ["--gpu", "NVIDIA H200"])
     assert r.exit_code == 0 and "note: the databases hold" not in r.output, r.output
     assert "bitwise repeatable (dQ added in a fixed order)" in r.output
+    # named parts of other SM counts are no siblings of the H200 (an H100 PCIe: 114, an H20: 78)
+    for gpu in ("NVIDIA H100 PCIe", "NVIDIA H20"):
+        r = runner.invoke(app, args + ["--gpu", gpu])
+        assert r.exit_code == 0 and "tuned under NVIDIA H200" not in r.output and "(tuned;" not in r.output, r.output
+    r = runner.invoke(app, args + ["--gpu", "NVIDIA H100 80GB HBM3"])
+    assert r.exit_code == 0 and "tuned under NVIDIA H200 (sm_90, 132 SMs, as this GPU)" in r.output, r.output
+
+
+def test_the_interpreter_and_fake_runs_have_no_siblings():
+    """The interpreter's environment (sm_90, 132 SMs, as modelled) takes no real GPU's
+    rows, and rows of --fake / --fake-model runs and of the interpreter are no GPU's
+    sibling rows."""
+    import dataclasses
+
+    from flashgen.arch import INTERPRETER
+    from flashgen.env import INTERPRETER_GPU, Environment, real_gpu
+
+    assert INTERPRETER.name == INTERPRETER_GPU
+    assert not real_gpu(INTERPRETER_GPU) and not real_gpu("triton-interpreter (model)")
+    assert not real_gpu("NVIDIA H100 80GB HBM3 (model)") and not real_gpu("NVIDIA H100 80GB HBM3 (fake)")
+    assert real_gpu("NVIDIA H200")
+    from flashgen.dispatch import Dispatcher
+    from flashgen.spec import KernelSpec, Shape
+
+    key = Shape(2, 32, 8, 4096, 4096).key(KernelSpec("fwd", "bfloat16", 128, 128, "causal"))
+    env = Environment(INTERPRETER_GPU, "9.0", 132, "3.6.0", "2.13.0", "0.1.0")
+    assert Dispatcher(env=env, arch=INTERPRETER).choose(key).source == "default"
+    h100 = dataclasses.replace(env, gpu_name="NVIDIA H100 80GB HBM3")
+    assert Dispatcher(env=h100, arch=INTERPRETER).choose(key).tuned_on == "NVIDIA H200"
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -138,6 +138,31 @@ def test_dispatch_backward_compares_the_whole_backward_with_the_two_kernels(tmp_
     assert not det.whole and det.reason.startswith("deterministic") and det.family == "triton"
 
 
+def test_the_backward_compares_rows_of_one_gpu_only(tmp_path):
+    """A sibling GPU's whole-backward row is compared with that GPU's two-kernel rows,
+    never with this GPU's (nor this GPU's with a sibling's): the H200's rows are faster
+    than an H100's, so a mixed comparison would favour whichever side the H200 holds."""
+    h100 = dataclasses.replace(H200, gpu_name="NVIDIA H100 80GB HBM3")
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key("bwd"), GBWD, 1.5)  # the H200's whole backward
+        _record(db, key("bwd_dq"), T1, 1.0, env=h100)  # the H100's two kernels: 2.0 in all
+        _record(db, key("bwd_dkdv"), T2, 1.0, env=h100)
+    plan = Dispatcher([tmp_path / "t.sqlite"], env=h100, arch=SM90).backward(key("bwd_dq"), capturing=False)
+    assert "1.5000 ms vs" not in plan.reason, plan.reason  # no H200-vs-H100 comparison
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key("bwd_dq"), T1, 0.6)  # the H200's two kernels: 1.2, ahead of its 1.5
+        _record(db, key("bwd_dkdv"), T2, 0.6)
+    plan = Dispatcher([tmp_path / "t.sqlite"], env=h100, arch=SM90).backward(key("bwd_dq"), capturing=False)
+    assert not plan.whole and "measured on NVIDIA H200 at attn_bwd_d64_fp16_causal" in plan.reason, plan.reason
+    assert "0.6000 + 0.6000" in plan.reason and [c.config for c in plan.choices] == [T1, T2]
+    # the H100's own whole backward against its own two kernels only
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, key("bwd"), GBWD, 1.8, env=h100)
+    plan = Dispatcher([tmp_path / "t.sqlite"], env=h100, arch=SM90).backward(key("bwd_dq"), capturing=False)
+    assert plan.whole and "measured at attn_bwd" in plan.reason and "1.8000 ms vs" in plan.reason, plan.reason
+    assert "1.0000 + 1.0000" in plan.reason
+
+
 GBWD_ORD = dataclasses.replace(GBWD, dq_ordered=1)
 
 
