@@ -494,6 +494,17 @@ def _params(cfg: TileConfig, space: dict[str, dict[str, tuple]]) -> dict | None:
     return {"family": cfg.family, **params} if len(space) > 1 else params
 
 
+def _suggestable(cfg: TileConfig, space: dict[str, dict[str, tuple]]) -> bool:
+    """Whether the search suggests ``cfg`` itself (its params rebuild it: no knob outside
+    the search differs from its default)."""
+    params = _params(cfg, space)
+    if params is None:
+        return False
+    dom = space[cfg.family]
+    knobs = {n: params[_param(cfg.family, n)] for n in dom}
+    return TileConfig(**knobs, **({} if cfg.family == DEFAULT_FAMILY else {"family": cfg.family})) == cfg
+
+
 def _suggest(trial: optuna.Trial, space: dict[str, dict[str, tuple]]) -> TileConfig:
     family = trial.suggest_categorical("family", list(space)) if len(space) > 1 else next(iter(space))
     knobs = {n: trial.suggest_categorical(_param(family, n), list(vals)) for n, vals in space[family].items()}
@@ -563,43 +574,58 @@ def transfer_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch
     return out
 
 
-def sibling_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch,
-                    shipped: Iterable[Path] | None = None) -> list[TileConfig]:
-    """The best config of each kernel family for exactly ``key`` measured on a *sibling*
-    GPU of ``env`` (another GPU of its compute capability and SM count,
-    :data:`flashgen.env.SIBLING_COLUMNS`) in ``db`` and the shipped databases
-    (``shipped``; default :func:`flashgen.dispatch.shipped_databases`), this Triton
-    version's rows first, fastest first; valid and feasible on ``arch``, without repeats.
+#: How many of :func:`prior_configs` a new study measures.
+PRIOR_SEEDS = 3
 
-    The dispatcher serves a sibling's rows only to keys this GPU has no row for, and
-    prefers a row of this GPU once there is one, so a new study measures these right
-    after the defaults: a short tune compares the sibling's tiles on this GPU before
-    its own row replaces them (only the searched knobs are enqueued: a refined row's
-    refinement knobs take ``flashgen tune --refine``).  On an H100 the H200's rows ran
-    1.13-1.19x the heuristic defaults (docs/benchmarks.md)."""
+
+def prior_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch,
+                  shipped: Iterable[Path] | None = None, limit: int = PRIOR_SEEDS) -> list[TileConfig]:
+    """The configs the dispatcher served ``key`` on this GPU before any row of this
+    environment: in its order, the key's best rows (per kernel family, fastest first) of
+    this GPU under another Triton version, then of a *sibling* GPU (another GPU of its
+    compute capability and SM count, :data:`flashgen.env.SIBLING_COLUMNS`) under this
+    Triton version, then under others; from ``db`` and the shipped databases
+    (``shipped``; default :func:`flashgen.dispatch.shipped_databases`), whole (a refined
+    row's refinement knobs included), valid and feasible on ``arch``, without repeats,
+    at most ``limit``.  None for an environment no GPU measures (the interpreter, a
+    ``--fake`` or ``--fake-model`` run: :func:`flashgen.env.real_gpu`).
+
+    A row of this environment replaces them in the dispatcher, so a new study measures
+    them right after the default (:func:`tune_key`): the row a tune records is then at
+    least as fast as what the dispatcher served before, as measured here.  On an H100
+    the H200's rows ran 1.13-1.19x the heuristic defaults (docs/benchmarks.md)."""
     from .dispatch import shipped_databases
+    from .env import real_gpu
 
+    if not real_gpu(env.gpu_name):
+        return []
     paths = [p for p in (shipped_databases() if shipped is None else shipped)
              if Path(p).resolve() != Path(db.path).resolve()]
-    rows = []
-    for versions in (True, False):
-        rows += [r for r in db.best_rows(env, key_contains=key.id, versions=versions, sibling=True)
-                 if r["key"] == key.id]
-        for path in paths:
-            try:
-                with TuningDB(path, readonly=True, immutable=True) as other:
-                    rows += [r for r in other.best_rows(env, key_contains=key.id, versions=versions, sibling=True)
-                             if r["key"] == key.id]
-            except Exception:  # noqa: BLE001 - a seed is optional; an unreadable file gives none
-                continue
+    tiers: list[list[dict]] = [[], [], []]  # this GPU, other Triton; sibling, this Triton; sibling, other
+
+    def collect(d: TuningDB) -> None:
+        for i, (versions, sibling) in enumerate(((False, False), (True, True), (False, True))):
+            tiers[i] += [r for r in d.best_rows(env, key_contains=key.id, versions=versions, sibling=sibling)
+                         if r["key"] == key.id]
+
+    collect(db)
+    for path in paths:
+        try:
+            with TuningDB(path, readonly=True, immutable=True) as other:
+                collect(other)
+        except Exception:  # noqa: BLE001 - a seed is optional; an unreadable file gives none
+            continue
     out: list[TileConfig] = []
-    for r in sorted(rows, key=lambda r: (r.get("triton_version") != env.triton_version, r["median_ms"])):
-        cfg = TileConfig.from_dict(r)
-        v = Variant(key.spec, cfg)
-        fam = families.FAMILIES.get(cfg.family)
-        if (cfg not in out and fam is not None and fam.unsupported(key, arch) is None
-                and not fam.violated_rules(v) and fam.estimate(v, arch).feasible):
-            out.append(cfg)
+    for rows in tiers:
+        for r in sorted(rows, key=lambda r: r["median_ms"]):
+            cfg = TileConfig.from_dict(r)
+            v = Variant(key.spec, cfg)
+            fam = families.FAMILIES.get(cfg.family)
+            if (cfg not in out and fam is not None and fam.unsupported(key, arch) is None
+                    and not fam.violated_rules(v) and fam.estimate(v, arch).feasible):
+                out.append(cfg)
+            if len(out) == limit:
+                return out
     return out
 
 
@@ -684,9 +710,12 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     trial's user attrs, so a supervisor can fail the trials of a worker that died.
 
     The heuristic default config is measured first and enqueued as the study's first
-    trial, followed by each other searched family's default (:func:`family_defaults`),
-    then :func:`sibling_configs` (this key's winners on a sibling GPU) and
-    :func:`transfer_configs` (the winners of the nearest keys already tuned in ``db``).
+    trial, followed by each other searched family's default (:func:`family_defaults`)
+    and :func:`transfer_configs` (the winners of the nearest keys already tuned in
+    ``db``).  A new study (not the grid sampler's) also measures :func:`prior_configs`
+    right after the default, whole, outside the trial budget (what the dispatcher
+    served this GPU before: its rows of another Triton version, a sibling GPU's), and
+    enqueues those the search can suggest after the family defaults.
     ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its DB row.  ``family_names``: search only these kernel families (default: every one
     that serves ``key`` on ``arch``); a key none of them serves raises InputError.
     Never raises for a failing candidate.
@@ -710,11 +739,19 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     # The grid sampler visits the default anyway (and an enqueued trial would take a
     # grid point it does not evaluate).
     if sampler != "grid" and not study.trials:
-        # The default first, each other family's default, this key's winners on a sibling
-        # GPU (the rows the dispatcher served here before), then what won for the nearest
-        # keys already tuned here.
+        # What the dispatcher served this GPU before (another Triton's rows, a sibling
+        # GPU's), measured whole, as the default is: a refined row's refinement knobs
+        # are outside the search, so only one that the search can suggest is enqueued
+        prior = [c for c in prior_configs(key, db, env, arch) if c.family in space]
+        for cfg in prior:
+            try:
+                _measure(key, shape, cfg, **kw)
+            except MissingTiming:
+                pass
+        # The default first, each other family's default, the prior configs, then what
+        # won for the nearest keys already tuned here.
         firsts = [default, *family_defaults(key, arch, space),
-                  *(c for c in sibling_configs(key, db, env, arch) if c.family in space),
+                  *(c for c in prior if _suggestable(c, space)),
                   *(c for c in transfer_configs(key, db, env, arch) if c.family in space)]
         seen = set()
         for params in (_params(c, space) for c in firsts):

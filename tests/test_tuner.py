@@ -285,26 +285,35 @@ def test_presets():
         presets.expand(["nope"])
 
 
-def test_a_new_study_measures_this_keys_winner_on_a_sibling_gpu_right_after_the_defaults(db):
-    """sibling_configs: this key's best config on a GPU of the same compute capability and
-    SM count (the rows the dispatcher served here before this GPU had its own), measured
-    right after the defaults, so a short tune records no row below it."""
+def test_a_new_study_measures_what_the_dispatcher_served_before_right_after_the_default(db):
+    """prior_configs: the key's rows the dispatcher served this GPU before it had one of
+    this environment, in its order (this GPU under another Triton, then a sibling GPU of
+    the same compute capability and SM count under this Triton, then under others);
+    a new study measures them whole (a refined row's knob outside the search included)
+    right after the default, and enqueues those the search can suggest."""
     sib = dataclasses.replace(ENV, gpu_name="NVIDIA H100 80GB HBM3")
-    won, slower = TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2)
-    db.record(KEY, SHAPE, Variant(SPEC, won), Measurement("ok", median_ms=0.5), sib, 1)
-    db.record(KEY, SHAPE, Variant(SPEC, slower), Measurement("ok", median_ms=0.9), sib, 1)
-    pcie = dataclasses.replace(ENV, gpu_name="NVIDIA H100 PCIe", sm_count=114)  # another SM count
-    db.record(KEY, SHAPE, Variant(SPEC, TileConfig(64, 32, 4, 1)), Measurement("ok", median_ms=0.1), pcie, 1)
-    assert tuner.sibling_configs(KEY, db, ENV, ARCH, shipped=[]) == [won]
-    assert tuner.sibling_configs(KEY, db, pcie, ARCH, shipped=[]) == []
-    assert tuner.sibling_configs(NEAR_KEY, db, ENV, ARCH, shipped=[]) == []  # another key's winner: none
-    run(db, tuner.FakeBenchmarker(random_timings()), 4)
-    dom = space.DOMAINS["fwd"]
+    refined, plain, old_own = TileConfig(64, 64, 4, 2, ws=1), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 1)
+    assert refined.ws and not tuner._suggestable(refined, tuner.search_space(KEY, ARCH))
+    db.record(KEY, SHAPE, Variant(SPEC, refined), Measurement("ok", median_ms=0.5), sib, 1)
+    db.record(KEY, SHAPE, Variant(SPEC, plain), Measurement("ok", median_ms=0.9),
+              dataclasses.replace(sib, triton_version="3.5.0"), 1)
+    db.record(KEY, SHAPE, Variant(SPEC, old_own), Measurement("ok", median_ms=2.0),
+              dataclasses.replace(ENV, triton_version="3.5.0"), 1)
+    pcie = dataclasses.replace(ENV, gpu_name="NVIDIA H100 PCIe", sm_count=114)  # another SM count: no sibling
+    db.record(KEY, SHAPE, Variant(SPEC, TileConfig(128, 32, 4, 1)), Measurement("ok", median_ms=0.1), pcie, 1)
+    assert tuner.prior_configs(KEY, db, ENV, ARCH, shipped=[]) == [old_own, refined, plain]
+    assert tuner.prior_configs(KEY, db, ENV, ARCH, shipped=[], limit=1) == [old_own]
+    assert tuner.prior_configs(NEAR_KEY, db, ENV, ARCH, shipped=[]) == []  # another key's rows: none
+    for name in ("NVIDIA H200 (model)", "NVIDIA H200 (fake)", "triton-interpreter"):  # no GPU measures these
+        assert tuner.prior_configs(KEY, db, dataclasses.replace(ENV, gpu_name=name), ARCH, shipped=[]) == []
+    bench = tuner.FakeBenchmarker({**random_timings(), vid(refined): 0.3})
+    run(db, bench, 4)
+    ids = [Variant(SPEC, c).id for c in (heuristics.default_config(SPEC, ARCH), old_own, refined, plain)]
+    assert bench.calls[:4] == ids  # measured whole, right after the default
+    assert db.best(KEY, ENV)["variant_id"] == vid(refined)  # the refined tile's row of this GPU now serves
     params = [t.params for t in load_study(db).trials]
-    defaults = [{n: getattr(c, n) for n in dom} for c in (heuristics.default_config(SPEC, ARCH),
-                                                          *tuner.family_defaults(KEY, ARCH))]
-    i = params.index({n: getattr(won, n) for n in dom})
-    assert all(p in defaults for p in params[:i])
+    dom = space.DOMAINS["fwd"]
+    assert {n: getattr(plain, n) for n in dom} in params and {n: getattr(old_own, n) for n in dom} in params
 
 
 def test_a_new_study_starts_from_the_default_then_the_nearest_keys_winners(db):
