@@ -32,7 +32,9 @@ For each configuration and implementation:
   ``--warmup`` steps, then ``--steps`` steps each timed with CUDA events: median ms
   (the weights are restored from the same copy before each implementation's run);
 * prefill: forward only under ``torch.no_grad()``, eval mode, ``use_cache=False``,
-  logits of the last position only (``logits_to_keep=1``): median ms;
+  logits of the last position only (``logits_to_keep=1``): median ms, and on a GPU the
+  median ms until the forward call returned on the host (``prefill_host_ms``; near the
+  event time, the prefill waits on the host);
 * decode (Llama configurations without ``--padding`` or ``--packed``): after a prefill of
   the batch into a ``DynamicCache``, one generation step per call (one new token per batch
   entry over the cache of ``tokens`` keys, the cache cropped back after each step, so
@@ -151,17 +153,22 @@ def _preflight(smoke: bool):
                  "sqlite-utils): pip install -e . installs them")
 
 
-def _timed(fn, n: int, cuda: bool) -> list[float]:
-    """ms of each of ``n`` calls of ``fn``: CUDA events around each, or wall clock."""
+def _timed(fn, n: int, cuda: bool, host: list | None = None) -> list[float]:
+    """ms of each of ``n`` calls of ``fn``: CUDA events around each, or wall clock.
+    ``host``: also appends, per call, the ms until ``fn`` returned on the host (before
+    waiting for the GPU): a call whose host time nears its event time waits on the host."""
     import torch
 
     out = []
     for _ in range(n):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
             start.record()
             fn()
             end.record()
+            if host is not None:
+                host.append((time.perf_counter() - t) * 1e3)
             end.synchronize()
             out.append(start.elapsed_time(end))
         else:
@@ -302,9 +309,12 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
                 model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
 
         _timed(prefill, args.warmup, cuda)
-        times = _timed(prefill, args.steps, cuda)
+        host: list[float] = []
+        times = _timed(prefill, args.steps, cuda, host)
         r["prefill_ms"] = statistics.median(times)
         r["prefill_ms_all"] = times
+        if cuda:
+            r["prefill_host_ms"] = statistics.median(host)
         if args.profile and cuda:
             r["prefill_kernels"] = _step_kernels(prefill)
         if name not in GPT_OSS and not (args.padding or args.packed):
@@ -440,6 +450,15 @@ def main(argv=None) -> int:
                  else f"{'-':>11} {'-':>10} {'-':>6} ") +
               f"{r['loss_rel_diff']:9.2e} {r['grad_rel_l2']['all_params']:11.2e} {'yes' if good else 'NO'}"
               + (f"  (grads {r['grads_rule']})" if "grads_rule" in r else ""))
+    hosts = {n: r for n, r in result["configs"].items()
+             if all("prefill_host_ms" in r["impl"][i] for i in (r["reference"], impl_fg))}
+    if hosts:
+        print("\nprefill: ms until the forward call returned on the host (median), against its event time; "
+              "near it, the prefill waits on the host")
+        for name, r in hosts.items():
+            s, f_ = r["impl"][r["reference"]], r["impl"][impl_fg]
+            print(f"{name:12} {r['reference']:5} {s['prefill_host_ms']:.2f} / {s['prefill_ms']:.2f}   flashgen "
+                  f"{f_['prefill_host_ms']:.2f} / {f_['prefill_ms']:.2f}")
     gen = {n: r for n, r in result["configs"].items() if "generate_ratio_first" in r}
     if gen:
         print(f"\ngeneration, {args.generate} steps, the cache growing by one key per step: median ms per step "
