@@ -718,12 +718,6 @@ class TuningDB:
             "[gpu_name] = ? AND [compute_capability] = ? GROUP BY [triton_version]",
             [gpu_name, compute_capability])}
 
-    def gpus_of(self, compute_capability: str) -> dict[str, int]:
-        """GPU name -> number of ok rows measured on GPUs of ``compute_capability``."""
-        return {r["gpu_name"]: r["n"] for r in self.db.query(
-            f"SELECT [gpu_name], COUNT(*) AS n FROM {TABLE} WHERE [status] = 'ok' AND [compute_capability] = ? "
-            "GROUP BY [gpu_name]", [compute_capability])}
-
     def gpu_sm_counts(self, compute_capability: str) -> dict[tuple[str, int | None], int]:
         """(GPU name, SM count) -> number of ok rows measured on GPUs of
         ``compute_capability``."""

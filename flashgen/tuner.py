@@ -462,6 +462,17 @@ def default_config(key: ProblemKey, arch: Arch, family_names: Iterable[str] | No
     return None
 
 
+def _runs(cfg: TileConfig, key: ProblemKey, arch: Arch) -> bool:
+    """Whether ``cfg`` can run ``key`` on ``arch``: its family is registered and serves
+    the key there, and the variant breaks none of its rules and fits its shared memory
+    (what a seed from another key, another GPU or a database must pass)."""
+    fam = families.FAMILIES.get(cfg.family)
+    if fam is None or fam.unsupported(key, arch) is not None:
+        return False
+    v = Variant(key.spec, cfg)
+    return not fam.violated_rules(v) and fam.estimate(v, arch).feasible
+
+
 def family_defaults(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None) -> list[TileConfig]:
     """The heuristic default of each searched family that has one for ``key`` within its
     rules and shared memory on ``arch``, registry order.  A study measures each of them
@@ -474,8 +485,7 @@ def family_defaults(key: ProblemKey, arch: Arch, family_names: Iterable[str] | N
         cfg = fam.default_config(key, arch)
         if cfg is None or cfg in out:
             continue
-        v = Variant(key.spec, cfg)
-        if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
+        if _runs(cfg, key, arch):
             out.append(cfg)
     return out
 
@@ -497,18 +507,20 @@ def _params(cfg: TileConfig, space: dict[str, dict[str, tuple]]) -> dict | None:
 def _suggestable(cfg: TileConfig, space: dict[str, dict[str, tuple]]) -> bool:
     """Whether the search suggests ``cfg`` itself (its params rebuild it: no knob outside
     the search differs from its default)."""
-    params = _params(cfg, space)
-    if params is None:
+    if _params(cfg, space) is None:
         return False
-    dom = space[cfg.family]
-    knobs = {n: params[_param(cfg.family, n)] for n in dom}
-    return TileConfig(**knobs, **({} if cfg.family == DEFAULT_FAMILY else {"family": cfg.family})) == cfg
+    return _config(cfg.family, {n: getattr(cfg, n) for n in space[cfg.family]}) == cfg
+
+
+def _config(family: str, knobs: dict) -> TileConfig:
+    """The TileConfig of ``family`` with the searched ``knobs`` and every other knob at its default."""
+    return TileConfig(**knobs, **({} if family == DEFAULT_FAMILY else {"family": family}))
 
 
 def _suggest(trial: optuna.Trial, space: dict[str, dict[str, tuple]]) -> TileConfig:
     family = trial.suggest_categorical("family", list(space)) if len(space) > 1 else next(iter(space))
-    knobs = {n: trial.suggest_categorical(_param(family, n), list(vals)) for n, vals in space[family].items()}
-    return TileConfig(**knobs, **({} if family == DEFAULT_FAMILY else {"family": family}))
+    return _config(family, {n: trial.suggest_categorical(_param(family, n), list(vals))
+                            for n, vals in space[family].items()})
 
 
 def feasible_variants(keys: Iterable[ProblemKey], arch: Arch, family_names: Iterable[str] | None = None
@@ -564,10 +576,7 @@ def transfer_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch
         scored.append((dist, r["median_ms"], TileConfig.from_dict(r)))
     out: list[TileConfig] = []
     for _, _, cfg in sorted(scored, key=lambda t: (t[0], t[1])):
-        v = Variant(s, cfg)
-        fam = families.FAMILIES.get(cfg.family)
-        if (cfg not in out and fam is not None and fam.unsupported(key, arch) is None
-                and not fam.violated_rules(v) and fam.estimate(v, arch).feasible):
+        if cfg not in out and _runs(cfg, key, arch):
             out.append(cfg)
         if len(out) == limit:
             break
@@ -619,10 +628,7 @@ def prior_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch,
     for rows in tiers:
         for r in sorted(rows, key=lambda r: r["median_ms"]):
             cfg = TileConfig.from_dict(r)
-            v = Variant(key.spec, cfg)
-            fam = families.FAMILIES.get(cfg.family)
-            if (cfg not in out and fam is not None and fam.unsupported(key, arch) is None
-                    and not fam.violated_rules(v) and fam.estimate(v, arch).feasible):
+            if cfg not in out and _runs(cfg, key, arch):
                 out.append(cfg)
             if len(out) == limit:
                 return out
@@ -716,8 +722,9 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     right after the default, whole, outside the trial budget (what the dispatcher
     served this GPU before: its rows of another Triton version, a sibling GPU's), and
     enqueues those the search can suggest after the family defaults.
-    ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its DB row.  ``family_names``: search only these kernel families (default: every one
-    that serves ``key`` on ``arch``); a key none of them serves raises InputError.
+    ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its DB row.
+    ``family_names``: search only these kernel families (default: every one that serves
+    ``key`` on ``arch``); a key none of them serves raises InputError.
     Never raises for a failing candidate.
     """
     t0 = time.perf_counter()

@@ -224,7 +224,7 @@ def test_cli_explain_with_arch_alone_points_at_the_rows_of_other_gpus():
 
     (shipped,) = [p for p in dispatch.shipped_databases() if p.name == "h200.sqlite"]
     with TuningDB(shipped, readonly=True) as db:
-        n = db.gpus_of("9.0")["NVIDIA H200"]
+        n = db.gpu_sm_counts("9.0")["NVIDIA H200", 132]
     args = ["explain", "--batch", "2", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "4096", "--seqlen-k", "4096",
             "--head-dim", "128", "--causal", "--deterministic"]
     r = runner.invoke(app, args + ["--arch", "sm_90"])
