@@ -30,8 +30,9 @@ WIDE_SHAPES (the ``head-dims`` preset's head_dim 256 shapes: Gemma's 8 query and
 heads) against SDPA cuDNN's backward and flashgen's current one through autograd; writes
 gluon_bwd_wide.json (``--match REGEX``, ``--limit N``: fewer variants).  ``--wide --unchecked``:
 the default beside the configs the rules refuse only until their float64 checks have run
-here (``bwd.NOT_CHECKED``: ``lookahead`` 1 and 2, the next step's S^T and dP^T issued
-during the dQ chunks, with atomic dQ; dQ by atomics with dK and dV stored by TMA).
+here (``bwd.NOT_CHECKED``) or as measured slower (``bwd.MEASURED_SLOWER``: ``lookahead``
+1 and 2, the next step's S^T and dP^T issued during the dQ chunks, with atomic dQ; dQ by
+atomics with dK and dV stored by TMA), to check and measure them again.
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_bwd.py --out $OUT [--gqa | --ordered | --wide]
 """
@@ -183,7 +184,8 @@ def wide_configs(unchecked: bool = False):
     """``--wide``'s variants: every config of the head_dim 256 search space (the default
     first), each "full" (window and float16 checks too), as (fields, head_dim, full).
     ``unchecked``: the default, then the configs the rules refuse only because their
-    float64 checks have not run on the GPU (``bwd.col_split_space(unchecked=True)``)."""
+    float64 checks have not run on the GPU or as measured slower
+    (``bwd.col_split_space(unchecked=True)``)."""
     import dataclasses
 
     from flashgen.families.gluon import bwd as B
@@ -337,8 +339,9 @@ def _time_gqa(cfg, b, h, hk, s, d, causal) -> dict:
     lse = torch.randn(b, h, s, device="cuda", dtype=torch.float32).abs() + 5.0
     mode, lo, hi = mask_bounds(s, s, causal=causal, window=(-1, -1))
     # the rules on for a config they admit (its launch plans, as the dispatcher runs it);
-    # off for one they refuse only until its float64 checks have run here (--unchecked:
-    # bwd.NOT_CHECKED), as _child_variants' checks built it
+    # off for one they refuse only until its float64 checks have run here or as measured
+    # slower (--unchecked: bwd.NOT_CHECKED, bwd.MEASURED_SLOWER), as _child_variants'
+    # checks built it
     check = not B.invalid_reasons(cfg, d, "bfloat16", mode)
     kw = dict(softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi)
     whole = lambda: B.attention_bwd(do, q, k, v, o, lse, mask=mode, config=cfg, check=check, **kw)  # noqa: E731
@@ -512,7 +515,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="--wide: the first N of its variants only (0: all)")
     ap.add_argument("--match", default="", help="--wide: only the variants whose id matches this regular expression")
     ap.add_argument("--unchecked", action="store_true",
-                    help="--wide: the default and the configs refused only until checked on the GPU")
+                    help="--wide: the default and the configs refused only until checked on the GPU or as "
+                         "measured slower")
     ap.add_argument("--tiles", choices=sorted(TILE_PROBES), default=None,
                     help="time TILE_PROBES[...] (configs outside the rules among them) instead of CONFIGS")
     ap.add_argument("items", nargs="*")

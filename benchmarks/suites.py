@@ -85,8 +85,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "against SDPA cuDNN / FlashAttention-2 and flashgen's Triton family",
           (("benchmarks/gluon_fwd.py", "--out", "{out}"), ("benchmarks/gluon_bwd.py", "--out", "{out}")),
           ("gluon_fwd.json", "gluon_bwd.json")),
-    Suite("gluon-unchecked", "the head_dim 256 backward's variants the rules refuse until checked here (lookahead "
-          "with atomic dQ, atomic dQ with TMA stores): float64 checks, then timings beside the default and cuDNN",
+    Suite("gluon-unchecked", "the head_dim 256 backward's variants the rules refuse until checked here or as "
+          "measured slower (lookahead with atomic dQ, atomic dQ with TMA stores): float64 checks, then timings "
+          "beside the default and cuDNN",
           (("benchmarks/gluon_bwd.py", "--wide", "--unchecked", "--budget-s", "400", "--out", "{out}"),),
           ("gluon_bwd_wide.json",)),
     Suite("gluon-varlen", "the Gluon forward on ragged batches: its variants checked against float64, then timed "

@@ -96,13 +96,13 @@ def test_short_queries_run_the_decode_kernel_and_match_float64(h, hk, sq, causal
 
 
 def test_more_rows_than_one_packed_tile_at_few_heads_match_float64(decode_calls):
-    """Up to 256 rows per kv head where batch x num_heads is small (the second rule): 8
+    """Up to 256 rows per kv head where batch x num_heads is small (the third rule): 8
     query heads on one kv head x 20 queries = 160 rows, more than one packed tile of the
     decode kernel, bottom-right causal over 4k keys."""
-    sk = library.DECODE_FORM_RULES[1][1] + 13
+    sk = library.DECODE_FORM_RULES[2][1] + 13
     q, k, v = _inputs(1, 8, 1, 20, sk, 16, F16, seed=7)
     mode, lo, hi = mask_bounds(20, sk, causal=True, window=(-1, -1))
-    assert library.decode_form_rule(q, k) == library.DECODE_FORM_RULES[1]
+    assert library.decode_form_rule(q, k) == library.DECODE_FORM_RULES[2]
     o, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
     assert len(decode_calls) == 1
     o64, lse64, _ = reference.forward_bounds(q, k, v, 0.25, lo, hi)
@@ -166,7 +166,9 @@ def test_other_calls_keep_the_forward_kernels(kw, sq, sk, why, decode_calls):
     (1, 32, 8, 64, 4096, True),     # 256 rows, batch x heads 32: the forward kernels fill a quarter of the SMs
     (2, 32, 8, 32, 32768, True),    # 128 rows, batch x heads 64
     (1, 32, 8, 64, 4095, False),    # 256 rows over fewer keys
-    (8, 32, 8, 32, 32768, False),   # 128 rows at batch x heads 256
+    (8, 32, 8, 32, 32768, True),    # 128 rows at batch x heads 256 over 32k keys
+    (8, 32, 8, 32, 4096, False),    # 128 rows at batch x heads 256 over 4k keys
+    (8, 32, 8, 64, 32768, False),   # 256 rows at batch x heads 256
     (1, 32, 8, 65, 32768, False),   # 260 rows
 ])
 def test_the_rules_follow_the_measured_crossovers(b, h, hk, sq, sk, taken):

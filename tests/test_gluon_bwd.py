@@ -78,7 +78,7 @@ CASES = [
      "window"),
     # the column-split program issuing the next step's S^T and dP^T ahead (lookahead 1:
     # after dK; 2: interleaved with the dQ chunks) on the default, and with atomic dQ and
-    # the register stores (refused until checked on the GPU, bwd.NOT_CHECKED)
+    # the register stores (refused as measured slower, bwd.MEASURED_SLOWER)
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, 4, 1), 256,
      "causal"),
     ((64, 64, 2, 2, "tma", 240, 24, "tma", 1, False, 1, False, "swizzled", "tma", False, False, 4, 2), 256,
@@ -129,11 +129,11 @@ from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon.shim import cuobjdump, ptxas_sm90
 for fields, d, mask in CASES:
     cfg = B.GluonBwdConfig(*fields)
-    # a variant refused only until its float64 checks have run on the GPU, or (the role
-    # split) for its measured speed, compiles as it would run
+    # a variant refused only until its float64 checks have run on the GPU, or for its
+    # measured speed, compiles as it would run
     reasons = B.invalid_reasons(cfg, d, "bfloat16", mask)
     k = B.compile_sm90(cfg, "bfloat16", d, mask,
-                       check=not reasons or not all(B.NOT_CHECKED in r or r == B.ROLE_SPLIT_SLOWER for r in reasons))
+                       check=not reasons or not all(B.NOT_CHECKED in r or r in B.MEASURED_SLOWER for r in reasons))
     with tempfile.TemporaryDirectory() as t:
         ptx, cubin = os.path.join(t, "k.ptx"), os.path.join(t, "k.cubin")
         open(ptx, "w").write(k.asm["ptx"])
@@ -1223,15 +1223,16 @@ def test_lookahead_is_served_with_the_tma_dq_and_probed_under_its_own_extension(
     model is over the budget).  Its float64 checks have run on the GPU with dQ by TMA
     reduce-add, so the search space holds those variants and the code id probes them
     under the "lookahead" extension (listed before "col_split": the shipped rows' id
-    stays); with atomic dQ the rules refuse it until checked, and
-    ``col_split_space(unchecked=True)`` lists those for the check."""
+    stays); with atomic dQ its checks pass too but it measured slower, so the rules refuse
+    it (bwd.ATOMIC_LOOKAHEAD_SLOWER) and ``col_split_space(unchecked=True)`` lists those
+    for measuring again."""
     cs = B.default_config(256)
     la, lai = dataclasses.replace(cs, lookahead=1), dataclasses.replace(cs, lookahead=2)
     assert (la.id, lai.id) == (cs.id + "_la1", cs.id + "_la2")
     for c in (la, lai):
         assert B.invalid_reasons(c, 256) == []
         atomic = dataclasses.replace(c, dq_mode="atomic", kv_store="ptr")
-        assert B.invalid_reasons(atomic, 256) == [f"lookahead with dq_mode 'atomic' {B.NOT_CHECKED}"]
+        assert B.invalid_reasons(atomic, 256) == [B.ATOMIC_LOOKAHEAD_SLOWER]
         assert any("stages >= 2" in r for r in B.invalid_reasons(dataclasses.replace(c, stages=1), 256))
     assert any("column-split program only" in r
                for r in B.invalid_reasons(dataclasses.replace(B.default_config(128), lookahead=1), 128))
@@ -1267,8 +1268,9 @@ def test_lookahead_is_served_with_the_tma_dq_and_probed_under_its_own_extension(
 def test_wide_unchecked_timing_builds_the_variants_the_rules_refuse_until_checked(monkeypatch):
     """benchmarks/gluon_bwd.py --wide --unchecked times the variants that passed its float64
     checks in a child of their own (_time_gqa): it builds a config the rules refuse only
-    until those checks have run (bwd.NOT_CHECKED: lookahead, the atomic dQ with the TMA
-    stores) with the rules off, as the checks did, and every other one with them on."""
+    until those checks have run (bwd.NOT_CHECKED) or as measured slower
+    (bwd.MEASURED_SLOWER: lookahead with atomic dQ, the atomic dQ with the TMA stores)
+    with the rules off, as the checks did, and every other one with them on."""
     import types
 
     import triton.testing

@@ -304,7 +304,7 @@ ROLE_SPLIT_SLOWER = ("col_split with split (the role split) measured slower than
 #: the dQ chunks.
 LOOKAHEADS = (0, 1, 2)
 #: The ``lookahead`` values whose variants have passed their float64 checks on the GPU,
-#: with dQ by TMA reduce-add (with atomic dQ: :data:`NOT_CHECKED`); the family's domain
+#: with dQ by TMA reduce-add (with atomic dQ: :data:`ATOMIC_LOOKAHEAD_SLOWER`); the family's domain
 #: searches these.  Measured 0.97-1.03x the default causal, 0.93-0.96x without a mask
 #: (H100; the tuner picks per key).
 CHECKED_LOOKAHEADS = (0, 1, 2)
@@ -316,6 +316,17 @@ CHECKED_LOOKAHEADS = (0, 1, 2)
 #: Admitting one adds a code-id extension (:data:`EXTENSIONS`) listed before
 #: "col_split", so the shipped rows' code id stays.
 NOT_CHECKED = "has not been checked on the GPU"
+#: Column-split variants whose float64 checks pass on the GPU but which measured slower
+#: than the default at every head_dim 256 shape (H200, ``python -m benchmarks
+#: gluon-unchecked``, docs/results/h200/gluon_bwd/unchecked/): the rules refuse them, so
+#: no tuner trial is spent on them; ``col_split_space(unchecked=True)`` still lists them
+#: for that benchmark to measure again.
+ATOMIC_LOOKAHEAD_SLOWER = ("lookahead with dq_mode 'atomic' measured 0.92-0.96x the default at every head_dim 256 "
+                           "shape (its float64 checks pass); use dq_mode 'tma'")
+ATOMIC_KV_TMA_SLOWER = ("kv_store 'tma' with dq_mode 'atomic' at head_dim 256 measured 0.75-1.02x the default "
+                        "(its float64 checks pass; level at best); use the register stores or the TMA reduce-add")
+#: The refusals that name a measurement, not a rule of the hardware or the kernel.
+MEASURED_SLOWER = (ROLE_SPLIT_SLOWER, ATOMIC_LOOKAHEAD_SLOWER, ATOMIC_KV_TMA_SLOWER)
 
 
 #: Registers over its budget a lock-step partition's modeled demand may be: BLOCK_M 128
@@ -413,7 +424,7 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
         out.append(f"lookahead {NOT_CHECKED}")
     elif c.lookahead and c.col_split and c.dq_mode == "atomic" and c.kv_store == "ptr":
         # compiled without spills or C751x under Triton 3.6 and 3.9 (tests/test_gluon_bwd.py)
-        out.append(f"lookahead with dq_mode 'atomic' {NOT_CHECKED}")
+        out.append(ATOMIC_LOOKAHEAD_SLOWER)
     if c.dq_chunks not in (1, *DQ_CHUNK_COUNTS):
         out.append(f"dq_chunks {c.dq_chunks} must be 1 (dQ whole or in halves) or one of {DQ_CHUNK_COUNTS} (the "
                    "column-split program)")
@@ -469,10 +480,9 @@ def invalid_reasons(config: GluonBwdConfig, head_dim: int, dtype: str = "bfloat1
                    "are not contiguous in shared memory (column blocks of the 128-byte swizzle); use the "
                    "lock-step partition or the register stores")
     elif c.kv_store == "tma" and c.dq_mode == "atomic" and c.col_split:
-        # ptxas (Triton 3.6) compiles these without spills, but none has run on the H200:
-        # the column-split program's atomic dQ is checked and served with the register stores
-        out.append(f"kv_store 'tma' with dq_mode 'atomic' at head_dim 256 {NOT_CHECKED}; use the register stores "
-                   "or the TMA reduce-add")
+        # ptxas (Triton 3.6) compiles these without spills; the column-split program's
+        # atomic dQ is served with the register stores
+        out.append(ATOMIC_KV_TMA_SLOWER)
     elif c.kv_store == "tma" and c.dq_mode == "atomic" and head_dim >= 128:
         # the atomic dQ's epilogue with the TMA stores: ptxas (Triton 3.6) spills 40 B
         # (causal, rows by the producer), against none with the register stores
@@ -636,14 +646,16 @@ def col_split_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
     by register or TMA stores, the next step's S^T and dP^T issued ahead or not; the
     shared-memory and register rules keep those that fit.  ``unchecked``: instead, the
     configs refused only for not having run their float64 checks on the GPU
-    (:data:`NOT_CHECKED`)."""
+    (:data:`NOT_CHECKED`) or for a measurement (:data:`MEASURED_SLOWER`), the role split
+    excepted (its own benchmark, ``benchmarks/gluon_bwd.py --wide --match _split``)."""
     out = []
     for stages, dq_mode, chunks, row_load, kv, ahead, split in itertools.product(
             (1, 2), SEARCH_DQ_MODES, DQ_CHUNK_COUNTS, ("tma", "producer"), KV_STORES, LOOKAHEADS, (False, True)):
         c = GluonBwdConfig(64, 64, 2, stages, dq_mode, 240, 24, row_load, 1, split, kv_store=kv, dq_chunks=chunks,
                            lookahead=ahead)
         reasons = invalid_reasons(c, head_dim, dtype, mask)
-        if (reasons and all(NOT_CHECKED in r for r in reasons)) if unchecked else not reasons:
+        refused = reasons and not split and all(NOT_CHECKED in r or r in MEASURED_SLOWER for r in reasons)
+        if refused if unchecked else not reasons:
             out.append(c)
     return out
 
