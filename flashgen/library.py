@@ -138,10 +138,11 @@ def _fast_key(kernel, q, k, v, mask, mods):
 #: decode kernel took 0.24-1.02x the forward kernels' GPU time at every measured size;
 #: 128 and 256 rows 0.37-0.74x at batch 1 (the forward kernels run one program per
 #: (batch, head), 32 on a 132-SM GPU) and 0.84-1.73x at batch 8 (an H100).  At batch 8,
-#: 128 rows over 32k keys the decode kernel took 0.58x the forward kernels' time on the
+#: 128 rows over 32k keys the decode kernel took 0.56x the forward kernels' time on the
 #: H200 and 0.68x on an H100 with each GPU's tuned decode rows, 0.83x with the untuned
-#: default (H100); over 4k keys 0.78x and 0.73x tuned but 1.39x untuned, so that rule
-#: starts at 32k keys; 256 rows at batch 8 stay on the forward kernels (1.04-1.15x).
+#: default (H100); over 4k keys 0.78x (H200) and 0.73-0.96x (H100, two runs) tuned but
+#: 1.39x untuned, so that rule starts at 32k keys; 256 rows at batch 8 stay on the
+#: forward kernels (1.04-1.15x).
 #: Below 512 keys both are bound by their launches.
 DECODE_FORM_RULES = ((64, 512, None), (128, 32768, None), (256, 4096, 64))
 

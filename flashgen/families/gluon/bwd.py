@@ -178,8 +178,8 @@ class GluonBwdConfig:
                     at its softmax.  1 (``_la1``): both right after dK, retired with the
                     first chunk's wait; 2 (``_la2``): S^T behind dQ chunk 1 and dP^T
                     behind chunk 2 (``dq_chunks`` 4), interleaved with the chunks.
-                    Refused until its float64 checks have run on the GPU
-                    (:data:`NOT_CHECKED`).
+                    Searched with dQ by TMA reduce-add; with atomic dQ refused as
+                    measured slower (:data:`ATOMIC_LOOKAHEAD_SLOWER`).
     """
 
     block_m: int = 64
@@ -317,8 +317,9 @@ CHECKED_LOOKAHEADS = (0, 1, 2)
 #: "col_split", so the shipped rows' code id stays.
 NOT_CHECKED = "has not been checked on the GPU"
 #: Column-split variants whose float64 checks pass on the GPU but which measured slower
-#: than the default at every head_dim 256 shape (H200, ``python -m benchmarks
-#: gluon-unchecked``, docs/results/h200/gluon_bwd/unchecked/): the rules refuse them, so
+#: than the default, or level with it at best, at the head_dim 256 shapes (H200, ``python
+#: -m benchmarks gluon-unchecked``, docs/results/h200/gluon_bwd/unchecked/): the rules
+#: refuse them, so
 #: no tuner trial is spent on them; ``col_split_space(unchecked=True)`` still lists them
 #: for that benchmark to measure again.
 ATOMIC_LOOKAHEAD_SLOWER = ("lookahead with dq_mode 'atomic' measured 0.92-0.96x the default at every head_dim 256 "
@@ -647,7 +648,7 @@ def col_split_space(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
     shared-memory and register rules keep those that fit.  ``unchecked``: instead, the
     configs refused only for not having run their float64 checks on the GPU
     (:data:`NOT_CHECKED`) or for a measurement (:data:`MEASURED_SLOWER`), the role split
-    excepted (its own benchmark, ``benchmarks/gluon_bwd.py --wide --match _split``)."""
+    (``split``) excepted."""
     out = []
     for stages, dq_mode, chunks, row_load, kv, ahead, split in itertools.product(
             (1, 2), SEARCH_DQ_MODES, DQ_CHUNK_COUNTS, ("tma", "producer"), KV_STORES, LOOKAHEADS, (False, True)):
