@@ -650,13 +650,21 @@ def import_(
     source: Annotated[Path, typer.Argument(metavar="SOURCE", exists=True, dir_okay=False,
                                            help="An export (*.json) or a tuning DB (*.sqlite).")],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
+    replace: Annotated[bool, typer.Option(
+        "--replace", help="SOURCE's rows replace --db's rows of the same problem keys measured in the same "
+                          "environments (GPU, compute capability, Triton version, generated code), e.g. after "
+                          "re-tuning keys whose earlier timings are wrong; the replaced rows are first copied to "
+                          "DB.replaced-<UTC time>.sqlite beside --db.")] = False,
 ) -> None:
-    """Append to --db the rows of SOURCE it lacks; nothing is overwritten or deleted.
-    Every row of SOURCE is checked first (a known status, kernel and config fields, a
-    finite positive median_ms for ok rows): one that is not a measurement refuses the
-    import and nothing is written."""
+    """Append to --db the rows of SOURCE it lacks; nothing is overwritten or deleted
+    (with --replace, the rows replaced are kept in a copy first).  Every row of SOURCE is
+    checked first (a known status, kernel and config fields, a finite positive median_ms
+    for ok rows): one that is not a measurement refuses the import and nothing is
+    written.  The dispatcher takes a key's fastest ok row of an environment, so a re-tune
+    whose timings are slower than wrong earlier ones serves only with --replace."""
     from .db import NotATuningDB, TuningDB, check_rows
 
+    note = ""
     with _writing(db):
         if source.suffix == ".json":
             try:
@@ -666,15 +674,36 @@ def import_(
             if not isinstance(data, dict) or data.get("flashgen_export") != 1 or not isinstance(data.get("rows"), list):
                 raise NotATuningDB(f"{source} is not a flashgen export (expected {{\"flashgen_export\": 1, "
                                    "\"rows\": [...]})")
-            check_rows(data["rows"], source)  # before --db is opened: a refusal writes nothing
-            with TuningDB(db, readonly=False) as tdb:
-                n = tdb.import_rows(data["rows"])
+            rows = data["rows"]
+            check_rows(rows, source)  # before --db is opened: a refusal writes nothing
         else:
             with TuningDB(source, readonly=True) as src:  # validates it before anything is written
-                check_rows(src.rows(), source)
-            with TuningDB(db, readonly=False) as tdb:
-                n = tdb.merge_from(source)
-    typer.echo(f"{source}: {n} rows added to {db}")
+                rows = src.rows()
+                check_rows(rows, source)
+        with TuningDB(db, readonly=False) as tdb:
+            gone = tdb.replaced_by(rows) if replace else []
+            if gone:
+                kept = _keep_replaced(db, gone)
+                note = f"; {len(gone)} rows of the same keys and environments replaced (kept in {kept})"
+            n = (tdb.import_rows(rows, replace=gone) if source.suffix == ".json"
+                 else tdb.merge_from(source, replace=gone))
+    typer.echo(f"{source}: {n} rows added to {db}{note}")
+
+
+def _keep_replaced(db: Path, rows: list[dict]) -> Path:
+    """Copy ``rows`` (about to be replaced in ``db``) into a new tuning DB beside it,
+    ``<db>.replaced-<UTC time>.sqlite``; never overwrites."""
+    import datetime
+
+    from .db import TuningDB
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    path = db.with_name(f"{db.name}.replaced-{stamp}.sqlite")
+    if path.exists():
+        raise FileExistsError(f"{path} exists; flashgen never overwrites it")
+    with TuningDB(path, readonly=False) as out:
+        out.import_rows([{k: v for k, v in r.items() if k != "id"} for r in rows])
+    return path
 
 
 @app.command()

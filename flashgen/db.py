@@ -527,12 +527,13 @@ class TuningDB:
         self._conn.commit()
         return out
 
-    def merge_from(self, other_path: str | Path) -> int:
+    def merge_from(self, other_path: str | Path, replace: list[dict] | None = None) -> int:
         """Append the rows of another tuning DB that this one lacks (identity:
         :data:`IDENTITY`); returns how many were added.  ``other_path`` is opened
         read-only and left unchanged.  ``tflops`` is derived again (:func:`derived_tflops`):
         an older flashgen counted a varlen row's FLOPs as batch x longest sequence,
-        a window row's as unmasked."""
+        a window row's as unmasked.  ``replace``: rows of this DB (:meth:`replaced_by`)
+        deleted in the same transaction."""
         cols = [c for c in COLUMNS if c != "id"]
         have = {tuple(r) for r in self._conn.execute(
             f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
@@ -553,17 +554,36 @@ class TuningDB:
             r["tflops"] = derived_tflops(r)
         self._add_missing_columns()
         with self._conn:
+            self._delete_ids([r["id"] for r in replace or ()])
             self._conn.executemany(
                 f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
                 f"VALUES ({', '.join('?' * len(cols))})",
                 [tuple(r[c] for c in cols) for r in new])
         return len(new)
 
-    def import_rows(self, rows: list[dict]) -> int:
+    def replaced_by(self, rows: list[dict]) -> list[dict]:
+        """This DB's rows that ``rows`` would replace (:meth:`merge_from` and
+        :meth:`import_rows` with ``replace``): those of a problem key and environment
+        (:data:`_ENV_GROUP`: GPU, compute capability, Triton version, generated code) that
+        ``rows`` hold, whatever their status; ``rows`` themselves excluded (identity:
+        :data:`IDENTITY`)."""
+        groups = {tuple(r.get(c) for c in ("key", *_ENV_GROUP)) for r in rows}
+        idents = {tuple(r.get(c) for c in IDENTITY) for r in rows}
+        return [r for r in self.rows() if tuple(r.get(c) for c in ("key", *_ENV_GROUP)) in groups
+                and tuple(r.get(c) for c in IDENTITY) not in idents]
+
+    def _delete_ids(self, ids: list[int]) -> None:
+        # inside the caller's transaction
+        for i in range(0, len(ids), 500):
+            part = ids[i:i + 500]
+            self._conn.execute(f"DELETE FROM {TABLE} WHERE id IN ({', '.join('?' * len(part))})", part)
+
+    def import_rows(self, rows: list[dict], replace: list[dict] | None = None) -> int:
         """Append exported rows (:meth:`export_best`) that this DB lacks (identity:
         :data:`IDENTITY`); returns how many were added.  Nothing is overwritten; rows that
         are not measurements (:func:`check_rows`) refuse the whole import.  ``tflops`` is
-        derived again, as :meth:`merge_from` does."""
+        derived again, as :meth:`merge_from` does.  ``replace``: rows of this DB
+        (:meth:`replaced_by`) deleted in the same transaction."""
         cols = [c for c in COLUMNS if c != "id"]
         check_rows(rows, "rows to import")
         self._add_missing_columns()
@@ -577,6 +597,7 @@ class TuningDB:
                 r = {**r, "tflops": derived_tflops(r)}  # derived: counted as this version counts it
                 new.append(tuple(r.get(c) for c in cols))
         with self._conn:
+            self._delete_ids([r["id"] for r in replace or ()])
             self._conn.executemany(
                 f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
                 f"VALUES ({', '.join('?' * len(cols))})", new)

@@ -136,3 +136,43 @@ def test_foreign_or_corrupt_files_get_a_clear_error_and_stay_untouched(tmp_path,
     if kind != "bad_json":
         with pytest.raises(NotATuningDB, match="left untouched"):
             TuningDB(bad)
+
+
+def test_import_replace_swaps_a_keys_rows_of_one_environment_and_keeps_a_copy(tmp_path):
+    """--replace: SOURCE's rows take the place of --db's rows of the same key and
+    environment (the dispatcher would otherwise keep serving a faster, wrongly timed
+    row); rows of other environments stay, the replaced ones go to a copy beside --db;
+    without --replace nothing is deleted."""
+    mine = tmp_path / "mine.sqlite"
+    _fill(mine, ENV_A, {(64, 64): 0.5, (128, 64): 0.7})  # the stale, too fast timings
+    _fill(mine, ENV_B, {(64, 32): 3.0})
+    new = tmp_path / "new.sqlite"
+    _fill(new, ENV_A, {(64, 64): 1.1, (64, 128): 1.0})
+    res = run("import", new, "--db", mine)
+    assert res.exit_code == 0 and "2 rows added" in res.output and "replaced" not in res.output
+    with TuningDB(mine) as db:
+        assert db.best(KEY, ENV_A)["median_ms"] == 0.5  # the stale row still wins
+    res = run("import", new, "--db", mine, "--replace")
+    assert res.exit_code == 0, res.output
+    assert "0 rows added" in res.output and "2 rows of the same keys and environments replaced" in res.output
+    with TuningDB(mine) as db:
+        assert sorted((r["gpu_name"], r["median_ms"]) for r in db.rows()) == [
+            ("GPU-A", 1.0), ("GPU-A", 1.1), ("GPU-B", 3.0)]
+        assert db.best(KEY, ENV_A)["median_ms"] == 1.0
+    kept = list(tmp_path.glob("mine.sqlite.replaced-*.sqlite"))
+    assert len(kept) == 1 and str(kept[0]) in res.output
+    with TuningDB(kept[0]) as db:
+        assert sorted(r["median_ms"] for r in db.rows()) == [0.5, 0.7]
+    again = run("import", new, "--db", mine, "--replace")  # nothing left to replace: no copy
+    assert again.exit_code == 0 and "0 rows added" in again.output and "replaced" not in again.output
+    assert len(list(tmp_path.glob("mine.sqlite.replaced-*.sqlite"))) == 1
+    # a JSON export replaces the same way
+    exp = tmp_path / "b.json"
+    other = tmp_path / "other.sqlite"
+    _fill(other, ENV_B, {(128, 128): 4.0})
+    assert run("export", exp, other).exit_code == 0
+    res = run("import", exp, "--db", mine, "--replace")
+    assert res.exit_code == 0 and "1 rows added" in res.output and "1 rows of the same keys" in res.output
+    with TuningDB(mine) as db:
+        assert sorted((r["gpu_name"], r["median_ms"]) for r in db.rows()) == [
+            ("GPU-A", 1.0), ("GPU-A", 1.1), ("GPU-B", 4.0)]
