@@ -572,6 +572,11 @@ def _user_errors(db: Path | None = None):
         _console().print(Text.assemble(("error: ", "red"), str(e)), soft_wrap=True)  # one line
         raise typer.Exit(2) from None
     except sqlite3.OperationalError as e:
+        if "locked" in str(e):
+            where = f" {db}" if db is not None else ""
+            _console().print(Text.assemble(("error: ", "red"), f"the tuning database{where} is locked by another "
+                                            f"process; nothing was written (SQLite says: {e})"), soft_wrap=True)
+            raise typer.Exit(2) from None
         if not any(w in str(e) for w in ("readonly", "unable to open", "disk I/O", "read-only")):
             raise
         where = f" {db}" if db is not None else ""
@@ -588,7 +593,7 @@ def _writing(db: Path, what: str = "--db"):
     directory, a writable file), then the command; if it fails, the files it created
     beside ``db`` (-wal, -shm, -journal, .optuna.journal) and a ``db`` it created that
     holds no rows are removed.  Errors are one line, exit 2 (:func:`_user_errors`)."""
-    from .db import SIDE_FILES, check_writable, row_count
+    from .db import SIDE_FILES, check_writable, row_count, tidy_side_files
 
     with _user_errors(db):
         check_writable(db, what)
@@ -598,7 +603,9 @@ def _writing(db: Path, what: str = "--db"):
         with _user_errors(db):
             yield
     except BaseException:
-        if row_count(db) == 0:  # nothing was measured or imported: leave nothing behind
+        if db in existed:  # never removed; the -wal / -shm files a read made, tidied
+            tidy_side_files(db)
+        elif row_count(db) == 0:  # nothing was measured or imported: leave nothing behind
             for p in (db, *side):
                 if p not in existed and p.exists():
                     p.unlink()
@@ -651,18 +658,21 @@ def import_(
                                            help="An export (*.json) or a tuning DB (*.sqlite).")],
     db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
     replace: Annotated[bool, typer.Option(
-        "--replace", help="SOURCE's rows replace --db's rows of the same problem keys measured in the same "
-                          "environments (GPU, compute capability, Triton version, generated code), e.g. after "
-                          "re-tuning keys whose earlier timings are wrong; the replaced rows are first copied to "
-                          "DB.replaced-<UTC time>.sqlite beside --db.")] = False,
+        "--replace", help="SOURCE's rows replace --db's rows of each problem key and environment (GPU, compute "
+                          "capability, Triton version, generated code) in which SOURCE has an ok row, e.g. after "
+                          "re-tuning keys whose earlier timings are wrong; the replaced rows are first copied to a "
+                          "new DB.replaced-<UTC time>.db beside --db.")] = False,
 ) -> None:
     """Append to --db the rows of SOURCE it lacks; nothing is overwritten or deleted
     (with --replace, the rows replaced are kept in a copy first).  Every row of SOURCE is
     checked first (a known status, kernel and config fields, a finite positive median_ms
     for ok rows): one that is not a measurement refuses the import and nothing is
-    written.  The dispatcher takes a key's fastest ok row of an environment, so a re-tune
-    whose timings are slower than wrong earlier ones serves only with --replace."""
-    from .db import NotATuningDB, TuningDB, check_rows
+    written.  The dispatcher serves a key's fastest ok row of an environment among all the
+    databases it reads (--db and the shipped ones), so a re-tune whose timings are slower
+    than wrong earlier ones serves only once those rows are replaced where they lie."""
+    import datetime
+
+    from .db import NotATuningDB, TuningDB, check_rows, read_rows
 
     note = ""
     with _writing(db):
@@ -675,35 +685,19 @@ def import_(
                 raise NotATuningDB(f"{source} is not a flashgen export (expected {{\"flashgen_export\": 1, "
                                    "\"rows\": [...]})")
             rows = data["rows"]
-            check_rows(rows, source)  # before --db is opened: a refusal writes nothing
         else:
-            with TuningDB(source, readonly=True) as src:  # validates it before anything is written
-                rows = src.rows()
-                check_rows(rows, source)
+            rows = read_rows(source)  # validates it before anything is written
+        check_rows(rows, source)  # before --db is opened: a refusal writes nothing
         with TuningDB(db, readonly=False) as tdb:
-            gone = tdb.replaced_by(rows) if replace else []
-            if gone:
-                kept = _keep_replaced(db, gone)
-                note = f"; {len(gone)} rows of the same keys and environments replaced (kept in {kept})"
-            n = (tdb.import_rows(rows, replace=gone) if source.suffix == ".json"
-                 else tdb.merge_from(source, replace=gone))
+            if replace:
+                stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+                keep = db.with_name(f"{db.name}.replaced-{stamp}.db")  # not *.sqlite: never loaded as shipped
+                n, gone = tdb.replace_rows(rows, source, keep)
+                if gone:
+                    note = f"; {len(gone)} rows of the same keys and environments replaced (kept in {keep})"
+            else:
+                n = tdb.import_rows(rows) if source.suffix == ".json" else tdb.merge_from(source)
     typer.echo(f"{source}: {n} rows added to {db}{note}")
-
-
-def _keep_replaced(db: Path, rows: list[dict]) -> Path:
-    """Copy ``rows`` (about to be replaced in ``db``) into a new tuning DB beside it,
-    ``<db>.replaced-<UTC time>.sqlite``; never overwrites."""
-    import datetime
-
-    from .db import TuningDB
-
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    path = db.with_name(f"{db.name}.replaced-{stamp}.sqlite")
-    if path.exists():
-        raise FileExistsError(f"{path} exists; flashgen never overwrites it")
-    with TuningDB(path, readonly=False) as out:
-        out.import_rows([{k: v for k, v in r.items() if k != "id"} for r in rows])
-    return path
 
 
 @app.command()

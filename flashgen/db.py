@@ -167,6 +167,53 @@ def check_writable(path: Path, what: str = "--db") -> None:
                          + ("" if export else " (SQLite creates the database's -wal/-shm/-journal files beside it)"))
 
 
+def read_rows(path: str | Path) -> list[dict]:
+    """Every row of the tuning DB at ``path``, oldest first, read-only: an empty file
+    has none, and a WAL-mode file's -wal and -shm files that the read created are
+    removed (:meth:`TuningDB.close`)."""
+    with TuningDB(path, readonly=True) as src:
+        return src.rows()
+
+
+def write_copy(path: Path, rows: list[dict]) -> None:
+    """A new tuning DB at ``path`` holding ``rows`` as they are (every column but ``id``;
+    no checks: a copy of rows being replaced).  Never overwrites."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists; flashgen never overwrites it")
+    cols = [c for c in COLUMNS if c != "id"]
+    with TuningDB(path, readonly=False) as out:
+        out._add_missing_columns()
+        with out._conn:
+            out._conn.executemany(
+                f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
+                f"VALUES ({', '.join('?' * len(cols))})", [tuple(r.get(c) for c in cols) for r in rows])
+
+
+def remove_db_files(path: Path) -> None:
+    """Remove the database file ``path`` and its side files (:data:`SIDE_FILES`)."""
+    for p in (Path(path), *(Path(f"{path}{sfx}") for sfx in SIDE_FILES)):
+        if p.exists():
+            p.unlink()
+
+
+def tidy_side_files(path: Path) -> None:
+    """Where a WAL-mode database's -wal and -shm files lie beside ``path`` and the file
+    and directory are writable: open and close it once, so SQLite checkpoints the WAL and
+    removes both (nothing committed is lost); else leave them."""
+    path = Path(path)
+    if not (_wal_files(path) and path.is_file() and _may_write(path) and os.access(path.parent, os.W_OK)):
+        return
+    try:
+        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S)
+        try:
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        pass  # the files stay, as SQLite left them
+
+
 def row_count(path: Path) -> int:
     """Rows of the measurements table at ``path``: 0 for a missing or empty file or one
     without the table, -1 when it cannot be read.  Reads only."""
@@ -380,19 +427,9 @@ class TuningDB:
         connection to close checkpoints an empty WAL (no change to the file) and removes
         both, and leaves them while another process has the file open."""
         self._conn.close()
-        if not self._tidy or not _wal_files(self.path):
-            return
-        self._tidy = False
-        if not (self.path.is_file() and _may_write(self.path) and os.access(self.path.parent, os.W_OK)):
-            return
-        try:
-            conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
-            try:
-                conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-            finally:
-                conn.close()
-        except sqlite3.Error:
-            pass  # the files stay, as SQLite left them
+        if self._tidy:
+            self._tidy = False
+            tidy_side_files(self.path)
 
     def _add_missing_columns(self) -> None:
         """Before the first write: a file written before a column existed gets it (NULL
@@ -527,34 +564,45 @@ class TuningDB:
         self._conn.commit()
         return out
 
-    def merge_from(self, other_path: str | Path, replace: list[dict] | None = None) -> int:
+    def merge_from(self, other_path: str | Path) -> int:
         """Append the rows of another tuning DB that this one lacks (identity:
         :data:`IDENTITY`); returns how many were added.  ``other_path`` is opened
-        read-only and left unchanged.  ``tflops`` is derived again (:func:`derived_tflops`):
-        an older flashgen counted a varlen row's FLOPs as batch x longest sequence,
-        a window row's as unmasked.  ``replace``: rows of this DB (:meth:`replaced_by`)
-        deleted in the same transaction."""
+        read-only and left unchanged (:func:`read_rows`).  ``tflops`` is derived again
+        (:func:`derived_tflops`): an older flashgen counted a varlen row's FLOPs as batch
+        x longest sequence, a window row's as unmasked."""
+        rows = read_rows(other_path)
+        return self._insert_new(rows, other_path)
+
+    def import_rows(self, rows: list[dict]) -> int:
+        """Append exported rows (:meth:`export_best`) that this DB lacks (identity:
+        :data:`IDENTITY`); returns how many were added.  Nothing is overwritten; rows that
+        are not measurements (:func:`check_rows`) refuse the whole import.  ``tflops`` is
+        derived again, as :meth:`merge_from` does."""
+        check_rows(rows, "rows to import")
+        return self._insert_new(rows, "rows to import")
+
+    def _insert_new(self, rows: list[dict], source, drop: list[dict] = ()) -> int:
+        """Insert the rows this DB lacks (identity: :data:`IDENTITY`, among the rows that
+        stay: ``drop`` is deleted in the same transaction), ``tflops`` derived again."""
         cols = [c for c in COLUMNS if c != "id"]
-        have = {tuple(r) for r in self._conn.execute(
-            f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
-        src = _connect_readonly(Path(other_path))
-        src.row_factory = sqlite3.Row
-        try:
-            new = []
-            for r in src.execute(f"SELECT * FROM {TABLE} ORDER BY id"):
-                r = dict(r)
-                ident = tuple(r.get(c) for c in IDENTITY)
-                if ident not in have:
-                    have.add(ident)
-                    new.append({c: r.get(c) for c in cols})
-        finally:
-            src.close()
-        check_rows(new, other_path)
+        dropped = {r["id"] for r in drop}
+        have = {tuple(r[1:]) for r in self._conn.execute(
+            f"SELECT id, {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}") if r[0] not in dropped}
+        new = []
+        for r in rows:
+            ident = tuple(r.get(c) for c in IDENTITY)
+            if ident not in have:
+                have.add(ident)
+                new.append({c: r.get(c) for c in cols})
+        check_rows(new, source)
         for r in new:  # derived: counted as this version counts it
             r["tflops"] = derived_tflops(r)
         self._add_missing_columns()
         with self._conn:
-            self._delete_ids([r["id"] for r in replace or ()])
+            ids = sorted(dropped)
+            for i in range(0, len(ids), 500):
+                part = ids[i:i + 500]
+                self._conn.execute(f"DELETE FROM {TABLE} WHERE id IN ({', '.join('?' * len(part))})", part)
             self._conn.executemany(
                 f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
                 f"VALUES ({', '.join('?' * len(cols))})",
@@ -562,46 +610,38 @@ class TuningDB:
         return len(new)
 
     def replaced_by(self, rows: list[dict]) -> list[dict]:
-        """This DB's rows that ``rows`` would replace (:meth:`merge_from` and
-        :meth:`import_rows` with ``replace``): those of a problem key and environment
-        (:data:`_ENV_GROUP`: GPU, compute capability, Triton version, generated code) that
-        ``rows`` hold, whatever their status; ``rows`` themselves excluded (identity:
-        :data:`IDENTITY`)."""
-        groups = {tuple(r.get(c) for c in ("key", *_ENV_GROUP)) for r in rows}
-        idents = {tuple(r.get(c) for c in IDENTITY) for r in rows}
-        return [r for r in self.rows() if tuple(r.get(c) for c in ("key", *_ENV_GROUP)) in groups
-                and tuple(r.get(c) for c in IDENTITY) not in idents]
+        """This DB's rows that ``rows`` replace (:meth:`replace_rows`): those of each
+        problem key and environment (:data:`_ENV_GROUP`: GPU, compute capability, Triton
+        version, generated code) in which ``rows`` hold an ok row, whatever their status,
+        except a row equal to one of ``rows`` in every column but ``id`` and ``tflops``
+        (which stays as it is)."""
+        def group(r):
+            return tuple(r.get(c) for c in ("key", *_ENV_GROUP))
 
-    def _delete_ids(self, ids: list[int]) -> None:
-        # inside the caller's transaction
-        for i in range(0, len(ids), 500):
-            part = ids[i:i + 500]
-            self._conn.execute(f"DELETE FROM {TABLE} WHERE id IN ({', '.join('?' * len(part))})", part)
+        def content(r):
+            return tuple(r.get(c) for c in COLUMNS if c not in ("id", "tflops"))
 
-    def import_rows(self, rows: list[dict], replace: list[dict] | None = None) -> int:
-        """Append exported rows (:meth:`export_best`) that this DB lacks (identity:
-        :data:`IDENTITY`); returns how many were added.  Nothing is overwritten; rows that
-        are not measurements (:func:`check_rows`) refuse the whole import.  ``tflops`` is
-        derived again, as :meth:`merge_from` does.  ``replace``: rows of this DB
-        (:meth:`replaced_by`) deleted in the same transaction."""
-        cols = [c for c in COLUMNS if c != "id"]
-        check_rows(rows, "rows to import")
-        self._add_missing_columns()
-        have = {tuple(r) for r in self._conn.execute(
-            f"SELECT {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")}
-        new = []
-        for r in rows:
-            ident = tuple(r.get(c) for c in IDENTITY)
-            if ident not in have:
-                have.add(ident)
-                r = {**r, "tflops": derived_tflops(r)}  # derived: counted as this version counts it
-                new.append(tuple(r.get(c) for c in cols))
-        with self._conn:
-            self._delete_ids([r["id"] for r in replace or ()])
-            self._conn.executemany(
-                f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
-                f"VALUES ({', '.join('?' * len(cols))})", new)
-        return len(new)
+        groups = {group(r) for r in rows if r.get("status") == "ok"}
+        same = {content(r) for r in rows}
+        return [r for r in self.rows() if group(r) in groups and content(r) not in same]
+
+    def replace_rows(self, rows: list[dict], source, keep: Path) -> tuple[int, list[dict]]:
+        """Import ``rows`` (checked first, :func:`check_rows`) in place of this DB's rows
+        of the same keys and environments (:meth:`replaced_by`): those are first copied to
+        the new tuning DB ``keep`` (:func:`write_copy`; none is written when nothing is
+        replaced), then deleted and ``rows`` inserted in one transaction; on any failure
+        this DB is unchanged and ``keep`` is removed.  Returns (rows added, rows
+        replaced)."""
+        check_rows(rows, source)
+        gone = self.replaced_by(rows)
+        if gone:
+            write_copy(keep, gone)
+        try:
+            return self._insert_new(rows, source, drop=gone), gone
+        except BaseException:
+            if gone:
+                remove_db_files(keep)
+            raise
 
     def export_best(self, gpu_names: list[str] | None = None) -> list[dict]:
         """The best ok row per (key, environment) -- what a dispatcher can use --

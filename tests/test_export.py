@@ -159,13 +159,13 @@ def test_import_replace_swaps_a_keys_rows_of_one_environment_and_keeps_a_copy(tm
         assert sorted((r["gpu_name"], r["median_ms"]) for r in db.rows()) == [
             ("GPU-A", 1.0), ("GPU-A", 1.1), ("GPU-B", 3.0)]
         assert db.best(KEY, ENV_A)["median_ms"] == 1.0
-    kept = list(tmp_path.glob("mine.sqlite.replaced-*.sqlite"))
+    kept = list(tmp_path.glob("mine.sqlite.replaced-*.db"))
     assert len(kept) == 1 and str(kept[0]) in res.output
     with TuningDB(kept[0]) as db:
         assert sorted(r["median_ms"] for r in db.rows()) == [0.5, 0.7]
     again = run("import", new, "--db", mine, "--replace")  # nothing left to replace: no copy
     assert again.exit_code == 0 and "0 rows added" in again.output and "replaced" not in again.output
-    assert len(list(tmp_path.glob("mine.sqlite.replaced-*.sqlite"))) == 1
+    assert len(list(tmp_path.glob("mine.sqlite.replaced-*.db"))) == 1
     # a JSON export replaces the same way
     exp = tmp_path / "b.json"
     other = tmp_path / "other.sqlite"
@@ -176,3 +176,93 @@ def test_import_replace_swaps_a_keys_rows_of_one_environment_and_keeps_a_copy(tm
     with TuningDB(mine) as db:
         assert sorted((r["gpu_name"], r["median_ms"]) for r in db.rows()) == [
             ("GPU-A", 1.0), ("GPU-A", 1.1), ("GPU-B", 4.0)]
+
+
+def test_import_replace_lands_corrected_rows_keeps_keys_without_an_ok_row_and_undoes_a_failure(tmp_path, monkeypatch):
+    """--replace: a SOURCE row equal to a DB row in identity but not in content (an export
+    whose timings were corrected) lands; a key whose SOURCE rows all failed keeps the
+    DB's rows; when the transaction fails the DB is unchanged and no copy is left; the
+    copy is not named *.sqlite (a copy beside a shipped DB is never loaded as one)."""
+    from flashgen import db as dbmod
+
+    mine = tmp_path / "mine.sqlite"
+    _fill(mine, ENV_A, {(64, 64): 0.5, (128, 64): 0.7})
+    exp = tmp_path / "mine.json"
+    assert run("export", exp, mine).exit_code == 0
+    data = json.loads(exp.read_text())
+    data["rows"][0]["median_ms"] = 2.5  # the same row (identity), re-timed
+    exp.write_text(json.dumps(data))
+    res = run("import", exp, "--db", mine, "--replace")
+    assert res.exit_code == 0 and "1 rows added" in res.output and "2 rows of the same keys" in res.output, \
+        res.output
+    with TuningDB(mine) as db:
+        assert [r["median_ms"] for r in db.rows()] == [2.5]
+    # a SOURCE with only failed rows for the key: nothing replaced, the failure appended
+    failed = tmp_path / "failed.sqlite"
+    with TuningDB(failed) as db:
+        db.record(KEY, SHAPE, Variant(SPEC, TileConfig(64, 128, 4, 2)), Measurement("compile_failed"), ENV_A, 0)
+    res = run("import", failed, "--db", mine, "--replace")
+    assert res.exit_code == 0 and "1 rows added" in res.output and "replaced" not in res.output
+    with TuningDB(mine) as db:
+        assert db.best(KEY, ENV_A)["median_ms"] == 2.5
+    # a failure inside the transaction: DB unchanged, the copy removed
+    new = tmp_path / "new.sqlite"
+    _fill(new, ENV_A, {(128, 128): 9.0})
+    before = _digest(mine)
+
+    def boom(self, *a, **kw):
+        raise RuntimeError("disk gone")
+
+    monkeypatch.setattr(dbmod.TuningDB, "_insert_new", boom)
+    res = run("import", new, "--db", mine, "--replace")
+    assert res.exit_code != 0 and _digest(mine) == before
+    assert not list(tmp_path.glob("mine.sqlite.replaced-*.db-*"))
+    kept = sorted(p.name for p in tmp_path.glob("mine.sqlite.replaced-*"))
+    assert len(kept) == 1 and kept[0].endswith(".db")  # only the first, successful replace's copy
+
+
+def _side(path):
+    return sorted(p.name for p in path.parent.glob(path.name + "-*"))
+
+
+def test_import_and_merge_leave_no_side_files_and_take_an_empty_source(tmp_path):
+    """Reading SOURCE leaves no -wal / -shm beside it; a refused import leaves none beside
+    an existing DB; an empty SOURCE file holds no rows (nothing added, no traceback)."""
+    mine, theirs = tmp_path / "mine.sqlite", tmp_path / "theirs.sqlite"
+    _fill(mine, ENV_A, {(64, 64): 2.0})
+    _fill(theirs, ENV_B, {(64, 32): 3.0})
+    for args in (("import", theirs, "--db", mine), ("import", theirs, "--db", mine, "--replace"),
+                 ("merge", tmp_path / "out.sqlite", theirs, mine)):
+        res = run(*args)
+        assert res.exit_code == 0, res.output
+        assert _side(theirs) == [] and _side(mine) == [], args
+    bad = tmp_path / "bad.sqlite"
+    _fill(bad, ENV_B, {(128, 32): 1.0})
+    sqlite3.connect(bad).execute("UPDATE measurements SET median_ms = -1").connection.commit()
+    res = run("import", bad, "--db", mine)
+    assert res.exit_code == 2 and _side(mine) == [] and _side(bad) == []
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    res = run("import", empty, "--db", mine)
+    assert res.exit_code == 0 and "0 rows added" in res.output, res.output
+
+
+def test_import_into_a_locked_db_is_one_line_and_leaves_no_copy(tmp_path, monkeypatch):
+    from flashgen import db as dbmod
+
+    mine, new = tmp_path / "mine.sqlite", tmp_path / "new.sqlite"
+    _fill(mine, ENV_A, {(64, 64): 0.5})
+    _fill(new, ENV_A, {(128, 64): 1.0})
+    monkeypatch.setattr(dbmod, "BUSY_TIMEOUT_S", 0.1)
+    holder = sqlite3.connect(mine)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        res = run("import", new, "--db", mine, "--replace")
+    finally:
+        holder.rollback()
+        holder.close()
+    assert res.exit_code == 2 and "is locked by another process" in res.output, res.output
+    assert "Traceback" not in res.output
+    assert not list(tmp_path.glob("mine.sqlite.replaced-*"))
+    with TuningDB(mine) as db:
+        assert [r["median_ms"] for r in db.rows()] == [0.5]
