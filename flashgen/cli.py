@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -630,6 +631,8 @@ def export(
     if out.exists():
         raise typer.BadParameter(f"{out} exists; export never overwrites a file", param_hint="'OUT'")
     with _writing(out, "OUT"):
+        if gpu:
+            _check_export_gpus(dbs, gpu)
         best: dict[tuple, dict] = {}
         for p in dbs:
             with TuningDB(p, readonly=True) as tdb:
@@ -647,9 +650,24 @@ def export(
                 tdb.import_rows(rows)
                 tdb.use_rollback_journal()  # a file to ship: its readers write nothing beside it
     typer.echo(f"{len(rows)} best configs from {len(dbs)} database(s) -> {out}")
-    if not rows and gpu:
-        typer.echo(f"warning: no ok row measured on {', '.join(map(repr, gpu))} in these databases "
-                   "(--gpu takes the GPU name as `flashgen show` lists it)", err=True)
+
+
+def _check_export_gpus(dbs: list[Path], gpu: list[str]) -> None:
+    """InputError (before OUT is written) naming each ``--gpu`` name that no ok row of
+    ``dbs`` was measured on, and the names they hold."""
+    from .db import TuningDB
+    from .errors import InputError
+
+    held: set[str] = set()
+    for p in dbs:
+        with TuningDB(p, readonly=True) as tdb:
+            held |= {r["gpu_name"] for r in tdb.db.query(
+                "SELECT DISTINCT gpu_name FROM measurements WHERE status = 'ok'")}
+    missing = [g for g in gpu if g not in held]
+    if missing:
+        raise InputError(f"--gpu {', '.join(map(repr, missing))}: no ok row measured on it in these databases "
+                         f"(they hold {', '.join(map(repr, sorted(held))) or 'none'}; --gpu takes the GPU name as "
+                         "`flashgen show` lists it); nothing was written")
 
 
 @app.command(name="import")
@@ -1043,10 +1061,15 @@ def explain(
             raise typer.BadParameter(f"{db} does not exist", param_hint="'--db'")
         disp.add_database(db)
     try:
-        report = explain_sizes(batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                               head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
-                               window=(left, right), dispatcher=disp, deterministic=deterministic or None,
-                               softcap=softcap, alibi=alibi, bias=bias, dropout_p=dropout_p)
+        with warnings.catch_warnings():
+            # the dispatcher's once-per-process note that a key runs its default: the
+            # report says so for each kernel ("default; no tuned row")
+            warnings.filterwarnings("ignore", message="flashgen: .* runs the heuristic default config")
+            report = explain_sizes(batch=batch, heads=heads, kv_heads=kv_heads, seqlen_q=seqlen_q,
+                                   seqlen_k=seqlen_k, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype,
+                                   causal=causal, window=(left, right), dispatcher=disp,
+                                   deterministic=deterministic or None, softcap=softcap, alibi=alibi, bias=bias,
+                                   dropout_p=dropout_p)
     except (InputError, UnsupportedError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

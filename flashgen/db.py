@@ -85,10 +85,16 @@ def _connect_readonly(path: Path, immutable: bool = False) -> sqlite3.Connection
     """A read-only connection; ``immutable`` (a file nothing writes while it is read,
     e.g. one shipped inside the package) takes no locks and creates no file beside it.
     Falls back to ``immutable=1`` for a WAL-mode file in a directory where SQLite cannot
-    create the -shm file."""
+    create the -shm file, and takes it for a file this process may not write
+    (:func:`_may_write`) that has no -wal, -shm or -journal file beside it: every
+    committed row is then in the file, and a WAL-mode read would leave its -wal and -shm
+    files, which only a writer can remove, beside a file the user made read-only."""
     if not path.is_file():
         raise FileNotFoundError(f"no tuning database at {path}")
     uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+    if not immutable and not _may_write(path) and not any(
+            Path(f"{path}{sfx}").exists() for sfx in ("-wal", "-shm", "-journal")):
+        immutable = True
     if immutable:
         return sqlite3.connect(uri + "&immutable=1", uri=True)
     conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
@@ -111,6 +117,8 @@ def validate(path: Path) -> None:
     Reads only."""
     if not path.exists() or path.stat().st_size == 0:
         return
+    side = [Path(f"{path}{sfx}") for sfx in ("-wal", "-shm")]
+    before = {p for p in side if p.exists()}
     try:
         conn = _connect_readonly(path)
         try:
@@ -119,6 +127,12 @@ def validate(path: Path) -> None:
         finally:
             conn.close()
     except sqlite3.DatabaseError as e:
+        # a read of a corrupt WAL-mode file made an empty -wal and its -shm: removed, so
+        # the file's directory is as it was ("left untouched")
+        made = [p for p in side if p not in before and p.exists()]
+        if made and all(p.stat().st_size == 0 for p in made if p.name.endswith("-wal")):
+            for p in made:
+                p.unlink()
         raise NotATuningDB(f"{path} is not a flashgen tuning database (SQLite says: {e}); "
                            "it was left untouched") from None
     if not tables:
@@ -162,7 +176,7 @@ def check_writable(path: Path, what: str = "--db") -> None:
     if path.exists() and not _may_write(path):
         raise InputError(f"{what} {path} is not writable: rows are appended to it (make it writable, "
                          "or name another file)")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not (os.access(parent, os.X_OK) and _may_write(parent)):
         raise InputError(f"{what} {path}: directory {parent} is not writable"
                          + ("" if export else " (SQLite creates the database's -wal/-shm/-journal files beside it)"))
 

@@ -57,7 +57,7 @@ def test_export_json_keeps_the_best_per_key_and_gpu_with_provenance(tmp_path):
 
 def test_export_keeps_the_best_bitwise_repeatable_row_beside_the_best(tmp_path):
     """A key's ordered-dQ Gluon backward row (dq_ordered, what the deterministic backward
-    takes) ships beside the key's faster row; a --gpu filter that matches nothing warns."""
+    takes) ships beside the key's faster row; a --gpu name that matches nothing is refused."""
     from flashgen.spec import WHOLE_BWD
 
     spec = KernelSpec(WHOLE_BWD, "bfloat16", 128, 128, "causal")
@@ -71,8 +71,9 @@ def test_export_keeps_the_best_bitwise_repeatable_row_beside_the_best(tmp_path):
     assert run("export", out, a).exit_code == 0
     rows = json.loads(out.read_text())["rows"]
     assert sorted((TileConfig.from_dict(r).id, r["median_ms"]) for r in rows) == [(fast.id, 1.0), (ordered.id, 1.1)]
-    res = run("export", tmp_path / "none.json", a, "--gpu", "GPU-Z")
-    assert res.exit_code == 0 and "0 best configs" in res.output and "no ok row measured on 'GPU-Z'" in res.output
+    res = run("export", tmp_path / "none.json", a, "--gpu", "GPU-Z")  # a typo writes no empty export
+    assert res.exit_code == 2 and "--gpu 'GPU-Z': no ok row measured on it" in res.output
+    assert "'GPU-A'" in res.output and not (tmp_path / "none.json").exists()
 
 
 def test_export_sqlite_is_a_db_the_dispatcher_reads(tmp_path):
@@ -266,3 +267,39 @@ def test_import_into_a_locked_db_is_one_line_and_leaves_no_copy(tmp_path, monkey
     assert not list(tmp_path.glob("mine.sqlite.replaced-*"))
     with TuningDB(mine) as db:
         assert [r["median_ms"] for r in db.rows()] == [0.5]
+
+
+def test_reading_a_read_only_or_corrupt_wal_db_leaves_nothing_beside_it(tmp_path):
+    """show / export read a WAL-mode file the user made read-only without leaving -wal /
+    -shm beside it; a corrupt WAL-mode file is refused with its directory as it was; a
+    directory without write permission is refused as OUT (root included)."""
+    import os
+    import stat
+
+    src = tmp_path / "x.sqlite"
+    _fill(src, ENV_A, {(64, 64): 2.0})
+    assert sqlite3.connect(src).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    ro = tmp_path / "ro.sqlite"
+    ro.write_bytes(src.read_bytes())
+    ro.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    assert run("show", "--db", ro).exit_code == 0
+    assert run("export", tmp_path / "e.json", ro).exit_code == 0
+    assert _side(ro) == []
+    trunc = tmp_path / "trunc.sqlite"
+    trunc.write_bytes(src.read_bytes()[:3000])
+    res = run("show", "--db", trunc)
+    assert res.exit_code == 2 and "left untouched" in res.output and _side(trunc) == []
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        res = run("merge", locked / "new.sqlite", src)
+        assert res.exit_code == 2 and "is not writable" in res.output and not os.listdir(locked)
+    finally:
+        locked.chmod(0o755)
+
+
+def test_explain_prints_no_python_warning_for_a_default(tmp_path):
+    res = run("explain", "--batch", 1, "--heads", 4, "--kv-heads", 2, "--seqlen-q", 128, "--seqlen-k", 128,
+              "--head-dim", 64, "--gpu", "NVIDIA H200")
+    assert res.exit_code == 0 and "UserWarning" not in res.output and "default" in res.output, res.output
