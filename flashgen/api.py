@@ -1253,12 +1253,15 @@ def explain_sizes(*, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqle
             raise InputError(f"{name} must be >= 0, got {n}")
     _check_head_dims((("head_dim", head_dim), ("head_dim_v", head_dim if head_dim_v is None else head_dim_v)))
     # the meta tensors' sizes in elements must fit int64, as a real tensor's must
-    largest = max(batch * heads * seqlen_q, batch * kv_heads * seqlen_k) * 256
+    dv = head_dim if head_dim_v is None else head_dim_v
+    largest = max(batch * heads * seqlen_q * max(head_dim, dv), batch * kv_heads * seqlen_k * max(head_dim, dv))
     if bias:
         largest = max(largest, batch * heads * seqlen_q * seqlen_k)
     if largest >= 2 ** 63:
-        raise InputError(f"sizes too large for a tensor: batch {batch} x heads {max(heads, kv_heads)} x seqlen "
-                         f"{max(seqlen_q, seqlen_k)} x head_dim elements exceed int64")
+        raise InputError(f"sizes too large for a tensor: {largest} elements (batch {batch} x heads "
+                         f"{max(heads, kv_heads)} x seqlen {max(seqlen_q, seqlen_k)} x head_dim {max(head_dim, dv)}"
+                         + (", or the bias's batch x heads x seqlen_q x seqlen_k" if bias else "")
+                         + ") exceed int64")
     meta = dict(device="meta", dtype=tdtype)
     q = torch.empty(batch, heads, seqlen_q, head_dim, **meta)
     k = torch.empty(batch, kv_heads, seqlen_k, head_dim, **meta)
