@@ -273,6 +273,7 @@ def test_the_interpreter_and_fake_runs_have_no_siblings():
     (dict(head_dim_v=12), "head_dim_v must be a multiple of 8"),
     (dict(batch=99999999999, heads=99999, seqlen_q=99999999), "too large for a tensor"),
     (dict(seqlen_q=2 ** 20, seqlen_k=2 ** 40, bias=True), "too large for a tensor"),
+    (dict(seqlen_k=2 ** 60, head_dim=128), r"seqlen 1152921504606846976 x head_dim 128\) exceed int64"),
 ])
 def test_explain_sizes_names_bad_sizes(kw, message):
     """explain_sizes refuses what no tensor can hold with an InputError naming it, as the
