@@ -728,6 +728,10 @@ def merge(
     """Append to OUT the rows of each IN that OUT lacks."""
     from .db import TuningDB
 
+    for p in inputs:
+        if p.suffix == ".json":
+            raise typer.BadParameter(f"{p} is an export (JSON); merge reads tuning databases: use `flashgen "
+                                     f"import {p} --db {out}`", param_hint="'IN'")
     with _writing(out, "OUT"):
         for p in inputs:  # check every input before writing anything
             TuningDB(p, readonly=True).close()
@@ -989,8 +993,8 @@ def explain(
     kv_heads: Annotated[int, typer.Option(min=1, help="Key/value heads (GQA when fewer than --heads).")],
     seqlen_q: Annotated[int, typer.Option(min=0)],
     seqlen_k: Annotated[int, typer.Option(min=0)],
-    head_dim: Annotated[int, typer.Option(min=1)],
-    head_dim_v: Annotated[int | None, typer.Option(min=1, help="Value head dim (default: --head-dim).")] = None,
+    head_dim: Annotated[int, typer.Option(help="A multiple of 8 in [8, 256].")],
+    head_dim_v: Annotated[int | None, typer.Option(help="Value head dim (default: --head-dim).")] = None,
     causal: Annotated[bool, typer.Option("--causal", help="Bottom-right causal mask.")] = False,
     window: Annotated[str, typer.Option(help="Sliding window LEFT,RIGHT (-1 = unbounded).")] = "-1,-1",
     dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
@@ -1043,6 +1047,9 @@ def explain(
             raise typer.BadParameter(str(e.args[0]), param_hint="'--arch'") from None
         env = dataclasses.replace(env, gpu_name=a.name, compute_capability="%d.%d" % a.compute_capability,
                                   sm_count=a.sm_count)
+    if gpu is not None and not gpu.strip():
+        raise typer.BadParameter("the GPU name is empty (give it as `flashgen show` lists it, e.g. 'NVIDIA H200')",
+                                 param_hint="'--gpu'")
     if gpu is not None:
         env = dataclasses.replace(env, gpu_name=gpu)
         named = arch_mod.by_gpu_name(gpu) if arch is None and a.name == arch_mod.INTERPRETER.name else None

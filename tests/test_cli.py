@@ -269,3 +269,22 @@ def test_the_explain_hint_shows_what_the_run_tuned(tmp_path, preset, words):
         assert r.output.count("(tuned; row attn_") == 3, r.output
     else:
         assert "attn_decode" in r.output, r.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--head-dim", "0"], ["'--head-dim'", "multiple of 8 in [8, 256]"]),
+    (["--head-dim", "64", "--head-dim-v", "-8"], ["'--head-dim-v'", "multiple of 8 in [8, 256]"]),
+    (["--head-dim", "64", "--gpu", " "], ["'--gpu'", "the GPU name is empty"]),
+])
+def test_explain_names_the_rule_of_a_bad_option(args, words):
+    res = runner.invoke(app, ["explain", "--batch", "1", "--heads", "4", "--kv-heads", "2", "--seqlen-q", "16",
+                              "--seqlen-k", "16", *args])
+    assert res.exit_code == 2 and all(w in res.output for w in words), res.output
+
+
+def test_merge_points_an_export_to_import(tmp_path):
+    exp = tmp_path / "x.json"
+    exp.write_text('{"flashgen_export": 1, "rows": []}')
+    out = tmp_path / "m.sqlite"
+    res = runner.invoke(app, ["merge", str(out), str(exp)])
+    assert res.exit_code == 2 and "flashgen import" in res.output and not out.exists(), res.output
