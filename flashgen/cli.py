@@ -138,7 +138,9 @@ def tune(
                                              "architecture's rules and families (e.g. sm_90) instead of the "
                                              "current device's.")] = None,
     trials: Annotated[int, typer.Option(min=1, help="Measured trials per key (earlier runs count; configs the rules reject before compiling do not).")] = 40,
-    timeout_per_key: Annotated[float | None, typer.Option(min=0, help="Seconds per key.")] = None,
+    timeout_per_key: Annotated[float | None, typer.Option(
+        min=0, help="Seconds per key: no trial starts after them (the one under way finishes); 0 measures the "
+                    "first trial only (the heuristic default).")] = None,
     fake: Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
                                              help="Replay timings from JSON {variant_id: ms}, variant ids like "
                                              "attn_fwd_d64_bf16_none_m128_n64_w4_s3; every variant the run "
