@@ -13,7 +13,7 @@ def pytest_addoption(parser):
     parser.addoption("--sm90-cases", choices=("all", "cover"), default="all",
                      help="the Gluon sm_90 compile tests' cases: all of them, or a subset that covers every "
                           "knob value, head dim, mask and dtype of the whole list (tests/sm90.py: covering), "
-                          "for a Triton other than the GPU machine's (.ci/newest-triton)")
+                          "for a Triton other than the one the GPU numbers were measured under (.ci/newest-triton)")
 
 
 @pytest.fixture

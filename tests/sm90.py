@@ -66,7 +66,7 @@ def json_rows(script: str, cases, timeout=600) -> list[dict]:
 
 def covering(cases, features):
     """The cases of ``cases`` that cover every (knob, value) pair the whole list covers,
-    for the compile tests under a Triton other than the GPU machine's (``--sm90-cases
+    for the compile tests under a Triton other than 3.6.0 (``--sm90-cases
     cover``): ``features(case)`` is the case's set of (knob, value) pairs (every field
     of its spec and config, defaults included).  Picked greedily, each time the case
     that adds the most pairs not yet covered (the first such in list order); then with

@@ -1,6 +1,6 @@
 """benchmarks/mods_bench.py (flashgen's score mods against FlexAttention and SDPA):
 ``--smoke`` runs the GPU run's code paths on the CPU in Triton's interpreter, in a
-subprocess as on the GPU machine, and its JSON says what ran, what was checked against
+subprocess as on a GPU, and its JSON says what ran, what was checked against
 float64, and what was skipped and why."""
 
 import json
