@@ -195,13 +195,10 @@ def write_copy(path: Path, rows: list[dict]) -> None:
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists; flashgen never overwrites it")
-    cols = [c for c in COLUMNS if c != "id"]
     with TuningDB(path, readonly=False) as out:
         out._add_missing_columns()
         with out._conn:
-            out._conn.executemany(
-                f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
-                f"VALUES ({', '.join('?' * len(cols))})", [tuple(r.get(c) for c in cols) for r in rows])
+            out._insert(rows)
 
 
 def remove_db_files(path: Path) -> None:
@@ -617,11 +614,15 @@ class TuningDB:
             for i in range(0, len(ids), 500):
                 part = ids[i:i + 500]
                 self._conn.execute(f"DELETE FROM {TABLE} WHERE id IN ({', '.join('?' * len(part))})", part)
-            self._conn.executemany(
-                f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
-                f"VALUES ({', '.join('?' * len(cols))})",
-                [tuple(r[c] for c in cols) for r in new])
+            self._insert(new)
         return len(new)
+
+    def _insert(self, rows: list[dict]) -> None:
+        """INSERT ``rows`` (every column but ``id``; a missing one is NULL) inside the
+        caller's transaction, unchecked."""
+        cols = [c for c in COLUMNS if c != "id"]
+        self._conn.executemany(f"INSERT INTO {TABLE} ({', '.join(f'[{c}]' for c in cols)}) "
+                               f"VALUES ({', '.join('?' * len(cols))})", [tuple(r.get(c) for c in cols) for r in rows])
 
     def replaced_by(self, rows: list[dict]) -> list[dict]:
         """This DB's rows that ``rows`` replace (:meth:`replace_rows`): those of each

@@ -319,10 +319,9 @@ class Dispatcher:
             best = self._exact(key.id, loaded, serve, where, tiers=group)
             if best is not None:
                 return best
-            for i in group:
-                near = self._nearest(key, [(p, t[i]) for p, t in loaded], serve, where)
-                if near is not None:
-                    break
+            near = next((c for i in group
+                         if (c := self._nearest(key, [(p, t[i]) for p, t in loaded], serve, where)) is not None),
+                        None)
             if near is not None:
                 break
         if near is None and key.spec.mods:
