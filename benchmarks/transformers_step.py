@@ -51,6 +51,7 @@ when the dispatcher opens the shipped tuning database).
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --configs gptoss --out gptoss_step.json
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --configs gptoss --padding 256 --out gptoss_pad.json
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --packed 8 --out packed_step.json   # padding-free
+    PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --gaps --steps 3 --out gaps.json   # idle GPU time
     PYTHONPATH=$PWD python3 benchmarks/transformers_step.py --smoke --out /tmp/t.json   # CPU, interpreter
 """
 
@@ -94,6 +95,11 @@ def _parse(argv):
                    help="also profile one train step and one prefill per implementation: GPU time per kernel "
                         "name (JSON step_kernels, prefill_kernels) and a table of the kernels whose time differs "
                         "most")
+    p.add_argument("--gaps", action="store_true",
+                   help="also trace one prefill per implementation on the host and the GPU (torch.profiler with "
+                        "Python stacks): the GPU's idle time between kernels, and for each idle gap the kernel "
+                        "that ended it and the Python frame that launched it (JSON prefill_gaps; a table per "
+                        "configuration)")
     p.add_argument("--padding", type=int, default=0,
                    help="left-pad every other batch entry by this many tokens (attention_mask 0 there, "
                         "their labels -100): the models then pass a bool mask to attention")
@@ -192,6 +198,97 @@ def _step_kernels(step) -> dict:
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if t > 0:
             out[e.key[:90]] = [e.count, round(t, 1)]
+    return out
+
+
+#: Idle gaps on the GPU shorter than this (us) are not attributed (launch latency).
+GAP_US = 8.0
+#: Runtime calls that can block the host (synchronizations, copies, allocations).
+_WAITS = ("Synchronize", "cudaMemcpy", "cuMemcpy", "cudaMalloc", "cudaFree", "cuMemAlloc", "cuMemFree",
+          "cudaHostAlloc")
+
+
+def _frame(stack: list[str]) -> str:
+    """The innermost frame of ``stack`` (outermost first) in flashgen, else in
+    transformers, else "?"."""
+    for part in ("flashgen/", "transformers/"):
+        for name in reversed(stack):
+            if part in name:
+                return name[name.index(part):][:100]
+    return "?"
+
+
+def _gaps(fn) -> dict:
+    """One call of ``fn`` traced on the host and the GPU (torch.profiler, Python
+    stacks): :func:`gap_table` of its chrome trace."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        t0 = time.perf_counter()
+        fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return gap_table(events, host_ms)
+
+
+def gap_table(events: list[dict], host_ms: float) -> dict:
+    """From a chrome trace's ``traceEvents`` (torch.profiler with CPU and CUDA activity
+    and Python stacks; times in us): the GPU's busy and idle us between its first kernel's
+    start and its last kernel's end (overlapping kernels counted once), the us between
+    the first launch on the host and the first kernel's start, and the idle gaps of at
+    least GAP_US summed by the Python frame (:func:`_frame`) around the launch of the
+    kernel that ended each (name -> [gaps, us, a kernel's name]); the runtime calls that
+    can block the host (``_WAITS``), by name -> [calls, us]."""
+    xs = [e for e in events if e.get("ph") == "X"]
+    kernels = sorted((e for e in xs if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    pyf = [e for e in xs if e.get("cat") == "python_function"
+           and ("flashgen/" in e["name"] or "transformers/" in e["name"])]
+    waits: dict[str, list] = {}
+    for e in xs:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and any(w in e["name"] for w in _WAITS):
+            w = waits.setdefault(e["name"], [0, 0.0])
+            w[0] += 1
+            w[1] += e["dur"]
+    out = {"host_ms": host_ms, "kernels": len(kernels), "busy_us": 0.0, "idle_us": 0.0, "span_us": 0.0,
+           "before_first_kernel_us": 0.0, "gaps_by_frame": {}, "waits": waits}
+    if not kernels:
+        return out
+
+    def launch_of(k):
+        return launches.get(k.get("args", {}).get("correlation"))
+
+    by_frame: dict[str, list] = {}
+    end = kernels[0]["ts"]
+    for k in kernels:
+        gap = k["ts"] - end
+        if gap >= GAP_US:
+            launch = launch_of(k)
+            stack = [] if launch is None else sorted(
+                (e for e in pyf if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]), key=lambda e: e["ts"])
+            slot = by_frame.setdefault(_frame([e["name"] for e in stack]), [0, 0.0, k["name"][:60]])
+            slot[0] += 1
+            slot[1] += gap
+        if gap > 0:
+            out["idle_us"] += gap
+            out["busy_us"] += k["dur"]
+        else:  # overlaps the kernels before it
+            out["busy_us"] += max(k["ts"] + k["dur"] - end, 0.0)
+        end = max(end, k["ts"] + k["dur"])
+    out["span_us"] = end - kernels[0]["ts"]
+    first = [launch_of(k)["ts"] for k in kernels if launch_of(k) is not None]
+    out["before_first_kernel_us"] = kernels[0]["ts"] - min(first) if first else 0.0
+    out["gaps_by_frame"] = dict(sorted(by_frame.items(), key=lambda kv: -kv[1][1]))
     return out
 
 
@@ -317,6 +414,8 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
             r["prefill_host_ms"] = statistics.median(host)
         if args.profile and cuda:
             r["prefill_kernels"] = _step_kernels(prefill)
+        if args.gaps and cuda:
+            r["prefill_gaps"] = _gaps(prefill)
         if name not in GPT_OSS and not (args.padding or args.packed):
             with torch.no_grad():
                 cache = transformers.DynamicCache(config=model.config)
@@ -468,6 +567,19 @@ def main(argv=None) -> int:
             print(f"{name:12} {r['reference']:5} first {s['generate_ms_first']:.3f} / {f_['generate_ms_first']:.3f} "
                   f"({r['generate_ratio_first']:.3f}x)  last {s['generate_ms_last']:.3f} / {f_['generate_ms_last']:.3f} "
                   f"({r['generate_ratio_last']:.3f}x)")
+    for name, r in result["configs"].items():
+        gs = {i: r["impl"][i].get("prefill_gaps") for i in (r["reference"], impl_fg)}
+        if None in gs.values():
+            continue
+        print(f"\n{name}: one traced prefill (host ms to return; GPU busy / idle us between the first and last "
+              f"kernel; idle gaps of >= {GAP_US:g} us by the Python frame that launched the kernel after them)")
+        for impl, g in gs.items():
+            print(f"  {impl}: host {g['host_ms']:.2f} ms, {g['kernels']} kernels, busy {g['busy_us']:.0f} us, "
+                  f"idle {g['idle_us']:.0f} us, first kernel {g['before_first_kernel_us']:.0f} us after its "
+                  "launch; runtime calls that can block the host: "
+                  + (", ".join(f"{n} x{c} {t:.0f} us" for n, (c, t) in g["waits"].items()) or "none"))
+            for where, (count, us, kname) in list(g["gaps_by_frame"].items())[:8]:
+                print(f"    {us:9.0f} us in {count:4d} gaps  {where}  (e.g. before {kname})")
     for (name, r), (field, what) in itertools.product(result["configs"].items(), (("step_kernels", "train step"),
                                                                                  ("prefill_kernels", "prefill"))):
         ks, kf = r["impl"][r["reference"]].get(field), r["impl"][impl_fg].get(field)

@@ -155,3 +155,41 @@ def test_transformers_step_packs_documents():
         ends = torch.cat([starts[1:], torch.tensor([40])])
         assert all(torch.equal(row[a:b], torch.arange(b - a)) for a, b in zip(starts.tolist(), ends.tolist()))
     assert not torch.equal(pos[0], pos[1])
+
+
+def test_transformers_step_gap_table_finds_the_frame_that_launched_after_idle_time():
+    """--gaps: the GPU's idle time between kernels is summed by the innermost flashgen
+    (else transformers) frame around the launch of the kernel after each gap; kernels
+    that overlap are counted once as busy; blocking runtime calls are counted by name."""
+    import transformers_step as ts
+
+    def x(cat, name, t, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": t, "dur": dur, "args": args}
+
+    events = [
+        x("python_function", "/m/transformers/models/llama/modeling_llama.py(300): forward", 0, 1000),
+        x("python_function", "/r/flashgen/integrations/transformers.py(400): attention_forward", 100, 300),
+        x("python_function", "/r/flashgen/library.py(700): forward", 150, 200),
+        x("python_function", "<built-in method empty>", 160, 5),
+        x("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
+        x("cuda_runtime", "cudaStreamSynchronize", 170, 40),
+        x("cuda_runtime", "cuLaunchKernelEx", 320, 5, correlation=2),
+        x("cuda_runtime", "cudaLaunchKernel", 600, 5, correlation=3),
+        x("cuda_runtime", "cudaLaunchKernel", 610, 5, correlation=4),
+        x("kernel", "gemm", 20, 100, correlation=1),         # busy 20-120
+        x("kernel", "attn_fwd", 330, 50, correlation=2),     # idle 210 us before it
+        x("kernel", "o_proj", 620, 30, correlation=3),       # idle 240 us before it
+        x("kernel", "add", 640, 20, correlation=4),          # overlaps o_proj: 10 us more busy
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0},
+    ]
+    g = ts.gap_table(events, host_ms=1.5)
+    assert g["kernels"] == 4
+    assert g["busy_us"] == 100 + 50 + 30 + 10
+    assert g["idle_us"] == 210 + 240
+    assert g["span_us"] == 660 - 20
+    assert g["before_first_kernel_us"] == 10
+    frames = list(g["gaps_by_frame"].items())
+    assert frames[0] == ("transformers/models/llama/modeling_llama.py(300): forward", [1, 240.0, "o_proj"])
+    assert frames[1] == ("flashgen/library.py(700): forward", [1, 210.0, "attn_fwd"])
+    assert g["waits"] == {"cudaStreamSynchronize": [1, 40.0]}
+    assert ts.gap_table([], 0.1)["kernels"] == 0
