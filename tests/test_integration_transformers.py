@@ -82,6 +82,13 @@ def _step(model, ids, mask):
     return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.fixture(autouse=True)
+def fresh_window_record(monkeypatch):
+    """Every test starts with no model seen passing its sliding window (the record is
+    per config class and would otherwise depend on the tests that ran before)."""
+    monkeypatch.setattr(fg_tf, "_PASSES_WINDOW", {})
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """The keyword arguments of every flashgen.attention call the integration makes."""
@@ -112,7 +119,13 @@ def test_training_step_matches_transformers(arch, padded, calls):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="flashgen:")  # no fallback
         l_ref, loss_ref, g_ref = _step(ref, ids, mask)
+        # the first forward: a sliding-window mask is kept until the model's layers were
+        # seen passing their window (fg_tf._PASSES_WINDOW), and read exactly
+        l_first, _, _ = _step(got, ids, mask)
+        calls.clear()
         l_got, loss_got, g_got = _step(got, ids, mask)
+    valid = torch.ones(2, SEQ, dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(l_first[valid], l_ref[valid], rtol=1e-4, atol=2e-5)
     assert len(calls) == layers  # every layer's forward ran flashgen
     if not padded:
         assert all(c.get("bias") is None and c["causal"] for c in calls)
@@ -133,12 +146,50 @@ def test_training_step_matches_transformers(arch, padded, calls):
         assert all(c["sinks"] is not None for c in calls)
     else:
         assert all(c["bias"] is not None and c["bias"].dtype == torch.bool and not c["causal"] for c in calls)
-    valid = torch.ones(2, SEQ, dtype=torch.bool) if mask is None else mask.bool()
     torch.testing.assert_close(l_got[valid], l_ref[valid], rtol=1e-4, atol=2e-5)
     torch.testing.assert_close(loss_got, loss_ref, rtol=1e-5, atol=1e-6)
     assert g_got.keys() == g_ref.keys()
     for n in g_ref:
         torch.testing.assert_close(g_got[n], g_ref[n], rtol=1e-4, atol=2e-5, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("arch", ["phimoe", "qwen2_moe"])
+def test_a_model_that_never_passes_its_window_keeps_the_windows_mask(arch, calls):
+    """Phimoe (every layer slides) and Qwen2-MoE (sliding layers) build a sliding-window
+    mask but never pass ``sliding_window`` to the attention function: their mask is never
+    dropped (that would attend to every earlier key), in the first forward or later
+    ones, and the logits match sdpa's."""
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, sliding_window=6)
+    if arch == "phimoe":
+        def make():
+            return transformers.PhimoeConfig(**common, num_local_experts=2, num_experts_per_tok=1)
+    else:
+        def make():
+            return transformers.Qwen2MoeConfig(**common, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=32, use_sliding_window=True,
+                                               max_window_layers=2,
+                                               layer_types=["sliding_attention", "sliding_attention"])
+    ref, got = _pair(make, "sdpa")
+    ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ref.eval()
+    got.eval()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        cfg = make()  # the same model attending to every earlier key
+        if arch == "phimoe":
+            cfg.sliding_window = None
+        else:
+            cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+        full = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        full.load_state_dict(ref.state_dict())
+        full.eval()
+        assert (full(input_ids=ids).logits - want).abs().max() > 1e-2  # the window matters at this length
+        for _ in range(2):
+            calls.clear()
+            torch.testing.assert_close(got(input_ids=ids).logits, want, rtol=1e-4, atol=2e-5)
+            assert len(calls) == 2 and all(c["bias"] is not None and c["window"] == (-1, -1) for c in calls), calls
+    assert fg_tf._PASSES_WINDOW == {type(got.config): False}
 
 
 def test_a_decode_step_over_a_cache_runs_the_flash_decoding_form(calls, monkeypatch):
@@ -383,7 +434,13 @@ def test_mask_function():
     from transformers.masking_utils import sdpa_mask
 
     assert fg_tf.attention_mask(**_mask_kwargs()) is None  # causal, no padding: sdpa's own skip
-    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is None  # the exact band: window=(2, 0)
+    # the exact band, kept until the model's attention modules were seen passing their
+    # window to attention_forward; then dropped (window=(2, 0))
+    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is not None
+    fg_tf._PASSES_WINDOW[transformers.MistralConfig] = False
+    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is not None
+    fg_tf._PASSES_WINDOW[transformers.MistralConfig] = True
+    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is None
     # decode step against 5 cached keys with a window of 3: the band again (bottom-right)
     assert fg_tf.attention_mask(**_mask_kwargs(q_length=1, kv_length=6, q_offset=5, local_size=3)) is None
     pad = torch.ones(2, 6, dtype=torch.bool)

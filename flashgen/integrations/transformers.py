@@ -27,7 +27,8 @@ attention module hands them to ``sdpa_attention_forward``):
 
 * no mask (a causal LM without padding: :func:`attention_mask` returns None where
   transformers' ``sdpa_mask`` does, and where the mask it would build is exactly the
-  causal or causal sliding-window band): ``causal=True`` (query i sees key j iff
+  causal band, or the causal sliding-window band for a model whose attention modules
+  pass ``sliding_window``, seen from its first forward on): ``causal=True`` (query i sees key j iff
   j <= i + seqlen_k - seqlen_q; with seqlen_q = 1 every key, as sdpa's
   ``is_causal=False`` there), and for 1 < seqlen_q < seqlen_k the keys are cut to the
   first seqlen_q, as ``sdpa_attention_forward`` does (an empty static cache's prefill);
@@ -151,6 +152,14 @@ def register(name: str = DEFAULT_NAME) -> str:
 
 # -- the mask function -----------------------------------------------------------------
 
+#: The class of a model's config -> whether every call of :func:`attention_forward` from
+#: that model's attention modules (``module.config``) passed ``sliding_window`` (None on a
+#: full layer counts): what :func:`attention_mask` needs to drop a sliding-window mask.
+#: A class no call came from is absent (the mask is kept).
+_PASSES_WINDOW: dict = {}
+#: ``sliding_window``'s default in :func:`attention_forward`: not passed (unlike None).
+_NOT_PASSED = object()
+
 def _band(seqlen_q: int, seqlen_k: int, window_left: int | None, device, top_left: bool = False) -> torch.Tensor:
     """bool (seqlen_q, seqlen_k): the causal pattern flashgen runs for no mask, bottom-right
     (query i sees key j iff j - i <= seqlen_k - seqlen_q; top-left: j <= i), with
@@ -177,8 +186,12 @@ def attention_mask(*args, **kwargs):
     when ``allow_is_causal_skip`` is False (the caller wants the mask) or while
     torch.compile traces (the check reads the mask's values).
 
-    Dropping the sliding-window mask relies on the model passing its ``sliding_window``
-    to the attention function, as transformers' FlashAttention integration does.
+    A sliding-window mask is dropped only for a model whose attention modules were seen
+    to pass ``sliding_window`` to :func:`attention_forward` (:data:`_PASSES_WINDOW`, by the
+    class of ``config``), as transformers' FlashAttention integration needs them to:
+    some models (Phimoe, Qwen2-MoE's sliding layers) build the window's mask but never
+    pass the window, and without the mask they would attend to every earlier key.  So a
+    model's first forward reads the window's mask (exactly, as a bias or as documents).
     """
     from transformers.masking_utils import sdpa_mask
 
@@ -193,7 +206,7 @@ def attention_mask(*args, **kwargs):
     if local is not None:
         config = kwargs.get("config")
         if (isinstance(local, bool) or not isinstance(local, int) or local < 1 or config is None
-                or getattr(config, "sliding_window", None) != local):
+                or getattr(config, "sliding_window", None) != local or not _PASSES_WINDOW.get(type(config), False)):
             return mask
     expected = _band(sq, sk, None if local is None else local - 1, mask.device)
     return None if torch.equal(mask, expected.expand_as(mask)) else mask
@@ -449,7 +462,7 @@ def _plain_key(module, query, key, value, dropout, scaling, is_causal, sliding_w
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      is_causal: bool | None = None, sliding_window: int | None = None,
+                      is_causal: bool | None = None, sliding_window=_NOT_PASSED,
                       softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """flashgen's attention with transformers' attention-function signature
     (``AttentionInterface``; the module docstring says what runs for what).
@@ -464,7 +477,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             broadcastable to (batch, num_heads, seqlen_q, seqlen_k).
         dropout: probability in [0, 1) (training).
         scaling: the softmax scale; None means 1 / sqrt(head_dim).
-        sliding_window: W: with no mask, query i sees keys i - W < j <= i.
+        sliding_window: W: with no mask, query i sees keys i - W < j <= i; None (a
+            full layer) or not passed: no window.  Whether a model's modules pass it
+            decides whether :func:`attention_mask` may drop its sliding-window mask.
         softcap: > 0: scores s <- softcap * tanh(s / softcap) before the mask.
         s_aux (keyword): attention sinks, a floating tensor of shape (num_heads,) on the
             query's device (gpt-oss): one extra logit per head in every row's softmax
@@ -475,6 +490,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         (O of shape (batch, seqlen_q, num_heads, head_dim_v), contiguous, in the
         query's dtype; None): the attention weights are never materialized.
     """
+    config = getattr(module, "config", None)
+    if sliding_window is _NOT_PASSED:
+        sliding_window = None
+        if config is not None:
+            _PASSES_WINDOW[type(config)] = False
+    elif config is not None:
+        _PASSES_WINDOW.setdefault(type(config), True)
     pkey = None
     if attention_mask is None and not torch.compiler.is_compiling():
         pkey = _plain_key(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap, kwargs)
