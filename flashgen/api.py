@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from . import dispatch, documents, dropout, families, hot, library, ops
-from .errors import InputError
+from .errors import InputError, type_name
 from .masks import mask_bounds
 from .spec import KernelSpec, ProblemKey
 
@@ -33,7 +33,7 @@ SCALE_MIN, SCALE_MAX = 1e-30, 1e30
 
 def _check_return_lse(return_lse):
     if type(return_lse) is not bool:
-        raise InputError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        raise InputError(f"return_lse must be a bool, got {type_name(return_lse)}")
 
 
 def _scale_in_range(softmax_scale) -> bool:
@@ -43,14 +43,14 @@ def _scale_in_range(softmax_scale) -> bool:
 def _check_scale_causal(softmax_scale, causal):
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise InputError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+            raise InputError(f"softmax_scale must be a real number or None, got {type_name(softmax_scale)}")
         if not math.isfinite(softmax_scale):
             raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
         if not _scale_in_range(softmax_scale):
             raise InputError(f"softmax_scale must be 0 or have a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}] "
                              f"(the kernels apply it in float32), got {softmax_scale!r}")
     if not isinstance(causal, bool):
-        raise InputError(f"causal must be a bool, got {type(causal).__name__}")
+        raise InputError(f"causal must be a bool, got {type_name(causal)}")
 
 
 def _check_like_q(q, others):
@@ -73,7 +73,7 @@ def _check_head_dims(dims):
 def _check(q, k, v, softmax_scale, causal=False):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InputError(f"{name} must be a torch.Tensor, got {type_name(t)}")
         if t.dim() != 4:
             raise InputError(f"{name} must have 4 dims (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
     _check_like_q(q, (("k", k), ("v", v)))
@@ -200,7 +200,7 @@ def _entry(disp, ekey, q, k, v, mask, lo, hi, kernel_path):
 
 def _check_deterministic(deterministic):
     if deterministic is not None and type(deterministic) is not bool:
-        raise InputError(f"deterministic must be None or a bool, got {type(deterministic).__name__}")
+        raise InputError(f"deterministic must be None or a bool, got {type_name(deterministic)}")
 
 
 def _attention(q, k, v, *, causal, window, softmax_scale, return_lse, align, deterministic=None):
@@ -280,7 +280,7 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
             raise InputError("alibi_slopes must not require grad (flashgen computes no gradient for them)")
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
-            raise InputError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+            raise InputError(f"bias must be a torch.Tensor or None, got {type_name(bias)}")
         if bias.dtype != q.dtype and bias.dtype != torch.bool:
             raise InputError(f"bias.dtype must be q.dtype ({q.dtype}) or torch.bool (True = attend), got {bias.dtype}")
         if bias.device != q.device:
@@ -516,7 +516,7 @@ def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InputError(f"{name} must be a torch.Tensor, got {type_name(t)}")
         if t.dim() != 3:
             raise InputError(f"{name} must have 3 dims (total_tokens, heads, head_dim) for attention_varlen, "
                              f"got shape {tuple(t.shape)}")
@@ -533,7 +533,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     _check_head_dims((("q/k head_dim", d), ("v head_dim", v.shape[2])))
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         if not isinstance(cu, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+            raise InputError(f"{name} must be a torch.Tensor, got {type_name(cu)}")
         if cu.dtype != torch.int32:
             raise InputError(f"{name} must be int32, got {cu.dtype}")
         if cu.device != q.device:
@@ -696,7 +696,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
     batch entry: seqlen_cache, or max_pages * page_size)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InputError(f"{name} must be a torch.Tensor, got {type_name(t)}")
         if t.dim() != 4:
             layout = "(batch, seqlen_q, num_heads, head_dim)" if name == "q" else (
                 "(batch, seqlen_cache, num_kv_heads, head_dim), or (num_pages, page_size, num_kv_heads, "
@@ -722,7 +722,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
     _check_head_dims((("q/k_cache head_dim", d), ("v_cache head_dim", v_cache.shape[3])))
     if not isinstance(cache_seqlens, torch.Tensor):
         raise InputError(f"cache_seqlens must be a torch.Tensor (int32, shape (batch,)), got "
-                         f"{type(cache_seqlens).__name__}")
+                         f"{type_name(cache_seqlens)}")
     if cache_seqlens.dtype != torch.int32:
         raise InputError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
     if cache_seqlens.device != q.device:
@@ -736,7 +736,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
         capacity = k_cache.shape[1]
     else:
         if not isinstance(block_table, torch.Tensor):
-            raise InputError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
+            raise InputError(f"block_table must be a torch.Tensor or None, got {type_name(block_table)}")
         if block_table.dtype != torch.int32:
             raise InputError(f"block_table must be int32, got {block_table.dtype}")
         if block_table.device != q.device:
@@ -892,7 +892,7 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     or None when flashgen runs them."""
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
-            return f"attn_mask of type {type(attn_mask).__name__}"
+            return f"attn_mask of type {type_name(attn_mask)}"
         if is_causal:
             return "attn_mask with is_causal=True (torch raises)"
         if isinstance(query, torch.Tensor) and attn_mask.dtype not in (torch.bool, query.dtype):
@@ -912,9 +912,9 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         return f"dropout_p = {dropout_p!r}"
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
-        return f"scale of type {type(scale).__name__}"
+        return f"scale of type {type_name(scale)}"
     if not isinstance(is_causal, bool):
-        return f"is_causal of type {type(is_causal).__name__}"
+        return f"is_causal of type {type_name(is_causal)}"
     if torch.compiler.is_compiling() or not (type(query) is _Tensor and type(key) is _Tensor
                                              and type(value) is _Tensor):
         reason = _sdpa_shape_reason(query, key, value, enable_gqa)

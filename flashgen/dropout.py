@@ -72,12 +72,15 @@ def default_state(device: torch.device) -> torch.Tensor:
 
 
 def manual_seed(seed: int) -> None:
-    """Reset every device's dropout state to [seed, 0] (and seed states made later)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    """Reset every device's dropout state to [seed, 0] (and seed states made later).
+
+    Raises InputError unless ``seed`` is an int in [0, 2**63 - 1] (the state holds it as
+    an int64; a larger seed would have to wrap onto a smaller one's masks)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         from .errors import InputError
 
-        raise InputError(f"seed must be a non-negative int, got {seed!r}")
-    _seed[0] = seed & (2**63 - 1)
+        raise InputError(f"seed must be an int in [0, 2**63 - 1] (the dropout state is int64), got {seed!r}")
+    _seed[0] = seed
     for st in _states.values():
         st.copy_(torch.tensor([_seed[0], 0], dtype=torch.int64))
 

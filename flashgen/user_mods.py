@@ -23,12 +23,15 @@ user's function with torch on the index grid, and cached (:func:`block_ranges`).
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import functools
+import hashlib
 import inspect
 import math
 import operator
+import sys
 import types
 import weakref
 
@@ -607,10 +610,35 @@ def _class_kind(cls, name: str):
 _STATE_ITEMS = 256  # tokens one key may hold; past them an object is keyed by identity alone
 
 
+def _is_array(val) -> bool:
+    """Whether ``val`` is an array that :func:`_buffer_token` keys by its contents: a
+    NumPy ``ndarray`` (when NumPy is imported), ``array.array``, ``bytearray`` or
+    ``memoryview``."""
+    if isinstance(val, (bytearray, memoryview, array.array)):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(val, np.ndarray)
+
+
+def _buffer_token(val):
+    """A token of the contents of an object with the buffer protocol other than bytes
+    (a NumPy array, ``array.array``, ``bytearray``, ``memoryview``): its type, item
+    format, shape and a digest of its bytes (a trace takes ``float(arr[1])`` as a
+    constant, and an array has no version to check); None for any other object."""
+    if not _is_array(val):
+        return None
+    with memoryview(val) as view:
+        if view.format == "O":  # an object array: its items as the objects they are
+            return None
+        data = view if view.c_contiguous else view.tobytes()
+        return ("buf", type(val).__name__, view.format, view.shape, hashlib.blake2b(data, digest_size=16).digest())
+
+
 def _state(val, names, depth: int, objs: list, budget: list, own: bool = False):
     """A hashable token of what a trace may have taken from ``val`` as a constant: a
     number or string by value; a tensor by identity (appended to ``objs``; its version
-    is checked apart, :func:`trace`); a list, tuple or dict by its items; a class by its
+    is checked apart, :func:`trace`); an array (:func:`_buffer_token`) by its contents;
+    a list, tuple or dict by its items; a class by its
     own plain attributes among ``names``; another object by identity and its
     attributes among ``names`` (the names the function's code, and its helpers', load;
     :func:`_attributes`, ``own`` for the function's own object), ``depth`` levels down.
@@ -624,6 +652,9 @@ def _state(val, names, depth: int, objs: list, budget: list, own: bool = False):
     if isinstance(val, torch.Tensor):
         objs.append(val)
         return ("t", id(val))
+    buf = _buffer_token(val)
+    if buf is not None:
+        return buf
     if isinstance(val, (list, tuple, dict)):
         if depth <= 0 or budget[0] <= 0:
             return ("id", id(val))
@@ -671,13 +702,16 @@ def _method_names(owner, names: set) -> frozenset:
 
 def _ident_token(val):
     """A read's part of a function's identity: a number or string by value (a closure
-    over a value computed again per call, equal, is the same function), a container by
-    its type (its items are state), anything else by identity."""
+    over a value computed again per call, equal, is the same function), a container or
+    an array (:func:`_is_array`) by its type (its items are state), anything else by
+    identity."""
     token = _scalar_token(val)
     if token is not None:
         return token
     if isinstance(val, (list, tuple, dict)):
         return ("container", type(val).__name__)
+    if _is_array(val):
+        return ("array", type(val).__name__)
     return id(val)
 
 
@@ -733,7 +767,8 @@ def _trace_key_code(fn) -> tuple[tuple, tuple, list, set]:
     budget = [_STATE_ITEMS]
     state = tuple(_state(r, names, _STATE_DEPTH - 1, objs, budget) for r in reads
                   if not isinstance(r, (torch.Tensor, *_SCALARS, *_CODE_TYPES)))
-    held = [r for r in reads if _scalar_token(r) is None and not isinstance(r, (list, tuple, dict))]
+    held = [r for r in reads if _scalar_token(r) is None and not isinstance(r, (list, tuple, dict))
+            and not _is_array(r)]
     ident = ("code", fn.__code__, tuple(_ident_token(r) for r in reads), id(fn.__globals__))
     return ident, state, held + objs, names
 

@@ -51,6 +51,24 @@ def test_loose_arguments_are_refused(kw, needle):
     assert torch.isfinite(o).all()
 
 
+def test_a_numpy_bool_is_refused_under_its_own_name():
+    """NumPy's bool calls itself "bool": the message names numpy.bool, not "got bool"."""
+    import numpy as np
+
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(InputError, match=r"causal must be a bool, got numpy\.bool"):
+        flashgen.attention(q, q, q, causal=np.bool_(True))
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64, 1.0, True])
+def test_a_dropout_seed_outside_int64_is_refused(seed):
+    """A seed past 2**63 - 1 would wrap onto a smaller one's dropout masks."""
+    with pytest.raises(InputError, match=r"seed must be an int in \[0, 2\*\*63 - 1\]"):
+        flashgen.manual_seed(seed)
+    flashgen.manual_seed(2**63 - 1)
+    flashgen.manual_seed(0)
+
+
 def test_a_bad_flashgen_db_is_named(tmp_path, monkeypatch):
     bad = tmp_path / "notadb.sqlite"
     bad.write_text("hello")

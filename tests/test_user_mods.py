@@ -1272,6 +1272,48 @@ def test_a_double_backward_through_user_functions_is_refused(tiles):
         (gq ** 2).sum().backward()
 
 
+def test_constants_read_from_arrays_are_read_again_when_the_array_changes(tiles, monkeypatch):
+    """A NumPy array or an ``array.array`` that a score or mask function reads a constant
+    from (``float(arr[1])``) is keyed by its contents: changed in place, the function is
+    traced again (against float64), as the reference path reads it; an equal copy made
+    again per call is not a new trace."""
+    import array
+
+    import numpy as np
+
+    q, k, v = _qkv(b=1, sq=20, sk=24, dtype=F32)
+    s_ = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 16 ** -0.5
+    vv = v.double().repeat_interleave(2, 1)
+
+    def check(o, scale, keep=None):
+        s = s_ * scale
+        if keep is not None:
+            s = s.masked_fill(~keep, float("-inf"))
+        torch.testing.assert_close(o.double(), torch.softmax(s, -1) @ vv, rtol=0, atol=1e-4)
+
+    for arr in (np.array([1.0, 2.0]), array.array("d", [1.0, 2.0])):
+        def scaled(score, b, h, q_idx, kv_idx, arr=arr):
+            return score * float(arr[1])
+        check(flashgen.attention(q, k, v, score_mod=scaled), 2.0)
+        arr[1] = 0.5
+        check(flashgen.attention(q, k, v, score_mod=scaled), 0.5)
+    limit = np.array([20])
+
+    def below(b, h, q_idx, kv_idx):
+        return kv_idx < int(limit[0])
+    cols = torch.arange(24)[None, :] < 20
+    check(flashgen.attention(q, k, v, mask_mod=below), 1.0, cols)
+    limit[0] = 7
+    check(flashgen.attention(q, k, v, mask_mod=below), 1.0, torch.arange(24)[None, :] < 7)
+    inits = []
+    real = user_mods.Traced.__init__
+    monkeypatch.setattr(user_mods.Traced, "__init__", lambda self, *a, **kw: inits.append(1) or real(self, *a, **kw))
+    for _ in range(3):
+        limit = np.array([7])  # an equal array made again: the same trace
+        check(flashgen.attention(q, k, v, mask_mod=below), 1.0, torch.arange(24)[None, :] < 7)
+    assert inits == []
+
+
 def test_a_repeated_call_neither_lowers_nor_checks_its_functions_again(tiles, monkeypatch):
     """A call repeated with the same sizes and a closure made again over the same objects
     (as a model's forward makes its functions) names no lowering again (hashing the
