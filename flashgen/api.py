@@ -653,7 +653,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     synchronization), once per pair of cu_seqlens tensors and sizes: a later call with the
     same tensor objects, unmodified (their version counter; an in-place torch operation
     bumps it), and the same totals and maxima is not checked again, so the layers of a
-    model that share a step's offsets synchronize once.  CPU tensors run through flashgen's reference, one
+    model that share a step's offsets synchronize once.  A write that bypasses the
+    version counter (through ``.data``, a NumPy view or a DLPack export) is not seen:
+    the kernels then read the sequences the new offsets name, past the packed tensors'
+    ends if they are out of range, as FlashAttention's would.  CPU tensors run through flashgen's reference, one
     sequence at a time (float32 math), or the Triton interpreter with
     ``TRITON_INTERPRET=1`` (float16/float32).  The op is ``torch.ops.flashgen.fwd_varlen``.
 
