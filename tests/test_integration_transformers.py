@@ -452,7 +452,12 @@ def test_mask_function():
         got = fg_tf.attention_mask(**_mask_kwargs(**kw))
         want = sdpa_mask(**_mask_kwargs(**kw))
         assert got is not None and got.dtype == torch.bool and torch.equal(got, want), kw
+    # a window of at least kv_length keys is the causal band: dropped for any model
+    fg_tf._PASSES_WINDOW.clear()
+    assert fg_tf.attention_mask(**_mask_kwargs(local_size=6)) is None
+    assert fg_tf.attention_mask(**_mask_kwargs(local_size=5)) is not None
     # local_size that is not the config's sliding_window (another kind of local mask): kept
+    fg_tf._PASSES_WINDOW[transformers.MistralConfig] = True
     kw = _mask_kwargs(local_size=3)
     kw["config"].sliding_window = 4
     assert fg_tf.attention_mask(**kw) is not None

@@ -192,6 +192,7 @@ def attention_mask(*args, **kwargs):
     some models (Phimoe, Qwen2-MoE's sliding layers) build the window's mask but never
     pass the window, and without the mask they would attend to every earlier key.  So a
     model's first forward reads the window's mask (exactly, as a bias or as documents).
+    A window of at least kv_length keys is the causal band, dropped for any model.
     """
     from transformers.masking_utils import sdpa_mask
 
@@ -203,6 +204,8 @@ def attention_mask(*args, **kwargs):
     if sq != sk and sq != 1:
         return mask
     local = kwargs.get("local_size")
+    if isinstance(local, int) and not isinstance(local, bool) and local >= sk:
+        local = None  # a window of at least seqlen_k keys: the causal band itself
     if local is not None:
         config = kwargs.get("config")
         if (isinstance(local, bool) or not isinstance(local, int) or local < 1 or config is None
