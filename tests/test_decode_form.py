@@ -149,14 +149,22 @@ def test_the_op_writes_o_in_its_layout_through_the_decode_form(decode_calls):
     (dict(), 1, library.DECODE_FORM_RULES[0][1] - 1, "a short seqlen_k"),
 ])
 def test_other_calls_keep_the_forward_kernels(kw, sq, sk, why, decode_calls):
-    """Calls outside the decode form run the forward kernels (and stay exact)."""
+    """Calls outside the decode form run the forward kernels, and stay exact: O within
+    the rule of float64 (top-left causal for scaled_dot_product_attention, bottom-right
+    for flashgen.attention)."""
     q, k, v = _inputs(1, 8, 2, sq, sk, 32, F32, seed=4)
+    softcap = kw.get("softcap", 0.0)
     if kw.pop("sdpa_causal", False):
         o = flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        _, lo, hi = mask_bounds(sq, sk, causal=True, window=(-1, -1), align="top_left")
     else:
         o = flashgen.attention(q, k, v, **kw)
+        _, lo, hi = mask_bounds(sq, sk, causal=False, window=kw.get("window", (-1, -1)))
     assert decode_calls == [], why
-    assert o.shape == (1, 8, sq, 32) and not torch.isnan(o).any()
+    assert o.shape == (1, 8, sq, 32)
+    o64, _, _ = reference.forward_bounds(q, k, v, 32 ** -0.5, lo, hi, softcap=softcap)
+    ob, _, _ = reference.forward_bounds(q, k, v, 32 ** -0.5, lo, hi, dtype=F32, softcap=softcap)
+    _within("O", o, o64, ob, FLOOR[F32])
 
 
 @pytest.mark.parametrize("b,h,hk,sq,sk,taken", [
