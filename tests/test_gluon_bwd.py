@@ -4,6 +4,7 @@ bundled ptxas (no spills but those recorded, no wgmma serialization info C7512/C
 and cuobjdump (HGMMA,
 USETMAXREG: warp-specialized with register budgets)."""
 
+import ast
 import dataclasses
 import json
 import math
@@ -903,39 +904,52 @@ def test_ordered_is_outside_the_search_and_sizes_its_semaphores():
     assert a["main"][0] == (plain_args[0][0] * plain_args[0][1],) and len(plain_args[0]) == 2
 
 
-def _ordered_model(sq, sk, mode, lo, hi, block_m=64, block_nt=128, parts=1):
-    """The ordered variant's schedule as the template computes it, in Python: for each
-    (query block mb) the indices u = program_id(0) * parts + partition that add into it,
-    and for each (u, mb) whether u waits (mb >= pred_from)."""
+def _ordered_code(mode: str):
+    """The ordered variant's own schedule code, rendered for ``mask`` mode and compiled to
+    run on Python ints: (``_query_blocks`` and ``_rank`` as functions, the consumer's
+    statements from ``rank = _rank(n0, seqlen_k)`` through ``if C > 0: pred_from = 0``)."""
+    import types
+
+    src = B.render(B.GluonBwdConfig(64, 64, 2, 2, "ordered", 240, 24, "tma", 1, False, 1, False, "fragment", "tma"),
+                   "bfloat16", 128, mode)
+    fns = {n.name: n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)}
+    helpers = []
+    for name in ("_query_blocks", "_rank"):
+        fns[name].decorator_list = []
+        helpers.append(fns[name])
+    body = fns["_consumer"].body
+    first = next(i for i, st in enumerate(body) if ast.unparse(st).startswith("rank = _rank(n0, seqlen_k)"))
+    last = next(i for i, st in enumerate(body) if i > first and ast.unparse(st).startswith("if C > 0:"))
+    assert ast.unparse(body[last]) == "if C > 0:\n    pred_from = 0", ast.unparse(body[last])
+    gl = types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda a, b: -(-a // b),
+                               where=lambda c, a, b: a if c else b)
+    return (compile(ast.Module(body=helpers, type_ignores=[]), "<schedule helpers>", "exec"), gl,
+            compile(ast.Module(body=body[first:last + 1], type_ignores=[]), "<pred_from>", "exec"))
+
+
+def _ordered_model(sq, sk, mode, lo, hi, block_m=64, block_nt=128, parts=1, code=None):
+    """The ordered variant's schedule, run from the rendered template's own statements
+    (:func:`_ordered_code`; the grid's programs take the key blocks in ``_rank``'s order):
+    for each (query block mb) the indices u = program_id(0) * parts + partition that add
+    into it, and for each (u, mb) whether u waits (mb >= pred_from)."""
+    helpers, gl, pred = code or _ordered_code(mode)
     m_pad = -(-sq // B.ROW_PAD) * B.ROW_PAD
-
-    def query_blocks(n0):  # _query_blocks
-        if mode == "none":
-            return 0, -(-sq // block_m)
-        i_lo, i_hi = max(n0 - hi, 0), min(n0 + block_nt - 1 - lo, sq - 1)
-        first = i_lo // block_m
-        return first, (max(i_hi, 0) // block_m - first + 1) if i_hi >= i_lo else 0
-
+    ns = {"gl": gl, "BLOCK_M": block_m, "BLOCK_NT": block_nt}
+    exec(helpers, ns)
     n_prog = -(-sk // block_nt)
     adds, waits = {}, {}
-    for p in range(n_prog):
-        n = n_prog - 1 - p if mode != "none" else p  # masked: key blocks last to first
-        first, count = query_blocks(n * block_nt)
+    for n in range(n_prog):
+        p = ns["_rank"](n * block_nt, sk)
+        first, count = ns["_query_blocks"](n * block_nt, sq, lo, hi)
         for c in range(parts):
             u = p * parts + c
-            pred_from = m_pad
-            if p > 0:
-                if mode == "none":
-                    pred_from = 0
-                else:
-                    pf, pn = query_blocks((n + 1) * block_nt)
-                    if pn > 0:
-                        pred_from = pf
-            if c > 0:
-                pred_from = 0
+            local = dict(ns, n0=n * block_nt, seqlen_q=sq, seqlen_k=sk, diag_lo=lo, diag_hi=hi, m_pad=m_pad, C=c)
+            exec(pred, local)
             for mb in range(first, first + count):
                 adds.setdefault(mb, []).append(u)
-                waits[(u, mb)] = mb >= pred_from
+                waits[(u, mb)] = mb >= local["pred_from"]
+    for us in adds.values():
+        us.sort()
     return adds, waits
 
 
@@ -1002,15 +1016,17 @@ def test_ordered_schedule_waits_exactly_on_the_previous_adder(parts):
     order, each waiting only on a lower program_id(0)."""
     from flashgen.masks import mask_bounds
 
-    cases = 0
+    cases, codes = 0, {}
     for sq, sk in ((1, 1), (64, 64), (100, 300), (300, 100), (1000, 1000), (1000, 4097), (4097, 1000), (129, 130)):
         for causal, window, align in ((False, (-1, -1), "bottom_right"), (True, (-1, -1), "bottom_right"),
                                       (True, (-1, -1), "top_left"), (False, (200, 64), "bottom_right"),
                                       (True, (300, -1), "bottom_right"), (False, (0, 0), "top_left"),
                                       (False, (50, 500), "top_left")):
             mode, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align=align)
+            if mode not in codes:
+                codes[mode] = _ordered_code(mode)
             for block_m in (64, 128):
-                adds, waits = _ordered_model(sq, sk, mode, lo, hi, block_m=block_m, parts=parts)
+                adds, waits = _ordered_model(sq, sk, mode, lo, hi, block_m=block_m, parts=parts, code=codes[mode])
                 for mb, us in adds.items():
                     assert us == list(range(us[0], us[0] + len(us))), (sq, sk, mode, lo, hi, mb, us)
                     for u in us:

@@ -322,6 +322,23 @@ def compile_features(case) -> set:
         {(f"config.{k}", x) for k, x in dataclasses.asdict(v.config).items()}
 
 
+def test_serialized_wgmma_is_a_problem_though_ptxas_prints_it_as_info():
+    """ptxas reports serialized wgmma (C7512/C7514/C7515) on info lines, not warnings:
+    Report.problems reads its whole log for them (and for the warning C7508)."""
+    from flashgen.families.gluon.sm90 import Report
+
+    v = GluonFwdVariant(GluonFwdSpec(), GluonFwdConfig())
+    base = dict(registers=168, spill_bytes=0, stack_bytes=0, warnings=[], shared_bytes=1, hgmma=8, setmaxnreg=[24, 240],
+                partial_waits=1, exps_between_waits=0)
+    assert Report(**base, ptxas_log="ptxas info    : Used 168 registers").problems(v) == []
+    for code in ("C7512", "C7514", "C7515"):
+        log = (f"ptxas info    : ({code}) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+               "due to ...\nptxas info    : Used 168 registers")
+        assert [p for p in Report(**base, ptxas_log=log).problems(v) if code in p], code
+    warn = "ptxas warning : (C7508) Potential Performance Loss: setmaxnreg ignored"
+    assert Report(**base, ptxas_log=warn).problems(v)
+
+
 def test_compiles_for_sm90_with_what_each_variant_is_for(request):
     import triton
 
@@ -439,11 +456,43 @@ def test_code_id_follows_the_generated_code_not_the_template_text(tmp_path, gluo
     assert R.template_hash() == json.loads((templates_dir() / R.CODE_ID_RECORD).read_text())["code"]
 
 
+def _sinks_fold(src: str):
+    """The rendered sinks variant ``src``'s epilogue, its own statements from ``sink = ...``
+    through ``lse = ...`` in ``_consumer``, as a function (m_i, l_i, acc, sinks, off_h) ->
+    (O, LSE) on float64 torch tensors of one head's rows."""
+    import types
+
+    import torch
+
+    fns = {n.name: n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)}
+    stmts = [st for st in ast.walk(fns["_consumer"]) if isinstance(st, ast.Assign)]
+    first = next(i for i, st in enumerate(stmts) if ast.unparse(st.targets[0]) == "sink")
+    last = next(i for i, st in enumerate(stmts) if i > first and ast.unparse(st.targets[0]) == "lse")
+    fold = compile(ast.Module(body=stmts[first:last + 1], type_ignores=[]), "<sinks fold>", "exec")
+
+    class Ptr:  # SINKS + off_h
+        def __init__(self, t, i=0):
+            self.t, self.i = t, i
+
+        def __add__(self, n):
+            return Ptr(self.t, self.i + n)
+
+    gl = types.SimpleNamespace(load=lambda p: p.t[p.i], maximum=torch.maximum, exp2=torch.exp2, log2=torch.log2,
+                               expand_dims=lambda x, axis: x.unsqueeze(axis), convert_layout=lambda x, layout: x)
+
+    def run(m_i, l_i, acc, sinks, off_h):
+        ns = {"gl": gl, "SINKS": Ptr(sinks), "off_h": off_h, "m_i": m_i, "l_i": l_i, "acc": acc, "ROW_O": None}
+        exec(fold, ns)
+        return ns["acc"], ns["lse"]
+    return run
+
+
 def test_the_sinks_fold_after_the_key_loop_is_the_sinks_softmax():
-    """The sinks variant's epilogue (base 2, as the kernel: m_f = max(m_i, sink),
-    l_f = l_i 2^(m_i - m_f) + 2^(sink - m_f), O = acc 2^(m_i - m_f) / l_f, LSE = (m_f +
-    log2 l_f) ln 2), applied to the online softmax of the key tiles, equals the float64
-    reference with sinks, a row that sees no key included (O = 0, LSE = the sink)."""
+    """The sinks variant's epilogue (the rendered kernel's own statements, base 2: m_f =
+    max(m_i, sink), l_f = l_i 2^(m_i - m_f) + 2^(sink - m_f), O = acc 2^(m_i - m_f) /
+    l_f, LSE = (m_f + log2 l_f) ln 2), applied to the online softmax of the key tiles,
+    equals the float64 reference with sinks, a row that sees no key included (O = 0,
+    LSE = the sink)."""
     import math
 
     import torch
@@ -472,12 +521,11 @@ def test_the_sinks_fold_after_the_key_loop_is_the_sinks_softmax():
         l = l * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + p @ v[..., n0:n0 + block_n, :]
         m = m_new
-    sink = sinks[None, :, None] / math.log(2)
-    m_f = torch.maximum(m, sink)
-    beta = torch.exp2(m - m_f)
-    l_f = l * beta + torch.exp2(sink - m_f)
-    o = acc * (beta / l_f)[..., None]
-    lse = (m_f + torch.log2(l_f)) * math.log(2)
+    fold = _sinks_fold(render(GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, "window", sinks=True),
+                                              GluonFwdConfig())))
+    outs = [fold(m[0, hh], l[0, hh], acc[0, hh], sinks, hh) for hh in range(h)]
+    o = torch.stack([x for x, _ in outs])[None]
+    lse = torch.stack([y for _, y in outs])[None]
     ref_o, ref_lse = user_mods.reference(q, k, v, scale, lo, hi, mask_mod=lambda b_, h_, i, j: i < sq - 1,
                                          sinks=sinks)
     assert torch.allclose(o, ref_o, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
