@@ -1017,6 +1017,13 @@ class UserArgs:
         scale), the block mask in tiles of ``block_m`` (the program's rows) by ``block_n``."""
         return self._args(softmax_scale, "fwd", block_m, block_n)
 
+    def gluon_bwd_args(self, block_m: int, block_nt: int) -> list:
+        """The Gluon backward's arguments after m_pad
+        (:func:`flashgen.families.gluon.user_bwd.bwd_template_vars`): the mask function's
+        captured tensors with their strides, and its block mask per key block of
+        ``block_nt`` rows and kv head in tiles of ``block_m`` query rows."""
+        return self._args(None, "bwd_dkdv", block_m, block_nt)
+
     def _args(self, softmax_scale: float | None, kernel: str, block_m: int, block_n: int) -> list:
         """The scale (None: left out), the buffers with their strides (and sizes where read
         at an index computed from the score: checked in the kernel), bwd_dq's gradient

@@ -260,9 +260,12 @@ class GluonBwdConfig:
                 + (f"_la{self.lookahead}" if self.lookahead else ""))
 
 
-def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, varlen: bool = False) -> str:
+def variant_id(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, varlen: bool = False,
+               user: str = "") -> str:
     """One identity string: the generated file, the module cache entry and the log line
-    (``varlen``: the ragged-batch variant, ``_varlen`` at the end)."""
+    (``varlen``: the ragged-batch variant, ``_varlen`` at the end; ``user``: a user mask
+    function's lowering, after the mask as in the forward's ids)."""
+    mask = f"{mask}_{user}" if user else mask
     return f"gluon_bwd_d{head_dim}_{_SHORT.get(dtype, dtype)}_{mask}_{config.id}" + ("_varlen" if varlen else "")
 
 
@@ -578,6 +581,28 @@ def varlen_reasons(config: GluonBwdConfig, head_dim: int) -> list[str]:
     return out
 
 
+#: Why the rules refuse every user-function variant of the backward for now: built and
+#: compiled for sm_90 (tests/test_gluon_bwd.py), their float64 checks not yet run.
+USER_NOT_CHECKED = f"user mask functions in the Gluon backward: the variant {NOT_CHECKED}"
+
+
+def user_reasons(config: GluonBwdConfig, mask: str) -> list[str]:
+    """Why ``config`` cannot compile a user mask function (:func:`.user_bwd.bwd_template_vars`),
+    beyond :func:`invalid_reasons`: the knobs whose key and query ranges are their own
+    (the ordered dQ's chain, the longest-first grid's sections, a GQA group split over
+    programs, the head_dim 256 column and role splits and their lookahead) are not built
+    with its block mask; the mask mode is "window" whenever there is a predicate (the
+    forward's rule, :func:`.user.compiled_mask`).  Always ends with
+    :data:`USER_NOT_CHECKED`."""
+    c, out = config, []
+    for knob, on in (("dq_mode 'ordered'", c.dq_mode == "ordered"), ("longest_first", c.longest_first),
+                     (f"group_split {c.group_split}", c.group_split != 1), ("col_split", c.col_split),
+                     ("role split", c.col_split and c.split), (f"lookahead {c.lookahead}", bool(c.lookahead))):
+        if on:
+            out.append(f"{knob} with a user mask function: not built")
+    return out + [USER_NOT_CHECKED]
+
+
 def group_splits(group: int) -> tuple[int, ...]:
     """The group_split values a GQA group of ``group`` query heads per kv head takes: its
     divisors up to MAX_GROUP_SPLIT (1 alone for multi-head attention)."""
@@ -829,18 +854,30 @@ DQ_PROBES = ("", "no_poll", "no_sync", "one_thread")
 
 
 def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, *,
-           header_hash: str | None = None, directory: str | None = None, probe: str = "", varlen: bool = False) -> str:
+           header_hash: str | None = None, directory: str | None = None, probe: str = "", varlen: bool = False,
+           user: str = "") -> str:
     """The Gluon source of one variant (pure text).  Raises ValueError for an invalid one
     (``check=False``: probes render a config the rules reject, e.g. row_load "tma").
     ``header_hash``: the hash the header names (default :func:`template_hash`);
     ``directory``: another templates directory (the code-id checks); ``probe``: one of
     :data:`DQ_PROBES` (dq_mode "ordered" only); ``varlen``: the ragged-batch main kernel
-    (:func:`varlen_reasons`; every other variant renders as without it)."""
+    (:func:`varlen_reasons`; every other variant renders as without it); ``user``: the
+    ``KernelSpec.mods`` of user mask functions registered in this process
+    (:func:`user_reasons`: refused by the rules until checked on the GPU)."""
+    from .user_bwd import bwd_template_vars
+
+    if user and varlen:
+        raise ValueError("a user mask function and varlen: the ragged-batch backward takes none")
+    uvars = bwd_template_vars(user)
+    if uvars["USER_MASK"] and mask != "window":
+        raise ValueError(f"user mask function {user}: compiled into the window kernel (mask 'window'), not {mask!r}")
     if probe not in DQ_PROBES or (probe and (config.dq_mode != "ordered" or config.dq_writer)):
         raise ValueError(f"probe {probe!r}: one of {DQ_PROBES[1:]} with dq_mode 'ordered'")
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
     if check and varlen:
         reasons += varlen_reasons(config, head_dim)
+    if check and user:
+        reasons += user_reasons(config, mask)
     if reasons:
         raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
                          + "; ".join(reasons))
@@ -868,7 +905,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         dq_warps, dq_n = [4, c.consumers], head_dim // c.consumers
     return _env(directory).get_template(TEMPLATE).render(
         template_hash=template_hash() if header_hash is None else header_hash,
-        variant_id=variant_id(c, dtype, head_dim_g, mask, varlen), dtype=dtype, head_dim=head_dim,
+        variant_id=variant_id(c, dtype, head_dim_g, mask, varlen, user), dtype=dtype, head_dim=head_dim,
         head_dim_g=head_dim_g, PAD=head_dim_g != head_dim, mask=mask,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, NUM_CONSUMERS=c.consumers,
         NUM_STAGES=c.stages, DQ_MODE=c.dq_mode, CONSUMER_REGS=c.consumer_regs, PRODUCER_REGS=c.producer_regs,
@@ -879,7 +916,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
         DQ_BASES=fragment_bases(c.block_m, head_dim) if c.dq_stage == "fragment" else None, KV_STORE=c.kv_store,
         LONGEST_FIRST=c.longest_first, DQ_WRITER=c.dq_writer, VARLEN=varlen, BLOCK_NT=c.block_nt,
         MMA_WARPS=mma_warps, ST_N=st_n, KV_N=kv_n, COL_SPLIT=c.col_split, DQ_CHUNKS=c.dq_chunks, DQ_COLS=dq_cols,
-        LOOKAHEAD=c.lookahead, ROLE_SPLIT=c.role_split)
+        LOOKAHEAD=c.lookahead, ROLE_SPLIT=c.role_split, **uvars)
 
 
 def fragment_bases(block_m: int, head_dim: int) -> list[list[int]]:
@@ -897,16 +934,16 @@ _modules: dict = {}
 
 
 def load(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: bool = True, probe: str = "",
-         varlen: bool = False):
+         varlen: bool = False, user: str = ""):
     """The imported module of one variant (written under its content hash, memoized);
-    ``probe``, ``varlen``: :func:`render`'s."""
-    key = (config, dtype, head_dim, mask, probe, varlen)
+    ``probe``, ``varlen``, ``user``: :func:`render`'s."""
+    key = (config, dtype, head_dim, mask, probe, varlen, user)
     mod = _modules.get(key)
     if mod is None:
         from flashgen import compile as _compile
 
-        src = render(config, dtype, head_dim, mask, check, probe=probe, varlen=varlen)
-        vid = variant_id(config, dtype, head_dim, mask, varlen) + (f"_{probe}" if probe else "")
+        src = render(config, dtype, head_dim, mask, check, probe=probe, varlen=varlen, user=user)
+        vid = variant_id(config, dtype, head_dim, mask, varlen, user) + (f"_{probe}" if probe else "")
         mod = _modules[key] = _compile.import_generated(vid, src)
     return mod
 
@@ -956,7 +993,7 @@ def _desc_rows(t, rows: int):
 
 
 def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, config: GluonBwdConfig,
-                dq=None, dk=None, dv=None):
+                dq=None, dk=None, dv=None, user=None):
     """Everything the launches take, without launching (also used to compile on a
     machine without a GPU): a dict with the outputs (dq, dk, dv), the scratch buffers,
     and for each kernel its grid and argument tuple ("preprocess", "main", "convert",
@@ -967,7 +1004,10 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     dtype (dK scaled), that :func:`.reduce.group_reduce` sums into dk, dv).  Raises ValueError when S does not divide the GQA group, and
     :class:`flashgen.errors.LaunchLimitError` (a ValueError) when batch * num_kv_heads *
     S is over CUDA's 65535 (the limit of the 2-D grid's second axis; the 1-D grids of the
-    ordered and longest-first variants are held to it too: not run beyond it)."""
+    ordered and longest-first variants are held to it too: not run beyond it).  ``user``:
+    the runtime arguments (:class:`flashgen.user_mods.UserArgs`) of a user mask function,
+    after the main kernel's m_pad (its captured tensors, then its block mask in tiles of
+    block_m query rows by block_nt key rows, per kv head)."""
     import torch
 
     b, h, sq, d = q.shape
@@ -1035,6 +1075,8 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     n_kb = math.ceil(sk / c.block_nt)
     if c.longest_first:
         main += (longest_first_section(b * hk * gs, h // hk // gs, sq, d),)
+    if user is not None:
+        main += tuple(user.gluon_bwd_args(c.block_m, c.block_nt))
     # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program);
     # longest_first: a 1-D grid in sections (ordered_program with head_group = section)
     out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" or c.longest_first else (n_kb, b * hk * gs)),
@@ -1159,7 +1201,7 @@ def check_inputs(do, q, k, v, o, lse) -> None:
 
 def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, mask: str,
                   config: GluonBwdConfig | None = None, dq=None, dk=None, dv=None, stage_sync: bool = False,
-                  delta_out=None, check: bool = True):
+                  delta_out=None, check: bool = True, user=None):
     """dQ, dK, dV of softmax(Q K^T * softmax_scale) V on sm_90.
 
     Shapes as :func:`flashgen.ops.bwd`; ``mask`` ("none" | "causal" | "window") names
@@ -1171,9 +1213,12 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     launch that failed (for the GPU checks).  ``delta_out``: a float32 (z, h, seqlen_q)
     tensor that receives delta = rowsum(dO * O) as the preprocess launch computed it.
     ``check=False`` builds a config the rules reject (:func:`invalid_reasons`; a
-    benchmark's probe of one, never the dispatcher's)."""
+    benchmark's probe of one, never the dispatcher's).  ``user``: the runtime arguments
+    (:class:`flashgen.user_mods.UserArgs`) of a user mask function (``mask`` "window";
+    no launch plan; the rules refuse every such variant until it is checked on the GPU,
+    :func:`user_reasons`)."""
     key = None
-    if check and not stage_sync:
+    if check and not stage_sync and user is None:
         key, bufs = plans.replay(_PLANS, (do, q, k, v, o, lse, dq, dk, dv), config, mask, float(softmax_scale),
                                  diag_lo, diag_hi, delta_out is not None)
         if bufs is not None:
@@ -1182,9 +1227,9 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]
     config = config or default_config(d, dtype, mask)
-    mod = load(config, dtype, d, mask, check)
+    mod = load(config, dtype, d, mask, check, user=user.name if user is not None else "")
     a = launch_args(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-                    config=config, dq=dq, dk=dk, dv=dv)
+                    config=config, dq=dq, dk=dk, dv=dv, user=user)
     if "preprocess" in a:
         stages = [("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4})]
     else:
@@ -1460,11 +1505,13 @@ def varlen_code_id(directory: str | None = None) -> str:
 # --------------------------------------------------------------------------- sm_90 compile (no GPU needed)
 
 def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, kernel: str = "attn_bwd",
-                 check: bool = True, probe: str = "", varlen: bool = False):
+                 check: bool = True, probe: str = "", varlen: bool = False, user=None):
     """Triton's compiled ``kernel`` of one variant for sm_90 ("attn_bwd", "attn_bwd_preprocess",
     "attn_bwd_convert", or "group_reduce", the Triton kernel of a group_split > 1 variant),
     from CPU tensors' argument types (no GPU needed; run without TRITON_INTERPRET);
-    ``probe``, ``varlen``: :func:`render`'s (``varlen``: "attn_bwd" only)."""
+    ``probe``, ``varlen``: :func:`render`'s (``varlen``: "attn_bwd" only); ``user``: a
+    user mask function's :class:`flashgen.user_mods.UserArgs` (its captured tensors on
+    the CPU; 256 query and key rows)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -1472,7 +1519,8 @@ def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, k
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    mod = load(config, dtype, head_dim, mask, check, probe, varlen=varlen)
+    mod = load(config, dtype, head_dim, mask, check, probe, varlen=varlen,
+               user=user.name if user is not None else "")
     tdt = getattr(torch, dtype)
     b, h, hk, s = 1, 2 * config.group_split, 1, 256
     if varlen:
@@ -1487,7 +1535,7 @@ def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, k
         q = torch.empty(b, h, s, head_dim, dtype=tdt)
         k = torch.empty(b, hk, s, head_dim, dtype=tdt)
         lse = torch.empty(b, h, s, dtype=torch.float32)
-        a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=config)
+        a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=config, user=user)
     if kernel == "group_reduce":
         from . import reduce
 

@@ -11,8 +11,10 @@ only (compute capability 9.0 exactly: wgmma, setmaxnreg and TMA as these kernels
 them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, the head
 dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
 score mods; masks none, causal and window; user score/mask functions and sinks
-(:mod:`flashgen.user_mods`) in the forward only (:mod:`.user`).  Everything else is the
-Triton family's, and :meth:`GluonFamily.unsupported` says why.
+(:mod:`flashgen.user_mods`) in the forward only (:mod:`.user`; the backward's
+mask-function variants, :mod:`.user_bwd`, are built and refused until checked on the
+GPU).  Everything else is the Triton family's, and :meth:`GluonFamily.unsupported`
+says why.
 
 The knobs live in :class:`flashgen.spec.TileConfig` (its Gluon fields, 0 unless set):
 :func:`fwd_config` / :func:`bwd_config` turn one into the kernels' own config and
@@ -268,8 +270,9 @@ class GluonFamily:
             return "needs inputs a tensor descriptor can address (layout strided)"
         if s.mods and not (s.kernel == "fwd" and (sinks_only(s.mods) or user_functions(s.mods))):
             if is_user_mods(s.mods):
-                return (f"user functions {s.mods}: the Gluon family compiles them into the forward only, once "
-                        "registered in this process (flashgen.attention or the tuner traced them)")
+                return (f"user functions {s.mods}: the Gluon family serves them in the forward only, once "
+                        "registered in this process (flashgen.attention or the tuner traced them); its backward's "
+                        "mask-function variants are built but not yet checked on the GPU (bwd.USER_NOT_CHECKED)")
             return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes user functions)"
         if s.mask not in C.MASKS:
             return f"mask {s.mask}: one of {C.MASKS}"

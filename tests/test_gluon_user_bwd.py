@@ -1,0 +1,249 @@
+"""The Gluon backward's user mask functions (flashgen.families.gluon.user_bwd.bwd_template_vars):
+which query rows each key block's steps visit and which entries of S^T their masked
+steps keep, run from the rendered kernel's own statements on the CPU against the mask
+function itself (every visible (query, key) pair of every query head exactly once, no
+other); every variant compiled for sm_90 with Triton's compiler and bundled ptxas
+(HGMMA, the partitions' register budgets, no serialized wgmma, spills as recorded); the
+rules refuse them all until their float64 checks have run on the GPU.
+
+Gluon kernels do not run in Triton's interpreter: their exactness comes from the GPU."""
+
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from flashgen import user_examples, user_mods
+from flashgen.errors import UnsupportedError
+from flashgen.families.gluon import bwd as B
+from flashgen.families.gluon import user_bwd as U
+from flashgen.masks import mask_bounds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_args(score_mod, mask_mod, b, h, hk, sq, sk, lo, hi):
+    """The backward UserArgs of the functions for these sizes (CPU tensors)."""
+    score = user_mods.trace(score_mod, "score") if score_mod is not None else None
+    mask = user_mods.trace(mask_mod, "mask") if mask_mod is not None else None
+    return user_mods.kernel_args(score, mask, user_mods.score_grad_flags(score), None, (b, h, hk, sq, sk, lo, hi),
+                                 torch.device("cpu"), True)[1]
+
+
+class _Ptr:
+    """A global pointer of the rendered kernel on the CPU: a flat tensor and an offset (an
+    int, or a tensor of them)."""
+
+    def __init__(self, flat, off=0):
+        self.flat, self.off = flat, off
+
+    def __add__(self, n):
+        return _Ptr(self.flat, self.off + n)
+
+    def load(self, mask=None, other=0):
+        off = self.off
+        if isinstance(off, int) or off.dim() == 0:
+            return self.flat[off]
+        vals = self.flat[off.clamp(0, self.flat.numel() - 1)]
+        return vals if mask is None else torch.where(mask, vals, torch.as_tensor(other, dtype=vals.dtype))
+
+
+_GL = types.SimpleNamespace(
+    arange=lambda a, b, layout=None: torch.arange(a, b), expand_dims=lambda x, axis: x.unsqueeze(axis),
+    where=lambda c, a, b: (a if c else b) if isinstance(c, bool) else torch.where(c, a, torch.as_tensor(b, dtype=a.dtype)),
+    maximum=max, minimum=min,
+    cdiv=lambda a, b: -(-a // b), load=lambda p, mask=None, other=0: p.load(mask, other), int64=torch.int64,
+    int32=torch.int32)
+
+
+def _statements(body, wanted):
+    """The Assign statements of ``body`` (in order) whose targets are all in ``wanted``."""
+    out = []
+    for st in body:
+        if isinstance(st, ast.Assign):
+            names = {t.id for t in ast.walk(st.targets[0]) if isinstance(t, ast.Name)}
+            if names and names <= wanted:
+                out.append(st)
+    return out
+
+
+def _visited(src: str, args: list, b: int, h: int, hk: int, sq: int, sk: int, lo: int, hi: int):
+    """Run the rendered backward ``src``'s own schedule and masking statements on the CPU
+    over every program: (visible, visits) bool / int (b, h, sq, sk): the entries of S^T
+    its steps keep (P^T not zeroed, a step outside the mask leaving P^T whole), and how
+    many steps cover each entry."""
+    tree = ast.parse(src).body
+    fns = {n.name: n for n in tree if isinstance(n, ast.FunctionDef)}
+    consts = {n.targets[0].id: ast.literal_eval(n.value.args[0]) for n in tree if isinstance(n, ast.Assign)
+              and isinstance(n.targets[0], ast.Name) and n.targets[0].id in ("BLOCK_M", "BLOCK_NT", "PB", "NPART")}
+    helper = fns["_query_blocks"]
+    helper.decorator_list = []
+    ns = {"gl": _GL, "COL_ST": None, "ROW_ST": None, **consts}
+    exec(compile(ast.Module(body=[helper], type_ignores=[]), "<_query_blocks>", "exec"), ns)
+    kernel = fns["attn_bwd"]
+    params = [a.arg for a in kernel.args.args]
+    user_params = params[params.index("m_pad") + 1:]
+    assert len(user_params) == len(args), (user_params, len(args))
+    top = compile(ast.Module(body=_statements(kernel.body, {"diag_lo", "diag_hi", "u_bm", "m_first", "m_full_lo",
+                                                             "m_full_hi", "n_m", "n_iter"}), type_ignores=[]),
+                  "<attn_bwd>", "exec")
+    consumer = fns["_consumer"]
+    loop = next(st for st in consumer.body if isinstance(st, ast.For))
+    step = _statements(loop.body, {"g", "m0", "off_h", "need_mask"})
+    step += [st for st in loop.body if isinstance(st, ast.If) and ast.unparse(st.test) == "need_mask"]
+    step = compile(ast.Module(body=step, type_ignores=[]), "<step>", "exec")
+    bm_, n_kb = consts["BLOCK_M"], -(-sk // consts["BLOCK_NT"])
+    visible = torch.zeros(b, h, sq, sk, dtype=torch.bool)
+    visits = torch.zeros(b, h, sq, sk, dtype=torch.int32)
+    uargs = {name: (_Ptr(a.reshape(-1)) if isinstance(a, torch.Tensor) else a) for name, a in zip(user_params, args)}
+    for off_z in range(b):
+        for off_hk in range(hk):
+            for pid_n in range(n_kb):
+                # the program's indices as the kernel's scalars (0-d int32 tensors: ``.to`` works)
+                env = dict(ns, **uargs, off_z=torch.tensor(off_z, dtype=torch.int32),
+                           off_hk=torch.tensor(off_hk, dtype=torch.int32), pid_n=pid_n, n0=pid_n * consts["BLOCK_NT"],
+                           group=h // hk, seqlen_q=sq, seqlen_k=sk, diag_lo=lo, diag_hi=hi)
+                env["m_first"], env["n_m"] = ns["_query_blocks"](env["n0"], sq, lo, hi)
+                exec(top, env)
+                env.setdefault("n_iter", env["n_m"] * env["group"])
+                env.setdefault("m_full_lo", 0)
+                env.setdefault("m_full_hi", 0)
+                for c in range(consts["NPART"]):
+                    for it in range(int(env["n_iter"])):
+                        run = dict(env, it=it, C=c, nc=env["n0"] + c * consts["PB"],
+                                   pt=torch.ones(consts["PB"], bm_))
+                        exec(step, run)
+                        rows_q = int(run["m0"]) + torch.arange(bm_)
+                        rows_k = int(run["nc"]) + torch.arange(consts["PB"])
+                        qi, ki = rows_q[rows_q < sq], rows_k[rows_k < sk]
+                        kept = run["pt"][: len(ki), : len(qi)].T > 0
+                        hh = int(run["off_h"])
+                        visible[off_z, hh, qi[:, None], ki[None, :]] |= kept
+                        visits[off_z, hh, qi[:, None], ki[None, :]] += 1
+    return visible, visits
+
+
+def _document_ids(sq):
+    ids = torch.zeros(sq, dtype=torch.int64)
+    for cut in (37, 90, 91, 160):  # documents of 37, 53, 1, 69 and the rest
+        ids[cut:] += 1
+    return ids
+
+
+def _cases():
+    docs = _document_ids(300)
+    heads = torch.tensor([3, 0, 1, 5])
+    return {
+        "document": (lambda b_, h_, q, kv: docs[q] == docs[kv], False, (-1, -1)),
+        # a key block's query tiles: two entirely visible, then one crossing the end of
+        # its document (a masked tile after the block mask's interior run)
+        "long-document": (lambda b_, h_, q, kv: (q < 150) == (kv < 150), False, (-1, -1)),
+        "document-causal": (lambda b_, h_, q, kv: docs[q] == docs[kv], True, (-1, -1)),
+        "prefix-lm": (lambda b_, h_, q, kv: (kv <= q) | (kv < 70), False, (-1, -1)),
+        # per head and batch entry: a captured table read at [h], and the batch index
+        "head-batch": (lambda b_, h_, q, kv: (kv + heads[h_] + b_) % 4 != 0, True, (-1, -1)),
+        "band": (lambda b_, h_, q, kv: q - kv <= 40, True, (-1, -1)),
+        "window-and-document": (lambda b_, h_, q, kv: docs[q] == docs[kv], False, (64, 3)),
+    }
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", list(_cases()))
+def test_the_steps_keep_exactly_the_mask_functions_entries(name, d):
+    """Over 2 batch entries, 4 query heads on 2 kv heads and seqlens off the tiles
+    (200 queries, 300 keys): the rendered kernel's block-mask ranges, masked-step tests
+    and predicate (their own statements, run on the CPU) keep exactly the pairs the
+    mask function and the built-in bounds leave visible, each in one step."""
+    mask_mod, causal, window = _cases()[name]
+    b, h, hk, sq, sk = 2, 4, 2, 200, 300
+    mode, lo, hi = mask_bounds(sq, sk, causal=causal, window=window)
+    ua = _user_args(None, mask_mod, b, h, hk, sq, sk, lo, hi)
+    cfg = B.default_config(d, "bfloat16", "window")
+    uvars = U.bwd_template_vars(ua.name)
+    assert uvars["USER_MASK"] == (name != "band")  # a band only tightens the bounds
+    src = B.render(cfg, "bfloat16", d, "window", check=False, user=ua.name)
+    visible, visits = _visited(src, ua.gluon_bwd_args(cfg.block_m, cfg.block_nt), b, h, hk, sq, sk, lo, hi)
+    B_, H_, I_, J_ = (torch.arange(n).view(*[-1 if i == k else 1 for i in range(4)]) for k, n in
+                      enumerate((b, h, sq, sk)))
+    want = (torch.as_tensor(mask_mod(B_, H_, I_, J_)).bool() & (J_ - I_ >= lo) & (J_ - I_ <= hi)).expand(b, h, sq, sk)
+    assert want.any() and not want.all()
+    assert torch.equal(visible, want), (name, d, (visible != want).nonzero()[:5].tolist())
+    assert int(visits[want].min()) == 1 and int(visits.max()) == 1  # every visible pair in exactly one step
+
+
+def test_the_rules_refuse_every_user_variant_until_checked_and_score_functions():
+    """The rules refuse a user variant (render with its checks raises) until its float64
+    checks have run on the GPU; the knobs with ranges of their own are refused with a
+    reason; a score function or sinks stay the Triton family's; a mask function
+    compiles into the window kernel only."""
+    ua = _user_args(None, lambda b_, h_, q, kv: (kv <= q) | (kv < 7), 1, 2, 1, 64, 64, -64, 64)
+    cfg = B.default_config(128, "bfloat16", "window")
+    with pytest.raises(ValueError, match=B.NOT_CHECKED):
+        B.render(cfg, "bfloat16", 128, "window", user=ua.name)
+    assert B.user_reasons(cfg, "window") == [B.USER_NOT_CHECKED]
+    for knob in (dict(dq_mode="ordered"), dict(longest_first=True), dict(group_split=2)):
+        reasons = B.user_reasons(dataclasses.replace(cfg, **knob), "window")
+        assert len(reasons) == 2 and "not built" in reasons[0], (knob, reasons)
+    with pytest.raises(ValueError, match="window"):
+        B.render(cfg, "bfloat16", 128, "causal", check=False, user=ua.name)
+    with pytest.raises(ValueError, match="varlen"):
+        B.render(cfg, "bfloat16", 128, "window", check=False, user=ua.name, varlen=True)
+    scored = _user_args(lambda s, b_, h_, q, kv: s * 0.5, None, 1, 2, 1, 64, 64, -64, 64)
+    with pytest.raises(UnsupportedError, match="mask functions only"):
+        U.bwd_template_vars(scored.name)
+    plain = B.render(cfg, "bfloat16", 128, "window")
+    assert "UBM" not in plain and "u_keep" not in plain  # a plain variant renders as before
+
+
+_SCRIPT = r'''
+import json, re, sys
+import torch
+sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT + "/tests")
+from test_gluon_user_bwd import _cases, _user_args
+from flashgen.families.gluon import bwd as B
+from flashgen.families.gluon.sm90 import SERIALIZED, report
+from flashgen.masks import mask_bounds
+for name, d in CASES:
+    mask_mod, causal, window = _cases()[name]
+    mode, lo, hi = mask_bounds(256, 256, causal=causal, window=window)
+    ua = _user_args(None, mask_mod, 1, 2, 1, 256, 256, lo, hi)
+    cfg = B.default_config(d, "bfloat16", "window")
+    r = report(B.compile_sm90(cfg, "bfloat16", d, "window", check=False, user=ua))
+    print("OK " + json.dumps(dict(name=name, d=d, id=B.variant_id(cfg, "bfloat16", d, "window", user=ua.name),
+                                  spill=r.spill_bytes, hgmma=r.hgmma, setmaxnreg=r.setmaxnreg,
+                                  serialized=[c for c in SERIALIZED if c in r.ptxas_log],
+                                  regs=[cfg.consumer_regs, cfg.producer_regs])))
+'''
+
+COMPILE_CASES = [(name, d) for name in ("document", "prefix-lm", "head-batch", "band") for d in (64, 128)]
+#: ptxas spill-store bytes per (example, head_dim) and Triton minor version; any other
+#: spill fails.  The head_dim 128 lock-step partition holds dK and dV of 128 key rows
+#: (128 of its 240 registers) while a masked step evaluates the predicate: the document
+#: mask's two int64 gathers of ids spill there (Triton 3.9's ptxas, with
+#: --regAllocOptLevel=2, also a few bytes for the others).
+SPILL_BYTES = {"3.6": {("document", 128): 312},
+               "3.9": {("document", 128): 288, ("prefix-lm", 128): 16, ("head-batch", 128): 8}}
+
+
+def test_user_variants_compile_for_sm90():
+    """Every example at head_dim 64 (split partitions) and 128 (the lock-step one), the
+    defaults' tiles: HGMMA, both partitions' setmaxnreg budgets in the SASS, no
+    serialized wgmma, and no spill but those recorded."""
+    import triton
+
+    from sm90 import json_rows
+
+    rows = json_rows(f"ROOT = {ROOT!r}\n" + _SCRIPT, COMPILE_CASES)
+    spills = SPILL_BYTES.get(".".join(triton.__version__.split(".")[:2]), {})
+    for row in rows:
+        assert row["hgmma"] > 0 and set(row["regs"]) <= set(row["setmaxnreg"]), row
+        assert row["serialized"] == [], row
+        assert row["spill"] == spills.get((row["name"], row["d"]), 0), row
+    assert len({row["id"] for row in rows}) == len(rows)
