@@ -101,8 +101,13 @@ def _connect_readonly(path: Path, immutable: bool = False) -> sqlite3.Connection
     try:
         conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
         return conn
-    except sqlite3.OperationalError:
+    except sqlite3.OperationalError as e:
         conn.close()
+        if "locked" in str(e) or "busy" in str(e):
+            # a writer's lock: an immutable read would take its uncommitted pages
+            raise InputError(f"tuning database {path} stayed locked by another process for {BUSY_TIMEOUT_S:g} s "
+                             "(a tune, import or merge writing it; a rollback-journal file blocks readers "
+                             "while it writes): run again when it is done, or read a copy") from None
         return sqlite3.connect(uri + "&immutable=1", uri=True)
 
 
@@ -679,8 +684,12 @@ class TuningDB:
         return list(self._t.rows_where(" AND ".join(where) or None, params, order_by=order_by,
                                        limit=limit))
 
-    def has_row(self, row_id) -> bool:
-        return self._conn.execute(f"SELECT 1 FROM {TABLE} WHERE id = ?", (row_id,)).fetchone() is not None
+    def has_row(self, row_id, key: str | None = None, variant_id: str | None = None) -> bool:
+        """Whether row ``row_id`` exists (and, where given, measured ``key`` and
+        ``variant_id``: row ids restart at 1 in every file, so an id alone may name
+        another file's row)."""
+        row = self._conn.execute(f"SELECT key, variant_id FROM {TABLE} WHERE id = ?", (row_id,)).fetchone()
+        return row is not None and (key is None or row[0] == key) and (variant_id is None or row[1] == variant_id)
 
     def get(self, row_id: int) -> dict:
         return self._t.get(row_id)

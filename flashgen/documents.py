@@ -56,13 +56,14 @@ def readable(mask, query, key) -> bool:
     tracing and CUDA graph capture (reading values synchronizes).  Not an inference
     tensor: it has no version counter for the memo (the caller then reads the mask as
     a bias, exact)."""
+    if torch.compiler.is_compiling():  # first: tracing cannot ask is_inference()
+        return False
     if type(mask) is not torch.Tensor or mask.dtype != torch.bool or mask.dim() != 4:
         return False  # a subclass (fake, functional) holds no values to read
     n = query.shape[2]
     return (mask.shape[1] == 1 and mask.shape[0] in (1, query.shape[0]) and key.shape[2] == n
             and mask.shape[2] == mask.shape[3] == n and query.numel() > 0 and not mask.is_meta
-            and not mask.is_inference() and not torch.compiler.is_compiling()
-            and not dispatch.graph_capturing())
+            and not mask.is_inference() and not dispatch.graph_capturing())
 
 
 def find(mask: torch.Tensor, batch: int, seqlen: int, causal: bool, window_left: int | None, source=None):

@@ -737,6 +737,16 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
                                 sampler=_sampler(sampler, space, seed),
                                 study_name=study_name(env, key, space), direction="minimize",
                                 load_if_exists=True)
+    # Before any measurement is written: a study whose finished trials name no row of
+    # this key and variant in db (row ids restart at 1 in a new or another file) was
+    # tuned into another database; its trials would count here and nothing be searched.
+    finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if finished and not any(db.has_row(t.user_attrs.get("row_id"), key=key.id,
+                                       variant_id=t.user_attrs.get("variant_id")) for t in finished):
+        raise InputError(
+            f"the Optuna storage holds finished trials of study {study.study_name!r}, but "
+            f"none of their measurements is in {db.path} (was the DB replaced?); delete the "
+            "storage (by default <db>.optuna.journal) or pass another --storage")
 
     default = default_config(key, arch, space)
     try:
@@ -772,13 +782,6 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         return measured_trials(study)
 
     done = n_complete()
-    if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if not any(db.has_row(t.user_attrs.get("row_id")) for t in finished):
-            raise InputError(
-                f"the Optuna storage holds finished trials of study {study.study_name!r}, but "
-                f"none of their measurements is in {db.path} (was the DB replaced?); delete the "
-                "storage (by default <db>.optuna.journal) or pass another --storage")
 
     def objective(trial: optuna.Trial) -> float:
         nonlocal done

@@ -144,6 +144,32 @@ def test_tune_fake_model_runs_the_whole_path_and_explain_picks_its_rows(tmp_path
     assert r.output.count("(tuned; row attn_") == 3 and str(db) in r.output, r.output
 
 
+@pytest.mark.parametrize("how", ["another", "deleted"])
+def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how):
+    """The Optuna journal kept beside a database that was replaced (another database's
+    rows, whose ids restart at 1 too) or deleted: the resumed tune stops at the first
+    key, naming the storage, before any row is written, instead of counting the old
+    trials and searching nothing."""
+    import shutil
+
+    db = tmp_path / "p.sqlite"
+    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 3)
+    assert r.exit_code == 0, r.output
+    other = tmp_path / "other.sqlite"
+    r = invoke("tune", "--preset", "small", "--kernels", "bwd_dq", "--fake-model", "--db", other, "--trials", 3)
+    assert r.exit_code == 0, r.output
+    db.unlink()
+    if how == "another":
+        shutil.copy(other, db)
+    before = sqlite3.connect(db).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] if db.exists() else 0
+    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 3)
+    assert r.exit_code == 2 and "was the DB replaced?" in r.output, r.output
+    if how == "deleted":
+        assert not db.exists() and not list(tmp_path.glob("p.sqlite-*"))  # nothing written, no side files
+    else:
+        assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == before
+
+
 def test_a_fake_file_lacking_variants_lists_them_all_and_a_template_fills_them(tmp_path):
     from flashgen import arch, tuner
 
@@ -288,3 +314,41 @@ def test_merge_points_an_export_to_import(tmp_path):
     out = tmp_path / "m.sqlite"
     res = runner.invoke(app, ["merge", str(out), str(exp)])
     assert res.exit_code == 2 and "flashgen import" in res.output and not out.exists(), res.output
+
+
+def test_a_stopped_single_process_tune_logs_its_interrupted_trial_in_one_line(tmp_path):
+    """Inside a tuning run (cli._stoppable) Optuna's record of the interrupted trial
+    keeps its one line, without the KeyboardInterrupt's traceback (as the workers'
+    records do); other records keep their tracebacks; the filter goes with the run."""
+    import io
+    import logging
+
+    import optuna  # noqa: F401 (its logger's handler)
+    from rich.console import Console
+
+    from flashgen import cli
+
+    log = logging.getLogger("optuna")
+    assert log.handlers
+    stream = io.StringIO()
+    handler = log.handlers[0]
+    old = handler.setStream(stream)
+    try:
+        def emit(exc):
+            try:
+                raise exc
+            except BaseException:
+                log.warning("Trial 3 failed with parameters: {} because of the following error: %r.", exc,
+                            exc_info=True)
+
+        with cli._stoppable(Console(file=io.StringIO()), tmp_path / "x.sqlite"):
+            emit(KeyboardInterrupt())
+            emit(ValueError("boom"))
+        emit(KeyboardInterrupt())
+    finally:
+        handler.setStream(old)
+    lines = stream.getvalue().splitlines()
+    first, rest = lines[0], "\n".join(lines[1:])
+    assert "KeyboardInterrupt()" in first and not first.startswith("Traceback")
+    tracebacks = rest.count("Traceback (most recent call last)")
+    assert tracebacks == 2, stream.getvalue()  # the ValueError's, and the one logged after the run

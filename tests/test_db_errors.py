@@ -247,3 +247,30 @@ def test_a_storage_url_to_a_file_that_is_no_optuna_storage_is_refused_untouched(
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     assert tune(timings, db, "--storage", url).exit_code == 0
     assert tune(timings, db, "--storage", url).exit_code == 0  # an existing Optuna storage resumes
+
+
+def test_a_database_a_writer_keeps_locked_is_refused_naming_it(tmp_path, monkeypatch):
+    """A rollback-journal database that another connection keeps locked past the busy
+    timeout: reading it (the dispatcher's FLASHGEN_DB, explain --db) is refused with
+    its name, rather than read as an immutable file, which would take the writer's
+    uncommitted pages (SQLite then reported it malformed)."""
+    from flashgen.errors import InputError
+
+    path = tmp_path / "locked.sqlite"
+    with TuningDB(path):
+        pass
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.execute("BEGIN EXCLUSIVE")
+    conn.execute("DELETE FROM measurements")
+    monkeypatch.setattr(fdb, "BUSY_TIMEOUT_S", 0.2)
+    try:
+        for read in (lambda: fdb.validate(path), lambda: TuningDB(path, readonly=True)):
+            with pytest.raises(InputError, match=r"locked\.sqlite stayed locked by another process"):
+                read()
+    finally:
+        conn.rollback()
+        conn.close()
+    fdb.validate(path)  # unlocked: read as before
+    with TuningDB(path, readonly=True) as d:
+        assert d.path == path

@@ -169,6 +169,20 @@ def test_torch_compile_sdpa_fullgraph(no_interpreter):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
 
 
+def test_torch_compile_sdpa_fullgraph_with_a_square_bool_mask(no_interpreter):
+    """A (1, 1, n, n) bool attn_mask, the shape of a padding or causal mask, which eager
+    calls check for packed documents: tracing skips that check (it reads values), so
+    fullgraph=True holds and the compiled result is the eager one."""
+    q, k, v = (torch.randn(1, 4, 12, 16) for _ in range(3))
+    mask = torch.rand(1, 1, 12, 12, generator=torch.Generator().manual_seed(0)) > 0.3
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b, c, m: flashgen.scaled_dot_product_attention(a, b, c, attn_mask=m),
+                      backend="eager", fullgraph=True)
+    got = f(q, k, v, mask)
+    want = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
 def test_torch_compile_rejects_invalid_inputs_at_trace_time(no_interpreter):
     q, k, v = _qkv(d=12, dv=12)
     f = torch.compile(lambda q, k, v: flashgen.attention(q, k, v), fullgraph=True, backend="aot_eager")
