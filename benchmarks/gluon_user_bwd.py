@@ -1,0 +1,141 @@
+"""The Gluon backward's user mask functions (flashgen/families/gluon/user_bwd.py) on the
+GPU, which the rules refuse until this has run (``bwd.USER_NOT_CHECKED``): each example
+first in a child process under a timeout (a deadlock kills the child, not the run),
+checked against float64 (dQ, dK, dV of the head_dim's default tile; batch 2, 16 heads,
+1000 queries and keys, GQA 4 as well; the exactness rule, <= 1 passes), then timed
+(preprocess + main + convert, median of triton.testing.do_bench) against the Triton
+family's backward of the same mask function (flashgen.attention through autograd, the
+shipped rows) on the ``user-examples`` shape (batch 8, 16 heads, seqlen 2048).  Writes
+gluon_user_bwd.json under --out and prints a short table last.
+
+Usage (repository root, on the GPU):  python3 benchmarks/gluon_user_bwd.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: The mask-function examples of flashgen.user_examples (a band: window-causal).
+EXAMPLES = ("document", "document-causal", "prefix-lm", "window-causal")
+HEAD_DIMS = (64, 128)
+#: (batch, heads, kv heads, seqlen) of the checks, and of the timing.
+CHECKS = ((2, 16, 16, 1000), (2, 16, 4, 1000))
+TIMED = (8, 16, 16, 2048)
+
+
+def _problem(name: str, d: int, b: int, h: int, hk: int, s: int, seed: int = 0):
+    """Inputs (bf16, CUDA), the mask function, its bounds and the backward's UserArgs."""
+    import torch
+
+    from flashgen import user_examples, user_mods
+    from flashgen.masks import mask_bounds
+
+    ex = user_examples.make(name, h, s, device="cuda", requires_grad=False)
+    _, mask_mod = ex.functions(*ex.tensors)
+    _, lo, hi = mask_bounds(s, s, causal=ex.causal, window=tuple(ex.window))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    ua = user_mods.kernel_args(None, user_mods.trace(mask_mod, "mask"), (), None, (b, h, hk, s, s, lo, hi),
+                               q.device, True)[1]
+    return ex, mask_mod, lo, hi, (q, k, v, do), ua
+
+
+def _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua, stage_sync=False):
+    from flashgen.families.gluon import bwd as B
+
+    return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi, mask="window",
+                           config=B.default_config(d, "bfloat16", "window"), check=False, user=ua,
+                           stage_sync=stage_sync)
+
+
+def _child(name: str, d: int) -> dict:
+    """Check (every CHECKS size) and time one example at one head dim."""
+    import torch
+    import triton
+
+    import flashgen
+    from flashgen import bench, user_mods
+
+    out = {"name": name, "d": d, "checks": []}
+    for b, h, hk, s in CHECKS:
+        ex, mask_mod, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s, seed=s + h)
+        with torch.no_grad():
+            o, lse = flashgen.attention(q, k, v, causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod,
+                                        return_lse=True)
+        got = dict(zip(("dQ", "dK", "dV"), _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua, stage_sync=True)))
+        refs = {}
+        for dt in (torch.float64, torch.bfloat16):
+            qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+            oo, _ = user_mods.reference(qq, kk, vv, d ** -0.5, lo, hi, mask_mod=mask_mod, dtype=dt)
+            refs[dt] = torch.autograd.grad(oo, (qq, kk, vv), do.to(dt))
+        res = bench._ratios(got, {n: (refs[torch.float64][i], refs[torch.bfloat16][i]) for i, n in
+                                  enumerate(("dQ", "dK", "dV"))}, torch.bfloat16)
+        out["checks"].append({"size": [b, h, hk, s], "ratio": max(r for _, _, r in res.values()),
+                              "errors": {n: [e, be] for n, (e, be, _) in res.items()}})
+    out["ok"] = all(c["ratio"] <= 1.0 for c in out["checks"])
+    if not out["ok"]:
+        return out
+    b, h, hk, s = TIMED
+    ex, mask_mod, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s)
+    with torch.no_grad():
+        o, lse = flashgen.attention(q, k, v, causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod,
+                                    return_lse=True)
+    out["gluon_ms"] = triton.testing.do_bench(lambda: _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua),
+                                              warmup=25, rep=100)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    og = flashgen.attention(qg, kg, vg, causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod)
+    out["triton_ms"] = triton.testing.do_bench(
+        lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True), warmup=25, rep=100)
+    out["speedup"] = out["triton_ms"] / out["gluon_ms"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--timeout-s", type=float, default=240.0, help="per example and head dim (its child process)")
+    ap.add_argument("--child", nargs=2, metavar=("EXAMPLE", "HEAD_DIM"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(_child(args.child[0], int(args.child[1]))), flush=True)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in EXAMPLES:
+        for d in HEAD_DIMS:
+            t0 = time.perf_counter()
+            try:
+                r = subprocess.run([sys.executable, __file__, "--child", name, str(d)], capture_output=True,
+                                   text=True, timeout=args.timeout_s, cwd=ROOT)
+                res = [json.loads(x[7:]) for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+                row = res[0] if res else {"name": name, "d": d, "ok": False,
+                                          "error": f"exit {r.returncode}: {r.stderr[-1500:]}"}
+            except subprocess.TimeoutExpired:
+                row = {"name": name, "d": d, "ok": False, "error": f"timed out after {args.timeout_s:g} s"}
+            row["wall_s"] = time.perf_counter() - t0
+            rows.append(row)
+            (out / "gluon_user_bwd.json").write_text(json.dumps(rows, indent=1))
+            print(json.dumps(row)[:400], flush=True)
+    print(f"\nexample          d   ok   worst ratio  gluon ms  triton ms  triton / gluon  (batch {TIMED[0]}, "
+          f"{TIMED[1]} heads, seqlen {TIMED[3]}, bf16)")
+    for r in rows:
+        worst = max((c["ratio"] for c in r.get("checks", [])), default=float("nan"))
+        print(f"{r['name']:16} {r['d']:3}  {'yes' if r['ok'] else 'NO ':3}  {worst:11.3f}  "
+              + (f"{r['gluon_ms']:8.3f}  {r['triton_ms']:9.3f}  {r['speedup']:14.3f}" if "speedup" in r
+                 else r.get("error", "")[:60]))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
