@@ -148,7 +148,12 @@ def _cases():
         "prefix-lm": (lambda b_, h_, q, kv: (kv <= q) | (kv < 70), False, (-1, -1)),
         # per head and batch entry: a captured table read at [h], and the batch index
         "head-batch": (lambda b_, h_, q, kv: (kv + heads[h_] + b_) % 4 != 0, True, (-1, -1)),
+        # entirely visible tiles for the even heads only: the interior run is the
+        # intersection over each kv head's group
+        "half-the-heads": (lambda b_, h_, q, kv: (h_ % 2 == 0) | (kv <= q), False, (-1, -1)),
         "band": (lambda b_, h_, q, kv: q - kv <= 40, True, (-1, -1)),
+        # keeps nothing: a constant predicate, and no step at all (dK, dV zero)
+        "nothing": (lambda b_, h_, q, kv: torch.zeros_like(q, dtype=torch.bool), False, (-1, -1)),
         "window-and-document": (lambda b_, h_, q, kv: docs[q] == docs[kv], False, (64, 3)),
     }
 
@@ -172,9 +177,10 @@ def test_the_steps_keep_exactly_the_mask_functions_entries(name, d):
     B_, H_, I_, J_ = (torch.arange(n).view(*[-1 if i == k else 1 for i in range(4)]) for k, n in
                       enumerate((b, h, sq, sk)))
     want = (torch.as_tensor(mask_mod(B_, H_, I_, J_)).bool() & (J_ - I_ >= lo) & (J_ - I_ <= hi)).expand(b, h, sq, sk)
-    assert want.any() and not want.all()
+    assert (want.any() and not want.all()) or name == "nothing"
     assert torch.equal(visible, want), (name, d, (visible != want).nonzero()[:5].tolist())
-    assert int(visits[want].min()) == 1 and int(visits.max()) == 1  # every visible pair in exactly one step
+    # every visible pair in exactly one step
+    assert int(visits.max()) == (1 if want.any() else 0) and (not want.any() or int(visits[want].min()) == 1)
 
 
 def test_the_rules_refuse_every_user_variant_until_checked_and_score_functions():
@@ -192,6 +198,16 @@ def test_the_rules_refuse_every_user_variant_until_checked_and_score_functions()
         assert len(reasons) == 2 and "not built" in reasons[0], (knob, reasons)
     with pytest.raises(ValueError, match="window"):
         B.render(cfg, "bfloat16", 128, "causal", check=False, user=ua.name)
+    band = _user_args(None, lambda b_, h_, q, kv: q - kv <= 5, 1, 2, 1, 64, 64, -64, 64)
+    with pytest.raises(ValueError, match="window"):  # a band's bounds are tested in the window kernel only
+        B.render(cfg, "bfloat16", 128, "none", check=False, user=band.name)
+    for knob in (dict(dq_mode="ordered"), dict(longest_first=True), dict(group_split=2)):
+        with pytest.raises(ValueError, match="not built"):  # not even for a probe (check=False)
+            B.render(dataclasses.replace(cfg, **knob), "bfloat16", 128, "window", check=False, user=ua.name)
+    q = torch.empty(1, 2, 32, 128)
+    with pytest.raises(ValueError, match="made for sizes"):  # UserArgs of other sizes: another block mask
+        B.launch_args(q, q, q[:, :1], q[:, :1], q, torch.empty(1, 2, 32), softmax_scale=0.1, diag_lo=-32,
+                      diag_hi=32, config=cfg, user=ua)
     with pytest.raises(ValueError, match="varlen"):
         B.render(cfg, "bfloat16", 128, "window", check=False, user=ua.name, varlen=True)
     scored = _user_args(lambda s, b_, h_, q, kv: s * 0.5, None, 1, 2, 1, 64, 64, -64, 64)
@@ -222,14 +238,16 @@ for name, d in CASES:
                                   regs=[cfg.consumer_regs, cfg.producer_regs])))
 '''
 
-COMPILE_CASES = [(name, d) for name in ("document", "prefix-lm", "head-batch", "band") for d in (64, 128)]
+COMPILE_CASES = [(name, d) for name in ("document", "prefix-lm", "head-batch", "band") for d in (64, 128)] + \
+    [("nothing", 128)]
 #: ptxas spill-store bytes per (example, head_dim) and Triton minor version; any other
 #: spill fails.  The head_dim 128 lock-step partition holds dK and dV of 128 key rows
 #: (128 of its 240 registers) while a masked step evaluates the predicate: the document
 #: mask's two int64 gathers of ids spill there (Triton 3.9's ptxas, with
-#: --regAllocOptLevel=2, also a few bytes for the others).
-SPILL_BYTES = {"3.6": {("document", 128): 312},
-               "3.9": {("document", 128): 288, ("prefix-lm", 128): 16, ("head-batch", 128): 8}}
+#: --regAllocOptLevel=2, also a few bytes for the others); so does the constant tile of
+#: a mask that keeps nothing, whose steps never run.
+SPILL_BYTES = {"3.6": {("document", 128): 312, ("nothing", 128): 136},
+               "3.9": {("document", 128): 288, ("prefix-lm", 128): 16, ("head-batch", 128): 8, ("nothing", 128): 8}}
 
 
 def test_user_variants_compile_for_sm90():

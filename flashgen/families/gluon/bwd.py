@@ -869,8 +869,12 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     if user and varlen:
         raise ValueError("a user mask function and varlen: the ragged-batch backward takes none")
     uvars = bwd_template_vars(user)
-    if uvars["USER_MASK"] and mask != "window":
-        raise ValueError(f"user mask function {user}: compiled into the window kernel (mask 'window'), not {mask!r}")
+    if user and mask != "window":
+        raise ValueError(f"user mask function {user}: compiled into the window kernel (mask 'window': the "
+                         f"bounds a band tightens are tested there), not {mask!r}")
+    unbuilt = [r for r in user_reasons(config, mask) if r != USER_NOT_CHECKED] if user else []
+    if unbuilt:  # with or without the rules' checks: these would read the block mask wrongly or hang
+        raise ValueError(f"Gluon backward config {config.id} with user mask function {user}: " + "; ".join(unbuilt))
     if probe not in DQ_PROBES or (probe and (config.dq_mode != "ordered" or config.dq_writer)):
         raise ValueError(f"probe {probe!r}: one of {DQ_PROBES[1:]} with dq_mode 'ordered'")
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
@@ -1076,6 +1080,9 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     if c.longest_first:
         main += (longest_first_section(b * hk * gs, h // hk // gs, sq, d),)
     if user is not None:
+        if tuple(user.sizes) != (b, h, hk, sq, sk, int(diag_lo), int(diag_hi)):
+            raise ValueError(f"user mask function {user.name}: made for sizes and bounds {tuple(user.sizes)}, "
+                             f"called with {(b, h, hk, sq, sk, int(diag_lo), int(diag_hi))}")
         main += tuple(user.gluon_bwd_args(c.block_m, c.block_nt))
     # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program);
     # longest_first: a 1-D grid in sections (ordered_program with head_group = section)
@@ -1511,7 +1518,7 @@ def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, k
     from CPU tensors' argument types (no GPU needed; run without TRITON_INTERPRET);
     ``probe``, ``varlen``: :func:`render`'s (``varlen``: "attn_bwd" only); ``user``: a
     user mask function's :class:`flashgen.user_mods.UserArgs` (its captured tensors on
-    the CPU; 256 query and key rows)."""
+    the CPU; the sizes and bounds it was made for)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -1532,10 +1539,13 @@ def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, k
         a = varlen_launch_args(qp, qp, kp, kp, qp, torch.empty(h, s, dtype=torch.float32), cu, cu, s, s,
                                softmax_scale=0.1, win_left=-1, win_right=-1, config=config)
     else:
-        q = torch.empty(b, h, s, head_dim, dtype=tdt)
-        k = torch.empty(b, hk, s, head_dim, dtype=tdt)
-        lse = torch.empty(b, h, s, dtype=torch.float32)
-        a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-s, diag_hi=s, config=config, user=user)
+        sq, sk, lo, hi = s, s, -s, s
+        if user is not None:  # the sizes and bounds its block mask was made for
+            b, h, hk, sq, sk, lo, hi = user.sizes
+        q = torch.empty(b, h, sq, head_dim, dtype=tdt)
+        k = torch.empty(b, hk, sk, head_dim, dtype=tdt)
+        lse = torch.empty(b, h, sq, dtype=torch.float32)
+        a = launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=lo, diag_hi=hi, config=config, user=user)
     if kernel == "group_reduce":
         from . import reduce
 

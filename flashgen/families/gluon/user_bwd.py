@@ -15,7 +15,7 @@ import textwrap
 
 from ... import user_render
 from ...errors import UnsupportedError
-from .user import gluon
+from .user import _CONST_MASK, gluon
 
 
 def bwd_template_vars(mods: str, indent: str = "            ") -> dict:
@@ -42,7 +42,10 @@ def bwd_template_vars(mods: str, indent: str = "            ") -> dict:
     out = dict(empty, USER=True, USER_NAME=mods, USER_BOUNDS=gluon(ctx.bounds()).rstrip("\n"))
     if not ctx.mask:
         return out
-    lines = gluon(ctx.score_block("s", "u_rows", "u_cols", True)).rstrip("\n").splitlines()
+    # a constant predicate (a mask function that keeps nothing) as a full tile of S^T
+    block = _CONST_MASK.sub(r"gl.full([PB, BLOCK_M], \1, gl.int1, ST_LAYOUT)",
+                            ctx.score_block("s", "u_rows", "u_cols", True))
+    lines = gluon(block).rstrip("\n").splitlines()
     cut = next(i for i, ln in enumerate(lines) if ln.strip() == "if MASKED:")
     # the consumer evaluates the predicate in its masked branch: the block without its
     # own "if MASKED:" (the lines before it are comments)
