@@ -96,10 +96,10 @@ def _parse(argv):
                         "name (JSON step_kernels, prefill_kernels) and a table of the kernels whose time differs "
                         "most")
     p.add_argument("--gaps", action="store_true",
-                   help="also trace one prefill per implementation on the host and the GPU (torch.profiler with "
-                        "Python stacks): the GPU's idle time between kernels, and for each idle gap the kernel "
-                        "that ended it and the Python frame that launched it (JSON prefill_gaps; a table per "
-                        "configuration)")
+                   help="also trace one train step and one prefill per implementation on the host and the GPU "
+                        "(torch.profiler with Python stacks): the GPU's idle time between kernels, and for each "
+                        "idle gap the kernel that ended it and the Python frame that launched it (JSON step_gaps, "
+                        "prefill_gaps; a table per configuration)")
     p.add_argument("--padding", type=int, default=0,
                    help="left-pad every other batch entry by this many tokens (attention_mask 0 there, "
                         "their labels -100): the models then pass a bool mask to attention")
@@ -274,8 +274,11 @@ def gap_table(events: list[dict], host_ms: float) -> dict:
         gap = k["ts"] - end
         if gap >= GAP_US:
             launch = launch_of(k)
-            stack = [] if launch is None else sorted(
-                (e for e in pyf if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]), key=lambda e: e["ts"])
+            # the frames around the launch on its own thread (autograd launches the
+            # backward's kernels from its device thread), else on any thread
+            around = [] if launch is None else [e for e in pyf if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
+            same = [e for e in around if e.get("tid") == launch.get("tid")]
+            stack = sorted(same or around, key=lambda e: e["ts"])
             slot = by_frame.setdefault(_frame([e["name"] for e in stack]), [0, 0.0, k["name"][:60]])
             slot[0] += 1
             slot[1] += gap
@@ -396,6 +399,8 @@ def run_config(name, spec, args, impl_fg: str, device, dtype) -> dict:
         r["train_step_ms_all"] = times
         if args.profile and cuda:
             r["step_kernels"] = _step_kernels(step)
+        if args.gaps and cuda:
+            r["step_gaps"] = _gaps(step)
         del opt
         model.zero_grad(set_to_none=True)
         # prefill: forward only
@@ -567,11 +572,12 @@ def main(argv=None) -> int:
             print(f"{name:12} {r['reference']:5} first {s['generate_ms_first']:.3f} / {f_['generate_ms_first']:.3f} "
                   f"({r['generate_ratio_first']:.3f}x)  last {s['generate_ms_last']:.3f} / {f_['generate_ms_last']:.3f} "
                   f"({r['generate_ratio_last']:.3f}x)")
-    for name, r in result["configs"].items():
-        gs = {i: r["impl"][i].get("prefill_gaps") for i in (r["reference"], impl_fg)}
+    for (name, r), (field, what) in itertools.product(result["configs"].items(), (("step_gaps", "train step"),
+                                                                                 ("prefill_gaps", "prefill"))):
+        gs = {i: r["impl"][i].get(field) for i in (r["reference"], impl_fg)}
         if None in gs.values():
             continue
-        print(f"\n{name}: one traced prefill (host ms to return; GPU busy / idle us between the first and last "
+        print(f"\n{name}: one traced {what} (host ms to return; GPU busy / idle us between the first and last "
               f"kernel; idle gaps of >= {GAP_US:g} us by the Python frame that launched the kernel after them)")
         for impl, g in gs.items():
             print(f"  {impl}: host {g['host_ms']:.2f} ms, {g['kernels']} kernels, busy {g['busy_us']:.0f} us, "

@@ -170,6 +170,8 @@ def test_transformers_step_gap_table_finds_the_frame_that_launched_after_idle_ti
         x("python_function", "/m/transformers/models/llama/modeling_llama.py(300): forward", 0, 1000),
         x("python_function", "/r/flashgen/integrations/transformers.py(400): attention_forward", 100, 300),
         x("python_function", "/r/flashgen/library.py(700): forward", 150, 200),
+        # another thread's frame around the same time (autograd's device thread)
+        dict(x("python_function", "/r/flashgen/ops.py(90): backward", 300, 50), tid=9),
         x("python_function", "<built-in method empty>", 160, 5),
         x("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
         x("cuda_runtime", "cudaStreamSynchronize", 170, 40),
