@@ -582,7 +582,8 @@ def varlen_reasons(config: GluonBwdConfig, head_dim: int) -> list[str]:
 
 
 #: Why the rules refuse every user-function variant of the backward for now: built and
-#: compiled for sm_90 (tests/test_gluon_bwd.py), their float64 checks not yet run.
+#: compiled for sm_90 (tests/test_gluon_user_bwd.py), their float64 checks not yet run
+#: (python -m benchmarks gluon-user-bwd runs them).
 USER_NOT_CHECKED = f"user mask functions in the Gluon backward: the variant {NOT_CHECKED}"
 
 
