@@ -189,7 +189,7 @@ def test_a_model_that_never_passes_its_window_keeps_the_windows_mask(arch, calls
             calls.clear()
             torch.testing.assert_close(got(input_ids=ids).logits, want, rtol=1e-4, atol=2e-5)
             assert len(calls) == 2 and all(c["bias"] is not None and c["window"] == (-1, -1) for c in calls), calls
-    assert fg_tf._PASSES_WINDOW == {type(got.config): False}
+    assert not fg_tf._window_passed(got.config) and fg_tf._PASSES_WINDOW[id(got.config)][0]() is got.config
 
 
 def test_a_decode_step_over_a_cache_runs_the_flash_decoding_form(calls, monkeypatch):
@@ -435,14 +435,21 @@ def test_mask_function():
 
     assert fg_tf.attention_mask(**_mask_kwargs()) is None  # causal, no padding: sdpa's own skip
     # the exact band, kept until the model's attention modules were seen passing their
-    # window to attention_forward; then dropped (window=(2, 0))
-    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is not None
-    fg_tf._PASSES_WINDOW[transformers.MistralConfig] = False
-    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is not None
-    fg_tf._PASSES_WINDOW[transformers.MistralConfig] = True
-    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is None
+    # window to attention_forward (per config object); then dropped (window=(2, 0))
+    band = _mask_kwargs(local_size=3)
+    assert fg_tf.attention_mask(**band) is not None
+    fg_tf._record_window(band["config"], False)
+    assert fg_tf.attention_mask(**band) is not None
+    fg_tf._record_window(band["config"], True)  # once a call left it out, it stays out
+    assert fg_tf.attention_mask(**band) is not None
+    fg_tf._PASSES_WINDOW.clear()
+    fg_tf._record_window(band["config"], True)
+    assert fg_tf.attention_mask(**band) is None
+    assert fg_tf.attention_mask(**_mask_kwargs(local_size=3)) is not None  # another config object, same class
     # decode step against 5 cached keys with a window of 3: the band again (bottom-right)
-    assert fg_tf.attention_mask(**_mask_kwargs(q_length=1, kv_length=6, q_offset=5, local_size=3)) is None
+    decode = _mask_kwargs(q_length=1, kv_length=6, q_offset=5, local_size=3)
+    fg_tf._record_window(decode["config"], True)
+    assert fg_tf.attention_mask(**decode) is None
     pad = torch.ones(2, 6, dtype=torch.bool)
     pad[0, 0] = False
     for kw in (dict(attention_mask=pad), dict(attention_mask=pad, local_size=3),
@@ -457,8 +464,8 @@ def test_mask_function():
     assert fg_tf.attention_mask(**_mask_kwargs(local_size=6)) is None
     assert fg_tf.attention_mask(**_mask_kwargs(local_size=5)) is not None
     # local_size that is not the config's sliding_window (another kind of local mask): kept
-    fg_tf._PASSES_WINDOW[transformers.MistralConfig] = True
     kw = _mask_kwargs(local_size=3)
+    fg_tf._record_window(kw["config"], True)
     kw["config"].sliding_window = 4
     assert fg_tf.attention_mask(**kw) is not None
 

@@ -94,6 +94,7 @@ import math
 import numbers
 import sys
 import warnings
+import weakref
 
 import torch
 
@@ -152,13 +153,35 @@ def register(name: str = DEFAULT_NAME) -> str:
 
 # -- the mask function -----------------------------------------------------------------
 
-#: The class of a model's config -> whether every call of :func:`attention_forward` from
-#: that model's attention modules (``module.config``) passed ``sliding_window`` (None on a
-#: full layer counts): what :func:`attention_mask` needs to drop a sliding-window mask.
-#: A class no call came from is absent (the mask is kept).
+#: id(a model's config) -> (a weak reference to it, whether every call of
+#: :func:`attention_forward` from that model's attention modules (``module.config``)
+#: passed ``sliding_window``; None on a full layer counts): what :func:`attention_mask`
+#: needs to drop a sliding-window mask.  Per config object, not class: a model class of
+#: remote code may reuse another's config class without passing the window.  A config
+#: no call came from is absent (the mask is kept).
 _PASSES_WINDOW: dict = {}
+_PASSES_WINDOW_MAX = 256
 #: ``sliding_window``'s default in :func:`attention_forward`: not passed (unlike None).
 _NOT_PASSED = object()
+
+
+def _window_passed(config) -> bool:
+    """Whether every call from ``config``'s model passed ``sliding_window`` (False before
+    any call)."""
+    entry = _PASSES_WINDOW.get(id(config))
+    return entry is not None and entry[0]() is config and entry[1]
+
+
+def _record_window(config, passed: bool) -> None:
+    """Record a call from ``config``'s model that passed ``sliding_window`` or not."""
+    entry = _PASSES_WINDOW.get(id(config))
+    if entry is None or entry[0]() is not config:
+        if len(_PASSES_WINDOW) >= _PASSES_WINDOW_MAX:  # configs that died, then the oldest
+            for k in [k for k, (ref, _) in _PASSES_WINDOW.items() if ref() is None] or [next(iter(_PASSES_WINDOW))]:
+                del _PASSES_WINDOW[k]
+        _PASSES_WINDOW[id(config)] = (weakref.ref(config), passed)
+    elif entry[1] and not passed:
+        _PASSES_WINDOW[id(config)] = (entry[0], False)
 
 def _band(seqlen_q: int, seqlen_k: int, window_left: int | None, device, top_left: bool = False) -> torch.Tensor:
     """bool (seqlen_q, seqlen_k): the causal pattern flashgen runs for no mask, bottom-right
@@ -187,8 +210,8 @@ def attention_mask(*args, **kwargs):
     torch.compile traces (the check reads the mask's values).
 
     A sliding-window mask is dropped only for a model whose attention modules were seen
-    to pass ``sliding_window`` to :func:`attention_forward` (:data:`_PASSES_WINDOW`, by the
-    class of ``config``), as transformers' FlashAttention integration needs them to:
+    to pass ``sliding_window`` to :func:`attention_forward` (:data:`_PASSES_WINDOW`, per
+    ``config`` object), as transformers' FlashAttention integration needs them to:
     some models (Phimoe, Qwen2-MoE's sliding layers) build the window's mask but never
     pass the window, and without the mask they would attend to every earlier key.  So a
     model's first forward reads the window's mask (exactly, as a bias or as documents).
@@ -209,7 +232,7 @@ def attention_mask(*args, **kwargs):
     if local is not None:
         config = kwargs.get("config")
         if (isinstance(local, bool) or not isinstance(local, int) or local < 1 or config is None
-                or getattr(config, "sliding_window", None) != local or not _PASSES_WINDOW.get(type(config), False)):
+                or getattr(config, "sliding_window", None) != local or not _window_passed(config)):
             return mask
     expected = _band(sq, sk, None if local is None else local - 1, mask.device)
     return None if torch.equal(mask, expected.expand_as(mask)) else mask
@@ -493,13 +516,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         (O of shape (batch, seqlen_q, num_heads, head_dim_v), contiguous, in the
         query's dtype; None): the attention weights are never materialized.
     """
-    config = getattr(module, "config", None)
-    if sliding_window is _NOT_PASSED:
+    passed = sliding_window is not _NOT_PASSED
+    if not passed:
         sliding_window = None
-        if config is not None:
-            _PASSES_WINDOW[type(config)] = False
-    elif config is not None:
-        _PASSES_WINDOW.setdefault(type(config), True)
+    # transformers' attention modules keep their config in their instance dict (no
+    # nn.Module.__getattr__ and its exception for a module without one)
+    config = module.__dict__.get("config")
+    if config is not None:
+        entry = _PASSES_WINDOW.get(id(config))  # recorded as it is: nothing to do (every layer after the first)
+        if (entry is None or entry[0]() is not config or (entry[1] and not passed)) \
+                and not torch.compiler.is_compiling():
+            _record_window(config, passed)
     pkey = None
     if attention_mask is None and not torch.compiler.is_compiling():
         pkey = _plain_key(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap, kwargs)
