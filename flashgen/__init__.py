@@ -15,13 +15,26 @@ from .dropout import dropout_mask, manual_seed  # noqa: E402
 from .errors import FlashgenError, InputError, UnsupportedError  # noqa: E402
 
 
-def tune_mods(q, k, v, **kwargs):
+def tune_mods(q, k, v, *, score_mod=None, mask_mod=None, sinks=None, causal: bool = False,
+              window: tuple[int, int] = (-1, -1), db, trials: int = 20, **kwargs) -> list:
     """Tune the kernels of ``flashgen.attention(q, k, v, score_mod=..., mask_mod=...,
-    sinks=...)`` into a tuning DB: :func:`flashgen.user_tune.tune_mods` (imported on
-    first use: it needs the tuner's Optuna)."""
+    sinks=..., causal=..., window=...)`` at these sizes into the tuning DB ``db`` (a
+    path; created if missing, never overwritten), ``trials`` Optuna trials (an int >= 1)
+    per kernel, each config checked against float64 first; the process's dispatcher
+    reads the rows at once.
+
+    q: (batch, num_heads, seqlen_q, head_dim); k, v: (batch, num_kv_heads, seqlen_k,
+    head_dim / head_dim_v); float16 or bfloat16 on a CUDA device (their sizes, dtype and
+    device only: the measurements use inputs of their own).  Returns the tuner's
+    TuneResult per key.  Raises InputError for bad sizes or options (a CPU tensor
+    without ``benchmarker=``, ``trials`` below 1, a ``db`` whose directory is missing
+    or not writable) and UnsupportedError for functions flashgen cannot compile.  The
+    whole contract (``kernels``, ``benchmarker``, ``env``, ``arch``, ``seed``):
+    :func:`flashgen.user_tune.tune_mods` (imported on first use: it needs Optuna)."""
     from .user_tune import tune_mods as _tune_mods
 
-    return _tune_mods(q, k, v, **kwargs)
+    return _tune_mods(q, k, v, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, causal=causal, window=window,
+                      db=db, trials=trials, **kwargs)
 
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "scaled_dot_product_attention", "explain",

@@ -364,8 +364,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             exact at any magnitude.
         return_lse: a bool: also return the log-sum-exp of each score row.
         deterministic: None (default) follows ``torch.are_deterministic_algorithms_enabled()``
-            when the backward runs; True makes the backward bitwise repeatable (the
-            Triton family's bwd_dq + bwd_dkdv kernels, dQ by its own pass); False lets
+            when the backward runs; True makes the backward bitwise repeatable (on sm_90
+            the Gluon backward with dQ added in a fixed order where a tuning row
+            measured it faster, else the Triton family's bwd_dq + bwd_dkdv kernels,
+            dQ by its own pass); False lets
             the dispatcher pick the fastest backward, which on sm_90 may be the Gluon
             family's (dQ accumulated in float32 by TMA reduce-add, in an order that varies
             from run to run: repeated gradients can differ in the last bits).  The
@@ -428,6 +430,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             nothing and make that score NaN, so the query rows it touches come out NaN
             (O, LSE, and in the backward those rows' dQ, and dK, dV and the captured
             tensors' gradients they reach); nothing is read or written past a tensor.
+            CPU tensors without Triton's interpreter run the function in torch itself,
+            whose indexing applies: such an index out of range raises torch's
+            IndexError, and a negative one wraps.
             Integer arithmetic is int32 in the kernels unless a constant needs int64
             (int64 from there on, as in torch); a constant outside int64 is an
             UnsupportedError.
@@ -950,8 +955,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     ``attn_mask`` (bool: True = take part; or the query's dtype: added to the scores),
     broadcastable to (batch, heads, seqlen_q, seqlen_k), is served as flashgen's
-    ``bias`` (read tile by tile); a row it masks entirely outputs 0 (torch's math
-    backend gives NaN).  A bool mask of packed documents (one (seqlen, seqlen) pattern
+    ``bias`` (read tile by tile); a row it masks entirely outputs 0.  A bool mask of packed documents (one (seqlen, seqlen) pattern
     per batch entry or for all, block-causal or bidirectional within consecutive
     documents, as packed-dataset training builds it; without dropout) runs as one
     ragged batch through :func:`attention_varlen` instead: the mask is checked once per
@@ -1082,7 +1086,17 @@ class KernelChoice:
 
 @dataclass(frozen=True)
 class Explanation:
-    """What a call would run (see :func:`explain`)."""
+    """What a call would run (see :func:`explain`; ``str()`` prints it).
+
+    Fields: ``backend`` "flashgen" or "torch-sdpa-fallback"; ``path`` where flashgen
+    runs it (generated kernels on a device, the CPU reference, Triton's interpreter);
+    ``reason`` why torch's SDPA runs it (fallback only, else None); ``mask`` "none",
+    "causal" or "window" and its bounds ``diag_lo`` / ``diag_hi`` (query i sees key j
+    iff diag_lo <= j - i <= diag_hi); ``softmax_scale``; ``kernels`` one
+    :class:`flashgen.api.KernelChoice` per kernel (its family, config, where the
+    config came from, measured time and shared-memory budget); ``backward`` which
+    backward runs and whether it is bitwise repeatable.  None where a field does not
+    apply."""
 
     backend: str  # "flashgen" | "torch-sdpa-fallback"
     path: str  # e.g. "generated kernels on cuda:0 (...)", "reference (CPU, float32 math)"
