@@ -226,34 +226,45 @@ from test_gluon_user_bwd import _cases, _user_args
 from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon.sm90 import SERIALIZED, report
 from flashgen.masks import mask_bounds
-for name, d in CASES:
+import dataclasses
+for name, d, knobs in CASES:
     mask_mod, causal, window = _cases()[name]
     mode, lo, hi = mask_bounds(256, 256, causal=causal, window=window)
     ua = _user_args(None, mask_mod, 1, 2, 1, 256, 256, lo, hi)
-    cfg = B.default_config(d, "bfloat16", "window")
+    cfg = dataclasses.replace(B.default_config(d, "bfloat16", "window"), **knobs)
+    assert B.invalid_reasons(cfg, d, "bfloat16", "window") == [], (cfg, knobs)
     r = report(B.compile_sm90(cfg, "bfloat16", d, "window", check=False, user=ua))
-    print("OK " + json.dumps(dict(name=name, d=d, id=B.variant_id(cfg, "bfloat16", d, "window", user=ua.name),
+    print("OK " + json.dumps(dict(name=name, d=d, knobs=sorted(knobs), id=B.variant_id(cfg, "bfloat16", d, "window", user=ua.name),
                                   spill=r.spill_bytes, hgmma=r.hgmma, setmaxnreg=r.setmaxnreg,
                                   serialized=[c for c in SERIALIZED if c in r.ptxas_log],
                                   regs=[cfg.consumer_regs, cfg.producer_regs])))
 '''
 
-COMPILE_CASES = [(name, d) for name in ("document", "prefix-lm", "head-batch", "band") for d in (64, 128)] + \
-    [("nothing", 128)]
-#: ptxas spill-store bytes per (example, head_dim) and Triton minor version; any other
-#: spill fails.  The head_dim 128 lock-step partition holds dK and dV of 128 key rows
-#: (128 of its 240 registers) while a masked step evaluates the predicate: the document
-#: mask's two int64 gathers of ids spill there (Triton 3.9's ptxas, with
-#: --regAllocOptLevel=2, also a few bytes for the others); so does the constant tile of
-#: a mask that keeps nothing, whose steps never run.
-SPILL_BYTES = {"3.6": {("document", 128): 312, ("nothing", 128): 136},
-               "3.9": {("document", 128): 288, ("prefix-lm", 128): 16, ("head-batch", 128): 8, ("nothing", 128): 8}}
+#: (example, head_dim, knobs over the head_dim's default tile): the defaults' tiles for
+#: every example, and the document mask on other tiles the rules admit.
+COMPILE_CASES = [(name, d, {}) for name in ("document", "prefix-lm", "head-batch", "band") for d in (64, 128)] + \
+    [("nothing", 128, {}), ("document", 64, {"stages": 1}), ("document", 64, {"row_load": "ptr"}),
+     ("document", 128, {"stages": 1}), ("document", 128, {"split": True, "dq_stage": "swizzled", "kv_store": "ptr"})]
+#: ptxas spill-store bytes per (example, head_dim, knobs) and Triton minor version; any
+#: other spill fails.  The head_dim 128 lock-step partition holds dK and dV of 128 key
+#: rows (128 of its 240 registers) while a masked step evaluates the predicate: the
+#: document mask's two int64 gathers of ids spill there, more with one stage or split
+#: partitions, and a little at head_dim 64 with one stage or the rows by pointer (Triton
+#: 3.9's ptxas, with --regAllocOptLevel=2, also a few bytes for the other masks); so does
+#: the constant tile of a mask that keeps nothing, whose steps never run.
+SPILL_BYTES = {"3.6": {("document", 128, ()): 312, ("nothing", 128, ()): 136, ("document", 64, ("stages",)): 44,
+                       ("document", 64, ("row_load",)): 44, ("document", 128, ("stages",)): 428,
+                       ("document", 128, ("dq_stage", "kv_store", "split")): 880},
+               "3.9": {("document", 128, ()): 288, ("prefix-lm", 128, ()): 16, ("head-batch", 128, ()): 8,
+                       ("nothing", 128, ()): 8, ("document", 128, ("stages",)): 400,
+                       ("document", 128, ("dq_stage", "kv_store", "split")): 676}}
 
 
 def test_user_variants_compile_for_sm90():
-    """Every example at head_dim 64 (split partitions) and 128 (the lock-step one), the
-    defaults' tiles: HGMMA, both partitions' setmaxnreg budgets in the SASS, no
-    serialized wgmma, and no spill but those recorded."""
+    """Every example at head_dim 64 (split partitions) and 128 (the lock-step one) on the
+    defaults' tiles, and the document mask on other admitted tiles: HGMMA, both
+    partitions' setmaxnreg budgets in the SASS, no serialized wgmma, and no spill but
+    those recorded."""
     import triton
 
     from sm90 import json_rows
@@ -263,5 +274,5 @@ def test_user_variants_compile_for_sm90():
     for row in rows:
         assert row["hgmma"] > 0 and set(row["regs"]) <= set(row["setmaxnreg"]), row
         assert row["serialized"] == [], row
-        assert row["spill"] == spills.get((row["name"], row["d"]), 0), row
+        assert row["spill"] == spills.get((row["name"], row["d"], tuple(row["knobs"])), 0), row
     assert len({row["id"] for row in rows}) == len(rows)
