@@ -595,11 +595,13 @@ class TuningDB:
         are not measurements (:func:`check_rows`) refuse the whole import.  ``tflops`` is
         derived again, as :meth:`merge_from` does."""
         check_rows(rows, "rows to import")
-        return self._insert_new(rows, "rows to import")
+        return self._insert_new(rows, "rows to import", checked=True)
 
-    def _insert_new(self, rows: list[dict], source, drop: list[dict] = ()) -> int:
+    def _insert_new(self, rows: list[dict], source, drop: list[dict] = (), checked: bool = False) -> int:
         """Insert the rows this DB lacks (identity: :data:`IDENTITY`, among the rows that
-        stay: ``drop`` is deleted in the same transaction), ``tflops`` derived again."""
+        stay: ``drop`` is deleted in the same transaction), ``tflops`` derived again;
+        those are checked (:func:`check_rows`) unless the caller ``checked`` all of
+        ``rows``."""
         cols = [c for c in COLUMNS if c != "id"]
         dropped = {r["id"] for r in drop}
         have = {tuple(r[1:]) for r in self._conn.execute(
@@ -610,7 +612,8 @@ class TuningDB:
             if ident not in have:
                 have.add(ident)
                 new.append({c: r.get(c) for c in cols})
-        check_rows(new, source)
+        if not checked:
+            check_rows(new, source)
         for r in new:  # derived: counted as this version counts it
             r["tflops"] = derived_tflops(r)
         self._add_missing_columns()
@@ -657,7 +660,7 @@ class TuningDB:
         if gone:
             write_copy(keep, gone)
         try:
-            return self._insert_new(rows, source, drop=gone), gone
+            return self._insert_new(rows, source, drop=gone, checked=True), gone
         except BaseException:
             if gone:
                 remove_db_files(keep)

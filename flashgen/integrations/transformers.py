@@ -519,20 +519,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     passed = sliding_window is not _NOT_PASSED
     if not passed:
         sliding_window = None
-    # transformers' attention modules keep their config in their instance dict (no
-    # nn.Module.__getattr__ and its exception for a module without one)
-    config = module.__dict__.get("config")
-    if config is not None:
-        entry = _PASSES_WINDOW.get(id(config))  # recorded as it is: nothing to do (every layer after the first)
-        if (entry is None or entry[0]() is not config or (entry[1] and not passed)) \
-                and not torch.compiler.is_compiling():
-            _record_window(config, passed)
     pkey = None
     if attention_mask is None and not torch.compiler.is_compiling():
         pkey = _plain_key(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap, kwargs)
         hit = _PLAIN.get(pkey) if pkey is not None else None
         if hit is not None:  # the checks and the choices below, made for a call like this one before
             return _dense(query, key, value, *hit, scaling, softcap, None, dropout)
+    # Past the memo: it serves calls without a mask only, and a layer whose window's mask
+    # is kept arrives with it, so every call that can record "not passed" is recorded.
+    # transformers' attention modules keep their config in their instance dict (no
+    # nn.Module.__getattr__ and its exception for a module without one).
+    config = module.__dict__.get("config")
+    if config is not None and not torch.compiler.is_compiling():
+        _record_window(config, passed)
     reason, sinks_mask = _reason_and_sinks_mask(module, query, key, value, attention_mask, dropout, scaling,
                                                 is_causal, sliding_window, softcap, **kwargs)
     if reason is not None:
