@@ -332,7 +332,12 @@ def test_a_stopped_single_process_tune_logs_its_interrupted_trial_in_one_line(tm
     assert log.handlers
     stream = io.StringIO()
     handler = log.handlers[0]
-    old = handler.setStream(stream)
+    # the attributes, not setStream(): that flushes the old stream; and a plain formatter:
+    # Optuna's colored one asks the stderr it was made with, which an earlier test's
+    # capture may have closed, whether it is a terminal
+    old = handler.stream, handler.formatter, log.level
+    handler.stream, handler.formatter = stream, logging.Formatter("%(message)s")
+    log.setLevel(logging.WARNING)  # a tune run earlier in this process may have quieted Optuna
     try:
         def emit(exc):
             try:
@@ -346,7 +351,8 @@ def test_a_stopped_single_process_tune_logs_its_interrupted_trial_in_one_line(tm
             emit(ValueError("boom"))
         emit(KeyboardInterrupt())
     finally:
-        handler.setStream(old)
+        handler.stream, handler.formatter = old[:2]
+        log.setLevel(old[2])
     lines = stream.getvalue().splitlines()
     first, rest = lines[0], "\n".join(lines[1:])
     assert "KeyboardInterrupt()" in first and not first.startswith("Traceback")
