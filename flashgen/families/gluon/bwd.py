@@ -873,7 +873,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     if user and mask != "window":
         raise ValueError(f"user mask function {user}: compiled into the window kernel (mask 'window': the "
                          f"bounds a band tightens are tested there), not {mask!r}")
-    unbuilt = [r for r in user_reasons(config, mask) if r != USER_NOT_CHECKED] if user else []
+    ureasons = user_reasons(config, mask) if user else []
+    unbuilt = [r for r in ureasons if r != USER_NOT_CHECKED]
     if unbuilt:  # with or without the rules' checks: these would read the block mask wrongly or hang
         raise ValueError(f"Gluon backward config {config.id} with user mask function {user}: " + "; ".join(unbuilt))
     if probe not in DQ_PROBES or (probe and (config.dq_mode != "ordered" or config.dq_writer)):
@@ -881,8 +882,8 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
     if check and varlen:
         reasons += varlen_reasons(config, head_dim)
-    if check and user:
-        reasons += user_reasons(config, mask)
+    if check:
+        reasons += ureasons
     if reasons:
         raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
                          + "; ".join(reasons))
