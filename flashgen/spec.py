@@ -49,6 +49,9 @@ WHOLE_BWD = "bwd"
 WHOLE_BWD_VARLEN = "bwd_varlen"
 #: Every kernel name a KernelSpec, a ProblemKey or a DB row may carry.
 ALL_KERNELS = KERNELS + (WHOLE_BWD, WHOLE_BWD_VARLEN)
+#: The kernels user score/mask functions compile into: the dense ones, and a family's
+#: whole backward (mask functions alone).
+USER_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", WHOLE_BWD)
 #: The mask modes the decode kernels compile (a sliding window is not served).
 DECODE_MASKS = ("none", "causal")
 
@@ -189,12 +192,12 @@ class KernelSpec:
     def __post_init__(self):
         if self.mods:
             if is_user_mods(self.mods):
-                if self.kernel not in DENSE_KERNELS:
-                    raise ValueError(f"user score/mask functions ({self.mods}) are compiled into {DENSE_KERNELS} "
+                if self.kernel not in USER_KERNELS:
+                    raise ValueError(f"user score/mask functions ({self.mods}) are compiled into {USER_KERNELS} "
                                      f"only, not {self.kernel!r}")
             elif self.mods not in all_mods():
                 raise ValueError(f"mods must be '' or a '_'-joined subset of {MODS} in that order, got {self.mods!r}")
-            if self.kernel not in DENSE_KERNELS:
+            elif self.kernel not in DENSE_KERNELS:
                 raise ValueError(f"score modifications ({self.mods}) are compiled into {DENSE_KERNELS} only, "
                                  f"not {self.kernel!r}")
         if self.kernel not in ALL_KERNELS:

@@ -5,13 +5,15 @@ traced and lowered once, which gives the variants' names (``KernelSpec.mods`` = 
 a hash of the lowered code, the same in every process that traces the same functions)
 and so their problem keys: ``fwd`` (the forward with the score/mask functions and the
 sinks), and, when there is a score or mask function, ``bwd_dq`` and ``bwd_dkdv`` (the
-backward's, with the gradients of the captured tensors that require grad).  Sinks alone
-have no backward variant: their backward runs the plain kernels (tuned as plain keys).
+backward's, with the gradients of the captured tensors that require grad), and with
+mask functions alone ``bwd`` too (a family's whole backward: the Gluon one's user
+variants, :mod:`flashgen.families.gluon.user_bwd`).  Sinks alone have no backward
+variant: their backward runs the plain kernels (tuned as plain keys).
 
 :class:`UserBenchmarker` measures a variant of a problem the way the tuner's
 :class:`flashgen.bench.KernelBenchmarker` measures built-in ones: first a check against
 the float64 reference (:func:`flashgen.user_mods.reference`: O and LSE for fwd; dQ and
-the captured tensors' gradients for bwd_dq; dK, dV for bwd_dkdv) on an awkward size
+the captured tensors' gradients for bwd_dq; dK, dV for bwd_dkdv; dQ, dK, dV for bwd) on an awkward size
 (seqlens not multiples of any tile, memory past seqlen_k holding NaN, outputs poisoned
 with NaN) with the rule max error <= 2 x torch's error at the input dtype + floor; then
 the kernel alone, timed at the problem's size (CUDA events, L2 flushed, median).  A
@@ -37,10 +39,7 @@ import torch
 from . import bench, families, heuristics, user_mods
 from .errors import InputError
 from .masks import mask_bounds
-from .spec import DTYPES, KernelSpec, Measurement, ProblemKey, Shape, Variant
-
-#: The dense kernels a user variant compiles into.
-USER_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
+from .spec import DTYPES, USER_KERNELS, WHOLE_BWD, KernelSpec, Measurement, ProblemKey, Shape, Variant
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -93,20 +92,27 @@ class UserProblem:
         return user_mods.kernel_args(self.score, self.mask_fn, self.grad_flags, self.sinks,
                                      (batch, s.num_heads, s.num_kv_heads, sq, sk, lo, hi), self.device, backward)
 
+    def has(self, kernel: str) -> bool:
+        """Whether this problem has a user variant of ``kernel``: the forward always, the
+        backward's two kernels with a score or mask function, the whole backward with
+        mask functions alone."""
+        if kernel == "fwd":
+            return True
+        if kernel == WHOLE_BWD:
+            return self.bwd_mods is not None and self.score is None
+        return kernel in USER_KERNELS and self.bwd_mods is not None
+
     def spec(self, kernel: str) -> KernelSpec:
         """The KernelSpec of ``kernel``'s user variant (ValueError for a kernel it has none of)."""
+        if not self.has(kernel):
+            raise ValueError(f"{self.label}: no user variant of {kernel!r} (sinks alone run the plain backward; "
+                             "a score function's whole backward is not built)")
         mods = self.fwd_mods if kernel == "fwd" else self.bwd_mods
-        if kernel not in USER_KERNELS or mods is None:
-            raise ValueError(f"{self.label}: no user variant of {kernel!r} (sinks alone run the plain backward)")
         return KernelSpec(kernel, self.dtype, self.head_dim, self.head_dim_v, self.mask, mods)
 
     def keys(self, kernels: Iterable[str] = USER_KERNELS) -> list[tuple[ProblemKey, Shape]]:
         """(ProblemKey, Shape) of each of ``kernels`` this problem has a user variant of."""
-        out = []
-        for k in kernels:
-            if k in USER_KERNELS and (k == "fwd" or self.bwd_mods is not None):
-                out.append((self.shape.key(self.spec(k)), self.shape))
-        return out
+        return [(self.shape.key(self.spec(k)), self.shape) for k in kernels if self.has(k)]
 
 
 def _awkward(n: int, cap: int = bench.CHECK_SEQLENS[1]) -> int:
@@ -137,6 +143,11 @@ def _runner(problem: UserProblem, variant: Variant, q, k, v, do, arch=None):
     fcfg = heuristics.default_config(problem.spec("fwd"), arch)
     o, lse = families.launcher(fcfg.family, "fwd")(q, k, v, config=fcfg, mods=fwd, **kw)
     grads = [g for g in bwd.grads if g is not None]
+    if spec.kernel == WHOLE_BWD:  # mask functions alone: no captured-tensor gradients
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        launch = families.launcher(cfg.family, WHOLE_BWD)
+        return (lambda: launch(do, q, k, v, o, lse, config=cfg, dq=dq, dk=dk, dv=dv, mods=bwd, **kw)), \
+            {"dQ": dq, "dK": dk, "dV": dv}
 
     def zero():
         for g in grads:
@@ -312,7 +323,8 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
     q (batch, num_heads, seqlen_q, head_dim), k and v (batch, num_kv_heads, seqlen_k,
     head_dim / head_dim_v) give the sizes, dtype and device only (the measurements use
     inputs of their own).  Each kernel (``fwd``; ``bwd_dq`` and ``bwd_dkdv`` when there
-    is a score or mask function) gets ``trials`` Optuna trials over its tile configs,
+    is a score or mask function; ``bwd``, a family's whole backward, with mask functions
+    alone where a family serves it) gets ``trials`` Optuna trials over its tile configs,
     each config checked against the float64 reference first.  The dispatcher reads the
     rows when ``db`` is ``$FLASHGEN_DB`` or added (:func:`flashgen.dispatch.Dispatcher.add_database`;
     this function adds it to the process's dispatcher), in this and any other process
@@ -343,7 +355,8 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
         benchmarker = UserBenchmarker([problem])
     env = env or Environment.current()
     arch = arch or arch_mod.current()
-    work = items([problem], kernels)
+    # (the whole backward only where a family serves it on this GPU)
+    work = tuner.servable(items([problem], kernels), arch)
     if not work:
         raise InputError(f"no user variant among kernels {tuple(kernels)}: a forward (fwd) always, bwd_dq and "
                          "bwd_dkdv with a score or mask function")

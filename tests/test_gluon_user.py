@@ -50,11 +50,12 @@ def test_triton_code_is_written_in_gluon():
         "u_keep = gl.full([BLOCK_M, BLOCK_N], True, gl.int1, S_LAYOUT)"
 
 
-def test_the_family_serves_user_forward_keys_only():
+def test_the_family_serves_user_forward_keys():
     """A forward key of user score/mask functions is the Gluon family's ``user`` variant
     (mask "window" with a mask function); untuned it takes the Triton default (no
-    measurement puts the Gluon default ahead); backward keys stay the Triton family's;
-    each lowering has a code id of its own."""
+    measurement puts the Gluon default ahead); the backward's two kernels stay the Triton
+    family's (its whole backward: tests/test_gluon_user_bwd.py); one code id for every
+    lowering."""
     p = _problem("document-causal")
     k = SHAPE.key(p.spec("fwd"))
     assert GLUON.unsupported(k, SM90) is None
@@ -62,7 +63,7 @@ def test_the_family_serves_user_forward_keys_only():
     assert (s.user, s.mask, s.sinks) == (p.fwd_mods, "window", False)
     assert GLUON.prefers_default(k, SM90) is None
     # a backward lowering (its derivatives) is not the forward's
-    assert "forward only" in GLUON.unsupported(SHAPE.key(KernelSpec("fwd", "bfloat16", 128, 128, "causal",
+    assert "in the forward and" in GLUON.unsupported(SHAPE.key(KernelSpec("fwd", "bfloat16", 128, 128, "causal",
                                                                     p.bwd_mods)), SM90)
     assert "whole backward" in GLUON.unsupported(SHAPE.key(p.spec("bwd_dq")), SM90)
     softcap = _problem("softcap")

@@ -217,6 +217,68 @@ def test_the_rules_refuse_every_user_variant_until_checked_and_score_functions()
     assert "UBM" not in plain and "u_keep" not in plain  # a plain variant renders as before
 
 
+def _mask_problem(name, d=128):
+    from flashgen import user_tune
+    from flashgen.spec import Shape
+
+    shape = Shape(batch=2, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+    ex = user_examples.make(name, shape.num_heads, shape.seqlen_q, requires_grad=False)
+    sm, mm = ex.functions(*ex.tensors)
+    return user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, d, d, "bfloat16", shape, label=name)
+
+
+def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp_path, monkeypatch):
+    """A ``bwd`` key of mask functions alone is the Gluon family's (its variant compiled
+    as the window kernel with the block mask), refused as not checked while
+    ``USER_CHECKED`` is False; once checked the dispatcher compares its row with the
+    Triton family's bwd_dq + bwd_dkdv rows of the same bucket, as for plain keys, takes
+    no untuned Gluon default, and a score function's backward stays the two kernels."""
+    from flashgen import families
+    from flashgen.arch import by_sm
+    from flashgen.db import TuningDB
+    from flashgen.dispatch import Dispatcher
+    from flashgen.env import Environment
+    from flashgen.families.gluon import family as F
+    from flashgen.spec import Measurement, TileConfig, Variant
+
+    gluon, sm90 = families.get("gluon"), by_sm("sm_90")
+    h200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    p = _mask_problem("document-causal")
+    key, shape = p.keys(["bwd"])[0]
+    assert key.spec.mask == "causal" and F.bwd_mask(key.spec) == "window" and F.user_mask_bwd(p.bwd_mods)
+    assert B.NOT_CHECKED in gluon.unsupported(key, sm90)
+    monkeypatch.setattr(B, "USER_CHECKED", True)
+    assert gluon.unsupported(key, sm90) is None and gluon.prefers_default(key, sm90) is None
+    cfg = gluon.default_config(key, sm90)
+    assert F.bwd_config(cfg) == B.default_config(128, "bfloat16", "window")
+    v = Variant(key.spec, cfg)
+    assert gluon.violated_rules(v) == []
+    assert gluon.violated_rules(Variant(key.spec, dataclasses.replace(cfg, dq_ordered=1)))  # not built
+    src = gluon.render(v)
+    assert src == B.render(F.bwd_config(cfg), "bfloat16", 128, "window", user=p.bwd_mods) and "UBM" in src
+    # its own code id: the dense backward's rows keep theirs
+    assert gluon.template_hash("bwd", p.bwd_mods) == "g" + B.user_code_id()[1:] != gluon.template_hash("bwd")
+    assert gluon.template_hash("bwd", p.bwd_mods) in families.hashes("bwd", [""])
+    scored = _mask_problem("relpos")
+    assert scored.keys(["bwd"]) == [] and "mask functions alone" in gluon.unsupported(
+        shape.key(dataclasses.replace(scored.spec("bwd_dq"), kernel="bwd")), sm90)
+
+    t1, t2 = TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1)
+    for gluon_ms, whole in ((1.5, True), (2.5, False)):
+        db_path = tmp_path / f"t{gluon_ms}.sqlite"
+        with TuningDB(db_path) as db:
+            for kernel, c, ms in (("bwd_dq", t1, 1.0), ("bwd_dkdv", t2, 1.0), ("bwd", cfg, gluon_ms)):
+                k = shape.key(p.spec(kernel))
+                db.record(k, shape, Variant(k.spec, c), Measurement("ok", median_ms=ms), h200, 0)
+        plan = Dispatcher([db_path], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
+        assert plan.whole is whole and "measured at attn_bwd_d128_bf16_causal_u" in plan.reason, plan.reason
+        assert plan.family == ("gluon" if whole else "triton")
+    untuned = Dispatcher([], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
+    assert not untuned.whole and "untuned" in untuned.reason
+    plan = Dispatcher([], env=h200, arch=sm90).backward(shape.key(scored.spec("bwd_dq")), capturing=False)
+    assert not plan.whole and "mask functions alone" in plan.reason
+
+
 _SCRIPT = r'''
 import json, re, sys
 import torch

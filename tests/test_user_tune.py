@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 import flashgen
 from flashgen import arch, families, heuristics, presets, tuner, user_examples, user_tune
 from flashgen.cli import app
+from flashgen.families.gluon import bwd as gluon_bwd_mod, family as gluon_family
 from flashgen.env import Environment
 from flashgen.spec import Variant, is_user_mods
 
@@ -34,10 +35,14 @@ def test_the_user_presets_give_each_example_its_own_keys():
     problems = user_tune.preset_problems(["user-examples"], "bfloat16", "cpu")
     assert [p.label for p in problems] == list(user_examples.NAMES)
     keys = [k for k, _ in user_tune.items(problems)]
-    # fwd for every example; bwd_dq and bwd_dkdv for those with a function (sinks alone: plain backward)
-    assert len(keys) == 3 * (len(problems) - 1) + 1
-    assert all(is_user_mods(k.spec.mods) for k in keys) and len({k.id for k in keys}) == len(keys)
+    # fwd for every example; bwd_dq and bwd_dkdv for those with a function (sinks alone: plain
+    # backward); the whole backward (bwd) for those with a mask function alone
     by = {p.label: p for p in problems}
+    mask_only = {n for n, p in by.items() if p.mask_mod is not None and p.score_mod is None}
+    assert mask_only == {"document", "document-causal", "prefix-lm", "window-causal"}
+    assert len(keys) == 3 * (len(problems) - 1) + 1 + len(mask_only)
+    assert sorted(k.spec.mods for k in keys if k.spec.kernel == "bwd") == sorted(by[n].bwd_mods for n in mask_only)
+    assert all(is_user_mods(k.spec.mods) for k in keys) and len({k.id for k in keys}) == len(keys)
     assert by["document-causal"].mask == "causal" and by["document"].mask == "none"
     assert by["sinks"].mask == "window" and by["sinks"].bwd_mods is None
     assert by["relpos"].bwd_mods != by["relpos"].fwd_mods  # the backward accumulates the table's gradient
@@ -53,9 +58,12 @@ def test_each_variant_is_checked_with_its_own_example_where_two_share_a_function
     b = user_tune.UserBenchmarker(problems)
     by = {p.label: p for p in problems}
     assert by["document"].fwd_mods == by["document-causal"].fwd_mods
+    gluon_bwd = gluon_family.tile_config(gluon_bwd_mod.default_config(128, "bfloat16", "window"))
     for p in problems:
         for key, _ in p.keys():
-            assert b.problem_of(Variant(key.spec, heuristics.default_config(key.spec, arch.current()))) is p
+            # (the whole backward has no default on this CPU: the Gluon family's config)
+            cfg = gluon_bwd if key.spec.kernel == "bwd" else heuristics.default_config(key.spec, arch.current())
+            assert b.problem_of(Variant(key.spec, cfg)) is p
 
 
 @pytest.mark.parametrize("dtype", ["float16"])
@@ -63,7 +71,7 @@ def test_the_benchmarker_checks_each_kernel_against_float64_then_times_it(dtype)
     problems = user_tune.preset_problems(["user-small"], dtype, "cpu")
     b = user_tune.UserBenchmarker(problems, timer=_wall_ms)
     a = arch.current()
-    for key, shape in user_tune.items(problems):
+    for key, shape in tuner.servable(user_tune.items(problems), a):  # (no whole backward here)
         v = Variant(key.spec, heuristics.default_config(key.spec, a))
         m = b(v, shape)
         assert m.status == "ok" and m.median_ms > 0, (v.id, m)
@@ -91,6 +99,41 @@ def test_a_wrong_captured_gradient_is_a_wrong_result_row(monkeypatch):
     key, shape = [(k, s) for k, s in problem.keys() if k.spec.kernel == "bwd_dq"][0]
     m = b(Variant(key.spec, heuristics.default_config(key.spec, arch.current())), shape)
     assert m.status == "wrong_result" and " d0 err" in m.error, m
+
+
+@pytest.mark.parametrize("off", [None, "dK"])
+def test_the_whole_backward_of_a_mask_function_is_checked_on_dq_dk_and_dv(monkeypatch, off):
+    """A ``bwd`` variant (a family's whole backward: mask functions alone) is checked on
+    dQ, dK and dV against float64, with the backward's user arguments passed to its
+    launcher.  Here the "whole backward" is the Triton family's two kernels run by one
+    launcher (no family compiles it on this CPU); one with dK off is a wrong_result row."""
+    (problem,) = [p for p in user_tune.preset_problems(["user-small"], "float16", "cpu")
+                  if p.label == "document-causal"]
+    real = families.launcher
+    seen = []
+
+    def whole(do, q, k, v, o, lse, *, config, dq, dk, dv, mods, **kw):
+        seen.append(mods.name)
+        c = heuristics.default_config
+        a = arch.current()
+        spec = problem.spec("bwd_dq")
+        _, delta = real("triton", "bwd_dq")(do, q, k, v, o, lse, config=c(spec, a), dq=dq, mods=mods, **kw)
+        real("triton", "bwd_dkdv")(do, q, k, v, lse, delta, config=c(problem.spec("bwd_dkdv"), a), dk=dk, dv=dv,
+                                   mods=mods, **kw)
+        if off:
+            dk.add_(0.05)
+        return dq, dk, dv
+
+    monkeypatch.setattr(families, "launcher", lambda family, name: whole if name == "bwd" else real(family, name))
+    b = user_tune.UserBenchmarker([problem], timer=_wall_ms)
+    (key, shape), = problem.keys(["bwd"])
+    m = b(Variant(key.spec, gluon_family.tile_config(gluon_bwd_mod.default_config(64, "float16", "window"))), shape)
+    assert seen and set(seen) == {problem.bwd_mods}
+    if off:
+        assert m.status == "wrong_result" and "dK err" in m.error, m
+    else:
+        ratios = b.check_ratios()
+        assert m.status == "ok" and len(ratios) == 1 and max(ratios.values()) <= 1.0, (m, ratios)
 
 
 def _model_env():
@@ -130,7 +173,9 @@ def test_cli_tunes_the_user_presets_and_another_process_finds_the_rows(tmp_path)
     assert r.exit_code == 0, r.output
     keys = {k for (k,) in sqlite3.connect(db).execute("SELECT DISTINCT key FROM measurements")}
     problems = user_tune.preset_problems(["user-small"], "float16", "cpu")
-    assert keys == {k.id for k, _ in user_tune.items(problems)}
+    # (the whole backward of the mask function: no family compiles it on this CPU)
+    assert keys == {k.id for k, _ in tuner.servable(user_tune.items(problems), arch.current())}
+    assert len(keys) == len(user_tune.items(problems)) - 1
     env = {**os.environ, "PYTHONPATH": ROOT, "TRITON_INTERPRET": "1"}
     p = subprocess.run([sys.executable, "-c", f"DB = {str(db)!r}\n" + _OTHER_PROCESS], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=600)

@@ -179,10 +179,11 @@ USER_MODS_PROBE = "u" + "0" * 12
 def hashes(kernel: str, mods_list) -> list[str]:
     """The current code hashes of ``kernel`` over every registered family that compiles
     it, every ``mods`` of ``mods_list`` and user functions (:data:`USER_MODS_PROBE`, for
-    the dense kernels): what a DB row must carry to count."""
-    from ..spec import DENSE_KERNELS
+    the kernels they compile into, :data:`flashgen.spec.USER_KERNELS`): what a DB row must
+    carry to count."""
+    from ..spec import USER_KERNELS
 
-    mods_list = [*mods_list, *([USER_MODS_PROBE] if kernel in DENSE_KERNELS else [])]
+    mods_list = [*mods_list, *([USER_MODS_PROBE] if kernel in USER_KERNELS else [])]
     return sorted({f.template_hash(kernel, m) for f in FAMILIES.values() if kernel in f.kernels
                    for m in mods_list})
 

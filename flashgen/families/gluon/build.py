@@ -146,18 +146,19 @@ def load_fwd(v):
         return load(v)
 
 
-def load_bwd(config, dtype: str, head_dim: int, mask: str, varlen: bool = False):
+def load_bwd(config, dtype: str, head_dim: int, mask: str, varlen: bool = False, user: str = ""):
     """The imported module of one backward variant (:func:`flashgen.families.gluon.bwd.load`;
-    ``varlen``: the ragged-batch one).  Raises GluonBuildError when it does not import
-    on the installed Triton; ValueError when the config breaks a validity rule."""
+    ``varlen``: the ragged-batch one; ``user``: user mask functions').  Raises
+    GluonBuildError when it does not import on the installed Triton; ValueError when the
+    config breaks a validity rule."""
     from .bwd import load, variant_id, varlen_reasons
 
     if varlen:
         why = varlen_reasons(config, head_dim)
         if why:
             raise ValueError(f"{variant_id(config, dtype, head_dim, mask, True)}: {'; '.join(why)}")
-    with building(variant_id(config, dtype, head_dim, mask, varlen), any_error=True):
-        return load(config, dtype, head_dim, mask, varlen=varlen)
+    with building(variant_id(config, dtype, head_dim, mask, varlen, user), any_error=True):
+        return load(config, dtype, head_dim, mask, varlen=varlen, user=user)
 
 
 def serve(variant_id: str, gluon: Callable[[], T], fallback: Callable[[], T]) -> T:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 from pathlib import Path
@@ -581,9 +582,13 @@ def varlen_reasons(config: GluonBwdConfig, head_dim: int) -> list[str]:
     return out
 
 
-#: Why the rules refuse every user-function variant of the backward for now: built and
-#: compiled for sm_90 (tests/test_gluon_user_bwd.py), their float64 checks not yet run
-#: (python -m benchmarks gluon-user-bwd runs them).
+#: Whether the user mask-function variants of the backward have passed their float64
+#: checks on the GPU (``python -m benchmarks gluon-user-bwd``); until then the rules
+#: refuse every one (:data:`USER_NOT_CHECKED`), so no tuner or dispatcher picks one.
+USER_CHECKED = False
+#: Why the rules refuse every user-function variant of the backward while
+#: :data:`USER_CHECKED` is False: built and compiled for sm_90
+#: (tests/test_gluon_user_bwd.py), their float64 checks not yet run.
 USER_NOT_CHECKED = f"user mask functions in the Gluon backward: the variant {NOT_CHECKED}"
 
 
@@ -593,15 +598,15 @@ def user_reasons(config: GluonBwdConfig, mask: str) -> list[str]:
     (the ordered dQ's chain, the longest-first grid's sections, a GQA group split over
     programs, the head_dim 256 column and role splits and their lookahead) are not built
     with its block mask; the mask mode is "window" whenever there is a predicate (the
-    forward's rule, :func:`.user.compiled_mask`).  Always ends with
-    :data:`USER_NOT_CHECKED`."""
+    forward's rule, :func:`.user.compiled_mask`).  Ends with :data:`USER_NOT_CHECKED`
+    while :data:`USER_CHECKED` is False."""
     c, out = config, []
     for knob, on in (("dq_mode 'ordered'", c.dq_mode == "ordered"), ("longest_first", c.longest_first),
                      (f"group_split {c.group_split}", c.group_split != 1), ("col_split", c.col_split),
                      ("role split", c.col_split and c.split), (f"lookahead {c.lookahead}", bool(c.lookahead))):
         if on:
             out.append(f"{knob} with a user mask function: not built")
-    return out + [USER_NOT_CHECKED]
+    return out if USER_CHECKED else out + [USER_NOT_CHECKED]
 
 
 def group_splits(group: int) -> tuple[int, ...]:
@@ -835,6 +840,20 @@ def template_hash() -> str:
     return code_id()
 
 
+@functools.lru_cache(maxsize=1)
+def user_code_id() -> str:
+    """The code id the user mask-function variants of the backward carry (their tuning
+    rows'): sha256 (16 hex digits) of the backward's code id, the template's text and
+    :mod:`.user_bwd`.  The variants' names (``KernelSpec.mods``) already hash the
+    lowered functions and the code that writes them (:func:`flashgen.user_render.machinery_hash`);
+    any edit of the template's text gives these variants a new id (so no row measured
+    with other code is reused), the dense backward's rows keep theirs."""
+    h = hashlib.sha256(template_hash().encode())
+    h.update(text_hash().encode())
+    h.update(Path(__file__).with_name("user_bwd.py").read_bytes())
+    return h.hexdigest()[:16]
+
+
 def write_code_id(directory: str | None = None) -> dict:
     """Rewrite the record (:data:`CODE_ID_RECORD`) for the template as it is, and the
     ragged-batch variants' (:data:`VARLEN_CODE_ID_RECORD`)."""
@@ -842,6 +861,7 @@ def write_code_id(directory: str | None = None) -> dict:
     _VARLEN_CODE_ID.write(directory)
     template_hash.cache_clear()
     varlen_code_id.cache_clear()
+    user_code_id.cache_clear()
     return new
 
 

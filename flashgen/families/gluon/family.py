@@ -11,10 +11,10 @@ only (compute capability 9.0 exactly: wgmma, setmaxnreg and TMA as these kernels
 them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, the head
 dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
 score mods; masks none, causal and window; user score/mask functions and sinks
-(:mod:`flashgen.user_mods`) in the forward only (:mod:`.user`; the backward's
-mask-function variants, :mod:`.user_bwd`, are built and refused until checked on the
-GPU).  Everything else is the Triton family's, and :meth:`GluonFamily.unsupported`
-says why.
+(:mod:`flashgen.user_mods`) in the forward (:mod:`.user`), mask functions alone in the
+whole backward (:mod:`.user_bwd`; refused while :data:`.bwd.USER_CHECKED` is False,
+until their float64 checks run on the GPU).  Everything else is the Triton family's,
+and :meth:`GluonFamily.unsupported` says why.
 
 The knobs live in :class:`flashgen.spec.TileConfig` (its Gluon fields, 0 unless set):
 :func:`fwd_config` / :func:`bwd_config` turn one into the kernels' own config and
@@ -160,6 +160,25 @@ def user_functions(mods: str) -> bool:
     return low is not None and low.direction == "fwd" and (low.score is not None or low.mask is not None)
 
 
+def user_mask_bwd(mods: str) -> bool:
+    """Whether ``mods`` names a backward lowering of user mask functions alone (no score
+    function, so no score derivative and no captured-tensor gradients) registered in
+    this process: the Gluon backward's ``user`` variants (:mod:`.user_bwd`)."""
+    if not is_user_mods(mods):
+        return False
+    from ... import user_render
+
+    low = user_render.registered(mods)
+    return low is not None and low.direction == "bwd" and low.score is None and low.mask is not None
+
+
+def bwd_mask(s) -> str:
+    """The mask mode a Gluon backward variant of KernelSpec ``s`` compiles: "window" for
+    user mask functions (their block mask's ranges and the window kernel's loops serve
+    every built-in mode, as in the forward), else the key's."""
+    return "window" if user_mask_bwd(s.mods) else s.mask
+
+
 def fwd_spec(key_or_spec) -> C.GluonFwdSpec:
     """The Gluon forward spec of a ProblemKey or KernelSpec: sinks alone are the
     ``sinks`` variant, user functions the ``user`` variant (mask mode "window" with a
@@ -268,12 +287,15 @@ class GluonFamily:
             return f"dtype {s.dtype}: float16 or bfloat16 only"
         if key.layout == "strided":
             return "needs inputs a tensor descriptor can address (layout strided)"
-        if s.mods and not (s.kernel == "fwd" and (sinks_only(s.mods) or user_functions(s.mods))):
+        if s.mods and not (s.kernel == "fwd" and (sinks_only(s.mods) or user_functions(s.mods))
+                           or s.kernel == WHOLE_BWD and user_mask_bwd(s.mods)):
             if is_user_mods(s.mods):
-                return (f"user functions {s.mods}: the Gluon family serves them in the forward only, once "
-                        "registered in this process (flashgen.attention or the tuner traced them); its backward's "
-                        "mask-function variants are built but not yet checked on the GPU (bwd.USER_NOT_CHECKED)")
+                return (f"user functions {s.mods}: the Gluon family serves them once registered in this process "
+                        "(flashgen.attention or the tuner traced them), in the forward and, for mask functions "
+                        "alone (no score function), in the whole backward (bwd)")
             return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes user functions)"
+        if s.kernel == WHOLE_BWD and s.mods and not B.USER_CHECKED:
+            return f"user mask functions ({s.mods}): {B.USER_NOT_CHECKED} (python -m benchmarks gluon-user-bwd)"
         if s.mask not in C.MASKS:
             return f"mask {s.mask}: one of {C.MASKS}"
         if s.kernel in FWD_KERNELS:
@@ -402,7 +424,10 @@ class GluonFamily:
             if not 0 <= c.row_load < len(_ROW_LOADS):
                 why.append(f"row_load={c.row_load}: 0 (TMA), 1 (producer) or 2 (pointer loads)")
                 return why
-            why += B.invalid_reasons(bwd_config(c), s.head_dim, s.dtype, s.mask)
+            mask = bwd_mask(s)
+            why += B.invalid_reasons(bwd_config(c), s.head_dim, s.dtype, mask)
+            if s.mods:
+                why += B.user_reasons(bwd_config(c), mask)
             return why + (B.varlen_reasons(bwd_config(c), s.head_dim) if s.kernel == VARLEN_BWD else [])
         return [f"kernel {s.kernel}: the Gluon family compiles {self.kernels}"]
 
@@ -437,7 +462,7 @@ class GluonFamily:
             return tile_config(C.default_config(fwd_spec(s)))
         if s.kernel == VARLEN_BWD:
             return tile_config(B.varlen_default_config(s.head_dim, s.dtype, s.mask))
-        return tile_config(B.default_config(s.head_dim, s.dtype, s.mask))
+        return tile_config(B.default_config(s.head_dim, s.dtype, bwd_mask(s)))
 
     def large_enough(self, key: ProblemKey) -> bool:
         """Whether ``key``'s size buckets hold enough work (:data:`DEFAULT_MIN_FLOPS`) to
@@ -467,7 +492,8 @@ class GluonFamily:
         if s.kernel == VARLEN_BWD:
             seen = BWD_VARLEN_DEFAULT_AHEAD.get((s.head_dim, s.mask))
             return None if seen is None else f"H200, {seen}"
-        seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
+        # user mask functions: no measurement of the default yet, tuned rows alone pick it
+        seen = None if s.mods else BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
         return None if seen is None else f"H200, {seen}"
 
     # -- code ---------------------------------------------------------------------------
@@ -487,7 +513,7 @@ class GluonFamily:
             # lowering, whose own name hashes its code
             return "g" + (user_code_id() if is_user_mods(mods) else template_hash())[1:]
         if kernel == WHOLE_BWD:
-            return "g" + B.template_hash()[1:]
+            return "g" + (B.user_code_id() if is_user_mods(mods) else B.template_hash())[1:]
         if kernel == VARLEN_BWD:
             return "g" + B.varlen_code_id()[1:]
         raise KeyError(f"the Gluon family compiles {self.kernels}, not {kernel!r}")
@@ -498,7 +524,8 @@ class GluonFamily:
             from .render import render
 
             return render(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
-        return B.render(bwd_config(v.config), s.dtype, s.head_dim, s.mask, varlen=s.kernel == VARLEN_BWD)
+        return B.render(bwd_config(v.config), s.dtype, s.head_dim, bwd_mask(s), varlen=s.kernel == VARLEN_BWD,
+                        user=s.mods)
 
     def load(self, v: Variant):
         """The imported module; :class:`.build.GluonBuildError` (warned once per variant)
@@ -508,7 +535,8 @@ class GluonFamily:
         s = v.spec
         if s.kernel in FWD_KERNELS:
             return build.load_fwd(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
-        return build.load_bwd(bwd_config(v.config), s.dtype, s.head_dim, s.mask, varlen=s.kernel == VARLEN_BWD)
+        return build.load_bwd(bwd_config(v.config), s.dtype, s.head_dim, bwd_mask(s), varlen=s.kernel == VARLEN_BWD,
+                              user=s.mods)
 
     def launcher(self, name: str):
         """``fwd`` (:func:`fwd`), ``bwd`` (:func:`bwd`, the whole backward),
@@ -552,8 +580,8 @@ def _fwd_id(dtype: str, d: int, dv: int, mask: str, g: C.GluonFwdConfig, sinks: 
 
 
 @functools.lru_cache(maxsize=4096)
-def _bwd_id(g: B.GluonBwdConfig, dtype: str, d: int, mask: str, varlen: bool = False) -> str:
-    return B.variant_id(g, dtype, d, mask, varlen)
+def _bwd_id(g: B.GluonBwdConfig, dtype: str, d: int, mask: str, varlen: bool = False, user: str = "") -> str:
+    return B.variant_id(g, dtype, d, mask, varlen, user)
 
 
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,
@@ -593,18 +621,27 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     (:func:`.bwd.attention_bwd`: preprocess, main kernel, dQ convert; dQ accumulated in
     float32 by reduce-add, not bitwise repeatable).  ``delta``, when given (a float32
     tensor like lse), receives rowsum(dO * O) from the preprocess launch (the sinks'
-    gradient reads it)."""
+    gradient reads it).  ``mods``: None, or the backward's runtime arguments
+    (:class:`flashgen.user_mods.UserArgs`) of user mask functions alone
+    (:func:`user_mask_bwd`; ``mask`` is then the built-in mode, the variant's own is
+    "window"); ValueError for score functions and built-in score mods (the Triton
+    family's)."""
+    user = None
     if mods is not None:
-        raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's")
+        if not user_mask_bwd(mods.name):
+            raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's (the Gluon "
+                             "backward takes user mask functions alone)")
+        user, mask = mods, "window"
     building, launch_mod = _launch_modules()
     # dO from autograd may be an expanded view (a sum's gradient); O a slice: the
     # descriptors need 16-byte aligned strides
     do = do if launch_mod._tma_ok(do) else do.contiguous()
     o = o if launch_mod._tma_ok(o) else o.contiguous()
     g = bwd_config(config)
-    with building(_bwd_id(g, launch_mod._DTYPES[q.dtype], q.shape[3], mask)):
+    with building(_bwd_id(g, launch_mod._DTYPES[q.dtype], q.shape[3], mask, user=user.name if user else "")):
         grads = B.attention_bwd(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo,
-                                diag_hi=diag_hi, mask=mask, config=g, dq=dq, dk=dk, dv=dv, delta_out=delta)
+                                diag_hi=diag_hi, mask=mask, config=g, dq=dq, dk=dk, dv=dv, delta_out=delta,
+                                user=user)
     # In the layout of q, k, v (torch.empty_like): the op's contract and its fake kernel
     # under torch.compile, as the Triton family's
     return grads
