@@ -493,7 +493,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if score_mod is not None or mask_mod is not None or sinks is not None:
         return _attention_user(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                                return_lse=return_lse, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
-                               builtin=(softcap, alibi_slopes, bias, dropout_p, rng_state))
+                               builtin=(softcap, alibi_slopes, bias, dropout_p, rng_state),
+                               deterministic=deterministic)
     if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
         return _attention_mods(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                                return_lse=return_lse, align="bottom_right", softcap=softcap,
@@ -502,7 +503,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                       return_lse=return_lse, align="bottom_right", deterministic=deterministic)
 
 
-def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score_mod, mask_mod, sinks, builtin):
+def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score_mod, mask_mod, sinks, builtin,
+                    deterministic=None):
     """The path of calls with user functions or sinks (:mod:`flashgen.user_mods`)."""
     from . import user_mods
 
@@ -512,7 +514,8 @@ def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score
                          "dropout_p: write those into score_mod")
     _check_return_lse(return_lse)
     q, k, v, scale, mask, lo, hi = _prepare_memo(q, k, v, causal, window, softmax_scale, "bottom_right")
-    o, lse = user_mods.attention(q, k, v, scale, mask, lo, hi, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+    o, lse = user_mods.attention(q, k, v, scale, mask, lo, hi, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                                 deterministic=deterministic)
     return (o, lse) if return_lse else o
 
 

@@ -1176,6 +1176,7 @@ class _Call:
     sinks: torch.Tensor | None
     grad_shapes: list  # (index into bufs, original tensor) of captured tensors that get a gradient
     reads: tuple = ()  # the captured tensors the functions read (saved: version-checked in the backward)
+    deterministic: bool | None = None  # flashgen.attention's (None: torch's flag at the backward)
 
 
 class _Attention(torch.autograd.Function):
@@ -1203,7 +1204,8 @@ class _Attention(torch.autograd.Function):
             for n, g in enumerate(bwd.grads):
                 if g is not None:
                     g.zero_()
-        dq, dk, dv = library.backward(do, q, k, v, o, lse, call.scale, call.mask, call.lo, call.hi, bwd, delta=delta)
+        dq, dk, dv = library.backward(do, q, k, v, o, lse, call.scale, call.mask, call.lo, call.hi, bwd, delta=delta,
+                                      deterministic=call.deterministic)
         dsinks = None
         if call.sinks is not None and ctx.needs_input_grad[3]:
             # d LSE-softmax / d sink = -P_sink * delta per row (the sink multiplies no value)
@@ -1239,10 +1241,12 @@ def _kernel_buffer(t: torch.Tensor, name: str, device) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=None, mask_mod=None, sinks=None):
+def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=None, mask_mod=None, sinks=None,
+              deterministic: bool | None = None):
     """(O, LSE) of :func:`flashgen.attention` with user functions (the caller has checked
     q, k, v and turned causal/window into ``mask``, ``lo``, ``hi``).  See the module
-    docstring and :func:`flashgen.attention`."""
+    docstring and :func:`flashgen.attention` (``deterministic``: its argument, which
+    the backward passes to :func:`flashgen.library.backward`)."""
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
     if sinks is not None:
@@ -1273,7 +1277,8 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     grad_shapes = [(n, t) for n, (t, f) in enumerate(zip(st.captured if st else (), sflags))
                    if f and bwd is not None]
     reads = tuple(t for tr in (st, mt) if tr is not None for t in tr.captured)
-    call = _Call(scale, mask, lo, hi, fwd, bwd, sinks.detach() if sinks is not None else None, grad_shapes, reads)
+    call = _Call(scale, mask, lo, hi, fwd, bwd, sinks.detach() if sinks is not None else None, grad_shapes, reads,
+                 deterministic)
     if not needs_grad:
         return _forward(q, k, v, call)
     captured = [t for _, t in grad_shapes]

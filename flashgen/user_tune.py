@@ -355,11 +355,14 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
         benchmarker = UserBenchmarker([problem])
     env = env or Environment.current()
     arch = arch or arch_mod.current()
-    # (the whole backward only where a family serves it on this GPU)
-    work = tuner.servable(items([problem], kernels), arch)
-    if not work:
+    wanted = items([problem], kernels)
+    if not wanted:
         raise InputError(f"no user variant among kernels {tuple(kernels)}: a forward (fwd) always, bwd_dq and "
-                         "bwd_dkdv with a score or mask function")
+                         "bwd_dkdv with a score or mask function, bwd with mask functions alone")
+    work = tuner.servable(wanted, arch)  # (the whole backward only where a family serves it here)
+    if not work:
+        raise InputError(f"no kernel family serves {', '.join(k.id for k, _ in wanted)} on {arch.sm}: "
+                         + "; ".join(f"{n}: {why}" for k, _ in wanted for n, why in families.reasons(k, arch)))
     with TuningDB(db, readonly=False) as tdb:
         results = tuner.tune(work, benchmarker=benchmarker, db=tdb, env=env, arch=arch, n_trials=trials, seed=seed)
     disp = dispatch.default_dispatcher()

@@ -217,6 +217,46 @@ def test_the_rules_refuse_every_user_variant_until_checked_and_score_functions()
     assert "UBM" not in plain and "u_keep" not in plain  # a plain variant renders as before
 
 
+def test_the_user_code_id_follows_the_gluon_code_of_the_mask_function(tmp_path, monkeypatch):
+    """An edit of .user (whose Gluon spelling of the Triton code .user_bwd writes) or of
+    .user_bwd gives the user variants' rows a new code id."""
+    from pathlib import Path
+
+    base = B.user_code_id()
+    for name in ("user.py", "user_bwd.py"):
+        copy = tmp_path / name
+        copy.write_text(Path(B.__file__).with_name(name).read_text() + "\n# edited\n")
+        real = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda self, c=copy, n=name, r=real:
+                            r(c) if self.name == n and self.parent == Path(B.__file__).parent else r(self))
+        B.user_code_id.cache_clear()
+        assert B.user_code_id() != base, name
+        monkeypatch.undo()
+        B.user_code_id.cache_clear()
+    assert B.user_code_id() == base
+
+
+def test_deterministic_reaches_the_backward_of_user_functions(monkeypatch):
+    """flashgen.attention(..., mask_mod=..., deterministic=True): the backward asks for a
+    bitwise-repeatable plan (the whole Gluon backward's reduce-add dQ is not)."""
+    import flashgen
+    from flashgen import library
+
+    asked = []
+    real = library.backward_kernels
+
+    def spy(q, k, v, mask, mods, deterministic):
+        asked.append((mods, deterministic))
+        return real(q, k, v, mask, mods, deterministic)
+    monkeypatch.setattr(library, "backward_kernels", spy)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = (torch.randn(1, 2, 32, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    for det in (True, False):
+        o = flashgen.attention(q, k, v, mask_mod=lambda b, h, qi, ki: ki <= qi + 3, deterministic=det)
+        o.sum().backward()
+    assert [d for _, d in asked] == [True, False] and all(m.startswith("u") for m, _ in asked), asked
+
+
 def _mask_problem(name, d=128):
     from flashgen import user_tune
     from flashgen.spec import Shape
@@ -259,6 +299,8 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
     # its own code id: the dense backward's rows keep theirs
     assert gluon.template_hash("bwd", p.bwd_mods) == "g" + B.user_code_id()[1:] != gluon.template_hash("bwd")
     assert gluon.template_hash("bwd", p.bwd_mods) in families.hashes("bwd", [""])
+    d256 = _mask_problem("document-causal", 256).keys(["bwd"])[0][0]  # the column-split program: not built
+    assert "column-split" in gluon.unsupported(d256, sm90)
     scored = _mask_problem("relpos")
     assert scored.keys(["bwd"]) == [] and "mask functions alone" in gluon.unsupported(
         shape.key(dataclasses.replace(scored.spec("bwd_dq"), kernel="bwd")), sm90)

@@ -136,6 +136,18 @@ def test_the_whole_backward_of_a_mask_function_is_checked_on_dq_dk_and_dv(monkey
         assert m.status == "ok" and len(ratios) == 1 and max(ratios.values()) <= 1.0, (m, ratios)
 
 
+def test_tune_mods_names_the_family_reason_when_none_serves_the_whole_backward(tmp_path):
+    """kernels=("bwd",) for a mask function alone on this CPU: the key exists, no family
+    serves it here, and the error says so (not that there is no such variant)."""
+    q = torch.randn(1, 2, 32, 16, dtype=torch.float16)
+    with pytest.raises(flashgen.InputError, match="no kernel family serves attn_bwd_.*gluon: its kernels do not run"):
+        flashgen.tune_mods(q, q, q, mask_mod=lambda b, h, qi, ki: ki <= qi, db=tmp_path / "x.sqlite",
+                           kernels=("bwd",), benchmarker=lambda v, s: None)
+    with pytest.raises(flashgen.InputError, match="no user variant among kernels"):
+        flashgen.tune_mods(q, q, q, score_mod=lambda s, b, h, qi, ki: s * 2, db=tmp_path / "x.sqlite",
+                           kernels=("bwd",), benchmarker=lambda v, s: None)
+
+
 def _model_env():
     env = Environment.current()
     return dataclasses.replace(env, gpu_name=f"{env.gpu_name} (model)")

@@ -843,14 +843,16 @@ def template_hash() -> str:
 @functools.lru_cache(maxsize=1)
 def user_code_id() -> str:
     """The code id the user mask-function variants of the backward carry (their tuning
-    rows'): sha256 (16 hex digits) of the backward's code id, the template's text and
-    :mod:`.user_bwd`.  The variants' names (``KernelSpec.mods``) already hash the
+    rows'): sha256 (16 hex digits) of the backward's code id, the template's text,
+    :mod:`.user_bwd` and :mod:`.user` (whose Gluon spelling of the Triton code it
+    uses).  The variants' names (``KernelSpec.mods``) already hash the
     lowered functions and the code that writes them (:func:`flashgen.user_render.machinery_hash`);
     any edit of the template's text gives these variants a new id (so no row measured
     with other code is reused), the dense backward's rows keep theirs."""
     h = hashlib.sha256(template_hash().encode())
     h.update(text_hash().encode())
-    h.update(Path(__file__).with_name("user_bwd.py").read_bytes())
+    for name in ("user_bwd.py", "user.py"):
+        h.update(Path(__file__).with_name(name).read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -294,6 +294,9 @@ class GluonFamily:
                         "(flashgen.attention or the tuner traced them), in the forward and, for mask functions "
                         "alone (no score function), in the whole backward (bwd)")
             return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes user functions)"
+        if s.kernel == WHOLE_BWD and s.mods and B.col_split_dim(s.head_dim):
+            return (f"user mask functions ({s.mods}) at head_dim {s.head_dim}: the column-split backward "
+                    "program is not built with them")
         if s.kernel == WHOLE_BWD and s.mods and not B.USER_CHECKED:
             return f"user mask functions ({s.mods}): {B.USER_NOT_CHECKED} (python -m benchmarks gluon-user-bwd)"
         if s.mask not in C.MASKS:
