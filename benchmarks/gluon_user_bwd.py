@@ -104,6 +104,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per example and head dim (its child process)")
+    ap.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma-separated, of 64 and 128")
+    ap.add_argument("--examples", default=",".join(EXAMPLES), help=f"comma-separated, of {', '.join(EXAMPLES)}")
     ap.add_argument("--child", nargs=2, metavar=("EXAMPLE", "HEAD_DIM"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -112,8 +114,12 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name in EXAMPLES:
-        for d in HEAD_DIMS:
+    dims = [int(x) for x in args.head_dims.split(",") if x]
+    names = [x for x in args.examples.split(",") if x]
+    if not dims or set(dims) - set(HEAD_DIMS) or not names or set(names) - set(EXAMPLES):
+        ap.error(f"--head-dims of {HEAD_DIMS}, --examples of {EXAMPLES}: got {args.head_dims!r}, {args.examples!r}")
+    for name in names:
+        for d in dims:
             t0 = time.perf_counter()
             try:
                 r = subprocess.run([sys.executable, __file__, "--child", name, str(d)], capture_output=True,
