@@ -1128,9 +1128,10 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
             softmax_scale: float | None = None, sdpa: bool = False, attn_mask=None, dropout_p: float = 0.0,
             enable_gqa: bool = False, dispatcher: "dispatch.Dispatcher | None" = None,
             deterministic: bool | None = None, softcap: float = 0.0, alibi_slopes=None,
-            bias=None) -> Explanation:
+            bias=None, score_mod=None, mask_mod=None, sinks=None) -> Explanation:
     """What ``attention(q, k, v, causal=..., window=..., softmax_scale=..., softcap=...,
-    alibi_slopes=..., bias=..., dropout_p=..., deterministic=...)`` runs, per kernel (fwd, then the backward's: bwd_dq and bwd_dkdv,
+    alibi_slopes=..., bias=..., dropout_p=..., deterministic=..., score_mod=...,
+    mask_mod=..., sinks=...)`` runs, per kernel (fwd, then the backward's: bwd_dq and bwd_dkdv,
     or one family's whole backward ``bwd``; ``backward`` says which, whether it is
     bitwise repeatable and why): the ProblemKey, the kernel family (and why each
     other registered family cannot serve it), the TileConfig, its source (a tuned
@@ -1142,19 +1143,26 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
     enable_gqa=enable_gqa)`` instead (top-left causal), including why a call goes to
     torch's SDPA.  Meta tensors explain by sizes alone (no device needed).  Reads the
-    tuning databases of ``dispatcher`` (default: the process-wide one).  Calls with
-    ``score_mod``, ``mask_mod`` or ``sinks`` are not explained here (their variants are
-    named by the traced functions: ``flashgen.tune_mods`` lists them).
+    tuning databases of ``dispatcher`` (default: the process-wide one).  User functions
+    (``score_mod``, ``mask_mod``, ``sinks``; ``sdpa=False``) are traced as the call
+    traces them, with gradients enabled: their kernels' keys carry the lowerings' names
+    (:func:`flashgen.user_mods.variant_names`; sinks alone: the plain backward); no
+    tensor's values are read, so the block mask's tiles are not counted.
 
-    Raises InputError for arguments :func:`attention` rejects (``sdpa=False``).
+    Raises InputError for arguments :func:`attention` rejects (``sdpa=False``),
+    UnsupportedError for user functions it cannot compile.
     """
     _check_deterministic(deterministic)
     if not sdpa and (attn_mask is not None or enable_gqa):
         raise InputError("attn_mask and enable_gqa are scaled_dot_product_attention's arguments: pass sdpa=True "
                          "with them")
-    if sdpa and (softcap or alibi_slopes is not None or bias is not None):
-        raise InputError("softcap, alibi_slopes and bias are flashgen.attention's arguments, not "
-                         "scaled_dot_product_attention's")
+    user = score_mod is not None or mask_mod is not None or sinks is not None
+    if sdpa and (softcap or alibi_slopes is not None or bias is not None or user):
+        raise InputError("softcap, alibi_slopes, bias, score_mod, mask_mod and sinks are flashgen.attention's "
+                         "arguments, not scaled_dot_product_attention's")
+    if user and (softcap or alibi_slopes is not None or bias is not None or dropout_p):
+        raise InputError("score_mod, mask_mod and sinks are not combined with softcap, alibi_slopes, bias or "
+                         "dropout_p: write those into score_mod")
     if sdpa:
         reason = sdpa_fallback_reason(q, k, v, attn_mask, dropout_p, causal, softmax_scale, enable_gqa)
         if reason is None and window != (-1, -1):
@@ -1203,15 +1211,21 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         dtype = ops.dtype_name(q.dtype)
         layout = "" if q.is_meta else library.layout_signature(q, k, v)
         if sdpa:
-            mods = _sdpa_mods(attn_mask, dropout_p)
+            mods = bwd_mods = _sdpa_mods(attn_mask, dropout_p)
+        elif user:
+            from . import user_mods
+
+            mods, bwd_mods = user_mods.variant_names(q, k, lo, hi, score_mod=score_mod, mask_mod=mask_mod,
+                                                     sinks=sinks)
         else:
             from .spec import mods_name
 
-            mods = mods_name(softcap=bool(softcap), alibi=alibi_slopes is not None, bias=bias is not None,
-                             dropout=bool(dropout_p))
+            mods = bwd_mods = mods_name(softcap=bool(softcap), alibi=alibi_slopes is not None, bias=bias is not None,
+                                        dropout=bool(dropout_p))
 
         def key_of(kernel):
-            return ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask, mods), batch=b, num_heads=h,
+            m = mods if kernel == "fwd" else bwd_mods
+            return ProblemKey.from_sizes(KernelSpec(kernel, dtype, d, dv, mask, m), batch=b, num_heads=h,
                                          num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk, layout=layout)
 
         det = library.deterministic_backward(deterministic)
@@ -1225,7 +1239,7 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
                      + (f", batch x num_heads <= {most}" if most is not None else "")
                      + "): the decode kernel over k, v as a full cache")
         elif library.decode_form_rule(q, k) is not None:
-            why = (f"score modifications ({mods})" if mods else
+            why = (f"user functions ({mods})" if user else f"score modifications ({mods})" if mods else
                    "a window" if mask == "window" else
                    "top-left causal (scaled_dot_product_attention's)" if mask == "causal" else f"mask {mask}")
             path += (f"; not as flash-decoding, which these sizes would take (library.DECODE_FORM_RULES): {why} "

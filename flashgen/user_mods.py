@@ -1240,6 +1240,32 @@ def _kernel_buffer(t: torch.Tensor, name: str, device) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _check_sinks(sinks, h: int, device) -> None:
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or tuple(sinks.shape) != (h,):
+        got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise InputError(f"sinks must be a float32 tensor of shape (num_heads,) = ({h},), got {got}")
+    if sinks.device != device:
+        raise InputError(f"sinks.device ({sinks.device}) must equal q.device ({device})")
+
+
+def variant_names(q, k, lo: int, hi: int, *, score_mod=None, mask_mod=None, sinks=None) -> tuple[str, str]:
+    """(forward, backward) ``KernelSpec.mods`` of :func:`flashgen.attention`'s call with
+    these functions on q (batch, num_heads, seqlen_q, head_dim) and k (batch,
+    num_kv_heads, seqlen_k, head_dim) under bounds ``lo`` / ``hi``, as a call with
+    gradients enabled compiles them (the backward's "" for sinks alone: the plain
+    kernels).  Traces and registers the lowerings, reads no tensor's values.  Raises
+    InputError for sinks or captured tensors :func:`attention` refuses,
+    UnsupportedError for functions flashgen cannot compile."""
+    b, h, sq, _ = q.shape
+    if sinks is not None:
+        _check_sinks(sinks, h, q.device)
+    st = trace(score_mod, "score") if score_mod is not None else None
+    mt = trace(mask_mod, "mask") if mask_mod is not None else None
+    fwd, bwd = kernel_args(st, mt, score_grad_flags(st), sinks, (b, h, k.shape[1], sq, k.shape[2], lo, hi),
+                           q.device, True)
+    return fwd.name, bwd.name if bwd is not None else ""
+
+
 @torch.compiler.disable
 def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=None, mask_mod=None, sinks=None,
               deterministic: bool | None = None):
@@ -1250,11 +1276,7 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
     if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or tuple(sinks.shape) != (h,):
-            got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-            raise InputError(f"sinks must be a float32 tensor of shape (num_heads,) = ({h},), got {got}")
-        if sinks.device != q.device:
-            raise InputError(f"sinks.device ({sinks.device}) must equal q.device ({q.device})")
+        _check_sinks(sinks, h, q.device)
     st = trace(score_mod, "score") if score_mod is not None else None
     mt = trace(mask_mod, "mask") if mask_mod is not None else None
     for tr, name in ((st, "score_mod"), (mt, "mask_mod")):  # on both paths, before anything reads them

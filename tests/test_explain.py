@@ -281,3 +281,52 @@ def test_explain_sizes_names_bad_sizes(kw, message):
     args = {**dict(batch=1, heads=8, kv_heads=2, seqlen_q=128, seqlen_k=128, head_dim=64), **kw}
     with pytest.raises(flashgen.InputError, match=message):
         flashgen.api.explain_sizes(**args)
+
+
+def test_explain_takes_user_functions_and_names_the_keys_the_call_dispatches(monkeypatch):
+    """score_mod / mask_mod / sinks: the kernels' keys carry the lowerings' names, the
+    ones a call with gradients dispatches (a mask function's backward its own lowering,
+    a score function's with the captured table's gradient, sinks alone the plain
+    backward); sizes only (meta tensors) needs no device; combinations attention refuses
+    raise as it does."""
+    from flashgen import dispatch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+    choose, backward = dispatch.Dispatcher.choose, dispatch.Dispatcher.backward
+
+    def spy_choose(self, key, **kw):
+        seen.append(key.id)
+        return choose(self, key, **kw)
+
+    def spy_backward(self, key, **kw):
+        plan = backward(self, key, **kw)
+        seen.extend(c.key.id for c in plan.choices)
+        return plan
+    monkeypatch.setattr(dispatch.Dispatcher, "choose", spy_choose)
+    monkeypatch.setattr(dispatch.Dispatcher, "backward", spy_backward)
+    doc = torch.arange(40) // 15
+    table = torch.randn(8, 4, requires_grad=True)
+    cases = {"mask": dict(causal=True, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki]),
+             "score": dict(score_mod=lambda s, b, h, qi, ki: s + table[(ki - qi).clamp(0, 7), h]),
+             "sinks": dict(causal=True, sinks=torch.zeros(4, requires_grad=True))}
+    for name, kw in cases.items():
+        q, k, v = (torch.randn(1, n, 40, 16, dtype=torch.float16, requires_grad=True) for n in (4, 2, 2))
+        rep = flashgen.explain(q, k, v, **kw)
+        keys = [c.key for c in rep.kernels]
+        seen.clear()
+        flashgen.attention(q, k, v, **kw).sum().backward()
+        assert keys == list(dict.fromkeys(seen)), (name, keys, seen)
+        fwd_mods, bwd_mods = keys[0].split("_")[5], keys[1].split("_")[6]
+        assert fwd_mods.startswith("u") and fwd_mods.endswith("m") == (name == "mask"), keys
+        # the backward's lowering is its own (sinks alone: the plain backward, no mods)
+        assert bwd_mods == "g2" if name == "sinks" else bwd_mods.startswith("u") and bwd_mods != fwd_mods, keys
+    qm, km = torch.empty(1, 4, 4096, 128, device="meta"), torch.empty(1, 2, 4096, 128, device="meta")
+    rep = flashgen.explain(qm.bfloat16(), km.bfloat16(), km.bfloat16(), mask_mod=lambda b, h, qi, ki: ki <= qi + 7)
+    assert rep.path.startswith("sizes only") and len(rep.kernels) == 3
+    with pytest.raises(flashgen.InputError, match="not combined with softcap"):
+        flashgen.explain(q, k, v, softcap=30.0, mask_mod=lambda b, h, qi, ki: ki <= qi)
+    with pytest.raises(flashgen.InputError, match="sinks must be a float32 tensor"):
+        flashgen.explain(q, k, v, sinks=torch.zeros(3))
+    with pytest.raises(flashgen.InputError, match="arguments, not scaled_dot_product_attention's"):
+        flashgen.explain(q, k, v, sdpa=True, mask_mod=lambda b, h, qi, ki: ki <= qi)
