@@ -1146,8 +1146,10 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     tuning databases of ``dispatcher`` (default: the process-wide one).  User functions
     (``score_mod``, ``mask_mod``, ``sinks``; ``sdpa=False``) are traced as the call
     traces them, with gradients enabled: their kernels' keys carry the lowerings' names
-    (:func:`flashgen.user_mods.variant_names`; sinks alone: the plain backward); no
-    tensor's values are read, so the block mask's tiles are not counted.
+    (:func:`flashgen.user_mods.variant_names`; sinks alone: the plain backward), and
+    the indices they compute are checked against their tensors' sizes as the call
+    checks them (reading the captured tensors, never q, k, v); the block mask's tiles
+    are not counted.
 
     Raises InputError for arguments :func:`attention` rejects (``sdpa=False``),
     UnsupportedError for user functions it cannot compile.
@@ -1194,29 +1196,32 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     hk, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     mask, lo, hi = mask_bounds(sq, sk, causal=causal, window=window, align="top_left" if sdpa else "bottom_right")
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if user:  # traced and checked as the call does on every path (empty, reference, kernels)
+        from . import user_mods
+
+        names = user_mods.variant_names(q, k, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     if library.is_empty(q, k):
         path = "no launch (an empty input: O = 0, LSE = -inf)"
     elif q.is_cuda:
         path = f"generated kernels on {q.device} (each kernel's family below)"
     elif q.is_meta:
         path = "sizes only (meta tensors): the kernels a GPU run would launch"
-    elif library.interpreting():
+    elif library.use_kernels(q):
         path = f"triton interpreter on {q.device} (TRITON_INTERPRET=1)"
     else:
-        path = f"reference (no kernel: {q.device} tensors, float32 math)"
+        why = "bfloat16 in Triton's interpreter, " if library.interpreting() and q.device.type == "cpu" else ""
+        path = f"reference (no kernel: {why}{q.device} tensors, float32 math)"
     kernels: tuple[KernelChoice, ...] = ()
     backward = None
     if not library.is_empty(q, k) and not path.startswith("reference"):
         disp = dispatcher or dispatch.default_dispatcher()
         dtype = ops.dtype_name(q.dtype)
-        layout = "" if q.is_meta else library.layout_signature(q, k, v)
+        # (of the tensors the call launches on: a last dim with stride != 1 is copied first)
+        layout = "" if q.is_meta else library.layout_signature(*(_last_dim_contiguous(t) for t in (q, k, v)))
         if sdpa:
             mods = bwd_mods = _sdpa_mods(attn_mask, dropout_p)
         elif user:
-            from . import user_mods
-
-            mods, bwd_mods = user_mods.variant_names(q, k, lo, hi, score_mod=score_mod, mask_mod=mask_mod,
-                                                     sinks=sinks)
+            mods, bwd_mods = names
         else:
             from .spec import mods_name
 

@@ -1248,22 +1248,40 @@ def _check_sinks(sinks, h: int, device) -> None:
         raise InputError(f"sinks.device ({sinks.device}) must equal q.device ({device})")
 
 
-def variant_names(q, k, lo: int, hi: int, *, score_mod=None, mask_mod=None, sinks=None) -> tuple[str, str]:
+def variant_names(q, k, *, score_mod=None, mask_mod=None, sinks=None) -> tuple[str, str]:
     """(forward, backward) ``KernelSpec.mods`` of :func:`flashgen.attention`'s call with
     these functions on q (batch, num_heads, seqlen_q, head_dim) and k (batch,
-    num_kv_heads, seqlen_k, head_dim) under bounds ``lo`` / ``hi``, as a call with
-    gradients enabled compiles them (the backward's "" for sinks alone: the plain
-    kernels).  Traces and registers the lowerings, reads no tensor's values.  Raises
-    InputError for sinks or captured tensors :func:`attention` refuses,
-    UnsupportedError for functions flashgen cannot compile."""
+    num_kv_heads, seqlen_k, head_dim), as a call with gradients enabled compiles them
+    (the backward's "" for sinks alone: the plain kernels).  Traces the functions,
+    registers their lowerings and checks what :func:`attention` checks before any
+    kernel runs: the sinks, the captured tensors' devices and (q not on the meta device)
+    every index the functions compute within its tensor (:func:`check_reads`, which reads
+    the captured tensors); copies no captured tensor and makes no kernel buffer.  Raises
+    InputError for what :func:`attention` refuses, UnsupportedError for functions
+    flashgen cannot compile."""
     b, h, sq, _ = q.shape
     if sinks is not None:
         _check_sinks(sinks, h, q.device)
     st = trace(score_mod, "score") if score_mod is not None else None
     mt = trace(mask_mod, "mask") if mask_mod is not None else None
-    fwd, bwd = kernel_args(st, mt, score_grad_flags(st), sinks, (b, h, k.shape[1], sq, k.shape[2], lo, hi),
-                           q.device, True)
+    _check_traced(st, mt, b, h, sq, k.shape[2], q)
+    flags = score_grad_flags(st)
+    fwd = lowering("fwd", st, mt, flags, sinks is not None)
+    bwd = lowering("bwd", st, mt, flags, False) if st is not None or mt is not None else None
     return fwd.name, bwd.name if bwd is not None else ""
+
+
+def _check_traced(st, mt, b: int, h: int, sq: int, sk: int, q) -> None:
+    """The captured tensors on q's device, and (q not on the meta device: sizes only)
+    every index the functions compute within its tensor's extent (InputError): on every
+    path, before anything reads them (the reference would wrap a negative index as torch
+    does)."""
+    for tr, name in ((st, "score_mod"), (mt, "mask_mod")):
+        for t in (tr.captured if tr is not None else ()):
+            _check_device(t, name, q.device)
+    if not q.is_meta:
+        check_reads(st, b, h, sq, sk, q.device)
+        check_reads(mt, b, h, sq, sk, q.device)
 
 
 @torch.compiler.disable
@@ -1279,14 +1297,7 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
         _check_sinks(sinks, h, q.device)
     st = trace(score_mod, "score") if score_mod is not None else None
     mt = trace(mask_mod, "mask") if mask_mod is not None else None
-    for tr, name in ((st, "score_mod"), (mt, "mask_mod")):  # on both paths, before anything reads them
-        for t in (tr.captured if tr is not None else ()):
-            _check_device(t, name, q.device)
-    # every index the functions compute within its tensor's extent (InputError), on both
-    # paths: the reference would wrap a negative one as torch does
-    if not q.is_meta:  # sizes only: nothing is read
-        check_reads(st, b, h, sq, sk, q.device)
-        check_reads(mt, b, h, sq, sk, q.device)
+    _check_traced(st, mt, b, h, sq, sk, q)
     if not library.use_kernels(q):
         # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)

@@ -330,3 +330,34 @@ def test_explain_takes_user_functions_and_names_the_keys_the_call_dispatches(mon
         flashgen.explain(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(flashgen.InputError, match="arguments, not scaled_dot_product_attention's"):
         flashgen.explain(q, k, v, sdpa=True, mask_mod=lambda b, h, qi, ki: ki <= qi)
+    # what the call refuses before any kernel, explain refuses on every path: an index
+    # past its tensor, bad sinks or an untraceable function with an empty input
+    short = torch.randn(4, 4)
+    with pytest.raises(flashgen.InputError, match="reads a captured tensor of shape"):
+        flashgen.explain(q, k, v, score_mod=lambda s, b, h, qi, ki: s + short[qi, h])
+    empty = torch.randn(1, 4, 0, 16, dtype=torch.float16)
+    with pytest.raises(flashgen.InputError, match="sinks must be a float32 tensor"):
+        flashgen.explain(empty, k, v, sinks=torch.zeros(3))
+    with pytest.raises(flashgen.UnsupportedError):
+        flashgen.explain(empty, k, v, mask_mod=lambda b, h, qi, ki: ki if qi > 3 else qi)
+    # the captured tensors are not copied, no kernel buffer made (a float64 table: the
+    # call's kernels read a float32 copy)
+    wide = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flashgen.explain(q, k, v, score_mod=lambda s, b, h, qi, ki: s + wide[(ki - qi).clamp(0, 7), h])
+    ops = {e.name for e in prof.events()}
+    assert not ops & {"aten::_to_copy", "aten::zeros", "aten::clone"}, sorted(ops)
+
+
+def test_explain_takes_the_path_and_layout_the_call_takes(monkeypatch):
+    """bfloat16 in the interpreter runs the reference (the interpreter's tl.dot
+    multiplies bfloat16 bit patterns), and a q whose last dim has stride != 1 is copied
+    before the kernels: explain says so and names the copy's layout."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(1, 2, 32, 16, dtype=torch.bfloat16)
+    rep = flashgen.explain(q, q, q)
+    assert rep.path.startswith("reference (no kernel: bfloat16 in Triton's interpreter") and rep.kernels == ()
+    qt = torch.randn(1, 2, 16, 32, dtype=torch.float16).transpose(2, 3)  # stride(-1) == 32
+    assert all(not c.key.endswith("_strided") for c in flashgen.explain(qt, qt, qt).kernels)
+    assert flashgen.explain(qt, qt, qt).kernels[0].key == flashgen.explain(qt.contiguous(), qt.contiguous(),
+                                                                            qt.contiguous()).kernels[0].key
