@@ -373,7 +373,6 @@ def _stoppable(console, db: Path):
     workers too: :func:`flashgen.tuner.tune_parallel`): one line, the rows already
     recorded kept, exit code 128 + the signal's number (130 for Ctrl-C, 143 for
     SIGTERM)."""
-    import logging
     import signal
 
     from . import tuner
@@ -381,23 +380,15 @@ def _stoppable(console, db: Path):
 
     # Optuna logs the interrupted trial ("Trial N failed ... KeyboardInterrupt") with its
     # traceback: one line instead, as the workers do
-    quiet = tuner._NoInterruptTraceback()
-    handlers = list(logging.getLogger("optuna").handlers)
-    for h in handlers:
-        h.addFilter(quiet)
-    try:
-        with tuner.stop_signals_raise():
-            try:
-                yield
-            except KeyboardInterrupt as e:
-                signum = tuner.stop_signal(e)
-                n = row_count(db)
-                console.print(f"stopped by {signal.Signals(signum).name}; " + (
-                    f"{db} keeps the {n} rows recorded so far" if n else "no row was recorded"), markup=False)
-                raise typer.Exit(128 + signum) from None
-    finally:
-        for h in handlers:
-            h.removeFilter(quiet)
+    with tuner.interrupts_on_one_line(), tuner.stop_signals_raise():
+        try:
+            yield
+        except KeyboardInterrupt as e:
+            signum = tuner.stop_signal(e)
+            n = row_count(db)
+            console.print(f"stopped by {signal.Signals(signum).name}; " + (
+                f"{db} keeps the {n} rows recorded so far" if n else "no row was recorded"), markup=False)
+            raise typer.Exit(128 + signum) from None
 
 
 def _print_checks(console, bench, what: str = "variants") -> None:

@@ -1055,6 +1055,23 @@ class _NoInterruptTraceback:
         return True
 
 
+@contextlib.contextmanager
+def interrupts_on_one_line():
+    """While inside, Optuna's handlers log a trial stopped by a signal on its one line
+    (:class:`_NoInterruptTraceback`); the filter is removed on exit."""
+    import logging
+
+    quiet = _NoInterruptTraceback()
+    handlers = list(logging.getLogger("optuna").handlers)
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
+
+
 #: Seconds a worker whose parent is gone gives its running trial to stop before it exits.
 ORPHAN_GRACE_S = 10.0
 
@@ -1128,8 +1145,6 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
     it (:class:`_StopAtMeasurement`): its running trial is marked FAIL, the rows
     already recorded stay, and it exits with 128 + the signal's number, without a
     traceback.  It stops by itself when its parent exits (:func:`_stop_when_parent_dies`)."""
-    import logging
-
     if cfg.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
     if cfg.fake_timings is not None:
@@ -1146,11 +1161,9 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
     if hasattr(signal, "pthread_sigmask"):
         # started with SIGTERM blocked (tune_parallel): one sent meanwhile is handled now
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    for h in logging.getLogger("optuna").handlers:
-        h.addFilter(_NoInterruptTraceback())
     _stop_when_parent_dies(cfg.name)
     try:
-        with TuningDB(cfg.db_path) as db:
+        with interrupts_on_one_line(), TuningDB(cfg.db_path) as db:
             # Workers start their keys in different orders, so they spread over the keys
             # at first instead of all joining the first study.
             k = cfg.index
