@@ -1259,29 +1259,31 @@ def variant_names(q, k, *, score_mod=None, mask_mod=None, sinks=None) -> tuple[s
     the captured tensors); copies no captured tensor and makes no kernel buffer.  Raises
     InputError for what :func:`attention` refuses, UnsupportedError for functions
     flashgen cannot compile."""
-    b, h, sq, _ = q.shape
-    if sinks is not None:
-        _check_sinks(sinks, h, q.device)
-    st = trace(score_mod, "score") if score_mod is not None else None
-    mt = trace(mask_mod, "mask") if mask_mod is not None else None
-    _check_traced(st, mt, b, h, sq, k.shape[2], q)
+    st, mt = _traced(q, k, score_mod, mask_mod, sinks)
     flags = score_grad_flags(st)
     fwd = lowering("fwd", st, mt, flags, sinks is not None)
     bwd = lowering("bwd", st, mt, flags, False) if st is not None or mt is not None else None
     return fwd.name, bwd.name if bwd is not None else ""
 
 
-def _check_traced(st, mt, b: int, h: int, sq: int, sk: int, q) -> None:
-    """The captured tensors on q's device, and (q not on the meta device: sizes only)
-    every index the functions compute within its tensor's extent (InputError): on every
-    path, before anything reads them (the reference would wrap a negative index as torch
-    does)."""
+def _traced(q, k, score_mod, mask_mod, sinks):
+    """(score, mask) functions traced (None where not given), after the checks
+    :func:`attention` makes on every path, before anything reads them: the sinks, the
+    captured tensors on q's device, and (q not on the meta device: sizes only) every
+    index the functions compute within its tensor's extent (InputError; the reference
+    would wrap a negative index as torch does)."""
+    b, h, sq, _ = q.shape
+    if sinks is not None:
+        _check_sinks(sinks, h, q.device)
+    st = trace(score_mod, "score") if score_mod is not None else None
+    mt = trace(mask_mod, "mask") if mask_mod is not None else None
     for tr, name in ((st, "score_mod"), (mt, "mask_mod")):
         for t in (tr.captured if tr is not None else ()):
             _check_device(t, name, q.device)
     if not q.is_meta:
-        check_reads(st, b, h, sq, sk, q.device)
-        check_reads(mt, b, h, sq, sk, q.device)
+        check_reads(st, b, h, sq, k.shape[2], q.device)
+        check_reads(mt, b, h, sq, k.shape[2], q.device)
+    return st, mt
 
 
 @torch.compiler.disable
@@ -1293,11 +1295,7 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     the backward passes to :func:`flashgen.library.backward`)."""
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    if sinks is not None:
-        _check_sinks(sinks, h, q.device)
-    st = trace(score_mod, "score") if score_mod is not None else None
-    mt = trace(mask_mod, "mask") if mask_mod is not None else None
-    _check_traced(st, mt, b, h, sq, sk, q)
+    st, mt = _traced(q, k, score_mod, mask_mod, sinks)
     if not library.use_kernels(q):
         # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)
