@@ -503,15 +503,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                       return_lse=return_lse, align="bottom_right", deterministic=deterministic)
 
 
+def _check_user_alone(softcap, alibi_slopes, bias, dropout_p, rng_state=None) -> None:
+    """User functions take none of the built-in score mods (InputError)."""
+    if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
+        raise InputError("score_mod, mask_mod and sinks are not combined with softcap, alibi_slopes, bias or "
+                         "dropout_p: write those into score_mod")
+
+
 def _attention_user(q, k, v, *, causal, window, softmax_scale, return_lse, score_mod, mask_mod, sinks, builtin,
                     deterministic=None):
     """The path of calls with user functions or sinks (:mod:`flashgen.user_mods`)."""
     from . import user_mods
 
-    softcap, alibi_slopes, bias, dropout_p, rng_state = builtin
-    if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
-        raise InputError("score_mod, mask_mod and sinks are not combined with softcap, alibi_slopes, bias or "
-                         "dropout_p: write those into score_mod")
+    _check_user_alone(*builtin)
     _check_return_lse(return_lse)
     q, k, v, scale, mask, lo, hi = _prepare_memo(q, k, v, causal, window, softmax_scale, "bottom_right")
     o, lse = user_mods.attention(q, k, v, scale, mask, lo, hi, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
@@ -1162,9 +1166,8 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     if sdpa and (softcap or alibi_slopes is not None or bias is not None or user):
         raise InputError("softcap, alibi_slopes, bias, score_mod, mask_mod and sinks are flashgen.attention's "
                          "arguments, not scaled_dot_product_attention's")
-    if user and (softcap or alibi_slopes is not None or bias is not None or dropout_p):
-        raise InputError("score_mod, mask_mod and sinks are not combined with softcap, alibi_slopes, bias or "
-                         "dropout_p: write those into score_mod")
+    if user:
+        _check_user_alone(softcap, alibi_slopes, bias, dropout_p)
     if sdpa:
         reason = sdpa_fallback_reason(q, k, v, attn_mask, dropout_p, causal, softmax_scale, enable_gqa)
         if reason is None and window != (-1, -1):
