@@ -458,8 +458,9 @@ class Dispatcher:
                where=None, tiers: tuple[int, ...] = (0, 1, 2, 3)) -> Choice | None:
         """The fastest row of exactly ``key_id`` in the first of ``tiers`` that has one
         (:meth:`_table`'s order: this GPU under this Triton version, under others, then
-        its sibling GPUs the same way) whose family serves its key here (and whose config
-        serves ``serve``: :meth:`_serves`); None when there is none.  ``loaded``: the
+        its sibling GPUs the same way) whose family serves its key here, whose rules admit
+        its config for that key (a row measured under older rules, or imported, may break
+        them) and whose config serves ``serve`` (:meth:`_serves`); None when there is none.  ``loaded``: the
         databases' tables, when the caller has them."""
         if loaded is None:
             loaded = [(p, self._table(p)) for p in self.databases()]
@@ -468,7 +469,11 @@ class Dispatcher:
             for path, t in loaded:
                 for cfg, row in t[i].get(key_id, ()):
                     key = ProblemKey.from_row(row)
-                    if self._family(cfg, key) is None or not self._serves(cfg, serve, where):
+                    fam = self._family(cfg, key)
+                    # a row measured under other rules (an imported or older database) whose
+                    # knobs the family's rules now refuse for its own key is not taken
+                    if fam is None or fam.violated_rules(Variant(key.spec, cfg)) or \
+                            not self._serves(cfg, serve, where):
                         continue
                     if best is None or row["median_ms"] < best.median_ms:
                         best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
