@@ -1,8 +1,10 @@
 """The Gluon backward's user mask functions (flashgen/families/gluon/user_bwd.py) on the
-GPU, which the rules refuse until this has run (``bwd.USER_NOT_CHECKED``): each example
+GPU, the measurement behind ``family.USER_BWD_DEFAULT_AHEAD`` (the default tile the
+dispatcher takes for an untuned key of mask functions alone): each example
 first in a child process under a timeout (a deadlock kills the child, not the run),
 checked against float64 (dQ, dK, dV of the head_dim's default tile; batch 2, 16 heads,
-1000 queries and keys, GQA 4 as well; the exactness rule, <= 1 passes), then timed
+1000 queries and keys, bf16, GQA 4 in bf16 and float16; the exactness rule, <= 1
+passes), then timed
 (preprocess + main + convert, median of triton.testing.do_bench) against the Triton
 family's backward of the same mask function (flashgen.attention through autograd, the
 shipped rows) on the ``user-examples`` shape (batch 8, 16 heads, seqlen 2048).  Writes
@@ -27,13 +29,14 @@ sys.path.insert(0, str(ROOT))
 #: The mask-function examples of flashgen.user_examples (a band: window-causal).
 EXAMPLES = ("document", "document-causal", "prefix-lm", "window-causal")
 HEAD_DIMS = (64, 128)
-#: (batch, heads, kv heads, seqlen) of the checks, and of the timing.
-CHECKS = ((2, 16, 16, 1000), (2, 16, 4, 1000))
+#: (batch, heads, kv heads, seqlen, dtype) of the checks; (batch, heads, kv heads,
+#: seqlen) of the timing (bf16).
+CHECKS = ((2, 16, 16, 1000, "bfloat16"), (2, 16, 4, 1000, "bfloat16"), (2, 16, 4, 1000, "float16"))
 TIMED = (8, 16, 16, 2048)
 
 
-def _problem(name: str, d: int, b: int, h: int, hk: int, s: int, seed: int = 0):
-    """Inputs (bf16, CUDA), the mask function, its bounds and the backward's UserArgs."""
+def _problem(name: str, d: int, b: int, h: int, hk: int, s: int, seed: int = 0, dtype: str = "bfloat16"):
+    """Inputs (``dtype``, CUDA), the mask function, its bounds and the backward's UserArgs."""
     import torch
 
     from flashgen import user_examples, user_mods
@@ -43,8 +46,9 @@ def _problem(name: str, d: int, b: int, h: int, hk: int, s: int, seed: int = 0):
     _, mask_mod = ex.functions(*ex.tensors)
     _, lo, hi = mask_bounds(s, s, causal=ex.causal, window=tuple(ex.window))
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dt = getattr(torch, dtype)
+    q, do = (torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
     ua = user_mods.kernel_args(None, user_mods.trace(mask_mod, "mask"), (), None, (b, h, hk, s, s, lo, hi),
                                q.device, True)[1]
     return ex, mask_mod, lo, hi, (q, k, v, do), ua
@@ -54,7 +58,7 @@ def _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua, stage_sync=False):
     from flashgen.families.gluon import bwd as B
 
     return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi, mask="window",
-                           config=B.default_config(d, "bfloat16", "window"), check=False, user=ua,
+                           config=B.default_config(d, str(q.dtype).removeprefix("torch."), "window"), check=False, user=ua,
                            stage_sync=stage_sync)
 
 
@@ -67,20 +71,20 @@ def _child(name: str, d: int) -> dict:
     from flashgen import bench, user_mods
 
     out = {"name": name, "d": d, "checks": []}
-    for b, h, hk, s in CHECKS:
-        ex, mask_mod, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s, seed=s + h)
+    for b, h, hk, s, dtype in CHECKS:
+        ex, mask_mod, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s, seed=s + h + hk, dtype=dtype)
         with torch.no_grad():
             o, lse = flashgen.attention(q, k, v, causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod,
                                         return_lse=True)
         got = dict(zip(("dQ", "dK", "dV"), _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua, stage_sync=True)))
         refs = {}
-        for dt in (torch.float64, torch.bfloat16):
+        for dt in (torch.float64, q.dtype):
             qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
             oo, _ = user_mods.reference(qq, kk, vv, d ** -0.5, lo, hi, mask_mod=mask_mod, dtype=dt)
             refs[dt] = torch.autograd.grad(oo, (qq, kk, vv), do.to(dt))
-        res = bench._ratios(got, {n: (refs[torch.float64][i], refs[torch.bfloat16][i]) for i, n in
-                                  enumerate(("dQ", "dK", "dV"))}, torch.bfloat16)
-        out["checks"].append({"size": [b, h, hk, s], "ratio": max(r for _, _, r in res.values()),
+        res = bench._ratios(got, {n: (refs[torch.float64][i], refs[q.dtype][i]) for i, n in
+                                  enumerate(("dQ", "dK", "dV"))}, q.dtype)
+        out["checks"].append({"size": [b, h, hk, s], "dtype": dtype, "ratio": max(r for _, _, r in res.values()),
                               "errors": {n: [e, be] for n, (e, be, _) in res.items()}})
     out["ok"] = all(c["ratio"] <= 1.0 for c in out["checks"])
     if not out["ok"]:

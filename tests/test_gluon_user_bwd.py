@@ -183,19 +183,21 @@ def test_the_steps_keep_exactly_the_mask_functions_entries(name, d):
     assert int(visits.max()) == (1 if want.any() else 0) and (not want.any() or int(visits[want].min()) == 1)
 
 
-def test_the_rules_refuse_every_user_variant_until_checked_and_score_functions():
-    """The rules refuse a user variant (render with its checks raises) until its float64
-    checks have run on the GPU; the knobs with ranges of their own are refused with a
-    reason; a score function or sinks stay the Triton family's; a mask function
-    compiles into the window kernel only."""
+def test_the_rules_refuse_the_knobs_not_built_with_a_mask_function_and_score_functions():
+    """The rules admit the default variant with a mask function; the knobs with ranges
+    of their own are refused with a reason (render raises, with or without its checks); a
+    score function or sinks stay the Triton family's; a mask function compiles into the
+    window kernel only."""
     ua = _user_args(None, lambda b_, h_, q, kv: (kv <= q) | (kv < 7), 1, 2, 1, 64, 64, -64, 64)
     cfg = B.default_config(128, "bfloat16", "window")
-    with pytest.raises(ValueError, match=B.NOT_CHECKED):
-        B.render(cfg, "bfloat16", 128, "window", user=ua.name)
-    assert B.user_reasons(cfg, "window") == [B.USER_NOT_CHECKED]
+    assert B.user_reasons(cfg, "window") == [] and "UBM" in B.render(cfg, "bfloat16", 128, "window", user=ua.name)
     for knob in (dict(dq_mode="ordered"), dict(longest_first=True), dict(group_split=2)):
-        reasons = B.user_reasons(dataclasses.replace(cfg, **knob), "window")
-        assert len(reasons) == 2 and "not built" in reasons[0], (knob, reasons)
+        bad = dataclasses.replace(cfg, **knob)
+        reasons = B.user_reasons(bad, "window")
+        assert len(reasons) == 1 and "not built" in reasons[0], (knob, reasons)
+        for check in (True, False):
+            with pytest.raises(ValueError, match="not built"):
+                B.render(bad, "bfloat16", 128, "window", check=check, user=ua.name)
     with pytest.raises(ValueError, match="window"):
         B.render(cfg, "bfloat16", 128, "causal", check=False, user=ua.name)
     band = _user_args(None, lambda b_, h_, q, kv: q - kv <= 5, 1, 2, 1, 64, 64, -64, 64)
@@ -257,22 +259,23 @@ def test_deterministic_reaches_the_backward_of_user_functions(monkeypatch):
     assert [d for _, d in asked] == [True, False] and all(m.startswith("u") for m, _ in asked), asked
 
 
-def _mask_problem(name, d=128):
+def _mask_problem(name, d=128, batch=2, dtype="bfloat16"):
     from flashgen import user_tune
     from flashgen.spec import Shape
 
-    shape = Shape(batch=2, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+    shape = Shape(batch=batch, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
     ex = user_examples.make(name, shape.num_heads, shape.seqlen_q, requires_grad=False)
     sm, mm = ex.functions(*ex.tensors)
-    return user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, d, d, "bfloat16", shape, label=name)
+    return user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, d, d, dtype, shape, label=name)
 
 
-def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp_path, monkeypatch):
+def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp_path):
     """A ``bwd`` key of mask functions alone is the Gluon family's (its variant compiled
-    as the window kernel with the block mask), refused as not checked while
-    ``USER_CHECKED`` is False; once checked the dispatcher compares its row with the
+    as the window kernel with the block mask); the dispatcher compares its row with the
     Triton family's bwd_dq + bwd_dkdv rows of the same bucket, as for plain keys, takes
-    no untuned Gluon default, and a score function's backward stays the two kernels."""
+    the untuned Gluon default at the head dims where it measured ahead
+    (``USER_BWD_DEFAULT_AHEAD``) and the two kernels elsewhere, and a score function's
+    backward stays the two kernels."""
     from flashgen import families
     from flashgen.arch import by_sm
     from flashgen.db import TuningDB
@@ -283,12 +286,11 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
 
     gluon, sm90 = families.get("gluon"), by_sm("sm_90")
     h200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
-    p = _mask_problem("document-causal")
+    p = _mask_problem("document-causal", batch=16)  # enough work for an untuned Gluon default
     key, shape = p.keys(["bwd"])[0]
+    assert gluon.large_enough(key) and not gluon.large_enough(_mask_problem("document-causal").keys(["bwd"])[0][0])
     assert key.spec.mask == "causal" and F.bwd_mask(key.spec) == "window" and F.user_mask_bwd(p.bwd_mods)
-    assert B.NOT_CHECKED in gluon.unsupported(key, sm90)
-    monkeypatch.setattr(B, "USER_CHECKED", True)
-    assert gluon.unsupported(key, sm90) is None and gluon.prefers_default(key, sm90) is None
+    assert gluon.unsupported(key, sm90) is None and "H100" in gluon.prefers_default(key, sm90)
     cfg = gluon.default_config(key, sm90)
     assert F.bwd_config(cfg) == B.default_config(128, "bfloat16", "window")
     v = Variant(key.spec, cfg)
@@ -309,14 +311,25 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
     for gluon_ms, whole in ((1.5, True), (2.5, False)):
         db_path = tmp_path / f"t{gluon_ms}.sqlite"
         with TuningDB(db_path) as db:
-            for kernel, c, ms in (("bwd_dq", t1, 1.0), ("bwd_dkdv", t2, 1.0), ("bwd", cfg, gluon_ms)):
+            # the fastest row breaks a rule of its key (the ordered dQ is not built with a
+            # mask function): an imported row of that kind is never taken
+            for kernel, c, ms in (("bwd_dq", t1, 1.0), ("bwd_dkdv", t2, 1.0), ("bwd", cfg, gluon_ms),
+                                  ("bwd", dataclasses.replace(cfg, dq_ordered=1), 0.1)):
                 k = shape.key(p.spec(kernel))
                 db.record(k, shape, Variant(k.spec, c), Measurement("ok", median_ms=ms), h200, 0)
         plan = Dispatcher([db_path], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
         assert plan.whole is whole and "measured at attn_bwd_d128_bf16_causal_u" in plan.reason, plan.reason
         assert plan.family == ("gluon" if whole else "triton")
+        assert not plan.whole or (plan.choices[0].median_ms == gluon_ms and not plan.choices[0].config.dq_ordered)
     untuned = Dispatcher([], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
-    assert not untuned.whole and "untuned" in untuned.reason
+    assert untuned.whole and untuned.family == "gluon" and "default measured ahead: H100" in untuned.reason
+    # no measurement at head_dim 96, no GPU check of the float16 default: the two kernels
+    for other in (_mask_problem("document-causal", 96, batch=16),
+                  _mask_problem("document-causal", batch=16, dtype="float16")):
+        okey, oshape = other.keys(["bwd"])[0]
+        assert gluon.unsupported(okey, sm90) is None and gluon.prefers_default(okey, sm90) is None
+        untuned = Dispatcher([], env=h200, arch=sm90).backward(oshape.key(other.spec("bwd_dq")), capturing=False)
+        assert not untuned.whole and "untuned" in untuned.reason, untuned.reason
     plan = Dispatcher([], env=h200, arch=sm90).backward(shape.key(scored.spec("bwd_dq")), capturing=False)
     assert not plan.whole and "mask functions alone" in plan.reason
 

@@ -582,31 +582,21 @@ def varlen_reasons(config: GluonBwdConfig, head_dim: int) -> list[str]:
     return out
 
 
-#: Whether the user mask-function variants of the backward have passed their float64
-#: checks on the GPU (``python -m benchmarks gluon-user-bwd``); until then the rules
-#: refuse every one (:data:`USER_NOT_CHECKED`), so no tuner or dispatcher picks one.
-USER_CHECKED = False
-#: Why the rules refuse every user-function variant of the backward while
-#: :data:`USER_CHECKED` is False: built and compiled for sm_90
-#: (tests/test_gluon_user_bwd.py), their float64 checks not yet run.
-USER_NOT_CHECKED = f"user mask functions in the Gluon backward: the variant {NOT_CHECKED}"
-
-
 def user_reasons(config: GluonBwdConfig, mask: str) -> list[str]:
     """Why ``config`` cannot compile a user mask function (:func:`.user_bwd.bwd_template_vars`),
     beyond :func:`invalid_reasons`: the knobs whose key and query ranges are their own
     (the ordered dQ's chain, the longest-first grid's sections, a GQA group split over
     programs, the head_dim 256 column and role splits and their lookahead) are not built
     with its block mask; the mask mode is "window" whenever there is a predicate (the
-    forward's rule, :func:`.user.compiled_mask`).  Ends with :data:`USER_NOT_CHECKED`
-    while :data:`USER_CHECKED` is False."""
+    forward's rule, :func:`.user.compiled_mask`).  The rest passed their float64 checks
+    on the GPU (``python -m benchmarks gluon-user-bwd``, docs/results/h100/gluon_user_bwd/)."""
     c, out = config, []
     for knob, on in (("dq_mode 'ordered'", c.dq_mode == "ordered"), ("longest_first", c.longest_first),
                      (f"group_split {c.group_split}", c.group_split != 1), ("col_split", c.col_split),
                      ("role split", c.col_split and c.split), (f"lookahead {c.lookahead}", bool(c.lookahead))):
         if on:
             out.append(f"{knob} with a user mask function: not built")
-    return out if USER_CHECKED else out + [USER_NOT_CHECKED]
+    return out
 
 
 def group_splits(group: int) -> tuple[int, ...]:
@@ -886,7 +876,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     :data:`DQ_PROBES` (dq_mode "ordered" only); ``varlen``: the ragged-batch main kernel
     (:func:`varlen_reasons`; every other variant renders as without it); ``user``: the
     ``KernelSpec.mods`` of user mask functions registered in this process
-    (:func:`user_reasons`: refused by the rules until checked on the GPU)."""
+    (:func:`user_reasons`: the knobs not built with one raise ValueError)."""
     from .user_bwd import bwd_template_vars
 
     if user and varlen:
@@ -895,8 +885,7 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     if user and mask != "window":
         raise ValueError(f"user mask function {user}: compiled into the window kernel (mask 'window': the "
                          f"bounds a band tightens are tested there), not {mask!r}")
-    ureasons = user_reasons(config, mask) if user else []
-    unbuilt = [r for r in ureasons if r != USER_NOT_CHECKED]
+    unbuilt = user_reasons(config, mask) if user else []
     if unbuilt:  # with or without the rules' checks: these would read the block mask wrongly or hang
         raise ValueError(f"Gluon backward config {config.id} with user mask function {user}: " + "; ".join(unbuilt))
     if probe not in DQ_PROBES or (probe and (config.dq_mode != "ordered" or config.dq_writer)):
@@ -904,8 +893,6 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
     if check and varlen:
         reasons += varlen_reasons(config, head_dim)
-    if check:
-        reasons += ureasons
     if reasons:
         raise ValueError(f"invalid Gluon backward config {config.id} for d{head_dim} {dtype} {mask}: "
                          + "; ".join(reasons))
@@ -1246,8 +1233,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     ``check=False`` builds a config the rules reject (:func:`invalid_reasons`; a
     benchmark's probe of one, never the dispatcher's).  ``user``: the runtime arguments
     (:class:`flashgen.user_mods.UserArgs`) of a user mask function (``mask`` "window";
-    no launch plan; the rules refuse every such variant until it is checked on the GPU,
-    :func:`user_reasons`)."""
+    no launch plan; :func:`user_reasons` names the knobs not built with one)."""
     key = None
     if check and not stage_sync and user is None:
         key, bufs = plans.replay(_PLANS, (do, q, k, v, o, lse, dq, dk, dv), config, mask, float(softmax_scale),

@@ -12,8 +12,8 @@ them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, th
 dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
 score mods; masks none, causal and window; user score/mask functions and sinks
 (:mod:`flashgen.user_mods`) in the forward (:mod:`.user`), mask functions alone in the
-whole backward (:mod:`.user_bwd`; refused while :data:`.bwd.USER_CHECKED` is False,
-until their float64 checks run on the GPU).  Everything else is the Triton family's,
+whole backward (:mod:`.user_bwd`; checked against float64 on the GPU,
+``python -m benchmarks gluon-user-bwd``).  Everything else is the Triton family's,
 and :meth:`GluonFamily.unsupported` says why.
 
 The knobs live in :class:`flashgen.spec.TileConfig` (its Gluon fields, 0 unless set):
@@ -79,6 +79,21 @@ BWD_DEFAULT_AHEAD = {
     (256, "causal"): "1.08-1.12x the Triton family's tuned rows at 16x8/4x1024 to 2x8/4x8192, 206-307 TFLOP/s "
                      "(docs/results/h200/gluon_bwd/d256)",
 }
+#: Where the Gluon backward's default (the window kernel with the block mask) measured
+#: ahead of the Triton family's backward for user mask functions alone: head_dim -> the
+#: measurement (``python -m benchmarks gluon-user-bwd``: the four mask examples of
+#: :mod:`flashgen.user_examples`, document, document-causal, prefix-lm and window-causal,
+#: at 8x16x2048 bf16, the Triton side through ``flashgen.attention`` with the shipped
+#: rows; each checked against float64 first).  A score function keeps
+#: the Triton backward (the Gluon one takes none).
+USER_BWD_DEFAULT_AHEAD = {
+    128: "H100, 1.07-1.24x the Triton family's backward over the four mask examples at 8x16x2048 "
+         "(docs/results/h100/gluon_user_bwd)",
+    64: "H100, 1.06-1.46x the Triton family's backward over the four mask examples at 8x16x2048 "
+        "(docs/results/h100/gluon_user_bwd)",
+}
+#: The dtypes whose default the GPU checked against float64 (the rest: tuned rows alone).
+USER_BWD_DEFAULT_DTYPES = ("bfloat16",)
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
 #: choice (its tuned bwd_dq_varlen + bwd_dkdv_varlen rows where the shipped database has
 #: them, its heuristic defaults elsewhere) on the H200, bf16, GQA groups 1 and 4
@@ -297,8 +312,6 @@ class GluonFamily:
         if s.kernel == WHOLE_BWD and s.mods and B.col_split_dim(s.head_dim):
             return (f"user mask functions ({s.mods}) at head_dim {s.head_dim}: the column-split backward "
                     "program is not built with them")
-        if s.kernel == WHOLE_BWD and s.mods and not B.USER_CHECKED:
-            return f"user mask functions ({s.mods}): {B.USER_NOT_CHECKED} (python -m benchmarks gluon-user-bwd)"
         if s.mask not in C.MASKS:
             return f"mask {s.mask}: one of {C.MASKS}"
         if s.kernel in FWD_KERNELS:
@@ -495,8 +508,10 @@ class GluonFamily:
         if s.kernel == VARLEN_BWD:
             seen = BWD_VARLEN_DEFAULT_AHEAD.get((s.head_dim, s.mask))
             return None if seen is None else f"H200, {seen}"
-        # user mask functions: no measurement of the default yet, tuned rows alone pick it
-        seen = None if s.mods else BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
+        if s.mods:  # user mask functions alone: unsupported() refuses the rest
+            timed = s.head_dim == s.head_dim_v and s.dtype in USER_BWD_DEFAULT_DTYPES
+            return USER_BWD_DEFAULT_AHEAD.get(s.head_dim) if timed else None
+        seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
         return None if seen is None else f"H200, {seen}"
 
     # -- code ---------------------------------------------------------------------------
