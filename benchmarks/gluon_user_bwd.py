@@ -3,12 +3,14 @@ GPU, the measurement behind ``family.USER_BWD_DEFAULT_AHEAD`` (the default tile 
 dispatcher takes for an untuned key of mask functions alone): each example
 first in a child process under a timeout (a deadlock kills the child, not the run),
 checked against float64 (dQ, dK, dV of the head_dim's default tile; batch 2, 16 heads,
-1000 queries and keys, bf16, GQA 4 in bf16 and float16; the exactness rule, <= 1
-passes), then timed
+1000 queries and keys, bf16, GQA 4 in bf16 and float16, multi-query in bf16; the
+exactness rule, <= 1 passes), then timed
 (preprocess + main + convert, median of triton.testing.do_bench) against the Triton
-family's backward of the same mask function (flashgen.attention through autograd, the
-shipped rows) on the ``user-examples`` shape (batch 8, 16 heads, seqlen 2048).  Writes
-gluon_user_bwd.json under --out and prints a short table last.
+family's backward of the same mask function (flashgen.attention through autograd with
+``FLASHGEN_FAMILIES=triton``, the shipped rows) at batch 8, 16 heads and seqlen 2048
+(the ``user-examples`` preset's size) and 4096; each timing records which backward the
+dispatcher itself picks there (``flashgen.explain``).  Writes gluon_user_bwd.json under
+--out and prints a short table last.
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_user_bwd.py --out $OUT
 """
@@ -30,9 +32,12 @@ sys.path.insert(0, str(ROOT))
 EXAMPLES = ("document", "document-causal", "prefix-lm", "window-causal")
 HEAD_DIMS = (64, 128)
 #: (batch, heads, kv heads, seqlen, dtype) of the checks; (batch, heads, kv heads,
-#: seqlen) of the timing (bf16).
-CHECKS = ((2, 16, 16, 1000, "bfloat16"), (2, 16, 4, 1000, "bfloat16"), (2, 16, 4, 1000, "float16"))
-TIMED = (8, 16, 16, 2048)
+#: seqlen) of the timings (bf16): the ``user-examples`` preset's size, and one with enough
+#: work for the dispatcher's untuned Gluon default at every example and head dim
+#: (``family.DEFAULT_MIN_FLOPS``).
+CHECKS = ((2, 16, 16, 1000, "bfloat16"), (2, 16, 4, 1000, "bfloat16"), (2, 16, 1, 1000, "bfloat16"),
+          (2, 16, 4, 1000, "float16"))
+TIMED = ((8, 16, 16, 2048), (8, 16, 16, 4096))
 
 
 def _problem(name: str, d: int, b: int, h: int, hk: int, s: int, seed: int = 0, dtype: str = "bfloat16"):
@@ -89,18 +94,30 @@ def _child(name: str, d: int) -> dict:
     out["ok"] = all(c["ratio"] <= 1.0 for c in out["checks"])
     if not out["ok"]:
         return out
-    b, h, hk, s = TIMED
-    ex, mask_mod, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s)
-    with torch.no_grad():
-        o, lse = flashgen.attention(q, k, v, causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod,
-                                    return_lse=True)
-    out["gluon_ms"] = triton.testing.do_bench(lambda: _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua),
-                                              warmup=25, rep=100)
-    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    og = flashgen.attention(qg, kg, vg, causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod)
-    out["triton_ms"] = triton.testing.do_bench(
-        lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True), warmup=25, rep=100)
-    out["speedup"] = out["triton_ms"] / out["gluon_ms"]
+    out["timings"] = []
+    for b, h, hk, s in TIMED:
+        ex, mask_mod, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s)
+        kw = dict(causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod)
+        os.environ.pop("FLASHGEN_FAMILIES", None)
+        flashgen.dispatch.default_dispatcher().clear()
+        row = {"size": [b, h, hk, s], "dispatcher_backward": flashgen.explain(q, k, v, **kw).backward}
+        with torch.no_grad():
+            o, lse = flashgen.attention(q, k, v, return_lse=True, **kw)
+        row["gluon_ms"] = triton.testing.do_bench(lambda: _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua),
+                                                  warmup=25, rep=100)
+        # the Triton family's backward of the same function, as the dispatcher runs it
+        # with the Gluon family left out (its tuned rows where the databases have them)
+        os.environ["FLASHGEN_FAMILIES"] = "triton"
+        flashgen.dispatch.default_dispatcher().clear()
+        row["triton_backward"] = flashgen.explain(q, k, v, **kw).backward
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        og = flashgen.attention(qg, kg, vg, **kw)
+        row["triton_ms"] = triton.testing.do_bench(
+            lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True), warmup=25, rep=100)
+        row["speedup"] = row["triton_ms"] / row["gluon_ms"]
+        out["timings"].append(row)
+        del q, k, v, do, o, lse, qg, kg, vg, og
+    os.environ.pop("FLASHGEN_FAMILIES", None)
     return out
 
 
@@ -137,13 +154,17 @@ def main() -> int:
             rows.append(row)
             (out / "gluon_user_bwd.json").write_text(json.dumps(rows, indent=1))
             print(json.dumps(row)[:400], flush=True)
-    print(f"\nexample          d   ok   worst ratio  gluon ms  triton ms  triton / gluon  (batch {TIMED[0]}, "
-          f"{TIMED[1]} heads, seqlen {TIMED[3]}, bf16)")
+    print("\nexample          d   ok   worst ratio  size (bf16)        gluon ms  triton ms  triton / gluon  "
+          "the dispatcher's backward")
     for r in rows:
         worst = max((c["ratio"] for c in r.get("checks", [])), default=float("nan"))
-        print(f"{r['name']:16} {r['d']:3}  {'yes' if r['ok'] else 'NO ':3}  {worst:11.3f}  "
-              + (f"{r['gluon_ms']:8.3f}  {r['triton_ms']:9.3f}  {r['speedup']:14.3f}" if "speedup" in r
-                 else r.get("error", "")[:60]))
+        head = f"{r['name']:16} {r['d']:3}  {'yes' if r['ok'] else 'NO ':3}  {worst:11.3f}"
+        if not r.get("timings"):
+            print(f"{head}  {r.get('error', '')[:80]}")
+        for t in r.get("timings", []):
+            size = "x".join(map(str, t["size"]))
+            print(f"{head}  {size:17} {t['gluon_ms']:8.3f}  {t['triton_ms']:9.3f}  {t['speedup']:14.3f}  "
+                  f"{(t['dispatcher_backward'] or '')[:40]}")
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -732,8 +732,8 @@ class TuningDB:
         rows = self._select(where, params, order_by="median_ms, id", limit=1)
         return rows[0] if rows else None
 
-    def best_rows(self, env: Environment | None = None,
-                  key_contains: str | None = None, versions: bool = True, sibling: bool = False) -> list[dict]:
+    def best_rows(self, env: Environment | None = None, key_contains: str | None = None, versions: bool = True,
+                  sibling: bool = False, admit=None) -> list[dict]:
         """The best ok row per key and environment (rows matching ``env`` only when
         given; with ``versions=False``, the rows of ``env``'s GPU and code measured under
         another Triton version; with ``sibling``, the same of the other GPUs of ``env``'s
@@ -741,7 +741,8 @@ class TuningDB:
         one beside it where the key has rows of both (``dq_ordered``: what the
         deterministic backward runs).  A row whose ``variant_id`` this version cannot
         rebuild from its columns was written by a flashgen with more knobs
-        (:func:`_from_newer_version`): the next fastest row of its group is taken."""
+        (:func:`_from_newer_version`), or that ``admit`` (row -> bool; None: every row)
+        refuses: the next fastest row of its group is taken."""
         if sibling and (env is None or not real_gpu(env.gpu_name)):
             return []  # the interpreter and fake runs have no siblings
         where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions,
@@ -758,17 +759,20 @@ class TuningDB:
         def partition(r):
             return (*(r[c] for c in cols), (r.get("dq_ordered") or 0) if ordered else 0)
 
+        def refused(r):
+            return _from_newer_version(r) or (admit is not None and not admit(r))
+
         out, newer = [], set()
         for r in self.db.query(f"{ranked} WHERE _rank = 1 ORDER BY [key], [gpu_name], [id]", params):
             r.pop("_rank")
-            if _from_newer_version(r):
+            if refused(r):
                 newer.add(partition(r))
             else:
                 out.append(r)
         if newer:
-            # the fastest row of each such group that this version can read
+            # the fastest row of each such group that this version can read and admits
             for r in self.db.query(f"{ranked} WHERE _rank > 1 ORDER BY _rank", params):
-                if partition(r) in newer and not _from_newer_version(r):
+                if partition(r) in newer and not refused(r):
                     newer.discard(partition(r))
                     r.pop("_rank")
                     out.append(r)
@@ -784,17 +788,17 @@ class TuningDB:
         next, flagged)."""
         return {k: rows[0] for k, rows in self.best_configs_by_family(env, versions).items()}
 
-    def best_configs_by_family(self, env: Environment, versions: bool = True,
-                               sibling: bool = False) -> dict[str, tuple[tuple[TileConfig, dict], ...]]:
+    def best_configs_by_family(self, env: Environment, versions: bool = True, sibling: bool = False,
+                               admit=None) -> dict[str, tuple[tuple[TileConfig, dict], ...]]:
         """key id -> the best (TileConfig, row) of each kernel family with an ok row in
         ``env`` (and its best bitwise-repeatable one, :meth:`best_rows`), fastest first
         (``versions`` as in :meth:`best_configs`, ``sibling`` as in :meth:`best_rows`:
         rows of several sibling GPUs compete by their times).  What the
         dispatcher loads: the fastest family's row may not serve the key on the arch at
         hand (the Gluon family on sm_80, or in the interpreter), and then the next
-        family's row does."""
+        family's row does.  ``admit``: as in :meth:`best_rows`."""
         out: dict[str, list[tuple[TileConfig, dict]]] = {}
-        for r in self.best_rows(env, versions=versions, sibling=sibling):
+        for r in self.best_rows(env, versions=versions, sibling=sibling, admit=admit):
             out.setdefault(r["key"], []).append((TileConfig.from_dict(r), r))
         return {k: tuple(sorted(v, key=lambda cr: (cr[1]["median_ms"], cr[1]["id"]))) for k, v in out.items()}
 

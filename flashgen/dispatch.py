@@ -88,6 +88,17 @@ class Choice:
         return self.config.family
 
 
+def _admitted(row: dict) -> bool:
+    """Whether the rules of ``row``'s kernel family admit its config for its own key (a
+    row measured under older rules, or imported, may break them: the next fastest row of
+    its key and family is loaded instead).  A family not registered here: True (the
+    lookup then finds no family to serve it)."""
+    fam = families.FAMILIES.get(row.get("family") or families.portable().name)
+    if fam is None:
+        return True
+    return not fam.violated_rules(Variant(ProblemKey.from_row(row).spec, TileConfig.from_dict(row)))
+
+
 @dataclass(frozen=True)
 class BackwardChoice:
     """How a dense backward runs (:meth:`Dispatcher.backward`): by one family's whole
@@ -267,7 +278,8 @@ class Dispatcher:
         """(rows of this environment, rows of this GPU and code under another Triton
         version, the same two of its sibling GPUs (:data:`flashgen.env.SIBLING_COLUMNS`),
         ok rows of this GPU in any environment) of one database: the lookup's tiers in
-        order, then the count."""
+        order, then the count.  Each tier holds the fastest row per key and family that
+        the family's rules admit for the row's own key (:func:`_admitted`)."""
         try:
             mtime = self._file_state(path)
         except FileNotFoundError:
@@ -289,10 +301,10 @@ class Dispatcher:
         try:
             # never writes to a shipped file, nor beside it (immutable: no locks, no -shm)
             with TuningDB(path, readonly=True, immutable=path in shipped_databases()) as db:
-                table = db.best_configs_by_family(self.env)
-                other = db.best_configs_by_family(self.env, versions=False)
-                sib = db.best_configs_by_family(self.env, sibling=True)
-                sib_other = db.best_configs_by_family(self.env, versions=False, sibling=True)
+                table, other, sib, sib_other = (db.best_configs_by_family(self.env, versions=v, sibling=sb,
+                                                                          admit=_admitted)
+                                                for v, sb in ((True, False), (False, False), (True, True),
+                                                              (False, True)))
                 n_gpu = sum(db.ok_rows_of_gpu(self.env.gpu_name, self.env.compute_capability).values())
                 n_ok = db.count_ok() if not (table or other or sib or sib_other) else 0
         except NotATuningDB as e:
@@ -458,9 +470,9 @@ class Dispatcher:
                where=None, tiers: tuple[int, ...] = (0, 1, 2, 3)) -> Choice | None:
         """The fastest row of exactly ``key_id`` in the first of ``tiers`` that has one
         (:meth:`_table`'s order: this GPU under this Triton version, under others, then
-        its sibling GPUs the same way) whose family serves its key here, whose rules admit
-        its config for that key (a row measured under older rules, or imported, may break
-        them) and whose config serves ``serve`` (:meth:`_serves`); None when there is none.  ``loaded``: the
+        its sibling GPUs the same way; rows the rules refuse were left out there) whose
+        family serves its key here (and whose config serves ``serve``: :meth:`_serves`);
+        None when there is none.  ``loaded``: the
         databases' tables, when the caller has them."""
         if loaded is None:
             loaded = [(p, self._table(p)) for p in self.databases()]
@@ -469,11 +481,7 @@ class Dispatcher:
             for path, t in loaded:
                 for cfg, row in t[i].get(key_id, ()):
                     key = ProblemKey.from_row(row)
-                    fam = self._family(cfg, key)
-                    # a row measured under other rules (an imported or older database) whose
-                    # knobs the family's rules now refuse for its own key is not taken
-                    if fam is None or fam.violated_rules(Variant(key.spec, cfg)) or \
-                            not self._serves(cfg, serve, where):
+                    if self._family(cfg, key) is None or not self._serves(cfg, serve, where):
                         continue
                     if best is None or row["median_ms"] < best.median_ms:
                         best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
@@ -502,8 +510,9 @@ class Dispatcher:
            this GPU: the faster.
         4. Otherwise (no such pair of measurements): that family's row or default where
            its measurements put its default ahead (``prefers_default``; the Gluon
-           backward on sm_90 at the head dims and masks of ``BWD_DEFAULT_AHEAD`` and
-           ``BWD_VARLEN_DEFAULT_AHEAD`` in :mod:`flashgen.families.gluon.family`), else
+           backward on sm_90 at the head dims and masks of ``BWD_DEFAULT_AHEAD``,
+           ``BWD_VARLEN_DEFAULT_AHEAD`` and, for user mask functions,
+           ``USER_BWD_DEFAULT_AHEAD`` in :mod:`flashgen.families.gluon.family`), else
            the two kernels.
 
         The two kernels' configs are :meth:`choose`'s for their own keys (``kernels`` below

@@ -4,9 +4,10 @@ steps keep, run from the rendered kernel's own statements on the CPU against the
 function itself (every visible (query, key) pair of every query head exactly once, no
 other); every variant compiled for sm_90 with Triton's compiler and bundled ptxas
 (HGMMA, the partitions' register budgets, no serialized wgmma, spills as recorded); the
-rules refuse them all until their float64 checks have run on the GPU.
+rules, and the family's and the dispatcher's answers.
 
-Gluon kernels do not run in Triton's interpreter: their exactness comes from the GPU."""
+Gluon kernels do not run in Triton's interpreter: their exactness comes from the GPU
+(``python -m benchmarks gluon-user-bwd``)."""
 
 import ast
 import dataclasses
@@ -259,11 +260,11 @@ def test_deterministic_reaches_the_backward_of_user_functions(monkeypatch):
     assert [d for _, d in asked] == [True, False] and all(m.startswith("u") for m, _ in asked), asked
 
 
-def _mask_problem(name, d=128, batch=2, dtype="bfloat16"):
+def _mask_problem(name, d=128, batch=2, dtype="bfloat16", kv_heads=16, seqlen_q=2048):
     from flashgen import user_tune
     from flashgen.spec import Shape
 
-    shape = Shape(batch=batch, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+    shape = Shape(batch=batch, num_heads=16, num_kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=2048)
     ex = user_examples.make(name, shape.num_heads, shape.seqlen_q, requires_grad=False)
     sm, mm = ex.functions(*ex.tensors)
     return user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, d, d, dtype, shape, label=name)
@@ -311,22 +312,34 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
     for gluon_ms, whole in ((1.5, True), (2.5, False)):
         db_path = tmp_path / f"t{gluon_ms}.sqlite"
         with TuningDB(db_path) as db:
-            # the fastest row breaks a rule of its key (the ordered dQ is not built with a
-            # mask function): an imported row of that kind is never taken
+            # the fastest rows break a rule of their key (neither the ordered dQ nor the
+            # longest-first grid is built with a mask function): an imported row of that
+            # kind is never taken, and the row measured next in its group is
             for kernel, c, ms in (("bwd_dq", t1, 1.0), ("bwd_dkdv", t2, 1.0), ("bwd", cfg, gluon_ms),
-                                  ("bwd", dataclasses.replace(cfg, dq_ordered=1), 0.1)):
+                                  ("bwd", dataclasses.replace(cfg, dq_ordered=1), 0.1),
+                                  ("bwd", dataclasses.replace(cfg, longest_first=1), 0.1)):
                 k = shape.key(p.spec(kernel))
                 db.record(k, shape, Variant(k.spec, c), Measurement("ok", median_ms=ms), h200, 0)
         plan = Dispatcher([db_path], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
         assert plan.whole is whole and "measured at attn_bwd_d128_bf16_causal_u" in plan.reason, plan.reason
         assert plan.family == ("gluon" if whole else "triton")
-        assert not plan.whole or (plan.choices[0].median_ms == gluon_ms and not plan.choices[0].config.dq_ordered)
+        assert not plan.whole or (plan.choices[0].median_ms == gluon_ms and plan.choices[0].config == cfg)
+        # deterministic: the two kernels (the ordered-dQ row is refused by the rules)
+        det = Dispatcher([db_path], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), deterministic=True,
+                                                                  capturing=False)
+        assert not det.whole and det.family == "triton", det.reason
     untuned = Dispatcher([], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
     assert untuned.whole and untuned.family == "gluon" and "default measured ahead: H100" in untuned.reason
-    # no measurement at head_dim 96, no GPU check of the float16 default: the two kernels
-    for other in (_mask_problem("document-causal", 96, batch=16),
-                  _mask_problem("document-causal", batch=16, dtype="float16")):
+    d64 = _mask_problem("document", 64, batch=16).keys(["bwd"])[0][0]
+    assert gluon.large_enough(d64) and "H100" in gluon.prefers_default(d64, sm90)
+    # no measurement at head_dim 96, no GPU check of the float16 default, of groups over
+    # 4 or of seqlen_q != seqlen_k: the two kernels (each key large enough for a default)
+    for other in (_mask_problem("document", 96, batch=16),
+                  _mask_problem("document-causal", batch=16, dtype="float16"),
+                  _mask_problem("document-causal", batch=16, kv_heads=2),
+                  _mask_problem("document-causal", batch=32, seqlen_q=1024)):
         okey, oshape = other.keys(["bwd"])[0]
+        assert gluon.large_enough(okey), okey.id
         assert gluon.unsupported(okey, sm90) is None and gluon.prefers_default(okey, sm90) is None
         untuned = Dispatcher([], env=h200, arch=sm90).backward(oshape.key(other.spec("bwd_dq")), capturing=False)
         assert not untuned.whole and "untuned" in untuned.reason, untuned.reason

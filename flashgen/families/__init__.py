@@ -77,9 +77,9 @@ a row, taking ``config_dq``/``config_dkdv``.)  :meth:`flashgen.dispatch.Dispatch
 chooses per key: the two kernels when the caller asks for a deterministic backward;
 else the best ``bwd`` row (key or nearest bucket) against the sum of the best ``bwd_dq``
 and ``bwd_dkdv`` rows of that same bucket, both measured on this GPU, the faster wins;
-without such a pair, the family's ``prefers_default`` decides (Gluon: head_dim 128,
-and 64 causal, where the H200 measurements put its default ahead), else the two
-kernels.  The Triton keys, rows and ids are untouched by this.
+without such a pair, the family's ``prefers_default`` decides (Gluon: where its
+measurements put its default ahead, ``BWD_DEFAULT_AHEAD`` and the tables beside it),
+else the two kernels.  The Triton keys, rows and ids are untouched by this.
 
 Then add its name to :data:`REGISTRY` (and its package to ``packages`` in
 pyproject.toml, so wheels carry it; tests/test_families.py checks that).

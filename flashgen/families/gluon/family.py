@@ -92,8 +92,11 @@ USER_BWD_DEFAULT_AHEAD = {
     64: "H100, 1.06-1.46x the Triton family's backward over the four mask examples at 8x16x2048 "
         "(docs/results/h100/gluon_user_bwd)",
 }
-#: The dtypes whose default the GPU checked against float64 (the rest: tuned rows alone).
+#: The dtypes, GQA group sizes (up to) and sizes (seqlen_q = seqlen_k) whose default
+#: the GPU checked against float64; the rest take tuned rows alone (the tuner checks
+#: each variant first).
 USER_BWD_DEFAULT_DTYPES = ("bfloat16",)
+USER_BWD_DEFAULT_MAX_GROUP = 4
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
 #: choice (its tuned bwd_dq_varlen + bwd_dkdv_varlen rows where the shipped database has
 #: them, its heuristic defaults elsewhere) on the H200, bf16, GQA groups 1 and 4
@@ -509,8 +512,9 @@ class GluonFamily:
             seen = BWD_VARLEN_DEFAULT_AHEAD.get((s.head_dim, s.mask))
             return None if seen is None else f"H200, {seen}"
         if s.mods:  # user mask functions alone: unsupported() refuses the rest
-            timed = s.head_dim == s.head_dim_v and s.dtype in USER_BWD_DEFAULT_DTYPES
-            return USER_BWD_DEFAULT_AHEAD.get(s.head_dim) if timed else None
+            checked = (s.dtype in USER_BWD_DEFAULT_DTYPES and key.group <= USER_BWD_DEFAULT_MAX_GROUP
+                       and key.seqlen_q == key.seqlen_k)
+            return USER_BWD_DEFAULT_AHEAD.get(s.head_dim) if checked and s.head_dim == s.head_dim_v else None
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
         return None if seen is None else f"H200, {seen}"
 
