@@ -63,8 +63,8 @@ def _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua, stage_sync=False):
     from flashgen.families.gluon import bwd as B
 
     return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi, mask="window",
-                           config=B.default_config(d, str(q.dtype).removeprefix("torch."), "window"), check=False, user=ua,
-                           stage_sync=stage_sync)
+                           config=B.default_config(d, str(q.dtype).removeprefix("torch."), "window"), check=False,
+                           user=ua, stage_sync=stage_sync)
 
 
 def _child(name: str, d: int) -> dict:

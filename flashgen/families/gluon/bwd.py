@@ -588,8 +588,9 @@ def user_reasons(config: GluonBwdConfig, mask: str) -> list[str]:
     (the ordered dQ's chain, the longest-first grid's sections, a GQA group split over
     programs, the head_dim 256 column and role splits and their lookahead) are not built
     with its block mask; the mask mode is "window" whenever there is a predicate (the
-    forward's rule, :func:`.user.compiled_mask`).  The rest passed their float64 checks
-    on the GPU (``python -m benchmarks gluon-user-bwd``, docs/results/h100/gluon_user_bwd/)."""
+    forward's rule, :func:`.user.compiled_mask`).  The head dims' default tiles passed
+    their float64 checks on the GPU (``python -m benchmarks gluon-user-bwd``,
+    docs/results/h100/gluon_user_bwd/); the tuner checks any other before timing it."""
     c, out = config, []
     for knob, on in (("dq_mode 'ordered'", c.dq_mode == "ordered"), ("longest_first", c.longest_first),
                      (f"group_split {c.group_split}", c.group_split != 1), ("col_split", c.col_split),
