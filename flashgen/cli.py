@@ -522,9 +522,10 @@ def show(
     key: Annotated[str | None, typer.Option(help="Only keys containing this text.")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Every row, not only the best per key.")] = False,
 ) -> None:
-    """Show the best ok row per key and environment (or every row) and the row count per
-    status, of one database (each shipped one in turn by default)."""
-    from .db import TuningDB
+    """Show the best ok row per key and environment that its kernel family's rules admit
+    (what a dispatcher can load; or every row) and the row count per status, of one
+    database (each shipped one in turn by default)."""
+    from .db import TuningDB, rules_admit
 
     console = _console()
     dbs = [db]
@@ -547,7 +548,8 @@ def show(
                           _fmt(r["tflops"], ".4g"), str(r["smem_bytes_model"]), r["gpu_name"],
                           (r["error"] or "")[:60]) for r in rows]
             else:
-                rows = tdb.best_rows(key_contains=key)
+                # what the dispatcher can load: a row its family's rules refuse is left out
+                rows = tdb.best_rows(key_contains=key, admit=rules_admit)
                 cols = ("key", "config", "median ms", "TFLOP/s", "gpu", "triton", "template")
                 cells = [(r["key"], _config_id(r), _fmt(r["median_ms"]), _fmt(r["tflops"], ".4g"),
                           r["gpu_name"], r["triton_version"], r["template_hash"]) for r in rows]

@@ -265,6 +265,29 @@ def _from_newer_version(r: dict) -> bool:
         return True
 
 
+def _out_of_range(cfg: TileConfig) -> bool:
+    """Whether a knob of ``cfg`` is outside what any family takes."""
+    return min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages) < 1 or cfg.tma not in (0, 1) \
+        or cfg.ws not in (0, 1) or cfg.num_splits < 0
+
+
+def rules_admit(r: dict) -> bool:
+    """Whether the row ``r`` names a config its kernel family (registered here; NULL:
+    the portable family) can run for its own key: knobs in range and none of the
+    family's rules broken (``violated_rules``).  A row measured under older rules, or
+    edited or imported, may break them; a row that cannot be read as a key and a config
+    is refused too.  What :meth:`TuningDB.best_rows` takes as ``admit`` for the
+    dispatcher, ``flashgen show`` and ``flashgen export``."""
+    fam = families.FAMILIES.get(r.get("family") or families.portable().name)
+    if fam is None:
+        return False
+    try:
+        key, cfg = ProblemKey.from_row(r), TileConfig.from_dict(r)
+        return not _out_of_range(cfg) and not fam.violated_rules(Variant(key.spec, cfg))
+    except Exception:  # noqa: BLE001 - a hand-edited row (a zero, a wrong type) is not served
+        return False
+
+
 def _row_problem(r) -> str | None:
     """Why ``r`` is not a measurement row of flashgen's (None: it is one)."""
     if not isinstance(r, dict):
@@ -291,8 +314,7 @@ def _row_problem(r) -> str | None:
         return f"bad kernel or config fields ({type(e).__name__}: {e})"
     if key.id != r["key"]:
         return f"key {r['key']!r} disagrees with its columns ({key.id})"
-    if min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages) < 1 or cfg.tma not in (0, 1) \
-            or cfg.ws not in (0, 1) or cfg.num_splits < 0:
+    if _out_of_range(cfg):
         return f"config {cfg.id} has a knob out of range"
     rebuilt = _columns_variant_id(r, key, cfg)
     if rebuilt != r["variant_id"]:
@@ -667,11 +689,12 @@ class TuningDB:
             raise
 
     def export_best(self, gpu_names: list[str] | None = None) -> list[dict]:
-        """The best ok row per (key, environment) -- what a dispatcher can use --
+        """The best ok row per (key, environment) that its family's rules admit
+        (:func:`rules_admit`) -- what a dispatcher can use --
         optionally only for the named GPUs, sorted by GPU then key, each with its
         provenance (``source_db``, ``source_row_id``) and without ``id``."""
         out = []
-        for r in self.best_rows():
+        for r in self.best_rows(admit=rules_admit):
             if gpu_names and r["gpu_name"] not in gpu_names:
                 continue
             r = dict(r)

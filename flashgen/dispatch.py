@@ -88,17 +88,6 @@ class Choice:
         return self.config.family
 
 
-def _admitted(row: dict) -> bool:
-    """Whether the rules of ``row``'s kernel family admit its config for its own key (a
-    row measured under older rules, or imported, may break them: the next fastest row of
-    its key and family is loaded instead).  A family not registered here: True (the
-    lookup then finds no family to serve it)."""
-    fam = families.FAMILIES.get(row.get("family") or families.portable().name)
-    if fam is None:
-        return True
-    return not fam.violated_rules(Variant(ProblemKey.from_row(row).spec, TileConfig.from_dict(row)))
-
-
 @dataclass(frozen=True)
 class BackwardChoice:
     """How a dense backward runs (:meth:`Dispatcher.backward`): by one family's whole
@@ -279,7 +268,8 @@ class Dispatcher:
         version, the same two of its sibling GPUs (:data:`flashgen.env.SIBLING_COLUMNS`),
         ok rows of this GPU in any environment) of one database: the lookup's tiers in
         order, then the count.  Each tier holds the fastest row per key and family that
-        the family's rules admit for the row's own key (:func:`_admitted`)."""
+        the family's rules admit for the row's own key (:func:`flashgen.db.rules_admit`;
+        a refused row's next fastest is taken)."""
         try:
             mtime = self._file_state(path)
         except FileNotFoundError:
@@ -291,7 +281,7 @@ class Dispatcher:
         hit = self._tables.get(path)
         if hit is not None and hit[0] == mtime:
             return hit[1]
-        from .db import NotATuningDB, TuningDB
+        from .db import NotATuningDB, TuningDB, rules_admit
 
         if not path.is_file():  # a directory, a device, a fifo: nothing SQLite can open read-only
             origin = "FLASHGEN_DB" if str(path) == os.environ.get("FLASHGEN_DB") else "tuning database"
@@ -302,11 +292,12 @@ class Dispatcher:
             # never writes to a shipped file, nor beside it (immutable: no locks, no -shm)
             with TuningDB(path, readonly=True, immutable=path in shipped_databases()) as db:
                 table, other, sib, sib_other = (db.best_configs_by_family(self.env, versions=v, sibling=sb,
-                                                                          admit=_admitted)
+                                                                          admit=rules_admit)
                                                 for v, sb in ((True, False), (False, False), (True, True),
                                                               (False, True)))
                 n_gpu = sum(db.ok_rows_of_gpu(self.env.gpu_name, self.env.compute_capability).values())
                 n_ok = db.count_ok() if not (table or other or sib or sib_other) else 0
+                refused = n_ok and db.count_ok(env=self.env) > 0
         except NotATuningDB as e:
             origin = "FLASHGEN_DB" if str(path) == os.environ.get("FLASHGEN_DB") else "tuning database"
             raise InputError(f"{origin} {path}: {e}") from None
@@ -314,9 +305,15 @@ class Dispatcher:
         if (not (table or other or sib or sib_other) and path not in self._warned and n_ok > 0
                 and path not in shipped_databases()):
             self._warned.add(path)
-            warnings.warn(f"flashgen: tuning database {path} has no rows for this environment "
-                          f"({self.env.gpu_name}, cc {self.env.compute_capability}, flashgen's "
-                          "generated code); its rows are ignored", stacklevel=3)
+            if refused:
+                warnings.warn(f"flashgen: tuning database {path}: every row for this environment "
+                              f"({self.env.gpu_name}, cc {self.env.compute_capability}) names a config its "
+                              "kernel family's rules refuse for its key (measured under other rules, or "
+                              "edited); its rows are ignored", stacklevel=3)
+            else:
+                warnings.warn(f"flashgen: tuning database {path} has no rows for this environment "
+                              f"({self.env.gpu_name}, cc {self.env.compute_capability}, flashgen's "
+                              "generated code); its rows are ignored", stacklevel=3)
         self._tables[path] = (mtime, (table, other, sib, sib_other, n_gpu))
         return table, other, sib, sib_other, n_gpu
 
@@ -471,8 +468,9 @@ class Dispatcher:
         """The fastest row of exactly ``key_id`` in the first of ``tiers`` that has one
         (:meth:`_table`'s order: this GPU under this Triton version, under others, then
         its sibling GPUs the same way; rows the rules refuse were left out there) whose
-        family serves its key here (and whose config serves ``serve``: :meth:`_serves`);
-        None when there is none.  ``loaded``: the
+        family serves its key here and whose rules still admit it (some rules depend on
+        the user functions traced since), and whose config serves ``serve``
+        (:meth:`_serves`); None when there is none.  ``loaded``: the
         databases' tables, when the caller has them."""
         if loaded is None:
             loaded = [(p, self._table(p)) for p in self.databases()]
@@ -481,7 +479,11 @@ class Dispatcher:
             for path, t in loaded:
                 for cfg, row in t[i].get(key_id, ()):
                     key = ProblemKey.from_row(row)
-                    if self._family(cfg, key) is None or not self._serves(cfg, serve, where):
+                    fam = self._family(cfg, key)
+                    # the rules again: some depend on the user functions traced since the
+                    # database was loaded (a score function's captured-tensor index)
+                    if fam is None or fam.violated_rules(Variant(key.spec, cfg)) or \
+                            not self._serves(cfg, serve, where):
                         continue
                     if best is None or row["median_ms"] < best.median_ms:
                         best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),
@@ -597,8 +599,12 @@ class Dispatcher:
             if not getattr(fam, "large_enough", _any_size)(whole_key):
                 return two(f"{alone or 'untuned: '}too little work in this key's size buckets to hide the host "
                            f"time of the {fam.name} whole backward's launches")
-            return two(f"{alone or 'untuned: '}no measurement puts the {fam.name} backward ahead for head_dim "
-                       f"{whole_key.spec.head_dim}, mask {whole_key.spec.mask}")
+            ws = whole_key.spec
+            return two(f"{alone or 'untuned: '}no measurement puts the {fam.name} backward's default ahead for "
+                       f"this key ({ws.dtype}, head_dim {ws.head_dim}, mask {ws.mask}"
+                       + (", user functions" if is_user_mods(ws.mods) else "")
+                       + f", GQA group {whole_key.group}, seqlen_q / seqlen_k buckets {whole_key.seqlen_q} / "
+                       f"{whole_key.seqlen_k})")
         if measured is not None:
             return whole(measured, f"{fam.name} row without a two-kernel row of its bucket to compare; its "
                                    f"backward measured ahead: {why}")

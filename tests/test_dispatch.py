@@ -380,3 +380,36 @@ def test_attention_launches_the_tuned_config(db_path, monkeypatch, restore_defau
     err, base = (out.double() - ro).abs().max().item(), (bo.double() - ro).abs().max().item()
     assert err <= 2 * base + 2e-3, (err, base)
     assert (lse.double() - rlse).abs().max().item() <= 1e-3
+
+
+def test_rows_the_rules_refuse_or_cannot_read_are_left_out(db_path):
+    """A row whose config its family's rules refuse for its key (measured under other
+    rules, or edited) is not loaded: the next fastest row of its key serves, `flashgen
+    export` writes that one, a key whose rows are all refused falls back to the default,
+    and a hand-edited row the rules cannot even evaluate (zero warps) is refused without
+    breaking the other keys of its database."""
+    import sqlite_utils
+
+    from flashgen.db import rules_admit
+
+    env, arch = Environment.current(), farch.current()
+    spec, shape = KernelSpec("fwd", "float16", 32, 32, "causal"), Shape(1, 2, 2, 40, 40)
+    key, other = shape.key(spec), Shape(1, 2, 2, 40, 40).key(dataclasses.replace(spec, mask="none"))
+    good, bad = TileConfig(16, 32, 1, 1), TileConfig(16, 16, 4, 1)  # bad: tile_per_warp
+    fam = families.get("triton")
+    assert not fam.violated_rules(Variant(spec, good)) and fam.violated_rules(Variant(spec, bad))
+    with TuningDB(db_path) as db:
+        db.record(key, shape, Variant(spec, bad), Measurement("ok", median_ms=0.01), env, 0)
+        db.record(key, shape, Variant(spec, good), Measurement("ok", median_ms=0.02), env, 0)
+        db.record(other, shape, Variant(other.spec, good), Measurement("ok", median_ms=0.03), env, 0)
+        exported = db.export_best()
+    assert [(r["key"], r["num_warps"]) for r in exported if r["key"] == key.id] == [(key.id, 1)]
+    choice = disp(db_path, env=env, arch=arch).choose(key)
+    assert choice.source == "tuned" and choice.config == good and choice.median_ms == 0.02
+    # the other key's only row edited by hand to zero warps: refused, no exception
+    t = sqlite_utils.Database(db_path)["measurements"]
+    t.update(next(t.rows_where("key = ?", [other.id]))["id"], {"num_warps": 0})
+    row = next(t.rows_where("key = ?", [other.id]))
+    assert rules_admit(row) is False and rules_admit({**row, "num_warps": 1, "family": "nonesuch"}) is False
+    d = disp(db_path, env=env, arch=arch)
+    assert d.choose(other).source == "default" and d.choose(key).config == good

@@ -92,7 +92,7 @@ USER_BWD_DEFAULT_AHEAD = {
     64: "H100, 1.06-1.46x the Triton family's backward over the four mask examples at 8x16x2048 "
         "(docs/results/h100/gluon_user_bwd)",
 }
-#: The dtypes, GQA group sizes (up to) and sizes (seqlen_q = seqlen_k) whose default
+#: The dtypes, GQA group sizes (up to) and sizes (seqlen_q and seqlen_k in one size bucket) whose default
 #: the GPU checked against float64; the rest take tuned rows alone (the tuner checks
 #: each variant first).
 USER_BWD_DEFAULT_DTYPES = ("bfloat16",)
@@ -308,6 +308,13 @@ class GluonFamily:
         if s.mods and not (s.kernel == "fwd" and (sinks_only(s.mods) or user_functions(s.mods))
                            or s.kernel == WHOLE_BWD and user_mask_bwd(s.mods)):
             if is_user_mods(s.mods):
+                from ... import user_render
+
+                low = user_render.registered(s.mods)
+                if low is not None and s.kernel == WHOLE_BWD and low.score is not None:
+                    return (f"user functions {s.mods}: a score function's backward (its derivative, its captured "
+                            "tensors' gradients) is the Triton family's; the Gluon whole backward takes mask "
+                            "functions alone")
                 return (f"user functions {s.mods}: the Gluon family serves them once registered in this process "
                         "(flashgen.attention or the tuner traced them), in the forward and, for mask functions "
                         "alone (no score function), in the whole backward (bwd)")
