@@ -413,3 +413,56 @@ def test_rows_the_rules_refuse_or_cannot_read_are_left_out(db_path):
     assert rules_admit(row) is False and rules_admit({**row, "num_warps": 1, "family": "nonesuch"}) is False
     d = disp(db_path, env=env, arch=arch)
     assert d.choose(other).source == "default" and d.choose(key).config == good
+
+
+_WRITE_SCORE_INDEX_ROWS = r'''
+import sys, torch, flashgen
+from flashgen import user_tune
+from flashgen.db import TuningDB
+from flashgen.env import Environment
+from flashgen.spec import Measurement, Shape, TileConfig, Variant
+H200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", flashgen.__version__)
+shape = Shape(batch=8, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+t = torch.zeros(8, 16)
+def sm(s, b, h, q, kv):
+    return s + t[(s.abs() * 2).long() % 8, h]
+k = shape.key(user_tune.UserProblem(sm, None, None, True, (-1, -1), 128, 128, "bfloat16", shape,
+                                    "scoreidx").spec("fwd"))
+with TuningDB(sys.argv[1]) as db:
+    for cfg, ms in ((TileConfig(128, 64, 8, 2), 0.1), (TileConfig(128, 64, 8, 1), 0.2)):
+        db.record(k, shape, Variant(k.spec, cfg), Measurement("ok", median_ms=ms), H200, 0)
+print(k.id)
+'''
+
+
+def test_a_rule_that_depends_on_a_traced_function_is_checked_at_lookup(tmp_path):
+    """A database loaded before a score function was traced (a plain call first) holds
+    its rows as admitted: the rule that needs the function (an index computed from the
+    score takes one stage) is not known then.  At the lookup after the trace, the
+    refused multi-stage row is not served."""
+    import subprocess
+    import sys
+
+    from flashgen import user_tune
+
+    db_path = tmp_path / "scoreidx.sqlite"
+    r = subprocess.run([sys.executable, "-c", _WRITE_SCORE_INDEX_ROWS, str(db_path)], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    key_id = r.stdout.strip().splitlines()[-1]
+    h200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", flashgen.__version__)
+    d = Dispatcher([db_path], env=h200, arch=farch.by_sm("sm_90"))
+    d.choose(Shape(8, 16, 16, 2048, 2048).key(KernelSpec("fwd", "bfloat16", 128, 128, "causal")))  # loads it
+    t = torch.zeros(8, 16)
+
+    def sm(s, b, h, q, kv):
+        return s + t[(s.abs() * 2).long() % 8, h]
+
+    shape = Shape(batch=8, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+    key = shape.key(user_tune.UserProblem(sm, None, None, True, (-1, -1), 128, 128, "bfloat16", shape,
+                                          "scoreidx").spec("fwd"))
+    assert key.id == key_id
+    refused = Variant(key.spec, TileConfig(128, 64, 8, 2))
+    assert families.get("triton").violated_rules(refused)
+    c = d.choose(key)
+    assert c.config.num_stages == 1, c
