@@ -274,7 +274,8 @@ def _out_of_range(cfg: TileConfig) -> bool:
 def rules_admit(r: dict) -> bool:
     """Whether the row ``r`` names a config its kernel family (registered here; NULL:
     the portable family) can run for its own key: knobs in range and none of the
-    family's rules broken (``violated_rules``).  A row measured under older rules, or
+    family's rules broken (``violated_rules``, and ``key_reasons`` where the family has
+    rules that need the key's sizes).  A row measured under older rules, or
     edited or imported, may break them; a row that cannot be read as a key and a config
     is refused too.  What :meth:`TuningDB.best_rows` takes as ``admit`` for the
     dispatcher, ``flashgen show`` and ``flashgen export``."""
@@ -283,7 +284,10 @@ def rules_admit(r: dict) -> bool:
         return False
     try:
         key, cfg = ProblemKey.from_row(r), TileConfig.from_dict(r)
-        return not _out_of_range(cfg) and not fam.violated_rules(Variant(key.spec, cfg))
+        if _out_of_range(cfg) or fam.violated_rules(Variant(key.spec, cfg)):
+            return False
+        key_reasons = getattr(fam, "key_reasons", None)  # optional: rules that need the key's sizes
+        return not (key_reasons is not None and key_reasons(key, cfg))
     except Exception:  # noqa: BLE001 - a hand-edited row (a zero, a wrong type) is not served
         return False
 

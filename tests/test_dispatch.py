@@ -466,3 +466,30 @@ def test_a_rule_that_depends_on_a_traced_function_is_checked_at_lookup(tmp_path)
     assert families.get("triton").violated_rules(refused)
     c = d.choose(key)
     assert c.config.num_stages == 1, c
+
+
+def test_a_gluon_backward_row_whose_group_split_does_not_divide_the_group_is_not_loaded(tmp_path):
+    """The Gluon backward's GQA group split must divide the key's group, a rule of the
+    key's sizes (``key_reasons``) that the spec-only rules cannot see: an edited or
+    imported row breaking it is left out, the next fastest row of its key serves."""
+    import sqlite_utils
+
+    from flashgen.arch import by_sm
+    from flashgen.db import rules_admit
+
+    h200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", flashgen.__version__)
+    sm90, gluon = by_sm("sm_90"), families.get("gluon")
+    shape = Shape(4, 16, 4, 4096, 4096)  # GQA group 4
+    key = shape.key(KernelSpec("bwd", "bfloat16", 128, 128, "causal"))
+    base = gluon.default_config(key, sm90)
+    split2, split3 = (dataclasses.replace(base, group_split=g, kv_store=0) for g in (2, 3))
+    assert not gluon.violated_rules(Variant(key.spec, split3)) and gluon.key_reasons(key, split3)
+    assert gluon.key_reasons(key, split2) == []
+    db_path = tmp_path / "gqa.sqlite"
+    with TuningDB(db_path) as db:
+        for cfg, ms in ((split3, 1.0), (split2, 2.0)):
+            db.record(key, shape, Variant(key.spec, cfg), Measurement("ok", median_ms=ms), h200, 0)
+    rows = {r["group_split"]: r for r in sqlite_utils.Database(db_path)["measurements"].rows}
+    assert not rules_admit(rows[3]) and rules_admit(rows[2])
+    choice = Dispatcher([db_path], env=h200, arch=sm90).choose(key)
+    assert choice.source == "tuned" and choice.config.group_split == 2, choice

@@ -56,6 +56,10 @@ subclass it, and must not import this package, which imports it):
     ``lse``, ``dq``, ``delta``, ``dk``, ``dv`` that the benchmarker passes,
     :func:`flashgen.bench.run_variant`).  Only the names of the kernels it serves.
 
+Optional: ``key_reasons(key, config) -> list[str]``: why ``config`` cannot serve
+``key``'s sizes, beyond ``violated_rules`` (which sees the kernel spec alone; e.g. the
+Gluon backward's GQA group split, which must divide the key's group); a database row
+with such reasons is not loaded (:func:`flashgen.db.rules_admit`).
 Optional: ``prefers_default(key, arch) -> str | None``: the measurement that puts this
 family's default ahead of the portable family's for an untuned ``key`` (the dispatcher
 then serves that default, :meth:`flashgen.dispatch.Dispatcher._default`, and ``explain``

@@ -425,6 +425,15 @@ class GluonFamily:
         to run (dK and dV always do; dQ when its adds are ordered)."""
         return bool(config.dq_ordered) and not config.dq_atomic
 
+    def key_reasons(self, key: ProblemKey, config: TileConfig) -> list[str]:
+        """Why ``config`` cannot serve ``key``'s sizes, beyond :meth:`violated_rules` (which
+        sees the kernel spec alone): a GQA group split that does not divide the key's
+        group (:func:`.bwd.group_reasons`; the tuner never writes one, an edited or
+        imported row may hold one)."""
+        if key.spec.kernel in (WHOLE_BWD, VARLEN_BWD) and config.group_split > 1:
+            return B.group_reasons(bwd_config(config), key.group)
+        return []
+
     def violated_rules(self, v: Variant) -> list[str]:
         s, c = v.spec, v.config
         if s.kernel in FWD_KERNELS:
