@@ -480,10 +480,11 @@ class Dispatcher:
                 for cfg, row in t[i].get(key_id, ()):
                     key = ProblemKey.from_row(row)
                     fam = self._family(cfg, key)
-                    # the rules again: some depend on the user functions traced since the
-                    # database was loaded (a score function's captured-tensor index)
-                    if fam is None or fam.violated_rules(Variant(key.spec, cfg)) or \
-                            not self._serves(cfg, serve, where):
+                    # a user function's rules again: some depend on the functions traced
+                    # since the database was loaded (a score function's captured-tensor
+                    # index); every other rule was applied when it was loaded
+                    if fam is None or (is_user_mods(key.spec.mods) and fam.violated_rules(Variant(key.spec, cfg))) \
+                            or not self._serves(cfg, serve, where):
                         continue
                     if best is None or row["median_ms"] < best.median_ms:
                         best = Choice(key, cfg, "tuned", key_id, row["median_ms"], row.get("tflops"), str(path),

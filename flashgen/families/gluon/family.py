@@ -92,9 +92,9 @@ USER_BWD_DEFAULT_AHEAD = {
     64: "H100, 1.06-1.46x the Triton family's backward over the four mask examples at 8x16x2048 "
         "(docs/results/h100/gluon_user_bwd)",
 }
-#: The dtypes, GQA group sizes (up to) and sizes (seqlen_q and seqlen_k in one size bucket) whose default
-#: the GPU checked against float64; the rest take tuned rows alone (the tuner checks
-#: each variant first).
+#: The dtypes, GQA group sizes (up to) and sizes (seqlen_q and seqlen_k in one size
+#: bucket) whose default the GPU checked against float64; the rest take tuned rows alone
+#: (the tuner checks each variant first).
 USER_BWD_DEFAULT_DTYPES = ("bfloat16",)
 USER_BWD_DEFAULT_MAX_GROUP = 4
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
