@@ -100,7 +100,7 @@ def _check_family(family: str) -> str:
 
 def _read_timings(path: Path) -> dict[str, float]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise ValueError("expected a JSON object {variant_id: median_ms}")
         # numbers only: a string "0.5" or true is a mistake in the file, not a timing
@@ -236,6 +236,10 @@ def tune(
     if fake_template is not None:
         _write_fake_template(fake_template, items, arch, family_names)
         return
+    store_file = storage.removeprefix("sqlite:///") if storage is not None else None
+    if store_file is not None and "://" not in store_file and Path(store_file).resolve() == Path(db).resolve():
+        raise typer.BadParameter(f"{storage} is the --db file: Optuna's storage is a file of its own "
+                                 "(leave --storage out for DB path + .optuna.journal)", param_hint="'--storage'")
     with _user_errors(db):  # a foreign, corrupt or unwritable --db is refused before anything runs
         check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
         validate_db(db)
@@ -702,7 +706,10 @@ def import_(
     with _writing(db):
         if source.suffix == ".json":
             try:
-                data = json.loads(source.read_text())
+                data = json.loads(source.read_text(encoding="utf-8"))
+            except UnicodeDecodeError:
+                raise NotATuningDB(f"{source} is not a flashgen export (not UTF-8 text: an export is JSON; a "
+                                   "tuning database is imported by its *.sqlite name)") from None
             except json.JSONDecodeError as e:
                 raise NotATuningDB(f"{source} is not a flashgen export (invalid JSON: {e})") from None
             if not isinstance(data, dict) or data.get("flashgen_export") != 1 or not isinstance(data.get("rows"), list):
@@ -734,6 +741,9 @@ def merge(
     """Append to OUT the rows of each IN that OUT lacks."""
     from .db import TuningDB
 
+    if out.suffix == ".json":
+        raise typer.BadParameter(f"{out}: merge writes a tuning database, not an export (JSON, which `flashgen "
+                                 "export` writes); name it *.sqlite", param_hint="'OUT'")
     for p in inputs:
         if p.suffix == ".json":
             raise typer.BadParameter(f"{p} is an export (JSON); merge reads tuning databases: use `flashgen "

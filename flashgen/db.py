@@ -26,6 +26,7 @@ import jinja2
 import sqlite_utils
 
 from . import families
+from .families.triton import odd_sizes
 from .env import (INTERPRETER_GPU, MATCH_COLUMNS, SIBLING_COLUMNS, SYNTHETIC_GPU_SUFFIXES, VERSION_COLUMNS,
                   Environment, real_gpu)
 from .errors import InputError
@@ -132,14 +133,16 @@ def validate(path: Path) -> None:
         finally:
             conn.close()
     except sqlite3.DatabaseError as e:
-        # a read of a corrupt WAL-mode file made an empty -wal and its -shm: removed, so
-        # the file's directory is as it was ("left untouched")
+        raise NotATuningDB(f"{path} is not a flashgen tuning database (SQLite says: {e}); "
+                           "it was left untouched") from None
+    finally:
+        # a read-only read of a WAL-mode file makes an empty -wal and its -shm, which
+        # its close cannot remove: removed, so the directory is as it was whatever the
+        # caller does next (a refused run leaves nothing)
         made = [p for p in side if p not in before and p.exists()]
         if made and all(p.stat().st_size == 0 for p in made if p.name.endswith("-wal")):
             for p in made:
                 p.unlink()
-        raise NotATuningDB(f"{path} is not a flashgen tuning database (SQLite says: {e}); "
-                           "it was left untouched") from None
     if not tables:
         return
     missing = sorted(set(COLUMNS) - cols - set(OPTIONAL_COLUMNS))
@@ -271,6 +274,11 @@ def _out_of_range(cfg: TileConfig) -> bool:
         or cfg.ws not in (0, 1) or cfg.num_splits < 0
 
 
+#: The rows a lookup may serve: a time that is a finite positive number (``flashgen
+#: import`` refuses the rest; a database read directly may hold an edited one).
+_TIMED = "typeof([median_ms]) IN ('real', 'integer') AND [median_ms] > 0 AND [median_ms] < 1e300"
+
+
 def rules_admit(r: dict) -> bool:
     """Whether the row ``r`` names a config its kernel family (registered here; NULL:
     the portable family) can run for its own key: knobs in range and none of the
@@ -320,6 +328,9 @@ def _row_problem(r) -> str | None:
         return f"key {r['key']!r} disagrees with its columns ({key.id})"
     if _out_of_range(cfg):
         return f"config {cfg.id} has a knob out of range"
+    odd = odd_sizes(cfg) if (family or families.portable().name) == "triton" else []
+    if odd:
+        return f"config {cfg.id} has a knob out of range ({odd[0].removeprefix('pow2: ')})"
     rebuilt = _columns_variant_id(r, key, cfg)
     if rebuilt != r["variant_id"]:
         return f"variant_id {r['variant_id']!r} disagrees with its columns ({rebuilt})"
@@ -375,7 +386,15 @@ def check_rows(rows: list, source) -> None:
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise NotATuningDB(f"{source}: {len(bad)} of {len(rows)} rows are not flashgen measurements, so "
-                           "nothing was imported: " + "; ".join(f"row {i}: {w}" for i, w in bad[:3]) + more)
+                           "nothing was imported: " + "; ".join(f"{_row_name(rows[i], i)}: {w}" for i, w in bad[:3])
+                           + more)
+
+
+def _row_name(r, i: int) -> str:
+    """How an error names row ``i`` of an import: its ``id`` where it has one (what
+    sqlite3 finds), else its place in the export's list."""
+    rid = r.get("id") if isinstance(r, dict) else None
+    return f"row id {rid}" if type(rid) is int else f"row {i} (counting from 0)"
 
 
 def _env_where(env: Environment, versions: bool = True, sibling: bool = False) -> tuple[str, list]:
@@ -755,7 +774,7 @@ class TuningDB:
         """The ok row of ``key`` with the lowest median_ms, among rows matching ``env``
         (any environment when None); None when there is none."""
         where, params = self._filters(key=key, status="ok", env=env)
-        where.append("[median_ms] IS NOT NULL")
+        where.append(_TIMED)
         rows = self._select(where, params, order_by="median_ms, id", limit=1)
         return rows[0] if rows else None
 
@@ -774,7 +793,7 @@ class TuningDB:
             return []  # the interpreter and fake runs have no siblings
         where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions,
                                       sibling=sibling)
-        where.append("[median_ms] IS NOT NULL")
+        where.append(_TIMED)
         cols = ("key", *_ENV_GROUP)
         part = ", ".join(f"[{c}]" for c in cols)
         ordered = "dq_ordered" in self._t.columns_dict

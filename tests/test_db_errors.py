@@ -6,6 +6,7 @@ import json
 import os
 import sqlite3
 import stat
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -146,6 +147,8 @@ def _export(tmp_path):
     ("batch", True, "batch must be a whole number >= 0"),
     ("created_at", None, "created_at must be the measurement's time"),
     ("BLOCK_N", 0, "knob out of range"),
+    ("num_warps", 3, "powers of two"),
+    ("BLOCK_M", 96, "powers of two"),
     ("variant_id", "attn_fwd_d64_bf16_causal_m1_n1_w1_s1", "disagrees with its columns"),
     ("family", "cuda", "family 'cuda' is not a registered kernel family"),
     ("template_hash", None, "template_hash must name what the row was measured with"),
@@ -179,7 +182,7 @@ def test_import_from_a_database_checks_its_rows_first(tmp_path):
     with sqlite3.connect(src) as c:
         c.execute("UPDATE measurements SET median_ms = 'NaN' WHERE id = 1")
     c.close()
-    one_error_line(invoke("import", src, "--db", tmp_path / "mine.sqlite"), "row 0", "median_ms")
+    one_error_line(invoke("import", src, "--db", tmp_path / "mine.sqlite"), "row id 1", "median_ms")
     assert not (tmp_path / "mine.sqlite").exists()
 
 
@@ -218,6 +221,43 @@ def test_a_storage_path_that_is_no_journal_is_refused_untouched(tmp_path, timing
     journal = tmp_path / "ok.journal"
     assert tune(timings, db, "--storage", journal).exit_code == 0 and journal.stat().st_size > 0
     assert tune(timings, db, "--storage", journal).exit_code == 0  # an existing journal resumes
+
+
+def test_a_storage_that_is_the_db_itself_is_refused_before_anything_is_made(tmp_path, timings):
+    """--storage naming the --db file (as a path or an sqlite:/// URL) is refused as a
+    usage error: Optuna's storage and flashgen's rows are files of their own."""
+    db = tmp_path / "z.sqlite"
+    for storage in (db, f"sqlite:///{db}"):
+        res = tune(timings, db, "--storage", storage)
+        assert res.exit_code == 2 and "is the --db file" in res.output and "Traceback" not in res.output, res.output
+    assert listing(tmp_path) == ["timings.json"]
+
+
+def test_a_refused_run_leaves_no_side_files_beside_an_existing_wal_database(tmp_path, timings):
+    """Reading a WAL-mode --db to check it creates its -wal and -shm files, which a
+    read-only close cannot remove: a run refused after that check (a bad --storage)
+    leaves the directory as it found it."""
+    db = tmp_path / "t.sqlite"
+    assert tune(timings, db).exit_code == 0
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    assert not any(Path(f"{db}{side}").exists() for side in ("-wal", "-shm"))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    names = listing(tmp_path)
+    one_error_line(tune(timings, db, "--storage", notes), "not an Optuna journal")
+    assert listing(tmp_path) == names
+
+
+def test_import_of_a_file_that_is_not_utf8_and_merge_into_a_json_name_are_refused(tmp_path):
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"a": "\xff"}')
+    names = listing(tmp_path)
+    one_error_line(invoke("import", latin, "--db", tmp_path / "q.sqlite"), str(latin), "not UTF-8")
+    res = invoke("merge", tmp_path / "m.json", latin)
+    assert res.exit_code == 2 and "name it *.sqlite" in res.output, res.output
+    assert listing(tmp_path) == names
 
 
 def test_a_storage_url_to_a_file_that_is_no_optuna_storage_is_refused_untouched(tmp_path, timings):

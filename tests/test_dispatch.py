@@ -413,6 +413,17 @@ def test_rows_the_rules_refuse_or_cannot_read_are_left_out(db_path):
     assert rules_admit(row) is False and rules_admit({**row, "num_warps": 1, "family": "nonesuch"}) is False
     d = disp(db_path, env=env, arch=arch)
     assert d.choose(other).source == "default" and d.choose(key).config == good
+    # faster rows with a time edited to a non-positive number, or with a warp count
+    # Triton does not launch, are not served either (the database read directly, as
+    # FLASHGEN_DB and --db read it; `flashgen import` refuses both)
+    odd, timed = TileConfig(64, 32, 3, 1), TileConfig(32, 32, 2, 1)
+    assert [r[:5] for r in fam.violated_rules(Variant(spec, odd))] == ["pow2:"]
+    assert not fam.violated_rules(Variant(spec, timed))
+    with TuningDB(db_path) as db:
+        db.record(key, shape, Variant(spec, odd), Measurement("ok", median_ms=0.001), env, 0)
+        db.record(key, shape, Variant(spec, timed), Measurement("ok", median_ms=0.002), env, 0)
+    t.update(next(t.rows_where("key = ? AND num_warps = 2", [key.id]))["id"], {"median_ms": -1.0})
+    assert disp(db_path, env=env, arch=arch).choose(key).config == good
 
 
 _WRITE_SCORE_INDEX_ROWS = r'''

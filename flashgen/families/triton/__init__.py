@@ -22,6 +22,15 @@ _LAUNCHERS = {"fwd": "fwd", "bwd": "bwd", "bwd_dq": "bwd_dq", "bwd_dkdv": "bwd_d
               "bwd_dkdv_varlen": "bwd_dkdv_varlen", "decode": "decode", "decode_paged": "decode"}
 
 
+def odd_sizes(config: TileConfig) -> list[str]:
+    """What Triton itself does not launch: num_warps and the ``tl.arange`` spans BLOCK_M
+    and BLOCK_N must be powers of two (the search domains hold no other size; a row
+    edited by hand may, and ``flashgen import`` refuses it)."""
+    return [f"pow2: {n} {getattr(config, n)} (Triton takes num_warps and tile sizes that are powers of two)"
+            for n in ("BLOCK_M", "BLOCK_N", "num_warps")
+            if getattr(config, n) < 1 or getattr(config, n) & (getattr(config, n) - 1)]
+
+
 class TritonFamily:
     name = "triton"
     kernels = KERNELS
@@ -40,7 +49,8 @@ class TritonFamily:
         return space.domain(key)
 
     def violated_rules(self, variant: Variant) -> list[str]:
-        return space.violated_rules(variant)
+        """:func:`odd_sizes`, then :func:`flashgen.space.violated_rules`."""
+        return odd_sizes(variant.config) + space.violated_rules(variant)
 
     def estimate(self, variant: Variant, arch) -> resources.SmemEstimate:
         return resources.estimate(variant, arch)
