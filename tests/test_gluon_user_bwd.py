@@ -332,11 +332,18 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
     assert untuned.whole and untuned.family == "gluon" and "default measured ahead: H100" in untuned.reason
     d64 = _mask_problem("document", 64, batch=16).keys(["bwd"])[0][0]
     assert gluon.large_enough(d64) and "H100" in gluon.prefers_default(d64, sm90)
-    # no measurement at head_dim 96, no GPU check of the float16 default, of groups over
-    # 4 or of seqlen_q != seqlen_k: the two kernels (each key large enough for a default)
-    for other in (_mask_problem("document", 96, batch=16),
-                  _mask_problem("document-causal", batch=16, dtype="float16"),
-                  _mask_problem("document-causal", batch=16, kv_heads=2),
+    # the GPU checked the default in float16 and up to multi-query at 16 heads
+    for checked in (_mask_problem("document-causal", batch=16, dtype="float16"),
+                    _mask_problem("document-causal", batch=16, kv_heads=1)):
+        ckey, cshape = checked.keys(["bwd"])[0]
+        assert "H100" in gluon.prefers_default(ckey, sm90), ckey.id
+        plan = Dispatcher([], env=h200, arch=sm90).backward(cshape.key(checked.spec("bwd_dq")), capturing=False)
+        assert plan.whole and plan.family == "gluon", plan.reason
+    # no measurement at head_dim 96, no GPU check of a group over 16 (32 heads on one kv
+    # head) or of seqlen_q != seqlen_k: the two kernels (each key large enough for a default)
+    group32 = _mask_problem("document-causal", batch=8, kv_heads=1)
+    group32 = dataclasses.replace(group32, shape=dataclasses.replace(group32.shape, num_heads=32))
+    for other in (_mask_problem("document", 96, batch=16), group32,
                   _mask_problem("document-causal", batch=32, seqlen_q=1024)):
         okey, oshape = other.keys(["bwd"])[0]
         assert gluon.large_enough(okey), okey.id

@@ -83,20 +83,21 @@ BWD_DEFAULT_AHEAD = {
 #: ahead of the Triton family's backward for user mask functions alone: head_dim -> the
 #: measurement (``python -m benchmarks gluon-user-bwd``: the four mask examples of
 #: :mod:`flashgen.user_examples`, document, document-causal, prefix-lm and window-causal,
-#: at 8x16x2048 bf16, the Triton side through ``flashgen.attention`` with the shipped
-#: rows; each checked against float64 first).  A score function keeps
-#: the Triton backward (the Gluon one takes none).
+#: at 8x16x2048 and 8x16x4096 bf16, the Triton side through ``flashgen.attention`` with
+#: the shipped rows and the Triton family alone; each checked against float64 first).  A
+#: score function keeps the Triton backward (the Gluon one takes none).
 USER_BWD_DEFAULT_AHEAD = {
-    128: "H100, 1.07-1.24x the Triton family's backward over the four mask examples at 8x16x2048 "
-         "(docs/results/h100/gluon_user_bwd)",
-    64: "H100, 1.06-1.46x the Triton family's backward over the four mask examples at 8x16x2048 "
-        "(docs/results/h100/gluon_user_bwd)",
+    128: "H100, 1.06-1.30x the Triton family's backward over the four mask examples at 8x16x2048 and "
+         "8x16x4096 (docs/results/h100/gluon_user_bwd/full)",
+    64: "H100, 1.08-1.46x the Triton family's backward over the four mask examples at 8x16x2048 and "
+        "8x16x4096 (docs/results/h100/gluon_user_bwd/full)",
 }
-#: The dtypes, GQA group sizes (up to) and sizes (seqlen_q and seqlen_k in one size
-#: bucket) whose default the GPU checked against float64; the rest take tuned rows alone
-#: (the tuner checks each variant first).
-USER_BWD_DEFAULT_DTYPES = ("bfloat16",)
-USER_BWD_DEFAULT_MAX_GROUP = 4
+#: The dtypes, GQA group sizes (up to: 16 is multi-query at 16 heads) and sizes
+#: (seqlen_q and seqlen_k in one size bucket) whose default the GPU checked against
+#: float64 (the same run: bf16 at groups 1, 4 and 16, float16 at group 4); the rest take
+#: tuned rows alone (the tuner checks each variant first).
+USER_BWD_DEFAULT_DTYPES = ("bfloat16", "float16")
+USER_BWD_DEFAULT_MAX_GROUP = 16
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
 #: choice (its tuned bwd_dq_varlen + bwd_dkdv_varlen rows where the shipped database has
 #: them, its heuristic defaults elsewhere) on the H200, bf16, GQA groups 1 and 4
