@@ -9,16 +9,33 @@ timings are replayed through the real tuner (``tuner.tune_key`` with a FakeBench
 same study, sampler, constraints and default-first enqueue as ``flashgen tune``), for
 many seeds, and the number of distinct configs measured until the best-so-far first
 comes within ``--within`` of the exhaustive best is counted (a config TPE suggests again
-reuses its stored row and costs no measurement; the budget is 3x the space in trials;
-not reaching the target counts as the whole space).  Two starts are reported: ``shipped`` (the tuner's
-current heuristic default is measured and enqueued first; on sm_90 that default was
-itself picked from this exhaustive data, so it is a head start) and ``unbiased`` (the
-pre-TMA default of the previous templates is enqueued instead).
+reuses its stored row and costs no measurement; the budget is 3x the space in measured
+trials, as ``flashgen tune --trials`` counts them: a config the rules or the shared-memory
+estimate reject is not counted; not reaching the target counts as the whole space).
+Three starts are reported: ``shipped`` (the tuner's current heuristic default is
+measured and enqueued first; on sm_90 that default was itself picked from this
+exhaustive data, so it is a head start), ``unbiased`` (the pre-TMA default of the
+previous templates is enqueued instead, then TPE alone) and ``transfer`` (that default,
+then the winners of the nearest other keys of the exhaustive data, leave-one-out:
+:func:`flashgen.tuner.transfer_configs`).
 
-No GPU needed.  Usage:
+The replay searches only the kernel families the exhaustive rows measured (the Triton
+family: a config of another family has no timing to replay), and its environment is a
+synthetic GPU's (:data:`flashgen.env.SYNTHETIC_GPU_SUFFIXES`): a real GPU's name makes
+the tuner measure and enqueue the shipped databases' rows of a sibling GPU
+(:func:`flashgen.tuner.prior_configs`), which for these keys are the H200's tuned
+winners, so every start would be within 2% by the second config.
+
+No GPU needed.  The keys of docs/benchmarks.md:
     python3 benchmarks/search_efficiency.py \\
         docs/results/h200/tuning/search-efficiency/grid_exhaustive_16keys.sqlite \\
-        --keys 4 --seeds 20 --out search_efficiency.json
+        --key attn_fwd_d128_bf16_none_g1_q1024_k1024_bh256 \\
+        --key attn_fwd_d64_bf16_none_g1_q2048_k2048_bh256 \\
+        --key attn_bwd_dq_d128_bf16_none_g1_q1024_k1024_bh256 \\
+        --key attn_bwd_dkdv_d128_bf16_none_g1_q2048_k2048_bh128 \\
+        --seeds 10 --out search_efficiency.json
+(``--keys N`` instead takes the first key of each kernel in key-id order, then the
+rest: another set.)
 """
 
 from __future__ import annotations
@@ -48,7 +65,7 @@ def main() -> int:
     from flashgen import heuristics, tuner
     from flashgen.arch import by_sm
     from flashgen.db import TuningDB
-    from flashgen.env import Environment
+    from flashgen.env import SYNTHETIC_GPU_SUFFIXES, Environment
     from flashgen.spec import Measurement, ProblemKey, Shape, TileConfig, Variant
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -67,6 +84,11 @@ def main() -> int:
             seen.add(kern)
     order += [k for k in sorted(by_key) if k not in order]
     chosen = args.key or order[:args.keys]
+    unknown = [k for k in chosen if k not in by_key]
+    if unknown:
+        ap.error(f"no rows of {', '.join(unknown)} in {args.db}")
+    # The families the exhaustive rows measured: the only ones whose configs have a timing.
+    measured_families = sorted({TileConfig.from_dict(r).family for r in rows})
 
     old_default = {"fwd": TileConfig(128, 64, 8, 3), "bwd_dkdv": TileConfig(64, 128, 8, 2),
                    "bwd_dq": TileConfig(128, 64, 8, 2)}
@@ -94,7 +116,8 @@ def main() -> int:
         for start in ("shipped", "unbiased", "transfer"):
             needed = []
             for seed in range(args.seeds):
-                env = Environment("replay", "9.0", 132, "3.6.0", "replay", "0")
+                # A synthetic GPU: no shipped row of a sibling GPU is measured first.
+                env = Environment("replay" + SYNTHETIC_GPU_SUFFIXES[0], "9.0", 132, "3.6.0", "replay", "0")
                 with tempfile.TemporaryDirectory() as td, TuningDB(Path(td) / "r.sqlite") as db:
                     saved = heuristics.default_config
                     if start == "transfer":  # the other keys already tuned in this DB
@@ -120,7 +143,8 @@ def main() -> int:
 
                         tuner.tune_key(key, shape, benchmarker=tuner.FakeBenchmarker(timings), db=db, env=env,
                                        arch=arch, n_trials=3 * space_size, storage=optuna.storages.InMemoryStorage(),
-                                       seed=seed, on_trial=on_trial, sampler="tpe")
+                                       seed=seed, on_trial=on_trial, sampler="tpe",
+                                       family_names=measured_families)
                     finally:
                         heuristics.default_config = saved
                 needed.append(hit if hit is not None else space_size)
