@@ -137,7 +137,9 @@ def tune(
     arch: Annotated[str | None, typer.Option(help="With --fake/--fake-model/--fake-template: tune for this "
                                              "architecture's rules and families (e.g. sm_90) instead of the "
                                              "current device's.")] = None,
-    trials: Annotated[int, typer.Option(min=1, help="Measured trials per key (earlier runs count; configs the rules reject before compiling do not).")] = 40,
+    trials: Annotated[int, typer.Option(min=1, help="Measured trials per key (earlier runs count; configs the rules reject before compiling do not; "
+                                   "with --workers N a key may get up to N - 1 more: a worker starts its next trial "
+                                   "while another's last one is still being measured, as Optuna's MaxTrialsCallback).")] = 40,
     timeout_per_key: Annotated[float | None, typer.Option(
         min=0, help="Seconds per key: no trial starts after them (the one under way finishes); 0 measures the "
                     "first trial only (the heuristic default).")] = None,
