@@ -133,16 +133,23 @@ def validate(path: Path) -> None:
         finally:
             conn.close()
     except sqlite3.DatabaseError as e:
+        # a read of a corrupt WAL-mode file made an empty -wal and its -shm: removed, so
+        # the file's directory is as it was ("left untouched")
+        made = [p for p in side if p not in before and p.exists()]
+        try:
+            if made and all(p.stat().st_size == 0 for p in made if p.name.endswith("-wal")):
+                for p in made:
+                    p.unlink(missing_ok=True)
+        except OSError:
+            pass
         raise NotATuningDB(f"{path} is not a flashgen tuning database (SQLite says: {e}); "
                            "it was left untouched") from None
-    finally:
-        # a read-only read of a WAL-mode file makes an empty -wal and its -shm, which
-        # its close cannot remove: removed, so the directory is as it was whatever the
-        # caller does next (a refused run leaves nothing)
-        made = [p for p in side if p not in before and p.exists()]
-        if made and all(p.stat().st_size == 0 for p in made if p.name.endswith("-wal")):
-            for p in made:
-                p.unlink()
+    if any(p not in before for p in side):
+        # a read-only read of a WAL-mode file makes its -wal and -shm, which its close
+        # cannot remove: SQLite removes them at the close of one writable connection if
+        # it is the last one (another process's files stay theirs), so a run refused
+        # after this check leaves the directory as it was
+        tidy_side_files(path)
     if not tables:
         return
     missing = sorted(set(COLUMNS) - cols - set(OPTIONAL_COLUMNS))
