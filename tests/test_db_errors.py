@@ -314,3 +314,67 @@ def test_a_database_a_writer_keeps_locked_is_refused_naming_it(tmp_path, monkeyp
     fdb.validate(path)  # unlocked: read as before
     with TuningDB(path, readonly=True) as d:
         assert d.path == path
+
+
+_WRITER = r"""
+import sqlite3, sys
+c = sqlite3.connect(sys.argv[1], timeout=30)
+c.execute("SELECT COUNT(*) FROM measurements").fetchone()
+print("opened", flush=True)
+sys.stdin.readline()
+c.execute("INSERT INTO measurements (key, variant_id, status, created_at) "
+          "SELECT key, variant_id || '_x', status, created_at FROM measurements WHERE id = 1")
+c.commit()
+print("wrote", flush=True)
+sys.stdin.readline()
+c.close()
+"""
+
+
+def test_validating_a_database_another_process_opens_meanwhile_loses_none_of_its_rows(tmp_path, timings,
+                                                                                       monkeypatch):
+    """The check of --db (fdb.validate, a read-only read) leaves the -wal and -shm files
+    it made to SQLite: a process that opened the database meanwhile (a tune worker, the
+    dispatcher) keeps writing through them, and its rows stay visible to others."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "t.sqlite"
+    assert tune(timings, db).exit_code == 0
+    assert not any(Path(f"{db}{side}").exists() for side in ("-wal", "-shm"))
+
+    def count():
+        c = sqlite3.connect(db)
+        try:
+            return c.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+        finally:
+            c.close()
+
+    n = count()
+    writer = []
+    real = fdb._connect_readonly
+
+    def opened_meanwhile(path, immutable=False):
+        conn = real(path, immutable)
+        p = subprocess.Popen([sys.executable, "-c", _WRITER, str(db)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "opened"
+        writer.append(p)
+        return conn
+
+    monkeypatch.setattr(fdb, "_connect_readonly", opened_meanwhile)
+    try:
+        fdb.validate(db)
+    finally:
+        monkeypatch.setattr(fdb, "_connect_readonly", real)
+    p = writer[0]
+    try:
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "wrote"
+        assert count() == n + 1  # seen by another process while the writer is open
+    finally:
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(timeout=30)
+    assert count() == n + 1
