@@ -92,10 +92,12 @@ USER_BWD_DEFAULT_AHEAD = {
     64: "H100, 1.08-1.46x the Triton family's backward over the four mask examples at 8x16x2048 and "
         "8x16x4096 (docs/results/h100/gluon_user_bwd/full)",
 }
-#: The dtypes, GQA group sizes (up to: 16 is multi-query at 16 heads) and sizes
-#: (seqlen_q and seqlen_k in one size bucket) whose default the GPU checked against
-#: float64 (the same run: bf16 at groups 1, 4 and 16, float16 at group 4); the rest take
-#: tuned rows alone (the tuner checks each variant first).
+#: The dtypes, GQA group sizes (up to) and sizes (seqlen_q and seqlen_k in one size
+#: bucket) of the default's GPU checks against float64 (the same run: bf16 at groups 1,
+#: 4 and 16, the last multi-query at 16 heads, float16 at group 4); the default extends
+#: them to the other pairs within these bounds (the kernels take the group as a size and
+#: the dtype as the element type), the rest take tuned rows alone (the tuner checks
+#: each variant first).
 USER_BWD_DEFAULT_DTYPES = ("bfloat16", "float16")
 USER_BWD_DEFAULT_MAX_GROUP = 16
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
