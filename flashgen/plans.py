@@ -325,6 +325,14 @@ def remember(table: dict, key, plan) -> None:
     table[key] = plan
 
 
+def split(args) -> tuple[tuple, tuple]:
+    """(the tensors of ``args``, the other values): a launcher's extra arguments (a user
+    variant's captured tensors, block mask and gradient buffers, with their strides and
+    sizes) as a plan's further inputs and as values of its key."""
+    return (tuple(a for a in args if isinstance(a, torch.Tensor)),
+            tuple(a for a in args if not isinstance(a, torch.Tensor)))
+
+
 def key_of(tensors, *scalars):
     """A plan key: ``scalars`` (config, module, mask, scale, bounds, ...); per tensor
     (None for an absent one) its shape, strides, dtype and the low four bits of its

@@ -998,13 +998,21 @@ class UserArgs:
     mask_fn: object = None
     keep: tuple = ()
 
+    #: A launcher may keep launch plans of this variant's calls (:mod:`flashgen.plans`):
+    #: its arguments are tensors, which a plan takes as inputs, and values fixed by the
+    #: functions, the sizes and the tile, which go into the plan's key (none is drawn per
+    #: call, as the built-in dropout's seed is).
+    plannable = True
+
     @property
     def name(self) -> str:
         return self.low.name
 
-    def kernel_args(self, softmax_scale: float, with_scale: bool, mod=None, config=None) -> list:
-        """In the order of :meth:`flashgen.user_render.Context.kernel_params`."""
-        kernel = _kernel_of(mod)
+    def kernel_args(self, softmax_scale: float, with_scale: bool, mod=None, config=None,
+                    kernel: str | None = None) -> list:
+        """In the order of :meth:`flashgen.user_render.Context.kernel_params`; ``kernel``
+        ("fwd", "bwd_dq", "bwd_dkdv"): the launch's, else read from ``mod``."""
+        kernel = kernel or _kernel_of(mod)
         out = self._args(softmax_scale if with_scale else None, kernel, config.BLOCK_M if config else 0,
                          config.BLOCK_N if config else 0)
         if self.low.sinks and kernel == "fwd":

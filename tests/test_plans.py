@@ -187,15 +187,95 @@ def test_gluon_forward_replays_its_own_launch(fake_gpu):
     _check_replay(fake_gpu, call, make)
 
 
-def test_no_plan_for_user_functions_or_sinks(fake_gpu):
+def test_the_gluon_forward_with_sinks_replays_with_the_new_sinks(fake_gpu):
     spec = C.GluonFwdSpec("bfloat16", 64, 64, "none", sinks=True)
     cfg = C.default_config(spec)
-    q, k, v = _bhsd(1, 2, 128, 64), _bhsd(1, 2, 128, 64), _bhsd(1, 2, 128, 64)
-    sinks = torch.zeros(2)
+
+    def make():
+        return _bhsd(1, 2, 128, 64), _bhsd(1, 2, 128, 64), _bhsd(1, 2, 128, 64), torch.randn(2)
+
+    _check_replay(fake_gpu, lambda q, k, v, sinks: L.fwd(q, k, v, softmax_scale=0.1, mask="none", diag_lo=-128,
+                                                         diag_hi=128, config=cfg, check_inputs=False, sinks=sinks),
+                  make)
+
+
+def _document_args(b, h, hk, s, lo, hi, backward):
+    """(forward UserArgs, backward UserArgs) of a document mask over a fresh ids tensor
+    (a new captured tensor on every call, as a model's batch brings)."""
+    from flashgen import user_mods
+
+    doc = torch.randint(0, 3, (s,)).sort().values
+
+    def mask_mod(bb, hh, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    mask = user_mods.trace(mask_mod, "mask")
+    return user_mods.kernel_args(None, mask, [], None, (b, h, hk, s, s, lo, hi), torch.device("cpu"), backward)
+
+
+def test_triton_launchers_replay_a_user_variant_with_its_new_tensors(fake_gpu):
+    """A user mask function's launches keep plans too: its captured tensor, block mask
+    and (bwd_dq) gradient buffers are the plan's inputs, so a replay passes the call's
+    own, and its strides and sizes are part of the key."""
+    d, s, cfg = 64, 200, TileConfig(64, 64, 4, 2, tma=1)
+    lo, hi = -s, 0
+
+    def make():
+        q, do, o = (_bhsd(1, 4, s, d, dtype=torch.float16) for _ in range(3))
+        k, v = (_bhsd(1, 2, s, d, dtype=torch.float16) for _ in range(2))
+        fwd, bwd = _document_args(1, 4, 2, s, lo, hi, True)
+        return q, k, v, o, do, torch.randn(1, 4, s), fwd, bwd
+
+    kw = dict(softmax_scale=0.125, mask="window", diag_lo=lo, diag_hi=hi, config=cfg, addressable=True)
+    for name, call in (("fwd", lambda q, k, v, o, do, lse, fa, ba: T.fwd(q, k, v, mods=fa, **kw)),
+                       ("bwd_dq", lambda q, k, v, o, do, lse, fa, ba: T.bwd_dq(do, q, k, v, o, lse, mods=ba, **kw)),
+                       ("bwd_dkdv", lambda q, k, v, o, do, lse, fa, ba: T.bwd_dkdv(do, q, k, v, lse, lse, mods=ba,
+                                                                                    **kw))):
+        fake_gpu.clear()
+        _check_replay(fake_gpu, call, make)
+        table = {"fwd": T._FWD_PLANS, "bwd_dq": T._DQ_PLANS, "bwd_dkdv": T._DKDV_PLANS}[name]
+        assert len(table) == 1, name
+    # another mask function (another variant): its own plan
+    fake_gpu.clear()
+    q, k, v, o, do, lse, _, _ = make()
+    from flashgen import user_mods
+
+    prefix = user_mods.trace(lambda bb, hh, q_idx, kv_idx: kv_idx < 64, "mask")
+    fa = user_mods.kernel_args(None, prefix, [], None, (1, 4, 2, s, s, lo, hi), torch.device("cpu"), False)[0]
+    T.fwd(q, k, v, mods=fa, **kw)
+    assert len(T._FWD_PLANS) == 2 and [how for how, *_ in fake_gpu] == ["launch"]
+
+
+def test_the_gluon_kernels_replay_a_user_mask_function_with_its_new_tensors(fake_gpu):
+    """The Gluon forward and whole backward of a user mask function keep plans too,
+    each call's captured tensor and block mask passed on replay."""
+    b, h, hk, s, d = 1, 4, 2, 256, 128
+    lo, hi = -s, 0
+
+    def make():
+        q, do, o = (_bhsd(b, h, s, d) for _ in range(3))
+        k, v = (_bhsd(b, hk, s, d) for _ in range(2))
+        fwd, bwd = _document_args(b, h, hk, s, lo, hi, True)
+        return do, q, k, v, o, torch.randn(b, h, s), fwd, bwd
+
+    _check_replay(fake_gpu, lambda do, q, k, v, o, lse, fa, ba: L.fwd(
+        q, k, v, softmax_scale=0.1, mask="window", diag_lo=lo, diag_hi=hi, check_inputs=False, user=fa),
+        make)
+    fake_gpu.clear()
+    _check_replay(fake_gpu, lambda do, q, k, v, o, lse, fa, ba: B.attention_bwd(
+        do, q, k, v, o, lse, softmax_scale=0.1, diag_lo=lo, diag_hi=hi, mask="window", user=ba), make)
+    assert len(L._PLANS) == 1 and len(B._PLANS) == 1
+
+
+def test_no_plan_for_the_built_in_score_modifications(fake_gpu):
+    """Dropout draws its seed per call, so the built-in modifications keep their own
+    path: nothing is recorded."""
+    d, s, cfg = 64, 128, TileConfig(64, 64, 4, 2)
+    q, k, v = (_bhsd(1, 2, s, d, dtype=torch.float16) for _ in range(3))
+    mods = T.ScoreMods(softcap=20.0)
     for _ in range(2):
-        L.fwd(q, k, v, softmax_scale=0.1, mask="none", diag_lo=-128, diag_hi=128, config=cfg, check_inputs=False,
-              sinks=sinks)
-    assert not L._PLANS and all(how == "launch" for how, *_ in fake_gpu)
+        T.fwd(q, k, v, softmax_scale=0.125, mask="none", diag_lo=-s, diag_hi=s, config=cfg, mods=mods)
+    assert not T._FWD_PLANS and all(how == "launch" for how, *_ in fake_gpu)
 
 
 @pytest.mark.parametrize("tma", [0, 1])

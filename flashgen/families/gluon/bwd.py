@@ -1234,16 +1234,24 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     ``check=False`` builds a config the rules reject (:func:`invalid_reasons`; a
     benchmark's probe of one, never the dispatcher's).  ``user``: the runtime arguments
     (:class:`flashgen.user_mods.UserArgs`) of a user mask function (``mask`` "window";
-    no launch plan; :func:`user_reasons` names the knobs not built with one)."""
-    key = None
-    if check and not stage_sync and user is None:
-        key, bufs = plans.replay(_PLANS, (do, q, k, v, o, lse, dq, dk, dv), config, mask, float(softmax_scale),
-                                 diag_lo, diag_hi, delta_out is not None)
+    its captured tensors and block mask are a launch plan's inputs too, its sizes and
+    other arguments part of the plan's key; :func:`user_reasons` names the knobs not
+    built with one)."""
+    key, inputs = None, (do, q, k, v, o, lse, dq, dk, dv)
+    dtype = str(q.dtype).removeprefix("torch.")
+    d = q.shape[-1]
+    if check and not stage_sync:
+        vals = ()
+        if user is not None:
+            config = config or default_config(d, dtype, mask)
+            extra, vals = plans.split(user.gluon_bwd_args(config.block_m, config.block_nt))
+            inputs += extra
+        key, bufs = plans.replay(_PLANS, inputs, config, mask, float(softmax_scale), diag_lo, diag_hi,
+                                 delta_out is not None, *((user.name, tuple(user.sizes)) if user is not None
+                                                          else ("", None)), vals)
         if bufs is not None:
             return _finish(bufs, q, dq, dk, dv, delta_out)
     check_inputs(do, q, k, v, o, lse)
-    dtype = str(q.dtype).removeprefix("torch.")
-    d = q.shape[-1]
     config = config or default_config(d, dtype, mask)
     mod = load(config, dtype, d, mask, check, user=user.name if user is not None else "")
     a = launch_args(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
@@ -1287,7 +1295,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     for i, (src, _) in enumerate(a.get("copy", ())):
         bufs[f"copy{i}"] = src
     if rec is not None:
-        plans.record(_PLANS, key, rec, (do, q, k, v, o, lse, dq, dk, dv), bufs, zeroed=("sem",))
+        plans.record(_PLANS, key, rec, inputs, bufs, zeroed=("sem",))
     return _finish(bufs, q, dq, dk, dv, delta_out)
 
 

@@ -105,12 +105,19 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     come as ``sinks``).
 
     Raises ValueError with the reason when the Gluon forward cannot serve the inputs."""
-    key, inputs = None, (q, k, v, out, lse)
-    if sinks is None and user is None:
-        key, bufs = plans.replay(_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
-                                 check_inputs)
-        if bufs is not None:
-            return bufs.get("out", out), bufs.get("lse", lse)
+    key, inputs, uargs = None, (q, k, v, out, lse), ()
+    if user is not None:
+        # its arguments (fixed per function, sizes and tile) before the plan's lookup:
+        # the tensors are the plan's inputs, the rest part of its key (flashgen.plans)
+        config = config or default_config(GluonFwdSpec(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask,
+                                                       sinks=sinks is not None, user=user.name))
+        uargs = tuple(user.gluon_fwd_args(softmax_scale, config.BLOCK_M * config.num_consumers, config.BLOCK_N))
+    extra, vals = plans.split(((sinks,) if sinks is not None else ()) + uargs)
+    inputs += extra
+    key, bufs = plans.replay(_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi, check_inputs,
+                             *((user.name, tuple(user.sizes)) if user is not None else ("", None)), vals)
+    if bufs is not None:
+        return bufs.get("out", out), bufs.get("lse", lse)
     if check_inputs:
         why = unsupported(q, k, v, mask=mask, config=config, out=out)
         if why:
@@ -148,7 +155,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
                         config.BLOCK_N, grid[0], config.snake),) if config.persistent >= 2 and mask != "none"
           else (longest_first_section(b * h, h // hk, sk, pad(d), pad(dv)),) if config.longest_first and mask != "none"
           else ()),
-        *(() if user is None else user.gluon_fwd_args(softmax_scale, rows * config.num_consumers, config.BLOCK_N)),
+        *uargs,
     )
     kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
     if key is not None:
@@ -156,9 +163,9 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     return out, lse
 
 
-#: Launch plans of :func:`fwd` (:mod:`flashgen.plans`; not for sinks or user functions,
-#: whose tensors are arguments too), by config, module, scalars, sizes, strides, dtypes,
-#: alignments, tensor identity and device.
+#: Launch plans of :func:`fwd` (:mod:`flashgen.plans`; sinks and a user variant's
+#: tensors are inputs too, its other arguments part of the key), by config, module,
+#: scalars, sizes, strides, dtypes, alignments, tensor identity and device.
 _PLANS: dict = {}
 
 

@@ -159,6 +159,18 @@ def _mods_of(mods: "ScoreMods | None") -> str:
     return mods.name if mods is not None else ""
 
 
+def _plan_args(mods, softmax_scale: float, with_scale: bool, config: TileConfig, kernel: str) -> tuple | None:
+    """A launch's arguments after the bounds where its calls may keep a launch plan: ()
+    without score modifications, a user variant's (``plannable``: tensors and values
+    fixed per function, sizes and tile, :mod:`flashgen.plans`), None for the built-in
+    modifications (dropout draws its seed per call) and their own path."""
+    if mods is None:
+        return ()
+    if not getattr(mods, "plannable", False):
+        return None
+    return tuple(mods.kernel_args(softmax_scale, with_scale, config=config, kernel=kernel))
+
+
 def _module_and_streamed(kernel: str, dtype, d: int, dv: int, mask: str, config: TileConfig, module,
                          a, b, rows: int, checked: bool, mods: str = ""):
     """(config, loaded module, a_arg, b_arg) for a launch whose streamed tiles are ``a``
@@ -193,9 +205,12 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     if config.num_splits:
         return _fwd_decode_form(q, k, v, softmax_scale, mask, config, out, lse, module)
     key, inputs = None, (q, k, v, out, lse)
-    if mods is None:
+    margs = _plan_args(mods, softmax_scale, True, config, "fwd")
+    if margs is not None:
+        extra, vals = plans.split(margs)
+        inputs += extra
         key, bufs = plans.replay(_FWD_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
-                                 addressable)
+                                 addressable, _mods_of(mods), getattr(mods, "sizes", None), vals)
         if bufs is not None:
             return bufs.get("out", out), bufs.get("lse", lse)
     b, h, sq, d = q.shape
@@ -215,7 +230,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         *v.stride()[:3],
         *out.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
-        *(mods.kernel_args(softmax_scale, True, mod, config) if mods is not None else ()),
+        *(margs if margs is not None else mods.kernel_args(softmax_scale, True, mod, config) if mods is not None
+          else ()),
     )
     kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
@@ -298,9 +314,12 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
            mods: ScoreMods | None = None):
     """dQ (q's shape and dtype) and delta = rowsum(dO * O) (float32, like lse)."""
     key, inputs = None, (q, k, v, o, do, lse, dq, delta)
-    if mods is None:
+    margs = _plan_args(mods, softmax_scale, False, config, "bwd_dq")
+    if margs is not None:
+        extra, vals = plans.split(margs)
+        inputs += extra
         key, bufs = plans.replay(_DQ_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
-                                 addressable)
+                                 addressable, _mods_of(mods), getattr(mods, "sizes", None), vals)
         if bufs is not None:
             return bufs.get("dq", dq), bufs.get("delta", delta)
     b, h, sq, d = q.shape
@@ -320,7 +339,8 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
         *do.stride()[:3],
         *dq.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
-        *(mods.kernel_args(softmax_scale, False, mod, config) if mods is not None else ()),
+        *(margs if margs is not None else mods.kernel_args(softmax_scale, False, mod, config) if mods is not None
+          else ()),
     )
     kernel = launch(mod.attn_bwd_dq, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
@@ -334,9 +354,12 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
              mods: ScoreMods | None = None):
     """dK, dV (k's and v's shapes; summed over each GQA group).  Reads delta."""
     key, inputs = None, (q, k, v, do, lse, delta, dk, dv)
-    if mods is None:
+    margs = _plan_args(mods, softmax_scale, False, config, "bwd_dkdv")
+    if margs is not None:
+        extra, vals = plans.split(margs)
+        inputs += extra
         key, bufs = plans.replay(_DKDV_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
-                                 addressable)
+                                 addressable, _mods_of(mods), getattr(mods, "sizes", None), vals)
         if bufs is not None:
             return bufs.get("dk", dk), bufs.get("dv", dv)
     b, h, sq, d = q.shape
@@ -358,7 +381,8 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
         *dk.stride()[:3],
         *dv.stride()[:3],
         h, h // hk, sq, sk, num_n_blocks, diag_lo, diag_hi,
-        *(mods.kernel_args(softmax_scale, False, mod, config) if mods is not None else ()),
+        *(margs if margs is not None else mods.kernel_args(softmax_scale, False, mod, config) if mods is not None
+          else ()),
     )
     kernel = launch(mod.attn_bwd_dkdv, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
@@ -369,8 +393,9 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
 
 #: Launch plans of :func:`fwd`, :func:`bwd_dq`, :func:`bwd_dkdv` and :func:`decode` (its
 #: split kernel and combine kernel as one plan), one table each (:mod:`flashgen.plans`;
-#: not with score modifications, whose tensors are arguments too), by config, module,
-#: scalars, sizes, strides, dtypes, alignments and device.
+#: with a user variant, its tensors are inputs too and its other arguments part of the
+#: key; not with the built-in score modifications, :func:`_plan_args`), by config,
+#: module, scalars, sizes, strides, dtypes, alignments and device.
 _FWD_PLANS: dict = {}
 _DQ_PLANS: dict = {}
 _DKDV_PLANS: dict = {}
