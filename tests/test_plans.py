@@ -99,6 +99,19 @@ def _same_launches(replayed, own, inputs) -> dict:
     return pairs
 
 
+def _own_tensors(inputs) -> tuple:
+    """The tensors a replay must pass as they are: the inputs, and of a user variant's
+    arguments (a ``UserArgs`` among them) its captured tensors, gradient buffers and
+    sinks, the call's own."""
+    out = []
+    for t in inputs:
+        if hasattr(t, "bufs") and hasattr(t, "grads"):
+            out += [*t.bufs, *(g for g in t.grads if g is not None), *(() if t.sinks is None else (t.sinks,))]
+        else:
+            out.append(t)
+    return tuple(out)
+
+
 def _check_replay(log, call, make_inputs):
     """Record with one set of inputs, replay with a second, compare with the launcher's
     own path on the second (plans off)."""
@@ -115,9 +128,10 @@ def _check_replay(log, call, make_inputs):
         out_own = call(*inputs)
     finally:
         plans.usable = usable
-    pairs = _same_launches(replayed, list(log), inputs)
+    own = _own_tensors(inputs)
+    pairs = _same_launches(replayed, list(log), own)
     for x, y in zip(out_replay, out_own):
-        _same(x, y, inputs, pairs)
+        _same(x, y, own, pairs)
     return out_replay
 
 
@@ -265,6 +279,25 @@ def test_the_gluon_kernels_replay_a_user_mask_function_with_its_new_tensors(fake
     _check_replay(fake_gpu, lambda do, q, k, v, o, lse, fa, ba: B.attention_bwd(
         do, q, k, v, o, lse, softmax_scale=0.1, diag_lo=lo, diag_hi=hi, mask="window", user=ba), make)
     assert len(L._PLANS) == 1 and len(B._PLANS) == 1
+    # the backward builds a call's user arguments once (the plan's key and the launch)
+    from flashgen import user_mods
+
+    built = []
+    real = user_mods.UserArgs.gluon_bwd_args
+
+    def counted(self, *a):
+        built.append(1)
+        return real(self, *a)
+
+    user_mods.UserArgs.gluon_bwd_args = counted
+    try:
+        B._PLANS.clear()
+        for _ in range(2):
+            do, q, k, v, o, lse, fa, ba = make()
+            B.attention_bwd(do, q, k, v, o, lse, softmax_scale=0.1, diag_lo=lo, diag_hi=hi, mask="window", user=ba)
+    finally:
+        user_mods.UserArgs.gluon_bwd_args = real
+    assert len(built) == 2
 
 
 def test_no_plan_for_the_built_in_score_modifications(fake_gpu):

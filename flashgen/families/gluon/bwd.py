@@ -1009,7 +1009,7 @@ def _desc_rows(t, rows: int):
 
 
 def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag_hi: int, config: GluonBwdConfig,
-                dq=None, dk=None, dv=None, user=None):
+                dq=None, dk=None, dv=None, user=None, user_args: tuple | None = None):
     """Everything the launches take, without launching (also used to compile on a
     machine without a GPU): a dict with the outputs (dq, dk, dv), the scratch buffers,
     and for each kernel its grid and argument tuple ("preprocess", "main", "convert",
@@ -1095,7 +1095,8 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         if tuple(user.sizes) != (b, h, hk, sq, sk, int(diag_lo), int(diag_hi)):
             raise ValueError(f"user mask function {user.name}: made for sizes and bounds {tuple(user.sizes)}, "
                              f"called with {(b, h, hk, sq, sk, int(diag_lo), int(diag_hi))}")
-        main += tuple(user.gluon_bwd_args(c.block_m, c.block_nt))
+        # user_args: the caller's user.gluon_bwd_args for this config, built once per call
+        main += tuple(user.gluon_bwd_args(c.block_m, c.block_nt) if user_args is None else user_args)
     # ordered: a 1-D grid, HEAD_GROUP (z, kv head) pairs interleaved (ordered_program);
     # longest_first: a 1-D grid in sections (ordered_program with head_group = section)
     out["main"] = (((n_kb * b * hk * gs,) if c.dq_mode == "ordered" or c.longest_first else (n_kb, b * hk * gs)),
@@ -1237,14 +1238,15 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     its captured tensors and block mask are a launch plan's inputs too, its sizes and
     other arguments part of the plan's key; :func:`user_reasons` names the knobs not
     built with one)."""
-    key, inputs = None, (do, q, k, v, o, lse, dq, dk, dv)
+    key, inputs, uargs = None, (do, q, k, v, o, lse, dq, dk, dv), None
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]
-    if check and not stage_sync:
+    if check and not stage_sync and (user is None or plans.usable()):
         vals = ()
         if user is not None:
             config = config or default_config(d, dtype, mask)
-            extra, vals = plans.split(user.gluon_bwd_args(config.block_m, config.block_nt))
+            uargs = tuple(user.gluon_bwd_args(config.block_m, config.block_nt))  # once per call
+            extra, vals = plans.split(uargs)
             inputs += extra
         key, bufs = plans.replay(_PLANS, inputs, config, mask, float(softmax_scale), diag_lo, diag_hi,
                                  delta_out is not None, *((user.name, tuple(user.sizes)) if user is not None
@@ -1255,7 +1257,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     config = config or default_config(d, dtype, mask)
     mod = load(config, dtype, d, mask, check, user=user.name if user is not None else "")
     a = launch_args(do, q, k, v, o, lse, softmax_scale=softmax_scale, diag_lo=diag_lo, diag_hi=diag_hi,
-                    config=config, dq=dq, dk=dk, dv=dv, user=user)
+                    config=config, dq=dq, dk=dk, dv=dv, user=user, user_args=uargs)
     if "preprocess" in a:
         stages = [("preprocess", mod.attn_bwd_preprocess, {"num_warps": 4})]
     else:
