@@ -419,10 +419,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             objects is not traced again, and by the values it may have taken as
             constants from the objects it reads: a changed ``self.temperature``,
             attribute of a callable object or list item is traced again); captured
-            tensors are read at each call.  Not traced again: a constant computed from
-            a captured tensor that the function also indexes (``int(doc.max())``
-            beside ``doc[q_idx]``) when that tensor changes in place; compute such a
-            value outside the function and capture it as a number.
+            tensors are read at each call (one the function also computes with
+            outside its indices, ``int(doc.max())`` beside ``doc[q_idx]``, is traced
+            again when it changes in place).
             Indices must lie in [0, size) of each dim (a negative index is not
             wrapped as torch wraps it): on the kernel path every index that does not
             depend on the score is checked over the whole (b, h, q_idx, kv_idx) grid

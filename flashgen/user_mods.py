@@ -135,6 +135,23 @@ class _Tracer(fx.Tracer):
         return super().create_arg(a)
 
 
+class _EagerReads(torch.overrides.TorchFunctionMode):
+    """While a function is traced: the ids of the tensors it computes with outside the
+    trace (a torch operation with no fx Proxy among its arguments: ``doc.max()``,
+    ``t.item()``, ``t[0]``), whose values the trace may then hold as constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.read: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [*args, *kwargs.values()]
+        if not any(isinstance(a, fx.Proxy) for a in leaves):
+            self.read.update(id(a) for a in leaves if isinstance(a, torch.Tensor))
+        return func(*args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Captured:
     n: int
@@ -244,8 +261,10 @@ class Traced:
         scope = {"fn": fn}
         exec(src, scope)  # a plain function of exactly these arguments for fx
         tracer = _Tracer()
+        eager = _EagerReads()
         try:
-            graph = tracer.trace(scope["traced"])
+            with eager:
+                graph = tracer.trace(scope["traced"])
         except fx.proxy.TraceError as e:
             raise UnsupportedError(f"{arg} {_describe(fn)} uses data-dependent Python control flow on a traced "
                                    f"value ({e}): write conditions with torch.where and masks with boolean "
@@ -254,6 +273,8 @@ class Traced:
             raise
         except Exception as e:  # noqa: BLE001 (the user's code failed on proxies)
             raise UnsupportedError(f"{arg} {_describe(fn)} cannot be traced: {type(e).__name__}: {e}") from None
+        #: ids of the tensors the trace computed with eagerly (:class:`_EagerReads`)
+        self.eager_reads = frozenset(eager.read)
         self._captured = [_ref(t) if id(t) in weak else (lambda t=t: t) for t in tracer.captured]
         for t in self.captured:
             if _dtype_name(t.dtype) not in _BUF_DTYPES:
@@ -775,10 +796,11 @@ def _trace_key_code(fn) -> tuple[tuple, tuple, list, set]:
 
 def _constant_versions(objs: list, tr: "Traced") -> tuple:
     """(weak reference, version) of the tensors among ``objs`` that ``tr`` does not read
-    as buffers: a trace can only have taken them as constants (``t.item()``,
-    ``float(t)``), so an in-place change traces again.  Inference tensors (no version
-    counter) are left out."""
-    bufs = {id(t) for t in tr.captured}
+    as buffers, or also computed with outside the trace (``tr.eager_reads``: a buffer
+    ``doc`` of ``doc[q_idx]`` whose ``int(doc.max())`` the trace holds): a trace can
+    have taken them as constants (``t.item()``, ``float(t)``), so an in-place change
+    traces again.  Inference tensors (no version counter) are left out."""
+    bufs = {id(t) for t in tr.captured} - tr.eager_reads
     out, seen = [], set()
     for t in objs:
         if isinstance(t, torch.Tensor) and id(t) not in bufs and id(t) not in seen and not t.is_inference():

@@ -957,6 +957,37 @@ class _Scaled(torch.nn.Module):
         return score / self.cfg.temp + self.table[h]
 
 
+def test_a_constant_computed_from_a_captured_buffer_is_read_again_after_an_in_place_change(tiles):
+    """A tensor the function both indexes (a buffer the kernels read at each call) and
+    computes with outside the trace (``int(doc.max())``, a constant in the trace): an
+    in-place change traces again, so the kernel runs the new constant (against
+    float64); a buffer only indexed is not traced again."""
+    q, k, v = _qkv(b=1, sq=20, sk=24)
+    doc = torch.tensor([0] * 8 + [1] * 8 + [2] * 8)
+
+    def last_docs_hidden(b, h, q_idx, kv_idx):
+        return doc[kv_idx] <= int(doc.max()) - 1
+
+    def check():
+        o = flashgen.attention(q, k, v, mask_mod=last_docs_hidden)
+        ref, _ = user_mods.reference(q, k, v, 16 ** -0.5, -24, 24, None, last_docs_hidden, None, torch.float64)
+        torch.testing.assert_close(o.double(), ref, rtol=0, atol=3e-3)
+
+    check()
+    a = user_mods.trace(last_docs_hidden, "mask")
+    doc.add_(5)
+    check()
+    assert user_mods.trace(last_docs_hidden, "mask") is not a
+    ids = torch.tensor([0] * 12 + [1] * 12)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return ids[kv_idx] == 0
+
+    t = user_mods.trace(same_doc, "mask")
+    ids[:] = 0
+    assert user_mods.trace(same_doc, "mask") is t
+
+
 def test_a_value_the_trace_took_as_a_constant_is_read_again_when_it_changes(tiles):
     """A number an object holds (a callable object's attribute, a module's nested config
     through a bound method, a global object's tensor
