@@ -1242,15 +1242,15 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]
     if check and not stage_sync and (user is None or plans.usable()):
-        vals = ()
-        if user is not None:
+        tail = ()
+        if user is not None:  # its tensors are inputs too, its name, sizes and other values in the key
             config = config or default_config(d, dtype, mask)
             uargs = tuple(user.gluon_bwd_args(config.block_m, config.block_nt))  # once per call
             extra, vals = plans.split(uargs)
             inputs += extra
+            tail = (user.name, tuple(user.sizes), vals)
         key, bufs = plans.replay(_PLANS, inputs, config, mask, float(softmax_scale), diag_lo, diag_hi,
-                                 delta_out is not None, *((user.name, tuple(user.sizes)) if user is not None
-                                                          else ("", None)), vals)
+                                 delta_out is not None, *tail)
         if bufs is not None:
             return _finish(bufs, q, dq, dk, dv, delta_out)
     check_inputs(do, q, k, v, o, lse)

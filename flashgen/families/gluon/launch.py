@@ -112,10 +112,13 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         config = config or default_config(GluonFwdSpec(_DTYPES[q.dtype], q.shape[3], v.shape[3], mask,
                                                        sinks=sinks is not None, user=user.name))
         uargs = tuple(user.gluon_fwd_args(softmax_scale, config.BLOCK_M * config.num_consumers, config.BLOCK_N))
-    extra, vals = plans.split(((sinks,) if sinks is not None else ()) + uargs)
-    inputs += extra
+    tail = ()
+    if sinks is not None or user is not None:  # their tensors are inputs too, the rest in the key
+        extra, vals = plans.split(((sinks,) if sinks is not None else ()) + uargs)
+        inputs += extra
+        tail = (sinks is not None, *((user.name, tuple(user.sizes)) if user is not None else ()), vals)
     key, bufs = plans.replay(_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi, check_inputs,
-                             *((user.name, tuple(user.sizes)) if user is not None else ("", None)), vals)
+                             *tail)
     if bufs is not None:
         return bufs.get("out", out), bufs.get("lse", lse)
     if check_inputs:

@@ -171,6 +171,16 @@ def _plan_args(mods, softmax_scale: float, with_scale: bool, config: TileConfig,
     return tuple(mods.kernel_args(softmax_scale, with_scale, config=config, kernel=kernel))
 
 
+def _plan_inputs(inputs: tuple, mods, margs: tuple) -> tuple[tuple, tuple]:
+    """(a plan's inputs, the key's values after the launcher's own): without score
+    modifications ``inputs`` and nothing; with a user variant's arguments ``margs``
+    (:func:`_plan_args`) also their tensors, and its name, sizes and other values."""
+    if mods is None:
+        return inputs, ()
+    extra, vals = plans.split(margs)
+    return inputs + extra, (mods.name, mods.sizes, vals)
+
+
 def _module_and_streamed(kernel: str, dtype, d: int, dv: int, mask: str, config: TileConfig, module,
                          a, b, rows: int, checked: bool, mods: str = ""):
     """(config, loaded module, a_arg, b_arg) for a launch whose streamed tiles are ``a``
@@ -207,10 +217,9 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     key, inputs = None, (q, k, v, out, lse)
     margs = _plan_args(mods, softmax_scale, True, config, "fwd")
     if margs is not None:
-        extra, vals = plans.split(margs)
-        inputs += extra
+        inputs, tail = _plan_inputs(inputs, mods, margs)
         key, bufs = plans.replay(_FWD_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
-                                 addressable, _mods_of(mods), getattr(mods, "sizes", None), vals)
+                                 addressable, *tail)
         if bufs is not None:
             return bufs.get("out", out), bufs.get("lse", lse)
     b, h, sq, d = q.shape
@@ -316,10 +325,9 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
     key, inputs = None, (q, k, v, o, do, lse, dq, delta)
     margs = _plan_args(mods, softmax_scale, False, config, "bwd_dq")
     if margs is not None:
-        extra, vals = plans.split(margs)
-        inputs += extra
+        inputs, tail = _plan_inputs(inputs, mods, margs)
         key, bufs = plans.replay(_DQ_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
-                                 addressable, _mods_of(mods), getattr(mods, "sizes", None), vals)
+                                 addressable, *tail)
         if bufs is not None:
             return bufs.get("dq", dq), bufs.get("delta", delta)
     b, h, sq, d = q.shape
@@ -356,10 +364,9 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
     key, inputs = None, (q, k, v, do, lse, delta, dk, dv)
     margs = _plan_args(mods, softmax_scale, False, config, "bwd_dkdv")
     if margs is not None:
-        extra, vals = plans.split(margs)
-        inputs += extra
+        inputs, tail = _plan_inputs(inputs, mods, margs)
         key, bufs = plans.replay(_DKDV_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi,
-                                 addressable, _mods_of(mods), getattr(mods, "sizes", None), vals)
+                                 addressable, *tail)
         if bufs is not None:
             return bufs.get("dk", dk), bufs.get("dv", dv)
     b, h, sq, d = q.shape
