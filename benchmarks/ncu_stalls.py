@@ -18,12 +18,20 @@ prints:
 * the instructions with the most samples, with their SASS and, for the branch of an
   mbarrier wait loop (where a wait's samples land), the wait before it.
 
+Besides the dispatcher's choice (``fwd:``, ``bwd:``), a case can be one Gluon forward
+config (``gluon:SHAPE@knob=value,...``, the knobs of ``GluonFwdConfig`` as
+``ncu_compare.py --gluon-config`` takes them) or SDPA's cuDNN forward (``cudnn:SHAPE``,
+its ``flash_fprop`` kernel), so a tile and the peer it is measured against are sampled
+the same way.
+
 A warp-specialized kernel's producer and consumer warps are sampled alike, so a
 producer waiting on an empty ring slot shows as mbarrier-wait samples too: read the
 instruction list (their addresses fall in the partition's code) before naming a cause.
 
     PYTHONPATH=$PWD python3 benchmarks/ncu_stalls.py --out DIR \
-        --case fwd:32,16,16,512,128,causal --case bwd:4,16,16,4096,128
+        --case fwd:32,16,16,512,128,causal --case bwd:4,16,16,4096,128 \
+        --case gluon:32,16,16,512,128,causal@num_consumers=2,BLOCK_N=128,persistent=3 \
+        --case cudnn:32,16,16,512,128,causal
     python3 benchmarks/ncu_stalls.py --from DIR [--out DIR2]   # summarize DIR's *.source.csv again
 
 The CSV parsing (:func:`parse_source_csv`, :func:`opcode_class`, :func:`summarize`) is
@@ -45,7 +53,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("WarpStateStats", "SourceCounters", "SpeedOfLight", "ComputeWorkloadAnalysis", "LaunchStats")
-KERNEL = {"fwd": "attn_fwd", "bwd": "attn_bwd"}
+#: The profiled kernel of each case kind (ncu's ``--kernel-name`` regex).
+KERNEL = {"fwd": "^attn_fwd$", "bwd": "^attn_bwd$", "gluon": "^attn_fwd$", "cudnn": "flash_fprop"}
 #: Opcode classes, first match wins: (name, regex on the SASS text).
 CLASSES = (
     ("mbarrier wait", r"\bSYNCS\.PHASECHK"),
@@ -205,13 +214,29 @@ def child(case: str) -> None:
     from profile_call import inputs, parse
 
     kind, spec = case.split(":", 1)
+    spec, _, config = spec.partition("@")
     q, k, v, do, causal, window = inputs(spec)
     # ",sinks": learnable attention sinks, one float32 logit per query head
     sinks = torch.randn(q.shape[1], device="cuda", dtype=torch.float32) if parse(spec)[7] else None
+    if kind == "gluon":
+        from gluon_fwd import run_config
+        from ncu_compare import gluon_config
+
+        cfg = gluon_config(config)
     for _ in range(2):
-        o = flashgen.attention(q, k, v, causal=causal, window=window, sinks=sinks)
-        if kind == "bwd":
-            o.backward(do)
+        with torch.no_grad():
+            if kind == "gluon":
+                run_config(q, k, v, cfg, causal)
+            elif kind == "cudnn":
+                import torch.nn.functional as F
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] < q.shape[1])
+        if kind in ("fwd", "bwd"):
+            o = flashgen.attention(q, k, v, causal=causal, window=window, sinks=sinks)
+            if kind == "bwd":
+                o.backward(do)
         torch.cuda.synchronize()
 
 
@@ -221,7 +246,7 @@ def run_case(case: str, out: Path, ncu: str) -> dict:
         raise SystemExit(f"--case {case!r}: the kind must be one of {sorted(KERNEL)}")
     name = re.sub(r"[^A-Za-z0-9]+", "_", case).strip("_")
     rep = out / f"{name}.ncu-rep"
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:^{KERNEL[kind]}$", "--launch-skip", "1",
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNEL[kind]}", "--launch-skip", "1",
            "--launch-count", "1", "--import-source", "no", "-f", "-o", str(rep)]
     for s in SECTIONS:
         cmd += ["--section", s]
@@ -267,7 +292,8 @@ def print_summary(results: list[dict], top: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", action="append", default=[],
-                    help="fwd:B,H,HKV,S,D[,causal][,window=L][,sinks] or bwd:... (repeatable)")
+                    help="fwd:B,H,HKV,S,D[,causal][,window=L][,sinks], bwd:..., gluon:B,H,HKV,S,D[,causal]@knob=value,... "
+                         "or cudnn:B,H,HKV,S,D[,causal] (repeatable)")
     ap.add_argument("--out", help="output directory (source CSVs, stalls.json; with --from: stalls.json)")
     ap.add_argument("--top", type=int, default=30, help="instructions listed per case")
     ap.add_argument("--from", dest="from_dir", metavar="DIR",

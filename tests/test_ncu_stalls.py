@@ -99,3 +99,22 @@ def test_offline_summary_reports_an_unreadable_page(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "== bad" in out and "no source table" in out and "== good" in out
     assert (tmp_path / "o" / "stalls.json").exists()
+
+
+@pytest.mark.parametrize("kind, kernel, profiled", [
+    ("fwd", "attn_fwd", True), ("fwd", "attn_bwd_preprocess", False), ("bwd", "attn_bwd", True),
+    ("bwd", "attn_bwd_convert", False), ("gluon", "attn_fwd", True), ("gluon", "attn_bwd", False),
+    ("cudnn", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0", True),
+    ("cudnn", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", False),
+    ("cudnn", "attn_fwd", False)])
+def test_each_case_kind_profiles_its_own_kernel(kind, kernel, profiled):
+    """ncu's --kernel-name regex of each case kind (a gluon: case is one Gluon forward
+    config, a cudnn: case SDPA's cuDNN forward) picks that kernel and no other of the call."""
+    import re
+
+    assert bool(re.search(ncu_stalls.KERNEL[kind], kernel)) is profiled
+
+
+def test_an_unknown_case_kind_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="kind must be one of"):
+        ncu_stalls.run_case("flex:1,1,1,128,64", tmp_path, "ncu")
