@@ -140,6 +140,10 @@ MF_SHAPES = [(16384 // n, 32 // (d // 64), 32 // (d // 64), n, d, True) for d in
 #: consumer's skipped tiles are the largest share of its work.
 SKIP_SHAPES = [(16384 // n, 32 // (d // 64), 32 // (d // 64), n, d, True) for d in (128, 64) for n in (512, 1024, 2048)] + [
     (1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (4, 32, 8, 1024, 128, True), (4, 16, 4, 2048, 128, True)]
+#: The set "deep": the short causal keys, where the consumers of the shipped tiles wait
+#: on K/V tiles that their two-stage rings have not yet received.
+DEEP_SHAPES = [(32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16, 16, 2048, 128, True),
+               (4, 32, 8, 1024, 128, True), (32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True)]
 SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 1024, 128, True),
                 (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True),
                 (32, 16, 16, 512, 128, True), (8, 16, 16, 2048, 128, True), (32, 32, 32, 512, 64, True),
@@ -268,6 +272,23 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
                for d, cfgs in base.items() for c in cfgs for mf in (False, True)]
         out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), dataclasses.replace(base[d][i], masked_first=True))
                 for d, i in ((128, 0), (128, 7), (64, 1)) for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
+        return [v for v in out if not check(v)]
+    if name == "deep":
+        # the two-consumer tiles that share each K/V tile between 128 query rows, with
+        # K/V rings of 2 to 5 stages (BLOCK_N 64), beside the shipped one-consumer tiles
+        mf = dict(mf=True, skip=True)
+        base = {128: [_cfg(bn=64, stages=s, pers=3, oq=True, **mf) for s in (2, 3, 4, 5)]
+                + [_cfg(bn=64, stages=s, pers=2, **mf) for s in (3, 5)]
+                + [_cfg(bn=64, stages=s, pers=2, snake=True, **mf) for s in (5,)]
+                + [_cfg(bn=64, stages=4, pers=3, **mf), _cfg(bn=128, stages=3, mf=True)]
+                + [_cfg(nc=1, bn=64, stages=s, pers=3, oq=True, mf=True) for s in (4, 6)]
+                + [_cfg(nc=1, bn=64, ctas=2, pers=3, oq=True, mf=True)],
+                64: [_cfg(bn=64, stages=s, pers=3, oq=True, **mf) for s in (2, 4, 6, 8)]
+                + [_cfg(nc=3, bn=64, stages=s, regs=(160, 32), pers=3, oq=True, **mf) for s in (4, 8)]
+                + [_cfg(nc=1, bn=64, stages=3, ctas=3, mf=True)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", d, d, "causal"), c) for d, cfgs in base.items() for c in cfgs]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, d, d, mask), base[d][i])
+                for d, i in ((128, 3), (128, 5), (64, 3)) for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         return [v for v in out if not check(v)]
     if name == "skip":
         # two- and three-consumer tiles last to first, each with its skip_masked twin, and
@@ -629,7 +650,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
     p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c",
-                                                             "sermask", "m128", "xtile", "oq", "lpt", "mf", "skip"))
+                                                             "sermask", "m128", "xtile", "oq", "lpt", "mf", "skip", "deep"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -670,7 +691,7 @@ def main(argv=None) -> int:
         shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
                   "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES,
                   "m128": M128_SHAPES, "xtile": XTILE_SHAPES, "oq": OQ_SHAPES,
-                  "lpt": LPT_SHAPES, "mf": MF_SHAPES, "skip": SKIP_SHAPES}.get(args.set)
+                  "lpt": LPT_SHAPES, "mf": MF_SHAPES, "skip": SKIP_SHAPES, "deep": DEEP_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         if args.set in ("mf", "skip"):
