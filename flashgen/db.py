@@ -26,7 +26,6 @@ import jinja2
 import sqlite_utils
 
 from . import families
-from .families.triton import odd_sizes
 from .env import (INTERPRETER_GPU, MATCH_COLUMNS, SIBLING_COLUMNS, SYNTHETIC_GPU_SUFFIXES, VERSION_COLUMNS,
                   Environment, real_gpu)
 from .errors import InputError
@@ -335,9 +334,10 @@ def _row_problem(r) -> str | None:
         return f"key {r['key']!r} disagrees with its columns ({key.id})"
     if _out_of_range(cfg):
         return f"config {cfg.id} has a knob out of range"
-    odd = odd_sizes(cfg) if (family or families.portable().name) == "triton" else []
+    fam = families.FAMILIES[family or families.portable().name]
+    odd = fam.config_reasons(cfg) if hasattr(fam, "config_reasons") else []
     if odd:
-        return f"config {cfg.id} has a knob out of range ({odd[0].removeprefix('pow2: ')})"
+        return f"config {cfg.id} has a knob out of range ({odd[0]})"
     rebuilt = _columns_variant_id(r, key, cfg)
     if rebuilt != r["variant_id"]:
         return f"variant_id {r['variant_id']!r} disagrees with its columns ({rebuilt})"

@@ -176,6 +176,22 @@ def test_import_refuses_rows_that_are_not_measurements_and_writes_nothing(tmp_pa
     assert len(TuningDB(good, readonly=True).rows()) == n
 
 
+def test_a_familys_config_reasons_refuse_its_rows_at_import(tmp_path, monkeypatch):
+    """The row check asks the row's family what it never launches (its optional
+    ``config_reasons``), not a list of one family's rules."""
+    from flashgen import families
+
+    data = _export(tmp_path)
+    bad = tmp_path / "rows.json"
+    bad.write_text(json.dumps(data))
+    fam = type(families.FAMILIES[data["rows"][0].get("family") or "triton"])
+    monkeypatch.setattr(fam, "config_reasons", lambda self, cfg: [f"no tile of {cfg.BLOCK_M} rows here"])
+    one_error_line(invoke("import", bad, "--db", tmp_path / "mine.sqlite"), "row 0", f"no tile of "
+                   f"{data['rows'][0]['BLOCK_M']} rows here", "nothing was imported")
+    monkeypatch.delattr(fam, "config_reasons")  # a family without the hook: nothing refused for it
+    assert invoke("import", bad, "--db", tmp_path / "mine.sqlite").exit_code == 0
+
+
 def test_import_from_a_database_checks_its_rows_first(tmp_path):
     _export(tmp_path)
     src = tmp_path / "src.sqlite"

@@ -60,6 +60,10 @@ Optional: ``key_reasons(key, config) -> list[str]``: why ``config`` cannot serve
 ``key``'s sizes, beyond ``violated_rules`` (which sees the kernel spec alone; e.g. the
 Gluon backward's GQA group split, which must divide the key's group); a database row
 with such reasons is not loaded (:func:`flashgen.db.rules_admit`).
+Optional: ``config_reasons(config) -> list[str]``: what the family never launches
+whatever the key (e.g. the Triton family's tile sizes and warp counts that are not
+powers of two); ``flashgen import`` and the database's row check refuse a row of this
+family whose config has such a reason (``flashgen.db._row_problem``).
 Optional: ``prefers_default(key, arch) -> str | None``: the measurement that puts this
 family's default ahead of the portable family's for an untuned ``key`` (the dispatcher
 then serves that default, :meth:`flashgen.dispatch.Dispatcher._default`, and ``explain``

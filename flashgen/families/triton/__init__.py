@@ -52,6 +52,10 @@ class TritonFamily:
         """:func:`odd_sizes`, then :func:`flashgen.space.violated_rules`."""
         return odd_sizes(variant.config) + space.violated_rules(variant)
 
+    def config_reasons(self, config: TileConfig) -> list[str]:
+        """:func:`odd_sizes` without its rule name: what Triton never launches."""
+        return [r.removeprefix("pow2: ") for r in odd_sizes(config)]
+
     def estimate(self, variant: Variant, arch) -> resources.SmemEstimate:
         return resources.estimate(variant, arch)
 
