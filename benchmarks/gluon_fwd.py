@@ -656,6 +656,9 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--no-time", action="store_true")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--sass", action="store_true",
+                   help="no GPU: compile each variant for sm_90 (Triton's ptxas, cuobjdump) and print its registers, "
+                        "spills, SASS instructions, MUFU.EX2 and HGMMA counts")
     p.add_argument("--only", default="", help="comma-separated substrings of variant ids to keep")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -668,6 +671,14 @@ def main(argv=None) -> int:
         for v in variants:
             print(v.id)
         print(len(variants), "variants")
+        return 0
+    if args.sass:
+        from flashgen.families.gluon.sm90 import compile_sm90, report
+
+        for v in variants:
+            r = report(compile_sm90(v))
+            print(f"{v.id:72} regs {r.registers} spill {r.spill_bytes} instructions {r.instructions} "
+                  f"ex2 {r.sass.count('MUFU.EX2')} hgmma {r.hgmma}", flush=True)
         return 0
     t0 = time.time()
     out = {"variants": [v.id for v in variants], "argv": sys.argv[1:]}

@@ -322,6 +322,21 @@ def compile_features(case) -> set:
         {(f"config.{k}", x) for k, x in dataclasses.asdict(v.config).items()}
 
 
+def test_sass_instructions_counts_instruction_lines_of_any_address_width():
+    """Code size from cuobjdump's text: instruction lines (predicated or not, addresses of
+    four or more hex digits), not the encoding comments between them."""
+    from flashgen.families.gluon.sm90 import sass_instructions
+
+    sass = """        Function : attn_fwd
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                  /* 0x00000a00ff017b82 */
+                                                                             /* 0x000fe40000000f00 */
+        /*fff0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*10000*/              @!P0 BRA 0x10 ;
+        /*1a2b0*/                   EXIT ;
+"""
+    assert sass_instructions(sass) == 4
+
+
 def test_serialized_wgmma_is_a_problem_though_ptxas_prints_it_as_info():
     """ptxas reports serialized wgmma (C7512/C7514/C7515) on info lines, not warnings:
     Report.problems reads its whole log for them (and for the warning C7508)."""

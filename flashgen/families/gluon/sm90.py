@@ -86,6 +86,9 @@ class Report:
     setmaxnreg: list[int]
     partial_waits: int
     exps_between_waits: int
+    #: SASS instructions of the kernel (its code size is 16 B each: what the instruction
+    #: caches hold; a consumer partition of warp_specialize is its own copy of its code)
+    instructions: int = 0
     sass: str = dataclasses.field(repr=False, default="")
     #: ptxas -v's whole output (its info messages too: C7512-C7515, serialized wgmma)
     ptxas_log: str = dataclasses.field(repr=False, default="")
@@ -125,6 +128,12 @@ def _exps_between_waits(sass: str) -> int:
     return best
 
 
+def sass_instructions(sass: str) -> int:
+    """The instructions of ``cuobjdump -sass`` output (lines ``/*addr*/ OPCODE ...``,
+    addresses of any width)."""
+    return len(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+[A-Z@{]", sass, flags=re.M))
+
+
 def report(kernel) -> Report:
     """ptxas -v and cuobjdump -sass over the compiled kernel's PTX."""
     from .shim import cuobjdump, ptxas_sm90
@@ -156,6 +165,7 @@ def report(kernel) -> Report:
                            for x in re.findall(r"USETMAXREG(?:\.\w+)+\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+|\d+)", sass)}),
         partial_waits=len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]", ptx)),
         exps_between_waits=_exps_between_waits(sass),
+        instructions=sass_instructions(sass),
         sass=sass,
         ptxas_log=err,
     )
