@@ -193,6 +193,8 @@ def details_lines(text: str, wanted=("Duration", "Compute (SM) Throughput", "Reg
     if start is None:
         return out
     for r in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        if not out and r.get("Kernel Name"):
+            out.append(f"kernel: {r['Kernel Name'][:120]}")
         name = r.get("Metric Name", "")
         if any(w.lower() in name.lower() for w in wanted):
             out.append(f"{r.get('Section Name', '')} / {name}: {r.get('Metric Value', '')} {r.get('Metric Unit', '')}")
@@ -224,26 +226,46 @@ def child(case: str) -> None:
 
         cfg = gluon_config(config)
     for _ in range(2):
-        with torch.no_grad():
-            if kind == "gluon":
+        if kind == "gluon":
+            with torch.no_grad():
                 run_config(q, k, v, cfg, causal)
-            elif kind == "cudnn":
-                import torch.nn.functional as F
-                from torch.nn.attention import SDPBackend, sdpa_kernel
+        elif kind == "cudnn":
+            import torch.nn.functional as F
+            from torch.nn.attention import SDPBackend, sdpa_kernel
 
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] < q.shape[1])
-        if kind in ("fwd", "bwd"):
+            # with autograd on, as a training forward (and ncu_compare.py): cuDNN then
+            # writes the LSE its backward needs, as flashgen's forward always does
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] < q.shape[1])
+        else:
             o = flashgen.attention(q, k, v, causal=causal, window=window, sinks=sinks)
             if kind == "bwd":
                 o.backward(do)
         torch.cuda.synchronize()
 
 
+def case_problem(case: str) -> str | None:
+    """Why ``case`` is not a case this script profiles as written (None: it is one)."""
+    kind, _, spec = case.partition(":")
+    if kind not in KERNEL:
+        return f"the kind must be one of {sorted(KERNEL)}"
+    spec, at, config = spec.partition("@")
+    if at and kind != "gluon":
+        return "only a gluon: case takes @knob=value,... (the others profile the dispatcher's or cuDNN's kernel)"
+    if kind == "gluon" and not config:
+        return "a gluon: case names its config: gluon:B,H,HKV,S,D[,causal]@knob=value,..."
+    flags = spec.split(",")[5:]
+    extra = [f for f in flags if f != "causal"] if kind in ("gluon", "cudnn") else []
+    if extra:
+        return f"a {kind}: case takes a causal mask or none, not {extra} (window and sinks: fwd: and bwd: cases)"
+    return None
+
+
 def run_case(case: str, out: Path, ncu: str) -> dict:
     kind = case.split(":", 1)[0]
-    if kind not in KERNEL:
-        raise SystemExit(f"--case {case!r}: the kind must be one of {sorted(KERNEL)}")
+    why = case_problem(case)
+    if why:
+        raise SystemExit(f"--case {case!r}: {why}")
     name = re.sub(r"[^A-Za-z0-9]+", "_", case).strip("_")
     rep = out / f"{name}.ncu-rep"
     cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNEL[kind]}", "--launch-skip", "1",

@@ -55,7 +55,9 @@ def test_a_page_without_a_table_is_an_error():
 
 
 def test_details_rows():
-    assert ncu_stalls.details_lines(DETAILS) == ["GPU Speed Of Light Throughput / Duration: 145.2 us"]
+    """The profiled kernel's name first (a cudnn: case's kernel is cuDNN's choice), then the
+    wanted metrics."""
+    assert ncu_stalls.details_lines(DETAILS) == ["kernel: attn_fwd", "GPU Speed Of Light Throughput / Duration: 145.2 us"]
 
 
 def test_offline_summary_of_a_directory(tmp_path, capsys):
@@ -118,3 +120,19 @@ def test_each_case_kind_profiles_its_own_kernel(kind, kernel, profiled):
 def test_an_unknown_case_kind_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="kind must be one of"):
         ncu_stalls.run_case("flex:1,1,1,128,64", tmp_path, "ncu")
+
+
+@pytest.mark.parametrize("case, problem", [
+    ("fwd:32,16,16,512,128,causal", None), ("bwd:4,16,4,4096,128,window=256,sinks", None),
+    ("gluon:32,16,16,512,128,causal@num_consumers=2,BLOCK_N=128", None), ("cudnn:32,16,16,512,128,causal", None),
+    ("flex:1,1,1,128,64", "kind must be one of"),
+    ("fwd:32,16,16,512,128@num_consumers=2", "only a gluon: case takes @"),
+    ("cudnn:32,16,16,512,128@BLOCK_N=64", "only a gluon: case takes @"),
+    ("gluon:32,16,16,512,128,causal", "names its config"),
+    ("gluon:32,16,16,512,128,window=128@BLOCK_N=64", "not ['window=128']"),
+    ("cudnn:32,16,16,512,128,causal,sinks", "not ['sinks']")])
+def test_a_case_that_would_profile_something_else_is_refused_before_ncu_starts(case, problem):
+    """A gluon: or cudnn: case runs causal or unmasked only, and only a gluon: case takes a
+    config: anything else would be dropped silently in the profiled child."""
+    why = ncu_stalls.case_problem(case)
+    assert (why is None) if problem is None else (problem in why), why
