@@ -862,3 +862,22 @@ def test_each_consumer_visits_every_key_tile_once_and_masks_the_tiles_that_cross
                                 assert flags == sorted(flags, reverse=True), visits
             if mode == "causal":  # square: where a consumer's rows stop a whole tile before the program's
                 assert (skipped > 0) == (skip and bn <= 64 * (nc - 1)), (nc, bn, skipped)
+
+
+def test_an_edited_package_template_warns_once_before_its_code_id_is_recomputed(monkeypatch):
+    """A package template that no longer matches its code-id record costs a render of every
+    probe variant (about a minute) in each process: the warning names that cost and the
+    command that records the edit.  An edited copy in another directory (the tests' own
+    edits) computes silently."""
+    import warnings
+
+    from flashgen.families.gluon import render as R
+    from flashgen.families.gluon.code_id import CodeId
+
+    cid = CodeId("gluon/attn_fwd.py.j2", R.CODE_ID_RECORD, lambda d: iter(()), {})
+    monkeypatch.setattr(CodeId, "text_hash", lambda self, directory=None: "edited")
+    with pytest.warns(UserWarning, match="python3 -m flashgen.families.gluon"):
+        cid.code_id()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cid.code_id(str(R.gluon_templates_dir().parent))

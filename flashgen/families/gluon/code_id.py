@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -102,6 +103,12 @@ class CodeId:
         rec = self.record(directory)
         if rec and rec.get("text") == self.text_hash(directory):
             return rec["code"]
+        if directory is None:
+            # the package's template was edited after its record was written: the id now
+            # takes every probe variant's render (about a minute), once per process
+            warnings.warn(f"flashgen: {self.template} differs from its code-id record {self.record_name}; "
+                          "rendering its probe variants to find its code id (about a minute, once per process). "
+                          "`python3 -m flashgen.families.gluon` records it after a template edit", stacklevel=2)
         digest, ext = self.probe_digest(directory), self.extension_digests(directory)
         return rec["code"] if rec and self._kept(rec, digest, ext) else self._new_id(digest, ext)
 
