@@ -325,12 +325,13 @@ def remember(table: dict, key, plan) -> None:
     table[key] = plan
 
 
-def split(args) -> tuple[tuple, tuple]:
-    """(the tensors of ``args``, the other values): a launcher's extra arguments (a user
+def extend(inputs: tuple, args, *key_values) -> tuple[tuple, tuple]:
+    """(``inputs`` and the tensors of ``args``, the key's further values: ``key_values``
+    and the other values of ``args``): a launcher's extra arguments (sinks, a user
     variant's captured tensors, block mask and gradient buffers, with their strides and
     sizes) as a plan's further inputs and as values of its key."""
-    return (tuple(a for a in args if isinstance(a, torch.Tensor)),
-            tuple(a for a in args if not isinstance(a, torch.Tensor)))
+    return (inputs + tuple(a for a in args if isinstance(a, torch.Tensor)),
+            (*key_values, tuple(a for a in args if not isinstance(a, torch.Tensor))))
 
 
 def key_of(tensors, *scalars):

@@ -1246,9 +1246,7 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
         if user is not None:  # its tensors are inputs too, its name, sizes and other values in the key
             config = config or default_config(d, dtype, mask)
             uargs = tuple(user.gluon_bwd_args(config.block_m, config.block_nt))  # once per call
-            extra, vals = plans.split(uargs)
-            inputs += extra
-            tail = (user.name, tuple(user.sizes), vals)
+            inputs, tail = plans.extend(inputs, uargs, user.name, tuple(user.sizes))
         key, bufs = plans.replay(_PLANS, inputs, config, mask, float(softmax_scale), diag_lo, diag_hi,
                                  delta_out is not None, *tail)
         if bufs is not None:

@@ -114,9 +114,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         uargs = tuple(user.gluon_fwd_args(softmax_scale, config.BLOCK_M * config.num_consumers, config.BLOCK_N))
     tail = ()
     if sinks is not None or user is not None:  # their tensors are inputs too, the rest in the key
-        extra, vals = plans.split(((sinks,) if sinks is not None else ()) + uargs)
-        inputs += extra
-        tail = (sinks is not None, *((user.name, tuple(user.sizes)) if user is not None else ()), vals)
+        inputs, tail = plans.extend(inputs, ((sinks,) if sinks is not None else ()) + uargs, sinks is not None,
+                                    *((user.name, tuple(user.sizes)) if user is not None else ()))
     key, bufs = plans.replay(_PLANS, inputs, config, module, mask, softmax_scale, diag_lo, diag_hi, check_inputs,
                              *tail)
     if bufs is not None:

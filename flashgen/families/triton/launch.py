@@ -177,8 +177,7 @@ def _plan_inputs(inputs: tuple, mods, margs: tuple) -> tuple[tuple, tuple]:
     (:func:`_plan_args`) also their tensors, and its name, sizes and other values."""
     if mods is None:
         return inputs, ()
-    extra, vals = plans.split(margs)
-    return inputs + extra, (mods.name, mods.sizes, vals)
+    return plans.extend(inputs, margs, mods.name, mods.sizes)
 
 
 def _module_and_streamed(kernel: str, dtype, d: int, dv: int, mask: str, config: TileConfig, module,
@@ -239,8 +238,7 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
         *v.stride()[:3],
         *out.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
-        *(margs if margs is not None else mods.kernel_args(softmax_scale, True, mod, config) if mods is not None
-          else ()),
+        *(margs if margs is not None else mods.kernel_args(softmax_scale, True, mod, config)),
     )
     kernel = launch(mod.attn_fwd, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
@@ -347,8 +345,7 @@ def bwd_dq(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int
         *do.stride()[:3],
         *dq.stride()[:3],
         h, h // hk, sq, sk, num_m_blocks, diag_lo, diag_hi,
-        *(margs if margs is not None else mods.kernel_args(softmax_scale, False, mod, config) if mods is not None
-          else ()),
+        *(margs if margs is not None else mods.kernel_args(softmax_scale, False, mod, config)),
     )
     kernel = launch(mod.attn_bwd_dq, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
@@ -388,8 +385,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, *, softmax_scale: float, mask: str, diag_l
         *dk.stride()[:3],
         *dv.stride()[:3],
         h, h // hk, sq, sk, num_n_blocks, diag_lo, diag_hi,
-        *(margs if margs is not None else mods.kernel_args(softmax_scale, False, mod, config) if mods is not None
-          else ()),
+        *(margs if margs is not None else mods.kernel_args(softmax_scale, False, mod, config)),
     )
     kernel = launch(mod.attn_bwd_dkdv, grid, args, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     _record(mod, kernel)
