@@ -230,13 +230,16 @@ def _check_child(arg: str) -> int:
     return 0
 
 
-def _run_checks(jobs, timeout: float, workers: int) -> list[dict]:
+def run_checks(jobs, timeout: float, workers: int, script: str = __file__,
+               hang: str = " (a turn mismatch hangs)") -> list[dict]:
+    """Each job through ``script --child JOB`` in its own process (``workers`` at a time,
+    ``timeout`` seconds each): the JSON of its ``RESULT`` line, or why there is none."""
     def one(job):
         try:
-            p = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], capture_output=True,
+            p = subprocess.run([sys.executable, script, "--child", json.dumps(job)], capture_output=True,
                                text=True, timeout=timeout, cwd=ROOT)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timeout after {timeout} s (a turn mismatch hangs)"}
+            return {"ok": False, "error": f"timeout after {timeout} s{hang}"}
         for line in p.stdout.splitlines():
             if line.startswith("RESULT "):
                 return json.loads(line[7:])
@@ -341,7 +344,7 @@ def main() -> int:
         for c in candidates(shape):
             jobs.append({"shape": list(shape), **c})
     runnable = [j for j in jobs if eligible(_cfg(j)) is None]
-    for j, r in zip(runnable, _run_checks([{"shape": j["shape"], "config": j["config"]} for j in runnable],
+    for j, r in zip(runnable, run_checks([{"shape": j["shape"], "config": j["config"]} for j in runnable],
                                           a.timeout, a.workers)):
         j["check"] = r
         print("check", j["shape"], j["role"], json.dumps(r)[:400], flush=True)

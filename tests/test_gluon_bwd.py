@@ -1192,6 +1192,46 @@ def test_pingpong_probe_puts_the_turns_around_the_issues():
     assert "cross_tile" in P.eligible(C.GluonFwdConfig(persistent=3, cross_tile=True))
 
 
+
+def test_wide_consumer_probe_edits_only_the_warps_and_the_register_cap():
+    """benchmarks/probe_wide_consumer.py's two text edits of the forward: the wide
+    variant (one BLOCK_M 128 consumer spread over 8 warps) changes the two layouts'
+    warps, NUM_WARPS and MAXNREG and nothing else, and refuses a source that is not a
+    one-consumer BLOCK_M 128 render; the non-inlined consumer of a two-consumer render
+    makes the consumer index a runtime argument of one function both partitions call."""
+    import dataclasses as dc
+    import re
+
+    from flashgen.families.gluon import config as C
+    from flashgen.families.gluon import render as R
+
+    P = _benchmark("probe_wide_consumer")
+    wide = [c for d, causal in ((128, True), (64, False)) for c in P.wide_configs(d, causal)]
+    assert {(c.BLOCK_M, c.num_consumers, c.persistent, c.o_in_q) for c in wide} == {(128, 1, 3, True)}
+    # the 64-wide tile of one warpgroup passes the rules, so its render is the template's
+    g = next(c for c in P.wide_configs(64, False) if c.BLOCK_N == 64)
+    v = C.GluonFwdVariant(C.GluonFwdSpec("bfloat16", 64, 64, "none"), g)
+    assert not C.check(v)
+    src = R.render(v)
+    out = P.wide_source(src)
+    assert out.count("warps_per_cta=[8, 1]") == 2 and "warps_per_cta=[4, 1]" not in out
+    assert re.search(r"^NUM_WARPS = 8$", out, re.M) and re.search(rf"^MAXNREG = {P.WIDE_MAXNREG}$", out, re.M)
+    assert P.WIDE_MAXNREG == C.REGS_PER_SM // (3 * C.WARPGROUP_THREADS) // 8 * 8
+    back = re.sub(r"^MAXNREG = \d+$", f"MAXNREG = {C.maxnreg(g)}", out.replace("warps_per_cta=[8, 1]",
+                  "warps_per_cta=[4, 1]").replace("NUM_WARPS = 8", "NUM_WARPS = 4"), flags=re.M)
+    assert back == src
+    twin = P.twin(g)
+    assert (twin.BLOCK_M, twin.num_consumers, twin.BLOCK_N, twin.num_stages) == (64, 2, g.BLOCK_N, g.num_stages)
+    two = R.render(C.GluonFwdVariant(C.GluonFwdSpec("bfloat16", 64, 64, "none"), twin))
+    with pytest.raises(ValueError, match="one-consumer"):
+        P.wide_source(two)
+    ni = P.noinline_source(two)
+    assert "@gluon.jit(noinline=True)\ndef _consumer(C," in ni and "C: gl.constexpr" not in ni.split("def _consumer(")[1][:5]
+    assert ni.count("_consumer(_opaque(gl.program_id(0)) * 0") == 2
+    with pytest.raises(ValueError, match="expected one"):
+        P.noinline_source(src)
+    assert dc.replace(twin, BLOCK_M=128, num_consumers=1, consumer_regs=240, producer_regs=24) == g
+
 def test_head_dim_96_runs_on_the_head_dim_128_tiles():
     """Head_dim 96: the rules, models and code of the 128-wide tiles (tile_dim), the
     variant named by its own head dim; the launch's descriptors take 128-column boxes over
