@@ -20,9 +20,10 @@ prints:
 
 Besides the dispatcher's choice (``fwd:``, ``bwd:``), a case can be one Gluon forward
 config (``gluon:SHAPE@knob=value,...``, the knobs of ``GluonFwdConfig`` as
-``ncu_compare.py --gluon-config`` takes them) or SDPA's cuDNN forward (``cudnn:SHAPE``,
-its ``flash_fprop`` kernel), so a tile and the peer it is measured against are sampled
-the same way.
+``ncu_compare.py --gluon-config`` takes them), SDPA's cuDNN forward (``cudnn:SHAPE``,
+its ``flash_fprop`` kernel) or cuDNN's backward (``cudnn-bwd:SHAPE``, its ``flash_bprop``
+kernel, without the ``dO . O`` and dQ conversion kernels around it), so a tile and the
+peer it is measured against are sampled the same way.
 
 A warp-specialized kernel's producer and consumer warps are sampled alike, so a
 producer waiting on an empty ring slot shows as mbarrier-wait samples too: read the
@@ -31,7 +32,7 @@ instruction list (their addresses fall in the partition's code) before naming a 
     PYTHONPATH=$PWD python3 benchmarks/ncu_stalls.py --out DIR \
         --case fwd:32,16,16,512,128,causal --case bwd:4,16,16,4096,128 \
         --case gluon:32,16,16,512,128,causal@num_consumers=2,BLOCK_N=128,persistent=3 \
-        --case cudnn:32,16,16,512,128,causal
+        --case cudnn:32,16,16,512,128,causal --case cudnn-bwd:4,16,16,4096,128
     python3 benchmarks/ncu_stalls.py --from DIR [--out DIR2]   # summarize DIR's *.source.csv again
 
 The CSV parsing (:func:`parse_source_csv`, :func:`opcode_class`, :func:`summarize`) is
@@ -54,7 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("WarpStateStats", "SourceCounters", "SpeedOfLight", "ComputeWorkloadAnalysis", "LaunchStats")
 #: The profiled kernel of each case kind (ncu's ``--kernel-name`` regex).
-KERNEL = {"fwd": "^attn_fwd$", "bwd": "^attn_bwd$", "gluon": "^attn_fwd$", "cudnn": "flash_fprop"}
+KERNEL = {"fwd": "^attn_fwd$", "bwd": "^attn_bwd$", "gluon": "^attn_fwd$", "cudnn": "flash_fprop",
+          "cudnn-bwd": "flash_bprop"}
 #: Opcode classes, first match wins: (name, regex on the SASS text).
 CLASSES = (
     ("mbarrier wait", r"\bSYNCS\.PHASECHK"),
@@ -229,14 +231,16 @@ def child(case: str) -> None:
         if kind == "gluon":
             with torch.no_grad():
                 run_config(q, k, v, cfg, causal)
-        elif kind == "cudnn":
+        elif kind in ("cudnn", "cudnn-bwd"):
             import torch.nn.functional as F
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             # with autograd on, as a training forward (and ncu_compare.py): cuDNN then
             # writes the LSE its backward needs, as flashgen's forward always does
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] < q.shape[1])
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] < q.shape[1])
+                if kind == "cudnn-bwd":
+                    o.backward(do)
         else:
             o = flashgen.attention(q, k, v, causal=causal, window=window, sinks=sinks)
             if kind == "bwd":
@@ -255,7 +259,7 @@ def case_problem(case: str) -> str | None:
     if kind == "gluon" and not config:
         return "a gluon: case names its config: gluon:B,H,HKV,S,D[,causal]@knob=value,..."
     flags = spec.split(",")[5:]
-    extra = [f for f in flags if f != "causal"] if kind in ("gluon", "cudnn") else []
+    extra = [f for f in flags if f != "causal"] if kind in ("gluon", "cudnn", "cudnn-bwd") else []
     if extra:
         return f"a {kind}: case takes a causal mask or none, not {extra} (window and sinks: fwd: and bwd: cases)"
     return None
@@ -315,7 +319,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", action="append", default=[],
                     help="fwd:B,H,HKV,S,D[,causal][,window=L][,sinks], bwd:..., gluon:B,H,HKV,S,D[,causal]@knob=value,... "
-                         "or cudnn:B,H,HKV,S,D[,causal] (repeatable)")
+                         "cudnn:B,H,HKV,S,D[,causal] or cudnn-bwd:... (repeatable)")
     ap.add_argument("--out", help="output directory (source CSVs, stalls.json; with --from: stalls.json)")
     ap.add_argument("--top", type=int, default=30, help="instructions listed per case")
     ap.add_argument("--from", dest="from_dir", metavar="DIR",

@@ -108,10 +108,14 @@ def test_offline_summary_reports_an_unreadable_page(tmp_path, capsys):
     ("bwd", "attn_bwd_convert", False), ("gluon", "attn_fwd", True), ("gluon", "attn_bwd", False),
     ("cudnn", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0", True),
     ("cudnn", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", False),
-    ("cudnn", "attn_fwd", False)])
+    ("cudnn", "attn_fwd", False),
+    ("cudnn-bwd", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", True),
+    ("cudnn-bwd", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0", False),
+    ("cudnn-bwd", "compute_dot_do_o", False), ("cudnn-bwd", "convert_dq_to_16bits", False)])
 def test_each_case_kind_profiles_its_own_kernel(kind, kernel, profiled):
     """ncu's --kernel-name regex of each case kind (a gluon: case is one Gluon forward
-    config, a cudnn: case SDPA's cuDNN forward) picks that kernel and no other of the call."""
+    config, a cudnn: case SDPA's cuDNN forward, a cudnn-bwd: case its backward's main
+    kernel) picks that kernel and no other of the call."""
     import re
 
     assert bool(re.search(ncu_stalls.KERNEL[kind], kernel)) is profiled
@@ -130,7 +134,8 @@ def test_an_unknown_case_kind_is_refused(tmp_path):
     ("cudnn:32,16,16,512,128@BLOCK_N=64", "only a gluon: case takes @"),
     ("gluon:32,16,16,512,128,causal", "names its config"),
     ("gluon:32,16,16,512,128,window=128@BLOCK_N=64", "not ['window=128']"),
-    ("cudnn:32,16,16,512,128,causal,sinks", "not ['sinks']")])
+    ("cudnn:32,16,16,512,128,causal,sinks", "not ['sinks']"), ("cudnn-bwd:4,16,16,4096,128", None),
+    ("cudnn-bwd:4,16,16,4096,128,window=64", "not ['window=64']")])
 def test_a_case_that_would_profile_something_else_is_refused_before_ncu_starts(case, problem):
     """A gluon: or cudnn: case runs causal or unmasked only, and only a gluon: case takes a
     config: anything else would be dropped silently in the profiled child."""
