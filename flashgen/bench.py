@@ -585,11 +585,25 @@ def check_variant(variant: Variant, group: int = 1, device: str | None = None) -
     return d["ok"], d["ratio"], d["message"]
 
 
+#: The fewest timed repetitions and warm-up calls of one :func:`time_ms` measurement.
+#: ``do_bench`` sizes both in milliseconds of GPU time, so a 10 ms call measured with
+#: ``rep_ms`` 25 is timed twice and its median is the mean of two calls; a long call is
+#: given these counts instead.
+MIN_REPEATS = 10
+MIN_WARMUP_CALLS = 2
+
+
 def time_ms(fn, warmup_ms: int = 10, rep_ms: int = 40) -> float:
-    """Median ms of ``fn`` (CUDA events, L2 flushed between repetitions)."""
+    """Median ms of ``fn`` (CUDA events, L2 flushed between repetitions;
+    ``triton.testing.do_bench``): ``warmup_ms`` and ``rep_ms`` of GPU time, and at least
+    :data:`MIN_WARMUP_CALLS` warm-up calls and :data:`MIN_REPEATS` timed ones, sized
+    from one timed call first."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    one = float(triton.testing.do_bench(fn, warmup=1, rep=1, return_mode="median"))
+    # do_bench divides by its own estimate, which includes the L2 flush: a fifth more
+    return float(triton.testing.do_bench(fn, warmup=max(warmup_ms, 1.2 * MIN_WARMUP_CALLS * one),
+                                         rep=max(rep_ms, 1.2 * MIN_REPEATS * one), return_mode="median"))
 
 
 def script_device(smoke: bool, dtype: str | None = None):

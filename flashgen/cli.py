@@ -775,8 +775,9 @@ def bench(
                                                   help="Also write the JSON here.")] = None,
     plots: Annotated[bool, typer.Option(help="Save matplotlib plots (PNG) in --out.")] = True,
     check: Annotated[bool, typer.Option(help="Check flashgen against the float64 reference.")] = True,
-    rep_ms: Annotated[int, typer.Option(min=1, help="Timing repetitions, in ms of GPU time.")] = 25,
-    warmup_ms: Annotated[int, typer.Option(min=1, help="Warm-up, in ms of GPU time.")] = 5,
+    rep_ms: Annotated[int, typer.Option(min=1, help="Timing repetitions, in ms of GPU time (and at least "
+                                        "10 repetitions: flashgen.bench.MIN_REPEATS).")] = 25,
+    warmup_ms: Annotated[int, typer.Option(min=1, help="Warm-up, in ms of GPU time (and at least 2 calls).")] = 5,
     max_matrix_gb: Annotated[float, typer.Option(min=0, help="Skip naive / sdpa-math where their seqlen_q x "
                                                  "seqlen_k matrices would need more than this.")] = 40.0,
 ) -> None:
@@ -788,7 +789,7 @@ def bench(
     differ between two calls."""
     import torch
 
-    from . import compare
+    from . import bench, compare
 
     names = list(compare.BACKENDS) if backends.strip() == "all" else [b.strip() for b in backends.split(",")
                                                                        if b.strip()]
@@ -821,7 +822,8 @@ def bench(
                            max_matrix_gb=max_matrix_gb, progress=on_cell)
     device = torch.cuda.get_device_name()
     meta = {"device": device, "torch": torch.__version__, "dtype": dtype, "rep_ms": rep_ms,
-            "warmup_ms": warmup_ms, "max_matrix_gb": max_matrix_gb, "backends": names}
+            "warmup_ms": warmup_ms, "min_repeats": bench.MIN_REPEATS, "min_warmup_calls": bench.MIN_WARMUP_CALLS,
+            "max_matrix_gb": max_matrix_gb, "backends": names}
     out.mkdir(parents=True, exist_ok=True)
     text = compare.to_json(rows, meta)
     (out / "bench.json").write_text(text)

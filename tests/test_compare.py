@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flashgen import compare, iomodel, peers, reference
+from flashgen import bench, compare, iomodel, peers, reference
 from flashgen.cli import app
 from flashgen.compare import Case, parse_shape
 
@@ -334,3 +334,26 @@ def test_bench_bad_arguments_are_named(monkeypatch, args, name):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # argument errors come first
     r = runner.invoke(app, ["bench", *args])
     assert r.exit_code == 2 and name in r.output, r.output
+
+
+@pytest.mark.parametrize("call_ms, repeats", [(10.0, bench.MIN_REPEATS), (0.05, int(25 / 0.055))])
+def test_time_ms_repeats_a_long_call_at_least_min_repeats_times(monkeypatch, call_ms, repeats):
+    """time_ms sizes do_bench's milliseconds from one timed call, so a call as long as the
+    grid's longest backwards (10 ms, where rep_ms 25 used to give two repetitions) is
+    warmed up MIN_WARMUP_CALLS times and timed MIN_REPEATS times; a short call keeps the
+    given milliseconds (25 ms of 0.05 ms calls, each 0.055 ms with its L2 flush)."""
+    import triton.testing
+
+    runs = []
+
+    def do_bench(fn, warmup=25, rep=100, return_mode="mean"):
+        estimate = call_ms + 0.1 * min(call_ms, 1.0)  # do_bench's estimate includes the L2 flush
+        runs.append(((warmup, rep), max(1, int(warmup / estimate)), max(1, int(rep / estimate))))
+        return call_ms
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    assert bench.time_ms(lambda: None, warmup_ms=5, rep_ms=25) == call_ms
+    (first, _, _), (_, warm, reps) = runs
+    assert first == (1, 1)  # one millisecond: the sizing call
+    assert warm >= bench.MIN_WARMUP_CALLS and reps >= repeats
+    assert reps <= 1.25 * repeats
