@@ -21,18 +21,26 @@ copy; the two warpgroups run in lock-step (Triton syncs the partition's 256 thre
 before each mbarrier arrive, twice per key tile), so one's softmax no longer overlaps
 the other's score product.
 
-For each shape: the dispatcher's shipped row, the wide variants and, for each, its
-two-partition twin (two consumers of 64 rows, the same BLOCK_N, stages and walk).  First,
-in child processes with a timeout: every wide variant through the forward's float64
-checks (``benchmarks/gluon_fwd.py``'s cases for its mask mode).  Then, in one process,
-each config timed by ``do_bench`` (median, L2 flushed), twice, alternating.
+A second edit (``wide-nb``, :func:`named_release_source`) removes one of the two
+lock-step points: the consumers release K and V slots by arriving on hardware named
+barriers (``bar.arrive``, which does not wait, 256 consumer threads and the producer
+warp's 32) instead of an mbarrier, and the producer waits on those barriers
+(``bar.sync``) before it refills a slot.  Triton still synchronizes the partition once
+per key tile, before the wait for the K tile (SASS, ``--sass``).
+
+For each shape: the dispatcher's shipped row, the wide variants, their ``wide-nb``
+twins and, for each, its two-partition twin (two consumers of 64 rows, the same
+BLOCK_N, stages and walk).  First, in child processes with a timeout (a release that
+does not pair hangs): every edited variant through the forward's float64 checks
+(``benchmarks/gluon_fwd.py``'s cases for its mask mode).  Then, in one process, each
+config that passed timed by ``do_bench`` (median, L2 flushed), twice, alternating.
 
     PYTHONPATH=. python3 benchmarks/probe_wide_consumer.py --out wide.json
 
-``--sass``: compile the wide variants and their twins for sm_90 on this machine (no GPU)
-and print registers, spills, SASS instructions and barriers.
+``--sass``: compile the edited variants and their twins for sm_90 on this machine (no
+GPU) and print registers, spills, SASS instructions and barriers.
 
-Prints a table last: TFLOP/s of the shipped row, each wide variant and its twin.
+Prints a table last: TFLOP/s of the shipped row, each edited variant and its twin.
 """
 
 from __future__ import annotations
@@ -97,6 +105,66 @@ def wide_source(src: str) -> str:
     return src
 
 
+#: The first hardware named barrier of the ``named`` release (K slots from here, then V
+#: slots); Triton's own partition barriers use ids 0-3 in these kernels' SASS.
+NB0 = 8
+
+_NB_HELPERS = """
+
+@gluon.jit
+def _nb_arrive(BAR):
+    \"\"\"Release: each of the consumer partition's 256 threads arrives on named barrier
+    BAR (288 threads: the 256 and the producer warp's 32), without waiting.\"\"\"
+    ids = gl.full([256], 0, gl.int32, gl.BlockedLayout([1], [32], [8], [0])) + BAR
+    gl.inline_asm_elementwise("bar.arrive $1, 288;\\nmov.b32 $0, 0;", "=r,r", [ids], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _nb_sync(BAR):
+    \"\"\"The producer warp waits on named barrier BAR until the consumers released the slot.\"\"\"
+    ids = gl.full([32], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + BAR
+    gl.inline_asm_elementwise("bar.sync $1, 288;\\nmov.b32 $0, 0;", "=r,r", [ids], dtype=gl.int32, is_pure=False,
+                              pack=1)
+"""
+
+
+def named_release_source(src: str) -> str:
+    """A wide source (:func:`wide_source`) whose consumers release K and V slots by
+    arriving on hardware named barriers (``bar.arrive``, which does not wait) instead
+    of an mbarrier arrive, before which Triton synchronizes the whole 8-warp partition;
+    the producer waits on them (``bar.sync``) before it refills a slot, from each
+    slot's second use on.  K slot s uses barrier NB0 + s, V slot s NB0 + STAGES + s.
+    Pairing holds because a consumer arrives on a slot's barrier again only after
+    reading that slot's next copy, which the producer issues after its wait."""
+    import re as _re
+
+    stages = int(_re.search(r"^STAGES = gl.constexpr\((\d+)\)$", src, _re.M).group(1))
+    if NB0 + 2 * stages > 16:
+        raise ValueError(f"{stages} stages need {2 * stages} named barriers from {NB0}: more than 16")
+    anchor = "\n\n@gluon.jit\ndef _producer("
+    if anchor not in src:
+        raise ValueError("no _producer in the rendered source")
+    src = src.replace(anchor, _NB_HELPERS + anchor, 1)
+    n_k = len(_re.findall(r"mbarrier\.arrive\(k_empty\.index\((\w+)\)\)", src))
+    n_v = len(_re.findall(r"mbarrier\.arrive\(v_empty\.index\((\w+)\)\)", src))
+    if not n_k or not n_v:
+        raise ValueError("no K/V slot release in the rendered source")
+    src = _re.sub(r"mbarrier\.arrive\(k_empty\.index\((\w+)\)\)", rf"_nb_arrive({NB0} + \1)", src)
+    src = _re.sub(r"mbarrier\.arrive\(v_empty\.index\((\w+)\)\)", rf"_nb_arrive({NB0} + STAGES + \1)", src)
+    waits = (("            mbarrier.wait(k_empty.index(s), ph ^ 1)\n",
+              f"            if kv >= STAGES:\n                _nb_sync({NB0} + s)\n"),
+             ("            mbarrier.wait(v_empty.index(s), ph ^ 1)\n",
+              f"            if kv >= STAGES:\n                _nb_sync({NB0} + STAGES + s)\n"))
+    for old, new in waits:
+        if src.count(old) != 1:
+            raise ValueError(f"expected one {old.strip()!r} in the producer")
+        src = src.replace(old, new)
+    if "k_empty.index" in src.split("def _producer(")[1].split("\n\n\n")[0]:
+        raise ValueError("the producer still waits on an mbarrier of a K slot")
+    return src
+
+
 def noinline_source(src: str) -> str:
     """A rendered two-consumer forward whose partitions call one non-inlined consumer
     function (the consumer index a runtime value) instead of each inlining its own copy."""
@@ -117,20 +185,25 @@ def _variant(d: int, mask: str, g):
     return C.GluonFwdVariant(C.GluonFwdSpec("bfloat16", d, d, mask), g)
 
 
-def module(v, wide: bool):
-    """The loaded module of ``v``, the wide edit of it when ``wide`` (rules off: the
-    register model refuses BLOCK_M 128 at head_dim 128 for one warpgroup, which is not
-    what the edit builds)."""
+#: The edits of a rendered one-consumer BLOCK_M 128 variant this probe builds, by role.
+EDITS = {"wide": lambda src: wide_source(src),
+         "wide-nb": lambda src: named_release_source(wide_source(src))}
+
+
+def module(v, role: str = "plain"):
+    """The loaded module of ``v``, or of its ``role`` edit (:data:`EDITS`; rules off:
+    the register model refuses BLOCK_M 128 at head_dim 128 for one warpgroup, which is
+    not what the edits build)."""
     import gluon_fwd
 
     from flashgen import compile as _compile
     from flashgen.families.gluon import render as R
 
     gluon_fwd.rules_off()
-    if not wide:
+    if role not in EDITS:
         return R.load(v)
-    src = wide_source(R.render(v))
-    return _compile.import_generated("probe_wide_" + re.sub(r"\W", "_", v.id), src)
+    src = EDITS[role](R.render(v))
+    return _compile.import_generated(f"probe_{role.replace('-', '_')}_" + re.sub(r"\W", "_", v.id), src)
 
 
 def _patched_load(mod):
@@ -149,7 +222,7 @@ def _check_child(arg: str) -> int:
 
     a = json.loads(arg)
     v = _variant(a["d"], a["mask"], C.GluonFwdConfig(**a["config"]))
-    mod = module(v, True)
+    mod = module(v, a.get("role", "wide"))
     load = _patched_load(mod)
     try:
         res = gluon_fwd.check_variant(v)
@@ -197,10 +270,10 @@ def _time(jobs, rep: int) -> None:
         flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
         runs = []
         for entry in job["configs"]:
-            if entry["role"] == "wide" and not entry["check"].get("ok"):
+            if entry["role"] in EDITS and not entry["check"].get("ok"):
                 continue
             g = C.GluonFwdConfig(**entry["config"])
-            mod = module(_variant(d, mode, g), entry["role"] == "wide")
+            mod = module(_variant(d, mode, g), entry["role"])
             fn = lambda g=g, m=mod: L.fwd(q, k, vv, softmax_scale=d ** -0.5, mask=mode,  # noqa: E731
                                           diag_lo=0 if causal else -s, diag_hi=0 if causal else s, config=g,
                                           module=m, check_inputs=False)
@@ -226,7 +299,7 @@ def _vid(job, entry) -> str:
 
     d, causal = job["shape"][4], job["shape"][5]
     vid = _variant(d, "causal" if causal else "none", C.GluonFwdConfig(**entry["config"])).id
-    return ("wide:" if entry["role"] == "wide" else entry["role"] + ":") + vid.split("_m", 1)[1]
+    return entry["role"] + ":" + vid.split("_m", 1)[1]
 
 
 def _sass() -> int:
@@ -241,12 +314,12 @@ def _sass() -> int:
         d, causal = shape[4], shape[5]
         mask = "causal" if causal else "none"
         for c in wide_configs(d, causal):
-            for role, g in (("wide", c), ("twin", twin(c))):
+            for role, g in (("wide", c), ("wide-nb", c), ("twin", twin(c))):
                 v = _variant(d, mask, g)
                 if (v.id, role) in seen:
                     continue
                 seen.add((v.id, role))
-                mod = module(v, role == "wide")
+                mod = module(v, role)
                 load = _patched_load(mod)
                 cap = sm90.maxnreg
                 sm90.maxnreg = lambda _c, _m=mod: _m.MAXNREG
@@ -299,46 +372,48 @@ def main() -> int:
         if g is not None:
             configs.append({"role": "shipped", "config": dataclasses.asdict(g)})
         for c in wide_configs(d, causal):
-            configs.append({"role": "wide", "config": dataclasses.asdict(c)})
+            for role in EDITS:
+                configs.append({"role": role, "config": dataclasses.asdict(c)})
+                checks[(d, causal, json.dumps(dataclasses.asdict(c), sort_keys=True), role)] = None
             configs.append({"role": "twin", "config": dataclasses.asdict(twin(c))})
-            checks[(d, causal, json.dumps(dataclasses.asdict(c), sort_keys=True))] = None
         jobs.append({"shape": list(shape), "configs": configs})
     keys = list(checks)
-    results = _run_checks([{"d": d, "mask": "causal" if causal else "none", "config": json.loads(c)}
-                           for d, causal, c in keys], a.timeout, a.workers)
+    results = _run_checks([{"d": d, "mask": "causal" if causal else "none", "config": json.loads(c), "role": role}
+                           for d, causal, c, role in keys], a.timeout, a.workers)
     for key, r in zip(keys, results):
         checks[key] = r
-        print("check", key[0], "causal" if key[1] else "none", key[2], json.dumps(r)[:300], flush=True)
+        print("check", key[3], key[0], "causal" if key[1] else "none", key[2], json.dumps(r)[:300], flush=True)
     for job in jobs:
         d, causal = job["shape"][4], job["shape"][5]
         for e in job["configs"]:
-            if e["role"] == "wide":
-                e["check"] = checks[(d, causal, json.dumps(e["config"], sort_keys=True))]
+            if e["role"] in EDITS:
+                e["check"] = checks[(d, causal, json.dumps(e["config"], sort_keys=True), e["role"])]
     Path(a.out).write_text(json.dumps(jobs, indent=1))
     _time(jobs, a.rep)
     Path(a.out).write_text(json.dumps(jobs, indent=1))
-    print("\nshape (b, h, hk, s, d, causal) | shipped TFLOP/s | wide TFLOP/s / two-partition twin (config)")
-    ratios = []
+    print("\nshape (b, h, hk, s, d, causal) | shipped TFLOP/s | edit TFLOP/s / two-partition twin (config)")
+    ratios = {role: [] for role in EDITS}
     for job in jobs:
         es = job["configs"]
         ship = next((e for e in es if e["role"] == "shipped" and "tflops" in e), None)
-        best = None
+        best = {}
         for i, e in enumerate(es):
-            if e["role"] != "wide":
+            if e["role"] not in EDITS:
                 continue
-            t = es[i + 1]
-            if "tflops" not in e:
-                print(job["shape"], "| wide not timed:", json.dumps(e.get("check"))[:200], _vid(job, e))
+            t = next(x for x in es[i:] if x["role"] == "twin")
+            if "tflops" not in e or "tflops" not in t:
+                print(job["shape"], f"| {e['role']} not timed:", json.dumps(e.get("check"))[:200], _vid(job, e))
                 continue
-            ratios.append(e["tflops"] / t["tflops"])
+            ratios[e["role"]].append(e["tflops"] / t["tflops"])
             print(job["shape"], f"| {ship['tflops'] if ship else float('nan'):.1f} | {e['tflops']:.1f} / "
                   f"{t['tflops']:.1f} ({e['tflops'] / t['tflops']:.3f}x) | {_vid(job, e)} | worst {e['check']['worst']:.3g}")
-            best = max(best or 0.0, e["tflops"])
-        if ship and best:
-            print(job["shape"], f"| best wide / shipped {best / ship['tflops']:.3f}x")
-    if ratios:
-        print(f"geomean wide / two-partition twin over {len(ratios)}: "
-              f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}x")
+            best[e["role"]] = max(best.get(e["role"], 0.0), e["tflops"])
+        for role, b in best.items():
+            if ship:
+                print(job["shape"], f"| best {role} / shipped {b / ship['tflops']:.3f}x")
+    for role, rs in ratios.items():
+        if rs:
+            print(f"geomean {role} / two-partition twin over {len(rs)}: {math.exp(sum(map(math.log, rs)) / len(rs)):.3f}x")
     return 0
 
 

@@ -1231,6 +1231,16 @@ def test_wide_consumer_probe_edits_only_the_warps_and_the_register_cap():
     with pytest.raises(ValueError, match="expected one"):
         P.noinline_source(src)
     assert dc.replace(twin, BLOCK_M=128, num_consumers=1, consumer_regs=240, producer_regs=24) == g
+    # the named-barrier release: every K/V slot release an arrive on its slot's barrier,
+    # the producer's two slot waits a sync on them from each slot's second use on
+    nb = P.named_release_source(out)
+    assert "mbarrier.arrive(k_empty" not in nb and "mbarrier.arrive(v_empty" not in nb
+    assert nb.count(f"_nb_arrive({P.NB0} + s_slot)") >= 1 and nb.count(f"_nb_arrive({P.NB0} + STAGES + p_slot)") >= 1
+    assert nb.count("if kv >= STAGES:\n                _nb_sync(") == 2
+    assert out.count("mbarrier.arrive(k_empty") + out.count("mbarrier.arrive(v_empty") == nb.count("_nb_arrive(") - 1
+    assert set(P.EDITS) == {"wide", "wide-nb"}
+    with pytest.raises(ValueError, match="named barriers"):
+        P.named_release_source(out.replace("STAGES = gl.constexpr(4)", "STAGES = gl.constexpr(5)"))
 
 def test_head_dim_96_runs_on_the_head_dim_128_tiles():
     """Head_dim 96: the rules, models and code of the 128-wide tiles (tile_dim), the
