@@ -404,19 +404,26 @@ def _row_name(r, i: int) -> str:
     return f"row id {rid}" if type(rid) is int else f"row {i} (counting from 0)"
 
 
-def _env_where(env: Environment, versions: bool = True, sibling: bool = False) -> tuple[str, list]:
+def _env_where(env: Environment, versions: bool = True, sibling: bool = False,
+               relative: bool = False) -> tuple[str, list]:
     """SQL condition (and its parameters) selecting the rows that ``env`` matches
     (``versions``), or the rows of ``env``'s GPU, compute capability and code hash
     measured under another Triton version (``versions=False``); with ``sibling``, the
     same over the rows of the other GPUs of ``env``'s compute capability and SM count
-    (:data:`flashgen.env.SIBLING_COLUMNS`) instead of ``env``'s GPU."""
+    (:data:`flashgen.env.SIBLING_COLUMNS`) instead of ``env``'s GPU; with ``relative``,
+    over the rows of the GPUs of ``env``'s compute capability and another SM count
+    (their configs compile and fit here; their timings do not transfer)."""
     cols = MATCH_COLUMNS if versions else tuple(c for c in MATCH_COLUMNS if c not in VERSION_COLUMNS)
-    if sibling:
+    if sibling or relative:
         cols = tuple(c for c in cols if c != "gpu_name")
+    if sibling:
         cols = (*cols, *(c for c in SIBLING_COLUMNS if c not in cols))
     params: list = [getattr(env, c) for c in cols]
     cond = " AND ".join(f"[{c}] = ?" for c in cols)
-    if sibling:
+    if relative:
+        cond += " AND IFNULL([sm_count], -1) != ?"
+        params.append(env.sm_count)
+    if sibling or relative:
         # another GPU, measured on a GPU (not the interpreter's or a fake run's rows)
         cond += " AND [gpu_name] != ? AND [gpu_name] NOT LIKE ?" + " AND [gpu_name] NOT LIKE ?" * len(
             SYNTHETIC_GPU_SUFFIXES)
@@ -754,7 +761,7 @@ class TuningDB:
     def _filters(key: ProblemKey | str | None = None, key_contains: str | None = None,
                  status: str | None = None, variant_id: str | None = None,
                  env: Environment | None = None, versions: bool = True,
-                 sibling: bool = False) -> tuple[list[str], list]:
+                 sibling: bool = False, relative: bool = False) -> tuple[list[str], list]:
         where, params = [], []
         for col, val in (("key", key and _key_id(key)), ("status", status),
                          ("variant_id", variant_id)):
@@ -765,7 +772,7 @@ class TuningDB:
             where.append("instr([key], ?) > 0")
             params.append(key_contains)
         if env is not None:
-            cond, p = _env_where(env, versions, sibling)
+            cond, p = _env_where(env, versions, sibling, relative)
             where.append(cond)
             params += p
         return where, params
@@ -786,20 +793,21 @@ class TuningDB:
         return rows[0] if rows else None
 
     def best_rows(self, env: Environment | None = None, key_contains: str | None = None, versions: bool = True,
-                  sibling: bool = False, admit=None) -> list[dict]:
+                  sibling: bool = False, admit=None, relative: bool = False) -> list[dict]:
         """The best ok row per key and environment (rows matching ``env`` only when
         given; with ``versions=False``, the rows of ``env``'s GPU and code measured under
         another Triton version; with ``sibling``, the same of the other GPUs of ``env``'s
-        compute capability and SM count), by key, in one query; and the best bitwise-repeatable
+        compute capability and SM count; with ``relative``, of the GPUs of its compute
+        capability and another SM count), by key, in one query; and the best bitwise-repeatable
         one beside it where the key has rows of both (``dq_ordered``: what the
         deterministic backward runs).  A row whose ``variant_id`` this version cannot
         rebuild from its columns was written by a flashgen with more knobs
         (:func:`_from_newer_version`), or that ``admit`` (row -> bool; None: every row)
         refuses: the next fastest row of its group is taken."""
-        if sibling and (env is None or not real_gpu(env.gpu_name)):
+        if (sibling or relative) and (env is None or not real_gpu(env.gpu_name)):
             return []  # the interpreter and fake runs have no siblings
         where, params = self._filters(key_contains=key_contains, status="ok", env=env, versions=versions,
-                                      sibling=sibling)
+                                      sibling=sibling, relative=relative)
         where.append(_TIMED)
         cols = ("key", *_ENV_GROUP)
         part = ", ".join(f"[{c}]" for c in cols)

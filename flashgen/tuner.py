@@ -593,16 +593,22 @@ def prior_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch,
     environment: in its order, the key's best rows (per kernel family, fastest first) of
     this GPU under another Triton version, then of a *sibling* GPU (another GPU of its
     compute capability and SM count, :data:`flashgen.env.SIBLING_COLUMNS`) under this
-    Triton version, then under others; from ``db`` and the shipped databases
-    (``shipped``; default :func:`flashgen.dispatch.shipped_databases`), whole (a refined
-    row's refinement knobs included), valid and feasible on ``arch``, without repeats,
-    at most ``limit``.  None for an environment no GPU measures (the interpreter, a
-    ``--fake`` or ``--fake-model`` run: :func:`flashgen.env.real_gpu`).
+    Triton version, then under others; and after them the key's best rows of a
+    *relative* (a GPU of its compute
+    capability and another SM count, e.g. an H100 PCIe's relatives the H100 SXM and the
+    H200) under this Triton version, then under others; from ``db`` and the shipped
+    databases (``shipped``; default :func:`flashgen.dispatch.shipped_databases`), whole
+    (a refined row's refinement knobs included), valid and feasible on ``arch``, without
+    repeats, at most ``limit``.  None for an environment no GPU measures (the
+    interpreter, a ``--fake`` or ``--fake-model`` run: :func:`flashgen.env.real_gpu`).
 
     A row of this environment replaces them in the dispatcher, so a new study measures
     them right after the default (:func:`tune_key`): the row a tune records is then at
     least as fast as what the dispatcher served before, as measured here.  On an H100
-    the H200's rows ran 1.13-1.19x the heuristic defaults (docs/benchmarks.md)."""
+    the H200's rows ran 1.13-1.19x the heuristic defaults (docs/benchmarks.md).  A
+    relative's configs are candidates only (its timings say nothing here); they bring
+    the refinements of the shipped rows (``flashgen tune --refine``, knobs the search
+    does not suggest) into the first tune of a GPU that has no shipped rows."""
     from .dispatch import shipped_databases
     from .env import real_gpu
 
@@ -610,11 +616,15 @@ def prior_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch,
         return []
     paths = [p for p in (shipped_databases() if shipped is None else shipped)
              if Path(p).resolve() != Path(db.path).resolve()]
-    tiers: list[list[dict]] = [[], [], []]  # this GPU, other Triton; sibling, this Triton; sibling, other
+    # this GPU, other Triton; sibling, this Triton; sibling, other; relative, this; relative, other
+    kinds = ((False, False, False), (True, True, False), (False, True, False), (True, False, True),
+             (False, False, True))
+    tiers: list[list[dict]] = [[] for _ in kinds]
 
     def collect(d: TuningDB) -> None:
-        for i, (versions, sibling) in enumerate(((False, False), (True, True), (False, True))):
-            tiers[i] += [r for r in d.best_rows(env, key_contains=key.id, versions=versions, sibling=sibling)
+        for i, (versions, sibling, relative) in enumerate(kinds):
+            tiers[i] += [r for r in d.best_rows(env, key_contains=key.id, versions=versions, sibling=sibling,
+                                                relative=relative)
                          if r["key"] == key.id]
 
     collect(db)

@@ -288,7 +288,8 @@ def test_presets():
 def test_a_new_study_measures_what_the_dispatcher_served_before_right_after_the_default(db):
     """prior_configs: the key's rows the dispatcher served this GPU before it had one of
     this environment, in its order (this GPU under another Triton, then a sibling GPU of
-    the same compute capability and SM count under this Triton, then under others);
+    the same compute capability and SM count under this Triton, then under others), then
+    a relative's (the same compute capability, another SM count);
     a new study measures them whole (a refined row's knob outside the search included)
     right after the default, and enqueues those the search can suggest."""
     sib = dataclasses.replace(ENV, gpu_name="NVIDIA H100 80GB HBM3")
@@ -306,6 +307,12 @@ def test_a_new_study_measures_what_the_dispatcher_served_before_right_after_the_
     assert tuner.prior_configs(NEAR_KEY, db, ENV, ARCH, shipped=[]) == []  # another key's rows: none
     for name in ("NVIDIA H200 (model)", "NVIDIA H200 (fake)", "triton-interpreter"):  # no GPU measures these
         assert tuner.prior_configs(KEY, db, dataclasses.replace(ENV, gpu_name=name), ARCH, shipped=[]) == []
+    # a GPU of the same compute capability and another SM count (a relative): the
+    # configs of the others' rows, this Triton's first, for its first tune; never the
+    # rows of another compute capability
+    assert tuner.prior_configs(KEY, db, pcie, ARCH, shipped=[]) == [refined, plain, old_own]
+    ampere = dataclasses.replace(ENV, gpu_name="NVIDIA A100-SXM4-80GB", compute_capability="8.0", sm_count=108)
+    assert tuner.prior_configs(KEY, db, ampere, ARCH, shipped=[]) == []
     bench = tuner.FakeBenchmarker({**random_timings(), vid(refined): 0.3})
     run(db, bench, 4)
     ids = [Variant(SPEC, c).id for c in (heuristics.default_config(SPEC, ARCH), old_own, refined, plain)]
