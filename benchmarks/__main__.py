@@ -53,7 +53,7 @@ def run_suite(suite: Suite, out: Path, extra: list[str]) -> int:
     results = [str(out / r) for r in suite.results]
     print(f"suite {suite.name}: {suite.what}\n  results: {', '.join(results) or '(printed only)'}", flush=True)
     for argv in commands(suite, out, extra):
-        print("  $ " + " ".join(argv[1:] if argv[0] == sys.executable else argv), flush=True)
+        print("  $ " + " ".join(["python3", *argv[1:]] if argv[0] == sys.executable else argv), flush=True)
         rc = subprocess.call(argv, cwd=ROOT, env=_env())
         if rc:
             print(f"suite {suite.name}: step failed with exit status {rc}", file=sys.stderr)

@@ -328,10 +328,10 @@ def _sass() -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="pingpong.json")
+    ap.add_argument("--out", default="pingpong.json", help="JSON of every timing and check (default: pingpong.json)")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per check child")
-    ap.add_argument("--workers", type=int, default=6)
+    ap.add_argument("--workers", type=int, default=6, help="check processes at a time (default: 6)")
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 here and print the barriers")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -339,6 +339,12 @@ def main() -> int:
         return _check_child(a.child)
     if a.sass:
         return _sass()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: this probe checks and times on a Hopper GPU (--sass compiles for sm_90 "
+              "without one)", file=sys.stderr)
+        return 2
     jobs = []
     for shape in SHAPES:
         for c in candidates(shape):

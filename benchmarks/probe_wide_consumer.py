@@ -353,10 +353,10 @@ def _print_report(role, v, rep) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="wide.json")
+    ap.add_argument("--out", default="wide.json", help="JSON of every timing and check (default: wide.json)")
     ap.add_argument("--rep", type=int, default=40, help="do_bench rep (ms)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per check child")
-    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=3, help="check processes at a time (default: 3)")
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 here and print what the binaries are")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -364,6 +364,12 @@ def main() -> int:
         return _check_child(a.child)
     if a.sass:
         return _sass()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: this probe checks and times on a Hopper GPU (--sass compiles for sm_90 "
+              "without one)", file=sys.stderr)
+        return 2
     jobs, checks = [], {}
     for shape in SHAPES:
         d, causal = shape[4], shape[5]

@@ -1025,7 +1025,8 @@ def explain(
     gpu: Annotated[str | None, typer.Option(help="Match tuning rows of this GPU name (e.g. 'NVIDIA H200') "
                                             "instead of this machine's; without a GPU here and without "
                                             "--arch, also explain for that GPU's architecture (a name it does not "
-                                            "know needs --arch).")] = None,
+                                            "know needs --arch); with --arch, a name it knows brings its SM count "
+                                            "and must be of that architecture.")] = None,
     deterministic: Annotated[bool, typer.Option("--deterministic", help="The backward of "
                                                 "flashgen.attention(..., deterministic=True).")] = False,
     softcap: Annotated[float, typer.Option(help="flashgen.attention's softcap (0: off).")] = 0.0,
@@ -1072,7 +1073,17 @@ def explain(
                                  param_hint="'--gpu'")
     if gpu is not None:
         env = dataclasses.replace(env, gpu_name=gpu)
-        named = arch_mod.by_gpu_name(gpu) if arch is None and a.name == arch_mod.INTERPRETER.name else None
+        known = arch_mod.by_gpu_name(gpu)
+        if arch is not None and known is not None:
+            # the named part's own SM count (an H100 PCIe: 114), within --arch's limits
+            if known.compute_capability != a.compute_capability:
+                raise typer.BadParameter(
+                    f"{gpu!r} is compute capability {'%d.%d' % known.compute_capability}, not --arch {arch}'s "
+                    f"{'%d.%d' % a.compute_capability}: leave out --arch, or name a GPU of {arch}",
+                    param_hint="'--gpu'")
+            a = known
+            env = dataclasses.replace(env, compute_capability="%d.%d" % a.compute_capability, sm_count=a.sm_count)
+        named = known if arch is None and a.name == arch_mod.INTERPRETER.name else None
         if named is not None:  # no GPU here: explain for the named GPU's architecture
             a = named
             env = dataclasses.replace(env, compute_capability="%d.%d" % a.compute_capability, sm_count=a.sm_count)

@@ -176,7 +176,8 @@ def test_explain_says_when_a_head_dim_is_padded():
 def test_cli_explain_for_a_named_gpu_takes_its_architecture_without_a_gpu_here():
     """No GPU on this machine and no --arch: --gpu 'NVIDIA H200' explains for sm_90 (the
     Gluon family's rows count), not for the interpreter; an unknown name is refused with
-    the names it knows unless --arch gives the architecture; --arch still wins."""
+    the names it knows unless --arch gives the architecture; a known name whose
+    architecture is not --arch's is refused."""
     from flashgen import arch
 
     assert arch.by_gpu_name("NVIDIA H200").compute_capability == (9, 0)
@@ -187,7 +188,11 @@ def test_cli_explain_for_a_named_gpu_takes_its_architecture_without_a_gpu_here()
     r = runner.invoke(app, args + ["--gpu", "NVIDIA H200"])
     assert r.exit_code == 0 and "kernel family gluon" in r.output and "interpreter" not in r.output, r.output
     r = runner.invoke(app, args + ["--gpu", "NVIDIA H200", "--arch", "sm_80"])
-    assert r.exit_code == 0 and "kernel family gluon" not in r.output and "sm_80" in r.output, r.output
+    assert r.exit_code == 2 and "compute capability 9.0, not --arch sm_80's 8.0" in r.output, r.output
+    # with --arch, a named part keeps its own SM count: an H100 PCIe (114 SMs) is no
+    # sibling of the H200, whose rows then do not serve it
+    r = runner.invoke(app, args + ["--gpu", "NVIDIA H100 PCIe", "--arch", "sm_90"])
+    assert r.exit_code == 0 and "kernel family gluon" in r.output and "tuned under NVIDIA H200" not in r.output, r.output
     r = runner.invoke(app, args + ["--gpu", "Tesla V100-SXM2-16GB"])
     assert r.exit_code == 2 and "no architecture known for this name" in r.output and "--arch" in r.output, r.output
     r = runner.invoke(app, args + ["--gpu", "Tesla V100-SXM2-16GB", "--arch", "sm_80"])
