@@ -594,9 +594,9 @@ def prior_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch,
     this GPU under another Triton version, then of a *sibling* GPU (another GPU of its
     compute capability and SM count, :data:`flashgen.env.SIBLING_COLUMNS`) under this
     Triton version, then under others; and after them the key's best rows of a
-    *relative* (a GPU of its compute
-    capability and another SM count, e.g. an H100 PCIe's relatives the H100 SXM and the
-    H200) under this Triton version, then under others; from ``db`` and the shipped
+    *relative* (a GPU of its compute capability and another SM count, e.g. an H100
+    PCIe's relatives the H100 SXM and the H200) under this Triton version, then under
+    others; from ``db`` and the shipped
     databases (``shipped``; default :func:`flashgen.dispatch.shipped_databases`), whole
     (a refined row's refinement knobs included), valid and feasible on ``arch``, without
     repeats, at most ``limit``.  None for an environment no GPU measures (the
