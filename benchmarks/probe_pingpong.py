@@ -326,25 +326,36 @@ def _sass() -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="pingpong.json", help="JSON of every timing and check (default: pingpong.json)")
-    ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms)")
+def probe_args(doc: str, *, out: str, rep: int, workers: int, sass_help: str, child, sass):
+    """A probe's command line (``--out``, ``--rep``, ``--timeout``, ``--workers``,
+    ``--sass`` and the hidden ``--child``): (args, None) to go on with the GPU run, or
+    (None, exit status) after running ``child(job)`` or ``sass()``, or without a GPU."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=out, help=f"JSON of every timing and check (default: {out})")
+    ap.add_argument("--rep", type=int, default=rep, help="do_bench rep (ms)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per check child")
-    ap.add_argument("--workers", type=int, default=6, help="check processes at a time (default: 6)")
-    ap.add_argument("--sass", action="store_true", help="compile for sm_90 here and print the barriers")
+    ap.add_argument("--workers", type=int, default=workers, help=f"check processes at a time (default: {workers})")
+    ap.add_argument("--sass", action="store_true", help=sass_help)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        return _check_child(a.child)
+        return None, child(a.child)
     if a.sass:
-        return _sass()
+        return None, sass()
     import torch
 
     if not torch.cuda.is_available():
         print("no CUDA device: this probe checks and times on a Hopper GPU (--sass compiles for sm_90 "
               "without one)", file=sys.stderr)
-        return 2
+        return None, 2
+    return a, None
+
+
+def main() -> int:
+    a, rc = probe_args(__doc__, out="pingpong.json", rep=60, workers=6,
+                       sass_help="compile for sm_90 here and print the barriers", child=_check_child, sass=_sass)
+    if a is None:
+        return rc
     jobs = []
     for shape in SHAPES:
         for c in candidates(shape):

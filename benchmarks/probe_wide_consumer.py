@@ -45,7 +45,6 @@ Prints a table last: TFLOP/s of the shipped row, each edited variant and its twi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -346,30 +345,19 @@ def _print_report(role, v, rep) -> None:
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", rep.sass)
     print(f"{role} {v.id}: {rep.instructions} SASS instructions, spills {rep.spill_bytes} B, "
           f"HGMMA {rep.hgmma}, wgmma waits {len(waits)} ({waits.count('0x1')} partial), MUFU.EX2 "
-          f"{rep.sass.count('MUFU.EX2')}, BAR.SYNC {rep.sass.count('BAR.SYNC')}, CALL {rep.sass.count(' CALL')}, "
+          f"{rep.sass.count('MUFU.EX2')}, BAR.SYNC {rep.sass.count('BAR.SYNC')}, {rep.sass.count(' CALL')} CALL.REL, "
           f"setmaxnreg {rep.setmaxnreg}, shared {rep.shared_bytes} B, "
           f"ptxas {[ln.strip() for ln in rep.ptxas_log.splitlines() if 'C75' in ln][:2]}", flush=True)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="wide.json", help="JSON of every timing and check (default: wide.json)")
-    ap.add_argument("--rep", type=int, default=40, help="do_bench rep (ms)")
-    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per check child")
-    ap.add_argument("--workers", type=int, default=3, help="check processes at a time (default: 3)")
-    ap.add_argument("--sass", action="store_true", help="compile for sm_90 here and print what the binaries are")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.child:
-        return _check_child(a.child)
-    if a.sass:
-        return _sass()
-    import torch
+    from probe_pingpong import probe_args
 
-    if not torch.cuda.is_available():
-        print("no CUDA device: this probe checks and times on a Hopper GPU (--sass compiles for sm_90 "
-              "without one)", file=sys.stderr)
-        return 2
+    a, rc = probe_args(__doc__, out="wide.json", rep=40, workers=3,
+                       sass_help="compile for sm_90 here and print what the binaries are", child=_check_child,
+                       sass=_sass)
+    if a is None:
+        return rc
     jobs, checks = [], {}
     for shape in SHAPES:
         d, causal = shape[4], shape[5]
