@@ -1,16 +1,18 @@
-"""The Gluon backward's user mask functions (flashgen/families/gluon/user_bwd.py) on the
-GPU, the measurement behind ``family.USER_BWD_DEFAULT_AHEAD`` (the default tile the
-dispatcher takes for an untuned key of mask functions alone): each example
+"""The Gluon backward's user score and mask functions (flashgen/families/gluon/user_bwd.py)
+on the GPU, the measurement behind ``family.USER_BWD_DEFAULT_AHEAD`` and
+``family.USER_SCORE_BWD_DEFAULT_AHEAD`` (the default tile the dispatcher takes for an
+untuned key of mask functions alone, or with a score function): each example
 first in a child process under a timeout (a deadlock kills the child, not the run),
 checked against float64 (dQ, dK, dV of the head_dim's default tile; batch 2, 16 heads,
 1000 queries and keys, bf16, GQA 4 in bf16 and float16, multi-query in bf16; the
 exactness rule, <= 1 passes), then timed
 (preprocess + main + convert, median of triton.testing.do_bench) against the Triton
-family's backward of the same mask function (flashgen.attention through autograd with
+family's backward of the same functions (flashgen.attention through autograd with
 ``FLASHGEN_FAMILIES=triton``, the shipped rows) at batch 8, 16 heads and seqlen 2048
 (the ``user-examples`` preset's size) and 4096; each timing records which backward the
 dispatcher itself picks there (``flashgen.explain``).  Writes gluon_user_bwd.json under
---out and prints a short table last.
+--out and prints a short table last.  The score examples' captured tensors take no
+gradient (``relpos``: T5's bias table frozen), which the Gluon backward requires.
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_user_bwd.py --out $OUT
 """
@@ -28,8 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-#: The mask-function examples of flashgen.user_examples (a band: window-causal).
-EXAMPLES = ("document", "document-causal", "prefix-lm", "window-causal")
+#: The examples of flashgen.user_examples the Gluon backward compiles: mask functions (a
+#: band: window-causal), then score functions (their tensors without a gradient).
+MASK_EXAMPLES = ("document", "document-causal", "prefix-lm", "window-causal")
+SCORE_EXAMPLES = ("alibi", "softcap", "relpos")
+EXAMPLES = MASK_EXAMPLES + SCORE_EXAMPLES
 HEAD_DIMS = (64, 128)
 #: (batch, heads, kv heads, seqlen, dtype) of the checks; (batch, heads, kv heads,
 #: seqlen) of the timings (bf16): the ``user-examples`` preset's size, and one with enough
@@ -41,29 +46,33 @@ TIMED = ((8, 16, 16, 2048), (8, 16, 16, 4096))
 
 
 def _problem(name: str, d: int, b: int, h: int, hk: int, s: int, seed: int = 0, dtype: str = "bfloat16"):
-    """Inputs (``dtype``, CUDA), the mask function, its bounds and the backward's UserArgs."""
+    """Inputs (``dtype``, CUDA), the example, its score and mask functions, the mask mode
+    its Gluon backward compiles, its bounds and the backward's UserArgs."""
     import torch
 
     from flashgen import user_examples, user_mods
     from flashgen.masks import mask_bounds
 
     ex = user_examples.make(name, h, s, device="cuda", requires_grad=False)
-    _, mask_mod = ex.functions(*ex.tensors)
-    _, lo, hi = mask_bounds(s, s, causal=ex.causal, window=tuple(ex.window))
+    score_mod, mask_mod = ex.functions(*ex.tensors)
+    mode, lo, hi = mask_bounds(s, s, causal=ex.causal, window=tuple(ex.window))
     g = torch.Generator(device="cuda").manual_seed(seed)
     dt = getattr(torch, dtype)
     q, do = (torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
     k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
-    ua = user_mods.kernel_args(None, user_mods.trace(mask_mod, "mask"), (), None, (b, h, hk, s, s, lo, hi),
+    score = user_mods.trace(score_mod, "score") if score_mod is not None else None
+    mask = user_mods.trace(mask_mod, "mask") if mask_mod is not None else None
+    ua = user_mods.kernel_args(score, mask, user_mods.score_grad_flags(score), None, (b, h, hk, s, s, lo, hi),
                                q.device, True)[1]
-    return ex, mask_mod, lo, hi, (q, k, v, do), ua
+    mode = "window" if mask_mod is not None else mode
+    return ex, (score_mod, mask_mod), mode, lo, hi, (q, k, v, do), ua
 
 
-def _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua, stage_sync=False):
+def _gluon_bwd(d, q, k, v, do, o, lse, mode, lo, hi, ua, stage_sync=False):
     from flashgen.families.gluon import bwd as B
 
-    return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi, mask="window",
-                           config=B.default_config(d, str(q.dtype).removeprefix("torch."), "window"), check=False,
+    return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi, mask=mode,
+                           config=B.default_config(d, str(q.dtype).removeprefix("torch."), mode), check=False,
                            user=ua, stage_sync=stage_sync)
 
 
@@ -77,15 +86,17 @@ def _child(name: str, d: int) -> dict:
 
     out = {"name": name, "d": d, "checks": []}
     for b, h, hk, s, dtype in CHECKS:
-        ex, mask_mod, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s, seed=s + h + hk, dtype=dtype)
+        ex, (score_mod, mask_mod), mode, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s,
+                                                                              seed=s + h + hk, dtype=dtype)
         with torch.no_grad():
-            o, lse = flashgen.attention(q, k, v, causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod,
-                                        return_lse=True)
-        got = dict(zip(("dQ", "dK", "dV"), _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua, stage_sync=True)))
+            o, lse = flashgen.attention(q, k, v, causal=ex.causal, window=tuple(ex.window), score_mod=score_mod,
+                                        mask_mod=mask_mod, return_lse=True)
+        got = dict(zip(("dQ", "dK", "dV"), _gluon_bwd(d, q, k, v, do, o, lse, mode, lo, hi, ua, stage_sync=True)))
         refs = {}
         for dt in (torch.float64, q.dtype):
             qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
-            oo, _ = user_mods.reference(qq, kk, vv, d ** -0.5, lo, hi, mask_mod=mask_mod, dtype=dt)
+            oo, _ = user_mods.reference(qq, kk, vv, d ** -0.5, lo, hi, score_mod=score_mod, mask_mod=mask_mod,
+                                        dtype=dt)
             refs[dt] = torch.autograd.grad(oo, (qq, kk, vv), do.to(dt))
         res = bench._ratios(got, {n: (refs[torch.float64][i], refs[q.dtype][i]) for i, n in
                                   enumerate(("dQ", "dK", "dV"))}, q.dtype)
@@ -96,14 +107,14 @@ def _child(name: str, d: int) -> dict:
         return out
     out["timings"] = []
     for b, h, hk, s in TIMED:
-        ex, mask_mod, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s)
-        kw = dict(causal=ex.causal, window=tuple(ex.window), mask_mod=mask_mod)
+        ex, (score_mod, mask_mod), mode, lo, hi, (q, k, v, do), ua = _problem(name, d, b, h, hk, s)
+        kw = dict(causal=ex.causal, window=tuple(ex.window), score_mod=score_mod, mask_mod=mask_mod)
         os.environ.pop("FLASHGEN_FAMILIES", None)
         flashgen.dispatch.default_dispatcher().clear()
         row = {"size": [b, h, hk, s], "dispatcher_backward": flashgen.explain(q, k, v, **kw).backward}
         with torch.no_grad():
             o, lse = flashgen.attention(q, k, v, return_lse=True, **kw)
-        row["gluon_ms"] = triton.testing.do_bench(lambda: _gluon_bwd(name, d, q, k, v, do, o, lse, lo, hi, ua),
+        row["gluon_ms"] = triton.testing.do_bench(lambda: _gluon_bwd(d, q, k, v, do, o, lse, mode, lo, hi, ua),
                                                   warmup=25, rep=100)
         # the Triton family's backward of the same function, as the dispatcher runs it
         # with the Gluon family left out (its tuned rows where the databases have them)

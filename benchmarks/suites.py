@@ -90,9 +90,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "beside the default and cuDNN",
           (("benchmarks/gluon_bwd.py", "--wide", "--unchecked", "--budget-s", "400", "--out", "{out}"),),
           ("gluon_bwd_wide.json",)),
-    Suite("gluon-user-bwd", "the Gluon backward's user mask functions (the default tile the dispatcher takes "
-          "untuned): float64 checks in bf16 and float16, then timings beside the Triton family's backward of "
-          "the same mask function",
+    Suite("gluon-user-bwd", "the Gluon backward's user score and mask functions (the default tile the "
+          "dispatcher takes untuned): float64 checks in bf16 and float16, then timings beside the Triton "
+          "family's backward of the same functions",
           (("benchmarks/gluon_user_bwd.py", "--out", "{out}"),), ("gluon_user_bwd.json",)),
     Suite("gluon-varlen", "the Gluon forward on ragged batches: its variants checked against float64, then timed "
           "beside the Triton family's varlen forward; the dispatcher's choice against each family's fastest row; "

@@ -5,9 +5,9 @@ traced and lowered once, which gives the variants' names (``KernelSpec.mods`` = 
 a hash of the lowered code, the same in every process that traces the same functions)
 and so their problem keys: ``fwd`` (the forward with the score/mask functions and the
 sinks), and, when there is a score or mask function, ``bwd_dq`` and ``bwd_dkdv`` (the
-backward's, with the gradients of the captured tensors that require grad), and with
-mask functions alone ``bwd`` too (a family's whole backward: the Gluon one's user
-variants, :mod:`flashgen.families.gluon.user_bwd`).  Sinks alone have no backward
+backward's, with the gradients of the captured tensors that require grad), and, when
+no captured tensor takes a gradient, ``bwd`` too (a family's whole backward: the Gluon
+one's user variants, :mod:`flashgen.families.gluon.user_bwd`).  Sinks alone have no backward
 variant: their backward runs the plain kernels (tuned as plain keys).
 
 :class:`UserBenchmarker` measures a variant of a problem the way the tuner's
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import bench, families, heuristics, user_mods
+from . import bench, families, heuristics, user_mods, user_render
 from .errors import InputError
 from .masks import mask_bounds
 from .spec import DTYPES, USER_KERNELS, WHOLE_BWD, KernelSpec, Measurement, ProblemKey, Shape, Variant
@@ -94,19 +94,23 @@ class UserProblem:
 
     def has(self, kernel: str) -> bool:
         """Whether this problem has a user variant of ``kernel``: the forward always, the
-        backward's two kernels with a score or mask function, the whole backward with
-        mask functions alone."""
+        backward's two kernels with a score or mask function, the whole backward where the
+        Gluon backward compiles the functions (no captured tensor that takes a gradient,
+        none read at an index computed from the score:
+        :func:`flashgen.families.gluon.user_bwd.unsupported`)."""
         if kernel == "fwd":
             return True
         if kernel == WHOLE_BWD:
-            return self.bwd_mods is not None and self.score is None
+            from .families.gluon.user_bwd import unsupported
+
+            return self.bwd_mods is not None and unsupported(user_render.lowered(self.bwd_mods)) is None
         return kernel in USER_KERNELS and self.bwd_mods is not None
 
     def spec(self, kernel: str) -> KernelSpec:
         """The KernelSpec of ``kernel``'s user variant (ValueError for a kernel it has none of)."""
         if not self.has(kernel):
             raise ValueError(f"{self.label}: no user variant of {kernel!r} (sinks alone run the plain backward; "
-                             "a score function's whole backward is not built)")
+                             "the whole backward is not built with captured-tensor gradients)")
         mods = self.fwd_mods if kernel == "fwd" else self.bwd_mods
         return KernelSpec(kernel, self.dtype, self.head_dim, self.head_dim_v, self.mask, mods)
 
@@ -143,7 +147,7 @@ def _runner(problem: UserProblem, variant: Variant, q, k, v, do, arch=None):
     fcfg = heuristics.default_config(problem.spec("fwd"), arch)
     o, lse = families.launcher(fcfg.family, "fwd")(q, k, v, config=fcfg, mods=fwd, **kw)
     grads = [g for g in bwd.grads if g is not None]
-    if spec.kernel == WHOLE_BWD:  # mask functions alone: no captured-tensor gradients
+    if spec.kernel == WHOLE_BWD:  # no captured-tensor gradients (UserProblem.has)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         launch = families.launcher(cfg.family, WHOLE_BWD)
         return (lambda: launch(do, q, k, v, o, lse, config=cfg, dq=dq, dk=dk, dv=dv, mods=bwd, **kw)), \
@@ -358,7 +362,7 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
     wanted = items([problem], kernels)
     if not wanted:
         raise InputError(f"no user variant among kernels {tuple(kernels)}: a forward (fwd) always, bwd_dq and "
-                         "bwd_dkdv with a score or mask function, bwd with mask functions alone")
+                         "bwd_dkdv with a score or mask function, bwd where no captured tensor takes a gradient")
     work = tuner.servable(wanted, arch)  # (the whole backward only where a family serves it here)
     if not work:
         raise InputError(f"no kernel family serves {', '.join(k.id for k, _ in wanted)} on {arch.sm}: "

@@ -12,6 +12,7 @@ Gluon kernels do not run in Triton's interpreter: their exactness comes from the
 import ast
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -184,11 +185,114 @@ def test_the_steps_keep_exactly_the_mask_functions_entries(name, d):
     assert int(visits.max()) == (1 if want.any() else 0) and (not want.any() or int(visits[want].min()) == 1)
 
 
+def _score_cases():
+    """Score functions (score_mod, causal, window) of the step tests and the sm_90 compiles:
+    each depends on the query and key index in its own way (the transposed tile's
+    orientation), on the head and batch entry, or has a derivative that is not 1."""
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    table = torch.randn(32, 4, generator=torch.Generator().manual_seed(3)) * 0.5
+    return {
+        "alibi": (lambda s, b_, h_, q, kv: s - slopes[h_] * torch.abs(q - kv), True, (-1, -1)),
+        "softcap": (lambda s, b_, h_, q, kv: 30.0 * torch.tanh(s / 30.0), True, (-1, -1)),
+        # T5's bucket of kv - q: asymmetric in q and kv, a captured table read at [bucket, h]
+        "relpos": (lambda s, b_, h_, q, kv: s + table[user_examples.t5_bucket(kv - q), h_], False, (-1, -1)),
+        # a derivative that depends on the position, and the batch entry
+        "position-scale": (lambda s, b_, h_, q, kv: s * (1.0 + 0.002 * (kv - q)) + 0.1 * b_, False, (-1, -1)),
+        "sigmoid-gate": (lambda s, b_, h_, q, kv: s * torch.sigmoid(s), False, (64, 3)),
+    }
+
+
+_GL_TILE = types.SimpleNamespace(
+    arange=lambda a, b, layout=None: torch.arange(a, b, dtype=torch.int32),
+    expand_dims=lambda x, axis: x.unsqueeze(axis), exp2=torch.exp2, exp=torch.exp, log=torch.log, log2=torch.log2,
+    abs=torch.abs, sqrt=torch.sqrt,
+    where=lambda c, a, b: torch.where(torch.as_tensor(c), torch.as_tensor(a), torch.as_tensor(b)),
+    maximum=lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b)),
+    minimum=lambda a, b: torch.minimum(torch.as_tensor(a), torch.as_tensor(b)),
+    zeros_like=torch.zeros_like, load=lambda p, mask=None, other=0: p.load(mask, other),
+    float32=torch.float32, float64=torch.float64, int64=torch.int64, int32=torch.int32, int1=torch.bool)
+
+
+def _score_step(src: str, args: list, st, lse2, dpt, delta, off_z: int, off_h: int, m0: int, nc: int,
+                softmax_scale: float, sq: int, sk: int):
+    """Run the rendered backward ``src``'s own statements of one unmasked consumer step on
+    the CPU: from the user functions' index vectors to P^T, and dS^T (float32, not
+    rounded to the input dtype), on the raw S^T tile ``st`` (key rows down, query rows
+    across), the step's LSE2 ``lse2``, dP^T ``dpt`` and delta ``delta``."""
+    tree = ast.parse(src).body
+    fns = {n.name: n for n in tree if isinstance(n, ast.FunctionDef)}
+    ns = {"gl": _GL_TILE}
+    if "_sigmoid" in fns:
+        fns["_sigmoid"].decorator_list = []
+        exec(compile(ast.Module(body=[fns["_sigmoid"]], type_ignores=[]), "<_sigmoid>", "exec"), ns)
+    kernel = fns["attn_bwd"]
+    params = [a.arg for a in kernel.args.args]
+    user_params = params[params.index("m_pad") + 1:]
+    assert len(user_params) == len(args), (user_params, len(args))
+    loop = next(st_ for st_ in fns["_consumer"].body if isinstance(st_, ast.For))
+    body = loop.body
+    first = next(i for i, x in enumerate(body) if ast.unparse(x) == "u_z = off_z")
+    last = next(i for i, x in enumerate(body) if isinstance(x, ast.Assign) and ast.unparse(x.targets[0]) == "pt")
+    ds = [x for x in body[last:] if isinstance(x, ast.Assign) and ast.unparse(x.targets[0]) == "ds"]
+    step = compile(ast.Module(body=body[first:last + 1] + ds, type_ignores=[]), "<step>", "exec")
+    consts = {n.targets[0].id: ast.literal_eval(n.value.args[0]) for n in tree if isinstance(n, ast.Assign)
+              and isinstance(n.targets[0], ast.Name) and n.targets[0].id in ("BLOCK_M", "PB")}
+    assert tuple(st.shape) == (consts["PB"], consts["BLOCK_M"])
+    env = dict(ns, **consts, **{n: (_Ptr(a.reshape(-1)) if isinstance(a, torch.Tensor) else a)
+                                for n, a in zip(user_params, args)},
+               off_z=torch.tensor(off_z, dtype=torch.int32), off_h=torch.tensor(off_h, dtype=torch.int32), m0=m0,
+               nc=nc, softmax_scale=softmax_scale, st=st, lse=lse2, dpt=dpt, delta=delta, seqlen_q=sq, seqlen_k=sk,
+               COL_ST=None, ROW_ST=None, DTYPE=torch.float32)
+    exec(step, env)
+    return env["pt"], env["ds"]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", list(_score_cases()))
+def test_the_steps_compute_the_score_functions_p_and_ds(name, d):
+    """The rendered kernel's own statements of an unmasked step (the score function, its
+    derivative, P^T and dS^T; run on the CPU in float32) against float64 autograd of the
+    score function itself, for query head 3 of batch entry 1 at a step off the diagonal:
+    P^T = exp(f(s) - LSE) and dS^T = P^T (dP^T - delta) f'(s) on the transposed tile."""
+    score_mod, causal, window = _score_cases()[name]
+    b, h, hk, sq, sk = 2, 4, 2, 500, 700
+    mode, lo, hi = mask_bounds(sq, sk, causal=causal, window=window)
+    ua = _user_args(score_mod, None, b, h, hk, sq, sk, lo, hi)
+    uvars = U.bwd_template_vars(ua.name)
+    assert uvars["USER_SCORE"] and not uvars["USER_MASK"]
+    assert uvars["USER_DSCORE"] == (name in ("softcap", "position-scale", "sigmoid-gate"))
+    assert uvars["USER_SIGMOID"] == (name == "sigmoid-gate")
+    cfg = B.default_config(d, "bfloat16", mode)
+    src = B.render(cfg, "bfloat16", d, mode, user=ua.name)
+    pb, bm = cfg.part_rows, cfg.block_m
+    g = torch.Generator().manual_seed(11)
+    scale = d ** -0.5
+    m0, nc = 192, 320  # query rows [192, 256), key rows [320, 320 + PB)
+    st = torch.randn(pb, bm, generator=g) * 40.0  # raw q.k: s = scale * st
+    dpt = torch.randn(pb, bm, generator=g)
+    delta = torch.randn(bm, generator=g)
+    rows_q = (m0 + torch.arange(bm)).view(1, -1).to(torch.int64)
+    rows_k = (nc + torch.arange(pb)).view(-1, 1).to(torch.int64)
+    s64 = (scale * st.double()).requires_grad_()
+    f = score_mod(s64, torch.tensor(1), torch.tensor(3), rows_q, rows_k)
+    (df,) = torch.autograd.grad(f.sum(), [s64])
+    lse = f.detach().amax(0) + 0.5  # per query row (across)
+    p_ref = torch.exp(f.detach() - lse)
+    ds_ref = p_ref * (dpt.double() - delta.double()) * df
+    pt, ds = _score_step(src, ua.gluon_bwd_args(cfg.block_m, cfg.block_nt), st, (lse / math.log(2)).float(),
+                         dpt, delta, 1, 3, m0, nc, scale, sq, sk)
+    assert pt.shape == p_ref.shape and ds.shape == ds_ref.shape
+    assert p_ref.max() > 0.5 and p_ref.min() < 1e-3  # the tile spans the softmax's range
+    torch.testing.assert_close(pt.double(), p_ref, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(ds.double(), ds_ref, rtol=2e-5, atol=2e-6 * float(ds_ref.abs().max()))
+
+
 def test_the_rules_refuse_the_knobs_not_built_with_a_mask_function_and_score_functions():
     """The rules admit the default variant with a mask function; the knobs with ranges
     of their own are refused with a reason (render raises, with or without its checks); a
-    score function or sinks stay the Triton family's; a mask function compiles into the
-    window kernel only."""
+    score function compiles into the key's mask mode, unless a captured tensor takes a
+    gradient or is read at an index computed from the score (the Triton family's); a
+    mask function compiles into the window kernel only."""
     ua = _user_args(None, lambda b_, h_, q, kv: (kv <= q) | (kv < 7), 1, 2, 1, 64, 64, -64, 64)
     cfg = B.default_config(128, "bfloat16", "window")
     assert B.user_reasons(cfg, "window") == [] and "UBM" in B.render(cfg, "bfloat16", 128, "window", user=ua.name)
@@ -213,9 +317,19 @@ def test_the_rules_refuse_the_knobs_not_built_with_a_mask_function_and_score_fun
                       diag_hi=32, config=cfg, user=ua)
     with pytest.raises(ValueError, match="varlen"):
         B.render(cfg, "bfloat16", 128, "window", check=False, user=ua.name, varlen=True)
+    # a score function compiles into the key's own mask mode; a captured tensor that takes
+    # a gradient, or one read at an index computed from the score, stays the Triton family's
     scored = _user_args(lambda s, b_, h_, q, kv: s * 0.5, None, 1, 2, 1, 64, 64, -64, 64)
-    with pytest.raises(UnsupportedError, match="mask functions only"):
-        U.bwd_template_vars(scored.name)
+    assert "u_g = 0.5\n" in B.render(cfg, "bfloat16", 128, "none", user=scored.name)  # f'(s): a constant
+    for knob in (dict(dq_mode="ordered"), dict(longest_first=True), dict(group_split=2)):
+        with pytest.raises(ValueError, match="not built"):
+            B.render(dataclasses.replace(cfg, **knob), "bfloat16", 128, "none", check=False, user=scored.name)
+    table = torch.randn(8, requires_grad=True)
+    for fn, why in ((lambda s, b_, h_, q, kv: s + table[(kv - q).abs() % 8], "takes a gradient"),
+                    (lambda s, b_, h_, q, kv: s + table.detach()[(s.abs() * 2).long() % 8], "computed from the score")):
+        ua_t = _user_args(fn, None, 1, 2, 1, 64, 64, -64, 64)
+        with pytest.raises(UnsupportedError, match=why):
+            U.bwd_template_vars(ua_t.name)
     plain = B.render(cfg, "bfloat16", 128, "window")
     assert "UBM" not in plain and "u_keep" not in plain  # a plain variant renders as before
 
@@ -260,12 +374,12 @@ def test_deterministic_reaches_the_backward_of_user_functions(monkeypatch):
     assert [d for _, d in asked] == [True, False] and all(m.startswith("u") for m, _ in asked), asked
 
 
-def _mask_problem(name, d=128, batch=2, dtype="bfloat16", kv_heads=16, seqlen_q=2048):
+def _mask_problem(name, d=128, batch=2, dtype="bfloat16", kv_heads=16, seqlen_q=2048, requires_grad=False):
     from flashgen import user_tune
     from flashgen.spec import Shape
 
     shape = Shape(batch=batch, num_heads=16, num_kv_heads=kv_heads, seqlen_q=seqlen_q, seqlen_k=2048)
-    ex = user_examples.make(name, shape.num_heads, shape.seqlen_q, requires_grad=False)
+    ex = user_examples.make(name, shape.num_heads, shape.seqlen_q, requires_grad=requires_grad)
     sm, mm = ex.functions(*ex.tensors)
     return user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, d, d, dtype, shape, label=name)
 
@@ -290,7 +404,7 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
     p = _mask_problem("document-causal", batch=16)  # enough work for an untuned Gluon default
     key, shape = p.keys(["bwd"])[0]
     assert gluon.large_enough(key) and not gluon.large_enough(_mask_problem("document-causal").keys(["bwd"])[0][0])
-    assert key.spec.mask == "causal" and F.bwd_mask(key.spec) == "window" and F.user_mask_bwd(p.bwd_mods)
+    assert key.spec.mask == "causal" and F.bwd_mask(key.spec) == "window" and F.user_bwd(p.bwd_mods)
     assert gluon.unsupported(key, sm90) is None and "H100" in gluon.prefers_default(key, sm90)
     cfg = gluon.default_config(key, sm90)
     assert F.bwd_config(cfg) == B.default_config(128, "bfloat16", "window")
@@ -304,8 +418,8 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
     assert gluon.template_hash("bwd", p.bwd_mods) in families.hashes("bwd", [""])
     d256 = _mask_problem("document-causal", 256).keys(["bwd"])[0][0]  # the column-split program: not built
     assert "column-split" in gluon.unsupported(d256, sm90)
-    scored = _mask_problem("relpos")
-    assert scored.keys(["bwd"]) == [] and "mask functions alone" in gluon.unsupported(
+    scored = _mask_problem("relpos", requires_grad=True)  # the table takes a gradient
+    assert scored.keys(["bwd"]) == [] and "takes a gradient" in gluon.unsupported(
         shape.key(dataclasses.replace(scored.spec("bwd_dq"), kernel="bwd")), sm90)
 
     t1, t2 = TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1)
@@ -351,7 +465,57 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
         untuned = Dispatcher([], env=h200, arch=sm90).backward(oshape.key(other.spec("bwd_dq")), capturing=False)
         assert not untuned.whole and "untuned" in untuned.reason, untuned.reason
     plan = Dispatcher([], env=h200, arch=sm90).backward(shape.key(scored.spec("bwd_dq")), capturing=False)
-    assert not plan.whole and "mask functions alone" in plan.reason
+    assert not plan.whole and "takes a gradient" in plan.reason, plan.reason
+
+
+def test_the_family_and_the_dispatcher_serve_a_score_functions_whole_backward(tmp_path):
+    """A score function without captured-tensor gradients has a ``bwd`` key of the key's
+    own mask mode, served by the Gluon family; untuned it keeps the two kernels unless
+    ``USER_SCORE_BWD_DEFAULT_AHEAD`` names its head_dim, and a tuned row faster than the
+    two kernels' rows of its bucket is taken."""
+    from flashgen import families
+    from flashgen.arch import by_sm
+    from flashgen.db import TuningDB
+    from flashgen.dispatch import Dispatcher
+    from flashgen.env import Environment
+    from flashgen.families.gluon import family as F
+    from flashgen.spec import Measurement, TileConfig, Variant
+
+    gluon, sm90 = families.get("gluon"), by_sm("sm_90")
+    h200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    for name, mode in (("alibi", "causal"), ("softcap", "causal"), ("relpos", "none")):
+        p = _mask_problem(name, batch=16)
+        key, shape = p.keys(["bwd"])[0]
+        assert key.spec.mask == mode and F.bwd_mask(key.spec) == mode and F.user_score_bwd(p.bwd_mods), name
+        assert gluon.unsupported(key, sm90) is None, name
+        cfg = gluon.default_config(key, sm90)
+        src = gluon.render(Variant(key.spec, cfg))
+        assert "u_s = st" in src and "UBM" not in src and ("u_g" in src) == (name == "softcap"), name
+        ahead = F.USER_SCORE_BWD_DEFAULT_AHEAD.get(128)
+        assert gluon.prefers_default(key, sm90) == ahead
+        untuned = Dispatcher([], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
+        assert untuned.whole == (ahead is not None), untuned.reason
+        for gluon_ms, whole in ((1.5, True), (2.5, False)):
+            db_path = tmp_path / f"{name}{gluon_ms}.sqlite"
+            with TuningDB(db_path) as db:
+                for kernel, c, ms in (("bwd_dq", TileConfig(64, 64, 4, 2), 1.0),
+                                      ("bwd_dkdv", TileConfig(64, 32, 4, 1), 1.0), ("bwd", cfg, gluon_ms)):
+                    k = shape.key(p.spec(kernel))
+                    db.record(k, shape, Variant(k.spec, c), Measurement("ok", median_ms=ms), h200, 0)
+            plan = Dispatcher([db_path], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
+            assert plan.whole is whole and plan.family == ("gluon" if whole else "triton"), (name, plan.reason)
+
+
+def _compile_case(name):
+    """(score_mod, mask_mod, causal, window) of a compile case: a mask case of
+    :func:`_cases`, a score case of :func:`_score_cases`, or "softcap-document" (both)."""
+    if name == "softcap-document":
+        return _score_cases()["softcap"][0], _cases()["document"][0], True, (-1, -1)
+    if name in _score_cases():
+        score_mod, causal, window = _score_cases()[name]
+        return score_mod, None, causal, window
+    mask_mod, causal, window = _cases()[name]
+    return None, mask_mod, causal, window
 
 
 _SCRIPT = r'''
@@ -359,19 +523,20 @@ import json, re, sys
 import torch
 sys.path.insert(0, ROOT)
 sys.path.insert(0, ROOT + "/tests")
-from test_gluon_user_bwd import _cases, _user_args
+from test_gluon_user_bwd import _compile_case, _user_args
 from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon.sm90 import SERIALIZED, report
 from flashgen.masks import mask_bounds
 import dataclasses
 for name, d, knobs in CASES:
-    mask_mod, causal, window = _cases()[name]
+    score_mod, mask_mod, causal, window = _compile_case(name)
     mode, lo, hi = mask_bounds(256, 256, causal=causal, window=window)
-    ua = _user_args(None, mask_mod, 1, 2, 1, 256, 256, lo, hi)
-    cfg = dataclasses.replace(B.default_config(d, "bfloat16", "window"), **knobs)
-    assert B.invalid_reasons(cfg, d, "bfloat16", "window") == [], (cfg, knobs)
-    r = report(B.compile_sm90(cfg, "bfloat16", d, "window", check=False, user=ua))
-    print("OK " + json.dumps(dict(name=name, d=d, knobs=sorted(knobs), id=B.variant_id(cfg, "bfloat16", d, "window", user=ua.name),
+    ua = _user_args(score_mod, mask_mod, 1, 2, 1, 256, 256, lo, hi)
+    m = "window" if mask_mod is not None else mode
+    cfg = dataclasses.replace(B.default_config(d, "bfloat16", m), **knobs)
+    assert B.invalid_reasons(cfg, d, "bfloat16", m) == [], (cfg, knobs)
+    r = report(B.compile_sm90(cfg, "bfloat16", d, m, check=False, user=ua))
+    print("OK " + json.dumps(dict(name=name, d=d, knobs=sorted(knobs), id=B.variant_id(cfg, "bfloat16", d, m, user=ua.name),
                                   spill=r.spill_bytes, hgmma=r.hgmma, setmaxnreg=r.setmaxnreg,
                                   serialized=[c for c in SERIALIZED if c in r.ptxas_log],
                                   regs=[cfg.consumer_regs, cfg.producer_regs])))
@@ -381,20 +546,31 @@ for name, d, knobs in CASES:
 #: every example, and the document mask on other tiles the rules admit.
 COMPILE_CASES = [(name, d, {}) for name in ("document", "prefix-lm", "head-batch", "band") for d in (64, 128)] + \
     [("nothing", 128, {}), ("document", 64, {"stages": 1}), ("document", 64, {"row_load": "ptr"}),
-     ("document", 128, {"stages": 1}), ("document", 128, {"split": True, "dq_stage": "swizzled", "kv_store": "ptr"})]
+     ("document", 128, {"stages": 1}), ("document", 128, {"split": True, "dq_stage": "swizzled", "kv_store": "ptr"})] + \
+    [(name, d, {}) for name in ("alibi", "softcap", "relpos", "position-scale", "sigmoid-gate", "softcap-document")
+     for d in (64, 128)]
 #: ptxas spill-store bytes per (example, head_dim, knobs) and Triton minor version; any
 #: other spill fails.  The head_dim 128 lock-step partition holds dK and dV of 128 key
 #: rows (128 of its 240 registers) while a masked step evaluates the predicate: the
 #: document mask's two int64 gathers of ids spill there, more with one stage or split
 #: partitions, and a little at head_dim 64 with one stage or the rows by pointer (Triton
 #: 3.9's ptxas, with --regAllocOptLevel=2, also a few bytes for the other masks); so does
-#: the constant tile of a mask that keeps nothing, whose steps never run.
+#: the constant tile of a mask that keeps nothing, whose steps never run.  A score
+#: function runs in every step beside the in-flight dP^T: at head_dim 128 ptxas spills
+#: 26-42 loop-carried scalars (addresses, bounds) to make room for its tile temporaries
+#: (104-168 B), more beside the document mask's gathers.
 SPILL_BYTES = {"3.6": {("document", 128, ()): 312, ("nothing", 128, ()): 136, ("document", 64, ("stages",)): 44,
                        ("document", 64, ("row_load",)): 44, ("document", 128, ("stages",)): 428,
-                       ("document", 128, ("dq_stage", "kv_store", "split")): 880},
+                       ("document", 128, ("dq_stage", "kv_store", "split")): 880,
+                       ("alibi", 64, ()): 8, ("alibi", 128, ()): 168, ("softcap", 128, ()): 164,
+                       ("relpos", 128, ()): 108, ("position-scale", 128, ()): 104, ("sigmoid-gate", 128, ()): 168,
+                       ("softcap-document", 64, ()): 128, ("softcap-document", 128, ()): 436},
                "3.9": {("document", 128, ()): 288, ("prefix-lm", 128, ()): 16, ("head-batch", 128, ()): 8,
                        ("nothing", 128, ()): 8, ("document", 128, ("stages",)): 400,
-                       ("document", 128, ("dq_stage", "kv_store", "split")): 676}}
+                       ("document", 128, ("dq_stage", "kv_store", "split")): 676,
+                       ("alibi", 128, ()): 208, ("softcap", 128, ()): 160, ("relpos", 128, ()): 400,
+                       ("position-scale", 128, ()): 148, ("sigmoid-gate", 128, ()): 144,
+                       ("softcap-document", 128, ()): 440}}
 
 
 def test_user_variants_compile_for_sm90():

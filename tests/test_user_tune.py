@@ -36,12 +36,13 @@ def test_the_user_presets_give_each_example_its_own_keys():
     assert [p.label for p in problems] == list(user_examples.NAMES)
     keys = [k for k, _ in user_tune.items(problems)]
     # fwd for every example; bwd_dq and bwd_dkdv for those with a function (sinks alone: plain
-    # backward); the whole backward (bwd) for those with a mask function alone
+    # backward); the whole backward (bwd) for those whose captured tensors take no gradient
+    # (relpos's table does)
     by = {p.label: p for p in problems}
-    mask_only = {n for n, p in by.items() if p.mask_mod is not None and p.score_mod is None}
-    assert mask_only == {"document", "document-causal", "prefix-lm", "window-causal"}
-    assert len(keys) == 3 * (len(problems) - 1) + 1 + len(mask_only)
-    assert sorted(k.spec.mods for k in keys if k.spec.kernel == "bwd") == sorted(by[n].bwd_mods for n in mask_only)
+    whole = {n for n, p in by.items() if p.bwd_mods is not None and not any(p.grad_flags)}
+    assert whole == {"document", "document-causal", "prefix-lm", "window-causal", "alibi", "softcap"}
+    assert len(keys) == 3 * (len(problems) - 1) + 1 + len(whole)
+    assert sorted(k.spec.mods for k in keys if k.spec.kernel == "bwd") == sorted(by[n].bwd_mods for n in whole)
     assert all(is_user_mods(k.spec.mods) for k in keys) and len({k.id for k in keys}) == len(keys)
     assert by["document-causal"].mask == "causal" and by["document"].mask == "none"
     assert by["sinks"].mask == "window" and by["sinks"].bwd_mods is None
@@ -103,7 +104,7 @@ def test_a_wrong_captured_gradient_is_a_wrong_result_row(monkeypatch):
 
 @pytest.mark.parametrize("off", [None, "dK"])
 def test_the_whole_backward_of_a_mask_function_is_checked_on_dq_dk_and_dv(monkeypatch, off):
-    """A ``bwd`` variant (a family's whole backward: mask functions alone) is checked on
+    """A ``bwd`` variant (a family's whole backward: here of a mask function) is checked on
     dQ, dK and dV against float64, with the backward's user arguments passed to its
     launcher.  Here the "whole backward" is the Triton family's two kernels run by one
     launcher (no family compiles it on this CPU); one with dK off is a wrong_result row."""
@@ -137,14 +138,17 @@ def test_the_whole_backward_of_a_mask_function_is_checked_on_dq_dk_and_dv(monkey
 
 
 def test_tune_mods_names_the_family_reason_when_none_serves_the_whole_backward(tmp_path):
-    """kernels=("bwd",) for a mask function alone on this CPU: the key exists, no family
-    serves it here, and the error says so (not that there is no such variant)."""
+    """kernels=("bwd",) for a mask function alone, or a score function, on this CPU: the
+    key exists, no family serves it here, and the error says so (not that there is no
+    such variant); a captured tensor that takes a gradient has no whole backward."""
     q = torch.randn(1, 2, 32, 16, dtype=torch.float16)
-    with pytest.raises(flashgen.InputError, match="no kernel family serves attn_bwd_.*gluon: its kernels do not run"):
-        flashgen.tune_mods(q, q, q, mask_mod=lambda b, h, qi, ki: ki <= qi, db=tmp_path / "x.sqlite",
-                           kernels=("bwd",), benchmarker=lambda v, s: None)
+    for fns in (dict(mask_mod=lambda b, h, qi, ki: ki <= qi), dict(score_mod=lambda s, b, h, qi, ki: s * 2)):
+        with pytest.raises(flashgen.InputError, match="no kernel family serves attn_bwd_.*gluon: its kernels do not"):
+            flashgen.tune_mods(q, q, q, db=tmp_path / "x.sqlite", kernels=("bwd",), benchmarker=lambda v, s: None,
+                               **fns)
+    bias = torch.zeros(32, requires_grad=True)
     with pytest.raises(flashgen.InputError, match="no user variant among kernels"):
-        flashgen.tune_mods(q, q, q, score_mod=lambda s, b, h, qi, ki: s * 2, db=tmp_path / "x.sqlite",
+        flashgen.tune_mods(q, q, q, score_mod=lambda s, b, h, qi, ki: s + bias[ki], db=tmp_path / "x.sqlite",
                            kernels=("bwd",), benchmarker=lambda v, s: None)
 
 

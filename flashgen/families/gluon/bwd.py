@@ -583,20 +583,22 @@ def varlen_reasons(config: GluonBwdConfig, head_dim: int) -> list[str]:
 
 
 def user_reasons(config: GluonBwdConfig, mask: str) -> list[str]:
-    """Why ``config`` cannot compile a user mask function (:func:`.user_bwd.bwd_template_vars`),
+    """Why ``config`` cannot compile user score/mask functions (:func:`.user_bwd.bwd_template_vars`),
     beyond :func:`invalid_reasons`: the knobs whose key and query ranges are their own
     (the ordered dQ's chain, the longest-first grid's sections, a GQA group split over
     programs, the head_dim 256 column and role splits and their lookahead) are not built
     with its block mask; the mask mode is "window" whenever there is a predicate (the
-    forward's rule, :func:`.user.compiled_mask`).  The head dims' default tiles passed
-    their float64 checks on the GPU (``python -m benchmarks gluon-user-bwd``,
-    docs/results/h100/gluon_user_bwd/); the tuner checks any other before timing it."""
+    forward's rule, :func:`.user.compiled_mask`); a score function's code is written into
+    the one consumer step those knobs leave (not the column split's or the lookahead's).
+    The head dims' default tiles passed their float64 checks on the GPU (``python -m
+    benchmarks gluon-user-bwd``, docs/results/h100/gluon_user_bwd/); the tuner checks any
+    other before timing it."""
     c, out = config, []
     for knob, on in (("dq_mode 'ordered'", c.dq_mode == "ordered"), ("longest_first", c.longest_first),
                      (f"group_split {c.group_split}", c.group_split != 1), ("col_split", c.col_split),
                      ("role split", c.col_split and c.split), (f"lookahead {c.lookahead}", bool(c.lookahead))):
         if on:
-            out.append(f"{knob} with a user mask function: not built")
+            out.append(f"{knob} with user score/mask functions: not built")
     return out
 
 
@@ -876,19 +878,20 @@ def render(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, check: 
     ``directory``: another templates directory (the code-id checks); ``probe``: one of
     :data:`DQ_PROBES` (dq_mode "ordered" only); ``varlen``: the ragged-batch main kernel
     (:func:`varlen_reasons`; every other variant renders as without it); ``user``: the
-    ``KernelSpec.mods`` of user mask functions registered in this process
-    (:func:`user_reasons`: the knobs not built with one raise ValueError)."""
+    ``KernelSpec.mods`` of user score/mask functions registered in this process
+    (:func:`.user_bwd.unsupported`: UnsupportedError; :func:`user_reasons`: the knobs not
+    built with them raise ValueError; with a mask function the mask mode is "window")."""
     from .user_bwd import bwd_template_vars
 
     if user and varlen:
-        raise ValueError("a user mask function and varlen: the ragged-batch backward takes none")
+        raise ValueError("user functions and varlen: the ragged-batch backward takes none")
     uvars = bwd_template_vars(user)
-    if user and mask != "window":
+    if user and user.endswith("m") and mask != "window":
         raise ValueError(f"user mask function {user}: compiled into the window kernel (mask 'window': the "
                          f"bounds a band tightens are tested there), not {mask!r}")
     unbuilt = user_reasons(config, mask) if user else []
     if unbuilt:  # with or without the rules' checks: these would read the block mask wrongly or hang
-        raise ValueError(f"Gluon backward config {config.id} with user mask function {user}: " + "; ".join(unbuilt))
+        raise ValueError(f"Gluon backward config {config.id} with user functions {user}: " + "; ".join(unbuilt))
     if probe not in DQ_PROBES or (probe and (config.dq_mode != "ordered" or config.dq_writer)):
         raise ValueError(f"probe {probe!r}: one of {DQ_PROBES[1:]} with dq_mode 'ordered'")
     reasons = invalid_reasons(config, head_dim, dtype, mask) if check else []
@@ -1021,9 +1024,10 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
     :class:`flashgen.errors.LaunchLimitError` (a ValueError) when batch * num_kv_heads *
     S is over CUDA's 65535 (the limit of the 2-D grid's second axis; the 1-D grids of the
     ordered and longest-first variants are held to it too: not run beyond it).  ``user``:
-    the runtime arguments (:class:`flashgen.user_mods.UserArgs`) of a user mask function,
-    after the main kernel's m_pad (its captured tensors, then its block mask in tiles of
-    block_m query rows by block_nt key rows, per kv head)."""
+    the runtime arguments (:class:`flashgen.user_mods.UserArgs`) of user score/mask
+    functions, after the main kernel's m_pad (their captured tensors, then a mask
+    function's block mask in tiles of block_m query rows by block_nt key rows, per kv
+    head)."""
     import torch
 
     b, h, sq, d = q.shape
@@ -1093,7 +1097,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         main += (longest_first_section(b * hk * gs, h // hk // gs, sq, d),)
     if user is not None:
         if tuple(user.sizes) != (b, h, hk, sq, sk, int(diag_lo), int(diag_hi)):
-            raise ValueError(f"user mask function {user.name}: made for sizes and bounds {tuple(user.sizes)}, "
+            raise ValueError(f"user functions {user.name}: made for sizes and bounds {tuple(user.sizes)}, "
                              f"called with {(b, h, hk, sq, sk, int(diag_lo), int(diag_hi))}")
         # user_args: the caller's user.gluon_bwd_args for this config, built once per call
         main += tuple(user.gluon_bwd_args(c.block_m, c.block_nt) if user_args is None else user_args)
@@ -1234,10 +1238,10 @@ def attention_bwd(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, di
     tensor that receives delta = rowsum(dO * O) as the preprocess launch computed it.
     ``check=False`` builds a config the rules reject (:func:`invalid_reasons`; a
     benchmark's probe of one, never the dispatcher's).  ``user``: the runtime arguments
-    (:class:`flashgen.user_mods.UserArgs`) of a user mask function (``mask`` "window";
-    its captured tensors and block mask are a launch plan's inputs too, its sizes and
-    other arguments part of the plan's key; :func:`user_reasons` names the knobs not
-    built with one)."""
+    (:class:`flashgen.user_mods.UserArgs`) of user score/mask functions (``mask`` "window"
+    with a mask function; their captured tensors and block mask are a launch plan's
+    inputs too, their sizes and other arguments part of the plan's key;
+    :func:`user_reasons` names the knobs not built with them)."""
     key, inputs, uargs = None, (do, q, k, v, o, lse, dq, dk, dv), None
     dtype = str(q.dtype).removeprefix("torch.")
     d = q.shape[-1]
@@ -1536,8 +1540,8 @@ def compile_sm90(config: GluonBwdConfig, dtype: str, head_dim: int, mask: str, k
     "attn_bwd_convert", or "group_reduce", the Triton kernel of a group_split > 1 variant),
     from CPU tensors' argument types (no GPU needed; run without TRITON_INTERPRET);
     ``probe``, ``varlen``: :func:`render`'s (``varlen``: "attn_bwd" only); ``user``: a
-    user mask function's :class:`flashgen.user_mods.UserArgs` (its captured tensors on
-    the CPU; the sizes and bounds it was made for)."""
+    user score/mask functions' :class:`flashgen.user_mods.UserArgs` (their captured tensors
+    on the CPU; the sizes and bounds they were made for)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget

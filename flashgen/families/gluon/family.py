@@ -11,9 +11,9 @@ only (compute capability 9.0 exactly: wgmma, setmaxnreg and TMA as these kernels
 them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, the head
 dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
 score mods; masks none, causal and window; user score/mask functions and sinks
-(:mod:`flashgen.user_mods`) in the forward (:mod:`.user`), mask functions alone in the
-whole backward (:mod:`.user_bwd`; checked against float64 on the GPU,
-``python -m benchmarks gluon-user-bwd``).  Everything else is the Triton family's,
+(:mod:`flashgen.user_mods`) in the forward (:mod:`.user`), and in the whole backward
+(:mod:`.user_bwd`) without captured tensors that take a gradient (checked against
+float64 on the GPU, ``python -m benchmarks gluon-user-bwd``).  Everything else is the Triton family's,
 and :meth:`GluonFamily.unsupported` says why.
 
 The knobs live in :class:`flashgen.spec.TileConfig` (its Gluon fields, 0 unless set):
@@ -84,8 +84,8 @@ BWD_DEFAULT_AHEAD = {
 #: measurement (``python -m benchmarks gluon-user-bwd``: the four mask examples of
 #: :mod:`flashgen.user_examples`, document, document-causal, prefix-lm and window-causal,
 #: at 8x16x2048 and 8x16x4096 bf16, the Triton side through ``flashgen.attention`` with
-#: the shipped rows and the Triton family alone; each checked against float64 first).  A
-#: score function keeps the Triton backward (the Gluon one takes none).
+#: the shipped rows and the Triton family alone; each checked against float64 first).
+#: With a score function: :data:`USER_SCORE_BWD_DEFAULT_AHEAD`.
 USER_BWD_DEFAULT_AHEAD = {
     128: "H100, 1.06-1.30x the Triton family's backward over the four mask examples at 8x16x2048 and "
          "8x16x4096 (docs/results/h100/gluon_user_bwd/full)",
@@ -99,6 +99,17 @@ USER_BWD_DEFAULT_AHEAD = {
 #: the dtype as the element type), the rest take tuned rows alone (the tuner checks
 #: each variant first).
 USER_BWD_DEFAULT_DTYPES = ("bfloat16", "float16")
+#: As :data:`USER_BWD_DEFAULT_AHEAD`, for user functions with a score function (and no
+#: captured tensor that takes a gradient: :func:`user_bwd`): head_dim -> the measurement
+#: (``python -m benchmarks gluon-user-bwd -- --examples alibi,softcap,relpos``: ALiBi and
+#: softcap causal, T5's relative bias with its table frozen, at 8x16x2048 and 8x16x4096
+#: bf16, each checked against float64 first at the sizes of the mask examples' checks).
+USER_SCORE_BWD_DEFAULT_AHEAD = {
+    128: "H100, 1.12-3.87x the Triton family's backward over three score examples (ALiBi 1.12-1.20x, softcap "
+         "1.34-1.42x, T5 bias 3.77-3.87x) at 8x16x2048 and 8x16x4096 (docs/results/h100/gluon_user_bwd/score)",
+    64: "H100, 1.28-4.14x the Triton family's backward over three score examples (ALiBi 1.28-1.39x, softcap "
+        "1.62-1.72x, T5 bias 3.89-4.14x) at 8x16x2048 and 8x16x4096 (docs/results/h100/gluon_user_bwd/score)",
+}
 USER_BWD_DEFAULT_MAX_GROUP = 16
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
 #: choice (its tuned bwd_dq_varlen + bwd_dkdv_varlen rows where the shipped database has
@@ -181,23 +192,37 @@ def user_functions(mods: str) -> bool:
     return low is not None and low.direction == "fwd" and (low.score is not None or low.mask is not None)
 
 
-def user_mask_bwd(mods: str) -> bool:
-    """Whether ``mods`` names a backward lowering of user mask functions alone (no score
-    function, so no score derivative and no captured-tensor gradients) registered in
-    this process: the Gluon backward's ``user`` variants (:mod:`.user_bwd`)."""
+def user_bwd(mods: str) -> bool:
+    """Whether ``mods`` names a backward lowering of user score/mask functions registered
+    in this process that the Gluon backward compiles (its ``user`` variants,
+    :mod:`.user_bwd`): no captured tensor that takes a gradient, none read at an index
+    computed from the score (:func:`.user_bwd.unsupported`)."""
     if not is_user_mods(mods):
         return False
     from ... import user_render
+    from .user_bwd import unsupported
 
     low = user_render.registered(mods)
-    return low is not None and low.direction == "bwd" and low.score is None and low.mask is not None
+    return low is not None and low.direction == "bwd" and unsupported(low) is None
+
+
+def user_score_bwd(mods: str) -> bool:
+    """Whether ``mods`` names a backward lowering that :func:`user_bwd` admits and that has
+    a score function (whose default has a measurement of its own,
+    :data:`USER_SCORE_BWD_DEFAULT_AHEAD`)."""
+    if not user_bwd(mods):
+        return False
+    from ... import user_render
+
+    return user_render.registered(mods).score is not None
 
 
 def bwd_mask(s) -> str:
     """The mask mode a Gluon backward variant of KernelSpec ``s`` compiles: "window" for
     user mask functions (their block mask's ranges and the window kernel's loops serve
-    every built-in mode, as in the forward), else the key's."""
-    return "window" if user_mask_bwd(s.mods) else s.mask
+    every built-in mode, as in the forward), else the key's (a score function alone
+    keeps it)."""
+    return "window" if user_bwd(s.mods) and s.mods.endswith("m") else s.mask
 
 
 def fwd_spec(key_or_spec) -> C.GluonFwdSpec:
@@ -309,21 +334,21 @@ class GluonFamily:
         if key.layout == "strided":
             return "needs inputs a tensor descriptor can address (layout strided)"
         if s.mods and not (s.kernel == "fwd" and (sinks_only(s.mods) or user_functions(s.mods))
-                           or s.kernel == WHOLE_BWD and user_mask_bwd(s.mods)):
+                           or s.kernel == WHOLE_BWD and user_bwd(s.mods)):
             if is_user_mods(s.mods):
                 from ... import user_render
+                from .user_bwd import unsupported
 
                 low = user_render.registered(s.mods)
-                if low is not None and s.kernel == WHOLE_BWD and low.score is not None:
-                    return (f"user functions {s.mods}: a score function's backward (its derivative, its captured "
-                            "tensors' gradients) is the Triton family's; the Gluon whole backward takes mask "
-                            "functions alone")
+                if low is not None and s.kernel == WHOLE_BWD and unsupported(low) is not None:
+                    return (f"user functions {s.mods}: the Gluon whole backward does not take {unsupported(low)}; "
+                            "the Triton family's backward serves them")
                 return (f"user functions {s.mods}: the Gluon family serves them once registered in this process "
-                        "(flashgen.attention or the tuner traced them), in the forward and, for mask functions "
-                        "alone (no score function), in the whole backward (bwd)")
+                        "(flashgen.attention or the tuner traced them), in the forward and the whole backward "
+                        "(bwd)")
             return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes user functions)"
         if s.kernel == WHOLE_BWD and s.mods and B.col_split_dim(s.head_dim):
-            return (f"user mask functions ({s.mods}) at head_dim {s.head_dim}: the column-split backward "
+            return (f"user functions ({s.mods}) at head_dim {s.head_dim}: the column-split backward "
                     "program is not built with them")
         if s.mask not in C.MASKS:
             return f"mask {s.mask}: one of {C.MASKS}"
@@ -530,10 +555,11 @@ class GluonFamily:
         if s.kernel == VARLEN_BWD:
             seen = BWD_VARLEN_DEFAULT_AHEAD.get((s.head_dim, s.mask))
             return None if seen is None else f"H200, {seen}"
-        if s.mods:  # user mask functions alone: unsupported() refuses the rest
+        if s.mods:  # user score/mask functions (user_bwd): unsupported() refuses the rest
             checked = (s.dtype in USER_BWD_DEFAULT_DTYPES and key.group <= USER_BWD_DEFAULT_MAX_GROUP
                        and key.seqlen_q == key.seqlen_k)
-            return USER_BWD_DEFAULT_AHEAD.get(s.head_dim) if checked and s.head_dim == s.head_dim_v else None
+            ahead = USER_SCORE_BWD_DEFAULT_AHEAD if user_score_bwd(s.mods) else USER_BWD_DEFAULT_AHEAD
+            return ahead.get(s.head_dim) if checked and s.head_dim == s.head_dim_v else None
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
         return None if seen is None else f"H200, {seen}"
 
@@ -663,16 +689,18 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     float32 by reduce-add, not bitwise repeatable).  ``delta``, when given (a float32
     tensor like lse), receives rowsum(dO * O) from the preprocess launch (the sinks'
     gradient reads it).  ``mods``: None, or the backward's runtime arguments
-    (:class:`flashgen.user_mods.UserArgs`) of user mask functions alone
-    (:func:`user_mask_bwd`; ``mask`` is then the built-in mode, the variant's own is
-    "window"); ValueError for score functions and built-in score mods (the Triton
-    family's)."""
+    (:class:`flashgen.user_mods.UserArgs`) of user score/mask functions (:func:`user_bwd`;
+    ``mask`` is the built-in mode, the variant's own is "window" with a mask function);
+    ValueError for the user functions :func:`user_bwd` refuses and built-in score mods
+    (the Triton family's)."""
     user = None
     if mods is not None:
-        if not user_mask_bwd(mods.name):
+        if not user_bwd(mods.name):
             raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's (the Gluon "
-                             "backward takes user mask functions alone)")
-        user, mask = mods, "window"
+                             "backward takes user score/mask functions without captured-tensor gradients)")
+        user = mods
+        if mods.name.endswith("m"):
+            mask = "window"
     building, launch_mod = _launch_modules()
     # dO from autograd may be an expanded view (a sum's gradient); O a slice: the
     # descriptors need 16-byte aligned strides

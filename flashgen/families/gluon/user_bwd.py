@@ -1,5 +1,5 @@
-"""User mask functions (:mod:`flashgen.user_mods`) in the Gluon backward: the Jinja
-variables of ``templates/gluon/attn_bwd.py.j2`` for a variant rendered with
+"""User score and mask functions (:mod:`flashgen.user_mods`) in the Gluon backward: the
+Jinja variables of ``templates/gluon/attn_bwd.py.j2`` for a variant rendered with
 ``user=`` (:func:`flashgen.families.gluon.bwd.render`).  Pure: imports neither torch
 nor triton.
 
@@ -7,6 +7,15 @@ The code is :class:`flashgen.user_render.Context`'s for the Triton family's dK/d
 kernel (``bwd_dkdv``: the transposed score tile, key rows down and query rows across),
 written in Gluon by :func:`.user.gluon`.  Kept apart from :mod:`.user`, whose source is
 part of the forward's user code id (:func:`.render.user_code_id`).
+
+A score function f runs in every step on s = softmax_scale * (K Q^T) (natural units):
+P^T = exp2(f(s) * log2(e) - LSE2), and dS^T = P^T (dP^T - delta) f'(s), with f' the
+derivative :mod:`flashgen.user_mods` traced (:attr:`flashgen.user_render.Lowered.dscore`);
+the products that follow scale dQ and dK by softmax_scale as without one, so each is the
+gradient through s = softmax_scale * q.k.  Its captured tensors are read as the forward
+reads them; a captured tensor that takes a gradient (accumulated by the Triton family's
+dQ kernel) or is read at an index computed from the score is not built here
+(:func:`unsupported`).
 """
 
 from __future__ import annotations
@@ -18,40 +27,73 @@ from ...errors import UnsupportedError
 from .user import _CONST_MASK, gluon
 
 
-def bwd_template_vars(mods: str, indent: str = "            ") -> dict:
+def unsupported(low) -> str | None:
+    """Why the Gluon backward cannot compile lowering ``low``
+    (:class:`flashgen.user_render.Lowered`, direction "bwd"), or None: sinks (whose
+    gradient needs nothing of the kernel reach it without their flag), a captured tensor
+    that takes a gradient, a read at an index computed from the score, or no score or
+    mask function at all."""
+    if low.sinks:
+        return "sinks: their gradient comes from LSE and delta, the backward's lowering carries none"
+    if low.score is None and low.mask is None:
+        return "no score or mask function"
+    if low.grads:
+        return ("a captured tensor that takes a gradient (the Triton family's dQ kernel accumulates it; the "
+                "Gluon backward computes none)")
+    if low.sized_bufs:
+        return "a captured tensor read at an index computed from the score (its bounds check is not built)"
+    return None
+
+
+def bwd_template_vars(mods: str, indent: str = "            ", step_indent: str = "        ") -> dict:
     """The Jinja variables of ``templates/gluon/attn_bwd.py.j2`` for user functions
     ``mods`` ("" for none: every variable empty, so a plain variant renders as before).
-    Mask functions only (a score function's derivative and its captured tensors'
-    gradients are the Triton family's): a band tightens diag_lo / diag_hi
-    (``USER_BOUNDS``); any other mask function's predicate ``u_keep`` is evaluated in
-    the masked tiles of S^T, on the key rows ``u_cols`` (down) and the query rows
-    ``u_rows`` (across), with its per-(batch, head) values (``USER_SETUP``) computed
-    there for the step's query head ``u_h``; its block mask gives each key block's
-    query rows [first visited, interior start, interior end, end).  ``indent``: the
-    masked branch's indentation in the consumer's step.  Raises UnsupportedError for a
-    score function or sinks."""
-    empty = dict(USER=False, USER_NAME="", USER_MASK=False, USER_BOUNDS="", USER_MASK_BLOCK="", USER_SETUP="",
-                 U_KP="", U_ARGS="")
+    A band tightens diag_lo / diag_hi (``USER_BOUNDS``); a score function's code
+    (``USER_SCORE_BLOCK``: ``u_s`` from the raw S^T tile to base 2, ``u_g`` its derivative
+    where it is not 1) runs in every step, its per-(batch, head) values (``USER_SETUP``)
+    computed there for the step's query head ``u_h``; any other mask function's
+    predicate ``u_keep`` is evaluated in the masked tiles of S^T, on the key rows
+    ``u_cols`` (down) and the query rows ``u_rows`` (across) (its per-(batch, head)
+    values there too when there is no score function); its block mask gives each key
+    block's query rows [first visited, interior start, interior end, end).  ``indent``:
+    the masked branch's indentation in the consumer's step; ``step_indent``: the step's.
+    Raises UnsupportedError for what :func:`unsupported` names."""
+    empty = dict(USER=False, USER_NAME="", USER_MASK=False, USER_SCORE=False, USER_DSCORE=False,
+                 USER_DS_GUARD=False, USER_SIGMOID=False, USER_BOUNDS="", USER_MASK_BLOCK="", USER_SETUP="",
+                 USER_SCORE_BLOCK="", U_KP="", U_ARGS="")
     if not mods:
         return empty
     low = user_render.lowered(mods)
-    if low.score is not None or low.sinks:
-        raise UnsupportedError(f"user functions {mods}: the Gluon backward takes mask functions only (a score "
-                               "function or sinks: the Triton family's backward)")
+    why = unsupported(low)
+    if why is not None:
+        raise UnsupportedError(f"user functions {mods}: not built in the Gluon backward: {why} (the Triton "
+                               "family's backward)")
     ctx = user_render.Context(low, "bwd_dkdv")
     out = dict(empty, USER=True, USER_NAME=mods, USER_BOUNDS=gluon(ctx.bounds()).rstrip("\n"))
-    if not ctx.mask:
+    score = low.score is not None
+    if not (ctx.mask or score):
         return out
     # a constant predicate (a mask function that keeps nothing) as a full tile of S^T
     block = _CONST_MASK.sub(r"gl.full([PB, BLOCK_M], \1, gl.int1, ST_LAYOUT)",
-                            ctx.score_block("s", "u_rows", "u_cols", True))
+                            ctx.score_block("u_s", "u_rows", "u_cols", True))
     lines = gluon(block).rstrip("\n").splitlines()
-    cut = next(i for i, ln in enumerate(lines) if ln.strip() == "if MASKED:")
-    # the consumer evaluates the predicate in its masked branch: the block without its
-    # own "if MASKED:" (the lines before it are comments)
-    body = textwrap.dedent("\n".join(lines[:cut])) + "\n" + textwrap.dedent("\n".join(lines[cut + 1:]))
+    cut = next((i for i, ln in enumerate(lines) if ln.strip() == "if MASKED:"), len(lines))
     params = ctx.kernel_params(False).rstrip(", ")
-    out.update(USER_MASK=True, USER_MASK_BLOCK=textwrap.indent(body, indent),
-               USER_SETUP=gluon(ctx.setup("u_z", "u_h", indent)).rstrip("\n"), U_KP=", " + params,
-               U_ARGS=", " + params + ", m_full_lo, m_full_hi")
+    kp = ", " + params if params else ""
+    setup = gluon(ctx.setup("u_z", "u_h", step_indent if score else indent)).rstrip("\n")
+    out.update(U_KP=kp, U_ARGS=kp, USER_SETUP=setup)
+    if score:
+        # the score function's lines (before the mask function's "if MASKED:"), at the step's level
+        out.update(USER_SCORE=True, USER_DSCORE=user_render._nonunit(low.dscore),
+                   USER_DS_GUARD=user_render._nonunit(low.dscore) and user_render.may_be_infinite(low.score,
+                                                                                                 low.dscore),
+                   USER_SCORE_BLOCK=textwrap.indent(textwrap.dedent("\n".join(lines[:cut])), step_indent))
+    if ctx.mask:
+        # the consumer evaluates the predicate in its masked branch: the block without its
+        # own "if MASKED:" (without a score function the lines before it are comments)
+        head = "" if score else textwrap.dedent("\n".join(lines[:cut])) + "\n"
+        body = head + textwrap.dedent("\n".join(lines[cut + 1:]))
+        out.update(USER_MASK=True, USER_MASK_BLOCK=textwrap.indent(body, indent),
+                   U_ARGS=kp + ", m_full_lo, m_full_hi")
+    out["USER_SIGMOID"] = "_sigmoid(" in out["USER_SCORE_BLOCK"] + out["USER_MASK_BLOCK"]
     return out
