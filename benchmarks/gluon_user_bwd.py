@@ -11,8 +11,9 @@ family's backward of the same functions (flashgen.attention through autograd wit
 ``FLASHGEN_FAMILIES=triton``, the shipped rows) at batch 8, 16 heads and seqlen 2048
 (the ``user-examples`` preset's size) and 4096; each timing records which backward the
 dispatcher itself picks there (``flashgen.explain``).  Writes gluon_user_bwd.json under
---out and prints a short table last.  The score examples' captured tensors take no
-gradient (``relpos``: T5's bias table frozen), which the Gluon backward requires.
+--out and prints a short table last.  ``relpos`` is T5's bias with its table frozen,
+``relpos-learned`` with the table taking a gradient (checked too, and computed in the
+timed backward of both families).
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_user_bwd.py --out $OUT
 """
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 #: The examples of flashgen.user_examples the Gluon backward compiles: mask functions (a
 #: band: window-causal), then score functions (their tensors without a gradient).
 MASK_EXAMPLES = ("document", "document-causal", "prefix-lm", "window-causal")
-SCORE_EXAMPLES = ("alibi", "softcap", "relpos")
+SCORE_EXAMPLES = ("alibi", "softcap", "relpos", "relpos-learned")
 EXAMPLES = MASK_EXAMPLES + SCORE_EXAMPLES
 HEAD_DIMS = (64, 128)
 #: (batch, heads, kv heads, seqlen, dtype) of the checks; (batch, heads, kv heads,
@@ -53,7 +54,7 @@ def _problem(name: str, d: int, b: int, h: int, hk: int, s: int, seed: int = 0, 
     from flashgen import user_examples, user_mods
     from flashgen.masks import mask_bounds
 
-    ex = user_examples.make(name, h, s, device="cuda", requires_grad=False)
+    ex = user_examples.make(name.removesuffix("-learned"), h, s, device="cuda", requires_grad=name.endswith("-learned"))
     score_mod, mask_mod = ex.functions(*ex.tensors)
     mode, lo, hi = mask_bounds(s, s, causal=ex.causal, window=tuple(ex.window))
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -71,6 +72,9 @@ def _problem(name: str, d: int, b: int, h: int, hk: int, s: int, seed: int = 0, 
 def _gluon_bwd(d, q, k, v, do, o, lse, mode, lo, hi, ua, stage_sync=False):
     from flashgen.families.gluon import bwd as B
 
+    for g in ua.grads:  # the captured tensors' gradients, as flashgen.attention's backward zeroes them
+        if g is not None:
+            g.zero_()
     return B.attention_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, diag_lo=lo, diag_hi=hi, mask=mode,
                            config=B.default_config(d, str(q.dtype).removeprefix("torch."), mode), check=False,
                            user=ua, stage_sync=stage_sync)
@@ -92,14 +96,21 @@ def _child(name: str, d: int) -> dict:
             o, lse = flashgen.attention(q, k, v, causal=ex.causal, window=tuple(ex.window), score_mod=score_mod,
                                         mask_mod=mask_mod, return_lse=True)
         got = dict(zip(("dQ", "dK", "dV"), _gluon_bwd(d, q, k, v, do, o, lse, mode, lo, hi, ua, stage_sync=True)))
+        names = ["dQ", "dK", "dV"]
+        learned = [t for t in ex.tensors if t.requires_grad]
+        for n, t in enumerate(learned):
+            got[f"dT{n}"] = ua.grads[n].view(t.shape)
+            names.append(f"dT{n}")
         refs = {}
         for dt in (torch.float64, q.dtype):
             qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
-            oo, _ = user_mods.reference(qq, kk, vv, d ** -0.5, lo, hi, score_mod=score_mod, mask_mod=mask_mod,
-                                        dtype=dt)
-            refs[dt] = torch.autograd.grad(oo, (qq, kk, vv), do.to(dt))
-        res = bench._ratios(got, {n: (refs[torch.float64][i], refs[q.dtype][i]) for i, n in
-                                  enumerate(("dQ", "dK", "dV"))}, q.dtype)
+            tt = [t.detach().to(torch.float64 if dt == torch.float64 else torch.float32).requires_grad_()
+                  for t in learned]
+            sm = ex.functions(*tt)[0] if learned else score_mod
+            oo, _ = user_mods.reference(qq, kk, vv, d ** -0.5, lo, hi, score_mod=sm, mask_mod=mask_mod, dtype=dt)
+            refs[dt] = torch.autograd.grad(oo, (qq, kk, vv, *tt), do.to(dt))
+        res = bench._ratios(got, {n: (refs[torch.float64][i], refs[q.dtype][i]) for i, n in enumerate(names)},
+                            q.dtype)
         out["checks"].append({"size": [b, h, hk, s], "dtype": dtype, "ratio": max(r for _, _, r in res.values()),
                               "errors": {n: [e, be] for n, (e, be, _) in res.items()}})
     out["ok"] = all(c["ratio"] <= 1.0 for c in out["checks"])

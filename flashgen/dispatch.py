@@ -522,7 +522,7 @@ class Dispatcher:
         names them by their dense roles, ``bwd_dq``, ``bwd_dkdv`` and ``bwd``)."""
         names = _BWD_VARLEN_NAMES if is_varlen(key.spec.kernel) else _BWD_NAMES
         # built-in score mods: the two kernels alone; user functions: a family's whole
-        # backward may serve them too (the Gluon one where no captured tensor takes a gradient)
+        # backward may serve them too (the Gluon one unless an index is computed from the score)
         whole = not key.spec.mods or (is_user_mods(key.spec.mods) and not is_varlen(key.spec.kernel))
         roles = ("bwd_dq", "bwd_dkdv", WHOLE_BWD) if whole else ("bwd_dq", "bwd_dkdv")
         kernels = {r: dataclasses.replace(key, spec=dataclasses.replace(key.spec, kernel=names[r])) for r in roles}

@@ -50,7 +50,7 @@ WHOLE_BWD_VARLEN = "bwd_varlen"
 #: Every kernel name a KernelSpec, a ProblemKey or a DB row may carry.
 ALL_KERNELS = KERNELS + (WHOLE_BWD, WHOLE_BWD_VARLEN)
 #: The kernels user score/mask functions compile into: the dense ones, and a family's
-#: whole backward (where no captured tensor takes a gradient).
+#: whole backward (unless a captured tensor is read at an index computed from the score).
 USER_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", WHOLE_BWD)
 #: The mask modes the decode kernels compile (a sliding window is not served).
 DECODE_MASKS = ("none", "causal")

@@ -1049,10 +1049,15 @@ class UserArgs:
 
     def gluon_bwd_args(self, block_m: int, block_nt: int) -> list:
         """The Gluon backward's arguments after m_pad
-        (:func:`flashgen.families.gluon.user_bwd.bwd_template_vars`): the mask function's
-        captured tensors with their strides, and its block mask per key block of
+        (:func:`flashgen.families.gluon.user_bwd.bwd_template_vars`): the functions'
+        captured tensors with their strides, the float32 gradient buffers of those that
+        take one (as bwd_dq's), and the mask function's block mask per key block of
         ``block_nt`` rows and kv head in tiles of ``block_m`` query rows."""
-        return self._args(None, "bwd_dkdv", block_m, block_nt)
+        out = self._args(None, "bwd_dkdv", block_m, block_nt)
+        if self.low.grads:  # after the captured tensors (and their sizes), before the block mask
+            n = sum(1 + t.dim() + (t.dim() if i in self.low.sized_bufs else 0) for i, t in enumerate(self.bufs))
+            out[n:n] = [g for g in self.grads if g is not None]
+        return out
 
     def _args(self, softmax_scale: float | None, kernel: str, block_m: int, block_n: int) -> list:
         """The scale (None: left out), the buffers with their strides (and sizes where read

@@ -5,15 +5,16 @@ traced and lowered once, which gives the variants' names (``KernelSpec.mods`` = 
 a hash of the lowered code, the same in every process that traces the same functions)
 and so their problem keys: ``fwd`` (the forward with the score/mask functions and the
 sinks), and, when there is a score or mask function, ``bwd_dq`` and ``bwd_dkdv`` (the
-backward's, with the gradients of the captured tensors that require grad), and, when
-no captured tensor takes a gradient, ``bwd`` too (a family's whole backward: the Gluon
-one's user variants, :mod:`flashgen.families.gluon.user_bwd`).  Sinks alone have no backward
+backward's, with the gradients of the captured tensors that require grad), and, unless
+a captured tensor is read at an index computed from the score, ``bwd`` too (a family's
+whole backward: the Gluon one's user variants, :mod:`flashgen.families.gluon.user_bwd`).  Sinks alone have no backward
 variant: their backward runs the plain kernels (tuned as plain keys).
 
 :class:`UserBenchmarker` measures a variant of a problem the way the tuner's
 :class:`flashgen.bench.KernelBenchmarker` measures built-in ones: first a check against
 the float64 reference (:func:`flashgen.user_mods.reference`: O and LSE for fwd; dQ and
-the captured tensors' gradients for bwd_dq; dK, dV for bwd_dkdv; dQ, dK, dV for bwd) on an awkward size
+the captured tensors' gradients for bwd_dq; dK, dV for bwd_dkdv; dQ, dK, dV and those
+gradients for bwd) on an awkward size
 (seqlens not multiples of any tile, memory past seqlen_k holding NaN, outputs poisoned
 with NaN) with the rule max error <= 2 x torch's error at the input dtype + floor; then
 the kernel alone, timed at the problem's size (CUDA events, L2 flushed, median).  A
@@ -95,9 +96,8 @@ class UserProblem:
     def has(self, kernel: str) -> bool:
         """Whether this problem has a user variant of ``kernel``: the forward always, the
         backward's two kernels with a score or mask function, the whole backward where the
-        Gluon backward compiles the functions (no captured tensor that takes a gradient,
-        none read at an index computed from the score:
-        :func:`flashgen.families.gluon.user_bwd.unsupported`)."""
+        Gluon backward compiles the functions (no captured tensor read at an index
+        computed from the score: :func:`flashgen.families.gluon.user_bwd.unsupported`)."""
         if kernel == "fwd":
             return True
         if kernel == WHOLE_BWD:
@@ -110,7 +110,8 @@ class UserProblem:
         """The KernelSpec of ``kernel``'s user variant (ValueError for a kernel it has none of)."""
         if not self.has(kernel):
             raise ValueError(f"{self.label}: no user variant of {kernel!r} (sinks alone run the plain backward; "
-                             "the whole backward is not built with captured-tensor gradients)")
+                             "the whole backward is not built with a captured tensor read at an index computed "
+                             "from the score)")
         mods = self.fwd_mods if kernel == "fwd" else self.bwd_mods
         return KernelSpec(kernel, self.dtype, self.head_dim, self.head_dim_v, self.mask, mods)
 
@@ -147,15 +148,20 @@ def _runner(problem: UserProblem, variant: Variant, q, k, v, do, arch=None):
     fcfg = heuristics.default_config(problem.spec("fwd"), arch)
     o, lse = families.launcher(fcfg.family, "fwd")(q, k, v, config=fcfg, mods=fwd, **kw)
     grads = [g for g in bwd.grads if g is not None]
-    if spec.kernel == WHOLE_BWD:  # no captured-tensor gradients (UserProblem.has)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        launch = families.launcher(cfg.family, WHOLE_BWD)
-        return (lambda: launch(do, q, k, v, o, lse, config=cfg, dq=dq, dk=dk, dv=dv, mods=bwd, **kw)), \
-            {"dQ": dq, "dK": dk, "dV": dv}
 
     def zero():
         for g in grads:
-            g.zero_()  # as the backward of flashgen.attention does before bwd_dq
+            g.zero_()  # as the backward of flashgen.attention does before bwd_dq or a whole backward
+    if spec.kernel == WHOLE_BWD:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        launch = families.launcher(cfg.family, WHOLE_BWD)
+
+        def whole():
+            zero()
+            launch(do, q, k, v, o, lse, config=cfg, dq=dq, dk=dk, dv=dv, mods=bwd, **kw)
+        outs = {"dQ": dq, "dK": dk, "dV": dv}
+        outs.update({f"d{n}": g for n, g in enumerate(bwd.grads) if g is not None})
+        return whole, outs
     if spec.kernel == "bwd_dq":
         dq, delta = torch.empty_like(q), torch.empty_like(lse)
         launch = families.launcher(cfg.family, "bwd_dq")
@@ -362,7 +368,8 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
     wanted = items([problem], kernels)
     if not wanted:
         raise InputError(f"no user variant among kernels {tuple(kernels)}: a forward (fwd) always, bwd_dq and "
-                         "bwd_dkdv with a score or mask function, bwd where no captured tensor takes a gradient")
+                         "bwd_dkdv with a score or mask function, bwd unless a captured tensor is read at an "
+                         "index computed from the score")
     work = tuner.servable(wanted, arch)  # (the whole backward only where a family serves it here)
     if not work:
         raise InputError(f"no kernel family serves {', '.join(k.id for k, _ in wanted)} on {arch.sm}: "

@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-from flashgen import user_examples, user_mods
+from flashgen import user_examples, user_grads, user_mods
 from flashgen.errors import UnsupportedError
 from flashgen.families.gluon import bwd as B
 from flashgen.families.gluon import user_bwd as U
@@ -47,6 +47,13 @@ class _Ptr:
 
     def __add__(self, n):
         return _Ptr(self.flat, self.off + n)
+
+    def add(self, val, mask=None):
+        """An atomic add at the offsets (where ``mask``), into the flat tensor."""
+        off = torch.as_tensor(self.off)
+        val = torch.as_tensor(val, dtype=self.flat.dtype).expand(off.shape)
+        keep = torch.ones(off.shape, dtype=torch.bool) if mask is None else torch.as_tensor(mask).expand(off.shape)
+        self.flat.index_put_((off[keep].long(),), val[keep], accumulate=True)
 
     def load(self, mask=None, other=0):
         off = self.off
@@ -210,6 +217,9 @@ _GL_TILE = types.SimpleNamespace(
     maximum=lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b)),
     minimum=lambda a, b: torch.minimum(torch.as_tensor(a), torch.as_tensor(b)),
     zeros_like=torch.zeros_like, load=lambda p, mask=None, other=0: p.load(mask, other),
+    sum=lambda x, axis: torch.sum(x, dim=axis), min=lambda x, axis: torch.amin(x, dim=axis),
+    max=lambda x, axis: torch.amax(x, dim=axis), zeros=lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype),
+    atomic_add=lambda p, val, mask=None, sem=None: p.add(val, mask),
     float32=torch.float32, float64=torch.float64, int64=torch.int64, int32=torch.int32, int1=torch.bool)
 
 
@@ -218,7 +228,8 @@ def _score_step(src: str, args: list, st, lse2, dpt, delta, off_z: int, off_h: i
     """Run the rendered backward ``src``'s own statements of one unmasked consumer step on
     the CPU: from the user functions' index vectors to P^T, and dS^T (float32, not
     rounded to the input dtype), on the raw S^T tile ``st`` (key rows down, query rows
-    across), the step's LSE2 ``lse2``, dP^T ``dpt`` and delta ``delta``."""
+    across), the step's LSE2 ``lse2``, dP^T ``dpt`` and delta ``delta``; the captured
+    tensors' gradients are added into their buffers among ``args``."""
     tree = ast.parse(src).body
     fns = {n.name: n for n in tree if isinstance(n, ast.FunctionDef)}
     ns = {"gl": _GL_TILE}
@@ -233,7 +244,12 @@ def _score_step(src: str, args: list, st, lse2, dpt, delta, off_z: int, off_h: i
     body = loop.body
     first = next(i for i, x in enumerate(body) if ast.unparse(x) == "u_z = off_z")
     last = next(i for i, x in enumerate(body) if isinstance(x, ast.Assign) and ast.unparse(x.targets[0]) == "pt")
-    ds = [x for x in body[last:] if isinstance(x, ast.Assign) and ast.unparse(x.targets[0]) == "ds"]
+    # dS^T, and the captured tensors' gradients: the statements of u_* names and their
+    # loops and atomics (not the step's products, stores and waits)
+    ds = [x for x in body[last + 1:]
+          if (isinstance(x, ast.Assign) and (ast.unparse(x.targets[0]) == "ds" or ast.unparse(x.targets[0]).startswith("u_")))
+          or (isinstance(x, ast.For) and ast.unparse(x.target) == "u_v")
+          or (isinstance(x, ast.Expr) and ast.unparse(x).startswith("gl.atomic_add("))]
     step = compile(ast.Module(body=body[first:last + 1] + ds, type_ignores=[]), "<step>", "exec")
     consts = {n.targets[0].id: ast.literal_eval(n.value.args[0]) for n in tree if isinstance(n, ast.Assign)
               and isinstance(n.targets[0], ast.Name) and n.targets[0].id in ("BLOCK_M", "PB")}
@@ -242,9 +258,60 @@ def _score_step(src: str, args: list, st, lse2, dpt, delta, off_z: int, off_h: i
                                 for n, a in zip(user_params, args)},
                off_z=torch.tensor(off_z, dtype=torch.int32), off_h=torch.tensor(off_h, dtype=torch.int32), m0=m0,
                nc=nc, softmax_scale=softmax_scale, st=st, lse=lse2, dpt=dpt, delta=delta, seqlen_q=sq, seqlen_k=sk,
-               COL_ST=None, ROW_ST=None, DTYPE=torch.float32)
+               COL_ST=None, ROW_ST=None, ST_LAYOUT=None, DTYPE=torch.float32)
     exec(step, env)
     return env["pt"], env["ds"]
+
+
+def _grad_cases():
+    """Score functions whose captured tensor takes a gradient: (make(tensor) -> score_mod,
+    the tensor, causal, window).  T5's table (32, 4) is summed per index value in the tile
+    (``user_grads.Reduced``), a bias of 100 entries by per-element atomics."""
+    g = torch.Generator().manual_seed(4)
+    table = (torch.randn(32, 4, generator=g) * 0.5).requires_grad_()
+    bias = torch.randn(100, generator=g).requires_grad_()
+    return {
+        "relpos-learned": (lambda t: lambda s, b_, h_, q, kv: s + t[user_examples.t5_bucket(kv - q), h_], table,
+                           False, (-1, -1)),
+        "bias-100": (lambda t: lambda s, b_, h_, q, kv: s + t[(kv - q) % 100], bias, True, (-1, -1)),
+    }
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", list(_grad_cases()))
+def test_the_steps_add_the_captured_tensors_gradients(name, d):
+    """The rendered step's own statements (run on the CPU in float32) add into the
+    captured tensor's gradient buffer what float64 autograd gives for that tile: the sum
+    over the tile of dS^T (before f'(s)) times d f / d tensor, for query head 3 of batch
+    entry 1 at a step off the diagonal."""
+    make, tensor, causal, window = _grad_cases()[name]
+    b, h, hk, sq, sk = 2, 4, 2, 500, 700
+    mode, lo, hi = mask_bounds(sq, sk, causal=causal, window=window)
+    ua = _user_args(make(tensor), None, b, h, hk, sq, sk, lo, hi)
+    assert len(ua.low.grads) == 1 and (name == "relpos-learned") == isinstance(ua.low, user_grads.Reduced)
+    uvars = U.bwd_template_vars(ua.name)
+    assert uvars["USER_GRADS"] and ("range(u_rlo" in uvars["USER_GRADS"]) == (name == "relpos-learned")
+    cfg = B.default_config(d, "bfloat16", mode)
+    src = B.render(cfg, "bfloat16", d, mode, user=ua.name)
+    pb, bm = cfg.part_rows, cfg.block_m
+    g = torch.Generator().manual_seed(12)
+    scale = d ** -0.5
+    m0, nc = 320, 192  # query rows [320, 384), key rows [192, 192 + PB): both signs of kv - q at d128
+    st = torch.randn(pb, bm, generator=g) * 20.0
+    dpt = torch.randn(pb, bm, generator=g)
+    delta = torch.randn(bm, generator=g)
+    rows_q = (m0 + torch.arange(bm)).view(1, -1).to(torch.int64)
+    rows_k = (nc + torch.arange(pb)).view(-1, 1).to(torch.int64)
+    t64 = tensor.detach().double().requires_grad_()
+    f = make(t64)(scale * st.double(), torch.tensor(1), torch.tensor(3), rows_q, rows_k)
+    lse = f.detach().amax(0) + 0.5
+    ds_ref = torch.exp(f.detach() - lse) * (dpt.double() - delta.double())  # dL/df of the tile
+    (want,) = torch.autograd.grad(f, [t64], ds_ref)
+    args = ua.gluon_bwd_args(cfg.block_m, cfg.block_nt)
+    _score_step(src, args, st, (lse / math.log(2)).float(), dpt, delta, 1, 3, m0, nc, scale, sq, sk)
+    got = ua.grads[0].view(tensor.shape).double()
+    assert want.abs().max() > 0.1 and (want != 0).sum() > 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -317,19 +384,17 @@ def test_the_rules_refuse_the_knobs_not_built_with_a_mask_function_and_score_fun
                       diag_hi=32, config=cfg, user=ua)
     with pytest.raises(ValueError, match="varlen"):
         B.render(cfg, "bfloat16", 128, "window", check=False, user=ua.name, varlen=True)
-    # a score function compiles into the key's own mask mode; a captured tensor that takes
-    # a gradient, or one read at an index computed from the score, stays the Triton family's
+    # a score function compiles into the key's own mask mode; a captured tensor read at an
+    # index computed from the score stays the Triton family's
     scored = _user_args(lambda s, b_, h_, q, kv: s * 0.5, None, 1, 2, 1, 64, 64, -64, 64)
     assert "u_g = 0.5\n" in B.render(cfg, "bfloat16", 128, "none", user=scored.name)  # f'(s): a constant
     for knob in (dict(dq_mode="ordered"), dict(longest_first=True), dict(group_split=2)):
         with pytest.raises(ValueError, match="not built"):
             B.render(dataclasses.replace(cfg, **knob), "bfloat16", 128, "none", check=False, user=scored.name)
-    table = torch.randn(8, requires_grad=True)
-    for fn, why in ((lambda s, b_, h_, q, kv: s + table[(kv - q).abs() % 8], "takes a gradient"),
-                    (lambda s, b_, h_, q, kv: s + table.detach()[(s.abs() * 2).long() % 8], "computed from the score")):
-        ua_t = _user_args(fn, None, 1, 2, 1, 64, 64, -64, 64)
-        with pytest.raises(UnsupportedError, match=why):
-            U.bwd_template_vars(ua_t.name)
+    table = torch.randn(8)
+    ua_t = _user_args(lambda s, b_, h_, q, kv: s + table[(s.abs() * 2).long() % 8], None, 1, 2, 1, 64, 64, -64, 64)
+    with pytest.raises(UnsupportedError, match="computed from the score"):
+        U.bwd_template_vars(ua_t.name)
     plain = B.render(cfg, "bfloat16", 128, "window")
     assert "UBM" not in plain and "u_keep" not in plain  # a plain variant renders as before
 
@@ -418,8 +483,13 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
     assert gluon.template_hash("bwd", p.bwd_mods) in families.hashes("bwd", [""])
     d256 = _mask_problem("document-causal", 256).keys(["bwd"])[0][0]  # the column-split program: not built
     assert "column-split" in gluon.unsupported(d256, sm90)
-    scored = _mask_problem("relpos", requires_grad=True)  # the table takes a gradient
-    assert scored.keys(["bwd"]) == [] and "takes a gradient" in gluon.unsupported(
+    # a captured tensor read at an index computed from the score: the two kernels
+    from flashgen import user_tune
+
+    table = torch.randn(8)
+    scored = user_tune.UserProblem(lambda s, b_, h_, q, kv: s + table[(s.abs() * 2).long() % 8], None, None, True,
+                                   (-1, -1), 128, 128, "bfloat16", shape, label="score-index")
+    assert scored.keys(["bwd"]) == [] and "computed from the score" in gluon.unsupported(
         shape.key(dataclasses.replace(scored.spec("bwd_dq"), kernel="bwd")), sm90)
 
     t1, t2 = TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1)
@@ -465,14 +535,15 @@ def test_the_family_and_the_dispatcher_serve_a_mask_functions_whole_backward(tmp
         untuned = Dispatcher([], env=h200, arch=sm90).backward(oshape.key(other.spec("bwd_dq")), capturing=False)
         assert not untuned.whole and "untuned" in untuned.reason, untuned.reason
     plan = Dispatcher([], env=h200, arch=sm90).backward(shape.key(scored.spec("bwd_dq")), capturing=False)
-    assert not plan.whole and "takes a gradient" in plan.reason, plan.reason
+    assert not plan.whole and "computed from the score" in plan.reason, plan.reason
 
 
 def test_the_family_and_the_dispatcher_serve_a_score_functions_whole_backward(tmp_path):
-    """A score function without captured-tensor gradients has a ``bwd`` key of the key's
-    own mask mode, served by the Gluon family; untuned it keeps the two kernels unless
-    ``USER_SCORE_BWD_DEFAULT_AHEAD`` names its head_dim, and a tuned row faster than the
-    two kernels' rows of its bucket is taken."""
+    """A score function (its captured tensor with or without a gradient) has a ``bwd``
+    key of the key's own mask mode, served by the Gluon family; untuned it takes the
+    Gluon default where ``USER_SCORE_BWD_DEFAULT_AHEAD`` (with a captured tensor's
+    gradient ``USER_GRAD_BWD_DEFAULT_AHEAD``) names its head_dim, and a tuned
+    row faster than the two kernels' rows of its bucket is taken, a slower one not."""
     from flashgen import families
     from flashgen.arch import by_sm
     from flashgen.db import TuningDB
@@ -483,20 +554,24 @@ def test_the_family_and_the_dispatcher_serve_a_score_functions_whole_backward(tm
 
     gluon, sm90 = families.get("gluon"), by_sm("sm_90")
     h200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
-    for name, mode in (("alibi", "causal"), ("softcap", "causal"), ("relpos", "none")):
-        p = _mask_problem(name, batch=16)
+    for name, mode, grad in (("alibi", "causal", False), ("softcap", "causal", False), ("relpos", "none", False),
+                             ("relpos", "none", True)):
+        p = _mask_problem(name, batch=16, requires_grad=grad)
         key, shape = p.keys(["bwd"])[0]
         assert key.spec.mask == mode and F.bwd_mask(key.spec) == mode and F.user_score_bwd(p.bwd_mods), name
         assert gluon.unsupported(key, sm90) is None, name
         cfg = gluon.default_config(key, sm90)
         src = gluon.render(Variant(key.spec, cfg))
-        assert "u_s = st" in src and "UBM" not in src and ("u_g" in src) == (name == "softcap"), name
-        ahead = F.USER_SCORE_BWD_DEFAULT_AHEAD.get(128)
+        assert "u_s = st" in src and "UBM" not in src and ("u_g = " in src) == (name == "softcap"), name
+        assert ("UG0" in src) == grad and ("UG0" in B.render(F.bwd_config(cfg), "bfloat16", 128, mode,
+                                                               user=p.bwd_mods)) == grad
+        ahead = (F.USER_GRAD_BWD_DEFAULT_AHEAD if grad else F.USER_SCORE_BWD_DEFAULT_AHEAD).get(128)
+        assert F.user_grads_bwd(p.bwd_mods) == grad and (ahead is None) == grad
         assert gluon.prefers_default(key, sm90) == ahead
         untuned = Dispatcher([], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
         assert untuned.whole == (ahead is not None), untuned.reason
         for gluon_ms, whole in ((1.5, True), (2.5, False)):
-            db_path = tmp_path / f"{name}{gluon_ms}.sqlite"
+            db_path = tmp_path / f"{name}{grad}{gluon_ms}.sqlite"
             with TuningDB(db_path) as db:
                 for kernel, c, ms in (("bwd_dq", TileConfig(64, 64, 4, 2), 1.0),
                                       ("bwd_dkdv", TileConfig(64, 32, 4, 1), 1.0), ("bwd", cfg, gluon_ms)):
@@ -511,6 +586,9 @@ def _compile_case(name):
     :func:`_cases`, a score case of :func:`_score_cases`, or "softcap-document" (both)."""
     if name == "softcap-document":
         return _score_cases()["softcap"][0], _cases()["document"][0], True, (-1, -1)
+    if name in _grad_cases():
+        make, tensor, causal, window = _grad_cases()[name]
+        return make(tensor), None, causal, window
     if name in _score_cases():
         score_mod, causal, window = _score_cases()[name]
         return score_mod, None, causal, window
@@ -547,8 +625,8 @@ for name, d, knobs in CASES:
 COMPILE_CASES = [(name, d, {}) for name in ("document", "prefix-lm", "head-batch", "band") for d in (64, 128)] + \
     [("nothing", 128, {}), ("document", 64, {"stages": 1}), ("document", 64, {"row_load": "ptr"}),
      ("document", 128, {"stages": 1}), ("document", 128, {"split": True, "dq_stage": "swizzled", "kv_store": "ptr"})] + \
-    [(name, d, {}) for name in ("alibi", "softcap", "relpos", "position-scale", "sigmoid-gate", "softcap-document")
-     for d in (64, 128)]
+    [(name, d, {}) for name in ("alibi", "softcap", "relpos", "position-scale", "sigmoid-gate", "softcap-document",
+                                "relpos-learned", "bias-100") for d in (64, 128)]
 #: ptxas spill-store bytes per (example, head_dim, knobs) and Triton minor version; any
 #: other spill fails.  The head_dim 128 lock-step partition holds dK and dV of 128 key
 #: rows (128 of its 240 registers) while a masked step evaluates the predicate: the
@@ -558,19 +636,24 @@ COMPILE_CASES = [(name, d, {}) for name in ("document", "prefix-lm", "head-batch
 #: the constant tile of a mask that keeps nothing, whose steps never run.  A score
 #: function runs in every step beside the in-flight dP^T: at head_dim 128 ptxas spills
 #: 26-42 loop-carried scalars (addresses, bounds) to make room for its tile temporaries
-#: (104-168 B), more beside the document mask's gathers.
+#: (104-168 B), more beside the document mask's gathers; a captured tensor's gradient
+#: (its index tile and per-value sums, or a tile of int64 pointers for the per-element
+#: atomics) spills 0.25-1.4 KB.
 SPILL_BYTES = {"3.6": {("document", 128, ()): 312, ("nothing", 128, ()): 136, ("document", 64, ("stages",)): 44,
                        ("document", 64, ("row_load",)): 44, ("document", 128, ("stages",)): 428,
                        ("document", 128, ("dq_stage", "kv_store", "split")): 880,
                        ("alibi", 64, ()): 8, ("alibi", 128, ()): 168, ("softcap", 128, ()): 164,
                        ("relpos", 128, ()): 108, ("position-scale", 128, ()): 104, ("sigmoid-gate", 128, ()): 168,
-                       ("softcap-document", 64, ()): 128, ("softcap-document", 128, ()): 436},
+                       ("softcap-document", 64, ()): 128, ("softcap-document", 128, ()): 436,
+                       ("relpos-learned", 64, ()): 308, ("relpos-learned", 128, ()): 804, ("bias-100", 64, ()): 428,
+                       ("bias-100", 128, ()): 916},
                "3.9": {("document", 128, ()): 288, ("prefix-lm", 128, ()): 16, ("head-batch", 128, ()): 8,
                        ("nothing", 128, ()): 8, ("document", 128, ("stages",)): 400,
                        ("document", 128, ("dq_stage", "kv_store", "split")): 676,
                        ("alibi", 128, ()): 208, ("softcap", 128, ()): 160, ("relpos", 128, ()): 400,
                        ("position-scale", 128, ()): 148, ("sigmoid-gate", 128, ()): 144,
-                       ("softcap-document", 128, ()): 440}}
+                       ("softcap-document", 128, ()): 440, ("relpos-learned", 64, ()): 252,
+                       ("relpos-learned", 128, ()): 1008, ("bias-100", 64, ()): 292, ("bias-100", 128, ()): 1352}}
 
 
 def test_user_variants_compile_for_sm90():

@@ -12,7 +12,8 @@ them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, th
 dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
 score mods; masks none, causal and window; user score/mask functions and sinks
 (:mod:`flashgen.user_mods`) in the forward (:mod:`.user`), and in the whole backward
-(:mod:`.user_bwd`) without captured tensors that take a gradient (checked against
+(:mod:`.user_bwd`) unless a captured tensor is read at an index computed from the
+score (checked against
 float64 on the GPU, ``python -m benchmarks gluon-user-bwd``).  Everything else is the Triton family's,
 and :meth:`GluonFamily.unsupported` says why.
 
@@ -100,15 +101,25 @@ USER_BWD_DEFAULT_AHEAD = {
 #: each variant first).
 USER_BWD_DEFAULT_DTYPES = ("bfloat16", "float16")
 #: As :data:`USER_BWD_DEFAULT_AHEAD`, for user functions with a score function (and no
-#: captured tensor that takes a gradient: :func:`user_bwd`): head_dim -> the measurement
-#: (``python -m benchmarks gluon-user-bwd -- --examples alibi,softcap,relpos``: ALiBi and
+#: captured tensor read at an index computed from the score: :func:`user_bwd`): head_dim
+#: -> the measurement (``python -m benchmarks gluon-user-bwd -- --examples
+#: alibi,softcap,relpos``: ALiBi and
 #: softcap causal, T5's relative bias with its table frozen, at 8x16x2048 and 8x16x4096
 #: bf16, each checked against float64 first at the sizes of the mask examples' checks).
 USER_SCORE_BWD_DEFAULT_AHEAD = {
-    128: "H100, 1.12-3.87x the Triton family's backward over three score examples (ALiBi 1.12-1.20x, softcap "
-         "1.34-1.42x, T5 bias 3.77-3.87x) at 8x16x2048 and 8x16x4096 (docs/results/h100/gluon_user_bwd/score)",
-    64: "H100, 1.28-4.14x the Triton family's backward over three score examples (ALiBi 1.28-1.39x, softcap "
-        "1.62-1.72x, T5 bias 3.89-4.14x) at 8x16x2048 and 8x16x4096 (docs/results/h100/gluon_user_bwd/score)",
+    128: "H100, 1.12-3.87x the Triton family's backward over three score examples (ALiBi 1.12-1.19x, softcap "
+         "1.35-1.43x, T5 bias 3.72-3.87x) at 8x16x2048 and 8x16x4096 (docs/results/h100/gluon_user_bwd/score)",
+    64: "H100, 1.16-4.12x the Triton family's backward over three score examples (ALiBi 1.30-1.43x, softcap "
+        "1.16-1.75x, T5 bias 3.92-4.12x) at 8x16x2048 and 8x16x4096 (docs/results/h100/gluon_user_bwd/score)",
+}
+#: As :data:`USER_SCORE_BWD_DEFAULT_AHEAD`, for score functions with a captured tensor that
+#: takes a gradient (added per step by the consumers: :mod:`.user_bwd`): head_dim -> the
+#: measurement (``relpos-learned``, T5's bias with its table learned, the same run).  At
+#: head_dim 128 the default tile measured 0.98x (8x16x2048) and 1.21x (8x16x4096): tuned
+#: rows alone decide there.
+USER_GRAD_BWD_DEFAULT_AHEAD = {
+    64: "H100, 2.41-2.49x the Triton family's backward for T5's bias with its table learned, the table's "
+        "gradient included, at 8x16x2048 and 8x16x4096 (docs/results/h100/gluon_user_bwd/score)",
 }
 USER_BWD_DEFAULT_MAX_GROUP = 16
 #: Where the Gluon ragged-batch backward's default measured ahead of the Triton family's
@@ -195,8 +206,8 @@ def user_functions(mods: str) -> bool:
 def user_bwd(mods: str) -> bool:
     """Whether ``mods`` names a backward lowering of user score/mask functions registered
     in this process that the Gluon backward compiles (its ``user`` variants,
-    :mod:`.user_bwd`): no captured tensor that takes a gradient, none read at an index
-    computed from the score (:func:`.user_bwd.unsupported`)."""
+    :mod:`.user_bwd`): none read at an index computed from the score
+    (:func:`.user_bwd.unsupported`)."""
     if not is_user_mods(mods):
         return False
     from ... import user_render
@@ -215,6 +226,16 @@ def user_score_bwd(mods: str) -> bool:
     from ... import user_render
 
     return user_render.registered(mods).score is not None
+
+
+def user_grads_bwd(mods: str) -> bool:
+    """Whether ``mods`` names a backward lowering that :func:`user_bwd` admits and in which
+    a captured tensor takes a gradient (:data:`USER_GRAD_BWD_DEFAULT_AHEAD`)."""
+    if not user_bwd(mods):
+        return False
+    from ... import user_render
+
+    return bool(user_render.registered(mods).grads)
 
 
 def bwd_mask(s) -> str:
@@ -558,7 +579,8 @@ class GluonFamily:
         if s.mods:  # user score/mask functions (user_bwd): unsupported() refuses the rest
             checked = (s.dtype in USER_BWD_DEFAULT_DTYPES and key.group <= USER_BWD_DEFAULT_MAX_GROUP
                        and key.seqlen_q == key.seqlen_k)
-            ahead = USER_SCORE_BWD_DEFAULT_AHEAD if user_score_bwd(s.mods) else USER_BWD_DEFAULT_AHEAD
+            ahead = (USER_BWD_DEFAULT_AHEAD if not user_score_bwd(s.mods) else
+                     USER_GRAD_BWD_DEFAULT_AHEAD if user_grads_bwd(s.mods) else USER_SCORE_BWD_DEFAULT_AHEAD)
             return ahead.get(s.head_dim) if checked and s.head_dim == s.head_dim_v else None
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
         return None if seen is None else f"H200, {seen}"
@@ -690,14 +712,15 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     tensor like lse), receives rowsum(dO * O) from the preprocess launch (the sinks'
     gradient reads it).  ``mods``: None, or the backward's runtime arguments
     (:class:`flashgen.user_mods.UserArgs`) of user score/mask functions (:func:`user_bwd`;
-    ``mask`` is the built-in mode, the variant's own is "window" with a mask function);
-    ValueError for the user functions :func:`user_bwd` refuses and built-in score mods
-    (the Triton family's)."""
+    ``mask`` is the built-in mode, the variant's own is "window" with a mask function;
+    the gradients of captured tensors that take one are added into its zeroed float32
+    buffers); ValueError for the user functions :func:`user_bwd` refuses and built-in
+    score mods (the Triton family's)."""
     user = None
     if mods is not None:
         if not user_bwd(mods.name):
             raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's (the Gluon "
-                             "backward takes user score/mask functions without captured-tensor gradients)")
+                             "backward takes no captured tensor read at an index computed from the score)")
         user = mods
         if mods.name.endswith("m"):
             mask = "window"
