@@ -1053,22 +1053,20 @@ class UserArgs:
         captured tensors with their strides, the float32 gradient buffers of those that
         take one (as bwd_dq's), and the mask function's block mask per key block of
         ``block_nt`` rows and kv head in tiles of ``block_m`` query rows."""
-        out = self._args(None, "bwd_dkdv", block_m, block_nt)
-        if self.low.grads:  # after the captured tensors (and their sizes), before the block mask
-            n = sum(1 + t.dim() + (t.dim() if i in self.low.sized_bufs else 0) for i, t in enumerate(self.bufs))
-            out[n:n] = [g for g in self.grads if g is not None]
-        return out
+        return self._args(None, "bwd_dkdv", block_m, block_nt, grads=True)
 
-    def _args(self, softmax_scale: float | None, kernel: str, block_m: int, block_n: int) -> list:
+    def _args(self, softmax_scale: float | None, kernel: str, block_m: int, block_n: int,
+              grads: bool | None = None) -> list:
         """The scale (None: left out), the buffers with their strides (and sizes where read
-        at an index computed from the score: checked in the kernel), bwd_dq's gradient
-        buffers, and the block mask in (block_m, block_n) tiles (a band needs none)."""
+        at an index computed from the score: checked in the kernel), the gradient buffers
+        (``grads``; default: bwd_dq's), and the block mask in (block_m, block_n) tiles (a
+        band needs none)."""
         out: list = [softmax_scale] if softmax_scale is not None and self.low.score is not None else []
         for n, t in enumerate(self.bufs):
             out += [t, *t.stride()]
             if n in self.low.sized_bufs:
                 out += list(t.shape)
-        if kernel == "bwd_dq":
+        if kernel == "bwd_dq" if grads is None else grads:
             out += [g for g in self.grads if g is not None]
         if self.low.mask is not None and self.low.band is None:
             b, h, hk, sq, sk, lo, hi = self.sizes

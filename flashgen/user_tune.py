@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from . import bench, families, heuristics, user_mods, user_render
+from . import bench, families, heuristics, user_mods
 from .errors import InputError
 from .masks import mask_bounds
 from .spec import DTYPES, USER_KERNELS, WHOLE_BWD, KernelSpec, Measurement, ProblemKey, Shape, Variant
@@ -97,13 +97,13 @@ class UserProblem:
         """Whether this problem has a user variant of ``kernel``: the forward always, the
         backward's two kernels with a score or mask function, the whole backward where the
         Gluon backward compiles the functions (no captured tensor read at an index
-        computed from the score: :func:`flashgen.families.gluon.user_bwd.unsupported`)."""
+        computed from the score: :func:`flashgen.families.gluon.family.user_bwd`)."""
         if kernel == "fwd":
             return True
         if kernel == WHOLE_BWD:
-            from .families.gluon.user_bwd import unsupported
+            from .families.gluon.family import user_bwd
 
-            return self.bwd_mods is not None and unsupported(user_render.lowered(self.bwd_mods)) is None
+            return self.bwd_mods is not None and user_bwd(self.bwd_mods)
         return kernel in USER_KERNELS and self.bwd_mods is not None
 
     def spec(self, kernel: str) -> KernelSpec:

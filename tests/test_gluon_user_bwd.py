@@ -558,7 +558,8 @@ def test_the_family_and_the_dispatcher_serve_a_score_functions_whole_backward(tm
                              ("relpos", "none", True)):
         p = _mask_problem(name, batch=16, requires_grad=grad)
         key, shape = p.keys(["bwd"])[0]
-        assert key.spec.mask == mode and F.bwd_mask(key.spec) == mode and F.user_score_bwd(p.bwd_mods), name
+        low = F.user_bwd_lowering(p.bwd_mods)
+        assert key.spec.mask == mode and F.bwd_mask(key.spec) == mode and low.score is not None, name
         assert gluon.unsupported(key, sm90) is None, name
         cfg = gluon.default_config(key, sm90)
         src = gluon.render(Variant(key.spec, cfg))
@@ -566,7 +567,9 @@ def test_the_family_and_the_dispatcher_serve_a_score_functions_whole_backward(tm
         assert ("UG0" in src) == grad and ("UG0" in B.render(F.bwd_config(cfg), "bfloat16", 128, mode,
                                                                user=p.bwd_mods)) == grad
         ahead = (F.USER_GRAD_BWD_DEFAULT_AHEAD if grad else F.USER_SCORE_BWD_DEFAULT_AHEAD).get(128)
-        assert F.user_grads_bwd(p.bwd_mods) == grad and (ahead is None) == grad
+        assert bool(low.grads) == grad and (ahead is None) == grad
+        assert F.user_bwd_default_ahead(low) is (F.USER_GRAD_BWD_DEFAULT_AHEAD if grad else
+                                                 F.USER_SCORE_BWD_DEFAULT_AHEAD)
         assert gluon.prefers_default(key, sm90) == ahead
         untuned = Dispatcher([], env=h200, arch=sm90).backward(shape.key(p.spec("bwd_dq")), capturing=False)
         assert untuned.whole == (ahead is not None), untuned.reason

@@ -203,39 +203,33 @@ def user_functions(mods: str) -> bool:
     return low is not None and low.direction == "fwd" and (low.score is not None or low.mask is not None)
 
 
-def user_bwd(mods: str) -> bool:
-    """Whether ``mods`` names a backward lowering of user score/mask functions registered
-    in this process that the Gluon backward compiles (its ``user`` variants,
-    :mod:`.user_bwd`): none read at an index computed from the score
-    (:func:`.user_bwd.unsupported`)."""
+def user_bwd_lowering(mods: str):
+    """The backward lowering of user score/mask functions (a
+    :class:`flashgen.user_render.Lowered`) that ``mods`` names, registered in this process,
+    when the Gluon backward compiles it (its ``user`` variants, :mod:`.user_bwd`: none read
+    at an index computed from the score, :func:`.user_bwd.unsupported`); else None."""
     if not is_user_mods(mods):
-        return False
+        return None
     from ... import user_render
     from .user_bwd import unsupported
 
     low = user_render.registered(mods)
-    return low is not None and low.direction == "bwd" and unsupported(low) is None
+    return low if low is not None and low.direction == "bwd" and unsupported(low) is None else None
 
 
-def user_score_bwd(mods: str) -> bool:
-    """Whether ``mods`` names a backward lowering that :func:`user_bwd` admits and that has
-    a score function (whose default has a measurement of its own,
-    :data:`USER_SCORE_BWD_DEFAULT_AHEAD`)."""
-    if not user_bwd(mods):
-        return False
-    from ... import user_render
-
-    return user_render.registered(mods).score is not None
+def user_bwd(mods: str) -> bool:
+    """Whether the Gluon backward compiles the user functions ``mods`` names
+    (:func:`user_bwd_lowering`)."""
+    return user_bwd_lowering(mods) is not None
 
 
-def user_grads_bwd(mods: str) -> bool:
-    """Whether ``mods`` names a backward lowering that :func:`user_bwd` admits and in which
-    a captured tensor takes a gradient (:data:`USER_GRAD_BWD_DEFAULT_AHEAD`)."""
-    if not user_bwd(mods):
-        return False
-    from ... import user_render
-
-    return bool(user_render.registered(mods).grads)
+def user_bwd_default_ahead(low) -> dict[int, str]:
+    """The measurements (head_dim -> where) that put the Gluon backward's untuned default
+    ahead for backward lowering ``low``: mask functions alone, a score function, or a
+    score function with a captured tensor that takes a gradient."""
+    if low.score is None:
+        return USER_BWD_DEFAULT_AHEAD
+    return USER_GRAD_BWD_DEFAULT_AHEAD if low.grads else USER_SCORE_BWD_DEFAULT_AHEAD
 
 
 def bwd_mask(s) -> str:
@@ -579,8 +573,7 @@ class GluonFamily:
         if s.mods:  # user score/mask functions (user_bwd): unsupported() refuses the rest
             checked = (s.dtype in USER_BWD_DEFAULT_DTYPES and key.group <= USER_BWD_DEFAULT_MAX_GROUP
                        and key.seqlen_q == key.seqlen_k)
-            ahead = (USER_BWD_DEFAULT_AHEAD if not user_score_bwd(s.mods) else
-                     USER_GRAD_BWD_DEFAULT_AHEAD if user_grads_bwd(s.mods) else USER_SCORE_BWD_DEFAULT_AHEAD)
+            ahead = user_bwd_default_ahead(user_bwd_lowering(s.mods))
             return ahead.get(s.head_dim) if checked and s.head_dim == s.head_dim_v else None
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
         return None if seen is None else f"H200, {seen}"
