@@ -20,16 +20,15 @@ Usage (repository root, on the GPU):  python3 benchmarks/gluon_user_bwd.py --out
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.children import main_jobs  # noqa: E402
 
 #: The examples of flashgen.user_examples the Gluon backward compiles: mask functions (a
 #: band: window-causal), then score functions (their tensors without a gradient).
@@ -144,38 +143,9 @@ def _child(name: str, d: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--timeout-s", type=float, default=240.0, help="per example and head dim (its child process)")
-    ap.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma-separated, of 64 and 128")
-    ap.add_argument("--examples", default=",".join(EXAMPLES), help=f"comma-separated, of {', '.join(EXAMPLES)}")
-    ap.add_argument("--child", nargs=2, metavar=("EXAMPLE", "HEAD_DIM"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print("RESULT " + json.dumps(_child(args.child[0], int(args.child[1]))), flush=True)
+    rows = main_jobs(__doc__, __file__, _child, "examples", EXAMPLES, HEAD_DIMS, ROOT, "gluon_user_bwd.json", "name")
+    if rows is None:  # a child process
         return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    dims = [int(x) for x in args.head_dims.split(",") if x]
-    names = [x for x in args.examples.split(",") if x]
-    if not dims or set(dims) - set(HEAD_DIMS) or not names or set(names) - set(EXAMPLES):
-        ap.error(f"--head-dims of {HEAD_DIMS}, --examples of {EXAMPLES}: got {args.head_dims!r}, {args.examples!r}")
-    for name in names:
-        for d in dims:
-            t0 = time.perf_counter()
-            try:
-                r = subprocess.run([sys.executable, __file__, "--child", name, str(d)], capture_output=True,
-                                   text=True, timeout=args.timeout_s, cwd=ROOT)
-                res = [json.loads(x[7:]) for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-                row = res[0] if res else {"name": name, "d": d, "ok": False,
-                                          "error": f"exit {r.returncode}: {r.stderr[-1500:]}"}
-            except subprocess.TimeoutExpired:
-                row = {"name": name, "d": d, "ok": False, "error": f"timed out after {args.timeout_s:g} s"}
-            row["wall_s"] = time.perf_counter() - t0
-            rows.append(row)
-            (out / "gluon_user_bwd.json").write_text(json.dumps(rows, indent=1))
-            print(json.dumps(row)[:400], flush=True)
     print("\nexample          d   ok   worst ratio  size (bf16)        gluon ms  triton ms  triton / gluon  "
           "the dispatcher's backward")
     for r in rows:

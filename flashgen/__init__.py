@@ -13,6 +13,7 @@ from .api import (Explanation, attention, attention_varlen, attention_with_kvcac
                   scaled_dot_product_attention)
 from .dropout import dropout_mask, manual_seed  # noqa: E402
 from .errors import FlashgenError, InputError, UnsupportedError  # noqa: E402
+from . import user_mods  # noqa: E402,F401  (lowers the Gluon family's softcap and ALiBi: families.gluon.builtin_mods)
 
 
 def tune_mods(q, k, v, *, score_mod=None, mask_mod=None, sinks=None, causal: bool = False,

@@ -302,9 +302,12 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
 
 
 def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align, softcap, alibi_slopes, bias,
-                    dropout_p, rng_state):
+                    dropout_p, rng_state, deterministic=None):
     """The path of calls with score modifications (no per-call memo: the checks run each call).
-    Their backward is the Triton family's two kernels, deterministic whatever is asked."""
+    Their backward is the dispatcher's (:meth:`flashgen.dispatch.Dispatcher.backward`):
+    the Triton family's two kernels (bitwise repeatable), or with softcap and ALiBi alone
+    the Gluon whole backward where it serves and measured faster, unless
+    ``deterministic`` (or torch's flag) asks for repeatable gradients."""
     _check_return_lse(return_lse)
     q, k, v, scale, mask, lo, hi = _prepare(q, k, v, causal, window, softmax_scale, align)
     softcap, alibi, bias, dropout_p, rng_state = _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state)
@@ -316,9 +319,10 @@ def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align
     args = (q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
     plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
     if torch.compiler.is_compiling() or not plain or _dispatch_modes() or _functorch_active():
-        o, lse = library.FWD_MODS(*args)
+        o, lse = library.FWD_MODS(*args, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, library.score_mods(*args[7:]))
+        o, lse = library.EagerAttention.apply(q, k, v, scale, mask, lo, hi, library.score_mods(*args[7:]),
+                                              deterministic)
     else:
         o, lse = library.forward_mods(*args)
     return (o, lse) if return_lse else o
@@ -500,7 +504,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if softcap or alibi_slopes is not None or bias is not None or dropout_p or rng_state is not None:
         return _attention_mods(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                                return_lse=return_lse, align="bottom_right", softcap=softcap,
-                               alibi_slopes=alibi_slopes, bias=bias, dropout_p=dropout_p, rng_state=rng_state)
+                               alibi_slopes=alibi_slopes, bias=bias, dropout_p=dropout_p, rng_state=rng_state,
+                               deterministic=deterministic)
     return _attention(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                       return_lse=return_lse, align="bottom_right", deterministic=deterministic)
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from . import families
 from .arch import INTERPRETER
 from .errors import InputError, UnsupportedError
-from .spec import WHOLE_BWD, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, is_decode, is_user_mods, is_varlen
+from .spec import WHOLE_BWD, WHOLE_BWD_MODS, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, is_decode, is_user_mods, is_varlen
 
 #: Variants of a non-portable family that failed to build or launch in this process
 #: (variant id -> the error): the dispatcher never picks them again, and each was warned
@@ -337,12 +337,12 @@ class Dispatcher:
             # Score mods nobody tuned: the fastest tiles tuned for the same problem without
             # them that serve it (a family of its own, e.g. Gluon's forward, may not).
             plain = dataclasses.replace(key, spec=dataclasses.replace(key.spec, mods=""))
-            # user functions take another problem's tiles only in the portable family: a
-            # variant of another family (the Gluon forward's sinks) is served by its own
-            # rows, whose tuning checked it against float64 first
+            # score mods and user functions take another problem's tiles only in the
+            # portable family: a variant of another family (the Gluon forward's sinks,
+            # softcap, ALiBi) is served by its own rows, whose tuning checked it against
+            # float64 first
             portable = families.portable().name
-            base = self._lookup(plain, serve=key, where=(lambda c: c.family == portable)
-                                if is_user_mods(key.spec.mods) else None)
+            base = self._lookup(plain, serve=key, where=lambda c: c.family == portable)
             if base is not None:
                 near = dataclasses.replace(base, key=key, source="nearest", tuned_key=base.tuned_key)
         if near is not None:
@@ -521,9 +521,11 @@ class Dispatcher:
         The two kernels' configs are :meth:`choose`'s for their own keys (``kernels`` below
         names them by their dense roles, ``bwd_dq``, ``bwd_dkdv`` and ``bwd``)."""
         names = _BWD_VARLEN_NAMES if is_varlen(key.spec.kernel) else _BWD_NAMES
-        # built-in score mods: the two kernels alone; user functions: a family's whole
-        # backward may serve them too (the Gluon one unless an index is computed from the score)
-        whole = not key.spec.mods or (is_user_mods(key.spec.mods) and not is_varlen(key.spec.kernel))
+        # with softcap, ALiBi or user functions a family's whole backward may serve a dense
+        # key too (the Gluon one; with user functions unless an index is computed from the
+        # score: its unsupported() says why not); bias and dropout: the two kernels alone
+        mods = key.spec.mods
+        whole = not mods or ((is_user_mods(mods) or mods in WHOLE_BWD_MODS) and not is_varlen(key.spec.kernel))
         roles = ("bwd_dq", "bwd_dkdv", WHOLE_BWD) if whole else ("bwd_dq", "bwd_dkdv")
         kernels = {r: dataclasses.replace(key, spec=dataclasses.replace(key.spec, kernel=names[r])) for r in roles}
         memo = (kernels["bwd_dq"], bool(deterministic))
@@ -603,7 +605,8 @@ class Dispatcher:
             ws = whole_key.spec
             return two(f"{alone or 'untuned: '}no measurement puts the {fam.name} backward's default ahead for "
                        f"this key ({ws.dtype}, head_dim {ws.head_dim}, mask {ws.mask}"
-                       + (", user functions" if is_user_mods(ws.mods) else "")
+                       + (", user functions" if is_user_mods(ws.mods) else f", score mods {ws.mods}" if ws.mods
+                          else "")
                        + f", GQA group {whole_key.group}, seqlen_q / seqlen_k buckets {whole_key.seqlen_q} / "
                        f"{whole_key.seqlen_k})")
         if measured is not None:

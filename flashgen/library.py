@@ -606,12 +606,13 @@ class EagerAttention(torch.autograd.Function):
 # -- score modifications (softcap, ALiBi, bias, dropout) -----------------------------
 #
 # ``torch.ops.flashgen.fwd_mods(q, k, v, scale, mask, lo, hi, softcap, alibi, bias,
-# dropout_p, rng) -> (O, LSE)`` and ``torch.ops.flashgen.bwd_mods(do, q, k, v, o, lse,
-# scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng) -> (dQ, dK, dV)``: the
-# dense ops with the mods of :class:`flashgen.ops.ScoreMods` (alibi float32 (h,) or
-# (b, h); bias expanded to (b, h, sq, sk), no gradient; rng the int64 [seed, offset]
-# this call uses, already taken from the state by the caller).  Separate ops, so the
-# plain ops' schema and hot path stay as they are.
+# dropout_p, rng, deterministic=None) -> (O, LSE)`` and ``torch.ops.flashgen.bwd_mods(do,
+# q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng,
+# deterministic=None) -> (dQ, dK, dV)``: the dense ops with the mods of
+# :class:`flashgen.ops.ScoreMods` (alibi float32 (h,) or (b, h); bias expanded to (b, h,
+# sq, sk), no gradient; rng the int64 [seed, offset] this call uses, already taken from
+# the state by the caller; ``deterministic`` as :func:`backward` takes it).  Separate
+# ops, so the plain ops' schema and hot path stay as they are.
 
 def score_mods(softcap, alibi, bias, dropout_p, rng) -> "ops.ScoreMods":
     return ops.ScoreMods(softcap, alibi, bias, dropout_p, rng if dropout_p > 0 else None)
@@ -625,52 +626,56 @@ def forward_mods(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: i
 
 def backward_mods(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
                   lo: int, hi: int, softcap: float, alibi: Optional[Tensor], bias: Optional[Tensor],
-                  dropout_p: float, rng: Optional[Tensor]):
+                  dropout_p: float, rng: Optional[Tensor], deterministic: Optional[bool] = None):
     """(dQ, dK, dV) with score mods: :func:`backward` with their ScoreMods."""
-    return backward(do, q, k, v, o, lse, scale, mask, lo, hi, score_mods(softcap, alibi, bias, dropout_p, rng))
+    return backward(do, q, k, v, o, lse, scale, mask, lo, hi, score_mods(softcap, alibi, bias, dropout_p, rng),
+                    deterministic=deterministic)
 
 
 @torch.library.custom_op("flashgen::fwd_mods", mutates_args=())
 def fwd_mods_op(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int, softcap: float,
                 alibi: Optional[Tensor], bias: Optional[Tensor], dropout_p: float,
-                rng: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                rng: Optional[Tensor], deterministic: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     return forward_mods(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
 
 
 @fwd_mods_op.register_fake
-def _fwd_mods_fake(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng):
+def _fwd_mods_fake(q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng, deterministic=None):
     return _fwd_fake(q, k, v, scale, mask, lo, hi)
 
 
 @torch.library.custom_op("flashgen::bwd_mods", mutates_args=())
 def bwd_mods_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, mask: str,
                 lo: int, hi: int, softcap: float, alibi: Optional[Tensor], bias: Optional[Tensor],
-                dropout_p: float, rng: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return backward_mods(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
+                dropout_p: float, rng: Optional[Tensor],
+                deterministic: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return backward_mods(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng,
+                         deterministic)
 
 
 @bwd_mods_op.register_fake
-def _bwd_mods_fake(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng):
+def _bwd_mods_fake(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng,
+                   deterministic=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context_mods(ctx, inputs, output):
-    q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng = inputs
+    q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, alibi, bias, rng)
-    ctx.args = (scale, mask, lo, hi, softcap, dropout_p)
+    ctx.args = (scale, mask, lo, hi, softcap, dropout_p, deterministic)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # see EagerAttention.forward
 
 
 def _backward_mods(ctx, do, _dlse):
     if do is None:
-        return (None,) * 12
+        return (None,) * 13
     q, k, v, o, lse, alibi, bias, rng = ctx.saved_tensors
-    scale, mask, lo, hi, softcap, dropout_p = ctx.args
+    scale, mask, lo, hi, softcap, dropout_p, deterministic = ctx.args
     dq, dk, dv = torch.ops.flashgen.bwd_mods(do, q, k, v, o, lse, scale, mask, lo, hi, softcap, alibi, bias,
-                                             dropout_p, rng)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                             dropout_p, rng, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 fwd_mods_op.register_autograd(_backward_mods, setup_context=_setup_context_mods)

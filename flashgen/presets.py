@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .spec import DENSE_KERNELS, WHOLE_BWD, KernelSpec, ProblemKey, Shape, base_kernel, is_decode
+from .spec import DENSE_KERNELS, WHOLE_BWD, WHOLE_BWD_MODS, KernelSpec, ProblemKey, Shape, base_kernel, is_decode
 
 Entry = tuple  # (head_dim (= head_dim_v), mask, Shape[, kernel in decode presets | mods in dense ones]);
 #               user presets: (head_dim, example name, Shape)
@@ -169,7 +169,7 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
     preset order; a key already produced keeps its first shape.  Dense presets tune
     the dense kernels and varlen presets the varlen ones, whichever of the two names
     of a kernel ``kernels`` gives (``bwd``, the whole backward, only in presets without
-    score mods; ``bwd_varlen`` in varlen presets); decode presets tune each entry's own kernel (only
+    bias or dropout; ``bwd_varlen`` in varlen presets); decode presets tune each entry's own kernel (only
     those ``kernels`` names when it names a decode kernel).  Raises KeyError naming
     the known presets for an unknown name."""
     kernels = tuple(kernels)
@@ -192,8 +192,8 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
         kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in training))
         for d, mask, shape, *mods in PRESETS[name]():
             for k in kinds:
-                if k == WHOLE_BWD and any(mods):
-                    continue  # score mods are compiled into bwd_dq and bwd_dkdv only
+                if k == WHOLE_BWD and any(mods) and mods[0] not in WHOLE_BWD_MODS:
+                    continue  # bias and dropout are compiled into bwd_dq and bwd_dkdv only
                 key = shape.key(KernelSpec(k, dtype, d, d, mask, *mods))
                 out.setdefault(key, shape)
     return list(out.items())

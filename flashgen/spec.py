@@ -52,6 +52,9 @@ ALL_KERNELS = KERNELS + (WHOLE_BWD, WHOLE_BWD_VARLEN)
 #: The kernels user score/mask functions compile into: the dense ones, and a family's
 #: whole backward (unless a captured tensor is read at an index computed from the score).
 USER_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", WHOLE_BWD)
+#: The built-in score mods a family's whole backward may compile (the Gluon family's, as
+#: fixed score functions); bias and dropout are compiled into bwd_dq and bwd_dkdv only.
+WHOLE_BWD_MODS = ("softcap", "alibi", "softcap_alibi")
 #: The mask modes the decode kernels compile (a sliding window is not served).
 DECODE_MASKS = ("none", "causal")
 
@@ -197,9 +200,9 @@ class KernelSpec:
                                      f"only, not {self.kernel!r}")
             elif self.mods not in all_mods():
                 raise ValueError(f"mods must be '' or a '_'-joined subset of {MODS} in that order, got {self.mods!r}")
-            elif self.kernel not in DENSE_KERNELS:
-                raise ValueError(f"score modifications ({self.mods}) are compiled into {DENSE_KERNELS} only, "
-                                 f"not {self.kernel!r}")
+            elif self.kernel not in DENSE_KERNELS and not (self.kernel == WHOLE_BWD and self.mods in WHOLE_BWD_MODS):
+                raise ValueError(f"score modifications ({self.mods}) are compiled into {DENSE_KERNELS} only (and "
+                                 f"{WHOLE_BWD!r} for {WHOLE_BWD_MODS}), not {self.kernel!r}")
         if self.kernel not in ALL_KERNELS:
             raise ValueError(f"kernel must be one of {ALL_KERNELS}, got {self.kernel!r}")
         if self.dtype not in DTYPES:

@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from . import dispatch, library, user_bounds, user_grads, user_render
+from .families.gluon import builtin_mods
 from .errors import InputError, UnsupportedError
 from .user_render import Buffer, Graph, Lowered, Ref, derivative
 
@@ -1347,3 +1348,7 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
         return _forward(q, k, v, call)
     captured = [t for _, t in grad_shapes]
     return _Attention.apply(q, k, v, sinks, call, *captured)
+
+
+# The Gluon family's built-in softcap and ALiBi are fixed score functions lowered here.
+builtin_mods.install(trace=trace, lowering=lowering, UserArgs=UserArgs)

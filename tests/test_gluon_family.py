@@ -52,7 +52,7 @@ def test_unsupported_reasons():
         "this is sm_120": (key(), by_sm("sm_120")),
         "float16 or bfloat16 only": (key(dtype="float32"), SM90),
         "tensor descriptor can address (layout strided)": (key(layout="strided"), SM90),
-        "score modifications (softcap) are the Triton family's": (key(mods="softcap"), SM90),
+        "not bias or dropout, which are the Triton family's": (key(mods="bias"), SM90),
         "the Gluon forward is built for": (key(d=80), SM90),
         "head_dim = head_dim_v in (64, 96, 128, 256)": (key("bwd", d=80), SM90),
     }
@@ -475,7 +475,7 @@ def test_untuned_defaults_follow_the_measurements():
         assert d.choose(key(), capturing=False).family == "triton"
         plan = d.backward(key("bwd_dq", d=128, mask="none"), capturing=False)
         assert not plan.whole and "gluon does not serve the whole backward" in plan.reason
-    plan = Dispatcher([], env=H200, arch=SM90).backward(key("bwd_dq", mods="softcap"), capturing=False)
+    plan = Dispatcher([], env=H200, arch=SM90).backward(key("bwd_dq", mods="bias"), capturing=False)
     assert not plan.whole and "score modifications" in plan.reason
 
 
@@ -1009,7 +1009,7 @@ def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
     """A call with sinks and no score/mask function: the Gluon forward's sinks variant
     serves its fwd key (untuned: no default, no measurement yet), with a code id of its
     own; user score/mask functions go to the ``user`` variant (tests/test_gluon_user.py),
-    built-in score mods stay the Triton family's (the sinks' backward is the plain
+    bias and dropout stay the Triton family's (the sinks' backward is the plain
     backward, either family's)."""
     from types import SimpleNamespace
 
@@ -1022,7 +1022,7 @@ def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
     k_sinks = key("fwd", d=128, mods=sinks_low.name, shape=BIG)
     assert F.sinks_only(sinks_low.name) and not F.sinks_only(score_low.name) and not F.sinks_only("softcap")
     assert GLUON.unsupported(k_sinks, SM90) is None and F.fwd_spec(k_sinks).sinks
-    assert "Triton family's" in GLUON.unsupported(key("fwd", d=128, mods="softcap"), SM90)
+    assert "Triton family's" in GLUON.unsupported(key("fwd", d=128, mods="bias"), SM90)
     assert GLUON.unsupported(key("fwd", d=128, mods=score_low.name), SM90) is None
     assert GLUON.prefers_default(k_sinks, SM90) is None and GLUON.prefers_default(key("fwd", d=128, shape=BIG), SM90)
     assert Dispatcher([], env=H200, arch=SM90).choose(k_sinks, capturing=False).family == "triton"
@@ -1053,7 +1053,7 @@ def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
     assert seen["sinks"].is_contiguous() and torch.equal(seen["sinks"], torch.tensor([0.5, 2.0]))
     with pytest.raises(ValueError, match="Triton family's"):
         F.fwd(q, q, q, softmax_scale=0.1, mask="none", diag_lo=-16, diag_hi=16, config=cfg,
-              mods=SimpleNamespace(name="softcap", sinks=None))
+              mods=SimpleNamespace(name="bias", sinks=None))
 
 
 def test_a_whole_backward_row_alone_is_named_in_the_reason(tmp_path):

@@ -9,8 +9,9 @@ the forward of ragged batches (one program per tile), and ``bwd_varlen``
 last passes and the main kernel, one row timing all three).  Served on sm_90
 only (compute capability 9.0 exactly: wgmma, setmaxnreg and TMA as these kernels use
 them; not sm_100+, sm_80/89/120, nor Triton's interpreter), float16/bfloat16, the head
-dims the configs allow, inputs a tensor descriptor can address (layout ""), no built-in
-score mods; masks none, causal and window; user score/mask functions and sinks
+dims the configs allow, inputs a tensor descriptor can address (layout ""), of the
+built-in score mods softcap and ALiBi (:mod:`.builtin_mods`, as fixed score functions;
+not bias or dropout); masks none, causal and window; user score/mask functions and sinks
 (:mod:`flashgen.user_mods`) in the forward (:mod:`.user`), and in the whole backward
 (:mod:`.user_bwd`) unless a captured tensor is read at an index computed from the
 score (checked against
@@ -35,7 +36,8 @@ import math
 from ...arch import INTERPRETER
 from ...resources import SmemEstimate
 from ...spec import (
-    DEFAULT_FAMILY, WHOLE_BWD, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, attention_flops, is_user_mods,
+    DEFAULT_FAMILY, WHOLE_BWD, WHOLE_BWD_MODS, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, attention_flops,
+    is_user_mods,
 )
 from . import bwd as B
 from . import config as C
@@ -112,6 +114,25 @@ USER_SCORE_BWD_DEFAULT_AHEAD = {
     64: "H100, 1.16-4.12x the Triton family's backward over three score examples (ALiBi 1.30-1.43x, softcap "
         "1.16-1.75x, T5 bias 3.92-4.12x) at 8x16x2048 and 8x16x4096 (docs/results/h100/gluon_user_bwd/score)",
 }
+#: As :data:`USER_SCORE_BWD_DEFAULT_AHEAD`, for the built-in score mods the Gluon family
+#: serves (:data:`BUILTIN_MODS`): (mods, head_dim, mask) -> the measurement (``python3
+#: benchmarks/gluon_builtin_mods.py``: the default tile's backward against the Triton
+#: family's, bf16, 8x16x4096 causal and without a mask; each checked against float64 first,
+#: 30 of 30 checks within the rule, worst ratio 0.378): the pairs of
+#: ``_BUILTIN_BWD_TIMED`` where the Gluon backward was the faster.  softcap with ALiBi at
+#: head_dim 128 causal measured 0.59x (ptxas spills 788 B there) and is left to tuned rows.
+#: (mods, head_dim, mask) -> (Gluon, Triton) backward ms at 8x16x4096 bf16 on an H100.
+_BUILTIN_BWD_TIMED = {
+    ("softcap", 64, "causal"): (2.609, 4.361), ("softcap", 64, "none"): (4.645, 8.110),
+    ("softcap", 128, "causal"): (4.330, 5.908), ("softcap", 128, "none"): (7.117, 10.986),
+    ("alibi", 64, "causal"): (1.959, 2.668), ("alibi", 64, "none"): (3.838, 4.867),
+    ("alibi", 128, "causal"): (3.479, 3.900), ("alibi", 128, "none"): (5.384, 6.950),
+    ("softcap_alibi", 64, "causal"): (3.429, 4.982), ("softcap_alibi", 64, "none"): (6.108, 8.134),
+    ("softcap_alibi", 128, "causal"): (10.470, 6.192), ("softcap_alibi", 128, "none"): (8.698, 11.389),
+}
+BUILTIN_BWD_DEFAULT_AHEAD = {
+    k: f"H100, {t / g:.2f}x the Triton family's backward at 8x16x4096 ({g:.3f} against {t:.3f} ms; "
+       "docs/results/h100/gluon_builtin_mods)" for k, (g, t) in _BUILTIN_BWD_TIMED.items() if g < t}
 #: As :data:`USER_SCORE_BWD_DEFAULT_AHEAD`, for score functions with a captured tensor that
 #: takes a gradient (added per step by the consumers: :mod:`.user_bwd`): head_dim -> the
 #: measurement (``relpos-learned``, T5's bias with its table learned, the same run).  At
@@ -179,6 +200,21 @@ FWD_DEFAULT_HEAD_DIMS = (64, 96, 128, 256)
 DEFAULT_MIN_FLOPS = {"fwd": 2.5e11, "bwd": 6e11}
 
 
+#: The built-in score mods (:func:`flashgen.spec.mods_name`) the Gluon forward and whole
+#: backward serve, as the fixed score functions of :mod:`.builtin_mods`.
+BUILTIN_MODS = WHOLE_BWD_MODS
+
+
+def code_name(mods: str, direction: str) -> str:
+    """The ``user`` of the Gluon variant that computes ``mods`` in ``direction`` ("fwd",
+    "bwd"): a built-in set's lowering name (:mod:`.builtin_mods`), else ``mods``."""
+    if mods in BUILTIN_MODS:
+        from .builtin_mods import name
+
+        return name(mods, direction)
+    return mods
+
+
 def sinks_only(mods: str) -> bool:
     """Whether ``mods`` names user functions that are attention sinks alone (no score or
     mask function): the forward the Gluon family's ``sinks`` variant computes.  Known
@@ -207,7 +243,12 @@ def user_bwd_lowering(mods: str):
     """The backward lowering of user score/mask functions (a
     :class:`flashgen.user_render.Lowered`) that ``mods`` names, registered in this process,
     when the Gluon backward compiles it (its ``user`` variants, :mod:`.user_bwd`: none read
-    at an index computed from the score, :func:`.user_bwd.unsupported`); else None."""
+    at an index computed from the score, :func:`.user_bwd.unsupported`); for the built-in
+    mods of :data:`BUILTIN_MODS` their fixed functions' lowering; else None."""
+    if mods in BUILTIN_MODS:
+        from .builtin_mods import lowering
+
+        return lowering(mods, "bwd")
     if not is_user_mods(mods):
         return None
     from ... import user_render
@@ -245,6 +286,8 @@ def fwd_spec(key_or_spec) -> C.GluonFwdSpec:
     ``sinks`` variant, user functions the ``user`` variant (mask mode "window" with a
     mask function, :func:`.user.compiled_mask`)."""
     s = getattr(key_or_spec, "spec", key_or_spec)
+    if s.mods in BUILTIN_MODS and s.kernel != VARLEN_FWD:
+        return C.GluonFwdSpec(s.dtype, s.head_dim, s.head_dim_v, s.mask, user=code_name(s.mods, "fwd"))
     if user_functions(s.mods):
         from ... import user_render
         from .user import compiled_mask
@@ -348,7 +391,8 @@ class GluonFamily:
             return f"dtype {s.dtype}: float16 or bfloat16 only"
         if key.layout == "strided":
             return "needs inputs a tensor descriptor can address (layout strided)"
-        if s.mods and not (s.kernel == "fwd" and (sinks_only(s.mods) or user_functions(s.mods))
+        if s.mods and not (s.kernel == "fwd" and (sinks_only(s.mods) or user_functions(s.mods)
+                                                  or s.mods in BUILTIN_MODS)
                            or s.kernel == WHOLE_BWD and user_bwd(s.mods)):
             if is_user_mods(s.mods):
                 from ... import user_render
@@ -361,9 +405,10 @@ class GluonFamily:
                 return (f"user functions {s.mods}: the Gluon family serves them once registered in this process "
                         "(flashgen.attention or the tuner traced them), in the forward and the whole backward "
                         "(bwd)")
-            return f"score modifications ({s.mods}) are the Triton family's (the Gluon forward takes user functions)"
+            return (f"score modifications ({s.mods}): the Gluon family's kernels take softcap and alibi (not in a "
+                    "ragged batch), not bias or dropout, which are the Triton family's")
         if s.kernel == WHOLE_BWD and s.mods and B.col_split_dim(s.head_dim):
-            return (f"user functions ({s.mods}) at head_dim {s.head_dim}: the column-split backward "
+            return (f"score functions ({s.mods}) at head_dim {s.head_dim}: the column-split backward "
                     "program is not built with them")
         if s.mask not in C.MASKS:
             return f"mask {s.mask}: one of {C.MASKS}"
@@ -570,9 +615,11 @@ class GluonFamily:
         if s.kernel == VARLEN_BWD:
             seen = BWD_VARLEN_DEFAULT_AHEAD.get((s.head_dim, s.mask))
             return None if seen is None else f"H200, {seen}"
-        if s.mods:  # user score/mask functions (user_bwd): unsupported() refuses the rest
+        if s.mods:  # user score/mask functions (user_bwd), softcap, ALiBi: unsupported() refuses the rest
             checked = (s.dtype in USER_BWD_DEFAULT_DTYPES and key.group <= USER_BWD_DEFAULT_MAX_GROUP
                        and key.seqlen_q == key.seqlen_k)
+            if s.mods in BUILTIN_MODS:
+                return BUILTIN_BWD_DEFAULT_AHEAD.get((s.mods, s.head_dim, s.mask)) if checked else None
             ahead = user_bwd_default_ahead(user_bwd_lowering(s.mods))
             return ahead.get(s.head_dim) if checked and s.head_dim == s.head_dim_v else None
         seen = BWD_DEFAULT_AHEAD.get((s.head_dim, s.mask))
@@ -592,9 +639,14 @@ class GluonFamily:
             from .render import template_hash, user_code_id
 
             # user variants (sinks alone, or score/mask functions): one id for every
-            # lowering, whose own name hashes its code
+            # lowering, whose own name hashes its code; softcap and ALiBi: their fixed
+            # functions' lowering hashed in (the key does not name it)
+            if mods in BUILTIN_MODS:
+                return _with_lowering(user_code_id(), mods, "fwd")
             return "g" + (user_code_id() if is_user_mods(mods) else template_hash())[1:]
         if kernel == WHOLE_BWD:
+            if mods in BUILTIN_MODS:
+                return _with_lowering(B.user_code_id(), mods, "bwd")
             return "g" + (B.user_code_id() if is_user_mods(mods) else B.template_hash())[1:]
         if kernel == VARLEN_BWD:
             return "g" + B.varlen_code_id()[1:]
@@ -607,7 +659,7 @@ class GluonFamily:
 
             return render(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
         return B.render(bwd_config(v.config), s.dtype, s.head_dim, bwd_mask(s), varlen=s.kernel == VARLEN_BWD,
-                        user=s.mods)
+                        user=code_name(s.mods, "bwd"))
 
     def load(self, v: Variant):
         """The imported module; :class:`.build.GluonBuildError` (warned once per variant)
@@ -618,7 +670,7 @@ class GluonFamily:
         if s.kernel in FWD_KERNELS:
             return build.load_fwd(C.GluonFwdVariant(fwd_spec(s), fwd_config(v.config)))
         return build.load_bwd(bwd_config(v.config), s.dtype, s.head_dim, bwd_mask(s), varlen=s.kernel == VARLEN_BWD,
-                              user=s.mods)
+                              user=code_name(s.mods, "bwd"))
 
     def launcher(self, name: str):
         """``fwd`` (:func:`fwd`), ``bwd`` (:func:`bwd`, the whole backward),
@@ -633,6 +685,15 @@ class GluonFamily:
         if name == VARLEN_BWD:
             return bwd_varlen
         raise KeyError(f"the Gluon family launches {self.kernels}, not {name!r}")
+
+
+def _with_lowering(code_id: str, mods: str, direction: str) -> str:
+    """The code id of a built-in ``mods`` variant: ``code_id`` (the user templates') and
+    its fixed functions' lowering name (:func:`code_name`) hashed together, so an edit
+    of either invalidates the rows of exactly these keys."""
+    import hashlib
+
+    return "g" + hashlib.sha256(f"{code_id}/{code_name(mods, direction)}".encode()).hexdigest()[1:len(code_id)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -674,11 +735,17 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     (:class:`flashgen.user_mods.UserArgs`) of user functions: sinks alone go to the
     ``sinks`` variant (:func:`sinks_only`), score/mask functions (and their sinks) to the
     ``user`` variant (:func:`user_functions`; ``mask`` is then the built-in mode, the
-    variant's own is "window" with a mask function).  Raises ValueError for built-in
+    variant's own is "window" with a mask function); or a
+    :class:`flashgen.ops.ScoreMods` of :data:`BUILTIN_MODS` (their fixed functions'
+    ``user`` variant, :mod:`.builtin_mods`).  Raises ValueError for the other built-in
     score mods (the Triton family's)."""
     sinks, user = None, None
     if mods is not None:
-        if user_functions(mods.name):
+        if mods.name in BUILTIN_MODS and not hasattr(mods, "low"):
+            from .builtin_mods import user_args
+
+            user = mods = user_args(mods, q, k, diag_lo, diag_hi, "fwd")
+        elif user_functions(mods.name):
             from .user import compiled_mask
 
             user, mask = mods, compiled_mask(mask, mods.name)
@@ -707,10 +774,15 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     (:class:`flashgen.user_mods.UserArgs`) of user score/mask functions (:func:`user_bwd`;
     ``mask`` is the built-in mode, the variant's own is "window" with a mask function;
     the gradients of captured tensors that take one are added into its zeroed float32
-    buffers); ValueError for the user functions :func:`user_bwd` refuses and built-in
-    score mods (the Triton family's)."""
+    buffers), or a :class:`flashgen.ops.ScoreMods` of :data:`BUILTIN_MODS` (their fixed
+    functions, :mod:`.builtin_mods`); ValueError for the user functions :func:`user_bwd`
+    refuses and the other built-in score mods (the Triton family's)."""
     user = None
     if mods is not None:
+        if mods.name in BUILTIN_MODS and not hasattr(mods, "low"):
+            from .builtin_mods import user_args
+
+            mods = user_args(mods, q, k, diag_lo, diag_hi, "bwd")
         if not user_bwd(mods.name):
             raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's (the Gluon "
                              "backward takes no captured tensor read at an index computed from the score)")
