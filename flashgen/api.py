@@ -379,7 +379,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     Score modifications, each compiled into the kernels only when used (a separate
     tuned variant; :data:`flashgen.spec.MODS`), applied to s = softmax_scale * q.k in
-    this order, before the mask:
+    this order, before the mask (softcap and ALiBi run in either kernel family on sm_90,
+    the dispatcher choosing per problem by measurement, the Gluon family's as fixed score
+    functions, :mod:`flashgen.families.gluon.builtin_mods`; bias and dropout in the
+    Triton family's kernels):
 
         softcap: > 0: s <- softcap * tanh(s / softcap) (Gemma 2's logit soft-capping,
             FlashAttention-2's ``softcap``); 0 (default) is off; at most 1e30 (it is

@@ -159,7 +159,9 @@ def compiled_variant(v: "Variant") -> "Variant":
 
 def kernel_mods(kernel: str) -> list[str]:
     """The ``mods`` strings ``kernel`` compiles: every set for the dense kernels, ""
-    for the others."""
+    and :data:`WHOLE_BWD_MODS` for a family's whole backward, "" for the others."""
+    if kernel == WHOLE_BWD:
+        return ["", *WHOLE_BWD_MODS]
     return all_mods() if kernel in DENSE_KERNELS else [""]
 
 

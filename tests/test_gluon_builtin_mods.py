@@ -272,3 +272,24 @@ def test_builtin_variants_compile_for_sm90():
         assert row["hgmma"] > 0 and row["setmaxnreg"] and row["serialized"] == [], row
         assert row["spill"] == spills.get((row["kernel"], row["mods"], row["d"], row["mask"]), 0), row
     assert len({row["id"] for row in rows}) == len(rows)
+
+
+def test_the_tuner_searches_the_gluon_family_for_softcap_and_alibi(tmp_path):
+    """``flashgen tune --preset mods-bench --kernels fwd,bwd --family gluon``: the tuner
+    measures Gluon variants for the built-in keys' forward and whole backward (here timed
+    by the byte model, no GPU) and records rows under the keys' own ids."""
+    from flashgen import presets, tuner
+    from flashgen.db import TuningDB
+    from flashgen.env import Environment
+
+    env = Environment("NVIDIA H200 (model)", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    items = [(k, s) for k, s in presets.expand(["mods-bench"], kernels=("fwd", "bwd"))
+             if k.spec.mods == "alibi" and k.spec.head_dim == 64 and k.spec.mask == "causal"]
+    assert {k.spec.kernel for k, _ in items} == {"fwd", "bwd"}
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        res = tuner.tune(items, benchmarker=tuner.ModelBenchmarker(SM90), db=db, env=env, arch=SM90, n_trials=2,
+                         family_names=("gluon",))
+        rows = db.rows()
+    assert len(res) == 2
+    ok = {(r["key"], "_gluon_" in r["variant_id"]) for r in rows if r["status"] == "ok"}
+    assert ok == {(k.id, True) for k, _ in items}, rows
