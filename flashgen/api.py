@@ -265,6 +265,9 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
         raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
     if softcap > SCALE_MAX:  # past float32's range the kernels' s / softcap and softcap * tanh(...) give NaN
         raise InputError(f"softcap must be at most {SCALE_MAX:g} (the kernels apply it in float32), got {softcap!r}")
+    if 0 < softcap < SCALE_MIN:  # 1 / softcap overflows float32: a score of 0 gives 0 * inf = NaN
+        raise InputError(f"softcap must be 0 (off) or at least {SCALE_MIN:g} (the kernels apply 1 / softcap in "
+                         f"float32), got {softcap!r}")
     dropout_p = dropout.check_p(dropout_p)
     if alibi_slopes is not None:
         a = alibi_slopes

@@ -80,6 +80,9 @@ def test_one_variant_serves_every_value():
                                                                                  rel_tol=1e-7)
     assert vals["slopes"].shape == (2, 4) and vals["slopes"].stride() == (0, 1)
     assert BM.user_args(m1, q, k, -19, 8, "fwd").bufs[0] is a1.bufs[0]  # kept, not made again
+    # softcap alone does not read the offset: one kept tensor for every seqlen_k - seqlen_q
+    m3 = ops.ScoreMods(softcap=1.5)
+    assert BM.user_args(m3, q, k, -19, 8, "fwd").bufs[0] is BM.user_args(m3, q, k[:, :, :5], -19, 0, "fwd").bufs[0]
     vals2 = {r: t for r, t in zip(BM._traced("softcap_alibi")[1], a2.bufs)}
     assert float(vals2["cap"]) == 30.0 and float(vals2["off"]) == 0.0 and vals2["slopes"].stride() == (4, 1)
 

@@ -182,6 +182,7 @@ def test_boolean_bias_is_a_mask_and_fully_masked_rows_are_zero():
     (dict(softcap=-1.0), "softcap must be"),
     (dict(softcap=float("inf")), "softcap must be"),
     (dict(softcap=1e39), "softcap must be at most 1e"),  # finite, but float32's inf in the kernels: NaN output
+    (dict(softcap=1e-39), "softcap must be 0 .off. or at least 1e-30"),  # 1 / softcap is float32's inf: NaN at s = 0
     (dict(dropout_p=1.0), "dropout_p must be"),
     (dict(dropout_p=True), "dropout_p must be"),
     (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), "alibi_slopes must be a float32"),

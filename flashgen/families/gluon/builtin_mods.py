@@ -31,9 +31,10 @@ The tracing and lowering are :mod:`flashgen.user_mods`'s, which sits above the f
 
 The per-(batch, head) values are loaded once per program and head (the user code's
 setup), not per tile.  ``cap``, ``inv`` and ``off`` come from one float32 (3,) tensor
-per (softcap, offset, device), kept (:data:`_PARAMS_MAX` of them, the oldest dropped
-first); inside a CUDA-graph capture a missing one is filled on the device by the
-captured stream instead (no host-to-device copy there).
+per (softcap, offset, device, stream), filled on the device and kept (:data:`_PARAMS_MAX` of
+them, the oldest dropped first); inside a CUDA-graph capture a new one of the capture's
+own memory, filled by the captured stream, so a graph never reads a kept tensor that a
+later eviction frees.
 """
 
 from __future__ import annotations
@@ -112,25 +113,35 @@ _params: collections.OrderedDict = collections.OrderedDict()
 _PARAMS_MAX = 64
 
 
-def _values(softcap: float, off: int, device) -> tuple:
+def _values(softcap: float, off: int, alibi: bool, device) -> tuple:
     """(cap, inv, off): the 0-d views of one float32 (3,) [softcap, 1 / softcap, off]
-    on ``device`` (module docstring)."""
-    vals = (float(softcap), 1.0 / softcap if softcap > 0 else 0.0, float(off))
-    key = (vals, str(device))
-    hit = _params.get(key)
-    if hit is not None:
-        _params.move_to_end(key)
-        return hit
+    on ``device`` (module docstring; ``off`` is 0 where ``alibi`` is off, which does not
+    read it).  Filled on the device (no host-to-device copy, so no synchronization) and
+    kept per value, except inside a CUDA-graph capture: there a tensor of the capture's
+    own memory pool is filled by the captured stream, so the graph reads memory that
+    lives as long as the graph, never a kept tensor that a later eviction frees."""
+    vals = (float(softcap), 1.0 / softcap if softcap > 0 else 0.0, float(off) if alibi else 0.0)
     dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        t = torch.empty(3, dtype=torch.float32, device=dev)
-        for i, x in enumerate(vals):
-            t[i:i + 1].fill_(x)
-        return t[0], t[1], t[2]  # the capture's own memory: not kept
-    t = torch.tensor(vals, dtype=torch.float32).to(dev)
-    _params[key] = views = (t[0], t[1], t[2])
-    if len(_params) > _PARAMS_MAX:
-        _params.popitem(last=False)
+    cuda = dev.type == "cuda"
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    # per stream: a kept tensor is read on the stream it was made on, so its memory is
+    # reused (after an eviction) only in that stream's order
+    key = (vals, str(dev), torch.cuda.current_stream(dev).cuda_stream if cuda else 0)
+    hit = None if capturing else _params.get(key)
+    if hit is not None:
+        try:
+            _params.move_to_end(key)
+        except KeyError:  # another thread evicted it meanwhile: it stays valid for this call
+            pass
+        return hit
+    t = torch.empty(3, dtype=torch.float32, device=dev)
+    for i, x in enumerate(vals):
+        t[i:i + 1].fill_(x)
+    views = (t[0], t[1], t[2])
+    if not capturing:
+        _params[key] = views
+        while len(_params) > _PARAMS_MAX:
+            _params.popitem(last=False)
     return views
 
 
@@ -143,7 +154,7 @@ def user_args(mods, q: torch.Tensor, k: torch.Tensor, lo: int, hi: int, directio
     b, h, sq = q.shape[0], q.shape[1], q.shape[2]
     sk = k.shape[2]
     _, roles = _traced(mods.name)
-    cap, inv, off = _values(mods.softcap, sk - sq, q.device)
+    cap, inv, off = _values(mods.softcap, sk - sq, mods.alibi is not None, q.device)
     slopes = mods.alibi
     if slopes is not None and slopes.dim() == 1:
         slopes = slopes.expand(b, h)  # batch stride 0: the kernels take the strides
