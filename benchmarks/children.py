@@ -3,10 +3,13 @@ the child, not the run): the job prints ``RESULT <json>``; the parent reads it."
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def run_child(script: str, args: list[str], timeout_s: float, cwd, what: dict) -> dict:
@@ -46,10 +49,6 @@ def main_jobs(doc: str, script: str, child, flag: str, choices: tuple, head_dims
     processes: ``--out DIR`` (default $OUT or .), ``--timeout-s`` per job.  In a child
     (``--child NAME HEAD_DIM``) it prints the RESULT and returns None; else the rows of
     :func:`run_jobs`, written to ``DIR/out_name``."""
-    import argparse
-    import os
-    from pathlib import Path
-
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--timeout-s", type=float, default=timeout_s, help="per job (its child process)")

@@ -727,6 +727,17 @@ def _bwd_id(g: B.GluonBwdConfig, dtype: str, d: int, mask: str, varlen: bool = F
     return B.variant_id(g, dtype, d, mask, varlen, user)
 
 
+def _as_user(mods, q, k, diag_lo: int, diag_hi: int, direction: str):
+    """``mods`` as the launchers take them: a :class:`flashgen.ops.ScoreMods` of
+    :data:`BUILTIN_MODS` becomes its fixed functions' UserArgs for ``direction`` ("fwd",
+    "bwd"; :func:`.builtin_mods.user_args`); anything else is returned as it is."""
+    if mods.name in BUILTIN_MODS and not hasattr(mods, "low"):  # UserArgs have a lowering
+        from .builtin_mods import user_args
+
+        return user_args(mods, q, k, diag_lo, diag_hi, direction)
+    return mods
+
+
 def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int, config: TileConfig,
         module=None, addressable: bool = False, mods=None, out=None, lse=None):
     """The family's forward launcher, in :func:`flashgen.ops.fwd`'s form: (O, LSE).
@@ -741,11 +752,8 @@ def fwd(q, k, v, *, softmax_scale: float, mask: str, diag_lo: int, diag_hi: int,
     score mods (the Triton family's)."""
     sinks, user = None, None
     if mods is not None:
-        if mods.name in BUILTIN_MODS and not hasattr(mods, "low"):
-            from .builtin_mods import user_args
-
-            user = mods = user_args(mods, q, k, diag_lo, diag_hi, "fwd")
-        elif user_functions(mods.name):
+        mods = _as_user(mods, q, k, diag_lo, diag_hi, "fwd")
+        if user_functions(mods.name):
             from .user import compiled_mask
 
             user, mask = mods, compiled_mask(mask, mods.name)
@@ -779,10 +787,7 @@ def bwd(do, q, k, v, o, lse, *, softmax_scale: float, mask: str, diag_lo: int, d
     refuses and the other built-in score mods (the Triton family's)."""
     user = None
     if mods is not None:
-        if mods.name in BUILTIN_MODS and not hasattr(mods, "low"):
-            from .builtin_mods import user_args
-
-            mods = user_args(mods, q, k, diag_lo, diag_hi, "bwd")
+        mods = _as_user(mods, q, k, diag_lo, diag_hi, "bwd")
         if not user_bwd(mods.name):
             raise ValueError(f"gluon bwd: score modifications ({mods.name}) are the Triton family's (the Gluon "
                              "backward takes no captured tensor read at an index computed from the score)")
