@@ -47,7 +47,9 @@ from pathlib import Path
 from . import families
 from .arch import INTERPRETER
 from .errors import InputError, UnsupportedError
-from .spec import WHOLE_BWD, WHOLE_BWD_MODS, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, is_decode, is_user_mods, is_varlen
+from .spec import (
+    WHOLE_BWD, WHOLE_BWD_VARLEN, ProblemKey, TileConfig, Variant, is_decode, is_user_mods, is_varlen, whole_bwd_mods,
+)
 
 #: Variants of a non-portable family that failed to build or launch in this process
 #: (variant id -> the error): the dispatcher never picks them again, and each was warned
@@ -524,8 +526,7 @@ class Dispatcher:
         # with softcap, ALiBi or user functions a family's whole backward may serve a dense
         # key too (the Gluon one; with user functions unless an index is computed from the
         # score: its unsupported() says why not); bias and dropout: the two kernels alone
-        mods = key.spec.mods
-        whole = not mods or ((is_user_mods(mods) or mods in WHOLE_BWD_MODS) and not is_varlen(key.spec.kernel))
+        whole = not key.spec.mods or (whole_bwd_mods(key.spec.mods) and not is_varlen(key.spec.kernel))
         roles = ("bwd_dq", "bwd_dkdv", WHOLE_BWD) if whole else ("bwd_dq", "bwd_dkdv")
         kernels = {r: dataclasses.replace(key, spec=dataclasses.replace(key.spec, kernel=names[r])) for r in roles}
         memo = (kernels["bwd_dq"], bool(deterministic))

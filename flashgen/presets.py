@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .spec import DENSE_KERNELS, WHOLE_BWD, WHOLE_BWD_MODS, KernelSpec, ProblemKey, Shape, base_kernel, is_decode
+from .spec import DENSE_KERNELS, WHOLE_BWD, KernelSpec, ProblemKey, Shape, base_kernel, is_decode, whole_bwd_mods
 
 Entry = tuple  # (head_dim (= head_dim_v), mask, Shape[, kernel in decode presets | mods in dense ones]);
 #               user presets: (head_dim, example name, Shape)
@@ -192,7 +192,7 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
         kinds = tuple(dict.fromkeys((f"{base_kernel(k)}_varlen" if varlen else base_kernel(k)) for k in training))
         for d, mask, shape, *mods in PRESETS[name]():
             for k in kinds:
-                if k == WHOLE_BWD and any(mods) and mods[0] not in WHOLE_BWD_MODS:
+                if k == WHOLE_BWD and mods and not whole_bwd_mods(mods[0]):
                     continue  # bias and dropout are compiled into bwd_dq and bwd_dkdv only
                 key = shape.key(KernelSpec(k, dtype, d, d, mask, *mods))
                 out.setdefault(key, shape)

@@ -55,6 +55,12 @@ USER_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", WHOLE_BWD)
 #: The built-in score mods a family's whole backward may compile (the Gluon family's, as
 #: fixed score functions); bias and dropout are compiled into bwd_dq and bwd_dkdv only.
 WHOLE_BWD_MODS = ("softcap", "alibi", "softcap_alibi")
+
+
+def whole_bwd_mods(mods: str) -> bool:
+    """Whether a family's whole backward (:data:`WHOLE_BWD`) may compile ``mods``: none,
+    :data:`WHOLE_BWD_MODS`, or user functions (:func:`is_user_mods`)."""
+    return not mods or mods in WHOLE_BWD_MODS or is_user_mods(mods)
 #: The mask modes the decode kernels compile (a sliding window is not served).
 DECODE_MASKS = ("none", "causal")
 
@@ -202,7 +208,7 @@ class KernelSpec:
                                      f"only, not {self.kernel!r}")
             elif self.mods not in all_mods():
                 raise ValueError(f"mods must be '' or a '_'-joined subset of {MODS} in that order, got {self.mods!r}")
-            elif self.kernel not in DENSE_KERNELS and not (self.kernel == WHOLE_BWD and self.mods in WHOLE_BWD_MODS):
+            elif self.kernel not in DENSE_KERNELS and not (self.kernel == WHOLE_BWD and whole_bwd_mods(self.mods)):
                 raise ValueError(f"score modifications ({self.mods}) are compiled into {DENSE_KERNELS} only (and "
                                  f"{WHOLE_BWD!r} for {WHOLE_BWD_MODS}), not {self.kernel!r}")
         if self.kernel not in ALL_KERNELS:
