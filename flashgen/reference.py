@@ -52,7 +52,11 @@ def _modded_scores(q, k, scale, softcap, alibi, bias, dtype):
         j = torch.arange(sk, device=q.device, dtype=dtype)[None, :]
         s = s - a[:, :, None, None] * (i + (sk - sq) - j).abs()
     if bias is not None:
+        # as the kernels: finite in base 2 (|s| log2(e) overflows float32 above 2.36e38),
+        # so +inf is a very high score; -inf stays a mask
         s = s + bias.to(dtype)
+        lim = min(2.3e38, torch.finfo(s.dtype).max)
+        s = torch.where(s == float("-inf"), s, s.clamp(-lim, lim))
     return s, tc
 
 

@@ -300,8 +300,9 @@ class Traced:
                           if g.nodes[i].op == "load" and self.bufs[g.nodes[i].args[0]].category == "float"
                           and self.captured[g.nodes[i].args[0]].dtype != torch.bool]
             self.dloads = {i: derivative(g, self.out, Ref(i)) for i, _ in self.loads}
-        elif isinstance(self.out, float) or isinstance(self.out, Ref) and g.dtype(self.out) == "float":
-            raise UnsupportedError(f"mask_mod {_describe(fn)} returns a float value: it must return a bool tensor")
+        elif not _boolish(g, self.out, self.captured):
+            raise UnsupportedError(f"mask_mod {_describe(fn)} returns {'an int' if g.dtype(self.out) == 'int' else 'a float'} "
+                                   "value: it must return a bool tensor (a comparison, or `!= 0` of an integer)")
 
     @property
     def fn(self):
@@ -477,6 +478,10 @@ class Traced:
             return g.binary(op[1:], a, b)
         if op == "lnot":
             return g.unary("not", g.cast(vals[0], "bool"))
+        if op == "not" and len(vals) == 1 and g.dtype(vals[0]) != "bool" and _boolish(g, vals[0], self.captured):
+            # ~ of a captured bool tensor's value: the kernels read it as int8 (0 or 1), whose
+            # bitwise not (-1 or -2) is never 0; torch's ~ of a bool is the logical not
+            return g.binary("eq", vals[0], 0)
         if len(vals) == 1:
             return g.unary(op, vals[0])
         if len(vals) == 2:
@@ -1162,6 +1167,32 @@ def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, si
 
 # -- reference (torch, materialized) -------------------------------------------------
 
+def _boolish(g, v, captured) -> bool:
+    """Whether the value ``v`` of graph ``g`` is a bool in torch's semantics: a bool, a
+    comparison, a read of a captured bool tensor (the kernels read those as int8, so the
+    graph types them int), or a logical combination of such values."""
+    if isinstance(v, bool) or g.dtype(v) == "bool":
+        return True
+    if not isinstance(v, Ref):
+        return False
+    n = g.nodes[v.i]
+    if n.op == "load":
+        return captured[n.args[0]].dtype == torch.bool
+    if n.op in ("and", "or", "xor", "not"):
+        return all(_boolish(g, a, captured) for a in n.args)
+    if n.op == "where":
+        return _boolish(g, n.args[1], captured) and _boolish(g, n.args[2], captured)
+    return False
+
+
+def _clamped(s):
+    """Scores as the kernels take them: finite in base 2 (clamped to +-2.3e38, or the
+    dtype's largest finite value below that, so +inf is a very high score), -inf kept (a
+    masked key), NaN kept."""
+    lim = min(2.3e38, torch.finfo(s.dtype).max)
+    return torch.where(s == float("-inf"), s, s.clamp(-lim, lim))
+
+
 def reference(q, k, v, scale, lo, hi, score_mod=None, mask_mod=None, sinks=None, dtype=torch.float64):
     """(O, LSE) in ``dtype`` by materializing the scores: S = scale·QKᵀ, then
     ``score_mod`` on the whole (batch, heads, seqlen_q, seqlen_k) grid, masked where
@@ -1181,7 +1212,7 @@ def reference(q, k, v, scale, lo, hi, score_mod=None, mask_mod=None, sinks=None,
     I = torch.arange(sq, device=dev).view(1, 1, -1, 1)
     J = torch.arange(sk, device=dev).view(1, 1, 1, -1)
     if score_mod is not None:
-        s = (score_mod(s, B, H, I, J) + torch.zeros_like(s)).to(dtype)
+        s = _clamped((score_mod(s, B, H, I, J) + torch.zeros_like(s)).to(dtype))
     vis = ((J - I) >= lo) & ((J - I) <= hi)
     if mask_mod is not None:
         vis = vis & torch.as_tensor(mask_mod(B, H, I, J), device=dev).to(torch.bool)

@@ -231,3 +231,17 @@ def test_finite_scores_beyond_the_base_2_range_are_scores_not_masks():
         assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-5
     assert torch.allclose(got[0][0, 0, 0], v[0, 0].mean(0), atol=1e-5)
     assert torch.allclose(got[0][0, 0, 1], v[0, 0, 2], atol=1e-5)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+@pytest.mark.parametrize("how", ["bias", "score_mod"])
+def test_a_positive_infinite_score_is_the_highest_score_on_every_path(interpret, how, monkeypatch):
+    """+inf in a bias (or from a score_mod) is a score clamped to 2.3e38, as the
+    docstring says: the row puts all its weight on that key and LSE = 2.3e38.  The
+    reference path (no GPU, no interpreter) took it as +inf: O inf / NaN, LSE +inf."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q, k, v = _qkv(h=1, hk=1, sq=4, sk=4, dtype=F16)
+    kw = dict(bias=torch.zeros(4, 4, dtype=F16).fill_diagonal_(float("inf"))) if how == "bias" else \
+        dict(score_mod=lambda s, b, h, i, j: torch.where(i == j, float("inf"), s))
+    o, lse = flashgen.attention(q, k, v, return_lse=True, **kw)
+    assert torch.equal(o, v) and torch.equal(lse, torch.full_like(lse, 2.3e38))

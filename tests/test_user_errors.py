@@ -257,3 +257,13 @@ def test_a_captured_tensor_on_another_device_is_named_on_both_paths(interpret, m
         flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[ki])
     with pytest.raises(InputError, match="mask_mod reads a captured tensor on meta; q is on cpu"):
         flashgen.attention(q, k, v, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])
+
+
+@pytest.mark.parametrize("mask_mod, kind", [(lambda b, h, i, j: i - j, "an int"),
+                                            (lambda b, h, i, j: (i - j).float(), "a float")])
+def test_a_mask_mod_must_return_bool(mask_mod, kind):
+    """An int result was taken as "nonzero attends"; the docs and the float case say a
+    mask_mod returns a bool tensor."""
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(UnsupportedError, match=f"returns {kind} value: it must return a bool tensor"):
+        flashgen.attention(q, q, q, mask_mod=mask_mod)

@@ -219,6 +219,19 @@ def test_a_captured_bool_mask_is_read_in_place(tiles):
     assert o.grad_fn.call.fwd.bufs[0].is_contiguous()
 
 
+def test_not_of_a_captured_bool_tensor_is_the_logical_not(tiles):
+    """``~mask[...]`` of a captured bool tensor: the kernels read its bytes as int8, whose
+    bitwise not (-1 or -2) was never 0, so every key attended; it is torch's logical not."""
+    g = torch.Generator().manual_seed(5)
+    mask, other = (torch.rand(2, 1, 40, 40, generator=g) > 0.5 for _ in range(2))
+
+    def make(mask, other):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return ~mask[b, 0, q_idx, kv_idx] | ~(other[b, 0, q_idx, kv_idx] & (q_idx >= kv_idx))
+        return None, mask_mod
+    _run(make, [mask, other], sq=40, sk=40)
+
+
 def test_a_mask_mod_written_as_causal_equals_causal(tiles):
     q, k, v = _qkv(sq=37, sk=45)
     off = 45 - 37
