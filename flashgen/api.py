@@ -64,6 +64,14 @@ def _check_like_q(q, others):
             raise InputError(f"{name}.device ({t.device}) must equal q.device ({q.device})")
 
 
+def _check_heads(h: int, hk: int, kv: str, where: str = "") -> None:
+    """num_kv_heads >= 1 and num_heads a multiple of it (GQA/MQA groups)."""
+    if hk == 0:
+        raise InputError(f"num_kv_heads of {kv} is 0: it must be at least 1 (q has {h} heads){where}")
+    if h % hk != 0:
+        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of {kv} ({hk}){where}")
+
+
 def _check_head_dims(dims):
     for name, dd in dims:
         if not (8 <= dd <= 256 and dd % 8 == 0):
@@ -85,8 +93,7 @@ def _check(q, k, v, softmax_scale, causal=False):
     if k.shape[2] != v.shape[2]:
         raise InputError(f"k and v must have the same seqlen_k, got {k.shape[2]} and {v.shape[2]}")
     hk = k.shape[1]
-    if hk == 0 or h % hk != 0:
-        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k/v ({hk})")
+    _check_heads(h, hk, "k/v")
     if k.shape[3] != d:
         raise InputError(f"k.shape[-1] (head_dim {k.shape[3]}) must equal q.shape[-1] ({d})")
     _check_head_dims((("q/k head_dim", d), ("v head_dim", v.shape[3])))
@@ -551,8 +558,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if k.shape[1] != v.shape[1]:
         raise InputError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
     h, hk, d = q.shape[1], k.shape[1], q.shape[2]
-    if hk == 0 or h % hk != 0:
-        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k/v ({hk})")
+    _check_heads(h, hk, "k/v")
     if k.shape[2] != d:
         raise InputError(f"k.shape[-1] (head_dim {k.shape[2]}) must equal q.shape[-1] ({d})")
     _check_head_dims((("q/k head_dim", d), ("v head_dim", v.shape[2])))
@@ -742,9 +748,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
         raise InputError(f"k_cache and v_cache must agree in their first 3 dims, got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
     hk = k_cache.shape[2]
-    if hk == 0 or h % hk != 0:
-        raise InputError(f"num_heads of q ({h}) must be a multiple of num_kv_heads of k_cache/v_cache ({hk}); "
-                         f"attention_with_kvcache reads dim 2 as the heads: {_KV_LAYOUT}")
+    _check_heads(h, hk, "k_cache/v_cache", f"; attention_with_kvcache reads dim 2 as the heads: {_KV_LAYOUT}")
     if k_cache.shape[3] != d:
         raise InputError(f"k_cache.shape[-1] (head_dim {k_cache.shape[3]}) must equal q.shape[-1] ({d})")
     _check_head_dims((("q/k_cache head_dim", d), ("v_cache head_dim", v_cache.shape[3])))
@@ -922,7 +926,7 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         if not isinstance(attn_mask, torch.Tensor):
             return f"attn_mask of type {type_name(attn_mask)}"
         if is_causal:
-            return "attn_mask with is_causal=True (torch raises)"
+            return "attn_mask with is_causal=True (torch's documented error; some of its versions apply both instead)"
         if isinstance(query, torch.Tensor) and attn_mask.dtype not in (torch.bool, query.dtype):
             return f"attn_mask dtype {attn_mask.dtype} (flashgen: bool or the query's dtype)"
         if isinstance(query, torch.Tensor) and attn_mask.device != query.device:
@@ -1090,7 +1094,7 @@ class KernelChoice:
     def __str__(self) -> str:
         row = "no tuned row" if self.tuned_key is None else (
             f"row {self.tuned_key} in {self.database}: median {self.median_ms:.4f} ms"
-            + ("" if self.tflops is None else f", {self.tflops:.1f} TFLOP/s")
+            + ("" if self.tflops is None else f", {self.tflops:.4g} TFLOP/s")
             + ("" if self.tuned_under is None else f"; tuned under {self.tuned_under}"))
         why = "".join(f"; {name} does not serve it: {reason}" for name, reason in self.unserved)
         note = "" if self.note is None else f" ({self.note})"

@@ -1141,5 +1141,24 @@ def explain(
                            f"--gpu {shlex.quote(name)} explains with them")
 
 
+def _empty_argument(args: list[str]) -> str | None:
+    """Where ``args`` hold an empty value ("" or ``--opt=``), described; None if nowhere.
+    click reads an empty path as the current directory ("file '' is a directory"), and
+    no option or argument here takes an empty value."""
+    for i, a in enumerate(args):
+        if a == "":
+            return f"the argument after {args[i - 1]!r}" if i else "the first argument"
+        if a.startswith("--") and a.endswith("="):
+            return a[:-1]
+    return None
+
+
 def main() -> None:
+    import sys
+
+    where = _empty_argument(sys.argv[1:])
+    if where is not None:
+        typer.echo(f"Error: {where} is empty: every option value and argument needs one (a path, a name, a "
+                   "number).", err=True)
+        raise SystemExit(2)
     app()

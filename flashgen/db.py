@@ -326,6 +326,10 @@ def _row_problem(r) -> str | None:
     if not (isinstance(r["created_at"], str) and r["created_at"]):
         return f"created_at must be the measurement's time, got {r['created_at']!r}"
     try:
+        datetime.datetime.fromisoformat(r["created_at"])
+    except ValueError:
+        return f"created_at must be the measurement's time in ISO 8601 (as {_now()}), got {r['created_at']!r}"
+    try:
         key = ProblemKey.from_row(r)
         cfg = TileConfig.from_dict(r)
     except (KeyError, TypeError, ValueError) as e:

@@ -184,7 +184,8 @@ class ModelBenchmarker:
 class TuneResult:
     """The outcome of tuning one key.  Times in ms; ``speedup`` = default_median_ms /
     best_median_ms; None where there is no ok measurement.  ``n_trials`` counts the
-    study's measured trials (:func:`measured_trials`), earlier runs included."""
+    study's measured trials (:func:`measured_trials`), earlier runs included, and at least
+    the default's measurement."""
 
     key: ProblemKey
     best_config: TileConfig | None
@@ -833,7 +834,9 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         best_median_ms=best_ms, tflops=best["tflops"] if best else None,
         default_config=default, default_median_ms=default_ms,
         speedup=default_ms / best_ms if default_ms and best_ms else None,
-        n_trials=n_complete(), wall_s=time.perf_counter() - t0)
+        # the default is measured before the study (its first trial reads that row back):
+        # with no time for trials (timeout_s 0) it is still the one measurement
+        n_trials=max(n_complete(), int(default_row is not None)), wall_s=time.perf_counter() - t0)
 
 
 def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker, db: TuningDB,

@@ -64,6 +64,7 @@ def _qkv(b=1, h=2, hk=2, sq=8, sk=8, d=16, dv=None, dtype=F16):
     (lambda: (_qkv()[0], _rand(1, 2, 8, 16, dtype=torch.float32), _qkv()[2]), {}, r"k\.dtype"),
     (lambda: (*_qkv()[:2], _rand(1, 2, 8, 16, dtype=torch.bfloat16)), {}, r"v\.dtype"),
     (lambda: _qkv(h=6, hk=4), {}, r"num_heads.*\b6\b.*num_kv_heads.*\b4\b"),
+    (lambda: _qkv(h=0, hk=0), {}, r"num_kv_heads of k/v is 0: it must be at least 1"),
     (lambda: _qkv(d=12), {}, r"multiple of 8"),
     (lambda: _qkv(dv=300), {}, r"v head_dim.*multiple of 8.*300"),
     (lambda: _qkv(), {"window": (-2, 0)}, r"window"),
@@ -71,7 +72,7 @@ def _qkv(b=1, h=2, hk=2, sq=8, sk=8, d=16, dv=None, dtype=F16):
     (lambda: _qkv(), {"softmax_scale": "0.1"}, r"softmax_scale"),
     (lambda: (_qkv()[0].int(), *_qkv()[1:]), {}, r"q\.dtype"),
     (lambda: (_qkv()[0], "k", _qkv()[2]), {}, r"^k must be a torch\.Tensor"),
-], ids=["q_rank", "k_dtype", "v_dtype", "gqa_heads", "head_dim_12", "head_dim_v_300", "window_neg",
+], ids=["q_rank", "k_dtype", "v_dtype", "gqa_heads", "no_kv_heads", "head_dim_12", "head_dim_v_300", "window_neg",
         "window_triple", "scale_str", "q_int", "k_not_tensor"])
 def test_errors_name_the_argument(make, kw, pattern):
     q, k, v = make()

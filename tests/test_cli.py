@@ -358,3 +358,33 @@ def test_a_stopped_single_process_tune_logs_its_interrupted_trial_in_one_line(tm
     assert "KeyboardInterrupt()" in first and not first.startswith("Traceback")
     tracebacks = rest.count("Traceback (most recent call last)")
     assert tracebacks == 2, stream.getvalue()  # the ValueError's, and the one logged after the run
+
+
+@pytest.mark.parametrize("args, where", [
+    (["show", "--db", ""], "the argument after '--db'"),
+    (["show", "--db="], "--db"),
+    (["import", ""], "the argument after 'import'"),
+    (["merge", "out.sqlite", ""], "the argument after 'out.sqlite'"),
+])
+def test_an_empty_path_is_named_as_empty(tmp_path, monkeypatch, capsys, args, where):
+    """click reads "" as the current directory ("file '' is a directory"): the entry
+    point names the empty value instead, and nothing is written."""
+    import sys
+
+    from flashgen import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["flashgen", *args])
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    assert exc.value.code == 2
+    assert f"{where} is empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tune_without_time_for_trials_counts_the_default(tmp_path):
+    r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake-model", "--arch", "sm_90",
+               "--timeout-per-key", "0", "--db", tmp_path / "t.sqlite")
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.output.splitlines() if line.startswith("│ attn_fwd")]
+    assert rows and all(line.rstrip(" │").endswith("│ 1") for line in rows), r.output

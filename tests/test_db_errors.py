@@ -146,6 +146,7 @@ def _export(tmp_path):
     ("num_warps", 4.5, "config field num_warps must be a whole number"),
     ("batch", True, "batch must be a whole number >= 0"),
     ("created_at", None, "created_at must be the measurement's time"),
+    ("created_at", "yesterday", "created_at must be the measurement's time in ISO 8601"),
     ("BLOCK_N", 0, "knob out of range"),
     ("num_warps", 3, "powers of two"),
     ("BLOCK_M", 96, "powers of two"),

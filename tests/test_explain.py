@@ -63,7 +63,7 @@ def test_explain_sources_per_kernel(tuned_db):
     assert (dkdv.source, dkdv.config, dkdv.median_ms, dkdv.tflops) == (
         "default", heuristics.default_config(dkdv_spec, a).id, None, None)
     text = str(rep)
-    for s in (fwd.key, TUNED_FWD.id, "tuned", "nearest", "default", "0.2500 ms", f"{fwd.tflops:.1f} TFLOP/s",
+    for s in (fwd.key, TUNED_FWD.id, "tuned", "nearest", "default", "0.2500 ms", f"{fwd.tflops:.4g} TFLOP/s",
               est.breakdown(), "no tuned row"):
         assert s in text, s
 
