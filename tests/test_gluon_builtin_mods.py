@@ -122,8 +122,10 @@ def test_the_family_serves_softcap_and_alibi_not_bias_or_dropout():
 
 def test_the_dispatcher_chooses_by_measurement(tmp_path):
     """Untuned: the Gluon whole backward where a measurement puts its default ahead
-    (BUILTIN_BWD_DEFAULT_AHEAD, per mods, head_dim and mask), the Triton forward (no measurement of the Gluon forward's default with them); a
-    ``deterministic`` backward takes the two kernels; tuned rows decide both ways."""
+    (BUILTIN_BWD_DEFAULT_AHEAD, per mods, head_dim and mask), the Gluon forward where one
+    puts its default ahead by BUILTIN_FWD_MIN_LEAD (softcap at head_dim 128 causal, not
+    ALiBi there: 1.01x), else the Triton forward; a ``deterministic`` backward takes the
+    two kernels; tuned rows decide both ways."""
     from flashgen.db import TuningDB
     from flashgen.dispatch import Dispatcher
     from flashgen.env import Environment
@@ -134,14 +136,18 @@ def test_the_dispatcher_chooses_by_measurement(tmp_path):
     assert gluon.prefers_default(_key("bwd", "softcap_alibi"), SM90) is None  # measured behind
     assert gluon.prefers_default(_key("bwd", "softcap_alibi", mask="none"), SM90) is not None
     assert gluon.prefers_default(_key("bwd", "softcap", mask="window"), SM90) is None  # not timed
+    assert gluon.prefers_default(_key("fwd", "softcap"), SM90) == F.BUILTIN_FWD_DEFAULT_AHEAD[("softcap", 128, "causal")]
+    assert gluon.prefers_default(_key("fwd", "alibi"), SM90) is None  # 1.01x: within a run's spread
+    assert gluon.prefers_default(_key("fwd", "softcap_alibi"), SM90) is None  # not timed
+    assert gluon.prefers_default(_key("fwd", "softcap", d=64, mask="none"), SM90) is not None
+    assert gluon.prefers_default(_key("fwd", "softcap", mask="window"), SM90) is None  # not timed
     for mods in ("softcap", "alibi"):
         assert gluon.prefers_default(_key("bwd", mods), SM90) == F.BUILTIN_BWD_DEFAULT_AHEAD[(mods, 128, "causal")]
-        assert gluon.prefers_default(_key("fwd", mods), SM90) is None
         disp = Dispatcher([], env=h200, arch=SM90)
         plan = disp.backward(_key("bwd_dq", mods), capturing=False)
         assert plan.whole and plan.family == "gluon", plan.reason
         assert not disp.backward(_key("bwd_dq", mods), deterministic=True, capturing=False).whole
-        assert disp.choose(_key("fwd", mods), capturing=False).family == "triton"
+        assert disp.choose(_key("fwd", mods), capturing=False).family == ("gluon" if mods == "softcap" else "triton")
         assert not disp.backward(_key("bwd_dq", "bias"), capturing=False).whole
         for gluon_ms, whole in ((1.5, True), (2.5, False)):
             db_path = tmp_path / f"{mods}{gluon_ms}.sqlite"
@@ -157,6 +163,19 @@ def test_the_dispatcher_chooses_by_measurement(tmp_path):
             plan = disp.backward(_key("bwd_dq", mods), capturing=False)
             assert plan.whole is whole and plan.family == ("gluon" if whole else "triton"), (mods, plan.reason)
             assert disp.choose(_key("fwd", mods), capturing=False).family == ("gluon" if whole else "triton")
+
+
+def test_the_forward_default_is_one_consumer_at_block_n_64():
+    """The built-in mods' Gluon forward default: one consumer of 64 rows, BLOCK_N 64, three
+    programs per SM at head_dim 64 (3 stages) and two at 128 (2 stages: a third does not
+    fit two programs' shared memory); the plain keys keep theirs."""
+    gluon = families.get("gluon")
+    for mods in ("softcap", "alibi", "softcap_alibi"):
+        for d, want in ((64, "gluon_m64_n64_w4_s3_x3"), (128, "gluon_m64_n64_w4_s2_x2")):
+            for mask in ("causal", "none", "window"):
+                cfg = gluon.default_config(_key("fwd", mods, d=d, mask=mask), SM90)
+                assert cfg.id == want and gluon.violated_rules(Variant(_key("fwd", mods, d=d).spec, cfg)) == []
+    assert gluon.default_config(_key("fwd", ""), SM90).id.startswith("gluon_m64_n128_w8")
 
 
 def test_presets_tune_the_whole_backward_of_softcap_and_alibi():
@@ -254,10 +273,10 @@ COMPILE_CASES = [("fwd", "softcap_alibi", 64, "causal"), ("fwd", "softcap_alibi"
 #: of 128 key rows: a score function spills there (as the user examples do,
 #: tests/test_gluon_user_bwd.py), both functions in a causal tile most, 788 B, which is
 #: why its untuned default is the Triton family's (family.BUILTIN_BWD_DEFAULT_AHEAD).
-SPILL_BYTES = {"3.6": {("fwd", "softcap_alibi", 128, "causal"): 16, ("bwd", "softcap_alibi", 64, "causal"): 20,
+SPILL_BYTES = {"3.6": {("bwd", "softcap_alibi", 64, "causal"): 20,
                        ("bwd", "softcap_alibi", 128, "causal"): 788, ("bwd", "softcap", 128, "none"): 116,
                        ("bwd", "alibi", 128, "causal"): 148},
-               "3.9": {("fwd", "softcap_alibi", 128, "causal"): 12, ("bwd", "softcap_alibi", 64, "causal"): 84,
+               "3.9": {("bwd", "softcap_alibi", 64, "causal"): 84,
                        ("bwd", "softcap_alibi", 128, "causal"): 844, ("bwd", "softcap", 128, "none"): 116,
                        ("bwd", "alibi", 128, "causal"): 212}}
 

@@ -133,6 +133,18 @@ CALIBRATION = [
 ]
 
 
+def test_the_walks_take_score_functions_not_mask_functions():
+    """``persistent`` 2 and 3 (the walks that load the next tile's Q early) take a score
+    function, whose setup runs per tile; a mask function's block mask is read per program
+    and tile, which the walks do not, so its variants are refused."""
+    score, mask = _spec("softcap", 64), _spec("document-causal", 64)
+    for persistent in (2, 3):
+        cfg = C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=3, consumer_regs=136, producer_regs=24,
+                               persistent=persistent, ctas_per_sm=3)
+        assert C.check(C.GluonFwdVariant(score, cfg)) == []
+        assert any("user mask function" in w for w in C.check(C.GluonFwdVariant(mask, cfg)))
+
+
 def test_the_register_model_refuses_what_spilled_and_admits_what_did_not():
     specs = {}
     for name, d, bn, pin, spilled in CALIBRATION:
@@ -165,12 +177,15 @@ for name, d, kw in CASES:
 '''
 
 #: A score function with a gathered table (int64 bucket arithmetic), a mask function with
-#: int64 gathers and a block mask, and a pinned score function at head_dim 128.
+#: int64 gathers and a block mask, a pinned score function at head_dim 128, and a score
+#: function in the walk of 3 (one consumer, three programs per SM).
 COMPILE_CASES = [
     ("relpos", 64, dict(BLOCK_N=64, num_stages=4)),
     ("document-causal", 128, dict(BLOCK_N=64, num_stages=2, pin_exps=True)),
     ("softcap", 128, dict(BLOCK_N=128, num_stages=2, pin_exps=True)),
     ("sinks-document", 64, dict(BLOCK_N=64, num_stages=4)),
+    ("softcap", 64, dict(num_consumers=1, BLOCK_N=64, num_stages=3, consumer_regs=136, producer_regs=24,
+                         persistent=3, ctas_per_sm=3)),
 ]
 
 

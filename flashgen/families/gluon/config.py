@@ -498,9 +498,9 @@ def check(v: GluonFwdVariant) -> list[str]:
         why.append(f"BLOCK_N={c.BLOCK_N}: 64 or 128 (a power of two, the scores' wgmma N <= 256)")
     if c.persistent not in (0, 1, 2, 3):
         why.append(f"persistent={c.persistent}: 0 (one program per tile), 1, 2 or 3 (one program per SM slot)")
-    if c.persistent >= 2 and s.user:
-        why.append(f"persistent={c.persistent} with user score/mask functions: not built (their block mask walks "
-                   "one tile per program)")
+    if c.persistent >= 2 and s.user and s.user.endswith("m"):
+        why.append(f"persistent={c.persistent} with a user mask function: not built (its block mask walks one tile "
+                   "per program)")
     if c.persistent == 3 and s.sinks:
         why.append("persistent=3 with attention sinks: not built (the sinks variant's code id covers the walk "
                    "of persistent 2 only)")

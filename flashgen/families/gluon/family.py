@@ -133,6 +133,46 @@ _BUILTIN_BWD_TIMED = {
 BUILTIN_BWD_DEFAULT_AHEAD = {
     k: f"H100, {t / g:.2f}x the Triton family's backward at 8x16x4096 ({g:.3f} against {t:.3f} ms; "
        "docs/results/h100/gluon_builtin_mods)" for k, (g, t) in _BUILTIN_BWD_TIMED.items() if g < t}
+#: The Gluon forward's measurement for the built-in score mods (``python3
+#: benchmarks/gluon_mods_fwd_tiles.py``, docs/results/h100/gluon_builtin_mods/fwd-tiles:
+#: each tile checked against float64 first, worst ratio 0.141): the default tile
+#: (:func:`builtin_fwd_default`) against the Triton family's forward as the dispatcher
+#: serves it without the Gluon family, bf16 8x16x4096 on an H100.  (mods, head_dim,
+#: mask) -> (Gluon, Triton) ms.  softcap with ALiBi at head_dim 128 was not timed.
+_BUILTIN_FWD_TIMED = {
+    ("softcap", 64, "causal"): (1.416, 1.436), ("softcap", 64, "none"): (2.589, 2.694),
+    ("softcap", 128, "causal"): (1.828, 2.153), ("softcap", 128, "none"): (3.415, 3.731),
+    ("alibi", 64, "causal"): (0.842, 0.841), ("alibi", 64, "none"): (1.518, 1.419),
+    ("alibi", 128, "causal"): (1.299, 1.313), ("alibi", 128, "none"): (2.313, 2.362),
+    ("softcap_alibi", 64, "causal"): (1.501, 1.604), ("softcap_alibi", 64, "none"): (2.723, 3.404),
+}
+#: The lead over the Triton forward a measurement must show before an untuned key takes
+#: the Gluon default: the forward's timings of one run move by 1-2%.
+BUILTIN_FWD_MIN_LEAD = 1.02
+BUILTIN_FWD_DEFAULT_AHEAD = {
+    k: f"H100, {t / g:.2f}x the Triton family's forward at 8x16x4096 ({g:.3f} against {t:.3f} ms; "
+       "docs/results/h100/gluon_builtin_mods/fwd-tiles)"
+    for k, (g, t) in _BUILTIN_FWD_TIMED.items() if t >= BUILTIN_FWD_MIN_LEAD * g}
+
+
+def builtin_fwd_default(s: C.GluonFwdSpec) -> C.GluonFwdConfig:
+    """The Gluon forward's default tile for the built-in softcap and ALiBi: one consumer
+    of 64 rows at BLOCK_N 64, three programs per SM at head_dim 64 and two above, the
+    deepest ring that fits.  The score function runs on every score in each copy of the
+    softmax body; the plain keys' default (two consumer partitions, BLOCK_N 128) holds 64
+    scores a thread in two copies of that code, and measured 0.36-0.66x of the Triton
+    forward with softcap at head_dim 64, this tile 1.01-1.04x (and 0.50-0.90x against
+    1.09-1.23x at head_dim 128; docs/results/h100/gluon_builtin_mods/fwd-tiles)."""
+    ctas = 3 if max(C.pad(s.head_dim), C.pad(s.head_dim_v)) <= 64 else 2
+    cr, pr = C.default_regs(1, ctas)
+    for stages in (3, 2):
+        cfg = C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=stages, consumer_regs=cr, producer_regs=pr,
+                               ctas_per_sm=ctas)
+        if C.valid(C.GluonFwdVariant(s, cfg)):
+            return cfg
+    return C.default_config(s)
+
+
 #: As :data:`USER_SCORE_BWD_DEFAULT_AHEAD`, for score functions with a captured tensor that
 #: takes a gradient (added per step by the consumers: :mod:`.user_bwd`): head_dim -> the
 #: measurement (``relpos-learned``, T5's bias with its table learned, the same run).  At
@@ -581,6 +621,8 @@ class GluonFamily:
         if self.unsupported(key, arch) is not None:
             return None
         s = key.spec
+        if s.kernel == "fwd" and s.mods in BUILTIN_MODS:
+            return tile_config(builtin_fwd_default(fwd_spec(s)))
         if s.kernel in FWD_KERNELS:
             return tile_config(C.default_config(fwd_spec(s)))
         if s.kernel == VARLEN_BWD:
@@ -608,6 +650,9 @@ class GluonFamily:
             least, seen = FWD_VARLEN_DEFAULT_AHEAD.get(s.mask, (None, None))
             timed = s.head_dim == s.head_dim_v == 128 and least is not None and key.seqlen_q >= least
             return f"H200, {seen} (docs/results/h200/varlen-gluon)" if timed else None
+        if s.kernel == "fwd" and s.mods in BUILTIN_MODS:
+            checked = s.dtype in USER_BWD_DEFAULT_DTYPES and s.head_dim == s.head_dim_v
+            return BUILTIN_FWD_DEFAULT_AHEAD.get((s.mods, s.head_dim, s.mask)) if checked else None
         if s.kernel == "fwd":
             # the sinks variant has no measurement yet: tuned rows alone pick it
             timed = s.head_dim == s.head_dim_v and s.head_dim in FWD_DEFAULT_HEAD_DIMS and not s.mods
