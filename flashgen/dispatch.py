@@ -664,9 +664,22 @@ class Dispatcher:
             if choice is None:
                 choice = self._default(key)
                 self._warn_shipped_gpu_default(key)
+            elif choice.source == "nearest" and key.spec.mods:
+                choice = self._default_over_nearest(key, choice)
             choice = self._with_smem(choice)
             self._cache[key] = choice
         return choice
+
+    def _default_over_nearest(self, key: ProblemKey, near: Choice) -> Choice:
+        """For score mods whose own bucket has no row: a family default measured ahead of
+        what the portable family serves them (``prefers_default``, measured against the
+        dispatcher's choice without that family: another bucket's rows, or the plain
+        problem's tiles), rather than ``near``."""
+        default = self._default(key)
+        if default.note is None:
+            return near
+        where = f"{near.config.id} of {near.tuned_key}" if near.tuned_key else near.config.id
+        return dataclasses.replace(default, note=f"{default.note}; instead of the nearest row ({where})")
 
     def _warn_shipped_gpu_default(self, key: ProblemKey) -> None:
         """Once per process: this GPU has rows in the shipped databases, yet ``key`` runs

@@ -165,6 +165,30 @@ def test_the_dispatcher_chooses_by_measurement(tmp_path):
             assert disp.choose(_key("fwd", mods), capturing=False).family == ("gluon" if whole else "triton")
 
 
+def test_a_forward_default_measured_ahead_beats_another_buckets_row(tmp_path):
+    """A built-in mods forward key without a row of its own bucket: the Gluon default where
+    its measurement (against what the dispatcher served without it: other buckets' rows)
+    puts it ahead, else the nearest row; a row of the key's own bucket still decides."""
+    from flashgen.db import TuningDB
+    from flashgen.dispatch import Dispatcher
+    from flashgen.env import Environment
+
+    h200 = Environment("NVIDIA H200", "9.0", 132, "3.6.0", "2.11.0", "0.1.0")
+    near = Shape(8, 16, 16, 2048, 2048)
+    db_path = tmp_path / "near.sqlite"
+    with TuningDB(db_path) as db:
+        for mods in ("softcap", "alibi"):
+            k = _key("fwd", mods, shape=near)
+            db.record(k, near, Variant(k.spec, TileConfig(64, 64, 4, 3)), Measurement("ok", median_ms=1.0), h200, 0)
+    disp = Dispatcher([db_path], env=h200, arch=SM90)
+    soft = disp.choose(_key("fwd", "softcap"), capturing=False)
+    assert soft.family == "gluon" and soft.source == "default" and "instead of the nearest row" in soft.note
+    alibi = disp.choose(_key("fwd", "alibi"), capturing=False)
+    assert alibi.family == "triton" and alibi.source == "nearest"
+    own = disp.choose(_key("fwd", "softcap", shape=near), capturing=False)
+    assert own.family == "triton" and own.source == "tuned"
+
+
 def test_the_forward_default_is_one_consumer_at_block_n_64():
     """The built-in mods' Gluon forward default: one consumer of 64 rows, BLOCK_N 64, three
     programs per SM at head_dim 64 (3 stages) and two at 128 (2 stages: a third does not
