@@ -1148,8 +1148,8 @@ def _empty_argument(args: list[str]) -> str | None:
     for i, a in enumerate(args):
         if a == "":
             return f"the argument after {args[i - 1]!r}" if i else "the first argument"
-        if a.startswith("--") and a.endswith("="):
-            return a[:-1]
+        if a.startswith("--") and "=" in a and not a.partition("=")[2]:
+            return a.partition("=")[0]
     return None
 
 

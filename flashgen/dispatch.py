@@ -674,7 +674,10 @@ class Dispatcher:
         """For score mods whose own bucket has no row: a family default measured ahead of
         what the portable family serves them (``prefers_default``, measured against the
         dispatcher's choice without that family: another bucket's rows, or the plain
-        problem's tiles), rather than ``near``."""
+        problem's tiles), rather than ``near`` when ``near`` is such a portable row; a
+        nearest row of the other family itself stays."""
+        if near.config.family != families.portable().name:
+            return near  # another bucket's row of a family that measured itself: no comparison was made
         default = self._default(key)
         if default.note is None:
             return near

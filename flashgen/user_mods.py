@@ -300,7 +300,7 @@ class Traced:
                           if g.nodes[i].op == "load" and self.bufs[g.nodes[i].args[0]].category == "float"
                           and self.captured[g.nodes[i].args[0]].dtype != torch.bool]
             self.dloads = {i: derivative(g, self.out, Ref(i)) for i, _ in self.loads}
-        elif not _boolish(g, self.out, self.captured):
+        elif g.dtype(self.out) != "bool":
             raise UnsupportedError(f"mask_mod {_describe(fn)} returns {'an int' if g.dtype(self.out) == 'int' else 'a float'} "
                                    "value: it must return a bool tensor (a comparison, or `!= 0` of an integer)")
 
@@ -406,7 +406,10 @@ class Traced:
                 if isinstance(a, (slice, type(None), type(Ellipsis), _Captured)) or isinstance(a, float):
                     raise UnsupportedError(f"index {a!r} (each index must be an integer expression)")
                 idx.append(self._value(a))
-            return g.load(base.n, self.bufs[base.n], tuple(idx))
+            ref = g.load(base.n, self.bufs[base.n], tuple(idx))
+            # a bool tensor's bytes are read as int8 (0 or 1): != 0 makes the value a bool
+            # of the graph, so ~, casts and arithmetic follow torch's bool semantics
+            return g.binary("ne", ref, 0) if t.dtype == torch.bool else ref
         if op in ("full_like", "zeros_like", "ones_like"):
             x = self._value(args[0])
             fill = {"zeros_like": 0, "ones_like": 1}.get(op)
@@ -478,13 +481,12 @@ class Traced:
             return g.binary(op[1:], a, b)
         if op == "lnot":
             return g.unary("not", g.cast(vals[0], "bool"))
-        if op == "not" and len(vals) == 1 and g.dtype(vals[0]) != "bool" and _boolish(g, vals[0], self.captured):
-            # ~ of a captured bool tensor's value: the kernels read it as int8 (0 or 1), whose
-            # bitwise not (-1 or -2) is never 0; torch's ~ of a bool is the logical not
-            return g.binary("eq", vals[0], 0)
         if len(vals) == 1:
             return g.unary(op, vals[0])
         if len(vals) == 2:
+            if op in ("add", "mul") and g.dtype(vals[0]) == g.dtype(vals[1]) == "bool":
+                # torch: bool + bool and bool * bool are bools (or, and), not 0/1/2 integers
+                return g.binary("or" if op == "add" else "and", *vals)
             return g.binary(op, *vals)
         raise UnsupportedError(f"{len(vals)} arguments")
 
@@ -1166,24 +1168,6 @@ def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, si
 
 
 # -- reference (torch, materialized) -------------------------------------------------
-
-def _boolish(g, v, captured) -> bool:
-    """Whether the value ``v`` of graph ``g`` is a bool in torch's semantics: a bool, a
-    comparison, a read of a captured bool tensor (the kernels read those as int8, so the
-    graph types them int), or a logical combination of such values."""
-    if isinstance(v, bool) or g.dtype(v) == "bool":
-        return True
-    if not isinstance(v, Ref):
-        return False
-    n = g.nodes[v.i]
-    if n.op == "load":
-        return captured[n.args[0]].dtype == torch.bool
-    if n.op in ("and", "or", "xor", "not"):
-        return all(_boolish(g, a, captured) for a in n.args)
-    if n.op == "where":
-        return _boolish(g, n.args[1], captured) and _boolish(g, n.args[2], captured)
-    return False
-
 
 def _clamped(s):
     """Scores as the kernels take them: finite in base 2 (clamped to +-2.3e38, or the

@@ -382,6 +382,13 @@ def test_an_empty_path_is_named_as_empty(tmp_path, monkeypatch, capsys, args, wh
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_value_that_ends_in_an_equals_sign_is_not_empty():
+    from flashgen import cli
+
+    assert cli._empty_argument(["show", "--db=/tmp/runs/a=", "--key", "x="]) is None
+    assert cli._empty_argument(["show", "--db="]) == "--db"
+
+
 def test_a_tune_without_time_for_trials_counts_the_default(tmp_path):
     r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake-model", "--arch", "sm_90",
                "--timeout-per-key", "0", "--db", tmp_path / "t.sqlite")

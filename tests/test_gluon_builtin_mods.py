@@ -187,6 +187,14 @@ def test_a_forward_default_measured_ahead_beats_another_buckets_row(tmp_path):
     assert alibi.family == "triton" and alibi.source == "nearest"
     own = disp.choose(_key("fwd", "softcap", shape=near), capturing=False)
     assert own.family == "triton" and own.source == "tuned"
+    # a Gluon row of another bucket is not displaced by the Gluon default
+    k = _key("fwd", "softcap", shape=near)
+    other = TileConfig(64, 64, 4, 2, family="gluon", ctas_per_sm=2, persistent=3, o_in_q=1)
+    with TuningDB(tmp_path / "gluon_near.sqlite") as db:
+        db.record(k, near, Variant(k.spec, other), Measurement("ok", median_ms=1.0), h200, 0)
+    row = Dispatcher([tmp_path / "gluon_near.sqlite"], env=h200, arch=SM90).choose(_key("fwd", "softcap"),
+                                                                                   capturing=False)
+    assert row.config == other and row.source == "nearest"
 
 
 def test_the_forward_default_is_one_consumer_at_block_n_64():

@@ -135,8 +135,9 @@ CALIBRATION = [
 
 def test_the_walks_take_score_functions_not_mask_functions():
     """``persistent`` 2 and 3 (the walks that load the next tile's Q early) take a score
-    function, whose setup runs per tile; a mask function's block mask is read per program
-    and tile, which the walks do not, so its variants are refused."""
+    function, whose setup runs per tile (checked against float64 on the GPU,
+    benchmarks/gluon_mods_fwd_tiles.py); with a mask function they stay refused until
+    their block-mask reads per tile of the walk are checked there."""
     score, mask = _spec("softcap", 64), _spec("document-causal", 64)
     for persistent in (2, 3):
         cfg = C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=3, consumer_regs=136, producer_regs=24,

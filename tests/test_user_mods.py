@@ -219,16 +219,25 @@ def test_a_captured_bool_mask_is_read_in_place(tiles):
     assert o.grad_fn.call.fwd.bufs[0].is_contiguous()
 
 
-def test_not_of_a_captured_bool_tensor_is_the_logical_not(tiles):
-    """``~mask[...]`` of a captured bool tensor: the kernels read its bytes as int8, whose
-    bitwise not (-1 or -2) was never 0, so every key attended; it is torch's logical not."""
+@pytest.mark.parametrize("expr", ["not", "and", "int", "mul", "add", "max", "score"])
+def test_a_captured_bool_tensor_follows_torchs_bool_semantics(tiles, expr):
+    """A captured bool tensor's value is a bool, as in torch: ``~`` is the logical not
+    (the kernels read its bytes as int8, whose bitwise not, -1 or -2, was never 0, so every
+    key attended), ``.int()`` makes it 0 or 1 (whose ~ is -1 or -2), and bool * bool,
+    bool + bool and the maximum of bools are bools (and, or, or)."""
     g = torch.Generator().manual_seed(5)
     mask, other = (torch.rand(2, 1, 40, 40, generator=g) > 0.5 for _ in range(2))
 
     def make(mask, other):
-        def mask_mod(b, h, q_idx, kv_idx):
-            return ~mask[b, 0, q_idx, kv_idx] | ~(other[b, 0, q_idx, kv_idx] & (q_idx >= kv_idx))
-        return None, mask_mod
+        def pick(b, q, kv):
+            m, o = mask[b, 0, q, kv], other[b, 0, q, kv]
+            return {"not": ~m | ~(o & (q >= kv)), "and": m & o | (q == kv), "int": (~m.int()) != -1,
+                    "mul": ~(m * o) | (q == kv), "add": ~(m + o) | (q == kv),
+                    "max": ~torch.maximum(m, o) | (q == kv), "score": ~(m * o)}[expr]
+
+        if expr == "score":
+            return (lambda s, b, h, q, kv: torch.where(pick(b, q, kv), s, s - 3.0)), None
+        return None, (lambda b, h, q, kv: pick(b, q, kv))
     _run(make, [mask, other], sq=40, sk=40)
 
 

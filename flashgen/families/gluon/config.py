@@ -499,8 +499,8 @@ def check(v: GluonFwdVariant) -> list[str]:
     if c.persistent not in (0, 1, 2, 3):
         why.append(f"persistent={c.persistent}: 0 (one program per tile), 1, 2 or 3 (one program per SM slot)")
     if c.persistent >= 2 and s.user and s.user.endswith("m"):
-        why.append(f"persistent={c.persistent} with a user mask function: not built (its block mask walks one tile "
-                   "per program)")
+        why.append(f"persistent={c.persistent} with a user mask function: not built (not checked on the GPU with "
+                   "the block mask read per tile of the walk)")
     if c.persistent == 3 and s.sinks:
         why.append("persistent=3 with attention sinks: not built (the sinks variant's code id covers the walk "
                    "of persistent 2 only)")
