@@ -299,10 +299,19 @@ def tune(
                                 for c in cands]
             else:
                 variants = tuner.feasible_variants(built_in, arch, family_names)
+            log = _PlainProgress(console, "precompiled", len(variants))
+            if log.on:
+                console.print(f"precompiling {len(variants)} variants (compiled and checked against float64 in "
+                              f"{getattr(checked[0], 'workers', None) or 'parallel'} processes) before the studies",
+                              markup=False)
             with Progress(TextColumn("precompiling"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=console) as progress:
                 task = progress.add_task("precompile", total=len(variants))
-                failures = precompile(variants, progress=lambda vid, failure: progress.advance(task))
+
+                def advanced(vid, failure):
+                    progress.advance(task)
+                    log.step()
+                failures = precompile(variants, progress=advanced)
             bad = {vid: f for vid, f in failures.items() if f}
             console.print(f"precompiled {len(variants)} variants; {len(bad)} failed", markup=False)
             for vid, f in sorted(bad.items())[:20]:
@@ -349,9 +358,13 @@ def tune(
             keys_task = progress.add_task("keys", total=len(items))
             trials_task = progress.add_task("trials", total=trials)
 
+            plain = not console.is_terminal
+
             def on_key(i, n, key):
                 progress.update(keys_task, completed=i, description=f"key {key.id}")
                 progress.reset(trials_task, total=trials)
+                if plain:  # a log (no live bars): a line per key
+                    console.print(f"key {i + 1}/{n}: {key.id}", markup=False)
 
             def on_trial(key, n_done, n_total, row):
                 progress.update(trials_task, completed=n_done,
@@ -371,6 +384,25 @@ def tune(
         if problems and fake is None and not fake_model:
             _print_checks(console, bench, "user-function variants")
         _print_explain_hint(console, env, db, items, fake is not None or fake_model, pretended)
+
+
+class _PlainProgress:
+    """Progress lines for a console that is not a terminal (a log file, a pipe), where
+    rich draws no live bars: one line at each twentieth of ``total`` and at the end."""
+
+    def __init__(self, console, what: str, total: int):
+        import time
+
+        self.on, self.console, self.what, self.total = not console.is_terminal, console, what, total
+        self.done, self.every, self.t0 = 0, max(1, total // 20), time.monotonic()
+
+    def step(self) -> None:
+        import time
+
+        self.done += 1
+        if self.on and (self.done % self.every == 0 or self.done == self.total):
+            self.console.print(f"{self.what} {self.done}/{self.total} in {time.monotonic() - self.t0:.0f} s",
+                               markup=False)
 
 
 @contextlib.contextmanager

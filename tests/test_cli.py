@@ -395,3 +395,24 @@ def test_a_tune_without_time_for_trials_counts_the_default(tmp_path):
     assert r.exit_code == 0, r.output
     rows = [line for line in r.output.splitlines() if line.startswith("│ attn_fwd")]
     assert rows and all(line.rstrip(" │").endswith("│ 1") for line in rows), r.output
+
+
+def test_a_log_gets_a_line_per_key_and_per_twentieth_of_the_precompile(tmp_path):
+    """Piped to a log, rich draws no live bars: the run says which key it is on, and the
+    precompile (thousands of variants for the Gluon family, before any study) says how
+    far it got."""
+    import io
+
+    from rich.console import Console
+
+    from flashgen import cli
+
+    r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake-model", "--arch", "sm_90", "--trials", "1",
+               "--db", tmp_path / "t.sqlite")
+    assert r.exit_code == 0 and "key 1/2: attn_fwd_" in r.output and "key 2/2: attn_fwd_" in r.output, r.output
+    out = io.StringIO()
+    log = cli._PlainProgress(Console(file=out, width=200), "precompiled", 45)
+    for _ in range(45):
+        log.step()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 23 and lines[0].startswith("precompiled 2/45 in ") and lines[-1].startswith("precompiled 45/45")
