@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import time
 import warnings
 from pathlib import Path
 from typing import Annotated, Literal
@@ -391,14 +392,10 @@ class _PlainProgress:
     rich draws no live bars: one line at each twentieth of ``total`` and at the end."""
 
     def __init__(self, console, what: str, total: int):
-        import time
-
         self.on, self.console, self.what, self.total = not console.is_terminal, console, what, total
         self.done, self.every, self.t0 = 0, max(1, total // 20), time.monotonic()
 
     def step(self) -> None:
-        import time
-
         self.done += 1
         if self.on and (self.done % self.every == 0 or self.done == self.total):
             self.console.print(f"{self.what} {self.done}/{self.total} in {time.monotonic() - self.t0:.0f} s",

@@ -37,6 +37,14 @@ def _scale_and_bounds(q, k, causal, window, softmax_scale, align):
     return scale, lo, hi
 
 
+def clamp_scores(s: torch.Tensor) -> torch.Tensor:
+    """Scores as the kernels take them: finite in base 2 (|s| log2(e) overflows float32
+    above 2.36e38, so they are clamped to +-2.3e38, or to the dtype's largest finite value
+    below that: +inf is a very high score), -inf kept (a masked key), NaN kept."""
+    lim = min(2.3e38, torch.finfo(s.dtype).max)
+    return torch.where(s == float("-inf"), s, s.clamp(-lim, lim))
+
+
 def _modded_scores(q, k, scale, softcap, alibi, bias, dtype):
     """S = scale·QK^T with the score mods, and tanh(S/softcap) (None without softcap)."""
     s = (q @ k.transpose(-1, -2)) * scale
@@ -52,11 +60,7 @@ def _modded_scores(q, k, scale, softcap, alibi, bias, dtype):
         j = torch.arange(sk, device=q.device, dtype=dtype)[None, :]
         s = s - a[:, :, None, None] * (i + (sk - sq) - j).abs()
     if bias is not None:
-        # as the kernels: finite in base 2 (|s| log2(e) overflows float32 above 2.36e38),
-        # so +inf is a very high score; -inf stays a mask
-        s = s + bias.to(dtype)
-        lim = min(2.3e38, torch.finfo(s.dtype).max)
-        s = torch.where(s == float("-inf"), s, s.clamp(-lim, lim))
+        s = clamp_scores(s + bias.to(dtype))  # as the kernels with a bias
     return s, tc
 
 

@@ -41,6 +41,7 @@ import torch.fx as fx
 from . import dispatch, library, user_bounds, user_grads, user_render
 from .families.gluon import builtin_mods
 from .errors import InputError, UnsupportedError
+from .reference import clamp_scores
 from .user_render import Buffer, Graph, Lowered, Ref, derivative
 
 # -- tracing -------------------------------------------------------------------------
@@ -301,8 +302,9 @@ class Traced:
                           and self.captured[g.nodes[i].args[0]].dtype != torch.bool]
             self.dloads = {i: derivative(g, self.out, Ref(i)) for i, _ in self.loads}
         elif g.dtype(self.out) != "bool":
-            raise UnsupportedError(f"mask_mod {_describe(fn)} returns {'an int' if g.dtype(self.out) == 'int' else 'a float'} "
-                                   "value: it must return a bool tensor (a comparison, or `!= 0` of an integer)")
+            kind = "an int" if g.dtype(self.out) == "int" else "a float"
+            raise UnsupportedError(f"mask_mod {_describe(fn)} returns {kind} value: it must return a bool tensor "
+                                   "(a comparison, or `!= 0` of an integer)")
 
     @property
     def fn(self):
@@ -1169,14 +1171,6 @@ def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, si
 
 # -- reference (torch, materialized) -------------------------------------------------
 
-def _clamped(s):
-    """Scores as the kernels take them: finite in base 2 (clamped to +-2.3e38, or the
-    dtype's largest finite value below that, so +inf is a very high score), -inf kept (a
-    masked key), NaN kept."""
-    lim = min(2.3e38, torch.finfo(s.dtype).max)
-    return torch.where(s == float("-inf"), s, s.clamp(-lim, lim))
-
-
 def reference(q, k, v, scale, lo, hi, score_mod=None, mask_mod=None, sinks=None, dtype=torch.float64):
     """(O, LSE) in ``dtype`` by materializing the scores: S = scale·QKᵀ, then
     ``score_mod`` on the whole (batch, heads, seqlen_q, seqlen_k) grid, masked where
@@ -1196,7 +1190,7 @@ def reference(q, k, v, scale, lo, hi, score_mod=None, mask_mod=None, sinks=None,
     I = torch.arange(sq, device=dev).view(1, 1, -1, 1)
     J = torch.arange(sk, device=dev).view(1, 1, 1, -1)
     if score_mod is not None:
-        s = _clamped((score_mod(s, B, H, I, J) + torch.zeros_like(s)).to(dtype))
+        s = clamp_scores((score_mod(s, B, H, I, J) + torch.zeros_like(s)).to(dtype))
     vis = ((J - I) >= lo) & ((J - I) <= hi)
     if mask_mod is not None:
         vis = vis & torch.as_tensor(mask_mod(B, H, I, J), device=dev).to(torch.bool)
