@@ -28,6 +28,7 @@ time and the Triton forward's time over it (above 1: the Gluon tile is faster).
 
 Usage (repository root, on the GPU):  python3 benchmarks/gluon_mods_fwd_tiles.py --out $OUT
 The table of a written JSON (no GPU):   python3 benchmarks/gluon_mods_fwd_tiles.py --table FILE.json
+Each tile's code size for sm_90 (no GPU): python3 benchmarks/gluon_mods_fwd_tiles.py --sass
 """
 
 from __future__ import annotations
@@ -113,12 +114,35 @@ def main() -> int:
         rows = json.loads(Path(sys.argv[2]).read_text())
         table(rows)
         return 0
+    if sys.argv[1:] == ["--sass"]:  # no GPU: each tile compiled for sm_90, its code size
+        sass()
+        return 0
     rows = main_jobs(__doc__, __file__, _child, "mods", MODS, HEAD_DIMS, ROOT, "gluon_mods_fwd_tiles.json", "mods",
                      timeout_s=420.0)
     if rows is None:  # a child process
         return 0
     table(rows)
     return 0 if all(r.get("ok") for r in rows) else 1
+
+
+def sass() -> None:
+    """Each tile (and the plain key's default) compiled for sm_90 at 8x16x4096 causal:
+    SASS instructions, MUFU.EX2 and MUFU.RCP counts and ptxas spill bytes."""
+    from flashgen import arch, families
+    from flashgen.families.gluon import family as F
+    from flashgen.families.gluon.config import GluonFwdVariant
+    from flashgen.families.gluon.sm90 import compile_sm90, report
+    from flashgen.spec import KernelSpec, Shape
+
+    sm90 = arch.by_sm("sm_90")
+    print("mods           d   tile                             instructions   EX2   RCP  spill B")
+    for mods in ("",) + MODS:
+        for d in HEAD_DIMS:
+            key = Shape(8, 16, 16, 4096, 4096).key(KernelSpec("fwd", "bfloat16", d, d, "causal", mods))
+            for cfg in [families.get("gluon").default_config(key, sm90)] if not mods else tiles(d):
+                r = report(compile_sm90(GluonFwdVariant(F.fwd_spec(key), F.fwd_config(cfg))))
+                print(f"{mods or 'none':14} {d:3}  {cfg.id:32} {r.instructions:12}  {r.sass.count('MUFU.EX2'):4}  "
+                      f"{r.sass.count('MUFU.RCP'):4}  {r.spill_bytes:7}", flush=True)
 
 
 def table(rows: list[dict]) -> None:
