@@ -25,7 +25,8 @@ BLOCK_N 128 with the causal mask, which the register model rejects): they are bu
 checked with the rules off, in this process and its children only, to measure what the
 rule costs.  ``--set sermask`` times the masked tiles without the intra-warpgroup overlap
 (``serial_masked``), which admits that tile within the rules.  ``--set m128`` times
-consumers of 128 query rows (BLOCK_M 128) on the head_dim 64 grid shapes.  ``--set xtile``
+consumers of 128 query rows (BLOCK_M 128) on the head_dim 64 grid shapes, ``--set n32``
+the same over key tiles of 32 at head_dim 128.  ``--set xtile``
 times the walks of 3 beside their ``cross_tile`` twins (a tile's last P V product kept in
 flight into the next tile) on the short grid keys and the Llama batch-1 keys.  ``--set oq``
 times the walk of 3 with O staged in the Q buffers (``o_in_q``), which fits the
@@ -144,6 +145,13 @@ SKIP_SHAPES = [(16384 // n, 32 // (d // 64), 32 // (d // 64), n, d, True) for d 
 #: on K/V tiles that their two-stage rings have not yet received.
 DEEP_SHAPES = [(32, 16, 16, 512, 128, True), (16, 16, 16, 1024, 128, True), (8, 16, 16, 2048, 128, True),
                (4, 32, 8, 1024, 128, True), (32, 32, 32, 512, 64, True), (16, 32, 32, 1024, 64, True)]
+#: The set "n32": consumers of 128 query rows over key tiles of 32 at head_dim 128
+#: (BLOCK_M 128, BLOCK_N 32: the score and P registers of the one-consumer BLOCK_N 64
+#: tile, O's doubled; each K/V tile serves 128 rows of a warpgroup, half the K/V bytes per
+#: FLOP of the 64-row tiles at two programs per SM) on the head_dim 128 grid shapes and
+#: the Llama-3-8B causal keys.
+N32_SHAPES = [(16384 // n, 16, 16, n, 128, causal) for causal in (True, False) for n in (512, 1024, 2048, 4096, 16384)] + [
+    (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True)]
 SNAKE_SHAPES = [(1, 32, 8, 1024, 128, True), (1, 32, 8, 2048, 128, True), (2, 32, 8, 1024, 128, True),
                 (1, 32, 8, 4096, 128, True), (4, 16, 4, 2048, 128, True), (4, 32, 8, 1024, 128, True),
                 (32, 16, 16, 512, 128, True), (8, 16, 16, 2048, 128, True), (32, 32, 32, 512, 64, True),
@@ -349,6 +357,21 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
         out += [GluonFwdVariant(GluonFwdSpec(dt, 64, 64, mask), c) for dt, mask, c in (
             ("bfloat16", "window", probe["causal"][0]), ("bfloat16", "window", probe["causal"][10]),
             ("float16", "causal", probe["causal"][1]), ("float16", "none", probe["none"][5]))]
+        return [v for v in out if not check(v)]
+    if name == "n32":
+        one = dict(nc=1, bn=32, bm=128, ctas=2)
+        two = dict(nc=2, bn=32, bm=128)
+        probe = {"causal": [_cfg(stages=4, mf=True, **one), _cfg(stages=4, mf=True, serial=True, **one),
+                            _cfg(stages=2, pers=2, mf=True, **one), _cfg(stages=2, pers=2, snake=True, mf=True, **one),
+                            _cfg(stages=6, mf=True, **two), _cfg(stages=4, pers=2, snake=True, mf=True, **two)],
+                 "none": [_cfg(stages=4, **one), _cfg(stages=2, pers=2, **one), _cfg(stages=6, **two),
+                          _cfg(stages=4, pers=2, **two)]}
+        ref = {"causal": [_cfg(nc=1, bn=64, ctas=2, pers=3, oq=True, mf=True), _cfg(pin=True, mf=True)],
+               "none": [_cfg(pers=3), _cfg(nc=1, bn=64, ctas=2, pers=3, oq=True)]}
+        out = [GluonFwdVariant(GluonFwdSpec("bfloat16", 128, 128, mask), c) for mask in ("causal", "none")
+               for c in probe[mask] + ref[mask]]
+        out += [GluonFwdVariant(GluonFwdSpec(dt, 128, 128, mask), probe["causal"][i]) for i in (0, 2, 4)
+                for dt, mask in (("bfloat16", "window"), ("float16", "causal"))]
         return [v for v in out if not check(v)]
     if name == "x3":
         cfgs = [_cfg(nc=1, bn=64, stages=3, ctas=2, pers=3), _cfg(nc=1, bn=64, stages=3, ctas=2),
@@ -651,7 +674,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
     p.add_argument("--set", default="quick", choices=("quick", "full", "sched", "short", "walk3", "x3", "snake", "x3c",
-                                                             "sermask", "m128", "xtile", "oq", "lpt", "mf", "skip", "deep"))
+                                                             "sermask", "m128", "xtile", "oq", "lpt", "mf", "skip", "deep",
+                                                             "n32"))
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per variant's child (compile + checks)")
     p.add_argument("--rep-ms", type=int, default=100)
@@ -711,7 +735,8 @@ def main(argv=None) -> int:
         shapes = {"sched": SCHED_SHAPES, "short": SHORT_SHAPES, "walk3": SCHED_SHAPES, "x3": X3_SHAPES,
                   "snake": SNAKE_SHAPES, "x3c": X3C_SHAPES, "sermask": SERMASK_SHAPES,
                   "m128": M128_SHAPES, "xtile": XTILE_SHAPES, "oq": OQ_SHAPES,
-                  "lpt": LPT_SHAPES, "mf": MF_SHAPES, "skip": SKIP_SHAPES, "deep": DEEP_SHAPES}.get(args.set)
+                  "lpt": LPT_SHAPES, "mf": MF_SHAPES, "skip": SKIP_SHAPES, "deep": DEEP_SHAPES,
+                  "n32": N32_SHAPES}.get(args.set)
         out["timing"] = time_all(passing, args.rep_ms, shapes)
         path.write_text(json.dumps(out, indent=1))
         if args.set in ("mf", "skip"):
