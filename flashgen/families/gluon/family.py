@@ -159,6 +159,10 @@ _BUILTIN_FWD_TIMED = {
 #: Gluon default: one tile's forward moves by 1-3% between runs (ALiBi at head_dim 128
 #: without a mask: 1.02x, then 0.99x).
 BUILTIN_FWD_MIN_LEAD = 1.02
+#: The dtypes of ``benchmarks/gluon_builtin_mods.py``'s float64 checks of the built-in mods'
+#: Gluon forward (bf16, and float16 causal with GQA 4); the untuned forward default extends
+#: to both (the kernels take the dtype as the element type).
+BUILTIN_FWD_DEFAULT_DTYPES = ("bfloat16", "float16")
 BUILTIN_FWD_DEFAULT_AHEAD = {
     k: "H100, " + " and ".join(f"{t / g:.2f}x" for g, t in runs) + " the Triton family's forward at 8x16x4096 in "
        f"two runs ({runs[0][0]:.3f} against {runs[0][1]:.3f} ms; docs/results/h100/gluon_builtin_mods/fwd-tiles)"
@@ -661,7 +665,7 @@ class GluonFamily:
             timed = s.head_dim == s.head_dim_v == 128 and least is not None and key.seqlen_q >= least
             return f"H200, {seen} (docs/results/h200/varlen-gluon)" if timed else None
         if s.kernel == "fwd" and s.mods in BUILTIN_MODS:
-            checked = s.dtype in USER_BWD_DEFAULT_DTYPES and s.head_dim == s.head_dim_v
+            checked = s.dtype in BUILTIN_FWD_DEFAULT_DTYPES and s.head_dim == s.head_dim_v
             return BUILTIN_FWD_DEFAULT_AHEAD.get((s.mods, s.head_dim, s.mask)) if checked else None
         if s.kernel == "fwd":
             # the sinks variant has no measurement yet: tuned rows alone pick it
