@@ -431,7 +431,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             tensors by integer indices (``table[bucket, h]``).  Applied before the
             mask.  Captured float tensors that require grad get their gradient
             (accumulated in float32); their values must be finite (mask with
-            ``mask_mod``).  A function is traced once (cached by its code and its
+            ``mask_mod``).  The result is clamped to +-2.3e38, as ``bias`` scores
+            are, where it can leave that range (a captured float32 or bfloat16
+            tensor added to the score, such as an additive finfo.min mask, a
+            constant beyond it, log, exp, division or pow).  A function is traced once (cached by its code and its
             closure's objects, so a closure made again on every call over the same
             objects is not traced again, and by the values it may have taken as
             constants from the objects it reads: a changed ``self.temperature``,

@@ -45,6 +45,31 @@ def clamp_scores(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s == float("-inf"), s, s.clamp(-lim, lim))
 
 
+def softmax_rows(s: torch.Tensor, vis: torch.Tensor, sink: torch.Tensor | None = None):
+    """(P, LSE) of the scores ``s`` (..., seqlen_k) over their last axis, keys where
+    ``vis`` is False hidden; ``sink``: one more logit per row, shape (..., 1), that joins
+    the denominator and LSE and weighs no key.  Normalized through the row's maximum, so
+    that P sums to 1 at any magnitude (exp(s - LSE) does not: at |LSE| near 1e38, LSE
+    has lost log(seqlen_k) to rounding); a row with no visible key and no sink gives
+    P = 0 and LSE = -inf.  Differentiable in ``s`` and ``sink`` (the maximum is a
+    constant of the gradient, as it cancels)."""
+    s = s.masked_fill(~vis, float("-inf"))
+    neg = torch.full((*s.shape[:-1], 1), float("-inf"), dtype=s.dtype, device=s.device)
+    m = s.amax(-1, keepdim=True) if s.shape[-1] else neg
+    if sink is not None:
+        m = torch.maximum(m, sink)
+    m = m.detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.where(vis, torch.exp(s - m), torch.zeros_like(s))
+    den = e.sum(-1, keepdim=True)
+    if sink is not None:
+        den = den + torch.exp(sink - m)
+    seen = den > 0
+    p = e / torch.where(seen, den, torch.ones_like(den))
+    lse = torch.where(seen, m + torch.log(torch.where(seen, den, torch.ones_like(den))), neg)
+    return p, lse.squeeze(-1)
+
+
 def _modded_scores(q, k, scale, softcap, alibi, bias, dtype):
     """S = scale·QK^T with the score mods, and tanh(S/softcap) (None without softcap)."""
     s = (q @ k.transpose(-1, -2)) * scale
@@ -77,11 +102,7 @@ def forward_bounds(q, k, v, scale, lo, hi, dtype=torch.float64, *, softcap=0.0, 
     k, v = _expand_kv(k, group), _expand_kv(v, group)
     s, _ = _modded_scores(q, k, scale, softcap, alibi, bias, dtype)
     vis = _visible(q.shape[2], k.shape[2], lo, hi, q.device) & (s != float("-inf"))
-    s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - lse_safe[..., None])
-    p = torch.where(vis, p, torch.zeros_like(p))
+    p, lse = softmax_rows(s, vis)
     return _dropped(p, keep, dropout_p) @ v, lse, p
 
 

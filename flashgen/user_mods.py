@@ -41,7 +41,7 @@ import torch.fx as fx
 from . import dispatch, library, user_bounds, user_grads, user_render
 from .families.gluon import builtin_mods
 from .errors import InputError, UnsupportedError
-from .reference import clamp_scores
+from .reference import clamp_scores, softmax_rows
 from .user_render import Buffer, Graph, Lowered, Ref, derivative
 
 # -- tracing -------------------------------------------------------------------------
@@ -237,6 +237,31 @@ def _ref(obj):
         return lambda: obj
 
 
+#: The kernels clamp a score function's result to +-SCORE_CLAMP (-inf kept) where it may
+#: leave the float32 range after the base-2 scaling by log2(e) (:attr:`Traced.guard`), as
+#: ``bias=`` scores are (:func:`flashgen.reference.clamp_scores`).
+SCORE_CLAMP = 2.3e38
+#: Graph ops through which a value reaches the result unscaled (``where``: its branches).
+_ADDITIVE_OPS = ("add", "sub", "neg", "where", "maximum", "minimum", "clamp", "cast")
+
+
+def _added_loads(g: Graph, out) -> list[int]:
+    """The buffers whose loaded values reach ``out`` through additive ops alone (a sum,
+    a difference, a select, a bound): a bias tensor's values, not a slope's product."""
+    found, seen, todo = [], set(), [out]
+    while todo:
+        r = todo.pop()
+        if not isinstance(r, Ref) or r.i in seen:
+            continue
+        seen.add(r.i)
+        n = g.nodes[r.i]
+        if n.op == "load":
+            found.append(n.args[0])
+        elif n.op in _ADDITIVE_OPS:
+            todo += n.args[1:] if n.op == "where" else n.args
+    return found
+
+
 class Traced:
     """One user function, traced: its graph and result, its captured tensors, and (score
     functions) the derivatives the backward needs.
@@ -290,8 +315,13 @@ class Traced:
         reciprocal_divisions(g, self.out)
         if kind == "score":
             self.guard = any(n.op in ("log", "log2", "exp", "exp2", "truediv", "pow", "rsqrt")
-                             or any(isinstance(a, float) and not math.isfinite(a) for a in n.args)
+                             or any(isinstance(a, float) and not (abs(a) <= SCORE_CLAMP) for a in n.args)
                              for n in (g.nodes[i] for i in g.uses([self.out])))
+            if not self.guard and not getattr(fn, "flashgen_unclamped", False):
+                # a captured tensor added to the score unscaled is a bias: a float32 or
+                # bfloat16 one can hold values past the clamp (finfo.min as a mask)
+                self.guard = any(self.bufs[b].dtype in ("float32", "float64", "bfloat16")
+                                 for b in _added_loads(g, self.out))
             s = g.input("s", _F)
             # None is "identically zero" (a result that ignores the score, a floor, a
             # comparison): 0.0, since the kernels read a missing derivative as 1
@@ -1195,14 +1225,8 @@ def reference(q, k, v, scale, lo, hi, score_mod=None, mask_mod=None, sinks=None,
     if mask_mod is not None:
         vis = vis & torch.as_tensor(mask_mod(B, H, I, J), device=dev).to(torch.bool)
     vis = vis.expand(b, h, sq, sk)
-    s = s.masked_fill(~vis, float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(dtype)[None, :, None, None].expand(b, h, sq, 1)
-        lse = torch.logsumexp(torch.cat([s, sink], -1), -1)
-    else:
-        lse = torch.logsumexp(s, -1) if sk else torch.full((b, h, sq), float("-inf"), dtype=dtype, device=dev)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.where(vis, torch.exp(s - safe[..., None]), torch.zeros_like(s))
+    sink = sinks.to(dtype)[None, :, None, None].expand(b, h, sq, 1) if sinks is not None else None
+    p, lse = softmax_rows(s, vis, sink)
     return p @ v, lse
 
 

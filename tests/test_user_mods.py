@@ -241,6 +241,62 @@ def test_a_captured_bool_tensor_follows_torchs_bool_semantics(tiles, expr):
     _run(make, [mask, other], sq=40, sk=40)
 
 
+@pytest.mark.parametrize("value", ["finfo-min-row", "huge-positive"])
+def test_a_captured_bias_past_the_clamp_is_clamped_as_bias_is(tiles, value):
+    """A captured float32 tensor added to the score is a bias: its values past +-2.3e38 are
+    clamped as ``bias=`` scores are (the kernels scale scores by log2(e) into base 2,
+    where finfo.min overflowed to -inf: a row of finfo.min gave O = 0, LSE = -inf
+    instead of the mean of V, and 3e38 gave NaN).  A slope's product is not clamped (the
+    built-in ALiBi is not either): that function keeps its variant name."""
+    q, k, v = _qkv(b=1, h=2, hk=2, sq=20, sk=24, dtype=F32)
+    t = torch.zeros(1, 2, 20, 24)
+    if value == "finfo-min-row":
+        t[0, 1, 3, :] = torch.finfo(torch.float32).min
+        t[0, 0, 5, ::2] = torch.finfo(torch.float32).min
+    else:
+        t[0, :, :, 7] = 3e38
+    o, lse = flashgen.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + t[b, h, i, j], return_lse=True)
+    ob, lseb = flashgen.attention(q, k, v, bias=t, return_lse=True)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    assert torch.allclose(o, ob, atol=1e-5) and torch.allclose(lse, lseb, rtol=1e-6)
+    if value == "finfo-min-row":
+        assert torch.allclose(o[0, 1, 3], v[0, 1].mean(0), atol=1e-5)
+    else:
+        assert torch.allclose(o[0], v[0, :, 7:8].expand(2, 20, 16), atol=1e-5)
+    added = user_mods.trace(lambda s, b, h, i, j: s + t[b, h, i, j], "score")
+    slopes = torch.rand(2)
+    product = user_mods.trace(lambda s, b, h, i, j: s - slopes[h] * (i - j).abs().float(), "score")
+    assert added.guard and not product.guard
+
+
+def test_the_reference_path_normalizes_at_any_magnitude():
+    """The CPU reference path (no interpreter): a row whose scores are all near -3.4e38
+    (a fully padded row of an additive finfo.min mask) or all tied at a huge scale is
+    the mean of its values; exp(s - LSE) in float32 summed to seqlen_k there (LSE loses
+    log(seqlen_k) at that magnitude)."""
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    code = """
+import torch, flashgen, torch.nn.functional as F
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 1, n, 16, generator=g) for n in (4, 6, 6))
+m = torch.zeros(1, 1, 4, 6); m[..., 3, :] = torch.finfo(torch.float32).min
+o, lse = flashgen.attention(q, k, v, bias=m, return_lse=True)
+assert (o[0, 0, 3] - v[0, 0].mean(0)).abs().max() < 1e-5, o
+assert torch.allclose(o[0, 0, :3], F.scaled_dot_product_attention(q, k, v)[0, 0, :3], atol=1e-5)
+k2 = k.clone(); k2[..., 1:, :] = k2[..., :1, :]
+o2 = flashgen.attention(q, k2, v, softmax_scale=1e9)
+assert (o2 - F.scaled_dot_product_attention(q, k2, v, scale=1e9)).abs().max() < 1e-5, o2
+t = torch.zeros(1, 1, 4, 6); t[0, 0, 3, :] = torch.finfo(torch.float32).min
+o3 = flashgen.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + t[b, h, i, j])
+assert (o3[0, 0, 3] - v[0, 0].mean(0)).abs().max() < 1e-5, o3
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
 def test_a_mask_mod_written_as_causal_equals_causal(tiles):
     q, k, v = _qkv(sq=37, sk=45)
     off = 45 - 37

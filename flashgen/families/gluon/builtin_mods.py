@@ -67,6 +67,10 @@ def _softcap_alibi(score, b, h, q_idx, kv_idx):
 
 
 _FUNCTIONS = {"softcap": _softcap, "alibi": _alibi, "softcap_alibi": _softcap_alibi}
+# the Triton family's built-in kernels compute these unclamped, and so do these: a slope
+# or cap read from a captured tensor is not a bias (user_mods.Traced.guard)
+for _fn in _FUNCTIONS.values():
+    _fn.flashgen_unclamped = True
 
 #: :mod:`flashgen.user_mods`'s ``trace``, ``lowering`` and ``UserArgs`` (:func:`install`).
 _SERVICES: dict = {}
