@@ -350,9 +350,11 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
 
     from .db import check_writable
 
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise InputError(f"{name} must be a 4-D torch.Tensor (batch, heads, seqlen, head_dim)")
+    from .api import _check
+
+    _check(q, k, v, None)  # the sizes, dtypes and devices flashgen.attention takes
+    if sinks is not None:
+        user_mods._check_sinks(sinks, q.shape[1], q.device)
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise InputError(f"trials must be an int >= 1 (Optuna trials per kernel), got {trials!r}")
     check_writable(Path(db), "db")

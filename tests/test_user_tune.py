@@ -153,6 +153,24 @@ def test_tune_mods_names_the_family_reason_when_none_serves_the_whole_backward(t
                            db=tmp_path / "x.sqlite", kernels=("bwd",), benchmarker=lambda v, s: None)
 
 
+def test_tune_mods_refuses_what_attention_refuses(tmp_path):
+    """tune_mods takes its sizes and dtype from q, k and v: inputs flashgen.attention
+    refuses (mismatched dtypes, head dims, batches, seqlens, sinks of another length)
+    are refused before anything is measured or written."""
+    q = torch.randn(1, 2, 32, 16, dtype=torch.float16)
+    sm = lambda s, b, h, qi, ki: s + (qi - ki) * 0.01  # noqa: E731
+    bad = [(dict(k=q.float()), "k.dtype"), (dict(k=torch.randn(1, 2, 32, 32, dtype=torch.float16)), "head_dim"),
+           (dict(k=torch.randn(3, 2, 32, 16, dtype=torch.float16)), "batch sizes differ"),
+           (dict(v=torch.randn(1, 2, 40, 16, dtype=torch.float16)), "same seqlen_k"),
+           (dict(sinks=torch.zeros(7)), "sinks must be a float32 tensor of shape")]
+    for kw, msg in bad:
+        args = {"k": q, "v": q, **kw}
+        with pytest.raises(flashgen.InputError, match=msg):
+            flashgen.tune_mods(q, args.pop("k"), args.pop("v"), score_mod=sm, db=tmp_path / "x.sqlite",
+                               benchmarker=lambda v, s: None, trials=1, **args)
+    assert not (tmp_path / "x.sqlite").exists()
+
+
 def _model_env():
     env = Environment.current()
     return dataclasses.replace(env, gpu_name=f"{env.gpu_name} (model)")
