@@ -449,7 +449,12 @@ def _write_fake_template(path: Path, items, arch, family_names=None) -> None:
         for v in tuner.feasible_variants([key], arch, family_names):
             out.setdefault(v.id, round(model.median_ms(v, shape), 6))
     with _user_errors():
-        path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        try:
+            path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # a read-only or full file system, a directory of another user
+            raise typer.BadParameter(f"cannot write {path}: {e.strerror or e}", param_hint="'--fake-template'")
     typer.echo(f"wrote {len(out)} variant ids to {path} (the model's ms: replace them with your timings); "
                f"then: flashgen tune ... --fake {path}")
 

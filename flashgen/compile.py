@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 from . import render
+from .errors import InputError
 from .spec import Variant, compiled_variant, is_user_mods
 
 _lock = threading.Lock()
@@ -46,8 +47,13 @@ def write_source(path: Path, source: str) -> None:
     """Write ``source`` to ``path`` unless it already holds exactly that text."""
     if path.exists() and path.read_text() == source:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
+    except OSError as e:
+        where = "$FLASHGEN_CACHE_DIR" if os.environ.get("FLASHGEN_CACHE_DIR") else "~/.cache/flashgen"
+        raise InputError(f"cannot write generated kernels under {cache_dir()} ({where}; it must be a writable "
+                         f"directory or creatable as one): {e.strerror or e}") from None
     with os.fdopen(fd, "w") as f:
         f.write(source)
     os.replace(tmp, path)

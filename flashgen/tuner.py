@@ -751,13 +751,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     # Before any measurement is written: a study whose finished trials name no row of
     # this key and variant in db (row ids restart at 1 in a new or another file) was
     # tuned into another database; its trials would count here and nothing be searched.
-    finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    if finished and not any(db.has_row(t.user_attrs.get("row_id"), key=key.id,
-                                       variant_id=t.user_attrs.get("variant_id")) for t in finished):
-        raise InputError(
-            f"the Optuna storage holds finished trials of study {study.study_name!r}, but "
-            f"none of their measurements is in {db.path} (was the DB replaced?); delete the "
-            "storage (by default <db>.optuna.journal) or pass another --storage")
+    _check_study_rows(study, db, key)
 
     default = default_config(key, arch, space)
     try:
@@ -839,6 +833,19 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         n_trials=max(n_complete(), int(default_row is not None)), wall_s=time.perf_counter() - t0)
 
 
+def _check_study_rows(study: optuna.Study, db: TuningDB, key: ProblemKey) -> None:
+    """Raise InputError when ``study``'s finished trials name no row of ``key`` in ``db``
+    (row ids restart at 1 in a new or another file): it was tuned into another database,
+    and its trials would count here while nothing is searched."""
+    finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if finished and not any(db.has_row(t.user_attrs.get("row_id"), key=key.id,
+                                       variant_id=t.user_attrs.get("variant_id")) for t in finished):
+        raise InputError(
+            f"the Optuna storage holds finished trials of study {study.study_name!r}, but "
+            f"none of their measurements is in {db.path} (was the DB replaced?); delete the "
+            "storage (by default <db>.optuna.journal) or pass another --storage")
+
+
 def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker, db: TuningDB,
          env: Environment, arch: Arch, n_trials: int, timeout_per_key_s: float | None = None,
          storage: str | Path | optuna.storages.BaseStorage | None = None, seed: int = 0,
@@ -853,6 +860,12 @@ def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker,
     items = servable(items, arch, family_names)
     items = list(items)
     st = open_storage(storage, db)
+    # every key's study checked against db before the first key writes a row
+    existing = {s.study_name for s in st.get_all_studies()}
+    for key, _ in items:
+        name = study_name(env, key, search_space(key, arch, family_names))
+        if name in existing:
+            _check_study_rows(optuna.load_study(study_name=name, storage=st), db, key)
     results = []
     for i, (key, shape) in enumerate(items):
         if on_key is not None:

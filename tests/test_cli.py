@@ -7,6 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import flashgen
 from flashgen import presets, render, space
 from flashgen.cli import app
 from flashgen.spec import Variant
@@ -144,21 +145,30 @@ def test_tune_fake_model_runs_the_whole_path_and_explain_picks_its_rows(tmp_path
     assert r.output.count("(tuned; row attn_") == 3 and str(db) in r.output, r.output
 
 
-@pytest.mark.parametrize("how", ["another", "deleted"])
+@pytest.mark.parametrize("how", ["another", "deleted", "import-replace"])
 def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how):
     """The Optuna journal kept beside a database that was replaced (another database's
-    rows, whose ids restart at 1 too) or deleted: the resumed tune stops at the first
-    key, naming the storage, before any row is written, instead of counting the old
-    trials and searching nothing."""
+    rows, whose ids restart at 1 too), deleted, or whose rows ``import --replace``
+    replaced at some keys: the resumed tune stops before its first key, naming the
+    storage, before any row is written (every key's study is checked first: a key whose
+    trials still name rows would otherwise be tuned and written before the stale one),
+    instead of counting the old trials and searching nothing."""
     import shutil
 
     db = tmp_path / "p.sqlite"
-    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 3)
+    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 1 if how == "import-replace" else 3)
     assert r.exit_code == 0, r.output
     other = tmp_path / "other.sqlite"
-    r = invoke("tune", "--preset", "small", "--kernels", "bwd_dq", "--fake-model", "--db", other, "--trials", 3)
+    if how == "import-replace":  # every key, other configs
+        r = invoke("tune", "--preset", "small", "--fake-model", "--db", other, "--trials", 3, "--seed", 3)
+    else:
+        r = invoke("tune", "--preset", "small", "--kernels", "bwd_dq", "--fake-model", "--db", other, "--trials", 3)
     assert r.exit_code == 0, r.output
-    db.unlink()
+    if how == "import-replace":
+        r = invoke("import", other, "--db", db, "--replace")
+        assert r.exit_code == 0, r.output
+    else:
+        db.unlink()
     if how == "another":
         shutil.copy(other, db)
     before = sqlite3.connect(db).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] if db.exists() else 0
@@ -168,6 +178,22 @@ def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how
         assert not db.exists() and not list(tmp_path.glob("p.sqlite-*"))  # nothing written, no side files
     else:
         assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == before
+
+
+def test_write_failures_are_one_line(tmp_path, monkeypatch):
+    """A template path that cannot be written (under a file here; a read-only file system
+    alike) and a kernel cache directory that is a file: one line naming the path, exit
+    code 2 / InputError, and the user's file unchanged."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine")
+    r = invoke("tune", "--preset", "small", "--fake-template", blocker / "t.json")
+    assert r.exit_code == 2 and "cannot write" in r.output and "Traceback" not in r.output, r.output
+    from flashgen import compile as fg_compile
+
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(blocker))
+    with pytest.raises(flashgen.InputError, match="FLASHGEN_CACHE_DIR"):
+        fg_compile.write_source(fg_compile.cache_dir() / "generated" / "x" / "k.py", "pass\n")
+    assert blocker.read_text() == "mine"
 
 
 def test_a_fake_file_lacking_variants_lists_them_all_and_a_template_fills_them(tmp_path):
