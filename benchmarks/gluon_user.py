@@ -12,6 +12,12 @@ reported instead of stopping the run.
 
 Prints one line per variant and a table last: example, variant, error ratio, ms, and the
 served forward's ms.
+
+``--walks``: beside those, the persistent walks (``persistent`` 2 and 3: one program per SM
+slot taking its (query block, z * h) tiles longest first) of the one-consumer tile (BLOCK_N
+64, two programs per SM) and of the two-consumer default, for mask functions too, which
+``config.check`` refuses until this run has checked their block-mask reads per tile of
+the walk: in this run's children the rule is lifted for them alone.
 """
 
 from __future__ import annotations
@@ -27,7 +33,27 @@ import time
 CONFIGS = [(64, 2, 3, False), (64, 2, 2, True), (128, 2, 2, False)]
 
 
-def _run_example(name: str) -> list[dict]:
+#: The walks ``--walks`` adds: (BLOCK_N, consumers, stages, programs per SM, persistent,
+#: O staged in the Q buffers), and the one-consumer tile's program per tile beside them.
+WALKS = [(64, 1, 2, 2, 2, False), (64, 1, 2, 2, 3, True), (64, 1, 2, 2, 0, False), (128, 2, 2, 1, 2, False),
+         (128, 2, 2, 1, 3, False)]
+_MASK_WALK_RULE = "with a user mask function: not built"
+
+
+def _lift_mask_walk_rule() -> None:
+    """Admit the walks with user mask functions in this process (and nothing else)."""
+    from flashgen.families.gluon import config as C
+    from flashgen.families.gluon import launch, render
+
+    rule = C.check
+
+    def check(v):
+        return [w for w in rule(v) if _MASK_WALK_RULE not in w]
+
+    C.check = render.check = launch.check = check
+
+
+def _run_example(name: str, walks: bool = False) -> list[dict]:
     import torch
 
     from flashgen import dispatch, families, user_tune
@@ -52,6 +78,14 @@ def _run_example(name: str) -> list[dict]:
                              producer_regs=pr)
         if c not in cfgs and C.valid(C.GluonFwdVariant(gs, c)):
             cfgs.append(c)
+    if walks:
+        _lift_mask_walk_rule()
+        for bn, nc, st, ctas, pers, oq in WALKS:
+            cr, pr = C.default_regs(nc, ctas)
+            c = C.GluonFwdConfig(BLOCK_N=bn, num_consumers=nc, num_stages=st, consumer_regs=cr, producer_regs=pr,
+                                 ctas_per_sm=ctas, persistent=pers, o_in_q=oq)
+            if c not in cfgs and C.valid(C.GluonFwdVariant(gs, c)):
+                cfgs.append(c)
     # the forward served today, timed through the op (host time included, as a user sees it)
     q, k, v, _ = make_inputs(spec, p.shape, device="cuda", seed=3)
     ex_kw = dict(causal=p.causal, window=tuple(p.window), score_mod=p.score_mod, mask_mod=p.mask_mod, sinks=p.sinks)
@@ -87,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="all")
     ap.add_argument("--timeout-s", type=float, default=150.0)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--walks", action="store_true",
+                    help="also the persistent walks of 2 and 3, for mask functions too (module docstring)")
     a = ap.parse_args(argv)
     from flashgen.user_examples import NAMES
 
@@ -94,7 +130,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     rows = []
     ex = cf.ProcessPoolExecutor(max_workers=a.workers, mp_context=mp.get_context("spawn"))
-    futs = {ex.submit(_run_example, n): n for n in names}
+    futs = {ex.submit(_run_example, n, a.walks): n for n in names}
     for f in futs:
         n = futs[f]
         try:

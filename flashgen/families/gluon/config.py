@@ -500,9 +500,6 @@ def check(v: GluonFwdVariant) -> list[str]:
         why.append(f"BLOCK_N={c.BLOCK_N}: 32, 64 or 128 (a power of two, the scores' wgmma N <= 256)")
     if c.persistent not in (0, 1, 2, 3):
         why.append(f"persistent={c.persistent}: 0 (one program per tile), 1, 2 or 3 (one program per SM slot)")
-    if c.persistent >= 2 and s.user and s.user.endswith("m"):
-        why.append(f"persistent={c.persistent} with a user mask function: not built (not checked on the GPU with "
-                   "the block mask read per tile of the walk)")
     if c.persistent == 3 and s.sinks:
         why.append("persistent=3 with attention sinks: not built (the sinks variant's code id covers the walk "
                    "of persistent 2 only)")
@@ -580,6 +577,11 @@ def check(v: GluonFwdVariant) -> list[str]:
     if total > smem_limit(c):
         terms = ", ".join(f"{k} {b}" for k, b in smem_terms(s, c).items())
         why.append(f"shared memory {total} B > {smem_limit(c)} B for {c.ctas_per_sm} program(s) per SM ({terms})")
+    # last, after the resources: a policy, not a resource (benchmarks/gluon_user.py --walks
+    # lifts it alone and keeps the resource rules)
+    if c.persistent >= 2 and s.user and s.user.endswith("m"):
+        why.append(f"persistent={c.persistent} with a user mask function: not built (not checked on the GPU with "
+                   "the block mask read per tile of the walk)")
     return why
 
 
