@@ -375,7 +375,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             absolute error of about |LSE| * 6e-8 in every exponent (rows with scores
             of 1e4 lose about 1e-3 of their probabilities' relative accuracy; from
             about 1e6 the gradients are wrong, from 1e8 not finite); the forward is
-            exact at any magnitude.
+            exact at any magnitude up to about 2.3e38 (past it the kernels' base-2
+            scaling by log2(e) overflows float32).
         return_lse: a bool: also return the log-sum-exp of each score row.
         deterministic: None (default) follows ``torch.are_deterministic_algorithms_enabled()``
             when the backward runs; True makes the backward bitwise repeatable (on sm_90
@@ -432,9 +433,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             mask.  Captured float tensors that require grad get their gradient
             (accumulated in float32); their values must be finite (mask with
             ``mask_mod``).  The result is clamped to +-2.3e38, as ``bias`` scores
-            are, where it can leave that range (a captured float32 or bfloat16
-            tensor added to the score, such as an additive finfo.min mask, a
-            constant beyond it, log, exp, division or pow).  A function is traced once (cached by its code and its
+            are, where it can leave that range: a captured float32 or bfloat16
+            tensor or a constant beyond the bound that reaches the score through
+            sums, differences, selects, bounds and products with constants (an
+            additive finfo.min mask), or log, exp, a division by a traced value,
+            pow.  A row whose scores all sit at the clamp gets the forward of
+            torch (the mean of its values) and the backward accuracy of such
+            magnitudes (``softmax_scale``): hide whole rows with ``mask_mod``.  A function is traced once (cached by its code and its
             closure's objects, so a closure made again on every call over the same
             objects is not traced again, and by the values it may have taken as
             constants from the objects it reads: a changed ``self.temperature``,

@@ -47,16 +47,19 @@ def write_source(path: Path, source: str) -> None:
     """Write ``source`` to ``path`` unless it already holds exactly that text."""
     if path.exists() and path.read_text() == source:
         return
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
     except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
         where = "$FLASHGEN_CACHE_DIR" if os.environ.get("FLASHGEN_CACHE_DIR") else "~/.cache/flashgen"
         raise InputError(f"cannot write generated kernels under {cache_dir()} ({where}; it must be a writable "
-                         f"directory or creatable as one): {e.strerror or e}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    os.replace(tmp, path)
+                         f"directory or creatable as one, with space left): {e.strerror or e}") from None
 
 
 def load(variant: Variant) -> ModuleType:

@@ -64,7 +64,7 @@ def softmax_rows(s: torch.Tensor, vis: torch.Tensor, sink: torch.Tensor | None =
     den = e.sum(-1, keepdim=True)
     if sink is not None:
         den = den + torch.exp(sink - m)
-    seen = den > 0
+    seen = den != 0  # a NaN row stays NaN (not "no key")
     p = e / torch.where(seen, den, torch.ones_like(den))
     lse = torch.where(seen, m + torch.log(torch.where(seen, den, torch.ones_like(den))), neg)
     return p, lse.squeeze(-1)

@@ -241,25 +241,34 @@ def _ref(obj):
 #: leave the float32 range after the base-2 scaling by log2(e) (:attr:`Traced.guard`), as
 #: ``bias=`` scores are (:func:`flashgen.reference.clamp_scores`).
 SCORE_CLAMP = 2.3e38
-#: Graph ops through which a value reaches the result unscaled (``where``: its branches).
-_ADDITIVE_OPS = ("add", "sub", "neg", "where", "maximum", "minimum", "clamp", "cast")
+#: Graph ops through which a value reaches the result at its own magnitude (``where``:
+#: its branches; ``mul``: by a constant, as a division by one becomes).
+_ADDITIVE_OPS = ("add", "sub", "neg", "abs", "where", "maximum", "minimum", "clamp", "cast", "mul")
 
 
-def _added_loads(g: Graph, out) -> list[int]:
-    """The buffers whose loaded values reach ``out`` through additive ops alone (a sum,
-    a difference, a select, a bound): a bias tensor's values, not a slope's product."""
-    found, seen, todo = [], set(), [out]
+def _added_terms(g: Graph, out) -> tuple[list[int], list[float]]:
+    """(buffers, float constants) whose values reach ``out`` through sums, differences,
+    selects, bounds and products with constants alone: a bias tensor's values, not a
+    slope's product with a position (a product of two traced values is not followed)."""
+    loads, consts, seen, todo = [], [], set(), [out]
     while todo:
         r = todo.pop()
-        if not isinstance(r, Ref) or r.i in seen:
+        if not isinstance(r, Ref):
+            if isinstance(r, float):
+                consts.append(r)
+            continue
+        if r.i in seen:
             continue
         seen.add(r.i)
         n = g.nodes[r.i]
         if n.op == "load":
-            found.append(n.args[0])
+            loads.append(n.args[0])
+        elif n.op == "mul":
+            if sum(isinstance(a, Ref) for a in n.args) == 1:
+                todo += n.args
         elif n.op in _ADDITIVE_OPS:
             todo += n.args[1:] if n.op == "where" else n.args
-    return found
+    return loads, consts
 
 
 class Traced:
@@ -315,13 +324,15 @@ class Traced:
         reciprocal_divisions(g, self.out)
         if kind == "score":
             self.guard = any(n.op in ("log", "log2", "exp", "exp2", "truediv", "pow", "rsqrt")
-                             or any(isinstance(a, float) and not (abs(a) <= SCORE_CLAMP) for a in n.args)
+                             or any(isinstance(a, float) and not math.isfinite(a) for a in n.args)
                              for n in (g.nodes[i] for i in g.uses([self.out])))
             if not self.guard and not getattr(fn, "flashgen_unclamped", False):
-                # a captured tensor added to the score unscaled is a bias: a float32 or
-                # bfloat16 one can hold values past the clamp (finfo.min as a mask)
-                self.guard = any(self.bufs[b].dtype in ("float32", "float64", "bfloat16")
-                                 for b in _added_loads(g, self.out))
+                # a captured tensor added to the score (scaled by constants at most) is a
+                # bias: a float32 or bfloat16 one can hold values past the clamp (finfo.min
+                # as a mask); so can a constant beyond it
+                loads, consts = _added_terms(g, self.out)
+                self.guard = (any(self.bufs[b].dtype in ("float32", "float64", "bfloat16") for b in loads)
+                              or any(abs(c) > SCORE_CLAMP for c in consts))
             s = g.input("s", _F)
             # None is "identically zero" (a result that ignores the score, a floor, a
             # comparison): 0.0, since the kernels read a missing derivative as 1

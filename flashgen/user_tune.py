@@ -352,7 +352,8 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
 
     from .api import _check
 
-    _check(q, k, v, None)  # the sizes, dtypes and devices flashgen.attention takes
+    _check(q, k, v, None, causal)  # the sizes, dtypes, devices and causal flag flashgen.attention takes
+    mask_bounds(q.shape[2], k.shape[2], causal=causal, window=window)  # its window rules
     if sinks is not None:
         user_mods._check_sinks(sinks, q.shape[1], q.device)
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:

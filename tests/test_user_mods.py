@@ -263,10 +263,16 @@ def test_a_captured_bias_past_the_clamp_is_clamped_as_bias_is(tiles, value):
         assert torch.allclose(o[0, 1, 3], v[0, 1].mean(0), atol=1e-5)
     else:
         assert torch.allclose(o[0], v[0, :, 7:8].expand(2, 20, 16), atol=1e-5)
-    added = user_mods.trace(lambda s, b, h, i, j: s + t[b, h, i, j], "score")
-    slopes = torch.rand(2)
-    product = user_mods.trace(lambda s, b, h, i, j: s - slopes[h] * (i - j).abs().float(), "score")
-    assert added.guard and not product.guard
+    slopes, half = torch.rand(2), torch.zeros(24, dtype=torch.float16)
+    guarded = [lambda s, b, h, i, j: s + t[b, h, i, j], lambda s, b, h, i, j: (s + t[b, h, i, j]) / 3.0,
+               lambda s, b, h, i, j: s - t[b, h, i, j].abs(), lambda s, b, h, i, j: s + 1.0 * t[b, h, i, j],
+               lambda s, b, h, i, j: torch.where(i > j, s, t[b, h, i, j]),
+               lambda s, b, h, i, j: torch.where(i > j, s, -3.4e38)]
+    unguarded = [lambda s, b, h, i, j: s - slopes[h] * (i - j).abs().float(), lambda s, b, h, i, j: s + half[j],
+                 lambda s, b, h, i, j: s * 2.0,
+                 lambda s, b, h, i, j: torch.where(t[b, h, i, j] != torch.finfo(torch.float32).min, s, -1e4)]
+    assert all(user_mods.trace(f, "score").guard for f in guarded)
+    assert not any(user_mods.trace(f, "score").guard for f in unguarded)
 
 
 def test_the_reference_path_normalizes_at_any_magnitude():
@@ -291,6 +297,8 @@ assert (o2 - F.scaled_dot_product_attention(q, k2, v, scale=1e9)).abs().max() < 
 t = torch.zeros(1, 1, 4, 6); t[0, 0, 3, :] = torch.finfo(torch.float32).min
 o3 = flashgen.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + t[b, h, i, j])
 assert (o3[0, 0, 3] - v[0, 0].mean(0)).abs().max() < 1e-5, o3
+o4, lse4 = flashgen.attention(q, k, v, score_mod=lambda s, b, h, i, j: torch.log(s), return_lse=True)
+assert lse4.isnan().any() and not (lse4 == float("-inf")).any()  # a NaN row is NaN, not "no key"
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -162,7 +162,8 @@ def test_tune_mods_refuses_what_attention_refuses(tmp_path):
     bad = [(dict(k=q.float()), "k.dtype"), (dict(k=torch.randn(1, 2, 32, 32, dtype=torch.float16)), "head_dim"),
            (dict(k=torch.randn(3, 2, 32, 16, dtype=torch.float16)), "batch sizes differ"),
            (dict(v=torch.randn(1, 2, 40, 16, dtype=torch.float16)), "same seqlen_k"),
-           (dict(sinks=torch.zeros(7)), "sinks must be a float32 tensor of shape")]
+           (dict(sinks=torch.zeros(7)), "sinks must be a float32 tensor of shape"),
+           (dict(causal="yes"), "causal"), (dict(window=5), "window")]
     for kw, msg in bad:
         args = {"k": q, "v": q, **kw}
         with pytest.raises(flashgen.InputError, match=msg):
