@@ -37,11 +37,17 @@ def _scale_and_bounds(q, k, causal, window, softmax_scale, align):
     return scale, lo, hi
 
 
+#: The bound the kernels clamp bias scores (and user score functions that may leave the
+#: float32 range, :attr:`flashgen.user_mods.Traced.guard`) to: |s| log2(e) overflows
+#: float32 above 2.36e38.
+SCORE_CLAMP = 2.3e38
+
+
 def clamp_scores(s: torch.Tensor) -> torch.Tensor:
-    """Scores as the kernels take them: finite in base 2 (|s| log2(e) overflows float32
-    above 2.36e38, so they are clamped to +-2.3e38, or to the dtype's largest finite value
-    below that: +inf is a very high score), -inf kept (a masked key), NaN kept."""
-    lim = min(2.3e38, torch.finfo(s.dtype).max)
+    """Scores as the kernels take them: finite in base 2 (clamped to +-SCORE_CLAMP, or to
+    the dtype's largest finite value below that: +inf is a very high score), -inf kept (a
+    masked key), NaN kept."""
+    lim = min(SCORE_CLAMP, torch.finfo(s.dtype).max)
     return torch.where(s == float("-inf"), s, s.clamp(-lim, lim))
 
 
@@ -65,8 +71,9 @@ def softmax_rows(s: torch.Tensor, vis: torch.Tensor, sink: torch.Tensor | None =
     if sink is not None:
         den = den + torch.exp(sink - m)
     seen = den != 0  # a NaN row stays NaN (not "no key")
-    p = e / torch.where(seen, den, torch.ones_like(den))
-    lse = torch.where(seen, m + torch.log(torch.where(seen, den, torch.ones_like(den))), neg)
+    den = torch.where(seen, den, torch.ones_like(den))
+    p = e / den
+    lse = torch.where(seen, m + torch.log(den), neg)
     return p, lse.squeeze(-1)
 
 

@@ -41,7 +41,7 @@ import torch.fx as fx
 from . import dispatch, library, user_bounds, user_grads, user_render
 from .families.gluon import builtin_mods
 from .errors import InputError, UnsupportedError
-from .reference import clamp_scores, softmax_rows
+from .reference import SCORE_CLAMP, clamp_scores, softmax_rows
 from .user_render import Buffer, Graph, Lowered, Ref, derivative
 
 # -- tracing -------------------------------------------------------------------------
@@ -237,13 +237,10 @@ def _ref(obj):
         return lambda: obj
 
 
-#: The kernels clamp a score function's result to +-SCORE_CLAMP (-inf kept) where it may
-#: leave the float32 range after the base-2 scaling by log2(e) (:attr:`Traced.guard`), as
-#: ``bias=`` scores are (:func:`flashgen.reference.clamp_scores`).
-SCORE_CLAMP = 2.3e38
 #: Graph ops through which a value reaches the result at its own magnitude (``where``:
-#: its branches; ``mul``: by a constant, as a division by one becomes).
-_ADDITIVE_OPS = ("add", "sub", "neg", "abs", "where", "maximum", "minimum", "clamp", "cast", "mul")
+#: its branches); a ``mul`` by a constant too (:func:`_added_terms`), as a division by
+#: one becomes.
+_ADDITIVE_OPS = ("add", "sub", "neg", "abs", "where", "maximum", "minimum", "clamp", "cast")
 
 
 def _added_terms(g: Graph, out) -> tuple[list[int], list[float]]:
@@ -329,7 +326,8 @@ class Traced:
             if not self.guard and not getattr(fn, "flashgen_unclamped", False):
                 # a captured tensor added to the score (scaled by constants at most) is a
                 # bias: a float32 or bfloat16 one can hold values past the clamp (finfo.min
-                # as a mask); so can a constant beyond it
+                # as a mask); so can a constant beyond it.  The kernels clamp a guarded
+                # result to +-SCORE_CLAMP as bias= scores (reference.clamp_scores)
                 loads, consts = _added_terms(g, self.out)
                 self.guard = (any(self.bufs[b].dtype in ("float32", "float64", "bfloat16") for b in loads)
                               or any(abs(c) > SCORE_CLAMP for c in consts))
