@@ -6,9 +6,11 @@ A score or mask function indexes captured tensors with integer expressions
 an index past a tensor's size and wraps a negative one; the kernels do neither: they
 compute the address and read whatever lies there.  :func:`read_ranges` evaluates, with
 torch, exactly the index expressions of each ``load`` node the kernels execute (the
-lowered IR of :mod:`flashgen.user_render`, with the kernels' semantics: integers in
-int64, floor division and modulo rounding toward -inf, float math in float32, casts
-truncating toward zero) over every (b, h, q_idx, kv_idx) in [0, batch) x [0, heads) x
+lowered IR of :mod:`flashgen.user_render`, with the kernels' semantics: the index
+inputs in int64 (the kernels' int32 where that gives the same values,
+:func:`flashgen.user_render.int32_overflows`, else int64), captured integer tensors in
+their own dtype (bool as int8) and promoted as torch and Triton both do, floor division
+and modulo rounding toward -inf, float math in float32, casts truncating toward zero) over every (b, h, q_idx, kv_idx) in [0, batch) x [0, heads) x
 [0, seqlen_q) x [0, seqlen_k) (the kernels evaluate the functions on whole tiles, masked
 by the sequence lengths only: a mask function's reads in a tile that the built-in
 causal/window bounds partly hide happen too), in chunks of at most :data:`CHUNK`
@@ -17,7 +19,9 @@ elements per intermediate value, and returns each index component's min and max;
 
 An index that depends on another load's value (``table[idx[q_idx]]``) reads that load
 from the captured tensor itself, clamped into range so that the evaluation can go on (the
-inner load's own range is checked, and reported first).  An index that depends on the
+inner load's own range is checked, and reported first).  An integer division or modulo
+by zero in an index is an error too (:class:`DivisionByZero`; torch raises there, the
+kernels would compute an undefined index).  An index that depends on the
 score cannot be known before the kernel runs: such loads are checked in the kernels
 (:meth:`flashgen.user_render._Code._load`: masked, the score NaN where out of range).  Float
 expressions that feed an index (T5's ``log``) are evaluated by torch in float32, which
@@ -35,7 +39,7 @@ import dataclasses
 
 import torch
 
-from .user_render import Graph, Ref, promote
+from .user_render import INT32, Graph, Ref, promote
 
 #: The most elements an intermediate value of one evaluation chunk holds.
 CHUNK = 1 << 24
@@ -51,6 +55,11 @@ _UNARY = {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch
 _CMP = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
 _BITS = {"and": torch.bitwise_and, "or": torch.bitwise_or, "xor": torch.bitwise_xor,
          "lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift}
+
+
+class DivisionByZero(Exception):
+    """An index expression divides an integer by zero somewhere on the grid
+    (:func:`read_ranges`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,17 +109,25 @@ class _Eval:
     def __init__(self, g: Graph, captured, device):
         self.g, self.captured, self.device = g, captured, device
         self.tensors: dict = {}
+        #: per integer division or modulo evaluated: whether a divisor was 0 (a tensor)
+        self.zero_divisors: list = []
 
     def tensor(self, n: int) -> torch.Tensor:
         """Captured tensor ``n`` as the kernels read its values: floats in float32,
-        integers (and bools, which arrive as int8) in int64."""
+        integers in their dtype (bools arrive as int8)."""
         t = self.tensors.get(n)
         if t is None:
             t = self.captured[n].detach()
-            t = self.tensors[n] = t.to(torch.float32) if t.is_floating_point() else t.to(torch.int64)
+            t = self.tensors[n] = (t.to(torch.float32) if t.is_floating_point()
+                                   else t.to(torch.int8) if t.dtype == torch.bool else t)
         return t
 
     def const(self, v):
+        """A constant as the kernels' code has it: weak (a 0-dim tensor: the other
+        operand's dtype wins, as with Triton's Python scalars) unless an integer outside
+        int32, which the kernels make an int64 tensor (user_render._lit)."""
+        if isinstance(v, int) and not isinstance(v, bool) and not INT32[0] <= v <= INT32[1]:
+            return torch.tensor([v], dtype=torch.int64, device=self.device)
         return torch.tensor(v, device=self.device)
 
     def val(self, env, v, cat: str):
@@ -118,8 +135,8 @@ class _Eval:
         x = env[v.i] if isinstance(v, Ref) else self.const(v)
         if cat == "float":
             return x.to(torch.float32)
-        if cat == "int":
-            return x.to(torch.int64)
+        if cat == "int":  # a bool in integer math is int32 (user_render._Code.i)
+            return x.to(torch.int32) if x.dtype == torch.bool else x
         return x if x.dtype == torch.bool else x != 0
 
     def index(self, env, a):
@@ -172,8 +189,10 @@ class _Eval:
             a, b = V(args[0]), V(args[1])
             if dt == "float":
                 q = torch.floor(a / b)
-            else:  # the kernels' integer division rounds toward -inf; a zero divisor reads as 1 here
-                q = torch.div(a, torch.where(b == 0, 1, b), rounding_mode="floor")
+            else:  # the kernels' integer division rounds toward -inf; a zero divisor is
+                # an error (read_ranges), read as 1 here so that the evaluation goes on
+                self.zero_divisors.append((b == 0).any())
+                q = torch.div(a, torch.where(b == 0, torch.ones_like(b), b), rounding_mode="floor")
             return q if op == "floordiv" else a - b * q
         if op == "pow":
             return torch.exp2(V(args[1], "float") * torch.log2(V(args[0], "float")))
@@ -207,7 +226,7 @@ class _Eval:
                 x = V(a, "float")
                 return x.to(_TORCH[target]).to(torch.float32)
             x = V(a, "int" if g.dtype(a) == "bool" else g.dtype(a))
-            return x.to(_TORCH[target]).to(torch.int64)
+            return x.to(_TORCH[target])
         raise AssertionError(f"flashgen.user_bounds: no evaluation of IR operation {op!r}")
 
 
@@ -227,7 +246,8 @@ def read_ranges(g: Graph, r: Reads, captured, batch: int, heads: int, seqlen_q: 
                 device) -> dict:
     """{(load node, index dim): (min, max)} of the indices at which the loads of ``r``
     read ``captured`` (the function's captured tensors) over the whole index grid (see
-    the module docstring).  Sizes must be positive."""
+    the module docstring).  Sizes must be positive.  Raises :class:`DivisionByZero`
+    where an index divides an integer by zero."""
     ev = _Eval(g, captured, device)
     lows: dict = {}
     highs: dict = {}
@@ -239,6 +259,8 @@ def read_ranges(g: Graph, r: Reads, captured, batch: int, heads: int, seqlen_q: 
                 key = (i, d)
                 lows[key] = lo if key not in lows else torch.minimum(lows[key], lo)
                 highs[key] = hi if key not in highs else torch.maximum(highs[key], hi)
+    if ev.zero_divisors and bool(torch.stack(ev.zero_divisors).any()):
+        raise DivisionByZero
     if not lows:
         return {}
     keys = list(lows)

@@ -42,7 +42,7 @@ from . import dispatch, library, user_bounds, user_grads, user_render
 from .families.gluon import builtin_mods
 from .errors import InputError, UnsupportedError
 from .reference import SCORE_CLAMP, clamp_scores, softmax_rows
-from .user_render import Buffer, Graph, Lowered, Ref, derivative
+from .user_render import Buffer, Graph, Lowered, Ref, derivative, int32_overflows
 
 # -- tracing -------------------------------------------------------------------------
 
@@ -371,6 +371,22 @@ class Traced:
     def alive(self) -> bool:
         """Whether every captured tensor is still alive."""
         return all(r() is not None for r in self._captured)
+
+    def wide(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> bool:
+        """Whether an int32 value the kernels compute from the index inputs may overflow at
+        these sizes (:func:`flashgen.user_render.int32_overflows`): the lowering then
+        computes them in int64, as torch does.  Memoized per sizes."""
+        key = (batch, heads, seqlen_q, seqlen_k)
+        memo = self.__dict__.setdefault("_wide", {})
+        hit = memo.get(key)
+        if hit is None:
+            g = self.graph
+            hit = int32_overflows(g, [Ref(i) for i in range(len(g.nodes))],
+                                  {"b": batch, "h": heads, "q": seqlen_q, "k": seqlen_k}, self.bufs)
+            if len(memo) >= 64:
+                memo.clear()
+            memo[key] = hit
+        return hit
 
     @functools.cached_property
     def reads(self) -> user_bounds.Reads:
@@ -1010,7 +1026,8 @@ def check_reads(traced: Traced | None, batch: int, heads: int, seqlen_q: int, se
     its size: at an index >= the size along a dim (torch raises IndexError there) or a
     negative one (torch wraps it; the kernels would read before the tensor), at any
     (b, h, q_idx, kv_idx) of the (batch, heads, seqlen_q, seqlen_k) grid
-    (:mod:`flashgen.user_bounds`; indices that depend on the score are not checked).
+    (:mod:`flashgen.user_bounds`; indices that depend on the score are not checked), or
+    at an index that divides an integer by zero somewhere on that grid.
     Runs once per (function, sizes, captured tensors' shapes, and the versions of the
     captured tensors an index is read from, ``idx`` of ``table[idx[q_idx]]``): a
     repeated call costs a dict lookup.  Not run while a CUDA graph is being captured
@@ -1029,7 +1046,14 @@ def check_reads(traced: Traced | None, batch: int, heads: int, seqlen_q: int, se
         return
     arg = f"{traced.kind}_mod"
     with torch.no_grad():
-        ranges = user_bounds.read_ranges(traced.graph, r, traced.captured, batch, heads, seqlen_q, seqlen_k, device)
+        try:
+            ranges = user_bounds.read_ranges(traced.graph, r, traced.captured, batch, heads, seqlen_q, seqlen_k,
+                                             device)
+        except user_bounds.DivisionByZero:
+            raise InputError(f"{arg} divides an integer by zero in an index of a captured tensor at some (b, h, "
+                             f"q_idx, kv_idx) of the grid (batch {batch}, num_heads {heads}, seqlen_q {seqlen_q}, "
+                             f"seqlen_k {seqlen_k}): torch raises ZeroDivisionError there, and the kernels "
+                             "would read at an undefined index") from None
         msg = user_bounds.bounds_error(arg, traced.captured, traced.graph, r, ranges,
                                        (batch, heads, seqlen_q, seqlen_k), device)
     if msg is not None:
@@ -1125,7 +1149,8 @@ class UserArgs:
         return out
 
 
-def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool) -> Lowered:
+def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool,
+             wide: bool = False) -> Lowered:
     sbufs = score.bufs if score is not None else ()
     if direction == "bwd":
         sbufs = tuple(dataclasses.replace(b, grad=f) for b, f in zip(sbufs, grad_flags))
@@ -1135,7 +1160,7 @@ def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, s
         grads = tuple((i, n, score.dloads[i]) for i, n in score.loads if grad_flags[n])
     fields = (direction, score.graph if score else None, score.out if score else None,
               score.dscore if score else None, grads, mask.graph if mask else None,
-              mask.out if mask else None, len(sbufs), bufs, sinks, bool(score and score.guard))
+              mask.out if mask else None, len(sbufs), bufs, sinks, bool(score and score.guard), wide)
     reductions = tuple(r for r in (user_grads.reduction(score.graph, i, n, tuple(score.captured[n].shape))
                                    for i, n, _ in grads) if r is not None)
     if reductions:  # small gathered extents: the gradient is summed per index value in the tile
@@ -1158,23 +1183,25 @@ _lowerings: collections.OrderedDict = collections.OrderedDict()
 _LOWERINGS_MAX = 256
 
 
-def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool) -> Lowered:
+def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool,
+             wide: bool = False) -> Lowered:
     """The lowering that :func:`attention` compiles for ``direction`` ("fwd": the
     forward kernel, with ``sinks``; "bwd": bwd_dq and bwd_dkdv, accumulating the
     gradients of the captured tensors flagged in ``grad_flags``), registered in this
     process; its ``name`` is the variants' ``KernelSpec.mods`` (what tuning rows are
     keyed by).  Made once per (direction, traced functions, flags) and cached (the
     cache holds the traced functions, so their identities stay valid): naming a
-    lowering hashes its whole code, which would otherwise be host time on every call."""
+    lowering hashes its whole code, which would otherwise be host time on every call.
+    ``wide``: the index inputs in int64 (:func:`wide`)."""
     sinks = bool(sinks) and direction == "fwd"
     flags = tuple(bool(f) for f in grad_flags) if direction == "bwd" else ()
     shapes = tuple(tuple(t.shape) for t in score.captured) if score is not None and direction == "bwd" else ()
-    key = (direction, id(score), id(mask), flags, sinks, shapes)
+    key = (direction, id(score), id(mask), flags, sinks, shapes, wide)
     hit = _lowerings.get(key)
     if hit is not None and hit[0]() is score and hit[1]() is mask:
         _lowerings.move_to_end(key)
         return hit[2]
-    low = _lowered(direction, score, mask, flags, sinks)
+    low = _lowered(direction, score, mask, flags, sinks, wide)
     user_render.register(low)
     # the traced functions weakly: a trace the trace cache replaced (its captured tensors
     # with it) is not kept alive here; a dead one's identity never matches again
@@ -1182,6 +1209,13 @@ def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_fla
     if len(_lowerings) > _LOWERINGS_MAX:
         _lowerings.popitem(last=False)
     return low
+
+
+def wide(score: Traced | None, mask: Traced | None, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether the functions' lowerings compute the index inputs in int64 at these sizes
+    (:meth:`Traced.wide`): an int32 value computed from them could overflow, where torch,
+    whose indices are int64, does not."""
+    return any(t is not None and t.wide(batch, heads, seqlen_q, seqlen_k) for t in (score, mask))
 
 
 def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, sizes: tuple, device,
@@ -1198,13 +1232,14 @@ def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, si
     bufs = sbufs + mbufs
     mask_fn = mask.fn if mask is not None else None
     keep = (score.fn if score is not None else None, mask_fn, *scaptured, *mcaptured)
-    fwd = UserArgs(lowering("fwd", score, mask, grad_flags, sinks is not None), bufs, [], mask, sizes,
+    w = wide(score, mask, sizes[0], sizes[1], sizes[3], sizes[4])
+    fwd = UserArgs(lowering("fwd", score, mask, grad_flags, sinks is not None, w), bufs, [], mask, sizes,
                    sinks.detach() if sinks is not None else None, device, mask_fn, keep)
     if not backward or (score is None and mask is None):
         return fwd, None  # sinks alone: the plain backward kernels (sinks' gradient from LSE and delta)
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) if f else None
              for t, f in zip(sbufs, grad_flags)] + [None] * len(mbufs)
-    return fwd, UserArgs(lowering("bwd", score, mask, grad_flags, False), bufs, grads, mask, sizes, None, device,
+    return fwd, UserArgs(lowering("bwd", score, mask, grad_flags, False, w), bufs, grads, mask, sizes, None, device,
                          mask_fn, keep)
 
 
@@ -1337,8 +1372,9 @@ def variant_names(q, k, *, score_mod=None, mask_mod=None, sinks=None) -> tuple[s
     flashgen cannot compile."""
     st, mt = _traced(q, k, score_mod, mask_mod, sinks)
     flags = score_grad_flags(st)
-    fwd = lowering("fwd", st, mt, flags, sinks is not None)
-    bwd = lowering("bwd", st, mt, flags, False) if st is not None or mt is not None else None
+    w = wide(st, mt, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    fwd = lowering("fwd", st, mt, flags, sinks is not None, w)
+    bwd = lowering("bwd", st, mt, flags, False, w) if st is not None or mt is not None else None
     return fwd.name, bwd.name if bwd is not None else ""
 
 

@@ -32,6 +32,7 @@ ids like any other; the dispatcher finds them for the same functions in any proc
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -341,8 +342,9 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
     that calls the same functions.  Returns the tuner's TuneResult per key.  Needs a
     CUDA device unless ``benchmarker`` is given (``env``/``arch``: the environment the
     rows are recorded under and the rules they follow; default: this machine's).
-    Raises InputError for bad sizes or options (``trials`` below 1; a ``db`` whose
-    directory does not exist, which is never created, or that cannot be written),
+    Raises InputError for bad sizes or options (``trials`` below 1; ``kernels`` a string;
+    a ``db`` that is not a path, is a directory, whose directory does not exist, which
+    is never created, or that cannot be written),
     UnsupportedError for functions flashgen cannot compile."""
     from . import arch as arch_mod, dispatch, tuner
     from .db import TuningDB
@@ -358,6 +360,12 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
         user_mods._check_sinks(sinks, q.shape[1], q.device)
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise InputError(f"trials must be an int >= 1 (Optuna trials per kernel), got {trials!r}")
+    if isinstance(kernels, str):
+        raise InputError(f"kernels must be a sequence of kernel names (e.g. ('fwd',)), got the string {kernels!r}")
+    if not isinstance(db, (str, os.PathLike)):
+        raise InputError(f"db must be the path of a tuning database (str or os.PathLike), got {db!r}")
+    if Path(db).is_dir():
+        raise InputError(f"db must be the path of a tuning database file, got the directory {str(db)!r}")
     check_writable(Path(db), "db")
     dtype = str(q.dtype).removeprefix("torch.")
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])

@@ -819,6 +819,71 @@ def test_the_index_ranges_are_those_torch_computes(index, chunk, monkeypatch):
     assert list(got.values()) == [(want.min().item(), want.max().item())]
 
 
+# -- integer widths ------------------------------------------------------------------
+
+@pytest.mark.parametrize("expr, sizes, wide", [
+    (lambda b, h, q, k: q * k * 10_000_000, (1, 1, 17, 23), True),  # 3.5e9 past int32
+    (lambda b, h, q, k: q * k * 10_000_000, (1, 1, 4, 4), False),   # 9e7 fits
+    (lambda b, h, q, k: (q * 2 ** 20) // (k + 1), (1, 1, 4096, 16), True),
+    (lambda b, h, q, k: (q * 2 ** 20) // (k + 1), (1, 1, 2048, 2 ** 20), True),  # |a| + |b| of the kernels' floor
+    (lambda b, h, q, k: (q * 2 ** 20) // (k + 1), (1, 1, 1024, 1), False),
+    (lambda b, h, q, k: q * 2 ** 40, (1, 1, 8, 8), False),          # an int64 constant: int64 in both
+    (lambda b, h, q, k: (q - k).abs() + b * h, (64, 64, 131072, 131072), False),
+    (lambda b, h, q, k: q << 30, (1, 1, 4, 4), True),
+    (lambda b, h, q, k: (q & 7) | (k ^ 3), (1, 1, 131072, 131072), False),
+    (lambda b, h, q, k: (q.float() * 1e10).int() + k, (1, 1, 4, 4), True),   # unbounded in int32
+    (lambda b, h, q, k: (q.float() * 1e10).long() + k, (1, 1, 4, 4), False),  # int64 in both
+], ids=["product", "product-fits", "shift-div", "floor-operands", "floor-fits", "int64-constant", "abs",
+        "lshift", "bits", "int32-cast", "int64-cast"])
+def test_index_arithmetic_that_can_leave_int32_is_computed_in_int64(expr, sizes, wide):
+    """The kernels' index inputs are int32, torch's int64: where a value computed from
+    them can leave int32 at the call's sizes the lowering computes them in int64 (and
+    is named apart), elsewhere it keeps int32 and its name."""
+    fn = lambda s, b, h, q_idx, kv_idx: s + torch.where(expr(b, h, q_idx, kv_idx) % 3 == 0, 1.0, 0.0)  # noqa: E731
+    st = user_mods.trace(fn, "score")
+    assert user_mods.wide(st, None, *sizes) is wide
+    low = user_mods._lowered("fwd", st, None, [], False, wide)
+    assert (low.name != user_mods._lowered("fwd", st, None, [], False).name) is wide
+    code = user_render.Context(low, "fwd").score_block("s", "offs_m", "offs_n", False)
+    assert ("(offs_m[:, None]).to(tl.int64)" in code) is wide
+
+
+def test_an_index_past_int32_reads_where_torch_does(tiles):
+    """q_idx * kv_idx * 10**7 // 10**9 stays in [0, 4) in torch (int64); in int32 it
+    wrapped to -3..-1 at 17 x 23 and read before the table.  The kernels now compute it
+    in int64 and match the float64 reference; a mask function's product likewise."""
+    tab = torch.tensor([0.0, 0.1, 0.2, 0.3])
+    _run(lambda t: (lambda s, b, h, q_idx, kv_idx: s + t[(q_idx * kv_idx * 10_000_000) // 1_000_000_000], None),
+         [tab], b=1, h=1, hk=1, sq=17, sk=23, dtype=F32)
+    _run(lambda: (lambda s, b, h, q_idx, kv_idx: torch.where((q_idx * kv_idx * 10_000_000) % 7 == 0, s, s - 2.0),
+                  lambda b, h, q_idx, kv_idx: (q_idx * kv_idx * 10_000_000) % 3 != 0),
+         b=1, h=1, hk=1, sq=17, sk=23, dtype=F32)
+
+
+def test_an_integer_division_by_zero_in_an_index_is_an_input_error():
+    """tab[q_idx // kv_idx] divides by zero at kv_idx = 0 (torch raises there; the
+    kernels would read at an undefined index); kv_idx + 1 is fine."""
+    tab = torch.randn(64)
+    with pytest.raises(InputError, match=r"score_mod divides an integer by zero in an index of a captured tensor"):
+        _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[q_idx // kv_idx])
+    with pytest.raises(InputError, match=r"mask_mod divides an integer by zero"):
+        _call(mask_mod=lambda b, h, q_idx, kv_idx: tab[q_idx % kv_idx] > 0)
+    _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[q_idx // (kv_idx + 1)])
+
+
+def test_the_index_check_keeps_a_captured_integer_tensors_dtype():
+    """int8 + int8 wraps in int8 in torch and in the kernels alike: the check evaluates
+    the index with the tensor's dtype (it read int64 and refused an index the kernels
+    compute in range, 260 for 4)."""
+    from flashgen import user_bounds
+
+    x = torch.tensor([100], dtype=torch.int8)
+    tab = torch.zeros(8)
+    st = user_mods.trace(lambda s, b, h, q_idx, kv_idx: s + tab[x[q_idx * 0] + x[kv_idx * 0] + 60], "score")
+    got = user_bounds.read_ranges(st.graph, st.reads, st.captured, 1, 1, 4, 4, "cpu")
+    assert list(got.values())[-1] == (4, 4)
+
+
 @pytest.mark.parametrize("sm", [
     lambda s, b, h, q_idx, kv_idx: -0.25 * torch.abs(q_idx - kv_idx).float(),
     lambda s, b, h, q_idx, kv_idx: torch.floor(s * 4),
