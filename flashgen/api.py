@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from . import dispatch, documents, dropout, families, hot, library, ops
-from .errors import InputError, type_name
+from .errors import InputError, UnsupportedError, type_name
 from .masks import mask_bounds
 from .spec import KernelSpec, ProblemKey
 
@@ -123,6 +123,35 @@ def _last_dim_contiguous(t):
 _Tensor = torch.Tensor
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+
+
+def _values_unreadable(*tensors) -> bool:
+    """Whether the values of ``tensors`` cannot be read on the host here: traced
+    (torch.compile), meta or fake tensors, a dispatch mode (FakeTensorMode, ...) or a
+    functorch transform (vmap's batched tensors) active."""
+    if torch.compiler.is_compiling() or _dispatch_modes() or _functorch_active():
+        return True
+    return any(isinstance(t, torch.Tensor) and (t.is_meta or type(t) is not _Tensor) for t in tensors)
+
+
+def _forward_ad(*tensors) -> bool:
+    """Whether a forward-mode derivative (``torch.func.jvp``, ``jacfwd``, dual tensors of
+    ``torch.autograd.forward_ad``) is taken through one of ``tensors``: flashgen's ops
+    have none, and their tangent would silently be zero."""
+    import torch.autograd.forward_ad as fwad
+
+    if torch.compiler.is_compiling() or getattr(fwad, "_current_level", 0) < 0:
+        return False
+    return any(isinstance(t, torch.Tensor) and fwad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def _no_forward_ad(name: str, *tensors) -> None:
+    """UnsupportedError when :func:`_forward_ad`."""
+    if _forward_ad(*tensors):
+        raise UnsupportedError(f"{name} has no forward-mode derivative (torch.func.jvp, jacfwd, "
+                               "torch.autograd.forward_ad): its tangent would be taken as zero; take reverse-mode "
+                               "derivatives (backward(), torch.autograd.grad) or use torch's "
+                               "scaled_dot_product_attention")
 
 
 def _prepare(q, k, v, causal, window, softmax_scale, align):
@@ -324,8 +353,7 @@ def _attention_mods(q, k, v, *, causal, window, softmax_scale, return_lse, align
     rng = None
     if dropout_p > 0:
         library.check_dropout_runs(q, k, dropout_p)  # before the state advances
-        state = rng_state if rng_state is not None else dropout.default_state(q.device)
-        rng = dropout.take(state, dropout.counters(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+        rng = dropout.draw(q.device, dropout.counters(q.shape[0], q.shape[1], q.shape[2], k.shape[2]), rng_state)
     args = (q, k, v, scale, mask, lo, hi, softcap, alibi, bias, dropout_p, rng)
     plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
     if torch.compiler.is_compiling() or not plain or _dispatch_modes() or _functorch_active():
@@ -416,9 +444,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             returns it.  Needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU).
         rng_state: int64 (2,) [seed, offset] on q's device that dropout reads and
             advances in place by batch * num_heads * seqlen_q * ceil(seqlen_k / 4), the
-            Philox counters it used (one per 4 key columns of a row) (default: the
-            device's state, :func:`flashgen.manual_seed`).  A CUDA graph replay
-            advances it too, so each replay draws a fresh mask.
+            Philox counters it used (one per 4 key columns of a row).  Default: a
+            (seed, offset) drawn from torch's generator of q's device, as torch's
+            dropout draws (``torch.manual_seed`` reproduces it, ``torch.utils.checkpoint``
+            restores it for a recomputed forward), or after :func:`flashgen.manual_seed`
+            flashgen's own per-device state.  A CUDA graph replay draws anew either way.
 
     User functions (FlexAttention's signatures, :mod:`flashgen.user_mods`), each
     distinct function compiled into its own tuned variants; not combined with softcap,
@@ -485,9 +515,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         FlashAttention's interface): a loss that uses it gets no gradient from that
         term.  No double backward: gradients taken with ``create_graph=True`` raise
         RuntimeError when differentiated again.  Of torch.func's transforms ``vmap``
-        runs (torch's per-sample fallback, slow); ``grad``, ``jacrev`` and ``jvp``
-        raise (the op's autograd, registered with ``torch.library.register_autograd``,
-        does not take them).  The backward re-reads q, k, v, the
+        runs (torch's per-sample fallback, slow); ``grad`` and ``jacrev`` raise (the
+        op's autograd, registered with ``torch.library.register_autograd``, does not
+        take them), and so do forward-mode derivatives (``jvp``, ``jacfwd``, dual
+        tensors of ``torch.autograd.forward_ad``: UnsupportedError; the op's tangent
+        would be zero); :func:`scaled_dot_product_attention` hands those to torch.  The backward re-reads q, k, v, the
         bias, the ALiBi slopes, the sinks and the tensors the user functions read:
         modifying one in place before it runs raises autograd's RuntimeError
         ("modified by an inplace operation").
@@ -517,6 +549,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     if deterministic is not None:
         _check_deterministic(deterministic)
+    _no_forward_ad("flashgen.attention", q, k, v, alibi_slopes, bias, sinks)
     if score_mod is not None or mask_mod is not None or sinks is not None:
         return _attention_user(q, k, v, causal=causal, window=window, softmax_scale=softmax_scale,
                                return_lse=return_lse, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
@@ -586,8 +619,8 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
             raise InputError(f"{name} must be an int >= 0, got {m!r}")
     _check_scale_causal(softmax_scale, causal)
-    if torch.compiler.is_compiling() or cu_seqlens_q.is_meta or dispatch.graph_capturing():
-        # No values to read (traced or meta tensors), or reading them would synchronize
+    if _values_unreadable(cu_seqlens_q, cu_seqlens_k) or dispatch.graph_capturing():
+        # No values to read (traced, meta or fake tensors), or reading them would synchronize
         # inside a CUDA graph capture: only the shapes are checked then.
         return
     try:
@@ -710,6 +743,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         there they must already be valid.
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    _no_forward_ad("flashgen.attention_varlen", q, k, v)
     _check_return_lse(return_lse)
     mask, _, _ = mask_bounds(0, 0, causal=causal, window=window)
     left, right = int(window[0]), (0 if causal else int(window[1]))
@@ -793,7 +827,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, soft
         capacity = block_table.shape[1] * page_size
     _check_scale_causal(softmax_scale, causal)
     _check_return_lse(return_lse)
-    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+    if q.device.type == "cpu" and not _values_unreadable(cache_seqlens, block_table):
         # Values are read only where that is free (CPU); on CUDA it would synchronize
         # every decode step, so there the kernel clamps the lengths instead.
         lens = cache_seqlens
@@ -877,10 +911,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         [0, capacity] in the kernel, and block_table entries must be valid page indices.
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, return_lse)
+    _no_forward_ad("flashgen.attention_with_kvcache", q, k_cache, v_cache)
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if (torch.compiler.is_compiling() or _dispatch_modes() or
+    if (torch.compiler.is_compiling() or _dispatch_modes() or _functorch_active() or q.is_meta or
             not (type(q) is _Tensor and type(k_cache) is _Tensor and type(v_cache) is _Tensor)):
-        # Traced (one graph node, its fake kernel gives the shapes) or inspected.
+        # Traced, meta or under a transform (one op, its fake kernel gives the shapes) or inspected.
         o, lse = library.DECODE(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
     else:  # eager: the same implementation without the torch.library dispatcher
         o, lse = library.kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
@@ -955,6 +990,8 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         return f"scale of type {type_name(scale)}"
     if not isinstance(is_causal, bool):
         return f"is_causal of type {type_name(is_causal)}"
+    if _forward_ad(query, key, value, attn_mask):
+        return "a forward-mode derivative (jvp, jacfwd, forward_ad): flashgen's ops have none"
     if torch.compiler.is_compiling() or not (type(query) is _Tensor and type(key) is _Tensor
                                              and type(value) is _Tensor):
         reason = _sdpa_shape_reason(query, key, value, enable_gqa)

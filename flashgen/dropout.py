@@ -17,12 +17,13 @@ pick drops the same elements, the backward recomputes exactly the forward's mask
 a fixed (seed, offset) reproduces.  (Rows are padded to a multiple of 4 columns: the
 last counter of a row whose seqlen_k is not a multiple of 4 has unused outputs.)
 
-Each dropout call reads its (seed, offset) from a state tensor and then advances the
-state's offset on the device by :func:`counters` = batch * num_heads * seqlen_q *
-ceil(seqlen_k / 4) (an in-place add, so a CUDA graph replay draws a fresh mask).
-:func:`default_state` holds one state per device, seeded from
-``torch.initial_seed()``; :func:`manual_seed` resets them; callers may pass their own
-state tensor instead.
+A call's (seed, offset) (:func:`draw`) is by default drawn from torch's generator of
+the device, as torch's own dropout draws: ``torch.manual_seed`` reproduces it and
+``torch.utils.checkpoint`` restores it for the recomputed forward.  A caller's state
+tensor (``rng_state=``), or after :func:`manual_seed` flashgen's own state per device
+(:func:`default_state`), is read and then advanced on the device by :func:`counters` =
+batch * num_heads * seqlen_q * ceil(seqlen_k / 4) (an in-place add, so a CUDA graph
+replay draws a fresh mask).
 """
 
 from __future__ import annotations
@@ -71,15 +72,26 @@ def default_state(device: torch.device) -> torch.Tensor:
     return st
 
 
-def manual_seed(seed: int) -> None:
-    """Reset every device's dropout state to [seed, 0] (and seed states made later).
+def manual_seed(seed: int | None) -> None:
+    """Make dropout calls without ``rng_state=`` draw from flashgen's own per-device
+    states, each reset to [seed, 0] (and states made later seeded so): a stream
+    independent of torch's generator, advanced per call (:func:`take`).  ``None``: back
+    to the default, torch's generator (:func:`draw`).  Calls in a region that
+    ``torch.utils.checkpoint`` recomputes need torch's generator (or an ``rng_state=``
+    restored by the caller): the recomputed forward draws the next mask of flashgen's
+    own stream, so its gradients would not be the first forward's.
 
-    Raises InputError unless ``seed`` is an int in [0, 2**63 - 1] (the state holds it as
-    an int64; a larger seed would have to wrap onto a smaller one's masks)."""
+    Raises InputError unless ``seed`` is None or an int in [0, 2**63 - 1] (the state
+    holds it as an int64; a larger seed would have to wrap onto a smaller one's masks)."""
+    if seed is None:
+        _seed[0] = None
+        _states.clear()
+        return
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         from .errors import InputError
 
-        raise InputError(f"seed must be an int in [0, 2**63 - 1] (the dropout state is int64), got {seed!r}")
+        raise InputError(f"seed must be None or an int in [0, 2**63 - 1] (the dropout state is int64), "
+                         f"got {seed!r}")
     _seed[0] = seed
     for st in _states.values():
         st.copy_(torch.tensor([_seed[0], 0], dtype=torch.int64))
@@ -103,10 +115,34 @@ def counters(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int) -> int:
 
 def take(rng_state: torch.Tensor, n: int) -> torch.Tensor:
     """A copy of the state for this call, then the state's offset advanced by ``n`` in
-    place (both device operations, captured by CUDA graphs)."""
+    place (both device operations, captured by CUDA graphs; traced as the op
+    ``flashgen::dropout_take``, which declares the mutation)."""
+    if torch.compiler.is_compiling():
+        from .library import dropout_take_op
+
+        return dropout_take_op(rng_state, n)
     used = rng_state.clone()
     rng_state[1:].add_(n)
     return used
+
+
+#: The (seed, offset) range of a call drawn from torch's generator: below 2**62, so that
+#: offset + the call's counters stays inside int64.
+_DRAW_HIGH = 2 ** 62
+
+
+def draw(device: torch.device, n: int, rng_state: torch.Tensor | None = None) -> torch.Tensor:
+    """The int64 (2,) [seed, offset] one dropout call of ``n`` counters uses: from
+    ``rng_state`` (advanced, :func:`take`); else, after :func:`manual_seed`, from the
+    device's own state (:func:`default_state`, advanced); else drawn from torch's
+    generator of ``device`` (``torch.randint``, both in [0, 2**62)), as torch's own
+    dropout draws: ``torch.manual_seed`` reproduces it, ``torch.utils.checkpoint``
+    restores it for the recomputed forward, and a CUDA graph replay draws anew."""
+    if rng_state is not None:
+        return take(rng_state, n)
+    if _seed[0] is not None:
+        return take(default_state(device), n)
+    return torch.randint(0, _DRAW_HIGH, (2,), dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -469,6 +469,23 @@ def _signed_dq(dq: Tensor, sign: int) -> Tensor:
 # (No ``from __future__ import annotations`` in this module: custom_op reads the
 # annotations to infer the schema.)
 
+@torch.library.custom_op("flashgen::dropout_take", mutates_args=("state",))
+def dropout_take_op(state: Tensor, n: int) -> Tensor:
+    """:func:`flashgen.dropout.take` as an op that declares its mutation: traced
+    (torch.compile), the copy it returns is a value of its own.  A clone and an in-place
+    add of a graph input, traced, left both the forward and the saved-for-backward
+    state as the input itself, which the graph's epilogue then advanced: the backward
+    recomputed the mask at the next call's offset."""
+    used = state.clone()
+    state[1:].add_(n)
+    return used
+
+
+@dropout_take_op.register_fake
+def _(state, n):
+    return torch.empty_like(state)
+
+
 @torch.library.custom_op("flashgen::fwd", mutates_args=())
 def fwd_op(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: str, lo: int, hi: int,
            deterministic: Optional[bool] = None) -> tuple[Tensor, Tensor]:

@@ -16,6 +16,17 @@ def pytest_addoption(parser):
                           "for a Triton other than the one the GPU numbers were measured under (.ci/newest-triton)")
 
 
+@pytest.fixture(autouse=True)
+def dropout_from_torch():
+    """Every test starts and ends with dropout drawing from torch's generator (a test
+    that calls flashgen.manual_seed switches its process to flashgen's own stream)."""
+    yield
+    import sys
+
+    if "flashgen.dropout" in sys.modules:
+        sys.modules["flashgen.dropout"].manual_seed(None)
+
+
 @pytest.fixture
 def hermetic_dispatcher():
     """Heuristic configs only (no shipped or user database), restored afterwards."""

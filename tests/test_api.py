@@ -247,3 +247,57 @@ def test_a_window_side_wider_than_any_sequence_hides_nothing(interpret, monkeypa
         torch.testing.assert_close(flashgen.attention_varlen(*packed, cu, cu, 25, 25, window=wide),
                                    flashgen.attention_varlen(*packed, cu, cu, 25, 25, window=same),
                                    rtol=0, atol=0, msg=f"varlen window={wide}")
+
+
+def test_forward_mode_derivatives_raise_instead_of_a_zero_tangent():
+    """flashgen's ops have no forward-mode formula: jvp, jacfwd and forward_ad dual
+    tensors gave a tangent of exactly 0.  They raise; the SDPA entry hands them to torch."""
+    import torch.autograd.forward_ad as fwad
+    from torch.func import jacfwd, jvp
+
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    t = torch.randn_like(q)
+    for fn in (lambda a: flashgen.attention(a, k, v), lambda a: flashgen.attention(a, k, v, softcap=5.0),
+               lambda a: flashgen.attention_varlen(a[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                                   *(torch.tensor([0, 8], dtype=torch.int32),) * 2, 8, 8)):
+        with pytest.raises(flashgen.UnsupportedError, match="no forward-mode derivative"):
+            jvp(fn, (q,), (t,))
+        with pytest.raises(flashgen.UnsupportedError, match="no forward-mode derivative"):
+            jacfwd(fn)(q)
+        with fwad.dual_level(), pytest.raises(flashgen.UnsupportedError, match="no forward-mode derivative"):
+            fn(fwad.make_dual(q, t))
+    # the SDPA entry: torch's SDPA, as called directly (torch's CPU flash kernel raises its own error here)
+    sdpa = (flashgen.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+    outcome = []
+    for f in sdpa:
+        try:
+            outcome.append(jvp(lambda a: f(a, k, v, is_causal=True), (q,), (t,))[1])
+        except NotImplementedError as e:
+            outcome.append(type(e))
+    assert outcome[0] is outcome[1] if isinstance(outcome[1], type) else torch.allclose(outcome[0], outcome[1])
+    assert flashgen.attention(q, k, v).shape == q.shape  # no transform: runs
+
+
+def test_varlen_and_kvcache_take_meta_fake_and_vmapped_inputs():
+    """Shapes from the ops' fake kernels for meta tensors and under FakeTensorMode (the
+    value checks read fake offsets and lengths and raised), and vmap over the decode op
+    equal to a loop (it reached the reference code and failed inside torch)."""
+    from torch._subclasses import FakeTensorMode
+
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    kv = torch.randn(2, 64, 2, 32, device="meta")
+    o = flashgen.attention_with_kvcache(torch.randn(2, 1, 4, 32, device="meta"), kv, kv, cache_seqlens=lens.to("meta"))
+    assert o.shape == (2, 1, 4, 32) and o.is_meta
+    with FakeTensorMode():
+        kv = torch.randn(2, 64, 2, 32)
+        o = flashgen.attention_with_kvcache(torch.randn(2, 1, 4, 32), kv, kv,
+                                            cache_seqlens=torch.tensor([5, 9], dtype=torch.int32))
+        assert o.shape == (2, 1, 4, 32)
+        x, cu = torch.randn(20, 4, 32), torch.tensor([0, 8, 20], dtype=torch.int32)
+        assert flashgen.attention_varlen(x, x, x, cu, cu, 12, 12).shape == (20, 4, 32)
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(2, 64, 2, 32, generator=g), torch.randn(2, 64, 2, 32, generator=g)
+    qs = torch.randn(3, 2, 1, 4, 32, generator=g)
+    got = torch.func.vmap(lambda q: flashgen.attention_with_kvcache(q, kc, vc, cache_seqlens=lens))(qs)
+    want = torch.stack([flashgen.attention_with_kvcache(q, kc, vc, cache_seqlens=lens) for q in qs])
+    torch.testing.assert_close(got, want)
