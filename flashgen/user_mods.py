@@ -246,8 +246,7 @@ _ADDITIVE_OPS = ("add", "sub", "neg", "abs", "where", "maximum", "minimum", "cla
 def _added_terms(g: Graph, out) -> tuple[list[int], list[float]]:
     """(buffers, float constants) whose values reach ``out`` through sums, differences,
     selects, bounds and products with constants alone: a bias tensor's values, not a
-    slope's product with a position (a product of two traced values is not followed),
-    nor a value clamped on both sides within +-SCORE_CLAMP."""
+    slope's product with a position (a product of two traced values is not followed)."""
     loads, consts, seen, todo = [], [], set(), [out]
     while todo:
         r = todo.pop()
@@ -264,8 +263,6 @@ def _added_terms(g: Graph, out) -> tuple[list[int], list[float]]:
         elif n.op == "mul":
             if sum(isinstance(a, Ref) for a in n.args) == 1:
                 todo += n.args
-        elif n.op == "clamp" and all(b is not None and abs(b) <= SCORE_CLAMP for b in n.args[1:]):
-            continue  # bounded on both sides by constants inside the clamp: nothing beyond it passes
         elif n.op in _ADDITIVE_OPS:
             todo += n.args[1:] if n.op == "where" else n.args
     return loads, consts
