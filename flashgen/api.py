@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from . import dispatch, documents, dropout, families, hot, library, ops
-from .errors import InputError, UnsupportedError, type_name
+from .errors import InputError, type_name
 from .masks import mask_bounds
 from .spec import KernelSpec, ProblemKey
 
@@ -134,24 +134,8 @@ def _values_unreadable(*tensors) -> bool:
     return any(isinstance(t, torch.Tensor) and (t.is_meta or type(t) is not _Tensor) for t in tensors)
 
 
-def _forward_ad(*tensors) -> bool:
-    """Whether a forward-mode derivative (``torch.func.jvp``, ``jacfwd``, dual tensors of
-    ``torch.autograd.forward_ad``) is taken through one of ``tensors``: flashgen's ops
-    have none, and their tangent would silently be zero."""
-    import torch.autograd.forward_ad as fwad
-
-    if torch.compiler.is_compiling() or getattr(fwad, "_current_level", 0) < 0:
-        return False
-    return any(isinstance(t, torch.Tensor) and fwad.unpack_dual(t).tangent is not None for t in tensors)
-
-
-def _no_forward_ad(name: str, *tensors) -> None:
-    """UnsupportedError when :func:`_forward_ad`."""
-    if _forward_ad(*tensors):
-        raise UnsupportedError(f"{name} has no forward-mode derivative (torch.func.jvp, jacfwd, "
-                               "torch.autograd.forward_ad): its tangent would be taken as zero; take reverse-mode "
-                               "derivatives (backward(), torch.autograd.grad) or use torch's "
-                               "scaled_dot_product_attention")
+_forward_ad = library.forward_ad
+_no_forward_ad = library.no_forward_ad
 
 
 def _prepare(q, k, v, causal, window, softmax_scale, align):
@@ -1030,8 +1014,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     ragged batch through :func:`attention_varlen` instead: the mask is checked once per
     mask object (one pass over it per pattern tried, block-causal first, each with up to
     four host synchronizations) and not read again.  ``dropout_p`` in [0, 1) is served by flashgen's dropout
-    (Philox keyed by element, :mod:`flashgen.dropout`; a different random stream from
-    torch's).
+    (Philox keyed by element, :mod:`flashgen.dropout`, its seed and offset drawn from
+    torch's generator: other masks than torch's own dropout draws, reproduced by
+    ``torch.manual_seed``).
 
     Everything flashgen cannot serve goes to torch's own SDPA with the same arguments
     (so torch's errors are raised unchanged): an ``attn_mask`` of another dtype or

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch, families, fastlaunch, ops, reference
-from .errors import LaunchLimitError
+from .errors import LaunchLimitError, UnsupportedError
 from .masks import decode_mask
 from .spec import KernelSpec, ProblemKey, Variant, is_user_mods
 
@@ -463,6 +463,26 @@ def _signed_dq(dq: Tensor, sign: int) -> Tensor:
     elif sign == 0:
         dq = dq.zero_()
     return dq
+
+
+def forward_ad(*tensors) -> bool:
+    """Whether a forward-mode derivative (``torch.func.jvp``, ``jacfwd``, dual tensors of
+    ``torch.autograd.forward_ad``) is taken through one of ``tensors``: flashgen's ops
+    have none, and their tangent would silently be zero."""
+    import torch.autograd.forward_ad as fwad
+
+    if torch.compiler.is_compiling() or getattr(fwad, "_current_level", 0) < 0:
+        return False
+    return any(isinstance(t, torch.Tensor) and fwad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def no_forward_ad(name: str, *tensors) -> None:
+    """UnsupportedError when :func:`forward_ad`."""
+    if forward_ad(*tensors):
+        raise UnsupportedError(f"{name} has no forward-mode derivative (torch.func.jvp, jacfwd, "
+                               "torch.autograd.forward_ad): its tangent would be taken as zero; take reverse-mode "
+                               "derivatives (backward(), torch.autograd.grad) or use torch's "
+                               "scaled_dot_product_attention")
 
 
 # -- the ops --------------------------------------------------------------------------

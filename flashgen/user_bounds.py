@@ -7,9 +7,9 @@ an index past a tensor's size and wraps a negative one; the kernels do neither: 
 compute the address and read whatever lies there.  :func:`read_ranges` evaluates, with
 torch, exactly the index expressions of each ``load`` node the kernels execute (the
 lowered IR of :mod:`flashgen.user_render`, with the kernels' semantics: the index
-inputs in int64 (the kernels' int32 where that gives the same values,
-:func:`flashgen.user_render.int32_overflows`, else int64), captured integer tensors in
-their own dtype (bool as int8) and promoted as torch and Triton both do, floor division
+inputs and bools in integer arithmetic in int64 (the kernels' int32 where that gives
+the same values, :func:`flashgen.user_ints.int32_overflows`, else int64), captured
+integer tensors in their own dtype (bool as int8), Python constants weak, floor division
 and modulo rounding toward -inf, float math in float32, casts truncating toward zero) over every (b, h, q_idx, kv_idx) in [0, batch) x [0, heads) x
 [0, seqlen_q) x [0, seqlen_k) (the kernels evaluate the functions on whole tiles, masked
 by the sequence lengths only: a mask function's reads in a tile that the built-in
@@ -19,9 +19,8 @@ elements per intermediate value, and returns each index component's min and max;
 
 An index that depends on another load's value (``table[idx[q_idx]]``) reads that load
 from the captured tensor itself, clamped into range so that the evaluation can go on (the
-inner load's own range is checked, and reported first).  An integer division or modulo
-by zero in an index is an error too (:class:`DivisionByZero`; torch raises there, the
-kernels would compute an undefined index).  An index that depends on the
+inner load's own range is checked, and reported first).  An integer divisor of 0 reads
+as 1, as in the kernels (:meth:`flashgen.user_mods.Traced` makes it so).  An index that depends on the
 score cannot be known before the kernel runs: such loads are checked in the kernels
 (:meth:`flashgen.user_render._Code._load`: masked, the score NaN where out of range).  Float
 expressions that feed an index (T5's ``log``) are evaluated by torch in float32, which
@@ -55,11 +54,6 @@ _UNARY = {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch
 _CMP = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
 _BITS = {"and": torch.bitwise_and, "or": torch.bitwise_or, "xor": torch.bitwise_xor,
          "lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift}
-
-
-class DivisionByZero(Exception):
-    """An index expression divides an integer by zero somewhere on the grid
-    (:func:`read_ranges`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +103,6 @@ class _Eval:
     def __init__(self, g: Graph, captured, device):
         self.g, self.captured, self.device = g, captured, device
         self.tensors: dict = {}
-        #: per integer division or modulo evaluated: whether a divisor was 0 (a tensor)
-        self.zero_divisors: list = []
 
     def tensor(self, n: int) -> torch.Tensor:
         """Captured tensor ``n`` as the kernels read its values: floats in float32,
@@ -135,8 +127,8 @@ class _Eval:
         x = env[v.i] if isinstance(v, Ref) else self.const(v)
         if cat == "float":
             return x.to(torch.float32)
-        if cat == "int":  # a bool in integer math is int32 (user_render._Code.i)
-            return x.to(torch.int32) if x.dtype == torch.bool else x
+        if cat == "int":  # a bool in integer math: int64 (the kernels' int32 where equal, user_ints)
+            return x.to(torch.int64) if x.dtype == torch.bool else x
         return x if x.dtype == torch.bool else x != 0
 
     def index(self, env, a):
@@ -189,9 +181,8 @@ class _Eval:
             a, b = V(args[0]), V(args[1])
             if dt == "float":
                 q = torch.floor(a / b)
-            else:  # the kernels' integer division rounds toward -inf; a zero divisor is
-                # an error (read_ranges), read as 1 here so that the evaluation goes on
-                self.zero_divisors.append((b == 0).any())
+            else:  # the kernels' integer division rounds toward -inf (a divisor is never 0:
+                # the trace makes it 1 there)
                 q = torch.div(a, torch.where(b == 0, torch.ones_like(b), b), rounding_mode="floor")
             return q if op == "floordiv" else a - b * q
         if op == "pow":
@@ -246,8 +237,7 @@ def read_ranges(g: Graph, r: Reads, captured, batch: int, heads: int, seqlen_q: 
                 device) -> dict:
     """{(load node, index dim): (min, max)} of the indices at which the loads of ``r``
     read ``captured`` (the function's captured tensors) over the whole index grid (see
-    the module docstring).  Sizes must be positive.  Raises :class:`DivisionByZero`
-    where an index divides an integer by zero."""
+    the module docstring).  Sizes must be positive."""
     ev = _Eval(g, captured, device)
     lows: dict = {}
     highs: dict = {}
@@ -259,8 +249,6 @@ def read_ranges(g: Graph, r: Reads, captured, batch: int, heads: int, seqlen_q: 
                 key = (i, d)
                 lows[key] = lo if key not in lows else torch.minimum(lows[key], lo)
                 highs[key] = hi if key not in highs else torch.maximum(highs[key], hi)
-    if ev.zero_divisors and bool(torch.stack(ev.zero_divisors).any()):
-        raise DivisionByZero
     if not lows:
         return {}
     keys = list(lows)

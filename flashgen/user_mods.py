@@ -38,11 +38,11 @@ import weakref
 import torch
 import torch.fx as fx
 
-from . import dispatch, library, user_bounds, user_grads, user_render
+from . import dispatch, library, user_bounds, user_grads, user_ints, user_render
 from .families.gluon import builtin_mods
 from .errors import InputError, UnsupportedError
 from .reference import SCORE_CLAMP, clamp_scores, softmax_rows
-from .user_render import Buffer, Graph, Lowered, Ref, derivative, int32_overflows
+from .user_render import Buffer, Graph, Lowered, Ref, derivative
 
 # -- tracing -------------------------------------------------------------------------
 
@@ -373,20 +373,27 @@ class Traced:
         return all(r() is not None for r in self._captured)
 
     def wide(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> bool:
-        """Whether an int32 value the kernels compute from the index inputs may overflow at
-        these sizes (:func:`flashgen.user_render.int32_overflows`): the lowering then
-        computes them in int64, as torch does.  Memoized per sizes."""
+        """Whether an int32 value the kernels compute where torch computes in int64 can
+        leave int32 at these sizes (:func:`flashgen.user_ints.int32_overflows`): the
+        call then runs :meth:`widened`.  Memoized per sizes."""
         key = (batch, heads, seqlen_q, seqlen_k)
         memo = self.__dict__.setdefault("_wide", {})
         hit = memo.get(key)
         if hit is None:
-            g = self.graph
-            hit = int32_overflows(g, [Ref(i) for i in range(len(g.nodes))],
-                                  {"b": batch, "h": heads, "q": seqlen_q, "k": seqlen_k}, self.bufs)
+            hit = user_ints.int32_overflows(self.graph, {"b": batch, "h": heads, "q": seqlen_q, "k": seqlen_k},
+                                            self.bufs)
             if len(memo) >= 64:
                 memo.clear()
             memo[key] = hit
         return hit
+
+    def widened(self) -> "_Widened":
+        """This function computing as torch does: its index inputs and the bools its
+        integer arithmetic uses in int64 (:func:`flashgen.user_ints.widen`); made once."""
+        w = self.__dict__.get("_widened")
+        if w is None:
+            w = self.__dict__["_widened"] = _Widened(self)
+        return w
 
     @functools.cached_property
     def reads(self) -> user_bounds.Reads:
@@ -447,6 +454,24 @@ class Traced:
             return v
         raise UnsupportedError(f"a value of type {type(v).__name__} ({v!r})")
 
+    def _cast(self, x, target: str):
+        """A cast to ``target``; an integer's cast to int32 or int64 is kept as a node (the
+        kernels' integer width is not torch's: :mod:`flashgen.user_ints`)."""
+        g = self.graph
+        if isinstance(x, Ref) and g.dtype(x) == "int" and target in ("int32", "int64"):
+            return g._add("cast", (x, target), "int")
+        return g.cast(x, target)
+
+    def _safe_divisor(self, a, b):
+        """An integer divisor as the kernels divide by it: 1 where it is 0 (torch raises on
+        the CPU and leaves the quotient undefined on CUDA; the kernels' would be
+        undefined too, and an index computed from it unchecked: user_bounds evaluates
+        the same divisor)."""
+        g = self.graph
+        if isinstance(b, Ref) and promote_int(g, a, b):
+            return g.where(g.binary("eq", b, 0), 1, b)
+        return b
+
     def _apply(self, op, args, kwargs, what):
         g = self.graph
         if op == "getitem":
@@ -480,12 +505,12 @@ class Traced:
                 raise UnsupportedError(f"{op}: {fill} in an integer tensor")
             return {"float": float, "int": int, "bool": bool}[cat](fill)
         if op in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "bool"):
-            return g.cast(self._value(args[0]), op)
+            return self._cast(self._value(args[0]), op)
         if op == "to":
             x = self._value(args[0])
             dt = kwargs.get("dtype", args[1] if len(args) > 1 else None)
             if isinstance(dt, torch.dtype):
-                return g.cast(x, _dtype_name(dt))
+                return self._cast(x, _dtype_name(dt))
             if dt is None or isinstance(dt, (torch.device, str)):
                 return x
             raise UnsupportedError(f".to({dt!r})")
@@ -525,7 +550,7 @@ class Traced:
             elif mode == "trunc":
                 a, b = vals
                 if promote_int(g, a, b):
-                    q = g.binary("floordiv", g.unary("abs", a), g.unary("abs", b))
+                    q = g.binary("floordiv", g.unary("abs", a), g.unary("abs", self._safe_divisor(a, b)))
                     same = g.binary("eq", g.binary("lt", a, 0), g.binary("lt", b, 0))
                     return g.where(same, q, g.unary("neg", q))
                 return g.unary("trunc", g.binary("truediv", a, b))
@@ -544,8 +569,39 @@ class Traced:
             if op in ("add", "mul") and g.dtype(vals[0]) == g.dtype(vals[1]) == "bool":
                 # torch: bool + bool and bool * bool are bools (or, and), not 0/1/2 integers
                 return g.binary("or" if op == "add" else "and", *vals)
+            if op in ("floordiv", "mod"):
+                vals[1] = self._safe_divisor(*vals)
             return g.binary(op, *vals)
         raise UnsupportedError(f"{len(vals)} arguments")
+
+
+class _Widened:
+    """A :class:`Traced` function whose graph computes its index inputs and the bools its
+    integer arithmetic uses in int64 (:func:`flashgen.user_ints.widen`): what
+    :func:`_lowered` reads of a trace, the rest (its function, captured tensors) the
+    trace's own."""
+
+    def __init__(self, tr: Traced):
+        self.trace, self.kind, self.bufs, self.guard = tr, tr.kind, tr.bufs, getattr(tr, "guard", False)
+        refs = [tr.out]
+        if tr.kind == "score":
+            refs += [tr.dscore] + [tr.dloads[i] for i, _ in tr.loads] + [Ref(i) for i, _ in tr.loads]
+        self.graph, new = user_ints.widen(tr.graph, refs)
+        self.out = new[0]
+        if tr.kind == "score":
+            self.dscore = new[1]
+            n = len(tr.loads)
+            loads = new[2 + n:]
+            self.loads = [(r.i, b) for r, (_, b) in zip(loads, tr.loads)]
+            self.dloads = {r.i: d for r, d in zip(loads, new[2:2 + n])}
+
+    @property
+    def captured(self) -> list[torch.Tensor]:
+        return self.trace.captured
+
+    @property
+    def fn(self):
+        return self.trace.fn
 
 
 def promote_int(g: Graph, a, b) -> bool:
@@ -1026,8 +1082,7 @@ def check_reads(traced: Traced | None, batch: int, heads: int, seqlen_q: int, se
     its size: at an index >= the size along a dim (torch raises IndexError there) or a
     negative one (torch wraps it; the kernels would read before the tensor), at any
     (b, h, q_idx, kv_idx) of the (batch, heads, seqlen_q, seqlen_k) grid
-    (:mod:`flashgen.user_bounds`; indices that depend on the score are not checked), or
-    at an index that divides an integer by zero somewhere on that grid.
+    (:mod:`flashgen.user_bounds`; indices that depend on the score are not checked).
     Runs once per (function, sizes, captured tensors' shapes, and the versions of the
     captured tensors an index is read from, ``idx`` of ``table[idx[q_idx]]``): a
     repeated call costs a dict lookup.  Not run while a CUDA graph is being captured
@@ -1046,14 +1101,7 @@ def check_reads(traced: Traced | None, batch: int, heads: int, seqlen_q: int, se
         return
     arg = f"{traced.kind}_mod"
     with torch.no_grad():
-        try:
-            ranges = user_bounds.read_ranges(traced.graph, r, traced.captured, batch, heads, seqlen_q, seqlen_k,
-                                             device)
-        except user_bounds.DivisionByZero:
-            raise InputError(f"{arg} divides an integer by zero in an index of a captured tensor at some (b, h, "
-                             f"q_idx, kv_idx) of the grid (batch {batch}, num_heads {heads}, seqlen_q {seqlen_q}, "
-                             f"seqlen_k {seqlen_k}): torch raises ZeroDivisionError there, and the kernels "
-                             "would read at an undefined index") from None
+        ranges = user_bounds.read_ranges(traced.graph, r, traced.captured, batch, heads, seqlen_q, seqlen_k, device)
         msg = user_bounds.bounds_error(arg, traced.captured, traced.graph, r, ranges,
                                        (batch, heads, seqlen_q, seqlen_k), device)
     if msg is not None:
@@ -1149,8 +1197,7 @@ class UserArgs:
         return out
 
 
-def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool,
-             wide: bool = False) -> Lowered:
+def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool) -> Lowered:
     sbufs = score.bufs if score is not None else ()
     if direction == "bwd":
         sbufs = tuple(dataclasses.replace(b, grad=f) for b, f in zip(sbufs, grad_flags))
@@ -1160,7 +1207,7 @@ def _lowered(direction, score: Traced | None, mask: Traced | None, grad_flags, s
         grads = tuple((i, n, score.dloads[i]) for i, n in score.loads if grad_flags[n])
     fields = (direction, score.graph if score else None, score.out if score else None,
               score.dscore if score else None, grads, mask.graph if mask else None,
-              mask.out if mask else None, len(sbufs), bufs, sinks, bool(score and score.guard), wide)
+              mask.out if mask else None, len(sbufs), bufs, sinks, bool(score and score.guard))
     reductions = tuple(r for r in (user_grads.reduction(score.graph, i, n, tuple(score.captured[n].shape))
                                    for i, n, _ in grads) if r is not None)
     if reductions:  # small gathered extents: the gradient is summed per index value in the tile
@@ -1183,8 +1230,7 @@ _lowerings: collections.OrderedDict = collections.OrderedDict()
 _LOWERINGS_MAX = 256
 
 
-def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool,
-             wide: bool = False) -> Lowered:
+def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_flags, sinks: bool) -> Lowered:
     """The lowering that :func:`attention` compiles for ``direction`` ("fwd": the
     forward kernel, with ``sinks``; "bwd": bwd_dq and bwd_dkdv, accumulating the
     gradients of the captured tensors flagged in ``grad_flags``), registered in this
@@ -1192,16 +1238,16 @@ def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_fla
     keyed by).  Made once per (direction, traced functions, flags) and cached (the
     cache holds the traced functions, so their identities stay valid): naming a
     lowering hashes its whole code, which would otherwise be host time on every call.
-    ``wide``: the index inputs in int64 (:func:`wide`)."""
+    ``score`` / ``mask`` may be their :meth:`Traced.widened` forms."""
     sinks = bool(sinks) and direction == "fwd"
     flags = tuple(bool(f) for f in grad_flags) if direction == "bwd" else ()
     shapes = tuple(tuple(t.shape) for t in score.captured) if score is not None and direction == "bwd" else ()
-    key = (direction, id(score), id(mask), flags, sinks, shapes, wide)
+    key = (direction, id(score), id(mask), flags, sinks, shapes)
     hit = _lowerings.get(key)
     if hit is not None and hit[0]() is score and hit[1]() is mask:
         _lowerings.move_to_end(key)
         return hit[2]
-    low = _lowered(direction, score, mask, flags, sinks, wide)
+    low = _lowered(direction, score, mask, flags, sinks)
     user_render.register(low)
     # the traced functions weakly: a trace the trace cache replaced (its captured tensors
     # with it) is not kept alive here; a dead one's identity never matches again
@@ -1212,17 +1258,25 @@ def lowering(direction: str, score: Traced | None, mask: Traced | None, grad_fla
 
 
 def wide(score: Traced | None, mask: Traced | None, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> bool:
-    """Whether the functions' lowerings compute the index inputs in int64 at these sizes
-    (:meth:`Traced.wide`): an int32 value computed from them could overflow, where torch,
-    whose indices are int64, does not."""
+    """Whether the functions run in their :meth:`Traced.widened` forms at these sizes
+    (:meth:`Traced.wide`): an int32 value the kernels compute could leave int32 where
+    torch's int64 does not."""
     return any(t is not None and t.wide(batch, heads, seqlen_q, seqlen_k) for t in (score, mask))
 
 
+def _as_run(score, mask, w: bool):
+    """(score, mask) as the kernels compile them: their widened forms when ``w``."""
+    if not w:
+        return score, mask
+    return (score.widened() if score is not None else None), (mask.widened() if mask is not None else None)
+
+
 def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, sizes: tuple, device,
-                backward: bool) -> tuple[UserArgs, UserArgs | None]:
+                backward: bool, wide_: bool | None = None) -> tuple[UserArgs, UserArgs | None]:
     """(forward UserArgs, backward UserArgs or None) of the functions ``score`` / ``mask``
     (traced) and ``sinks`` for ``sizes`` = (batch, heads, kv_heads, seqlen_q,
-    seqlen_k, lo, hi) on ``device``: their lowerings registered, the captured tensors
+    seqlen_k, lo, hi) on ``device`` (in their widened forms where :func:`wide` says so at
+    these sizes, or as ``wide_`` says): their lowerings registered, the captured tensors
     as the kernels read them, and, when ``backward`` and there is a function, zeroed
     float32 gradient buffers of the captured tensors flagged in ``grad_flags``."""
     scaptured = score.captured if score else []
@@ -1232,14 +1286,15 @@ def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, si
     bufs = sbufs + mbufs
     mask_fn = mask.fn if mask is not None else None
     keep = (score.fn if score is not None else None, mask_fn, *scaptured, *mcaptured)
-    w = wide(score, mask, sizes[0], sizes[1], sizes[3], sizes[4])
-    fwd = UserArgs(lowering("fwd", score, mask, grad_flags, sinks is not None, w), bufs, [], mask, sizes,
+    w = wide(score, mask, sizes[0], sizes[1], sizes[3], sizes[4]) if wide_ is None else wide_
+    ls, lm = _as_run(score, mask, w)
+    fwd = UserArgs(lowering("fwd", ls, lm, grad_flags, sinks is not None), bufs, [], mask, sizes,
                    sinks.detach() if sinks is not None else None, device, mask_fn, keep)
     if not backward or (score is None and mask is None):
         return fwd, None  # sinks alone: the plain backward kernels (sinks' gradient from LSE and delta)
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) if f else None
              for t, f in zip(sbufs, grad_flags)] + [None] * len(mbufs)
-    return fwd, UserArgs(lowering("bwd", score, mask, grad_flags, False, w), bufs, grads, mask, sizes, None, device,
+    return fwd, UserArgs(lowering("bwd", ls, lm, grad_flags, False), bufs, grads, mask, sizes, None, device,
                          mask_fn, keep)
 
 
@@ -1372,9 +1427,9 @@ def variant_names(q, k, *, score_mod=None, mask_mod=None, sinks=None) -> tuple[s
     flashgen cannot compile."""
     st, mt = _traced(q, k, score_mod, mask_mod, sinks)
     flags = score_grad_flags(st)
-    w = wide(st, mt, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    fwd = lowering("fwd", st, mt, flags, sinks is not None, w)
-    bwd = lowering("bwd", st, mt, flags, False, w) if st is not None or mt is not None else None
+    ls, lm = _as_run(st, mt, wide(st, mt, q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    fwd = lowering("fwd", ls, lm, flags, sinks is not None)
+    bwd = lowering("bwd", ls, lm, flags, False) if st is not None or mt is not None else None
     return fwd.name, bwd.name if bwd is not None else ""
 
 
@@ -1408,6 +1463,7 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
     st, mt = _traced(q, k, score_mod, mask_mod, sinks)
+    library.no_forward_ad("flashgen.attention", *(t for tr in (st, mt) if tr is not None for t in tr.captured))
     if not library.use_kernels(q):
         # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)

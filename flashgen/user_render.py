@@ -498,117 +498,6 @@ def band(g: Graph, out):
     return (t // c, t // c) if t % c == 0 else None  # eq
 
 
-# -- integer widths ---------------------------------------------------------------------
-
-#: Kernel width (bits) and value range of a captured integer tensor's elements.
-_INT_DTYPES = {"int64": (64, INT64), "int32": (32, INT32), "int16": (16, (-2 ** 15, 2 ** 15 - 1)),
-               "int8": (8, (-2 ** 7, 2 ** 7 - 1)), "uint8": (8, (0, 2 ** 8 - 1))}
-
-
-def _floordiv_range(a, b):
-    """Range of floor(a / b) over intervals a, b (b may contain 0, which is skipped)."""
-    (al, ah), (bl, bh) = a, b
-    divs = [d for d in {bl, bh, -1, 1} if d != 0 and bl <= d <= bh]
-    qs = [x // d for x in (al, ah) for d in divs]
-    return min(qs), max(qs)
-
-
-def int32_overflows(g: Graph, outs, sizes: dict, bufs: tuple, base: int = 0) -> bool:
-    """Whether an integer value of ``g`` that the kernels compute in int32 may differ from
-    torch's for these ``sizes`` ({"b": batch, "h": heads, "q": seqlen_q, "k":
-    seqlen_k}).  The kernels' index inputs (b, h, q_idx, kv_idx) are int32 where torch's
-    are int64; everything else follows the same promotion in both (captured integer
-    tensors keep their dtype, Python constants are weak, a constant outside int32 is
-    int64).  So the two agree unless a value computed from an index input in int32
-    leaves int32 (``q_idx * kv_idx * 10**7``), or its range cannot be bounded here (an
-    int32 cast of a float added to ``q_idx``); interval arithmetic over the nodes
-    ``outs`` need, from the inputs' ranges [0, size) and the captured tensors' dtype
-    ranges, finds those.  True: the lowering computes the inputs in int64
-    (:attr:`Lowered.wide`)."""
-    info: dict = {}  # node -> (from an index input, kernel bits, (lo, hi) or None)
-
-    def get(v):
-        if isinstance(v, Ref):
-            n = g.nodes[v.i]
-            if n.dtype == "bool":  # an int use casts a bool to int32 (_Code.i)
-                return False, 32, (0, 1)
-            return info.get(v.i, (False, 64, None))
-        if isinstance(v, (bool, int)):
-            return False, (0 if INT32[0] <= int(v) <= INT32[1] else 64), (int(v), int(v))
-        return False, 64, None
-
-    for i in g.uses([o for o in outs if o is not None]):
-        n = g.nodes[i]
-        if n.dtype != "int":
-            continue
-        op, args = n.op, n.args
-        if op == "input":
-            info[i] = (True, 32, (0, max(0, sizes[args[0]] - 1)))
-            continue
-        if op == "load":
-            bits, rng = _INT_DTYPES.get(bufs[base + args[0]].dtype, (32, INT32))
-            info[i] = (False, bits, rng)
-            continue
-        if op == "cast":  # float or bool to an int dtype, or an int to a narrower one: the same in both
-            bits, rng = _INT_DTYPES.get(args[1], (64, INT64))
-            info[i] = (False, bits, (0, 1) if g.dtype(args[0]) == "bool" else rng if bits < 64 else None)
-            continue
-        vals = [get(a) for a in args if a is not None and not isinstance(a, str)]
-        if op == "where":
-            vals = [get(args[1]), get(args[2])]
-        derived = any(v[0] for v in vals)
-        bits = max(v[1] for v in vals)
-        rs = [v[2] for v in vals]
-        rng = None
-        if all(r is not None for r in rs):
-            if op in ("add", "sub", "mul"):
-                (al, ah), (bl, bh) = rs
-                rng = ((al + bl, ah + bh) if op == "add" else (al - bh, ah - bl) if op == "sub"
-                       else (min(p := (al * bl, al * bh, ah * bl, ah * bh)), max(p)))
-            elif op in ("floordiv", "mod"):
-                (al, ah), (bl, bh) = rs
-                m = max(abs(al), abs(ah)) + max(abs(bl), abs(bh))  # the kernels' |a| + |b| - 1
-                if m > INT32[1]:
-                    rng = (-m, m)
-                elif op == "floordiv":
-                    rng = _floordiv_range(rs[0], rs[1])
-                else:
-                    d = max(abs(bl), abs(bh))
-                    rng = (-d, d)
-            elif op == "neg":
-                rng = (-rs[0][1], -rs[0][0])
-            elif op == "abs":
-                lo, hi = rs[0]
-                rng = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
-            elif op == "not":
-                rng = (-rs[0][1] - 1, -rs[0][0] - 1)
-            elif op in ("minimum", "maximum", "where"):
-                f = min if op == "minimum" else max
-                rng = ((f(rs[0][0], rs[1][0]), f(rs[0][1], rs[1][1])) if op != "where"
-                       else (min(rs[0][0], rs[1][0]), max(rs[0][1], rs[1][1])))
-            elif op == "clamp":
-                lo, hi = rs[0]
-                if args[1] is not None:
-                    lo, hi = max(lo, args[1]), max(hi, args[1])
-                if args[2] is not None:
-                    lo, hi = min(lo, args[2]), min(hi, args[2])
-                rng = (lo, hi)
-            elif op in ("and", "or", "xor"):
-                if min(rs[0][0], rs[1][0]) >= 0:
-                    top = max(rs[0][1], rs[1][1])
-                    rng = (0, min(rs[0][1], rs[1][1])) if op == "and" else (0, 2 ** top.bit_length() - 1)
-                elif bits <= 32:
-                    rng = INT32
-            elif op in ("lshift", "rshift") and not isinstance(args[1], Ref) and 0 <= int(args[1]) < 64:
-                c = int(args[1])
-                lo, hi = rs[0]
-                rng = (lo << c, hi << c) if op == "lshift" else (lo >> c, hi >> c)
-        info[i] = (derived, bits, rng)
-        if derived and bits <= 32 and (rng is None or rng[0] < INT32[0] or rng[1] > INT32[1]):
-            return True
-    return False
-
-
 # -- Triton code ------------------------------------------------------------------------
 
 def _lit(v) -> str:
@@ -829,9 +718,7 @@ class Lowered:
     buffer, d out / d load) of captured tensors whose gradient bwd_dq accumulates;
     ``mask``/``mask_out`` the mask function's; ``bufs`` the captured tensors, the score
     function's then the mask function's (its loads' buffer n is ``mask_base + n``); ``sinks``: one learnable logit per head in the softmax denominator;
-    ``guard``: the score function may produce -inf or overflow (clamped as a bias is);
-    ``wide``: the index inputs are int64 in the kernels, as in torch (for sizes where
-    an int32 value computed from them could overflow, :func:`int32_overflows`)."""
+    ``guard``: the score function may produce -inf or overflow (clamped as a bias is)."""
 
     direction: str
     score: Graph | None
@@ -844,13 +731,10 @@ class Lowered:
     bufs: tuple
     sinks: bool
     guard: bool
-    wide: bool = False
 
     def describe(self) -> str:
         parts = [f"direction {self.direction}", f"sinks {self.sinks}", f"guard {self.guard}",
                  "bufs " + ", ".join(f"{b.dtype}[{b.ndim}]{'+grad' if b.grad else ''}" for b in self.bufs)]
-        if self.wide:  # (only then: the other lowerings keep their names)
-            parts.append("index inputs int64")
         if self.score is not None:
             outs = [self.score_out]
             if self.direction == "bwd":
@@ -972,7 +856,7 @@ class Context:
         lines = []
         for g, prefix, nodes, base in self._hoisted():
             if nodes:
-                code = _Code(g, {"b": self._wide(z), "h": self._wide(h)}, prefix, self.low.bufs, {}, base=base)
+                code = _Code(g, {"b": z, "h": h}, prefix, self.low.bufs, {}, base=base)
                 code.emit([Ref(i) for i in nodes])
                 lines += code.lines
         if not lines:
@@ -1023,16 +907,10 @@ class Context:
             out += "SINKS, "
         return out
 
-    def _wide(self, x: str) -> str:
-        """Index input ``x`` as the user functions read it (int64 in a wide lowering)."""
-        return f"({x}).to(tl.int64)" if self.low.wide else x
-
     def _names(self, qi, kj, t, var):
         Q = qi + ("[None, :]" if t else "[:, None]")
         K = kj + ("[:, None]" if t else "[None, :]")
-        W = self._wide
-        return ({"s": var, "b": W("u_z"), "h": W("u_h"), "q": W(Q), "k": W(K)},
-                {"q": f"({Q} < seqlen_q)", "k": f"({K} < seqlen_k)"})
+        return {"s": var, "b": "u_z", "h": "u_h", "q": Q, "k": K}, {"q": f"({Q} < seqlen_q)", "k": f"({K} < seqlen_k)"}
 
     def score_block(self, var: str, qi: str, kj: str, t: bool) -> str:
         """The score point: the score function (and, backward, its derivatives), then the

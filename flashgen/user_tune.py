@@ -77,6 +77,8 @@ class UserProblem:
         self.score = user_mods.trace(self.score_mod, "score") if self.score_mod is not None else None
         self.mask_fn = user_mods.trace(self.mask_mod, "mask") if self.mask_mod is not None else None
         self.grad_flags = user_mods.score_grad_flags(self.score)
+        # the width of the problem's own sizes, also where its checks run smaller sizes
+        self.wide = user_mods.wide(self.score, self.mask_fn, s.batch, s.num_heads, s.seqlen_q, s.seqlen_k)
         fwd, bwd = self._args(s.batch, s.seqlen_q, s.seqlen_k, self.lo, self.hi, backward=True)
         self.fwd_mods = fwd.name
         self.bwd_mods = bwd.name if bwd is not None else None
@@ -92,7 +94,8 @@ class UserProblem:
     def _args(self, batch, sq, sk, lo, hi, backward: bool):
         s = self.shape
         return user_mods.kernel_args(self.score, self.mask_fn, self.grad_flags, self.sinks,
-                                     (batch, s.num_heads, s.num_kv_heads, sq, sk, lo, hi), self.device, backward)
+                                     (batch, s.num_heads, s.num_kv_heads, sq, sk, lo, hi), self.device, backward,
+                                     wide_=self.wide)
 
     def has(self, kernel: str) -> bool:
         """Whether this problem has a user variant of ``kernel``: the forward always, the

@@ -275,6 +275,10 @@ def test_forward_mode_derivatives_raise_instead_of_a_zero_tangent():
         except NotImplementedError as e:
             outcome.append(type(e))
     assert outcome[0] is outcome[1] if isinstance(outcome[1], type) else torch.allclose(outcome[0], outcome[1])
+    tab = torch.randn(8)
+    with fwad.dual_level(), pytest.raises(flashgen.UnsupportedError, match="no forward-mode derivative"):
+        dual = fwad.make_dual(tab, torch.ones(8))  # a tangent on a tensor the score function reads
+        flashgen.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + dual[i])
     assert flashgen.attention(q, k, v).shape == q.shape  # no transform: runs
 
 

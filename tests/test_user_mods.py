@@ -833,42 +833,57 @@ def test_the_index_ranges_are_those_torch_computes(index, chunk, monkeypatch):
     (lambda b, h, q, k: (q & 7) | (k ^ 3), (1, 1, 131072, 131072), False),
     (lambda b, h, q, k: (q.float() * 1e10).int() + k, (1, 1, 4, 4), True),   # unbounded in int32
     (lambda b, h, q, k: (q.float() * 1e10).long() + k, (1, 1, 4, 4), False),  # int64 in both
+    (lambda b, h, q, k: (q >= 0) * 2 ** 30 * 4, (1, 1, 4, 4), True),   # a bool: int64 in torch
+    (lambda b, h, q, k: (q * k * 10 ** 9).long(), (1, 1, 4, 4), True),   # the product before the cast
+    (lambda b, h, q, k: q.long() * k * 10 ** 9, (1, 1, 4, 4), False),   # int64 from the cast on
 ], ids=["product", "product-fits", "shift-div", "floor-operands", "floor-fits", "int64-constant", "abs",
-        "lshift", "bits", "int32-cast", "int64-cast"])
+        "lshift", "bits", "int32-cast", "int64-cast", "bool", "cast-after", "cast-before"])
 def test_index_arithmetic_that_can_leave_int32_is_computed_in_int64(expr, sizes, wide):
-    """The kernels' index inputs are int32, torch's int64: where a value computed from
-    them can leave int32 at the call's sizes the lowering computes them in int64 (and
-    is named apart), elsewhere it keeps int32 and its name."""
+    """The kernels' index inputs (and bools in integer arithmetic) are int32, torch's
+    int64: where a value computed from them can leave int32 at the call's sizes the call
+    runs the function's widened graph (inputs cast to int64, a name of its own),
+    elsewhere its own graph and name."""
     fn = lambda s, b, h, q_idx, kv_idx: s + torch.where(expr(b, h, q_idx, kv_idx) % 3 == 0, 1.0, 0.0)  # noqa: E731
     st = user_mods.trace(fn, "score")
     assert user_mods.wide(st, None, *sizes) is wide
-    low = user_mods._lowered("fwd", st, None, [], False, wide)
+    low = user_mods._lowered("fwd", *user_mods._as_run(st, None, wide), [], False)
     assert (low.name != user_mods._lowered("fwd", st, None, [], False).name) is wide
     code = user_render.Context(low, "fwd").score_block("s", "offs_m", "offs_n", False)
-    assert ("(offs_m[:, None]).to(tl.int64)" in code) is wide
+    assert "offs_m[:, None].to(tl.int64)" in code or not wide
 
 
-def test_an_index_past_int32_reads_where_torch_does(tiles):
+def test_integer_arithmetic_gives_torchs_values(tiles):
     """q_idx * kv_idx * 10**7 // 10**9 stays in [0, 4) in torch (int64); in int32 it
-    wrapped to -3..-1 at 17 x 23 and read before the table.  The kernels now compute it
-    in int64 and match the float64 reference; a mask function's product likewise."""
+    wrapped to -3..-1 at 17 x 23 and read before the table.  Products of bools and
+    constants and an explicit int32 cast (wraps in both) run as the float64 reference
+    computes them."""
     tab = torch.tensor([0.0, 0.1, 0.2, 0.3])
     _run(lambda t: (lambda s, b, h, q_idx, kv_idx: s + t[(q_idx * kv_idx * 10_000_000) // 1_000_000_000], None),
          [tab], b=1, h=1, hk=1, sq=17, sk=23, dtype=F32)
     _run(lambda: (lambda s, b, h, q_idx, kv_idx: torch.where((q_idx * kv_idx * 10_000_000) % 7 == 0, s, s - 2.0),
                   lambda b, h, q_idx, kv_idx: (q_idx * kv_idx * 10_000_000) % 3 != 0),
          b=1, h=1, hk=1, sq=17, sk=23, dtype=F32)
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: (q_idx >= 0) * 2 ** 30 * 4 > 0), b=1, h=1, hk=1, sq=8, sk=8,
+         dtype=F32)
+    _run(lambda: (None, lambda b, h, q_idx, kv_idx: ((q_idx + 1) * (kv_idx + 1) * 100_000_000).to(torch.int32) > 0),
+         b=1, h=1, hk=1, sq=8, sk=8, dtype=F32)
 
 
-def test_an_integer_division_by_zero_in_an_index_is_an_input_error():
-    """tab[q_idx // kv_idx] divides by zero at kv_idx = 0 (torch raises there; the
-    kernels would read at an undefined index); kv_idx + 1 is fine."""
+def test_an_integer_division_by_zero_reads_as_division_by_one():
+    """tab[q_idx // kv_idx] at kv_idx = 0: the kernels divide by 1 there, and the index
+    check evaluates the same divisor (an undefined quotient went unchecked)."""
+    from flashgen import user_bounds
+
     tab = torch.randn(64)
-    with pytest.raises(InputError, match=r"score_mod divides an integer by zero in an index of a captured tensor"):
-        _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[q_idx // kv_idx])
-    with pytest.raises(InputError, match=r"mask_mod divides an integer by zero"):
-        _call(mask_mod=lambda b, h, q_idx, kv_idx: tab[q_idx % kv_idx] > 0)
-    _call(score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[q_idx // (kv_idx + 1)])
+    st = user_mods.trace(lambda s, b, h, q_idx, kv_idx: s + tab[q_idx // kv_idx], "score")
+    got = user_bounds.read_ranges(st.graph, st.reads, st.captured, 1, 1, 8, 8, "cpu")
+    assert list(got.values()) == [(0, 7)]
+
+
+def test_a_where_of_integer_constants_that_leaves_int32_is_refused():
+    st = user_mods.trace(lambda s, b, h, q_idx, kv_idx: s + (torch.where(q_idx > 0, 2 ** 30, 0) * 4).float(), "score")
+    with pytest.raises(UnsupportedError, match="torch.where .* of Python integer constants alone"):
+        user_mods.wide(st, None, 1, 1, 8, 8)
 
 
 def test_the_index_check_keeps_a_captured_integer_tensors_dtype():

@@ -272,3 +272,18 @@ def test_tune_mods_records_rows_the_dispatcher_then_uses(tmp_path):
             flashgen.tune_mods(q, k, v, score_mod=score_mod, db=tmp_path / "w.sqlite", trials=trials,
                                benchmarker=bench, env=env)
     assert not (tmp_path / "w.sqlite").exists()
+
+
+def test_a_problem_wide_at_its_size_is_checked_and_timed_in_its_widened_form():
+    """At 512 x 512 q * k * 10**4 leaves int32, at the check's smaller sizes it does not:
+    the check runs the problem's widened lowering too (it named the narrow one and
+    every variant was recorded as compile_failed)."""
+    from flashgen import user_mods
+    from flashgen.spec import Shape, TileConfig, Variant
+
+    sm = lambda s, b, h, q, k: s + ((q * k * 10_000) % 7).float()  # noqa: E731
+    p = user_tune.UserProblem(sm, None, None, False, (-1, -1), 16, 16, "float32", Shape(1, 1, 1, 512, 512))
+    assert p.wide and not user_mods.wide(p.score, None, 1, 1, 397, 397)
+    var = Variant(p.spec("fwd"), TileConfig(16, 16, 4, 1))
+    m = user_tune.UserBenchmarker([p], timer=lambda fn: 1.0)(var, p.shape)
+    assert m.status == "ok", m

@@ -1,0 +1,176 @@
+"""Integer widths of user score and mask functions: where the kernels' int32 arithmetic
+can give other values than torch's, and the graph that computes like torch there.
+
+torch evaluates a function with int64 index inputs (b, h, q_idx, kv_idx: ``arange``) and
+with bools that meet a Python integer as int64; the kernels take the inputs as int32 and
+turn a bool into int32 (:meth:`flashgen.user_render._Code.i`).  Everything else follows
+the same promotion in both (a captured integer tensor keeps its dtype, a Python
+constant is weak, a constant outside int32 is int64, an explicit integer cast is a cast
+in both).  So the two agree unless a value computed in int32 from those sources leaves
+int32: ``q_idx * kv_idx * 10**7`` at seqlen 17 x 23 is in [0, 4) after ``// 10**9``
+in torch and wrapped to -3..-1 in int32, where it read before its table.
+
+:func:`int32_overflows` bounds every integer value of a graph by interval arithmetic
+from the call's sizes and the captured tensors' dtype ranges; where one can leave int32,
+:func:`widen` gives the graph with the inputs and those bools cast to int64 (a lowering
+of its own name; every other function keeps its graph, code and name).  Pure: no
+torch, no triton.
+"""
+
+from __future__ import annotations
+
+from .errors import UnsupportedError
+from .user_render import INT32, INT64, Graph, Ref
+
+#: Kernel width (bits) and value range of a captured integer tensor's elements.
+_INT_DTYPES = {"int64": (64, INT64), "int32": (32, INT32), "int16": (16, (-2 ** 15, 2 ** 15 - 1)),
+               "int8": (8, (-2 ** 7, 2 ** 7 - 1)), "uint8": (8, (0, 2 ** 8 - 1))}
+
+#: Integer operations whose bool operands the kernels turn into int32 (and torch, next
+#: to a Python integer or an index, into int64).
+_ARITH = ("add", "sub", "mul", "floordiv", "mod", "neg", "abs", "minimum", "maximum", "clamp", "where",
+          "and", "or", "xor", "lshift", "rshift", "not")
+
+
+def _floordiv_range(a, b):
+    """Range of floor(a / b) over intervals a, b (a divisor range holding 0 reads it as
+    1, as the kernels' safe divisor does)."""
+    (al, ah), (bl, bh) = a, b
+    divs = [d for d in {bl, bh, -1, 1} if d != 0 and bl <= d <= bh] or [1]
+    qs = [x // d for x in (al, ah) for d in divs]
+    return min(qs), max(qs)
+
+
+def _range(op, args, rs):
+    """The range of an integer ``op`` over operand ranges ``rs`` (None: unbounded here)."""
+    if any(r is None for r in rs):
+        return None
+    if op in ("add", "sub", "mul"):
+        (al, ah), (bl, bh) = rs
+        if op == "add":
+            return al + bl, ah + bh
+        if op == "sub":
+            return al - bh, ah - bl
+        p = (al * bl, al * bh, ah * bl, ah * bh)
+        return min(p), max(p)
+    if op in ("floordiv", "mod"):
+        (al, ah), (bl, bh) = rs
+        m = max(abs(al), abs(ah)) + max(abs(bl), abs(bh))  # the kernels' |a| + |b| - 1 (_floordiv_int)
+        if m > INT32[1]:
+            return -m, m
+        if op == "floordiv":
+            return _floordiv_range(rs[0], rs[1])
+        d = max(abs(bl), abs(bh), 1)
+        return -d, d
+    if op == "neg":
+        return -rs[0][1], -rs[0][0]
+    if op == "abs":
+        lo, hi = rs[0]
+        return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
+    if op == "not":
+        return -rs[0][1] - 1, -rs[0][0] - 1
+    if op in ("minimum", "maximum"):
+        f = min if op == "minimum" else max
+        return f(rs[0][0], rs[1][0]), f(rs[0][1], rs[1][1])
+    if op == "where":
+        return min(rs[0][0], rs[1][0]), max(rs[0][1], rs[1][1])
+    if op == "clamp":
+        lo, hi = rs[0]
+        if args[1] is not None:
+            lo, hi = max(lo, int(args[1])), max(hi, int(args[1]))
+        if args[2] is not None:
+            lo, hi = min(lo, int(args[2])), min(hi, int(args[2]))
+        return lo, hi
+    if op in ("and", "or", "xor"):
+        if min(rs[0][0], rs[1][0]) >= 0:
+            top = max(rs[0][1], rs[1][1])
+            return (0, min(rs[0][1], rs[1][1])) if op == "and" else (0, 2 ** top.bit_length() - 1)
+        lo, hi = min(rs[0][0], rs[1][0]), max(rs[0][1], rs[1][1])
+        return (INT32 if INT32[0] <= lo and hi <= INT32[1] else None)
+    if op in ("lshift", "rshift") and not isinstance(args[1], Ref) and 0 <= int(args[1]) < 64:
+        c, (lo, hi) = int(args[1]), rs[0]
+        return (lo << c, hi << c) if op == "lshift" else (lo >> c, hi >> c)
+    return None
+
+
+def int32_overflows(g: Graph, sizes: dict, bufs: tuple) -> bool:
+    """Whether a value of ``g`` that the kernels compute in int32 where torch computes in
+    int64 (from an index input or a bool used as an integer) can leave int32 at these
+    ``sizes`` ({"b": batch, "h": heads, "q": seqlen_q, "k": seqlen_k}); ``bufs`` the
+    captured tensors (:class:`flashgen.user_render.Buffer`).  Interval arithmetic over
+    every integer node: the inputs in [0, size), captured integer tensors in their
+    dtype's range, a float converted to an integer unbounded.  Raises UnsupportedError
+    where such a value comes from ``torch.where`` (or a minimum, maximum) of Python
+    integer constants alone, which :func:`widen` does not widen."""
+    info: dict = {}  # node -> (torch int64 / kernel int32, from constants alone, kernel bits, range)
+
+    def get(v):
+        if isinstance(v, Ref):
+            if g.nodes[v.i].dtype == "bool":
+                return True, False, 32, (0, 1)
+            return info.get(v.i, (False, False, 64, None))
+        if isinstance(v, (bool, int)):
+            return False, False, (0 if INT32[0] <= int(v) <= INT32[1] else 64), (int(v), int(v))
+        return False, False, 64, None
+
+    for i, n in enumerate(g.nodes):
+        if n.dtype != "int":
+            continue
+        op, args = n.op, n.args
+        if op == "input":
+            info[i] = (True, False, 32, (0, max(0, sizes[args[0]] - 1)))
+            continue
+        if op == "load":
+            bits, rng = _INT_DTYPES.get(bufs[args[0]].dtype, (32, INT32))
+            info[i] = (False, False, bits, rng)
+            continue
+        if op == "cast":  # to an int dtype, in both: an int source keeps its range where it fits
+            bits, rng = _INT_DTYPES.get(args[1], (64, INT64))
+            src = get(args[0])
+            if g.dtype(args[0]) == "bool":
+                rng = (0, 1)
+            elif g.dtype(args[0]) == "int" and src[3] is not None and rng[0] <= src[3][0] and src[3][1] <= rng[1]:
+                rng = src[3]
+            elif g.dtype(args[0]) == "float" and bits == 64:
+                rng = None
+            info[i] = (False, False, bits, rng)
+            continue
+        vals = [get(args[1]), get(args[2])] if op == "where" else [get(a) for a in args if a is not None]
+        consts = op in ("where", "minimum", "maximum") and not any(isinstance(a, Ref) for a in
+                                                                   (args[1:] if op == "where" else args))
+        bits = max(v[2] for v in vals)
+        narrow = bits <= 32 and (consts or any(v[0] for v in vals))
+        from_consts = narrow and (consts or any(v[1] for v in vals if v[0]))
+        rng = _range(op, args, [v[3] for v in vals])
+        info[i] = (narrow, from_consts, bits, rng)
+        if narrow and (rng is None or rng[0] < INT32[0] or rng[1] > INT32[1]):
+            if from_consts:
+                raise UnsupportedError("an integer computed from torch.where (or minimum, maximum) of Python integer "
+                                       "constants alone can leave int32 here, where torch computes it in int64 and "
+                                       "the kernels in int32: give one constant as a tensor or write "
+                                       "torch.where(...).long() (an int64 cast)")
+            return True
+    return False
+
+
+def widen(g: Graph, refs: list) -> tuple[Graph, list]:
+    """A copy of ``g`` computing as torch does: each index input (b, h, q, k) and each
+    bool operand of integer arithmetic cast to int64 before use (the rest unchanged, in
+    order), and ``refs`` (values of ``g``: Refs, constants or None) as values of it."""
+    w, m = Graph(), {}
+
+    def R(a):
+        return m[a.i] if isinstance(a, Ref) else a
+
+    for i, n in enumerate(g.nodes):
+        if n.op == "input":
+            r = w._add("input", n.args, n.dtype)
+            m[i] = w._add("cast", (r, "int64"), "int") if n.args[0] in ("b", "h", "q", "k") else r
+            continue
+        args = [R(a) for a in n.args]
+        if n.dtype == "int" and n.op in _ARITH:
+            keep = {0} if n.op == "where" else set()  # where's condition stays a bool
+            args = [w._add("cast", (a, "int64"), "int") if j not in keep and isinstance(a, Ref)
+                    and w.dtype(a) == "bool" else a for j, a in enumerate(args)]
+        m[i] = w._add(n.op, tuple(args), n.dtype)
+    return w, [R(r) for r in refs]
