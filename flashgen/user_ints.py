@@ -106,8 +106,8 @@ def int32_overflows(g: Graph, sizes: dict, bufs: tuple) -> bool:
 
     def get(v):
         if isinstance(v, Ref):
-            if g.nodes[v.i].dtype == "bool":
-                return True, False, 32, (0, 1)
+            if g.nodes[v.i].dtype == "bool":  # int32 in the kernels; torch's: the other operand's (below)
+                return False, False, 32, (0, 1)
             return info.get(v.i, (False, False, 64, None))
         if isinstance(v, (bool, int)):
             return False, False, (0 if INT32[0] <= int(v) <= INT32[1] else 64), (int(v), int(v))
@@ -135,7 +135,10 @@ def int32_overflows(g: Graph, sizes: dict, bufs: tuple) -> bool:
                 rng = None
             info[i] = (False, False, bits, rng)
             continue
-        vals = [get(args[1]), get(args[2])] if op == "where" else [get(a) for a in args if a is not None]
+        operands = [args[1], args[2]] if op == "where" else [a for a in args if a is not None]
+        vals = [get(a) for a in operands]
+        if _bools_beside_constants(g, op, operands):  # torch: a bool beside Python integers is int64
+            vals = [(True, False, 32, (0, 1)) if isinstance(a, Ref) else v for a, v in zip(operands, vals)]
         consts = op in ("where", "minimum", "maximum") and not any(isinstance(a, Ref) for a in
                                                                    (args[1:] if op == "where" else args))
         bits = max(v[2] for v in vals)
@@ -153,10 +156,22 @@ def int32_overflows(g: Graph, sizes: dict, bufs: tuple) -> bool:
     return False
 
 
+def _bools_beside_constants(g: Graph, op: str, operands) -> bool:
+    """Whether the value ``operands`` of integer ``op`` are bools and Python constants
+    alone, where torch makes the bools int64 and the kernels int32 (beside an integer
+    tensor torch takes that tensor's dtype, as the kernels' int32 promotion does for
+    int32 and int64 values)."""
+    return (op in _ARITH and any(isinstance(a, Ref) for a in operands)
+            and all(not isinstance(a, Ref) or g.dtype(a) == "bool" for a in operands))
+
+
 def widen(g: Graph, refs: list) -> tuple[Graph, list]:
-    """A copy of ``g`` computing as torch does: each index input (b, h, q, k) and each
-    bool operand of integer arithmetic cast to int64 before use (the rest unchanged, in
-    order), and ``refs`` (values of ``g``: Refs, constants or None) as values of it."""
+    """A copy of ``g`` computing as torch does: each index input (b, h, q, k), and each
+    bool that integer arithmetic combines with Python constants alone, cast to int64
+    before use (the rest unchanged, in order), and ``refs`` (values of ``g``: Refs,
+    constants or None) as values of it.  Nodes equal after the casts are one node
+    (two loads may become one: :class:`flashgen.user_mods._Widened` sums their
+    derivatives)."""
     w, m = Graph(), {}
 
     def R(a):
@@ -168,9 +183,9 @@ def widen(g: Graph, refs: list) -> tuple[Graph, list]:
             m[i] = w._add("cast", (r, "int64"), "int") if n.args[0] in ("b", "h", "q", "k") else r
             continue
         args = [R(a) for a in n.args]
-        if n.dtype == "int" and n.op in _ARITH:
-            keep = {0} if n.op == "where" else set()  # where's condition stays a bool
-            args = [w._add("cast", (a, "int64"), "int") if j not in keep and isinstance(a, Ref)
-                    and w.dtype(a) == "bool" else a for j, a in enumerate(args)]
+        first = 1 if n.op == "where" else 0  # where's condition stays a bool
+        if n.dtype == "int" and _bools_beside_constants(w, n.op, [a for a in args[first:] if a is not None]):
+            args = args[:first] + [w._add("cast", (a, "int64"), "int") if isinstance(a, Ref) else a
+                                   for a in args[first:]]
         m[i] = w._add(n.op, tuple(args), n.dtype)
     return w, [R(r) for r in refs]

@@ -575,6 +575,15 @@ class Traced:
         raise UnsupportedError(f"{len(vals)} arguments")
 
 
+def _sum(g: Graph, a, b):
+    """a + b of two derivatives (None: identically zero)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if not isinstance(a, Ref) and not isinstance(b, Ref):
+        return float(a) + float(b)
+    return g.binary("add", a, b)
+
+
 class _Widened:
     """A :class:`Traced` function whose graph computes its index inputs and the bools its
     integer arithmetic uses in int64 (:func:`flashgen.user_ints.widen`): what
@@ -591,9 +600,13 @@ class _Widened:
         if tr.kind == "score":
             self.dscore = new[1]
             n = len(tr.loads)
-            loads = new[2 + n:]
-            self.loads = [(r.i, b) for r, (_, b) in zip(loads, tr.loads)]
-            self.dloads = {r.i: d for r, d in zip(loads, new[2:2 + n])}
+            self.loads, self.dloads = [], {}
+            for r, (_, b), d in zip(new[2 + n:], tr.loads, new[2:2 + n]):
+                if r.i in self.dloads:  # two loads that the casts made equal: one load, their derivatives summed
+                    d = _sum(self.graph, self.dloads[r.i], d)
+                else:
+                    self.loads.append((r.i, b))
+                self.dloads[r.i] = d
 
     @property
     def captured(self) -> list[torch.Tensor]:

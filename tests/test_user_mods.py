@@ -869,15 +869,37 @@ def test_integer_arithmetic_gives_torchs_values(tiles):
          b=1, h=1, hk=1, sq=8, sk=8, dtype=F32)
 
 
-def test_an_integer_division_by_zero_reads_as_division_by_one():
-    """tab[q_idx // kv_idx] at kv_idx = 0: the kernels divide by 1 there, and the index
-    check evaluates the same divisor (an undefined quotient went unchecked)."""
+def test_widened_functions_keep_their_table_gradients_and_torchs_int32(tiles):
+    """A widened graph whose casts make two loads one node sums their derivatives (the
+    second one's replaced the first's: d tab off by 6/5); a bool added to an int32
+    tensor stays int32 and wraps as in torch (a bool is int64 in torch only beside
+    Python integers)."""
+    t2 = torch.tensor([0.0, 0.1, 0.2, 0.3])
+    tab = torch.randn(8)
+    _run(lambda t: (lambda s, b, h, q_idx, kv_idx: s + t[(kv_idx >= 5) * 3] * 2.0 + t[(kv_idx >= 5).long() * 3] * 3.0
+                    + t2[(q_idx * kv_idx * 10_000_000) // 1_000_000_000], None),
+         [tab], b=1, h=1, hk=1, sq=17, sk=23, dtype=F32)
+    idx = torch.tensor([2 ** 31 - 1, 0] * 11 + [0], dtype=torch.int32)
+    fn = lambda s, b, h, q_idx, kv_idx: s + torch.where((idx[kv_idx] + (q_idx >= 0)) < 0, 3.0, 0.0)  # noqa: E731
+    assert not user_mods.wide(user_mods.trace(fn, "score"), None, 1, 1, 17, 23)
+    _run(lambda: (fn, None), b=1, h=1, hk=1, sq=17, sk=23, dtype=F32)
+
+
+def test_an_integer_division_by_zero_reads_as_division_by_one(tiles):
+    """tab[q_idx // kv_idx] at kv_idx = 0: the kernels divide by 1 there, as the index
+    check evaluates it (an undefined quotient went unchecked); torch raises there, so
+    the reference is the function with that divisor written out."""
     from flashgen import user_bounds
 
     tab = torch.randn(64)
     st = user_mods.trace(lambda s, b, h, q_idx, kv_idx: s + tab[q_idx // kv_idx], "score")
     got = user_bounds.read_ranges(st.graph, st.reads, st.captured, 1, 1, 8, 8, "cpu")
     assert list(got.values()) == [(0, 7)]
+    q, k, v = _qkv(b=1, h=2, hk=1, sq=8, sk=8, dtype=F32)
+    o = flashgen.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + tab[q_idx // kv_idx])
+    want, _ = user_mods.reference(q.double(), k.double(), v.double(), 0.25, -8, 8, lambda s, b, h, q_idx, kv_idx: s + tab[
+        q_idx // torch.where(kv_idx == 0, 1, kv_idx)], None, None, torch.float64)
+    assert (o.double() - want).abs().max() < 1e-5
 
 
 def test_a_where_of_integer_constants_that_leaves_int32_is_refused():
