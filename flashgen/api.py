@@ -897,8 +897,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, return_lse)
     _no_forward_ad("flashgen.attention_with_kvcache", q, k_cache, v_cache)
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if (torch.compiler.is_compiling() or _dispatch_modes() or _functorch_active() or q.is_meta or
-            not (type(q) is _Tensor and type(k_cache) is _Tensor and type(v_cache) is _Tensor)):
+    if _values_unreadable(q, k_cache, v_cache):
         # Traced, meta or under a transform (one op, its fake kernel gives the shapes) or inspected.
         o, lse = library.DECODE(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal)
     else:  # eager: the same implementation without the torch.library dispatcher

@@ -179,11 +179,13 @@ def _wal_files(path: Path) -> bool:
 def check_writable(path: Path, what: str = "--db") -> None:
     """Raise InputError (naming ``path`` and the rule) unless a tuning database can be
     written at ``path``: its directory exists (never created here) and is writable
-    (SQLite writes -wal/-shm/-journal files beside the database), and the file, if it
-    exists, is writable.  Creates nothing."""
+    (SQLite writes -wal/-shm/-journal files beside the database), and the path, if it
+    exists, is a writable file.  Creates nothing."""
     path = Path(path)
     parent = path.parent
     export = path.suffix == ".json"  # flashgen export's JSON file, not a database
+    if path.exists() and not path.is_file():
+        raise InputError(f"{what} {path} is not a file (name a file, e.g. one inside that directory)")
     if not parent.is_dir():
         raise InputError(f"{what} {path}: directory {parent} does not exist (flashgen never creates "
                          f"directories for {'an export' if export else 'a database'}; create it first)")

@@ -40,6 +40,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _fwad
 from torch import Tensor
 
 from . import dispatch, families, fastlaunch, ops, reference
@@ -468,12 +469,11 @@ def _signed_dq(dq: Tensor, sign: int) -> Tensor:
 def forward_ad(*tensors) -> bool:
     """Whether a forward-mode derivative (``torch.func.jvp``, ``jacfwd``, dual tensors of
     ``torch.autograd.forward_ad``) is taken through one of ``tensors``: flashgen's ops
-    have none, and their tangent would silently be zero."""
-    import torch.autograd.forward_ad as fwad
-
-    if torch.compiler.is_compiling() or getattr(fwad, "_current_level", 0) < 0:
+    have none, and their tangent would silently be zero.  On every call of the public
+    entry points: one module attribute read when no dual level is open."""
+    if getattr(_fwad, "_current_level", 0) < 0 or torch.compiler.is_compiling():
         return False
-    return any(isinstance(t, torch.Tensor) and fwad.unpack_dual(t).tangent is not None for t in tensors)
+    return any(isinstance(t, torch.Tensor) and _fwad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def no_forward_ad(name: str, *tensors) -> None:

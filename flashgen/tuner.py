@@ -249,9 +249,6 @@ def check_journal(path: str | Path, what: str = "--storage") -> None:
     from .db import check_writable
 
     path = Path(path)
-    if path.exists() and not path.is_file():
-        raise InputError(f"{what} {path} is not a file: an Optuna journal is a file (name one inside that "
-                         "directory)")
     check_writable(path, what)
     if path.exists() and path.stat().st_size:
         with open(path, "rb") as f:
@@ -718,7 +715,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
              storage: str | Path | optuna.storages.BaseStorage | None = None, seed: int = 0,
              on_trial: Callable[[ProblemKey, int, int, dict], None] | None = None,
              sampler: str = "tpe", worker: str | None = None,
-             family_names: Iterable[str] | None = None) -> TuneResult:
+             family_names: Iterable[str] | None = None, check_study: bool = True) -> TuneResult:
     """Tune ``key`` by measuring ``shape`` until the study has ``n_trials`` measured
     trials (:func:`measured_trials`: earlier runs and other workers sharing the storage
     count; configs the rules reject before compiling do not) or ``timeout_s`` seconds
@@ -735,8 +732,9 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     enqueues those the search can suggest after the family defaults.
     ``on_trial(key, n_done, n_trials, row)`` is called after each trial with its DB row.
     ``family_names``: search only these kernel families (default: every one that serves
-    ``key`` on ``arch``); a key none of them serves raises InputError.
-    Never raises for a failing candidate.
+    ``key`` on ``arch``); a key none of them serves raises InputError, as does a
+    stored study whose trials name no row of ``db`` (``check_study`` False: the caller
+    checked it, :func:`tune`).  Never raises for a failing candidate.
     """
     t0 = time.perf_counter()
     space = search_space(key, arch, family_names)
@@ -751,7 +749,8 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     # Before any measurement is written: a study whose finished trials name no row of
     # this key and variant in db (row ids restart at 1 in a new or another file) was
     # tuned into another database; its trials would count here and nothing be searched.
-    _check_study_rows(study, db, key)
+    if check_study:
+        _check_study_rows(study, db, key)
 
     default = default_config(key, arch, space)
     try:
@@ -873,7 +872,7 @@ def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker,
         results.append(tune_key(key, shape, benchmarker=benchmarker, db=db, env=env, arch=arch,
                                 n_trials=n_trials, timeout_s=timeout_per_key_s, storage=st,
                                 seed=seed, on_trial=on_trial, sampler=sampler, worker=worker,
-                                family_names=family_names))
+                                family_names=family_names, check_study=False))
     return results
 
 

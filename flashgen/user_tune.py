@@ -367,8 +367,6 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
         raise InputError(f"kernels must be a sequence of kernel names (e.g. ('fwd',)), got the string {kernels!r}")
     if not isinstance(db, (str, os.PathLike)):
         raise InputError(f"db must be the path of a tuning database (str or os.PathLike), got {db!r}")
-    if Path(db).is_dir():
-        raise InputError(f"db must be the path of a tuning database file, got the directory {str(db)!r}")
     check_writable(Path(db), "db")
     dtype = str(q.dtype).removeprefix("torch.")
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])

@@ -172,7 +172,7 @@ def test_tune_mods_refuses_what_attention_refuses(tmp_path):
     assert not (tmp_path / "x.sqlite").exists()
     # and options of its own: db not a path or a directory, kernels a string
     for kw, msg in [(dict(db=None), "db must be the path of a tuning database"),
-                    (dict(db=tmp_path), "got the directory"),
+                    (dict(db=tmp_path), "is not a file"),
                     (dict(db=tmp_path / "x.sqlite", kernels="fwd"), "kernels must be a sequence")]:
         with pytest.raises(flashgen.InputError, match=msg):
             flashgen.tune_mods(q, q, q, score_mod=sm, benchmarker=lambda v, s: None, trials=1, **kw)
