@@ -13,7 +13,11 @@ in torch and wrapped to -3..-1 in int32, where it read before its table.
 :func:`int32_overflows` bounds every integer value of a graph by interval arithmetic
 from the call's sizes and the captured tensors' dtype ranges; where one can leave int32,
 :func:`widen` gives the graph with the inputs and those bools cast to int64 (a lowering
-of its own name; every other function keeps its graph, code and name).  Pure: no
+of its own name; every other function keeps its graph, code and name).
+
+Beside 8- and 16-bit integer tensors, :func:`narrow_operands` gives the trace torch's
+conversions (a Python integer modulo 2**bits, a bool and a uint8 / int8 mix cast to
+torch's dtype), which Triton's own promotion and constant checks do not.  Pure: no
 torch, no triton.
 """
 
@@ -189,3 +193,118 @@ def widen(g: Graph, refs: list) -> tuple[Graph, list]:
                                    for a in args[first:]]
         m[i] = w._add(n.op, tuple(args), n.dtype)
     return w, [R(r) for r in refs]
+
+
+# -- 8- and 16-bit integers ---------------------------------------------------------------
+
+#: The captured tensors' integer dtypes narrower than the kernels' int32: (bits, signed).
+NARROW = {"uint8": (8, False), "int8": (8, True), "int16": (16, True)}
+
+#: Integer operations whose operands torch brings to one dtype (and Python integers
+#: to it, modulo 2**bits), the comparisons included.
+_NARROWED = ("add", "sub", "mul", "floordiv", "mod", "minimum", "maximum", "and", "or", "xor",
+             "lt", "le", "gt", "ge", "eq", "ne", "where")
+
+
+def narrow_dtype(g: Graph, bufs: tuple, v, memo: dict) -> str | None:
+    """The dtype of the integer value ``v`` of ``g`` where torch and the kernels compute
+    it in 8 or 16 bits (:data:`NARROW`): a captured tensor of such a dtype, a cast to
+    one, and integer operations of such values with bools and Python constants; None
+    for every other value (int32, int64, an index input, a bool, a float, a constant).
+    ``bufs`` the captured tensors (:class:`flashgen.user_render.Buffer`); ``memo`` a
+    dict kept for ``g``."""
+    if not isinstance(v, Ref) or g.nodes[v.i].dtype != "int":
+        return None
+    if v.i in memo:
+        return memo[v.i]
+    n = g.nodes[v.i]
+    out = None
+    if n.op == "load":
+        out = bufs[n.args[0]].dtype if bufs[n.args[0]].dtype in NARROW else None
+    elif n.op == "cast":
+        out = n.args[1] if n.args[1] in NARROW else None
+    elif n.op in ("neg", "abs", "not", "clamp", "lshift", "rshift"):
+        out = narrow_dtype(g, bufs, n.args[0], memo)
+    elif n.op in _NARROWED:
+        refs = [a for a in (n.args[1:] if n.op == "where" else n.args)
+                if isinstance(a, Ref) and g.nodes[a.i].dtype == "int"]
+        ds = [narrow_dtype(g, bufs, a, memo) for a in refs]
+        out = _promote_narrow(ds) if refs and None not in ds else None
+    memo[v.i] = out
+    return out
+
+
+def _promote_narrow(ds) -> str:
+    """torch's promotion of 8- and 16-bit integer dtypes (uint8 with int8 is int16)."""
+    ds = set(ds)
+    if len(ds) == 1:
+        return ds.pop()
+    return "int16"
+
+
+def wrap(c: int, dtype: str) -> int:
+    """``c`` converted to ``dtype`` (:data:`NARROW`) as torch converts a Python integer
+    beside a tensor of that dtype: modulo 2**bits."""
+    bits, signed = NARROW[dtype]
+    m = c % (1 << bits)
+    return m - (1 << bits) if signed and m >= 1 << (bits - 1) else m
+
+
+def _checked(c: int, dtype: str, what: str) -> int:
+    """``c`` converted to ``dtype`` as torch.where and torch.clamp convert it: wrapped
+    where torch allows (a negative value down to -max for an unsigned dtype), else
+    UnsupportedError, as torch raises."""
+    bits, signed = NARROW[dtype]
+    lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (-((1 << bits) - 1), (1 << bits) - 1)
+    if not lo <= c <= hi:
+        raise UnsupportedError(f"{what}: the constant {c} cannot be converted to {dtype} without overflow "
+                               f"(torch raises too)")
+    return wrap(c, dtype)
+
+
+def narrow_operands(g: Graph, bufs: tuple, op: str, vals: list, memo: dict) -> list:
+    """The operands ``vals`` of integer ``op`` (``where``: condition, input, other) as the
+    kernels must take them to compute in torch's dtype where that is 8 or 16 bits: a
+    Python integer converted to it (torch wraps it; Triton refuses a constant outside
+    the dtype), a bool and a narrow value of another dtype cast to it (torch computes
+    uint8 with a bool in uint8, uint8 with int8 in int16; the kernels' promotion gives
+    int32 and uint8).  Other operands unchanged; UnsupportedError for what torch
+    refuses (``where`` with a constant that overflows the dtype) and for a shift of a
+    narrow value by a constant outside [0, bits), whose result the kernels leave
+    undefined."""
+    first = 1 if op == "where" else 0
+    ops = vals[first:]
+    if op in ("lshift", "rshift"):
+        d = narrow_dtype(g, bufs, ops[0], memo)
+        if d is not None and not isinstance(ops[1], Ref) and not 0 <= int(ops[1]) < NARROW[d][0]:
+            raise UnsupportedError(f"a shift of a {d} value by {int(ops[1])} (flashgen: a constant shift of an "
+                                   f"8- or 16-bit integer lies in [0, {NARROW[d][0]}))")
+        return vals
+    if op not in _NARROWED:
+        return vals
+    refs = [a for a in ops if isinstance(a, Ref) and g.dtype(a) == "int"]
+    ds = [narrow_dtype(g, bufs, a, memo) for a in refs]
+    if not refs or None in ds or any(isinstance(a, Ref) and g.dtype(a) == "float" for a in ops) \
+            or any(isinstance(a, float) for a in ops):
+        return vals
+    t = _promote_narrow(ds)
+    out = list(vals[:first])
+    for a in ops:
+        if isinstance(a, Ref):
+            if g.dtype(a) == "bool" or narrow_dtype(g, bufs, a, memo) != t:
+                a = g.cast(a, t)
+        elif isinstance(a, int) and not isinstance(a, bool):
+            a = _checked(a, t, "torch.where") if op == "where" else wrap(a, t)
+        out.append(a)
+    return out
+
+
+def narrow_bounds(g: Graph, bufs: tuple, x, lo, hi, memo: dict) -> tuple:
+    """torch.clamp's constant bounds ``lo``, ``hi`` (None: unbounded) of the value ``x``
+    converted to its dtype where that is 8 or 16 bits, as torch converts them
+    (UnsupportedError where torch raises)."""
+    d = narrow_dtype(g, bufs, x, memo)
+    if d is None:
+        return lo, hi
+    return tuple(_checked(b, d, "torch.clamp") if isinstance(b, int) and not isinstance(b, bool) else b
+                 for b in (lo, hi))

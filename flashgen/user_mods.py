@@ -316,6 +316,7 @@ class Traced:
         self.bufs = tuple(Buffer("int8" if t.dtype == torch.bool else _dtype_name(t.dtype), t.dim())
                           for t in self.captured)
         self.graph = Graph()
+        self._narrow: dict = {}  # user_ints.narrow_dtype's memo for self.graph
         self.out = self._lower(graph, names, arg)
         g = self.graph
         reciprocal_divisions(g, self.out)
@@ -470,6 +471,9 @@ class Traced:
         g = self.graph
         if isinstance(b, Ref) and promote_int(g, a, b):
             return g.where(g.binary("eq", b, 0), 1, b)
+        if isinstance(b, int) and b == 0 and promote_int(g, a, b):
+            raise UnsupportedError("an integer division (//, %) by the constant 0 (torch raises ZeroDivisionError; "
+                                   "a divisor converted to an 8-bit or 16-bit tensor's dtype wraps modulo 2**bits)")
         return b
 
     def _apply(self, op, args, kwargs, what):
@@ -520,7 +524,7 @@ class Traced:
                 vals = [vals[1], vals[0], vals[2] if len(vals) > 2 else self._value(kwargs["other"])]
             if len(vals) != 3:
                 raise UnsupportedError("torch.where needs (condition, input, other)")
-            return g.where(*vals)
+            return g.where(*user_ints.narrow_operands(g, self.bufs, "where", vals, self._narrow))
         if op in ("clamp", "clamp_min", "clamp_max"):
             x, rest = vals[0], vals[1:]
 
@@ -530,14 +534,15 @@ class Traced:
             lo = bound("min", 0) if op in ("clamp", "clamp_min") else None
             hi = bound("max", 1 if op == "clamp" else 0) if op in ("clamp", "clamp_max") else None
             if isinstance(lo, Ref) or isinstance(hi, Ref):
-                if lo is not None:
-                    x = g.binary("maximum", x, lo)
-                if hi is not None:
-                    x = g.binary("minimum", x, hi)
+                lo, hi = user_ints.narrow_bounds(g, self.bufs, x, lo, hi, self._narrow)
+                for m, bnd in (("maximum", lo), ("minimum", hi)):
+                    if bnd is not None:
+                        x = g.binary(m, *user_ints.narrow_operands(g, self.bufs, m, [x, bnd], self._narrow))
                 return x
-            return g.clamp(x, lo, hi)
+            return g.clamp(x, *user_ints.narrow_bounds(g, self.bufs, x, lo, hi, self._narrow))
         if op in ("min2", "max2"):
-            return g.binary("minimum" if op == "min2" else "maximum", *vals)
+            op = "minimum" if op == "min2" else "maximum"
+            return g.binary(op, *user_ints.narrow_operands(g, self.bufs, op, vals, self._narrow))
         if op in ("add", "sub") and kwargs.get("alpha", 1) != 1:
             vals[1] = g.binary("mul", vals[1], kwargs.pop("alpha"))
         kwargs.pop("alpha", None)
@@ -569,6 +574,7 @@ class Traced:
             if op in ("add", "mul") and g.dtype(vals[0]) == g.dtype(vals[1]) == "bool":
                 # torch: bool + bool and bool * bool are bools (or, and), not 0/1/2 integers
                 return g.binary("or" if op == "add" else "and", *vals)
+            vals = user_ints.narrow_operands(g, self.bufs, op, vals, self._narrow)
             if op in ("floordiv", "mod"):
                 vals[1] = self._safe_divisor(*vals)
             return g.binary(op, *vals)

@@ -921,6 +921,72 @@ def test_the_index_check_keeps_a_captured_integer_tensors_dtype():
     assert list(got.values())[-1] == (4, 4)
 
 
+
+def test_8_and_16_bit_integer_arithmetic_gives_torchs_values(tiles):
+    """A Python integer beside a uint8, int8 or int16 tensor is converted to its dtype
+    modulo 2**bits, as torch converts it (Triton refused 300 or -1 beside uint8 and 200
+    beside int8: an InterpreterError, and a CompilationError for sm_90; ``> 300`` gave
+    another mask than torch's); uint8 with int8 computes in int16 and a bool beside
+    uint8 in uint8, as in torch (the kernels' promotion gave uint8 and int32)."""
+    u = torch.tensor([200, 3, 250, 1, 0, 255, 44, 128] * 3, dtype=torch.uint8)
+    i8 = torch.tensor([100, -3, 120, -128], dtype=torch.int8)
+    i16 = torch.tensor([30000, -3, 120, -32768] * 6, dtype=torch.int16)
+    flag = torch.tensor([True, False, True, False] * 6)
+
+    def make(t):
+        return (lambda s, b, h, q_idx, kv_idx: s * t[h] + 0.01 * (u[kv_idx] + 300).float()
+                - 0.01 * (u[kv_idx] * -1).float() + (u[kv_idx] > 300).float() + 0.001 * (u[kv_idx] * i8[h]).float()
+                + 0.001 * (i16[kv_idx] + 40000).float() + 0.01 * (u[kv_idx] * flag[kv_idx] + 255).float()
+                + 0.1 * (u[kv_idx] % 300).float() + 0.01 * torch.where(flag[kv_idx], u[kv_idx], -1).float()
+                + 0.01 * u[kv_idx].clamp(min=-200).float() + 0.01 * (u[kv_idx] ^ -1).float(),
+                lambda b, h, q_idx, kv_idx: ((u[kv_idx] + 300) % 7 != 0) | (kv_idx == 0))
+    _run(make, [torch.tensor([1.0, 0.5, -0.5, 2.0])], b=1, h=4, hk=2, sq=17, sk=24, dtype=F32)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda s, b, h, q_idx, kv_idx: s + torch.where(q_idx > kv_idx, _U8[kv_idx], 300).float(),
+     "300 cannot be converted to uint8 without overflow"),
+    (lambda s, b, h, q_idx, kv_idx: s + _U8[kv_idx].clamp(max=300).float(), "300 cannot be converted to uint8"),
+    (lambda s, b, h, q_idx, kv_idx: s + (_U8[kv_idx] << 9).float(), "shift of a uint8 value by 9"),
+    (lambda s, b, h, q_idx, kv_idx: s + (_U8[kv_idx] // 256).float(), "division .* by the constant 0"),
+], ids=["where", "clamp", "shift", "divisor-wraps-to-0"])
+def test_what_torch_refuses_of_8_bit_integers_is_refused(fn, match):
+    """torch raises for torch.where and torch.clamp with a constant outside the dtype
+    and for a division by a constant that converts to 0; a constant shift past the
+    dtype's width is undefined in the kernels."""
+    with pytest.raises(UnsupportedError, match=match):
+        user_mods.trace(fn, "score")
+
+
+
+_SM90_NARROW = '''
+import json, sys
+sys.path.insert(0, BENCHMARKS)
+import torch
+from sm90_compile import compile_sm90
+from flashgen import heuristics, user_mods, user_render
+from flashgen.arch import by_sm
+from flashgen.spec import KernelSpec, Variant
+u, i8 = torch.zeros(2048, dtype=torch.uint8), torch.zeros(16, dtype=torch.int8)
+i16, flag, t = torch.zeros(2048, dtype=torch.int16), torch.zeros(2048, dtype=torch.bool), torch.zeros(16, requires_grad=True)
+st = user_mods.trace(lambda s, b, h, q, kv: s * t[h] + (u[kv] + 300).float() + (u[kv] > 300).float()
+                     + (u[kv] * i8[h]).float() + (i16[kv] + 40000).float() + (u[kv] * flag[kv] - 1).float(), "score")
+for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+    low = user_mods._lowered("fwd" if kernel == "fwd" else "bwd", st, None, [b.dtype == "float32" for b in st.bufs], False)
+    user_render.register(low)
+    spec = KernelSpec(kernel, "bfloat16", 128, 128, "causal", low.name)
+    compile_sm90(Variant(spec, heuristics.default_config(spec, by_sm("sm_90"))))
+    print(json.dumps([kernel]))
+'''
+
+
+def test_8_bit_integer_constants_compile_for_sm90():
+    """The converted constants and the casts of the row above compile for sm_90 in the
+    three kernels (Triton refused 300 beside uint8 there)."""
+    assert [r[0] for r in _sm90_rows(_SM90_NARROW)] == ["fwd", "bwd_dq", "bwd_dkdv"]
+
+_U8 = torch.arange(24, dtype=torch.uint8)
+
 @pytest.mark.parametrize("sm", [
     lambda s, b, h, q_idx, kv_idx: -0.25 * torch.abs(q_idx - kv_idx).float(),
     lambda s, b, h, q_idx, kv_idx: torch.floor(s * 4),
