@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -679,7 +680,9 @@ class _Code:
                     ok.append(f"({self.i(a)} >= 0) & ({self.i(a)} < {size})")
                 else:
                     ok.append(f"({_lit(int(a))} < {size})" if int(a) >= 0 else f"({size} < 0)")
-            out.append(f"u_ok{i} = {' & '.join(ok)}")
+            # != 0: a bool tile (Triton 3.9's interpreter keeps a scalar condition and'ed
+            # in as int32, and its masked load refuses an int32 mask)
+            out.append(f"u_ok{i} = ({' & '.join(ok)}) != 0")
             masks = [f"u_ok{i}"]
         else:
             masks = [self.valid[x] for x in ("q", "k") if x in tile_axes(n.deps)]
@@ -1165,16 +1168,43 @@ def _env() -> jinja2.Environment:
                               keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
 
 
-@functools.lru_cache(maxsize=None)
-def machinery_hash() -> str:
-    """sha256 of what turns a lowering into source: this module, the overlay, and the
-    dense templates with their macros (a change there gives every user variant a new
-    name, so no row measured with other code is reused)."""
+def machinery_text_hash() -> str:
+    """sha256 (16 hex digits) of the text that turns a lowering into source: this
+    module, the overlay, and the dense templates with their macros."""
     h = hashlib.sha256(Path(__file__).read_bytes())
     h.update((_templates_dir() / OVERLAY).read_bytes())
     for k in _DENSE:
         h.update(text_hash(k).encode())
     return h.hexdigest()[:16]
+
+
+#: The record of :func:`machinery_hash` in the templates directory: ``text`` (the
+#: :func:`machinery_text_hash` it was written for), ``probes`` (the digest of the probe
+#: lowerings' sources, :mod:`flashgen.user_machinery`) and ``code`` (the id).
+MACHINERY_RECORD = "user_machinery_id.json"
+
+
+def read_machinery_record(path: Path | None = None) -> dict:
+    """:data:`MACHINERY_RECORD` (or the record at ``path``) as written, {} when it is
+    missing or unreadable."""
+    try:
+        return json.loads((path or _templates_dir() / MACHINERY_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@functools.lru_cache(maxsize=None)
+def machinery_hash() -> str:
+    """The id of the machinery that turns a lowering into source, part of every user
+    variant's name (:attr:`Lowered.name`): the recorded id (:data:`MACHINERY_RECORD`)
+    while this module, the overlay and the dense templates are the recorded text, else
+    their text hash (so a user variant of edited machinery never takes a row measured
+    with other code).  ``python3 -m flashgen.user_machinery`` rewrites the record after
+    an edit and keeps the id where the probe lowerings (the user examples' forward and
+    backward over the dense kernels' probe variants) render as recorded: an edit that
+    leaves their code unchanged keeps every user variant's name and tuned rows."""
+    rec, text = read_machinery_record(), machinery_text_hash()
+    return rec["code"] if rec.get("text") == text and rec.get("code") else text
 
 
 def render_args(spec) -> dict:

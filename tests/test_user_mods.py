@@ -4,6 +4,7 @@ tensors' and sinks' gradients included) against a float64 materialized reference
 the exactness rule of the dense path; functions equal to built-in mods or masks give
 the built-in's output; block ranges; variant identity; clear errors."""
 
+import json
 import math
 import re
 import subprocess
@@ -2001,3 +2002,53 @@ def test_score_divided_by_a_constant_matches_float64(divisor):
     want = [ref.detach(), *torch.autograd.grad(ref, (qd, kd, vd), do.double())]
     for a, b in zip(got, want):
         assert (a.double() - b).abs().max().item() < 2e-4
+
+
+# -- the machinery id ------------------------------------------------------------------------
+
+def test_the_user_machinery_record_is_current():
+    """templates/user_machinery_id.json names the machinery as it is: run ``python3 -m
+    flashgen.user_machinery`` after an edit of user_render.py, the overlay or a dense
+    template when this fails (the id stays where the user examples' code is unchanged)."""
+    from flashgen import user_machinery
+
+    rec = user_render.read_machinery_record()
+    assert rec["text"] == user_render.machinery_text_hash()
+    assert rec["probes"] == user_machinery.probe_digest()
+    assert user_render.machinery_hash() == rec["code"]
+
+
+def test_the_machinery_id_stays_while_the_probes_render_alike(tmp_path, monkeypatch):
+    """An edit whose probe sources are the recorded ones keeps the id (so every user
+    variant's name and rows); one that changes them gives the new text hash; a record
+    left stale gives the text hash (an unrecorded edit renames every user variant, as
+    before the record)."""
+    from flashgen import user_machinery
+
+    digest = user_machinery.probe_digest()
+    monkeypatch.setattr(user_machinery, "probe_digest", lambda: digest)
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps({"text": "0" * 16, "probes": digest, "code": "c0de" * 4}))
+    assert user_machinery.write_record(path) == {"text": user_render.machinery_text_hash(), "probes": digest,
+                                                 "code": "c0de" * 4}
+    path.write_text(json.dumps({"text": "0" * 16, "probes": "1" * 16, "code": "c0de" * 4}))
+    assert user_machinery.write_record(path)["code"] == user_render.machinery_text_hash()
+    monkeypatch.setattr(user_render, "read_machinery_record", lambda: {"text": "0" * 16, "code": "c0de" * 4})
+    user_render.machinery_hash.cache_clear()
+    try:
+        assert user_render.machinery_hash() == user_render.machinery_text_hash()
+    finally:
+        monkeypatch.undo()
+        user_render.machinery_hash.cache_clear()
+    assert user_render.machinery_hash() == user_render.read_machinery_record()["code"]
+
+
+def test_the_probe_sources_are_the_user_examples_code():
+    """The probe sources are rendered kernels, most with an example's captured tensor
+    read in them, and the fixed probe names are not left registered."""
+    from flashgen import user_machinery
+
+    srcs = list(user_machinery.probe_sources())
+    assert len(srcs) > 1000 and all(s.lstrip().startswith(("#", "import", '"""')) for s in srcs[:50])
+    assert sum("UT0" in s for s in srcs) > len(srcs) // 2
+    assert user_render.registered("u000000000000") is None  # the fixed probe names are not left registered
