@@ -574,12 +574,14 @@ class _Code:
         return "q" in da and "k" not in da and "k" in db and "q" not in db
 
     def _floordiv_int(self, a, b) -> str:
+        """Floor division from Triton's truncating ``//`` and remainder ``%``: one less
+        where the remainder is nonzero and of the other sign than the divisor.  No
+        intermediate leaves the operands' width (``-a + b - 1`` and ``|a|`` overflowed
+        within |b| of the width's minimum)."""
         A, B = self.i(a), self.i(b)
         if not isinstance(b, Ref) and b > 0:
-            return f"tl.where({A} >= 0, {A} // {B}, -((-{A} + {_lit(b - 1)}) // {B}))"
-        aa = _lit(abs(a)) if not isinstance(a, Ref) else f"tl.abs({A})"
-        ab = _lit(abs(b)) if not isinstance(b, Ref) else f"tl.abs({B})"
-        return f"tl.where(({A} < 0) == ({B} < 0), {aa} // {ab}, -(({aa} + {ab} - 1) // {ab}))"
+            return f"tl.where(({A} < 0) & ({A} % {B} != 0), {A} // {B} - 1, {A} // {B})"
+        return f"tl.where(({A} % {B} != 0) & (({A} % {B} < 0) != ({B} < 0)), {A} // {B} - 1, {A} // {B})"
 
     def _expr(self, n: Node) -> str:
         op, args, dt = n.op, n.args, n.dtype

@@ -903,6 +903,29 @@ def test_an_integer_division_by_zero_reads_as_division_by_one(tiles):
     assert (o.double() - want).abs().max() < 1e-5
 
 
+
+@pytest.mark.parametrize("term", [
+    lambda q, k: (q * 0 - 2 ** 31).int() % 5,
+    lambda q, k: ((q + 1).int() * 2 ** 30) % 5,
+    lambda q, k: (q.int() + 2147483645 + q.int()) % 7,
+    lambda q, k: ((q + 1).int() * 2 ** 30) // 2 ** 28,
+    lambda q, k: ((q + 1).int() * 2 ** 30) // (k.int() * 2 - 7),
+    lambda q, k: ((q + 1).int() * 2 ** 30) % (k.int() * 2 - 7),
+    lambda q, k: (q - 3) // -2 + (q - 3) % -2 * 10,
+], ids=["min-mod", "wrapped-mod", "near-min-mod", "wrapped-div", "tensor-div", "tensor-mod", "negative-divisor"])
+def test_integer_floor_division_near_the_int32_minimum_gives_torchs_values(term):
+    """Floor division and remainder of int32 values within |divisor| of -2**31 (after
+    torch's int32 wrap): an intermediate of the kernels' floor (-a + b - 1, |a|)
+    overflowed there (x % 5 gave 8, x // 2**28 the other sign).  The score is the term
+    alone, so the LSE is its log-sum-exp over the keys (the term itself where it depends
+    on the query row only); torch computes the reference."""
+    q, k, v = _qkv(b=1, h=1, hk=1, sq=6, sk=8, dtype=F32)
+    qi, ki = torch.arange(6).view(6, 1), torch.arange(8).view(1, 8)
+    want = torch.logsumexp(term(qi, ki).float().expand(6, 8).double(), -1)
+    fn = lambda s, b, h, q_idx, kv_idx: s * 0 + term(q_idx, kv_idx).float()  # noqa: E731
+    _, lse = flashgen.attention(q, k, v, score_mod=fn, return_lse=True)
+    torch.testing.assert_close(lse[0, 0].double(), want, rtol=1e-6, atol=1e-4)
+
 def test_a_where_of_integer_constants_that_leaves_int32_is_refused():
     st = user_mods.trace(lambda s, b, h, q_idx, kv_idx: s + (torch.where(q_idx > 0, 2 ** 30, 0) * 4).float(), "score")
     with pytest.raises(UnsupportedError, match="torch.where .* of Python integer constants alone"):
