@@ -59,7 +59,7 @@ def _range(op, args, rs):
         return min(p), max(p)
     if op in ("floordiv", "mod"):
         (al, ah), (bl, bh) = rs
-        m = max(abs(al), abs(ah)) + max(abs(bl), abs(bh))  # the kernels' |a| + |b| - 1 (_floordiv_int)
+        m = max(abs(al), abs(ah)) + max(abs(bl), abs(bh))  # bounds b * (a // b) in a % b (conservative)
         if m > INT32[1]:
             return -m, m
         if op == "floordiv":

@@ -826,7 +826,7 @@ def test_the_index_ranges_are_those_torch_computes(index, chunk, monkeypatch):
     (lambda b, h, q, k: q * k * 10_000_000, (1, 1, 17, 23), True),  # 3.5e9 past int32
     (lambda b, h, q, k: q * k * 10_000_000, (1, 1, 4, 4), False),   # 9e7 fits
     (lambda b, h, q, k: (q * 2 ** 20) // (k + 1), (1, 1, 4096, 16), True),
-    (lambda b, h, q, k: (q * 2 ** 20) // (k + 1), (1, 1, 2048, 2 ** 20), True),  # |a| + |b| of the kernels' floor
+    (lambda b, h, q, k: (q * 2 ** 20) // (k + 1), (1, 1, 2048, 2 ** 20), True),  # |a| + |b|: the remainder's bound
     (lambda b, h, q, k: (q * 2 ** 20) // (k + 1), (1, 1, 1024, 1), False),
     (lambda b, h, q, k: q * 2 ** 40, (1, 1, 8, 8), False),          # an int64 constant: int64 in both
     (lambda b, h, q, k: (q - k).abs() + b * h, (64, 64, 131072, 131072), False),
