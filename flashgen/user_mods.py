@@ -1308,7 +1308,7 @@ def kernel_args(score: Traced | None, mask: Traced | None, grad_flags, sinks, si
     w = wide(score, mask, sizes[0], sizes[1], sizes[3], sizes[4]) if wide_ is None else wide_
     ls, lm = _as_run(score, mask, w)
     fwd = UserArgs(lowering("fwd", ls, lm, grad_flags, sinks is not None), bufs, [], mask, sizes,
-                   sinks.detach() if sinks is not None else None, device, mask_fn, keep)
+                   sinks.detach().contiguous() if sinks is not None else None, device, mask_fn, keep)
     if not backward or (score is None and mask is None):
         return fwd, None  # sinks alone: the plain backward kernels (sinks' gradient from LSE and delta)
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) if f else None

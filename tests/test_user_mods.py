@@ -344,6 +344,25 @@ def test_sinks_with_causal_and_a_window(tiles, window):
     assert got["dsinks"].abs().min() > 0
 
 
+
+@pytest.mark.parametrize("view", ["strided", "expanded"])
+def test_sinks_of_any_stride_are_read_per_head(tiles, view):
+    """A strided or expanded (num_heads,) sinks tensor: the kernel read it as contiguous
+    (head h at data_ptr + h: O off by 0.2 and the sinks' gradient by 0.02)."""
+    base = torch.nn.Parameter(torch.tensor([0.5, 9.0, -1.0, 9.0, 2.0, 9.0, 4.0, 9.0]))
+    q, k, v = _qkv(b=1, h=4, hk=2, sq=9, sk=11, dtype=F32)
+    sinks = base[::2] if view == "strided" else base[:1].expand(4)
+    do = torch.randn(1, 4, 9, 16, generator=torch.Generator().manual_seed(1))
+    o, lse = flashgen.attention(q, k, v, sinks=sinks, return_lse=True)
+    (o * do).sum().backward()
+    ref = base.detach().double().requires_grad_()
+    _, lo, hi = mask_bounds(9, 11, causal=False, window=(-1, -1))
+    ro, rl = user_mods.reference(q.double(), k.double(), v.double(), 0.25, lo, hi, None, None,
+                                 ref[::2] if view == "strided" else ref[:1].expand(4), torch.float64)
+    (ro * do.double()).sum().backward()
+    assert (o.double() - ro).abs().max() < 1e-5 and (lse.double() - rl).abs().max() < 1e-5
+    assert (base.grad.double() - ref.grad).abs().max() < 1e-5
+
 def test_sinks_take_the_backward_the_dispatcher_picks_and_its_delta(tiles, monkeypatch):
     """Sinks alone run the plain backward: the dispatcher's plan, a whole-backward
     family's too (the Gluon one on sm_90; here a stand-in running the Triton kernels),
