@@ -680,11 +680,29 @@ def _reads(fn, out: list, seen: set, depth: int, names: set | None = None) -> No
             out.append(val)
             values.append(val)
     if depth:
+        code_names = _global_names(fn.__code__)
         for val in values:
-            if (inspect.isfunction(val) and id(val) not in seen
-                    and not (getattr(val, "__module__", None) or "").startswith("torch")):
-                seen.add(id(val))
-                _reads(val, out, seen, depth - 1, names)
+            # a user module's functions that the code names (cfg.shape_fn) are helpers too
+            helpers = [val] + ([v for v in (vars(val).get(n) for n in code_names) if inspect.isfunction(v)]
+                               if _user_module(val) else [])
+            for f in helpers:
+                if (inspect.isfunction(f) and id(f) not in seen
+                        and not (getattr(f, "__module__", None) or "").startswith("torch")):
+                    seen.add(id(f))
+                    _reads(f, out, seen, depth - 1, names)
+
+
+#: Top-level packages whose modules a function reads as libraries (their attributes
+#: are functions and constants that do not change), not as namespaces of state.
+_LIBRARY_PACKAGES = frozenset({"torch", "numpy", "math", "cmath", "operator", "functools", "builtins", "triton",
+                               "flashgen", "typing", "collections", "itertools", "random", "os", "sys"})
+
+
+def _user_module(val) -> bool:
+    """Whether ``val`` is a module a function may read state from (``cfg.temperature``
+    of an ``import cfg``): a module outside :data:`_LIBRARY_PACKAGES`."""
+    return (isinstance(val, types.ModuleType)
+            and (getattr(val, "__name__", None) or "").partition(".")[0] not in _LIBRARY_PACKAGES)
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes, complex)
@@ -823,6 +841,11 @@ def _state(val, names, depth: int, objs: list, budget: list, own: bool = False):
         return ("items", type(val).__name__, tuple(((k if _scalar_token(k) is not None else id(k)),
                                                     _state(x, names, depth - 1, objs, budget)) for k, x in items))
     objs.append(val)
+    if _user_module(val):  # a module as a namespace of constants (and of helpers, by identity)
+        attrs = vars(val)
+        return ("mod", id(val), tuple((n, ("id", id(attrs[n])) if isinstance(attrs[n], _CODE_TYPES)
+                                       else _state(attrs[n], names, depth - 1, objs, budget))
+                                      for n in sorted(names) if n in attrs))
     if isinstance(val, type):  # a class as a namespace of constants
         own_attrs = vars(val)
         return ("cls", id(val), tuple((n, _state(own_attrs[n], names, 0, objs, budget)) for n in names
@@ -927,7 +950,7 @@ def _trace_key_code(fn) -> tuple[tuple, tuple, list, set]:
     objs: list = []
     budget = [_STATE_ITEMS]
     state = tuple(_state(r, names, _STATE_DEPTH - 1, objs, budget) for r in reads
-                  if not isinstance(r, (torch.Tensor, *_SCALARS, *_CODE_TYPES)))
+                  if not isinstance(r, (torch.Tensor, *_SCALARS, *_CODE_TYPES)) or _user_module(r))
     held = [r for r in reads if _scalar_token(r) is None and not isinstance(r, (list, tuple, dict))
             and not _is_array(r)]
     ident = ("code", fn.__code__, tuple(_ident_token(r) for r in reads), id(fn.__globals__))

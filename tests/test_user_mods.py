@@ -1602,6 +1602,37 @@ def test_a_double_backward_through_user_functions_is_refused(tiles):
         (gq ** 2).sum().backward()
 
 
+
+def test_attributes_of_an_imported_module_are_state(tiles, monkeypatch):
+    """``cfg.temperature`` of an ``import cfg`` (a configuration module): rebinding it
+    traces again (the module was keyed by identity alone, and the first value served
+    every later call: O off by 1.85), as does swapping a helper function of the module
+    or changing a global that helper reads; an unchanged module traces once."""
+    cfg = types.ModuleType("flashgen_test_cfg")
+    exec("temperature = 1.0\nscale = 1.0\ndef shape(s):\n    return s * scale\n", vars(cfg))
+    ns = {"cfg": cfg}
+    exec("def sm(score, b, h, q_idx, kv_idx):\n    return cfg.shape(score) * cfg.temperature\n", ns)
+    inits = []
+    real = user_mods.Traced.__init__
+    monkeypatch.setattr(user_mods.Traced, "__init__", lambda self, *a, **kw: inits.append(1) or real(self, *a, **kw))
+    q, k, v = _qkv(b=1, h=2, hk=2, sq=9, sk=11, dtype=F32)
+
+    def check(factor):
+        o = flashgen.attention(q, k, v, score_mod=ns["sm"])
+        ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.25 * factor, -1) @ v.double()
+        assert (o.double() - ref).abs().max() < 1e-5, factor
+
+    check(1.0)
+    check(1.0)
+    assert len(inits) == 1
+    cfg.temperature = 3.0
+    check(3.0)
+    cfg.scale = 0.5
+    check(1.5)
+    exec("def shape(s):\n    return s * 2.0\n", vars(cfg))
+    check(6.0)
+    assert len(inits) == 4
+
 def test_constants_read_from_arrays_are_read_again_when_the_array_changes(tiles, monkeypatch):
     """A NumPy array or an ``array.array`` that a score or mask function reads a constant
     from (``float(arr[1])``) is keyed by its contents: changed in place, the function is
