@@ -40,6 +40,14 @@ def _scale_in_range(softmax_scale) -> bool:
     return softmax_scale == 0 or SCALE_MIN <= abs(softmax_scale) <= SCALE_MAX
 
 
+def scale_range_reason(name: str, scale) -> str | None:
+    """Why a real ``scale`` (named ``name``) is handed to torch's attention: not finite,
+    or neither 0 nor a magnitude in [SCALE_MIN, SCALE_MAX]; None when flashgen takes it."""
+    if math.isfinite(scale) and _scale_in_range(scale):
+        return None
+    return f"{name} = {scale!r} (flashgen: 0 or a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}])"
+
+
 def _check_scale_causal(softmax_scale, causal):
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
@@ -959,8 +967,8 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
             return f"attn_mask on {attn_mask.device}, query on {query.device}"
         if attn_mask.requires_grad:
             return "attn_mask requires grad (flashgen computes no bias gradient)"
-        if attn_mask.dim() > 4:
-            return f"attn_mask has {attn_mask.dim()} dims"
+        if not 2 <= attn_mask.dim() <= 4:
+            return f"attn_mask has {attn_mask.dim()} dims (torch's SDPA reads its last two as the scores')"
         if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4:
             try:
                 torch.broadcast_shapes(tuple(attn_mask.shape), (query.shape[0], query.shape[1], query.shape[2],
@@ -971,6 +979,8 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         return f"dropout_p = {dropout_p!r}"
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         return f"scale of type {type_name(scale)}"
+    if scale is not None and scale_range_reason("scale", scale):
+        return scale_range_reason("scale", scale)
     if not isinstance(is_causal, bool):
         return f"is_causal of type {type_name(is_causal)}"
     if _forward_ad(query, key, value, attn_mask):

@@ -94,31 +94,38 @@ def test_flashgen_runs_it(interpret, monkeypatch):
     (dict(attn_mask="mask", is_causal=True), "attn_mask with is_causal=True"),
     (dict(attn_mask="grad"), "attn_mask requires grad"),
     (dict(dropout_p=1.0), "dropout_p = 1.0"),
+    (dict(scale=float("nan")), "scale = nan"),
+    (dict(scale=1e-31), "scale = 1e-31"),
+    (dict(attn_mask="1-D"), "attn_mask has 1 dims"),
+    (dict(attn_mask="0-D"), "attn_mask has 0 dims"),
 ])
 def test_fallbacks_are_torch_sdpa(kw, reason, monkeypatch):
+    """What flashgen cannot serve goes to torch's SDPA with torch's result or error (a
+    scale flashgen refuses and a mask of fewer than two dims raised flashgen's error or
+    ran where torch returns or raises)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v, _ = _inputs(1, 2, 2, 8, 8, 16, 16, torch.float32)
     m = kw.get("attn_mask")
     if isinstance(m, str):
         mask = torch.rand(8, 8) > 0.5
         mask[:, 0] = True
-        kw = {**kw, "attn_mask": {"mask": mask, "float64": mask.double(),
-                                  "grad": mask.float().requires_grad_()}[m]}
+        kw = {**kw, "attn_mask": {"mask": mask, "float64": mask.double(), "grad": mask.float().requires_grad_(),
+                                  "1-D": mask[0], "0-D": mask[0, 0]}[m]}
     calls = []
     real = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k_: calls.append(k_) or real(*a, **k_))
     monkeypatch.setattr(library, "forward_mods", lambda *a: pytest.fail("flashgen ran a call it cannot serve"))
     try:
         want = real(q, k, v, **kw)
-    except RuntimeError as e:
-        with pytest.raises(RuntimeError) as got:
+    except (RuntimeError, IndexError) as e:
+        with pytest.raises(type(e)) as got:
             flashgen.scaled_dot_product_attention(q, k, v, **kw)
         assert str(got.value) == str(e)
     else:
         got = flashgen.scaled_dot_product_attention(q, k, v, **kw)
         assert torch.equal(got, want)
     assert len(calls) == 1 and all(calls[0][n] is kw[n] or calls[0][n] == kw[n] for n in kw)
-    why = flashgen.explain(q, k, v, sdpa=True, causal=kw.get("is_causal", False),
+    why = flashgen.explain(q, k, v, sdpa=True, causal=kw.get("is_causal", False), softmax_scale=kw.get("scale"),
                            **{n: kw[n] for n in ("attn_mask", "dropout_p") if n in kw})
     assert why.backend == "torch-sdpa-fallback" and reason in why.reason and not why.kernels
     assert str(why).startswith("torch-sdpa-fallback: ") and reason in str(why)

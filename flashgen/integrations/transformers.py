@@ -290,9 +290,10 @@ def _reason(module, query, key, value, attention_mask, dropout, scaling, is_caus
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                        or sliding_window < 1):
         return f"sliding_window = {sliding_window!r} (flashgen: an int >= 1)"
-    if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)
-                                or not math.isfinite(scaling) or not api._scale_in_range(scaling)):
-        return (f"scaling = {scaling!r} (flashgen: 0 or a magnitude in [{api.SCALE_MIN:g}, {api.SCALE_MAX:g}])")
+    if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)):
+        return f"scaling = {scaling!r} (flashgen: 0 or a magnitude in [{api.SCALE_MIN:g}, {api.SCALE_MAX:g}])"
+    if scaling is not None and api.scale_range_reason("scaling", scaling):
+        return api.scale_range_reason("scaling", scaling)
     reason = api.sdpa_fallback_reason(query, key, value, attention_mask, dropout, False, scaling, enable_gqa=True)
     if reason is not None:
         return reason
