@@ -753,12 +753,15 @@ class TuningDB:
         return list(self._t.rows_where(" AND ".join(where) or None, params, order_by=order_by,
                                        limit=limit))
 
-    def has_row(self, row_id, key: str | None = None, variant_id: str | None = None) -> bool:
+    def has_row(self, row_id, key: str | None = None, variant_id: str | None = None,
+                created_at: str | None = None) -> bool:
         """Whether row ``row_id`` exists (and, where given, measured ``key`` and
-        ``variant_id``: row ids restart at 1 in every file, so an id alone may name
-        another file's row)."""
-        row = self._conn.execute(f"SELECT key, variant_id FROM {TABLE} WHERE id = ?", (row_id,)).fetchone()
-        return row is not None and (key is None or row[0] == key) and (variant_id is None or row[1] == variant_id)
+        ``variant_id`` at ``created_at``: row ids restart at 1 in every file, and in one
+        whose rows were all deleted, so an id alone may name another file's row)."""
+        row = self._conn.execute(f"SELECT key, variant_id, created_at FROM {TABLE} WHERE id = ?",
+                                 (row_id,)).fetchone()
+        return (row is not None and (key is None or row[0] == key) and (variant_id is None or row[1] == variant_id)
+                and (created_at is None or row[2] == created_at))
 
     def get(self, row_id: int) -> dict:
         return self._t.get(row_id)

@@ -199,8 +199,9 @@ class TuneResult:
 
 
 def study_name(env: Environment, key: ProblemKey, family_names: Iterable[str] | None = None) -> str:
-    """``<gpu slug>/<key id>/triton<version>/<template hash>``: a new Triton or template
-    starts a new study, as it invalidates the old rows.  The hash is the Triton family's
+    """``<gpu slug>-cc<compute capability>-<SM count>sm/<key id>/triton<version>/<template
+    hash>``: another GPU (a simulated ``--arch`` of one GPU name included), a new Triton
+    or template starts a new study, as its rows are another environment's.  The hash is the Triton family's
     where it is searched; each other searched family (``family_names``, default: every
     registered one that compiles the kernel) adds ``+<name>-<its hash>-<domain>``, with
     ``<domain>`` a digest of its knob domain for the key (:func:`_domain_digest`), so a
@@ -214,7 +215,8 @@ def study_name(env: Environment, key: ProblemKey, family_names: Iterable[str] | 
              and (family_names is None or f.name in set(family_names))]
     parts = [env.template_hash(kernel) if n == DEFAULT_FAMILY
              else f"+{n}-{env.template_hash(kernel, '', n)}-{_domain_digest(families.get(n), key)}" for n in names]
-    return f"{slug}/{key.id}/triton{env.triton_version}/{''.join(parts)}"
+    gpu = f"{slug}-cc{env.compute_capability.replace('.', '')}-{env.sm_count}sm"
+    return f"{gpu}/{key.id}/triton{env.triton_version}/{''.join(parts)}"
 
 
 def _domain_digest(fam, key: ProblemKey) -> str:
@@ -804,8 +806,8 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
                       float(max(0, est.total_bytes - est.limit_bytes))]
         trial.set_constraint("rules_violated", constraint[0])
         trial.set_constraint("smem_excess_bytes", constraint[1])
-        for name, val in (("variant_id", v.id), ("status", row["status"]),
-                          ("row_id", row["id"]), ("constraint", constraint)):
+        for name, val in (("variant_id", v.id), ("status", row["status"]), ("row_id", row["id"]),
+                          ("created_at", row.get("created_at")), ("constraint", constraint)):
             trial.set_user_attr(name, val)
         done += row["status"] not in REJECTED
         if on_trial is not None:
@@ -834,11 +836,14 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
 
 def _check_study_rows(study: optuna.Study, db: TuningDB, key: ProblemKey) -> None:
     """Raise InputError when ``study``'s finished trials name no row of ``key`` in ``db``
-    (row ids restart at 1 in a new or another file): it was tuned into another database,
-    and its trials would count here while nothing is searched."""
+    (row ids restart at 1 in a new or another file, and after ``import --replace``
+    deleted every row: a row is named by its id, key, variant and measurement time):
+    it was tuned into another database, and its trials would count here while nothing
+    is searched."""
     finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if finished and not any(db.has_row(t.user_attrs.get("row_id"), key=key.id,
-                                       variant_id=t.user_attrs.get("variant_id")) for t in finished):
+                                       variant_id=t.user_attrs.get("variant_id"),
+                                       created_at=t.user_attrs.get("created_at")) for t in finished):
         raise InputError(
             f"the Optuna storage holds finished trials of study {study.study_name!r}, but "
             f"none of their measurements is in {db.path} (was the DB replaced?); delete the "

@@ -145,26 +145,46 @@ def test_tune_fake_model_runs_the_whole_path_and_explain_picks_its_rows(tmp_path
     assert r.output.count("(tuned; row attn_") == 3 and str(db) in r.output, r.output
 
 
-@pytest.mark.parametrize("how", ["another", "deleted", "import-replace"])
+def test_simulated_archs_in_one_db_search_their_own_studies(tmp_path):
+    """``--arch sm_80`` then ``--arch sm_86`` into one DB (one simulated GPU name): each
+    arch's study is its own (the second counted the first's trials and measured only the
+    default under its own rules)."""
+    db = tmp_path / "a.sqlite"
+    for arch in ("sm_80", "sm_86"):
+        r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake-model", "--arch", arch, "--db", db,
+                   "--trials", 3)
+        assert r.exit_code == 0, r.output
+    rows = sqlite3.connect(db).execute("SELECT compute_capability, key, COUNT(*) FROM measurements "
+                                       "GROUP BY compute_capability, key").fetchall()
+    assert {cc for cc, _, _ in rows} == {"8.0", "8.6"} and all(n >= 3 for _, _, n in rows), rows
+
+
+@pytest.mark.parametrize("how", ["another", "deleted", "import-replace", "import-replace-aligned"])
 def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how):
     """The Optuna journal kept beside a database that was replaced (another database's
     rows, whose ids restart at 1 too), deleted, or whose rows ``import --replace``
     replaced at some keys: the resumed tune stops before its first key, naming the
     storage, before any row is written (every key's study is checked first: a key whose
     trials still name rows would otherwise be tuned and written before the stale one),
-    instead of counting the old trials and searching nothing."""
+    instead of counting the old trials and searching nothing.  "import-replace-aligned":
+    both tunes of the same kernels and trial counts, so every replaced row's id, key and
+    variant (the default's, each key's first) recur in the new rows: the measurement
+    time tells them apart."""
     import shutil
 
     db = tmp_path / "p.sqlite"
-    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 1 if how == "import-replace" else 3)
+    kernels = ["--kernels", "fwd"] if how == "import-replace-aligned" else []
+    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 1 if how == "import-replace" else 3,
+               *kernels)
     assert r.exit_code == 0, r.output
     other = tmp_path / "other.sqlite"
-    if how == "import-replace":  # every key, other configs
-        r = invoke("tune", "--preset", "small", "--fake-model", "--db", other, "--trials", 3, "--seed", 3)
+    if how.startswith("import-replace"):  # every key, other configs
+        r = invoke("tune", "--preset", "small", "--fake-model", "--db", other, "--trials", 3,
+                   "--seed", 5 if kernels else 3, *kernels)
     else:
         r = invoke("tune", "--preset", "small", "--kernels", "bwd_dq", "--fake-model", "--db", other, "--trials", 3)
     assert r.exit_code == 0, r.output
-    if how == "import-replace":
+    if how.startswith("import-replace"):
         r = invoke("import", other, "--db", db, "--replace")
         assert r.exit_code == 0, r.output
     else:
@@ -172,7 +192,7 @@ def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how
     if how == "another":
         shutil.copy(other, db)
     before = sqlite3.connect(db).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] if db.exists() else 0
-    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 3)
+    r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 3 + 2 * bool(kernels), *kernels)
     assert r.exit_code == 2 and "was the DB replaced?" in r.output, r.output
     if how == "deleted":
         assert not db.exists() and not list(tmp_path.glob("p.sqlite-*"))  # nothing written, no side files
