@@ -12,6 +12,7 @@ file never creates -wal/-shm files beside it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -591,18 +592,24 @@ class TuningDB:
         if not dedupe:
             return self._t.insert(row).last_rowid
         where, params = self._filters(key=key, variant_id=variant.id, env=env)
+        with self._immediate():
+            hit = self._conn.execute(f"SELECT id FROM {TABLE} WHERE {' AND '.join(where)} "
+                                     "ORDER BY [status] = 'ok' DESC, id LIMIT 1", params).fetchone()
+            if hit is not None:
+                return hit[0]
+            return self._t.insert(row).last_rowid
+
+    @contextlib.contextmanager
+    def _immediate(self):
+        """One ``BEGIN IMMEDIATE`` transaction (the write lock taken before the first
+        read, so another process's writes cannot fall between what is read and what is
+        written): committed on exit, rolled back on an exception."""
         if self._conn.in_transaction:  # an implicit one left open by a read
             self._conn.commit()
         self._conn.execute("BEGIN IMMEDIATE")
         try:
-            hit = self._conn.execute(f"SELECT id FROM {TABLE} WHERE {' AND '.join(where)} "
-                                     "ORDER BY [status] = 'ok' DESC, id LIMIT 1", params).fetchone()
-            if hit is not None:
-                self._conn.execute("COMMIT")
-                return hit[0]
-            rowid = self._t.insert(row).last_rowid
+            yield
             self._conn.execute("COMMIT")  # sqlite-utils leaves an outer transaction open
-            return rowid
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
@@ -669,20 +676,22 @@ class TuningDB:
         ``rows``."""
         cols = [c for c in COLUMNS if c != "id"]
         dropped = {r["id"] for r in drop}
-        have = {tuple(r[1:]) for r in self._conn.execute(
-            f"SELECT id, {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}") if r[0] not in dropped}
-        new = []
-        for r in rows:
-            ident = tuple(r.get(c) for c in IDENTITY)
-            if ident not in have:
-                have.add(ident)
-                new.append({c: r.get(c) for c in cols})
-        if not checked:
-            check_rows(new, source)
-        for r in new:  # derived: counted as this version counts it
-            r["tflops"] = derived_tflops(r)
         self._add_missing_columns()
-        with self._conn:
+        # what this DB has is read in the writing transaction: two merges of one source
+        # at once each found every row missing and added it
+        with self._immediate():
+            have = {tuple(r[1:]) for r in self._conn.execute(
+                f"SELECT id, {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}") if r[0] not in dropped}
+            new = []
+            for r in rows:
+                ident = tuple(r.get(c) for c in IDENTITY)
+                if ident not in have:
+                    have.add(ident)
+                    new.append({c: r.get(c) for c in cols})
+            if not checked:
+                check_rows(new, source)
+            for r in new:  # derived: counted as this version counts it
+                r["tflops"] = derived_tflops(r)
             ids = sorted(dropped)
             for i in range(0, len(ids), 500):
                 part = ids[i:i + 500]

@@ -307,6 +307,33 @@ def test_two_processes_writing_lose_nothing(tmp_path):
     assert sqlite3.connect(path).execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
+
+def _merger(out, source):
+    with TuningDB(out) as d:
+        d.merge_from(source)
+
+
+def test_concurrent_merges_of_one_source_add_each_row_once(tmp_path):
+    """Three processes merging the shipped H200 database into one new file at once: each
+    row once (each merge read what the file had before taking the write lock, found every
+    row missing and added it: three copies)."""
+    import shutil
+
+    from flashgen.dispatch import shipped_databases
+
+    source = tmp_path / "in.sqlite"
+    shutil.copy(next(p for p in shipped_databases() if p.name == "h200.sqlite"), source)
+    out = tmp_path / "out.sqlite"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_merger, args=(out, source)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    n = sqlite3.connect(source).execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+    assert sqlite3.connect(out).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == n > 1000
+
 def test_readonly_reads_and_refuses_writes(tmp_path):
     path = tmp_path / "odd dir #1?" / "shipped.sqlite"
     with TuningDB(path) as w:
