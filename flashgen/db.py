@@ -30,8 +30,8 @@ from . import families
 from .env import (INTERPRETER_GPU, MATCH_COLUMNS, SIBLING_COLUMNS, SYNTHETIC_GPU_SUFFIXES, VERSION_COLUMNS,
                   Environment, real_gpu)
 from .errors import InputError
-from .spec import (ALL_KERNELS, KERNELS, STATUSES, TIMING_WINDOW, Measurement, kernel_mods, ProblemKey, Shape,
-                   TileConfig, Variant, shape_flops)
+from .spec import (ALL_KERNELS, KERNELS, STATUSES, TIMING_WINDOW, Measurement, kernel_mods, is_decode, ProblemKey,
+                   Shape, TileConfig, Variant, shape_flops)
 
 TABLE = "measurements"
 #: TileConfig knobs of the Gluon family (:class:`flashgen.spec.TileConfig`): a row stores
@@ -301,12 +301,25 @@ def rules_admit(r: dict) -> bool:
         return False
     try:
         key, cfg = ProblemKey.from_row(r), TileConfig.from_dict(r)
-        if _out_of_range(cfg) or fam.violated_rules(Variant(key.spec, cfg)):
+        if _bucket_problem(r, key) or _out_of_range(cfg) or fam.violated_rules(Variant(key.spec, cfg)):
             return False
         key_reasons = getattr(fam, "key_reasons", None)  # optional: rules that need the key's sizes
         return not (key_reasons is not None and key_reasons(key, cfg))
     except Exception:  # noqa: BLE001 - a hand-edited row (a zero, a wrong type) is not served
         return False
+
+
+def _bucket_problem(r: dict, key: ProblemKey) -> str | None:
+    """Why the size columns of the row ``r`` (of ``key``) are no bucket of flashgen's
+    (the dispatcher and the tuner take their log2: nearest buckets, transfers), or None."""
+    least_q = 1 if is_decode(key.spec.kernel) else 16
+    for col, least in (("seqlen_q_bucket", least_q), ("seqlen_k_bucket", 16), ("batch_heads_bucket", 1)):
+        val = r[col]
+        if not (type(val) is int and val >= least and val & (val - 1) == 0):
+            return f"{col} must be a power of two >= {least} (a bucket of flashgen's), got {val!r}"
+    if not (type(r["group_size"]) is int and r["group_size"] >= 1):
+        return f"group_size must be a whole number >= 1, got {r['group_size']!r}"
+    return None
 
 
 def _row_problem(r) -> str | None:
@@ -339,6 +352,9 @@ def _row_problem(r) -> str | None:
         return f"bad kernel or config fields ({type(e).__name__}: {e})"
     if key.id != r["key"]:
         return f"key {r['key']!r} disagrees with its columns ({key.id})"
+    bad = _bucket_problem(r, key)
+    if bad:
+        return bad
     if _out_of_range(cfg):
         return f"config {cfg.id} has a knob out of range"
     fam = families.FAMILIES[family or families.portable().name]

@@ -108,6 +108,38 @@ def test_import_json_and_sqlite_never_lose_user_rows(tmp_path):
         assert db.best(KEY, ENV_B)["median_ms"] == 2.5
 
 
+
+@pytest.mark.parametrize("col, val, rule", [
+    ("seqlen_q_bucket", 0, "seqlen_q_bucket must be a power of two >= 16"),
+    ("seqlen_k_bucket", 100, "seqlen_k_bucket must be a power of two >= 16"),
+    ("batch_heads_bucket", -4, "batch_heads_bucket must be a power of two >= 1"),
+    ("group_size", 0, "group_size must be a whole number >= 1"),
+])
+def test_import_refuses_sizes_that_are_no_bucket_and_the_dispatcher_skips_them(tmp_path, col, val, rule):
+    """A row whose size columns are no bucket (0, -4, 100; a group of 0), its key made to
+    agree: import names the column and the rule (it took the row, and every later lookup
+    of the spec raised a math domain error from the nearest-bucket search); a row edited
+    so in the file is not served."""
+    from flashgen import dispatch
+    from flashgen.spec import ProblemKey
+
+    src = tmp_path / "src.sqlite"
+    _fill(src, ENV_A, {(64, 64): 2.0})
+    exp = tmp_path / "src.json"
+    assert run("export", exp, src).exit_code == 0
+    data = json.loads(exp.read_text())
+    row = dict(data["rows"][0], **{col: val})
+    row["key"] = ProblemKey.from_row(row).id
+    data["rows"] = [row]
+    exp.write_text(json.dumps(data))
+    res = run("import", exp, "--db", tmp_path / "mine.sqlite")
+    assert res.exit_code == 2 and rule in res.output and not (tmp_path / "mine.sqlite").exists(), res.output
+    with sqlite3.connect(src) as c:
+        c.execute(f"UPDATE measurements SET [{col}] = ?, key = ?", (val, row["key"]))
+    d = dispatch.Dispatcher([src], env=ENV_A)
+    other = Shape(1, 16, 16, 300, 300).key(SPEC)
+    assert d.choose(other).source == "default"
+
 @pytest.mark.parametrize("kind", ["corrupt", "foreign", "bad_json"])
 def test_foreign_or_corrupt_files_get_a_clear_error_and_stay_untouched(tmp_path, kind):
     bad = tmp_path / ("bad.json" if kind == "bad_json" else "bad.sqlite")
