@@ -140,11 +140,22 @@ def test_import_refuses_sizes_that_are_no_bucket_and_the_dispatcher_skips_them(t
     other = Shape(1, 16, 16, 300, 300).key(SPEC)
     assert d.choose(other).source == "default"
 
-@pytest.mark.parametrize("kind", ["corrupt", "foreign", "bad_json"])
+
+@pytest.mark.parametrize("kind", ["corrupt", "damaged", "foreign", "bad_json"])
 def test_foreign_or_corrupt_files_get_a_clear_error_and_stay_untouched(tmp_path, kind):
+    """Not SQLite, SQLite with damaged data pages behind a sound schema page (read as a
+    flashgen database before: tracebacks, and a tune wrote a row into it), another
+    program's tables, or not JSON: one line naming the file, exit 2, nothing changed."""
+    from flashgen.dispatch import shipped_databases
+
     bad = tmp_path / ("bad.json" if kind == "bad_json" else "bad.sqlite")
     if kind == "corrupt":
         bad.write_bytes(b"this is not sqlite at all" * 100)
+    elif kind == "damaged":
+        data = bytearray(next(p for p in shipped_databases() if p.name == "h100.sqlite").read_bytes())
+        for i in range(100_000, len(data) - 4096, 4096):
+            data[i:i + 200] = b"\xff" * 200
+        bad.write_bytes(bytes(data))
     elif kind == "foreign":
         c = sqlite3.connect(bad)
         c.execute("CREATE TABLE users (name TEXT)")
@@ -160,7 +171,8 @@ def test_foreign_or_corrupt_files_get_a_clear_error_and_stay_untouched(tmp_path,
     cmds = [("import", bad, "--db", good)]
     if kind != "bad_json":
         cmds += [("show", "--db", bad), ("merge", good, bad), ("merge", bad, good),
-                 ("export", tmp_path / "x.json", bad)]
+                 ("export", tmp_path / "x.json", bad),
+                 ("tune", "--preset", "small", "--fake-model", "--trials", 1, "--db", bad)]
     for cmd in cmds:
         res = run(*cmd)
         assert res.exit_code == 2, (cmd, res.output)
