@@ -838,7 +838,10 @@ def bench(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="'--shape'") from None
     if preset or not shape:
-        cases = compare.cases_from_presets(preset or ["fa-grid"]) + cases
+        try:
+            cases = compare.cases_from_presets(preset or ["fa-grid"]) + cases
+        except KeyError as e:
+            raise typer.BadParameter(e.args[0], param_hint="'--preset'") from None
     if not torch.cuda.is_available():
         Console().print("[red]error:[/] flashgen bench needs a CUDA GPU (torch.cuda.is_available() is False)")
         raise typer.Exit(2)

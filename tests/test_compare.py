@@ -357,3 +357,12 @@ def test_time_ms_repeats_a_long_call_at_least_min_repeats_times(monkeypatch, cal
     assert first == (1, 1)  # one millisecond: the sizing call
     assert warm >= bench.MIN_WARMUP_CALLS and reps >= repeats
     assert reps <= 1.25 * repeats
+
+
+@pytest.mark.parametrize("preset", ["decode", "mods-bias", "varlen-docs", "user-examples"])
+def test_bench_names_a_preset_it_does_not_run(preset):
+    """A tune preset that ``flashgen bench`` has no runner for is a usage error naming
+    --preset and the script that measures it (it was a KeyError traceback)."""
+    r = runner.invoke(app, ["bench", "--preset", preset, "--no-plots"])
+    assert r.exit_code == 2 and "'--preset'" in r.output and "benchmarks/" in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
