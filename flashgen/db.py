@@ -255,6 +255,7 @@ def row_count(path: Path) -> int:
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
         return 0
+    tidy = not _wal_files(path)  # a read-only read of a WAL-mode file leaves its -wal and -shm
     try:
         conn = _connect_readonly(path)
         try:
@@ -264,6 +265,8 @@ def row_count(path: Path) -> int:
             return conn.execute(f"SELECT COUNT(*) FROM {TABLE}").fetchone()[0]
         finally:
             conn.close()
+            if tidy:
+                tidy_side_files(path)
     except sqlite3.DatabaseError:
         return -1
 

@@ -6,7 +6,7 @@ import sqlite3
 import pytest
 
 from flashgen import render
-from flashgen.db import TuningDB, derived_tflops
+from flashgen.db import TuningDB, derived_tflops, row_count
 from flashgen.env import Environment
 from flashgen.spec import (TIMING_WINDOW, KernelSpec, Measurement, Shape, TileConfig, Variant, attention_flops,
                            shape_flops, varlen_lengths)
@@ -409,6 +409,7 @@ def test_reading_a_wal_file_leaves_no_files_beside_it(tmp_path):
         assert len(ro.rows()) == 1
         assert _side_files(path) == ["-shm", "-wal"]
     assert _side_files(path) == [] and path.read_bytes() == before
+    assert row_count(path) == 1 and _side_files(path) == []  # what a stopped tune reports counts alike
     ro = TuningDB(path, readonly=True)
     writer = sqlite3.connect(str(path))
     assert writer.execute("SELECT COUNT(*) FROM measurements").fetchone() == (1,)
