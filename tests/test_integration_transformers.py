@@ -771,3 +771,25 @@ def test_repeated_plain_calls_skip_the_checks_alike(calls, monkeypatch):
     out, _ = fg_tf.attention_forward(mod, q, k, v, None, scaling=0.25)
     assert len(checked) == n + 1 and calls[-1]["causal"] is False and calls[-1]["shapes"][1] == (1, 2, 8, 16)
     fg_tf._PLAIN.clear()
+
+
+def test_output_attentions_runs_the_models_eager_attention():
+    """output_attentions=True: the model's eager attention runs and returns the weights
+    (flashgen returned none, with no warning), after a warning naming the reason; the
+    next call without it runs flashgen's kernels again."""
+    ref, got = _pair(_llama, "eager")
+    ids = torch.randint(1, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    fg_tf._warned.clear()
+    with torch.no_grad(), pytest.warns(UserWarning, match="output_attentions=True"):
+        g = got(input_ids=ids, output_attentions=True)
+    with torch.no_grad():
+        r = ref(input_ids=ids, output_attentions=True)
+    assert len(g.attentions) == len(r.attentions) == 2
+    for a, b in zip(g.attentions, r.attentions):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(g.logits, r.logits)
+    q = torch.randn(1, 4, 8, 16)
+    k = torch.randn(1, 2, 8, 16)
+    mod = got.model.layers[0].self_attn
+    assert fg_tf.fallback_reason(mod, q, k, k, None) is None
+    assert "output_attentions" in fg_tf.fallback_reason(mod, q, k, k, None, output_attentions=True)

@@ -75,7 +75,8 @@ attention module hands them to ``sdpa_attention_forward``):
 Everything else falls back, with the reason from :func:`fallback_reason` (also given
 in a one-time warning per reason): to transformers' ``sdpa_attention_forward`` with the
 same arguments, or, for what sdpa lacks (``softcap``, attention sinks ``s_aux``), to
-the model's own ``eager_attention_forward``.  Reasons: a ``position_bias`` (learned,
+the model's own ``eager_attention_forward``, which also serves ``output_attentions=True``
+(the weights, which flashgen never forms).  Reasons: a ``position_bias`` (learned,
 needs a gradient), ``s_aux`` with an additive (not bool) mask or a bool one other than
 causal / window with key padding or packed documents, with dropout > 0 or with softcap, or that is not a
 floating (num_heads,) tensor on the query's device, a mask that is not a tensor (a
@@ -275,6 +276,9 @@ def _reason_and_sinks_mask(module, query, key, value, attention_mask, dropout=0.
 def _reason(module, query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window, softcap,
             **kwargs) -> str | None:
     """:func:`fallback_reason` but for the check of the sinks' bool mask."""
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True (flashgen never forms the attention weights; the model's eager attention " \
+               "returns them)"
     if kwargs.get("position_bias") is not None:
         return "position_bias (a learned per-layer bias; flashgen's bias gets no gradient)"
     s_aux = kwargs.get("s_aux")
@@ -443,7 +447,7 @@ def _fallback(reason, module, query, key, value, attention_mask, dropout, scalin
     causal = _module_causal(module, is_causal)
     sq, sk = query.shape[2], key.shape[2]
     mask = attention_mask
-    needs_eager = softcap is not None or kwargs.get("s_aux") is not None
+    needs_eager = softcap is not None or kwargs.get("s_aux") is not None or bool(kwargs.get("output_attentions"))
     if mask is None and causal and (needs_eager or sliding_window is not None):
         # The pattern attention_forward would run: :func:`attention_mask` may have dropped
         # a sliding-window mask that sdpa and eager need spelled out.
@@ -478,7 +482,7 @@ def _plain_key(module, query, key, value, dropout, scaling, is_causal, sliding_w
     """The key of :data:`_PLAIN` for a call without a mask, or None (sinks, a position
     bias, a tensor subclass: the checks run every call).  Values with their types (the
     checks tell 1 from True); only calls that passed every check are recorded."""
-    if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+    if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None or kwargs.get("output_attentions"):
         return None
     if not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor):
         return None
