@@ -22,12 +22,12 @@ their block), and at most ``extent`` atomics per tile.  Index values outside [0,
 extent) (torch raises on them) contribute nothing.  Larger extents keep the
 per-element atomics.  docs/design.md gives the operation counts and the predicted time.
 
-Kept apart from :mod:`flashgen.user_render`: a user variant's name hashes the id of
-that module's machinery (:func:`flashgen.user_render.machinery_hash`, kept across edits
-that leave the user examples' code unchanged: :mod:`flashgen.user_machinery`).  A
-lowering with a reduced gradient is a :class:`Reduced` (its name also hashes this
-module and the reduced gradients' extents); every other lowering, its name and its
-rendered source stay as they were.
+Kept apart from :mod:`flashgen.user_render` on purpose: a user variant's name hashes
+that module's bytes (:func:`flashgen.user_render.machinery_hash`), so an edit there
+would rename every user variant and drop every tuned user row.  A lowering with a
+reduced gradient is a :class:`Reduced` (its name also hashes this module and the
+reduced gradients' extents); every other lowering, its name and its rendered source
+stay as they were.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import InputError, UnsupportedError, bench, heuristics, user_grads, user_mods, user_render
+from flashgen import InputError, UnsupportedError, bench, heuristics, user_examples, user_grads, user_mods, user_render
 from flashgen.masks import mask_bounds
 from flashgen.spec import KernelSpec, TileConfig, Variant, compiled_variant, is_user_mods
 
@@ -2125,3 +2125,25 @@ def test_the_probe_sources_are_the_user_examples_code():
     assert len(srcs) > 1000 and all(s.lstrip().startswith(("#", "import", '"""')) for s in srcs[:50])
     assert sum("UT0" in s for s in srcs) > len(srcs) // 2
     assert user_render.registered("u000000000000") is None  # the fixed probe names are not left registered
+
+
+def test_the_user_examples_names_are_the_shipped_rows_names():
+    """Every user example's forward and backward variant name at 16 heads and seqlen 2048
+    (the user-examples preset's size) names rows of the shipped H200 database: an edit
+    that renames them (of user_render.py or the overlay without a kept machinery id, or
+    of user_grads.py, whose bytes a reduced gradient's name hashes) would leave those
+    rows unused."""
+    import sqlite3
+
+    from flashgen.dispatch import shipped_databases
+
+    db = next(p for p in shipped_databases() if p.name == "h200.sqlite")
+    shipped = {m for (m,) in sqlite3.connect(f"file:{db}?immutable=1", uri=True).execute(
+        "SELECT DISTINCT mods FROM measurements WHERE mods LIKE 'u%'")}
+    names = set()
+    for name in user_examples.NAMES:
+        ex = user_examples.make(name, 16, 2048)
+        sm, mm = ex.functions(*ex.tensors)
+        q = torch.empty(1, 16, 2048, 64, dtype=torch.bfloat16)
+        names |= {n for n in user_mods.variant_names(q, q, score_mod=sm, mask_mod=mm, sinks=ex.sinks) if n}
+    assert len(names) == 13 and names <= shipped, sorted(names - shipped)
