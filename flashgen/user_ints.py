@@ -203,7 +203,7 @@ NARROW = {"uint8": (8, False), "int8": (8, True), "int16": (16, True)}
 #: Integer operations whose operands torch brings to one dtype (and Python integers
 #: to it, modulo 2**bits), the comparisons included.
 _NARROWED = ("add", "sub", "mul", "floordiv", "mod", "minimum", "maximum", "and", "or", "xor",
-             "lt", "le", "gt", "ge", "eq", "ne", "where")
+             "lshift", "rshift", "lt", "le", "gt", "ge", "eq", "ne", "where")
 
 
 def narrow_dtype(g: Graph, bufs: tuple, v, memo: dict) -> str | None:
@@ -223,15 +223,23 @@ def narrow_dtype(g: Graph, bufs: tuple, v, memo: dict) -> str | None:
         out = bufs[n.args[0]].dtype if bufs[n.args[0]].dtype in NARROW else None
     elif n.op == "cast":
         out = n.args[1] if n.args[1] in NARROW else None
-    elif n.op in ("neg", "abs", "not", "clamp", "lshift", "rshift"):
+    elif n.op in ("neg", "abs", "not", "clamp"):
         out = narrow_dtype(g, bufs, n.args[0], memo)
     elif n.op in _NARROWED:
-        refs = [a for a in (n.args[1:] if n.op == "where" else n.args)
-                if isinstance(a, Ref) and g.nodes[a.i].dtype == "int"]
-        ds = [narrow_dtype(g, bufs, a, memo) for a in refs]
-        out = _promote_narrow(ds) if refs and None not in ds else None
+        out = _narrow_of(g, bufs, n.args[1:] if n.op == "where" else n.args, memo)
     memo[v.i] = out
     return out
+
+
+def _narrow_of(g: Graph, bufs: tuple, operands, memo: dict) -> str | None:
+    """torch's dtype for integer ``operands`` where it is 8 or 16 bits, else None: the
+    integer values among them that vary with an input (b, h, q, k, the score) decide it,
+    a value that does not (a 0-dim tensor in torch: ``t[0]``, a captured scalar) only
+    where none varies, as torch lets dimensioned tensors decide over 0-dim ones."""
+    refs = [a for a in operands if isinstance(a, Ref) and g.nodes[a.i].dtype == "int"]
+    use = [a for a in refs if g.deps(a)] or refs
+    ds = [narrow_dtype(g, bufs, a, memo) for a in use]
+    return _promote_narrow(ds) if use and None not in ds else None
 
 
 def _promote_narrow(ds) -> str:
@@ -274,26 +282,23 @@ def narrow_operands(g: Graph, bufs: tuple, op: str, vals: list, memo: dict) -> l
     undefined."""
     first = 1 if op == "where" else 0
     ops = vals[first:]
-    if op in ("lshift", "rshift"):
-        d = narrow_dtype(g, bufs, ops[0], memo)
-        if d is not None and not isinstance(ops[1], Ref) and not 0 <= int(ops[1]) < NARROW[d][0]:
-            raise UnsupportedError(f"a shift of a {d} value by {int(ops[1])} (flashgen: a constant shift of an "
-                                   f"8- or 16-bit integer lies in [0, {NARROW[d][0]}))")
-        return vals
-    if op not in _NARROWED:
-        return vals
-    refs = [a for a in ops if isinstance(a, Ref) and g.dtype(a) == "int"]
-    ds = [narrow_dtype(g, bufs, a, memo) for a in refs]
-    if not refs or None in ds or any(isinstance(a, Ref) and g.dtype(a) == "float" for a in ops) \
+    if op not in _NARROWED or any(g.dtype(a) == "float" for a in ops if isinstance(a, Ref)) \
             or any(isinstance(a, float) for a in ops):
         return vals
-    t = _promote_narrow(ds)
+    t = _narrow_of(g, bufs, ops, memo)
+    if t is None:
+        return vals
+    shift = op in ("lshift", "rshift")
+    if shift and not isinstance(ops[1], Ref) and not 0 <= int(ops[1]) < NARROW[t][0]:
+        raise UnsupportedError(f"a shift of a {t} value by {int(ops[1])} (flashgen: a constant shift of an "
+                               f"8- or 16-bit integer lies in [0, {NARROW[t][0]}))")
     out = list(vals[:first])
-    for a in ops:
+    for n, a in enumerate(ops):
         if isinstance(a, Ref):
+            # a bool, a narrow value of another dtype, a 0-dim value beside varying ones
             if g.dtype(a) == "bool" or narrow_dtype(g, bufs, a, memo) != t:
                 a = g.cast(a, t)
-        elif isinstance(a, int) and not isinstance(a, bool):
+        elif isinstance(a, int) and not isinstance(a, bool) and not (shift and n == 1):
             a = _checked(a, t, "torch.where") if op == "where" else wrap(a, t)
         out.append(a)
     return out

@@ -680,16 +680,18 @@ def _reads(fn, out: list, seen: set, depth: int, names: set | None = None) -> No
             out.append(val)
             values.append(val)
     if depth:
-        code_names = _global_names(fn.__code__)
         for val in values:
-            # a user module's functions that the code names (cfg.shape_fn) are helpers too
-            helpers = [val] + ([v for v in (vars(val).get(n) for n in code_names) if inspect.isfunction(v)]
-                               if _user_module(val) else [])
-            for f in helpers:
-                if (inspect.isfunction(f) and id(f) not in seen
-                        and not (getattr(f, "__module__", None) or "").startswith("torch")):
-                    seen.add(id(f))
-                    _reads(f, out, seen, depth - 1, names)
+            if type(val) is types.ModuleType:
+                if _user_module(val):  # its functions that the code names (cfg.shape) are helpers too
+                    code_names = _global_names(fn.__code__)
+                    for f in [v for v in (vars(val).get(n) for n in code_names) if inspect.isfunction(v)]:
+                        if id(f) not in seen:
+                            seen.add(id(f))
+                            _reads(f, out, seen, depth - 1, names)
+            elif (inspect.isfunction(val) and id(val) not in seen
+                    and not (getattr(val, "__module__", None) or "").startswith("torch")):
+                seen.add(id(val))
+                _reads(val, out, seen, depth - 1, names)
 
 
 #: Top-level packages whose modules a function reads as libraries (their attributes
@@ -710,6 +712,10 @@ _SCALARS = (type(None), bool, int, float, str, bytes, complex)
 #: test than inspect's predicates, on every call).
 _CODE_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType,
                types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType, types.ModuleType)
+
+
+#: What :func:`_trace_key_code` does not key as state (a user module aside).
+_NOT_STATE = (torch.Tensor, *_SCALARS, *_CODE_TYPES)
 
 
 def _scalar_token(val):
@@ -841,11 +847,12 @@ def _state(val, names, depth: int, objs: list, budget: list, own: bool = False):
         return ("items", type(val).__name__, tuple(((k if _scalar_token(k) is not None else id(k)),
                                                     _state(x, names, depth - 1, objs, budget)) for k, x in items))
     objs.append(val)
-    if _user_module(val):  # a module as a namespace of constants (and of helpers, by identity)
+    if type(val) is types.ModuleType and _user_module(val):
+        # a module as a namespace of constants (helpers by identity; a submodule as one)
         attrs = vars(val)
-        return ("mod", id(val), tuple((n, ("id", id(attrs[n])) if isinstance(attrs[n], _CODE_TYPES)
-                                       else _state(attrs[n], names, depth - 1, objs, budget))
-                                      for n in sorted(names) if n in attrs))
+        return ("mod", id(val), tuple(sorted(
+            (n, ("id", id(attrs[n])) if isinstance(attrs[n], _CODE_TYPES) and not _user_module(attrs[n])
+             else _state(attrs[n], names, depth - 1, objs, budget)) for n in names if n in attrs)))
     if isinstance(val, type):  # a class as a namespace of constants
         own_attrs = vars(val)
         return ("cls", id(val), tuple((n, _state(own_attrs[n], names, 0, objs, budget)) for n in names
@@ -950,7 +957,7 @@ def _trace_key_code(fn) -> tuple[tuple, tuple, list, set]:
     objs: list = []
     budget = [_STATE_ITEMS]
     state = tuple(_state(r, names, _STATE_DEPTH - 1, objs, budget) for r in reads
-                  if not isinstance(r, (torch.Tensor, *_SCALARS, *_CODE_TYPES)) or _user_module(r))
+                  if not isinstance(r, _NOT_STATE) or (type(r) is types.ModuleType and _user_module(r)))
     held = [r for r in reads if _scalar_token(r) is None and not isinstance(r, (list, tuple, dict))
             and not _is_array(r)]
     ident = ("code", fn.__code__, tuple(_ident_token(r) for r in reads), id(fn.__globals__))

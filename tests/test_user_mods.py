@@ -1002,6 +1002,34 @@ def test_what_torch_refuses_of_8_bit_integers_is_refused(fn, match):
 
 
 
+
+_U8K = torch.tensor([200, 3, 250, 1, 0, 255, 44, 128], dtype=torch.uint8)
+_I8H = torch.tensor([100, -3, 120, -128], dtype=torch.int8)
+
+
+@pytest.mark.parametrize("term", [
+    lambda q, k: (_U8K[k] << k) + 300,
+    lambda q, k: (_U8K[k] >> (k % 3)) * -1,
+    lambda q, k: _U8K[k] << _I8H[q % 4].clamp(0, 3),
+    lambda q, k: _U8K[k] * torch.tensor(-3, dtype=torch.int8),
+    lambda q, k: _I8H[q % 4] * _U8K[2],
+    lambda q, k: _U8K[k] + torch.tensor(300),
+    lambda q, k: (_U8K[k] > torch.tensor(300)).long() * 7,
+], ids=["shift-by-index", "shift-then-neg", "shift-by-int8", "0-dim-int8", "0-dim-uint8", "0-dim-int64",
+        "0-dim-compare"])
+def test_8_bit_promotion_follows_torch_for_shifts_and_0_dim_tensors(term):
+    """A shift takes its amount's dtype into the promotion (u8 << kv_idx is int64: + 300
+    is not wrapped; u8 << int8 is int16), and a 0-dim tensor (a captured scalar, t[0])
+    beside a tensor that varies with the inputs takes that tensor's dtype, as in torch
+    (u8 * an int8 scalar is uint8; u8 + tensor(300) wraps 300 to 44).  The score is the
+    term alone: the LSE is its log-sum-exp over the keys."""
+    q, k, v = _qkv(b=1, h=1, hk=1, sq=6, sk=8, dtype=F32)
+    qi, ki = torch.arange(6).view(6, 1), torch.arange(8).view(1, 8)
+    want = torch.logsumexp(0.01 * term(qi, ki).float().expand(6, 8).double(), -1)
+    fn = lambda s, b, h, q_idx, kv_idx: s * 0 + 0.01 * term(q_idx, kv_idx).float()  # noqa: E731
+    _, lse = flashgen.attention(q, k, v, score_mod=fn, return_lse=True)
+    torch.testing.assert_close(lse[0, 0].double(), want, rtol=1e-6, atol=1e-4)
+
 _SM90_NARROW = '''
 import json, sys
 sys.path.insert(0, BENCHMARKS)
