@@ -575,12 +575,13 @@ class _Code:
 
     def _floordiv_int(self, a, b) -> str:
         """Floor division from Triton's truncating ``//`` and remainder ``%``: one less
-        where the remainder is nonzero and of the other sign than the divisor.  No
-        intermediate leaves the operands' width (``-a + b - 1`` and ``|a|`` overflowed
+        where the remainder is nonzero and of the other sign than the divisor (which a
+        floor ``//`` and ``%``, as torch's, never give: the same text floors under both).
+        No intermediate leaves the operands' width (``-a + b - 1`` and ``|a|`` overflowed
         within |b| of the width's minimum)."""
         A, B = self.i(a), self.i(b)
-        if not isinstance(b, Ref) and b > 0:
-            return f"tl.where(({A} < 0) & ({A} % {B} != 0), {A} // {B} - 1, {A} // {B})"
+        if not isinstance(b, Ref):
+            return f"tl.where({A} % {B} {'<' if b > 0 else '>'} 0, {A} // {B} - 1, {A} // {B})"
         return f"tl.where(({A} % {B} != 0) & (({A} % {B} < 0) != ({B} < 0)), {A} // {B} - 1, {A} // {B})"
 
     def _expr(self, n: Node) -> str:
