@@ -246,10 +246,13 @@ def tune(
     with _user_errors(db):  # a foreign, corrupt or unwritable --db is refused before anything runs
         check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
         validate_db(db)
-    if storage is not None and "://" not in storage:
+    if storage is None:
+        with _user_errors(Path(f"{db}.optuna.journal")):  # the default journal: a user's file there stays theirs
+            tuner.check_journal(f"{db}.optuna.journal", "the Optuna journal beside --db,")
+    elif "://" not in storage:
         with _user_errors(Path(storage)):  # a user's file is never appended to, a directory never opened
             tuner.check_journal(storage)
-    elif storage is not None:
+    else:
         with _user_errors():  # a user's SQLite file never gets Optuna's tables; a missing driver is named
             tuner.check_rdb(storage)
     if fake is not None:

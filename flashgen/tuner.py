@@ -231,6 +231,7 @@ def open_storage(storage: str | Path | optuna.storages.BaseStorage | None,
     there; a URL (``sqlite:///...``) or a storage object: passed to Optuna as is."""
     if storage is None:
         storage = f"{db.path}.optuna.journal"
+        check_journal(storage, "the Optuna journal beside the database,")  # a file of the user's is never appended to
     if isinstance(storage, (str, Path)):
         if "://" in str(storage):
             # A database shared by workers on several machines: a worker that dies

@@ -345,10 +345,14 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
     that calls the same functions.  Returns the tuner's TuneResult per key.  Needs a
     CUDA device unless ``benchmarker`` is given (``env``/``arch``: the environment the
     rows are recorded under and the rules they follow; default: this machine's).
-    Raises InputError for bad sizes or options (``trials`` below 1; ``kernels`` a string;
-    a ``db`` that is not a path, is a directory, whose directory does not exist, which
-    is never created, or that cannot be written),
-    UnsupportedError for functions flashgen cannot compile."""
+    Raises InputError for bad sizes or options (no score_mod, mask_mod or sinks; what
+    :func:`flashgen.attention` refuses of the functions: captured tensors off q's device,
+    an index outside its tensor; ``trials`` below 1; ``kernels`` a string or naming an
+    unknown kernel; ``seed`` outside [0, 2**32); ``env``, ``arch``, ``benchmarker`` of
+    the wrong type; a ``db`` that is not a path, is a directory, whose directory does
+    not exist, which is never created, or that cannot be written; a file of the user's
+    at ``<db>.optuna.journal``), UnsupportedError for functions flashgen cannot
+    compile.  Nothing is created before these checks pass."""
     from . import arch as arch_mod, dispatch, tuner
     from .db import TuningDB
     from .env import Environment
@@ -359,15 +363,34 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
 
     _check(q, k, v, None, causal)  # the sizes, dtypes, devices and causal flag flashgen.attention takes
     mask_bounds(q.shape[2], k.shape[2], causal=causal, window=window)  # its window rules
-    if sinks is not None:
-        user_mods._check_sinks(sinks, q.shape[1], q.device)
+    if score_mod is None and mask_mod is None and sinks is None:
+        raise InputError("tune_mods needs a score_mod, a mask_mod or sinks (without them flashgen.attention runs "
+                         "the plain kernels, which `flashgen tune` tunes)")
+    # what flashgen.attention checks before any kernel runs: the sinks, the captured
+    # tensors on q's device, every index the functions compute within its tensor
+    user_mods._traced(q, k, score_mod, mask_mod, sinks)
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise InputError(f"trials must be an int >= 1 (Optuna trials per kernel), got {trials!r}")
-    if isinstance(kernels, str):
-        raise InputError(f"kernels must be a sequence of kernel names (e.g. ('fwd',)), got the string {kernels!r}")
+    if isinstance(kernels, str) or not isinstance(kernels, Iterable):
+        raise InputError(f"kernels must be a sequence of kernel names (e.g. ('fwd',)), got {kernels!r}")
+    kernels = tuple(kernels)
+    unknown = [n for n in kernels if n not in (*USER_KERNELS, WHOLE_BWD)]
+    if unknown:
+        raise InputError(f"kernels: unknown kernel {unknown[0]!r} (user functions' kernels: "
+                         f"{', '.join((*USER_KERNELS, WHOLE_BWD))})")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+        raise InputError(f"seed must be an int in [0, 2**32 - 1] (the samplers' seed), got {seed!r}")
+    if env is not None and not isinstance(env, Environment):
+        raise InputError(f"env must be a flashgen.env.Environment or None, got {type(env).__name__}")
+    if arch is not None and not isinstance(arch, arch_mod.Arch):
+        raise InputError(f"arch must be a flashgen.arch.Arch or None, got {type(arch).__name__}")
+    if benchmarker is not None and not callable(benchmarker):
+        raise InputError(f"benchmarker must be callable (variant, shape) -> Measurement, got "
+                         f"{type(benchmarker).__name__}")
     if not isinstance(db, (str, os.PathLike)):
         raise InputError(f"db must be the path of a tuning database (str or os.PathLike), got {db!r}")
     check_writable(Path(db), "db")
+    tuner.check_journal(f"{db}.optuna.journal", "the Optuna journal beside db,")
     dtype = str(q.dtype).removeprefix("torch.")
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
     problem = UserProblem(score_mod, mask_mod, sinks, causal, tuple(window), q.shape[3], v.shape[3], dtype, shape)

@@ -238,6 +238,12 @@ def test_a_storage_path_that_is_no_journal_is_refused_untouched(tmp_path, timing
     journal = tmp_path / "ok.journal"
     assert tune(timings, db, "--storage", journal).exit_code == 0 and journal.stat().st_size > 0
     assert tune(timings, db, "--storage", journal).exit_code == 0  # an existing journal resumes
+    # the default journal beside --db too (a file of the user's there was appended to)
+    mine = tmp_path / "m.sqlite"
+    (tmp_path / "m.sqlite.optuna.journal").write_text("my notes\n")
+    names = listing(tmp_path)
+    one_error_line(tune(timings, mine), "m.sqlite.optuna.journal", "not an Optuna journal", "untouched")
+    assert (tmp_path / "m.sqlite.optuna.journal").read_text() == "my notes\n" and listing(tmp_path) == names
 
 
 def test_a_storage_that_is_the_db_itself_is_refused_before_anything_is_made(tmp_path, timings):

@@ -170,13 +170,30 @@ def test_tune_mods_refuses_what_attention_refuses(tmp_path):
             flashgen.tune_mods(q, args.pop("k"), args.pop("v"), score_mod=sm, db=tmp_path / "x.sqlite",
                                benchmarker=lambda v, s: None, trials=1, **args)
     assert not (tmp_path / "x.sqlite").exists()
-    # and options of its own: db not a path or a directory, kernels a string
+    # and options of its own: db not a path or a directory, kernels a string or unknown,
+    # the seed, env, benchmarker; no function at all; an index outside its table (the
+    # kernels read before it: tune_mods recorded rows); a table off q's device; a file
+    # of the user's where the journal goes (it was appended to)
+    x = tmp_path / "x.sqlite"
+    table = torch.randn(64, 2)
     for kw, msg in [(dict(db=None), "db must be the path of a tuning database"),
                     (dict(db=tmp_path), "is not a file"),
-                    (dict(db=tmp_path / "x.sqlite", kernels="fwd"), "kernels must be a sequence")]:
+                    (dict(db=x, kernels="fwd"), "kernels must be a sequence"),
+                    (dict(db=x, kernels=3), "kernels must be a sequence"),
+                    (dict(db=x, kernels=("fwd", "bwd_dqq")), "unknown kernel 'bwd_dqq'"),
+                    (dict(db=x, seed=-1), "seed must be an int"), (dict(db=x, seed="x"), "seed must be an int"),
+                    (dict(db=x, env="H100"), "env must be"), (dict(db=x, benchmarker="fast"), "benchmarker must be"),
+                    (dict(db=x, score_mod=None), "needs a score_mod, a mask_mod or sinks"),
+                    (dict(db=x, score_mod=lambda s, b, h, qi, ki: s + table[ki - qi, h]), r"indices -31\.\.31"),
+                    (dict(db=x, score_mod=lambda s, b, h, qi, ki: s + table.to("meta")[ki, h]), "on meta")]:
         with pytest.raises(flashgen.InputError, match=msg):
-            flashgen.tune_mods(q, q, q, score_mod=sm, benchmarker=lambda v, s: None, trials=1, **kw)
+            flashgen.tune_mods(q, q, q, **{"score_mod": sm, "benchmarker": lambda v, s: None, "trials": 1, **kw})
     assert list(tmp_path.iterdir()) == []
+    journal = tmp_path / "x.sqlite.optuna.journal"
+    journal.write_text("my own notes\n")
+    with pytest.raises(flashgen.InputError, match="is not an Optuna journal"):
+        flashgen.tune_mods(q, q, q, score_mod=sm, benchmarker=lambda v, s: None, trials=1, db=x)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [journal.name] and journal.read_text() == "my own notes\n"
 
 
 def _model_env():
