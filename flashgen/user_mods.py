@@ -645,10 +645,12 @@ _names_of: dict = {}
 
 def _global_names(code) -> tuple:
     """The names ``code`` and the code nested in it (lambdas, comprehensions) load;
-    a superset of the globals it reads (attribute names are among them).  Memoized."""
+    a superset of the globals it reads (attribute names are among them, and string
+    constants that are identifiers: ``getattr(cfg, "alpha")``, ``vars(cfg)["alpha"]``).
+    Memoized."""
     names = _names_of.get(code)
     if names is None:
-        found = set(code.co_names)
+        found = set(code.co_names) | {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
         for c in code.co_consts:
             if inspect.iscode(c):
                 found.update(_global_names(c))

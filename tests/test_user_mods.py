@@ -1660,6 +1660,10 @@ def test_attributes_of_an_imported_module_are_state(tiles, monkeypatch):
     exec("def shape(s):\n    return s * 2.0\n", vars(cfg))
     check(6.0)
     assert len(inits) == 4
+    exec("def sm(score, b, h, q_idx, kv_idx):\n    return score * getattr(cfg, 'temperature')\n", ns)
+    check(3.0)
+    cfg.temperature = 0.5  # a name given as a string is state too
+    check(0.5)
 
 def test_constants_read_from_arrays_are_read_again_when_the_array_changes(tiles, monkeypatch):
     """A NumPy array or an ``array.array`` that a score or mask function reads a constant
