@@ -40,21 +40,33 @@ def _scale_in_range(softmax_scale) -> bool:
     return softmax_scale == 0 or SCALE_MIN <= abs(softmax_scale) <= SCALE_MAX
 
 
+def _symbolic(x) -> bool:
+    """Whether the value of the number ``x`` may be unknown here: under torch.compile a
+    float argument that changed between calls is traced symbolically, and a Python
+    check of its value cannot be traced (``math.isfinite``: the graph breaks, an error
+    under fullgraph), so the value checks are left out while compiling (torch's SDPA
+    checks none either); the type checks stay."""
+    return isinstance(x, (torch.SymFloat, torch.SymInt)) or torch.compiler.is_compiling()
+
+
 def scale_range_reason(name: str, scale) -> str | None:
     """Why a real ``scale`` (named ``name``) is handed to torch's attention: not finite,
-    or neither 0 nor a magnitude in [SCALE_MIN, SCALE_MAX]; None when flashgen takes it."""
-    if math.isfinite(scale) and _scale_in_range(scale):
+    or neither 0 nor a magnitude in [SCALE_MIN, SCALE_MAX]; None when flashgen takes it
+    (or cannot tell: a symbolic scale under torch.compile)."""
+    if _symbolic(scale) or (math.isfinite(scale) and _scale_in_range(scale)):
         return None
     return f"{name} = {scale!r} (flashgen: 0 or a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}])"
 
 
 def _check_scale_causal(softmax_scale, causal):
     if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
             raise InputError(f"softmax_scale must be a real number or None, got {type_name(softmax_scale)}")
-        if not math.isfinite(softmax_scale):
+        if _symbolic(softmax_scale):
+            pass
+        elif not math.isfinite(softmax_scale):
             raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
-        if not _scale_in_range(softmax_scale):
+        elif not _scale_in_range(softmax_scale):
             raise InputError(f"softmax_scale must be 0 or have a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}] "
                              f"(the kernels apply it in float32), got {softmax_scale!r}")
     if not isinstance(causal, bool):
@@ -288,12 +300,15 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
     to (b, h, sq, sk) in q's dtype or None, dropout_p, the rng state or None)."""
     b, h, sq, _ = q.shape
     sk = k.shape[2]
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
-            or softcap < 0:
+    if isinstance(softcap, bool) or not isinstance(softcap, (numbers.Real, torch.SymFloat)):
         raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
-    if softcap > SCALE_MAX:  # past float32's range the kernels' s / softcap and softcap * tanh(...) give NaN
+    if _symbolic(softcap):
+        pass  # its value may be the compiled graph's input
+    elif not math.isfinite(softcap) or softcap < 0:
+        raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
+    elif softcap > SCALE_MAX:  # past float32's range the kernels' s / softcap and softcap * tanh(...) give NaN
         raise InputError(f"softcap must be at most {SCALE_MAX:g} (the kernels apply it in float32), got {softcap!r}")
-    if 0 < softcap < SCALE_MIN:  # 1 / softcap overflows float32: a score of 0 gives 0 * inf = NaN
+    elif 0 < softcap < SCALE_MIN:  # 1 / softcap overflows float32: a score of 0 gives 0 * inf = NaN
         raise InputError(f"softcap must be 0 (off) or at least {SCALE_MIN:g} (the kernels apply 1 / softcap in "
                          f"float32), got {softcap!r}")
     dropout_p = dropout.check_p(dropout_p)

@@ -156,6 +156,30 @@ def test_torch_compile_fullgraph_equals_eager(interpret, monkeypatch):
     assert want[1].abs().sum() > 0  # gradients actually flowed back through the op
 
 
+
+def test_a_scale_or_softcap_that_changes_between_compiled_calls_recompiles(monkeypatch):
+    """A float argument that changes between calls is traced symbolically on the second
+    compile: flashgen's value checks of it (math.isfinite) broke the graph, an error
+    under fullgraph=True for every entry point; now each call equals eager."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    calls = {
+        "attention": lambda s: flashgen.attention(q, k, v, softmax_scale=s),
+        "softcap": lambda s: flashgen.attention(q, k, v, softcap=s * 8),
+        "sdpa": lambda s: flashgen.scaled_dot_product_attention(q, k, v, scale=s),
+        "varlen": lambda s: flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                                      v[0].transpose(0, 1), cu, cu, 5, 5, softmax_scale=s),
+        "kvcache": lambda s: flashgen.attention_with_kvcache(q[:, :, :1].transpose(1, 2), k.transpose(1, 2),
+                                                             v.transpose(1, 2), lens, softmax_scale=s),
+    }
+    for name, f in calls.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        for s in (0.5, 0.25, 0.125):
+            torch.testing.assert_close(compiled(s), f(s), msg=f"{name} at {s}")
+
 def test_torch_compile_sdpa_fullgraph(no_interpreter):
     (got, want), targets = _compiled_vs_eager(
         lambda q, k, v: flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
