@@ -37,6 +37,10 @@ import torch
 
 _states: dict[torch.device, torch.Tensor] = {}
 _seed: list[int | None] = [None]
+#: Whether calls draw from flashgen's own stream (_seed[0] is not None): a bool of its
+#: own, so that torch.compile guards on the mode, not on the seed's value (a graph per
+#: seed, and the recompile limit after eight).
+_own: list[bool] = [False]
 
 
 def _check_state(rng_state: torch.Tensor, device: torch.device) -> None:
@@ -84,7 +88,7 @@ def manual_seed(seed: int | None) -> None:
     Raises InputError unless ``seed`` is None or an int in [0, 2**63 - 1] (the state
     holds it as an int64; a larger seed would have to wrap onto a smaller one's masks)."""
     if seed is None:
-        _seed[0] = None
+        _seed[0], _own[0] = None, False
         _states.clear()
         return
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -92,7 +96,7 @@ def manual_seed(seed: int | None) -> None:
 
         raise InputError(f"seed must be None or an int in [0, 2**63 - 1] (the dropout state is int64), "
                          f"got {seed!r}")
-    _seed[0] = seed
+    _seed[0], _own[0] = seed, True
     for st in _states.values():
         st.copy_(torch.tensor([_seed[0], 0], dtype=torch.int64))
 
@@ -140,7 +144,7 @@ def draw(device: torch.device, n: int, rng_state: torch.Tensor | None = None) ->
     restores it for the recomputed forward, and a CUDA graph replay draws anew."""
     if rng_state is not None:
         return take(rng_state, n)
-    if _seed[0] is not None:
+    if _own[0]:
         return take(default_state(device), n)
     return torch.randint(0, _DRAW_HIGH, (2,), dtype=torch.int64, device=device)
 
