@@ -526,7 +526,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         op's autograd, registered with ``torch.library.register_autograd``, does not
         take them), and so do forward-mode derivatives (``jvp``, ``jacfwd``, dual
         tensors of ``torch.autograd.forward_ad``: UnsupportedError; the op's tangent
-        would be zero); :func:`scaled_dot_product_attention` hands those to torch.  The backward re-reads q, k, v, the
+        would be zero); :func:`scaled_dot_product_attention` hands the forward-mode
+        ones to torch (``grad`` and ``jacrev`` raise there too).  The backward re-reads q, k, v, the
         bias, the ALiBi slopes, the sinks and the tensors the user functions read:
         modifying one in place before it runs raises autograd's RuntimeError
         ("modified by an inplace operation").
