@@ -62,11 +62,9 @@ def _check_scale_causal(softmax_scale, causal):
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
             raise InputError(f"softmax_scale must be a real number or None, got {type_name(softmax_scale)}")
-        if _symbolic(softmax_scale):
-            pass
-        elif not math.isfinite(softmax_scale):
+        if not _symbolic(softmax_scale) and not math.isfinite(softmax_scale):
             raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
-        elif not _scale_in_range(softmax_scale):
+        if not _symbolic(softmax_scale) and not _scale_in_range(softmax_scale):
             raise InputError(f"softmax_scale must be 0 or have a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}] "
                              f"(the kernels apply it in float32), got {softmax_scale!r}")
     if not isinstance(causal, bool):
@@ -302,8 +300,8 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
     sk = k.shape[2]
     if isinstance(softcap, bool) or not isinstance(softcap, (numbers.Real, torch.SymFloat)):
         raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
-    if _symbolic(softcap):
-        pass  # its value may be the compiled graph's input
+    if _symbolic(softcap):  # its value may be the compiled graph's input
+        pass
     elif not math.isfinite(softcap) or softcap < 0:
         raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
     elif softcap > SCALE_MAX:  # past float32's range the kernels' s / softcap and softcap * tanh(...) give NaN
@@ -995,8 +993,8 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         return f"dropout_p = {dropout_p!r}"
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         return f"scale of type {type_name(scale)}"
-    if scale is not None and scale_range_reason("scale", scale):
-        return scale_range_reason("scale", scale)
+    if scale is not None and (reason := scale_range_reason("scale", scale)):
+        return reason
     if not isinstance(is_causal, bool):
         return f"is_causal of type {type_name(is_causal)}"
     if _forward_ad(query, key, value, attn_mask):

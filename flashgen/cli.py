@@ -247,8 +247,9 @@ def tune(
         check_writable(db)  # first: reading a WAL-mode file creates -wal/-shm beside it
         validate_db(db)
     if storage is None:
-        with _user_errors(Path(f"{db}.optuna.journal")):  # the default journal: a user's file there stays theirs
-            tuner.check_journal(f"{db}.optuna.journal", "the Optuna journal beside --db,")
+        journal = tuner.default_journal(db)
+        with _user_errors(Path(journal)):  # the default journal: a user's file there stays theirs
+            tuner.check_journal(journal, "the Optuna journal beside --db,")
     elif "://" not in storage:
         with _user_errors(Path(storage)):  # a user's file is never appended to, a directory never opened
             tuner.check_journal(storage)
@@ -511,7 +512,7 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
         if gpus < workers:
             console.print(f"warning: {workers} workers share {gpus} GPU(s); their timings "
                           "interfere", markup=False)
-    storage = storage or f"{db}.optuna.journal"
+    storage = storage or tuner.default_journal(db)
     configs = [tuner.WorkerConfig(i, str(db), storage, env, arch, trials, timeout_per_key, seed, sampler,
                                   gpu=i % gpus if gpus else None, fake_timings=fake_timings,
                                   fake_model=fake_model, family_names=family_names)

@@ -225,12 +225,18 @@ def _domain_digest(fam, key: ProblemKey) -> str:
     return hashlib.sha256(repr(sorted(fam.domain(key).items())).encode()).hexdigest()[:8]
 
 
+def default_journal(db_path: str | Path) -> str:
+    """The Optuna journal a tune of the database at ``db_path`` keeps its studies in
+    when no ``--storage`` is given: ``<db path>.optuna.journal``."""
+    return f"{db_path}.optuna.journal"
+
+
 def open_storage(storage: str | Path | optuna.storages.BaseStorage | None,
                  db: TuningDB | None) -> optuna.storages.BaseStorage | str:
     """None: a journal file at ``<db path>.optuna.journal``; a path: a journal file
     there; a URL (``sqlite:///...``) or a storage object: passed to Optuna as is."""
     if storage is None:
-        storage = f"{db.path}.optuna.journal"
+        storage = default_journal(db.path)
         check_journal(storage, "the Optuna journal beside the database,")  # a file of the user's is never appended to
     if isinstance(storage, (str, Path)):
         if "://" in str(storage):

@@ -374,10 +374,10 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
     if isinstance(kernels, str) or not isinstance(kernels, Iterable):
         raise InputError(f"kernels must be a sequence of kernel names (e.g. ('fwd',)), got {kernels!r}")
     kernels = tuple(kernels)
-    unknown = [n for n in kernels if n not in (*USER_KERNELS, WHOLE_BWD)]
+    unknown = [n for n in kernels if n not in USER_KERNELS]
     if unknown:
         raise InputError(f"kernels: unknown kernel {unknown[0]!r} (user functions' kernels: "
-                         f"{', '.join((*USER_KERNELS, WHOLE_BWD))})")
+                         f"{', '.join(USER_KERNELS)})")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
         raise InputError(f"seed must be an int in [0, 2**32 - 1] (the samplers' seed), got {seed!r}")
     if env is not None and not isinstance(env, Environment):
@@ -390,7 +390,7 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
     if not isinstance(db, (str, os.PathLike)):
         raise InputError(f"db must be the path of a tuning database (str or os.PathLike), got {db!r}")
     check_writable(Path(db), "db")
-    tuner.check_journal(f"{db}.optuna.journal", "the Optuna journal beside db,")
+    tuner.check_journal(tuner.default_journal(db), "the Optuna journal beside db,")
     dtype = str(q.dtype).removeprefix("torch.")
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
     problem = UserProblem(score_mod, mask_mod, sinks, causal, tuple(window), q.shape[3], v.shape[3], dtype, shape)

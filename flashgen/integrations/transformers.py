@@ -296,8 +296,8 @@ def _reason(module, query, key, value, attention_mask, dropout, scaling, is_caus
         return f"sliding_window = {sliding_window!r} (flashgen: an int >= 1)"
     if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)):
         return f"scaling = {scaling!r} (flashgen: 0 or a magnitude in [{api.SCALE_MIN:g}, {api.SCALE_MAX:g}])"
-    if scaling is not None and api.scale_range_reason("scaling", scaling):
-        return api.scale_range_reason("scaling", scaling)
+    if scaling is not None and (reason := api.scale_range_reason("scaling", scaling)):
+        return reason
     reason = api.sdpa_fallback_reason(query, key, value, attention_mask, dropout, False, scaling, enable_gqa=True)
     if reason is not None:
         return reason
