@@ -154,7 +154,8 @@ def tune(
     fake_template: Annotated[Path | None, typer.Option(
         dir_okay=False, help="Write a --fake file for this run's variants (every id it would measure, "
                              "with the model's ms to replace by yours) and exit; never overwrites.")] = None,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Seed of the samplers (worker i takes seed + "
+                                      "i; numpy's range: 0 to 2**32 - 1).")] = 0,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes sharing the studies; "
                                          "one per GPU (round-robin over the visible GPUs).")] = 1,
     storage: Annotated[str | None, typer.Option(
@@ -176,6 +177,9 @@ def tune(
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
     if sampler not in ("tpe", "grid"):
         raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
+    if seed + workers - 1 > 2**32 - 1:
+        raise typer.BadParameter(f"worker {workers - 1} would take seed {seed + workers - 1}; seeds end at "
+                                 f"2**32 - 1 = {2**32 - 1}: give at most {2**32 - workers}", param_hint="'--seed'")
     knobs = _check_refine(refine) if refine is not None else None
     if knobs is not None and workers > 1:
         raise typer.BadParameter("--refine measures a few configs per key in one process", param_hint="'--workers'")
@@ -236,11 +240,22 @@ def tune(
     if not items:
         raise typer.BadParameter(f"no kernel family of {family} serves the keys of these presets and kernels on "
                                  f"{arch.name} ({arch.sm})", param_hint="'--family'")
+    fits = {}  # per kernel spec: whether any config fits this arch (not the sizes)
+    unfit = [k for k, _ in items if not fits.setdefault(k.spec, tuner.has_feasible(k, arch, family_names))]
+    if unfit:
+        items = [(k, s) for k, s in items if fits[k.spec]]
+        which = "any family" if family_names is None else f"family {family}"
+        msg = (f"{len(unfit)} key(s) have no config of {which} that fits {arch.name} ({arch.sm}, "
+               f"{arch.smem_per_block_optin} B of shared memory per block), e.g. {unfit[0].id}: `flashgen explain` "
+               "names the smallest tile's needs; use float16/bfloat16 or a smaller head_dim")
+        if not items:
+            raise typer.BadParameter(msg, param_hint="'--dtype' / '--preset'")
+        console.print(Text.assemble(("note: ", "yellow"), msg + "; left out"), soft_wrap=True)
     if fake_template is not None:
         _write_fake_template(fake_template, items, arch, family_names)
         return
-    store_file = storage.removeprefix("sqlite:///") if storage is not None else None
-    if store_file is not None and "://" not in store_file and Path(store_file).resolve() == Path(db).resolve():
+    store_file = tuner.storage_file(storage) if storage is not None else None
+    if store_file is not None and store_file.resolve() == Path(db).resolve():
         raise typer.BadParameter(f"{storage} is the --db file: Optuna's storage is a file of its own "
                                  "(leave --storage out for DB path + .optuna.journal)", param_hint="'--storage'")
     with _user_errors(db):  # a foreign, corrupt or unwritable --db is refused before anything runs
@@ -354,7 +369,14 @@ def tune(
                                          storage=storage, sampler=sampler,
                                          fake_timings=_read_timings(fake) if fake is not None else None,
                                          fake_model=fake_model, family_names=family_names)
+            results, failed = results
             _print_results(console, env, results)
+            if failed:
+                # a worker that crashed (not one stopped by a signal: that raised above)
+                console.print(Text.assemble(("error: ", "red"), f"{len(failed)} of {workers} workers failed (exit "
+                                            f"codes {', '.join(map(str, failed))}; their output above); the rows "
+                                            "recorded are kept"), soft_wrap=True)
+                raise typer.Exit(1)
             _print_explain_hint(console, env, db, items, fake is not None or fake_model, pretended)
             return
         with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),
@@ -498,7 +520,8 @@ def _print_explain_hint(console, env, db: Path, items, simulated: bool, arch=Non
 def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key, seed, workers,
                        storage, sampler, fake_timings, fake_model=False, family_names=None):
     """``workers`` processes over the same keys, sharing each key's study (Optuna's
-    distributed optimization); then the results read back from the DB and studies."""
+    distributed optimization); then (the results read back from the DB and studies, the
+    non-zero exit codes of the workers that failed)."""
     import time
 
     from . import tuner
@@ -530,8 +553,10 @@ def _tune_with_workers(items, console, *, db, env, arch, trials, timeout_per_key
     codes = tuner.tune_parallel(items, configs, on_exit=on_exit, on_start=on_start)
     console.print(f"{workers} workers done in {time.perf_counter() - t0:.1f} s "
                   f"(exit codes {sorted(codes.values())})", markup=False)
+    failed = sorted(c for c in codes.values() if c)
     with TuningDB(db) as tdb:
-        return tuner.summarize(items, db=tdb, env=env, arch=arch, storage=storage, family_names=family_names)
+        return (tuner.summarize(items, db=tdb, env=env, arch=arch, storage=storage, family_names=family_names),
+                failed)
 
 
 def _check_refine(value: str) -> tuple[str, ...]:
@@ -1155,6 +1180,11 @@ def explain(
     typer.echo(f"{env.gpu_name} (cc {env.compute_capability}, triton {env.triton_version}); databases: "
                + (", ".join(dict.fromkeys(str(p.resolve()) for p in disp.databases())) or "none"))
     typer.echo(str(report))
+    from .dispatch import families_left_out
+
+    if (left := families_left_out()) is not None:
+        typer.echo(f"note: {left}: its rows and defaults are not served here (unset it for the dispatcher's "
+                   "own choice)")
     if arch is not None and gpu is None:
         # --arch alone names the architecture's reference GPU; rows of its other GPUs
         # (the shipped H200 rows under sm_90) apply only with --gpu

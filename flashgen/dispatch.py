@@ -140,11 +140,21 @@ def family_allowed(name: str) -> bool:
         return True
     names = {n.strip() for n in allowed.split(",") if n.strip()}
     unknown = sorted(names - set(families.FAMILIES))
-    if unknown and allowed not in _warned_families:
+    if (unknown or not names) and allowed not in _warned_families:
         _warned_families.add(allowed)
-        warnings.warn(f"flashgen: FLASHGEN_FAMILIES={allowed!r} names no registered kernel family {unknown}; "
-                      f"registered: {sorted(families.FAMILIES)}", stacklevel=2)
+        what = f"names no registered kernel family {unknown}" if unknown else "names no kernel family"
+        warnings.warn(f"flashgen: FLASHGEN_FAMILIES={allowed!r} {what}; registered: {sorted(families.FAMILIES)} "
+                      f"(only {families.portable().name}, the portable family, serves)", stacklevel=2)
     return name == families.portable().name or name in names
+
+
+def families_left_out() -> str | None:
+    """``"FLASHGEN_FAMILIES=<value> leaves out <names>"`` where the variable keeps a
+    registered family from serving (:func:`family_allowed`), else None."""
+    out = sorted(n for n in families.FAMILIES if not family_allowed(n))
+    if not out:
+        return None
+    return f"FLASHGEN_FAMILIES={os.environ.get('FLASHGEN_FAMILIES', '').strip()!r} leaves out {', '.join(out)}"
 
 
 #: FLASHGEN_FAMILIES values already warned about (unknown family names).
@@ -578,9 +588,10 @@ class Dispatcher:
             return two(f"score modifications ({kernels['bwd_dq'].spec.mods}): no family's whole backward (bwd) "
                        "serves them; bwd_dq and bwd_dkdv compile them in")
         fams = [f for f in families.FAMILIES.values() if whole_key.spec.kernel in f.kernels]
-        serving = [f for f in fams if f.unsupported(whole_key, self.arch) is None]
+        serving = [f for f in fams if f.unsupported(whole_key, self.arch) is None and family_allowed(f.name)]
         if not serving:
-            why = "; ".join(f"{f.name} does not serve the whole backward: {f.unsupported(whole_key, self.arch)}"
+            why = "; ".join(f"{f.name} does not serve the whole backward: "
+                            + (f.unsupported(whole_key, self.arch) or families_left_out() or "")
                             for f in fams)
             return two(why or "no registered family compiles the whole backward")
         fam = serving[0]

@@ -262,13 +262,48 @@ def check_journal(path: str | Path, what: str = "--storage") -> None:
     if path.exists() and path.stat().st_size:
         with open(path, "rb") as f:
             first = f.readline(1 << 16)
-        try:
-            ok = isinstance(json.loads(first), dict) and "op_code" in json.loads(first)
-        except ValueError:
-            ok = False
-        if not ok:
+        if _journal_record(first) is None:
             raise InputError(f"{what} {path} is not an Optuna journal (its first line is not a journal record); "
                              "it is left untouched: name a new file or an existing journal")
+        # every record whole: Optuna appends after the last byte, so a record cut short
+        # (a run killed while it wrote) would swallow the next run's first one
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.endswith(b"\n") or _journal_record(line) is None:
+                    cut = "is cut short" if not line.endswith(b"\n") else "is not a journal record"
+                    raise InputError(
+                        f"{what} {path} is damaged: its record at line {n} {cut} (a run stopped while it wrote?); "
+                        "it is left untouched.  The tuning DB keeps every measurement: move the journal aside "
+                        "(a new one starts new studies) or name another with --storage")
+
+
+def _journal_record(line: bytes) -> dict | None:
+    """The journal record one line of an Optuna journal holds (a JSON object with an
+    ``op_code``), else None."""
+    import json
+
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and "op_code" in rec else None
+
+
+def storage_file(storage: str) -> Path | None:
+    """The file an Optuna storage argument keeps its studies in: the journal path, or
+    the database file of an SQLite URL (any driver, query string ignored); None for a
+    server URL or an in-memory database."""
+    if "://" not in storage:
+        return Path(storage)
+    import sqlalchemy
+
+    try:
+        url = sqlalchemy.engine.make_url(storage)
+    except sqlalchemy.exc.ArgumentError:
+        return None
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        return Path(url.database)
+    return None
 
 
 def check_rdb(url: str, what: str = "--storage") -> None:
@@ -546,6 +581,21 @@ def feasible_variants(keys: Iterable[ProblemKey], arch: Arch, family_names: Iter
                 if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
                     out.setdefault(v.id, v)
     return list(out.values())
+
+
+def has_feasible(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None) -> bool:
+    """Whether some family of ``family_names`` (default: any) that serves ``key`` on
+    ``arch`` has a valid config whose shared-memory estimate fits (what
+    :func:`feasible_variants` would list for it; stops at the first)."""
+    names = None if family_names is None else set(family_names)
+    for fam in families.serving(key, arch):
+        if names is not None and fam.name not in names:
+            continue
+        for cfg in families.configs(fam, key):
+            v = Variant(key.spec, cfg)
+            if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
+                return True
+    return False
 
 
 #: How many configs :func:`transfer_configs` seeds a new study with.
@@ -838,7 +888,8 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         speedup=default_ms / best_ms if default_ms and best_ms else None,
         # the default is measured before the study (its first trial reads that row back):
         # with no time for trials (timeout_s 0) it is still the one measurement
-        n_trials=max(n_complete(), int(default_row is not None)), wall_s=time.perf_counter() - t0)
+        n_trials=max(n_complete(), int(default_row is not None and default_row.get("status") == "ok")),
+        wall_s=time.perf_counter() - t0)
 
 
 def _check_study_rows(study: optuna.Study, db: TuningDB, key: ProblemKey) -> None:

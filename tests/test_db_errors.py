@@ -250,7 +250,8 @@ def test_a_storage_that_is_the_db_itself_is_refused_before_anything_is_made(tmp_
     """--storage naming the --db file (as a path or an sqlite:/// URL) is refused as a
     usage error: Optuna's storage and flashgen's rows are files of their own."""
     db = tmp_path / "z.sqlite"
-    for storage in (db, f"sqlite:///{db}"):
+    # any SQLAlchemy spelling of the same file: a driver, a query string
+    for storage in (db, f"sqlite:///{db}", f"sqlite+pysqlite:///{db}", f"sqlite:///{db}?timeout=30"):
         res = tune(timings, db, "--storage", storage)
         assert res.exit_code == 2 and "is the --db file" in res.output and "Traceback" not in res.output, res.output
     assert listing(tmp_path) == ["timings.json"]
@@ -401,3 +402,57 @@ def test_validating_a_database_another_process_opens_meanwhile_loses_none_of_its
         p.stdin.flush()
         p.wait(timeout=30)
     assert count() == n + 1
+
+
+def test_a_journal_with_a_record_cut_short_is_refused_untouched(tmp_path, timings):
+    """A run stopped while it appended leaves a journal whose last record is cut short;
+    Optuna appends after it, gluing the next record onto the cut one.  The next run is
+    refused naming the journal and the line, and writes nothing to it."""
+    db = tmp_path / "t.sqlite"
+    assert tune(timings, db).exit_code == 0
+    journal = tmp_path / "t.sqlite.optuna.journal"
+    data = journal.read_bytes()
+    journal.write_bytes(data[:-10])
+    lines = data[:-10].count(b"\n") + 1
+    res = tune(timings, db, "--trials", 3)
+    one_error_line(res, str(journal.name), f"line {lines}", "cut short", "untouched", "--storage")
+    assert journal.read_bytes() == data[:-10]
+    # a record in the middle that is not one
+    journal.write_bytes(data.replace(b"\n", b"\nnot json\n", 1))
+    one_error_line(tune(timings, db, "--trials", 3), "line 2", "not a journal record")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_outside_numpys_range_is_a_usage_error(tmp_path, timings, seed):
+    res = tune(timings, tmp_path / "s.sqlite", "--seed", seed)
+    assert res.exit_code == 2 and "'--seed'" in res.output and "Traceback" not in res.output, res.output
+    res = tune(timings, tmp_path / "s.sqlite", "--seed", 2**32 - 1, "--workers", 2)
+    assert res.exit_code == 2 and "2**32 - 1" in res.output, res.output
+    assert listing(tmp_path) == ["timings.json"]
+
+
+def test_workers_that_fail_fail_the_run_and_leave_nothing(tmp_path, timings, monkeypatch):
+    """A worker that crashes (not one stopped by a signal) makes the run exit 1, with the
+    rows recorded kept; a DB that got no row is removed as for a run that failed."""
+    from flashgen import tuner
+
+    monkeypatch.setattr(tuner, "tune_parallel", lambda items, configs, on_exit=None, on_start=None:
+                        {"w0": 1, "w1": 0})
+    res = tune(timings, tmp_path / "w.sqlite", "--workers", 2)
+    assert res.exit_code == 1 and "1 of 2 workers failed (exit codes 1" in res.output, res.output
+    assert listing(tmp_path) == ["timings.json"]
+
+
+def test_keys_no_config_fits_are_left_out_or_refused(tmp_path):
+    """float32 at head_dim 256 fits no tile on an sm_86's shared memory: tuning only such
+    keys is a usage error naming the rule (it recorded hundreds of rejected rows and
+    reported success); beside keys that fit, they are left out with a note."""
+    res = invoke("tune", "--preset", "head-dims", "--dtype", "float32", "--fake-model", "--arch", "sm_86",
+                 "--trials", 1, "--db", tmp_path / "f.sqlite", "--key", "d256")
+    assert res.exit_code == 2 and "no config of any family that fits" in res.output, res.output
+    assert listing(tmp_path) == []
+    res = invoke("tune", "--preset", "head-dims", "--dtype", "float32", "--fake-model", "--arch", "sm_86",
+                 "--kernels", "fwd", "--trials", 1, "--db", tmp_path / "g.sqlite", "--key", "d256,d96")
+    assert res.exit_code == 0 and "left out" in res.output, res.output
+    with TuningDB(tmp_path / "g.sqlite") as tdb:
+        assert not [r for r in tdb.rows() if "d256" in r["key"]]

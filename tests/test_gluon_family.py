@@ -1305,6 +1305,24 @@ def test_an_unknown_family_in_flashgen_families_is_warned_about(monkeypatch):
     assert dispatch.family_allowed("triton")  # the portable family always serves
 
 
+def test_a_flashgen_families_value_naming_no_family_is_warned_about(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_FAMILIES", " , ")
+    with pytest.warns(UserWarning, match="names no kernel family.*only triton"):
+        assert not dispatch.family_allowed("gluon")
+    assert "leaves out gluon" in dispatch.families_left_out()
+
+
+def test_the_backward_reason_names_flashgen_families(tmp_path, monkeypatch):
+    """With the Gluon family left out by FLASHGEN_FAMILIES, the backward's reason says
+    so (it read "untuned: too little work ..." beside a tuned, faster Gluon row)."""
+    monkeypatch.setenv("FLASHGEN_FAMILIES", "triton")
+    d = Dispatcher([tmp_path / "none.sqlite"], env=H200, arch=SM90)
+    ks = {n: key(n, "bfloat16", 128, mask="causal", shape=Shape(4, 16, 16, 4096, 4096))
+          for n in ("bwd", "bwd_dq", "bwd_dkdv")}
+    choice = d._backward_uncached(ks, deterministic=False, capturing=False)
+    assert choice.family == "triton" and "FLASHGEN_FAMILIES='triton' leaves out gluon" in choice.reason
+
+
 def test_model_benchmarker_counts_the_column_split_programs_key_rows():
     """``flashgen tune --fake-model``'s byte model: the head_dim 256 column-split backward
     (``dq_chunks`` > 0) owns BLOCK_N key rows, not BLOCK_N x consumers, so it runs twice
