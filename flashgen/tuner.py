@@ -573,14 +573,21 @@ def feasible_variants(keys: Iterable[ProblemKey], arch: Arch, family_names: Iter
     out: dict[str, Variant] = {}
     names = None if family_names is None else set(family_names)
     for key in keys:
-        for fam in families.serving(key, arch):
-            if names is not None and fam.name not in names:
-                continue
-            for cfg in families.configs(fam, key):
-                v = Variant(key.spec, cfg)
-                if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
-                    out.setdefault(v.id, v)
+        for v in _feasible(key, arch, names):
+            out.setdefault(v.id, v)
     return list(out.values())
+
+
+def _feasible(key: ProblemKey, arch: Arch, names: set | None):
+    """The valid variants of ``key`` whose shared-memory estimate fits ``arch``, over the
+    families that serve it (those in ``names`` when given), lazily."""
+    for fam in families.serving(key, arch):
+        if names is not None and fam.name not in names:
+            continue
+        for cfg in families.configs(fam, key):
+            v = Variant(key.spec, cfg)
+            if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
+                yield v
 
 
 def has_feasible(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None = None) -> bool:
@@ -588,14 +595,7 @@ def has_feasible(key: ProblemKey, arch: Arch, family_names: Iterable[str] | None
     ``arch`` has a valid config whose shared-memory estimate fits (what
     :func:`feasible_variants` would list for it; stops at the first)."""
     names = None if family_names is None else set(family_names)
-    for fam in families.serving(key, arch):
-        if names is not None and fam.name not in names:
-            continue
-        for cfg in families.configs(fam, key):
-            v = Variant(key.spec, cfg)
-            if not fam.violated_rules(v) and fam.estimate(v, arch).feasible:
-                return True
-    return False
+    return next(_feasible(key, arch, names), None) is not None
 
 
 #: How many configs :func:`transfer_configs` seeds a new study with.
