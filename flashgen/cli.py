@@ -154,8 +154,8 @@ def tune(
     fake_template: Annotated[Path | None, typer.Option(
         dir_okay=False, help="Write a --fake file for this run's variants (every id it would measure, "
                              "with the model's ms to replace by yours) and exit; never overwrites.")] = None,
-    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Seed of the samplers (worker i takes seed + "
-                                      "i; numpy's range: 0 to 2**32 - 1).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampler (worker i takes seed + i; TPE's, numpy's, "
+                                      "range: 0 to 2**32 - 1).")] = 0,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes sharing the studies; "
                                          "one per GPU (round-robin over the visible GPUs).")] = 1,
     storage: Annotated[str | None, typer.Option(
@@ -177,9 +177,11 @@ def tune(
     """Tune tile configs for the preset shapes and record every measurement in the DB."""
     if sampler not in ("tpe", "grid"):
         raise typer.BadParameter(f"must be 'tpe' or 'grid', got {sampler!r}", param_hint="'--sampler'")
-    if seed + workers - 1 > 2**32 - 1:
-        raise typer.BadParameter(f"worker {workers - 1} would take seed {seed + workers - 1}; seeds end at "
-                                 f"2**32 - 1 = {2**32 - 1}: give at most {2**32 - workers}", param_hint="'--seed'")
+    if sampler == "tpe" and refine is None and not 0 <= seed <= 2**32 - workers:
+        # TPE seeds numpy's generator (the grid sampler's random.Random takes any int)
+        last = f"worker {workers - 1} takes seed {seed + workers - 1}; " if workers > 1 else ""
+        raise typer.BadParameter(f"{seed}: {last}the TPE sampler's seeds are 0 to 2**32 - 1 = {2**32 - 1}",
+                                 param_hint="'--seed'")
     knobs = _check_refine(refine) if refine is not None else None
     if knobs is not None and workers > 1:
         raise typer.BadParameter("--refine measures a few configs per key in one process", param_hint="'--workers'")
@@ -240,10 +242,11 @@ def tune(
     if not items:
         raise typer.BadParameter(f"no kernel family of {family} serves the keys of these presets and kernels on "
                                  f"{arch.name} ({arch.sm})", param_hint="'--family'")
-    fits = {}  # per kernel spec: whether any config fits this arch (not the sizes)
-    unfit = [k for k, _ in items if not fits.setdefault(k.spec, tuner.has_feasible(k, arch, family_names))]
+    # per key: a decode key's tile height follows its sizes (the group's rows)
+    fits = {k.id: tuner.has_feasible(k, arch, family_names) for k, _ in items}
+    unfit = [k for k, _ in items if not fits[k.id]]
     if unfit:
-        items = [(k, s) for k, s in items if fits[k.spec]]
+        items = [(k, s) for k, s in items if fits[k.id]]
         which = "any family" if family_names is None else f"family {family}"
         msg = (f"{len(unfit)} key(s) have no config of {which} that fits {arch.name} ({arch.sm}, "
                f"{arch.smem_per_block_optin} B of shared memory per block), e.g. {unfit[0].id}: `flashgen explain` "
@@ -371,12 +374,14 @@ def tune(
                                          fake_model=fake_model, family_names=family_names)
             results, failed = results
             _print_results(console, env, results)
+            # every worker stopped by a signal raised above; some of them: 128 + the signal
+            crashed = [c for c in failed if not 128 < c < 160]
             if failed:
-                # a worker that crashed (not one stopped by a signal: that raised above)
-                console.print(Text.assemble(("error: ", "red"), f"{len(failed)} of {workers} workers failed (exit "
+                what = "failed" if crashed else "were stopped by a signal"
+                console.print(Text.assemble(("error: ", "red"), f"{len(failed)} of {workers} workers {what} (exit "
                                             f"codes {', '.join(map(str, failed))}; their output above); the rows "
                                             "recorded are kept"), soft_wrap=True)
-                raise typer.Exit(1)
+                raise typer.Exit(1 if crashed else failed[0])
             _print_explain_hint(console, env, db, items, fake is not None or fake_model, pretended)
             return
         with TuningDB(db, readonly=False) as tdb, Progress(TextColumn("{task.description}"), BarColumn(),

@@ -252,9 +252,9 @@ def check_journal(path: str | Path, what: str = "--storage") -> None:
     """Raise InputError (naming ``path`` and the rule) unless an Optuna journal file can
     be kept at ``path``: its directory exists and is writable, and the file, if there, is
     a writable regular file that is empty or an Optuna journal (JSON lines with an
-    ``op_code``), so a file of the user's is never appended to.  Creates nothing."""
-    import json
-
+    ``op_code``), so a file of the user's is never appended to, and every record is
+    whole (a last one cut short stays so for a second: not one another run is
+    appending).  Creates nothing."""
     from .db import check_writable
 
     path = Path(path)
@@ -267,14 +267,34 @@ def check_journal(path: str | Path, what: str = "--storage") -> None:
                              "it is left untouched: name a new file or an existing journal")
         # every record whole: Optuna appends after the last byte, so a record cut short
         # (a run killed while it wrote) would swallow the next run's first one
-        with open(path, "rb") as f:
-            for n, line in enumerate(f, 1):
-                if not line.endswith(b"\n") or _journal_record(line) is None:
-                    cut = "is cut short" if not line.endswith(b"\n") else "is not a journal record"
-                    raise InputError(
-                        f"{what} {path} is damaged: its record at line {n} {cut} (a run stopped while it wrote?); "
-                        "it is left untouched.  The tuning DB keeps every measurement: move the journal aside "
-                        "(a new one starts new studies) or name another with --storage")
+        bad = _bad_journal_line(path)
+        if bad is not None and bad[1] == "is cut short":
+            # the last record may be one another run is appending: Optuna writes a record
+            # in one call, so a live one ends within moments, a cut one never
+            for _ in range(20):
+                time.sleep(0.05)
+                again = _bad_journal_line(path)
+                if again != bad:  # completed, or cut further on: a run is writing it
+                    bad = again if again is not None and again[1] != "is cut short" else None
+                    break
+        if bad is not None:
+            n, cut = bad
+            raise InputError(
+                f"{what} {path} is damaged: its record at line {n} {cut} (a run stopped while it wrote?); "
+                "it is left untouched.  The tuning DB keeps every measurement: move the journal aside "
+                "(a new one starts new studies) or name another with --storage")
+
+
+def _bad_journal_line(path: Path) -> tuple[int, str] | None:
+    """(line number, what is wrong) of the first line of the journal at ``path`` that is
+    not a whole journal record, else None."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                return n, "is cut short"
+            if _journal_record(line) is None:
+                return n, "is not a journal record"
+    return None
 
 
 def _journal_record(line: bytes) -> dict | None:
@@ -299,7 +319,7 @@ def storage_file(storage: str) -> Path | None:
 
     try:
         url = sqlalchemy.engine.make_url(storage)
-    except sqlalchemy.exc.ArgumentError:
+    except (sqlalchemy.exc.ArgumentError, ValueError):  # a malformed URL: check_rdb names it
         return None
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
         return Path(url.database)
@@ -321,7 +341,7 @@ def check_rdb(url: str, what: str = "--storage") -> None:
 
     try:
         parsed = sqlalchemy.engine.make_url(url)
-    except sqlalchemy.exc.ArgumentError as e:
+    except (sqlalchemy.exc.ArgumentError, ValueError) as e:  # ValueError: e.g. a port that is no number
         raise InputError(f"{what} {url}: not a database URL ({e})") from None
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         path = Path(parsed.database)
@@ -888,7 +908,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         speedup=default_ms / best_ms if default_ms and best_ms else None,
         # the default is measured before the study (its first trial reads that row back):
         # with no time for trials (timeout_s 0) it is still the one measurement
-        n_trials=max(n_complete(), int(default_row is not None and default_row.get("status") == "ok")),
+        n_trials=max(n_complete(), int(default_row is not None and default_row.get("status") not in REJECTED)),
         wall_s=time.perf_counter() - t0)
 
 

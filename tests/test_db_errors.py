@@ -429,6 +429,35 @@ def test_a_seed_outside_numpys_range_is_a_usage_error(tmp_path, timings, seed):
     res = tune(timings, tmp_path / "s.sqlite", "--seed", 2**32 - 1, "--workers", 2)
     assert res.exit_code == 2 and "2**32 - 1" in res.output, res.output
     assert listing(tmp_path) == ["timings.json"]
+    # the grid sampler's random.Random takes any int
+    assert tune(timings, tmp_path / "g.sqlite", "--seed", seed, "--sampler", "grid").exit_code == 0
+
+
+def test_a_journal_another_run_is_appending_to_is_not_refused(tmp_path, timings):
+    """A last record cut short that is completed within moments is a record another run
+    is writing, not damage."""
+    import threading
+
+    db = tmp_path / "t.sqlite"
+    assert tune(timings, db).exit_code == 0
+    journal = tmp_path / "t.sqlite.optuna.journal"
+    data = journal.read_bytes()
+    journal.write_bytes(data[:-10])
+    done = threading.Timer(0.2, lambda: journal.write_bytes(data))
+    done.start()
+    try:
+        assert tune(timings, db, "--trials", 3).exit_code == 0
+    finally:
+        done.join()
+
+
+def test_workers_stopped_by_a_signal_are_not_called_a_crash(tmp_path, timings, monkeypatch):
+    from flashgen import tuner
+
+    monkeypatch.setattr(tuner, "tune_parallel", lambda items, configs, on_exit=None, on_start=None:
+                        {"w0": 143, "w1": 0})
+    res = tune(timings, tmp_path / "w.sqlite", "--workers", 2)
+    assert res.exit_code == 143 and "stopped by a signal" in res.output, res.output
 
 
 def test_workers_that_fail_fail_the_run_and_leave_nothing(tmp_path, timings, monkeypatch):

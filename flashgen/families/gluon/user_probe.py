@@ -9,11 +9,7 @@ score function of the score alone and of the positions, mask functions of a band
 two captured tensors and of the positions, sinks alone), and three more: a sigmoid in the
 score function, a score and a mask function together, and a mask function with sinks;
 each at head_dims 64 and 128, float16 and bfloat16, every config of
-:func:`.config.space` but the persistent walks (``persistent`` 2 and 3) with a mask
-function.  Those were admitted after the id was recorded; their code is the walk's,
-probed here with score functions and sinks, and the mask function's block-mask reads,
-probed one program per tile, so adding them would rename every shipped user row for
-code that did not change."""
+:func:`.config.space`."""
 
 from __future__ import annotations
 
@@ -71,7 +67,5 @@ def user_probe_digest() -> str:
                     p = user_tune.UserProblem(sm, mm, sinks, causal, window, d, d, dtype, shape, label=label)
                     spec = fwd_spec(KernelSpec("fwd", dtype, d, d, p.mask, p.fwd_mods))
                     for c in space(spec):
-                        if c.persistent >= 2 and spec.user and spec.user.endswith("m"):
-                            continue  # the walks with a mask function: module docstring
                         h.update(render(GluonFwdVariant(spec, c), header_hash="-").encode())
     return h.hexdigest()[:16]
