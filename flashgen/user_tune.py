@@ -206,13 +206,39 @@ def _reference(problem: UserProblem, q, k, v, do, names, dtype) -> dict:
     return out
 
 
+#: A persistent walk's check runs at sizes where its tiles number at least this many
+#: times its programs (:func:`check_sizes`).
+WALK_CHECK_TILES_PER_PROGRAM = 3
+
+
+def check_sizes(problem: UserProblem, variant: Variant, sm_count: int) -> tuple[int, int]:
+    """(batch, seqlen cap) of ``variant``'s check: batch 2 at most and seqlen
+    ``bench.CHECK_SEQLENS[1]``; for a walk of the Gluon forward (``persistent`` 2 and
+    3: one program per SM slot taking tiles in turn), the problem's own batch and a cap
+    that gives its tiles :data:`WALK_CHECK_TILES_PER_PROGRAM` times its programs, so the
+    check runs a program's later tiles (their block-mask reads, the next tile's Q);
+    at the default sizes each program of a walk takes one tile.  Never beyond the
+    problem's own batch and seqlens (a captured tensor may be indexed by them)."""
+    s, c = problem.shape, variant.config
+    if variant.spec.kernel != "fwd" or c.family != "gluon" or c.persistent < 2:
+        return min(2, s.batch), bench.CHECK_SEQLENS[1]
+    rows = c.BLOCK_M * max(1, c.num_warps // 4)
+    programs = sm_count * (c.ctas_per_sm or 1)
+    blocks = -(-WALK_CHECK_TILES_PER_PROGRAM * programs // (s.batch * s.num_heads))
+    return s.batch, max(bench.CHECK_SEQLENS[1], blocks * rows + 1)
+
+
 def check(problem: UserProblem, variant: Variant, arch=None) -> dict:
-    """Run ``variant`` on an awkward size of ``problem`` (batch 2 at most, its heads,
-    seqlens :func:`_awkward` of its own; k and v slices of buffers holding NaN past
-    seqlen_k; outputs poisoned with NaN) against the float64 reference.  Returns
-    {"ok", "ratio" (worst), "ratios" ({output: ratio}), "message"}."""
+    """Run ``variant`` on an awkward size of ``problem`` (:func:`check_sizes`: batch 2 at
+    most, its heads, seqlens :func:`_awkward` of its own, longer for a persistent walk; k
+    and v slices of buffers holding NaN past seqlen_k; outputs poisoned with NaN) against
+    the float64 reference.  Returns {"ok", "ratio" (worst), "ratios" ({output: ratio}),
+    "message"}."""
+    from .arch import current
+
     s = problem.shape
-    shape = Shape(min(2, s.batch), s.num_heads, s.num_kv_heads, _awkward(s.seqlen_q), _awkward(s.seqlen_k))
+    batch, cap = check_sizes(problem, variant, (arch or current()).sm_count)
+    shape = Shape(batch, s.num_heads, s.num_kv_heads, _awkward(s.seqlen_q, cap), _awkward(s.seqlen_k, cap))
     if mask_bounds(shape.seqlen_q, shape.seqlen_k, causal=problem.causal, window=tuple(problem.window))[0] \
             != problem.mask:
         shape = dataclasses.replace(shape, seqlen_q=s.seqlen_q, seqlen_k=s.seqlen_k)

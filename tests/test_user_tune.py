@@ -19,7 +19,7 @@ from flashgen import arch, families, heuristics, presets, tuner, user_examples, 
 from flashgen.cli import app
 from flashgen.families.gluon import bwd as gluon_bwd_mod, family as gluon_family
 from flashgen.env import Environment
-from flashgen.spec import Variant, is_user_mods
+from flashgen.spec import KernelSpec, Shape, Variant, is_user_mods
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 pytestmark = pytest.mark.usefixtures("hermetic_dispatcher")
@@ -304,3 +304,29 @@ def test_a_problem_wide_at_its_size_is_checked_and_timed_in_its_widened_form():
     var = Variant(p.spec("fwd"), TileConfig(16, 16, 4, 1))
     m = user_tune.UserBenchmarker([p], timer=lambda fn: 1.0)(var, p.shape)
     assert m.status == "ok", m
+
+
+def test_a_walks_check_runs_several_tiles_per_program():
+    """At the default check sizes (batch <= 2, seqlen <= 397) every program of a Gluon
+    forward walk takes one tile (224 tiles of 64 rows for 264 programs at 16 heads), so
+    its later tiles' reads never ran; a walk is checked at the problem's batch and a
+    seqlen giving it at least three tiles per program."""
+    from flashgen import user_examples
+    from flashgen.families.gluon import config as C, family as F
+
+    ex = user_examples.make("document-causal", 16, 2048)
+    sm, mm = ex.functions(*ex.tensors)
+    shape = Shape(batch=8, num_heads=16, num_kv_heads=16, seqlen_q=2048, seqlen_k=2048)
+    p = user_tune.UserProblem(sm, mm, ex.sinks, ex.causal, ex.window, 128, 128, "bfloat16", shape, label="doc")
+    spec = KernelSpec("fwd", "bfloat16", 128, 128, p.mask, p.fwd_mods)
+    for persistent, ctas, consumers in ((0, 2, 1), (2, 2, 1), (3, 2, 1), (2, 1, 2)):
+        cfg = F.tile_config(C.GluonFwdConfig(num_consumers=consumers, BLOCK_N=64, num_stages=2,
+                                             persistent=persistent, ctas_per_sm=ctas))
+        batch, cap = user_tune.check_sizes(p, Variant(spec, cfg), sm_count=132)
+        seqlen = user_tune._awkward(2048, cap)
+        rows = 64 * consumers
+        tiles = batch * 16 * -(-seqlen // rows)
+        if persistent:
+            assert tiles >= 3 * 132 * ctas and seqlen <= 2048 and batch <= 8, (persistent, ctas, batch, seqlen)
+        else:
+            assert (batch, cap) == (2, 397)
