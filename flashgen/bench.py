@@ -501,15 +501,36 @@ def compare(outs: dict, q, k, v, do, *, mask: dict, softmax_scale: float,
     return _ratios(outs, refs, dt)
 
 
-def check_shape(variant: Variant, shape: Shape) -> Shape:
+#: A walk of the Gluon forward (``persistent`` >= 1: one program per SM slot taking
+#: tiles in turn) is checked on at least this many tiles per program (:func:`check_shape`).
+WALK_CHECK_TILES_PER_PROGRAM = 3
+
+
+def check_shape(variant: Variant, shape: Shape, sm_count: int | None = None) -> Shape:
     """``shape``, or with the least multiple of its query heads per kv head that the
     variant's ``group_split`` divides (a whole backward that splits each kv head's GQA
-    group over that many programs serves only such groups)."""
-    split = variant.config.group_split
+    group over that many programs serves only such groups); for a walk of the Gluon
+    forward, with its heads (and kv heads) multiplied until the tiles number
+    :data:`WALK_CHECK_TILES_PER_PROGRAM` times the walk's programs (``sm_count`` x
+    programs per SM; default: this GPU's), so the check runs a program's later tiles: at
+    the check's small sizes every program of a walk took one tile."""
+    c = variant.config
+    split = c.group_split
     ratio = shape.num_heads // shape.num_kv_heads
-    if split <= 1 or ratio % split == 0:
-        return shape
-    return dataclasses.replace(shape, num_heads=shape.num_kv_heads * ratio * split // math.gcd(ratio, split))
+    if split > 1 and ratio % split:
+        shape = dataclasses.replace(shape, num_heads=shape.num_kv_heads * ratio * split // math.gcd(ratio, split))
+    if variant.spec.kernel == "fwd" and c.family == "gluon" and c.persistent >= 1:
+        if sm_count is None:
+            from .arch import current
+
+            sm_count = current().sm_count
+        rows = c.BLOCK_M * max(1, c.num_warps // 4)
+        tiles = shape.batch * shape.num_heads * -(-shape.seqlen_q // rows)
+        times = -(-WALK_CHECK_TILES_PER_PROGRAM * sm_count * (c.ctas_per_sm or 1) // tiles)
+        if times > 1:
+            shape = dataclasses.replace(shape, num_heads=shape.num_heads * times,
+                                        num_kv_heads=shape.num_kv_heads * times)
+    return shape
 
 
 def check_variant_detail(variant: Variant, group: int = 1, device: str | None = None) -> dict:

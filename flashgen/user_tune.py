@@ -206,25 +206,20 @@ def _reference(problem: UserProblem, q, k, v, do, names, dtype) -> dict:
     return out
 
 
-#: A persistent walk's check runs at sizes where its tiles number at least this many
-#: times its programs (:func:`check_sizes`).
-WALK_CHECK_TILES_PER_PROGRAM = 3
-
-
 def check_sizes(problem: UserProblem, variant: Variant, sm_count: int) -> tuple[int, int]:
     """(batch, seqlen cap) of ``variant``'s check: batch 2 at most and seqlen
-    ``bench.CHECK_SEQLENS[1]``; for a walk of the Gluon forward (``persistent`` 2 and
-    3: one program per SM slot taking tiles in turn), the problem's own batch and a cap
-    that gives its tiles :data:`WALK_CHECK_TILES_PER_PROGRAM` times its programs, so the
+    ``bench.CHECK_SEQLENS[1]``; for a walk of the Gluon forward (``persistent`` >= 1:
+    one program per SM slot taking tiles in turn), the problem's own batch and a cap
+    that gives its tiles :data:`flashgen.bench.WALK_CHECK_TILES_PER_PROGRAM` times its programs, so the
     check runs a program's later tiles (their block-mask reads, the next tile's Q);
     at the default sizes each program of a walk takes one tile.  Never beyond the
     problem's own batch and seqlens (a captured tensor may be indexed by them)."""
     s, c = problem.shape, variant.config
-    if variant.spec.kernel != "fwd" or c.family != "gluon" or c.persistent < 2:
+    if variant.spec.kernel != "fwd" or c.family != "gluon" or c.persistent < 1:
         return min(2, s.batch), bench.CHECK_SEQLENS[1]
     rows = c.BLOCK_M * max(1, c.num_warps // 4)
     programs = sm_count * (c.ctas_per_sm or 1)
-    blocks = -(-WALK_CHECK_TILES_PER_PROGRAM * programs // (s.batch * s.num_heads))
+    blocks = -(-bench.WALK_CHECK_TILES_PER_PROGRAM * programs // (s.batch * s.num_heads))
     return s.batch, max(bench.CHECK_SEQLENS[1], blocks * rows + 1)
 
 

@@ -1003,6 +1003,30 @@ def test_checks_of_a_split_variant_take_a_group_it_divides():
     assert bench.check_shape(Variant(KernelSpec("fwd", "bfloat16", 64, 64, "none"), T1), shape) is shape
 
 
+def test_checks_of_a_forward_walk_run_several_tiles_per_program():
+    """At the checks' small sizes (batch 2, 2 heads per GQA group, seqlen <= 397) every
+    program of a Gluon forward walk took one tile, so its later tiles never ran in a
+    check; a walk is checked with its heads multiplied to three tiles per program."""
+    for mask in ("none", "causal", "window"):
+        spec = KernelSpec("fwd", "bfloat16", 128, 128, mask)
+        for persistent, consumers, ctas in ((0, 2, 1), (1, 2, 1), (2, 1, 2), (3, 1, 2), (3, 2, 1)):
+            if persistent == 1 and mask != "none":
+                continue
+            cfg = F.tile_config(C.GluonFwdConfig(num_consumers=consumers, persistent=persistent, ctas_per_sm=ctas,
+                                                 BLOCK_N=64, num_stages=2))
+            v = Variant(spec, cfg)
+            for group in (1, 4):
+                for shape, _ in bench.mask_cases(spec, group):
+                    got = bench.check_shape(v, shape, sm_count=132)
+                    if not persistent:
+                        assert got == shape
+                        continue
+                    tiles = got.batch * got.num_heads * -(-got.seqlen_q // (64 * consumers))
+                    assert tiles >= 3 * 132 * ctas, (mask, persistent, got)
+                    assert got.num_heads * shape.num_kv_heads == shape.num_heads * got.num_kv_heads
+                    assert got.seqlen_q == shape.seqlen_q
+
+
 # -- attention sinks in the Gluon forward ---------------------------------------------------
 
 def test_the_gluon_forward_serves_sinks_alone(monkeypatch):
