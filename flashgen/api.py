@@ -62,11 +62,12 @@ def _check_scale_causal(softmax_scale, causal):
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
             raise InputError(f"softmax_scale must be a real number or None, got {type_name(softmax_scale)}")
-        if not _symbolic(softmax_scale) and not math.isfinite(softmax_scale):
-            raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
-        if not _symbolic(softmax_scale) and not _scale_in_range(softmax_scale):
-            raise InputError(f"softmax_scale must be 0 or have a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}] "
-                             f"(the kernels apply it in float32), got {softmax_scale!r}")
+        if not _symbolic(softmax_scale):  # else its value may be the compiled graph's input
+            if not math.isfinite(softmax_scale):
+                raise InputError(f"softmax_scale must be finite, got {softmax_scale}")
+            if not _scale_in_range(softmax_scale):
+                raise InputError(f"softmax_scale must be 0 or have a magnitude in [{SCALE_MIN:g}, {SCALE_MAX:g}] "
+                                 f"(the kernels apply it in float32), got {softmax_scale!r}")
     if not isinstance(causal, bool):
         raise InputError(f"causal must be a bool, got {type_name(causal)}")
 
@@ -300,15 +301,15 @@ def _check_mods(q, k, softcap, alibi_slopes, bias, dropout_p, rng_state):
     sk = k.shape[2]
     if isinstance(softcap, bool) or not isinstance(softcap, (numbers.Real, torch.SymFloat)):
         raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
-    if _symbolic(softcap):  # its value may be the compiled graph's input
-        pass
-    elif not math.isfinite(softcap) or softcap < 0:
-        raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
-    elif softcap > SCALE_MAX:  # past float32's range the kernels' s / softcap and softcap * tanh(...) give NaN
-        raise InputError(f"softcap must be at most {SCALE_MAX:g} (the kernels apply it in float32), got {softcap!r}")
-    elif 0 < softcap < SCALE_MIN:  # 1 / softcap overflows float32: a score of 0 gives 0 * inf = NaN
-        raise InputError(f"softcap must be 0 (off) or at least {SCALE_MIN:g} (the kernels apply 1 / softcap in "
-                         f"float32), got {softcap!r}")
+    if not _symbolic(softcap):  # else its value may be the compiled graph's input
+        if not math.isfinite(softcap) or softcap < 0:
+            raise InputError(f"softcap must be a finite real >= 0 (0: off), got {softcap!r}")
+        if softcap > SCALE_MAX:  # past float32's range the kernels' s / softcap and softcap * tanh(...) give NaN
+            raise InputError(f"softcap must be at most {SCALE_MAX:g} (the kernels apply it in float32), "
+                             f"got {softcap!r}")
+        if 0 < softcap < SCALE_MIN:  # 1 / softcap overflows float32: a score of 0 gives 0 * inf = NaN
+            raise InputError(f"softcap must be 0 (off) or at least {SCALE_MIN:g} (the kernels apply 1 / softcap "
+                             f"in float32), got {softcap!r}")
     dropout_p = dropout.check_p(dropout_p)
     if alibi_slopes is not None:
         a = alibi_slopes

@@ -506,6 +506,20 @@ def compare(outs: dict, q, k, v, do, *, mask: dict, softmax_scale: float,
 WALK_CHECK_TILES_PER_PROGRAM = 3
 
 
+def walk_tiles(variant: Variant, sm_count: int | None = None) -> tuple[int, int] | None:
+    """For a walk of the Gluon forward (``persistent`` >= 1), (query rows per tile, the
+    tiles a check needs: :data:`WALK_CHECK_TILES_PER_PROGRAM` x its programs, ``sm_count``
+    (default: this GPU's) x programs per SM); None for any other variant."""
+    c = variant.config
+    if variant.spec.kernel != "fwd" or c.family != "gluon" or c.persistent < 1:
+        return None
+    if sm_count is None:
+        from .arch import current
+
+        sm_count = current().sm_count
+    return c.BLOCK_M * max(1, c.num_warps // 4), WALK_CHECK_TILES_PER_PROGRAM * sm_count * (c.ctas_per_sm or 1)
+
+
 def check_shape(variant: Variant, shape: Shape, sm_count: int | None = None) -> Shape:
     """``shape``, or with the least multiple of its query heads per kv head that the
     variant's ``group_split`` divides (a whole backward that splits each kv head's GQA
@@ -514,19 +528,14 @@ def check_shape(variant: Variant, shape: Shape, sm_count: int | None = None) -> 
     :data:`WALK_CHECK_TILES_PER_PROGRAM` times the walk's programs (``sm_count`` x
     programs per SM; default: this GPU's), so the check runs a program's later tiles: at
     the check's small sizes every program of a walk took one tile."""
-    c = variant.config
-    split = c.group_split
+    split = variant.config.group_split
     ratio = shape.num_heads // shape.num_kv_heads
     if split > 1 and ratio % split:
         shape = dataclasses.replace(shape, num_heads=shape.num_kv_heads * ratio * split // math.gcd(ratio, split))
-    if variant.spec.kernel == "fwd" and c.family == "gluon" and c.persistent >= 1:
-        if sm_count is None:
-            from .arch import current
-
-            sm_count = current().sm_count
-        rows = c.BLOCK_M * max(1, c.num_warps // 4)
-        tiles = shape.batch * shape.num_heads * -(-shape.seqlen_q // rows)
-        times = -(-WALK_CHECK_TILES_PER_PROGRAM * sm_count * (c.ctas_per_sm or 1) // tiles)
+    walk = walk_tiles(variant, sm_count)
+    if walk is not None:
+        rows, needed = walk
+        times = -(-needed // (shape.batch * shape.num_heads * -(-shape.seqlen_q // rows)))
         if times > 1:
             shape = dataclasses.replace(shape, num_heads=shape.num_heads * times,
                                         num_kv_heads=shape.num_kv_heads * times)

@@ -407,9 +407,11 @@ def tune(
                     results = tuner.refine(items, knobs=knobs, benchmarker=bench, db=tdb, env=env, arch=arch,
                                            family_names=family_names, on_key=on_key, on_trial=on_trial)
                 else:
+                    # the default journal by its path: checked above (open_storage would read it again)
                     results = tuner.tune(items, benchmarker=bench, db=tdb, env=env, arch=arch, n_trials=trials,
                                          timeout_per_key_s=timeout_per_key, seed=seed, on_key=on_key,
-                                         on_trial=on_trial, storage=storage, sampler=sampler,
+                                         on_trial=on_trial, storage=storage or tuner.default_journal(db),
+                                         sampler=sampler,
                                          family_names=family_names)
             progress.update(keys_task, completed=len(items))
         _print_results(console, env, results)

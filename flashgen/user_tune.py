@@ -214,12 +214,12 @@ def check_sizes(problem: UserProblem, variant: Variant, sm_count: int) -> tuple[
     check runs a program's later tiles (their block-mask reads, the next tile's Q);
     at the default sizes each program of a walk takes one tile.  Never beyond the
     problem's own batch and seqlens (a captured tensor may be indexed by them)."""
-    s, c = problem.shape, variant.config
-    if variant.spec.kernel != "fwd" or c.family != "gluon" or c.persistent < 1:
+    s = problem.shape
+    walk = bench.walk_tiles(variant, sm_count)
+    if walk is None:
         return min(2, s.batch), bench.CHECK_SEQLENS[1]
-    rows = c.BLOCK_M * max(1, c.num_warps // 4)
-    programs = sm_count * (c.ctas_per_sm or 1)
-    blocks = -(-bench.WALK_CHECK_TILES_PER_PROGRAM * programs // (s.batch * s.num_heads))
+    rows, tiles = walk
+    blocks = -(-tiles // (s.batch * s.num_heads))
     return s.batch, max(bench.CHECK_SEQLENS[1], blocks * rows + 1)
 
 
@@ -431,7 +431,9 @@ def tune_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod=No
         raise InputError(f"no kernel family serves {', '.join(k.id for k, _ in wanted)} on {arch.sm}: "
                          + "; ".join(f"{n}: {why}" for k, _ in wanted for n, why in families.reasons(k, arch)))
     with TuningDB(db, readonly=False) as tdb:
-        results = tuner.tune(work, benchmarker=benchmarker, db=tdb, env=env, arch=arch, n_trials=trials, seed=seed)
+        # the journal checked above, by its path (open_storage would read it again)
+        results = tuner.tune(work, benchmarker=benchmarker, db=tdb, env=env, arch=arch, n_trials=trials, seed=seed,
+                             storage=tuner.default_journal(db))
     disp = dispatch.default_dispatcher()
     if Path(db).resolve() not in {Path(p).resolve() for p in disp.databases()}:
         disp.add_database(db)
