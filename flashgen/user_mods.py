@@ -683,7 +683,7 @@ def _reads(fn, out: list, seen: set, depth: int, names: set | None = None) -> No
             values.append(val)
     if depth:
         for val in values:
-            if type(val) is types.ModuleType:
+            if isinstance(val, types.ModuleType):
                 if _user_module(val):  # its functions that the code names (cfg.shape) are helpers too
                     code_names = _global_names(fn.__code__)
                     for f in [v for v in (vars(val).get(n) for n in code_names) if inspect.isfunction(v)]:
@@ -849,7 +849,7 @@ def _state(val, names, depth: int, objs: list, budget: list, own: bool = False):
         return ("items", type(val).__name__, tuple(((k if _scalar_token(k) is not None else id(k)),
                                                     _state(x, names, depth - 1, objs, budget)) for k, x in items))
     objs.append(val)
-    if type(val) is types.ModuleType and _user_module(val):
+    if _user_module(val):
         # a module as a namespace of constants (helpers by identity; a submodule as one)
         attrs = vars(val)
         return ("mod", id(val), tuple(sorted(
@@ -959,7 +959,7 @@ def _trace_key_code(fn) -> tuple[tuple, tuple, list, set]:
     objs: list = []
     budget = [_STATE_ITEMS]
     state = tuple(_state(r, names, _STATE_DEPTH - 1, objs, budget) for r in reads
-                  if not isinstance(r, _NOT_STATE) or (type(r) is types.ModuleType and _user_module(r)))
+                  if not isinstance(r, _NOT_STATE) or _user_module(r))
     held = [r for r in reads if _scalar_token(r) is None and not isinstance(r, (list, tuple, dict))
             and not _is_array(r)]
     ident = ("code", fn.__code__, tuple(_ident_token(r) for r in reads), id(fn.__globals__))

@@ -1665,6 +1665,27 @@ def test_attributes_of_an_imported_module_are_state(tiles, monkeypatch):
     cfg.temperature = 0.5  # a name given as a string is state too
     check(0.5)
 
+def test_attributes_of_a_module_of_a_module_subclass_are_state(tiles):
+    """A configuration module whose class derives from ``types.ModuleType`` (a lazy
+    module, a module with properties) is state as a plain module is: rebinding its
+    attribute traces again (it was taken as code and keyed by identity, and the first
+    value served the next call: O off by 1.85)."""
+
+    class Config(types.ModuleType):
+        pass
+
+    cfg = Config("flashgen_test_cfg_subclass")
+    cfg.temperature = 1.0
+    ns = {"cfg": cfg}
+    exec("def sm(score, b, h, q_idx, kv_idx):\n    return score * cfg.temperature\n", ns)
+    q, k, v = _qkv(b=1, h=2, hk=2, sq=9, sk=11, dtype=F32)
+    for factor in (1.0, 3.0, 0.5):
+        cfg.temperature = factor
+        o = flashgen.attention(q, k, v, score_mod=ns["sm"])
+        ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.25 * factor, -1) @ v.double()
+        assert (o.double() - ref).abs().max() < 1e-5, factor
+
+
 def test_constants_read_from_arrays_are_read_again_when_the_array_changes(tiles, monkeypatch):
     """A NumPy array or an ``array.array`` that a score or mask function reads a constant
     from (``float(arr[1])``) is keyed by its contents: changed in place, the function is
