@@ -913,19 +913,20 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
 
 
 def _check_study_rows(study: optuna.Study, db: TuningDB, key: ProblemKey) -> None:
-    """Raise InputError when ``study``'s finished trials name no row of ``key`` in ``db``
-    (row ids restart at 1 in a new or another file, and after ``import --replace``
-    deleted every row: a row is named by its id, key, variant and measurement time):
-    it was tuned into another database, and its trials would count here while nothing
-    is searched."""
+    """Raise InputError when any of ``study``'s finished trials names no row of ``key``
+    in ``db`` (a row is named by its id, key, variant and measurement time; row ids
+    restart at 1 in a new or another file): it was tuned into another database, or
+    ``import --replace`` replaced some of its rows, and those trials would count here
+    while their configs are never measured again."""
     finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    if finished and not any(db.has_row(t.user_attrs.get("row_id"), key=key.id,
-                                       variant_id=t.user_attrs.get("variant_id"),
-                                       created_at=t.user_attrs.get("created_at")) for t in finished):
+    missing = [t for t in finished if not db.has_row(t.user_attrs.get("row_id"), key=key.id,
+                                                      variant_id=t.user_attrs.get("variant_id"),
+                                                      created_at=t.user_attrs.get("created_at"))]
+    if missing:
         raise InputError(
             f"the Optuna storage holds finished trials of study {study.study_name!r}, but "
-            f"none of their measurements is in {db.path} (was the DB replaced?); delete the "
-            "storage (by default <db>.optuna.journal) or pass another --storage")
+            f"{len(missing)} of their {len(finished)} measurements are not in {db.path} (was the DB "
+            "replaced?); delete the storage (by default <db>.optuna.journal) or pass another --storage")
 
 
 def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker, db: TuningDB,

@@ -159,7 +159,7 @@ def test_simulated_archs_in_one_db_search_their_own_studies(tmp_path):
     assert {cc for cc, _, _ in rows} == {"8.0", "8.6"} and all(n >= 3 for _, _, n in rows), rows
 
 
-@pytest.mark.parametrize("how", ["another", "deleted", "import-replace", "import-replace-aligned"])
+@pytest.mark.parametrize("how", ["another", "deleted", "import-replace", "import-replace-aligned", "import-replace-own"])
 def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how):
     """The Optuna journal kept beside a database that was replaced (another database's
     rows, whose ids restart at 1 too), deleted, or whose rows ``import --replace``
@@ -169,7 +169,10 @@ def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how
     instead of counting the old trials and searching nothing.  "import-replace-aligned":
     both tunes of the same kernels and trial counts, so every replaced row's id, key and
     variant (the default's, each key's first) recur in the new rows: the measurement
-    time tells them apart."""
+    time tells them apart.  "import-replace-own": the database's own best rows exported
+    and imported back with ``--replace``, which replaces some of each key's rows (the
+    check once stopped only when none was left: the replaced trials counted, and their
+    configs were not measured again)."""
     import shutil
 
     db = tmp_path / "p.sqlite"
@@ -178,7 +181,10 @@ def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how
                *kernels)
     assert r.exit_code == 0, r.output
     other = tmp_path / "other.sqlite"
-    if how.startswith("import-replace"):  # every key, other configs
+    if how == "import-replace-own":
+        r = invoke("export", other.with_suffix(".json"), db)
+        other = other.with_suffix(".json")
+    elif how.startswith("import-replace"):  # every key, other configs
         r = invoke("tune", "--preset", "small", "--fake-model", "--db", other, "--trials", 3,
                    "--seed", 5 if kernels else 3, *kernels)
     else:
