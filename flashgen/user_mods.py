@@ -1382,6 +1382,24 @@ def reference(q, k, v, scale, lo, hi, score_mod=None, mask_mod=None, sinks=None,
 
 # -- autograd ------------------------------------------------------------------------
 
+class _ReadGuard(torch.autograd.Function):
+    """The identity on O of the reference path, saving the tensors its backward re-reads
+    (q, k, v, the captured tensors, the sinks): autograd's graph there holds float32
+    copies of some and values indexed out of others, so an in-place change of one
+    before the backward went unnoticed; unpacking them raises autograd's RuntimeError
+    ("modified by an inplace operation"), as the kernel path does."""
+
+    @staticmethod
+    def forward(ctx, o, *reads):
+        ctx.save_for_backward(*reads)
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors  # the version check
+        return (grad, *([None] * len(ctx.needs_input_grad[1:])))
+
+
 @dataclasses.dataclass
 class _Call:
     scale: float
@@ -1518,7 +1536,11 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     if not library.use_kernels(q):
         # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)
-        return o.to(q.dtype), lse.detach()
+        o = o.to(q.dtype)
+        if o.requires_grad:
+            o = _ReadGuard.apply(o, *library.versioned(
+                (q, k, v, sinks, *(t for tr in (st, mt) if tr is not None for t in tr.captured))))
+        return o, lse.detach()
     grad_on = torch.is_grad_enabled()
     sflags = [grad_on and f for f in score_grad_flags(st)]
     needs_grad = grad_on and (q.requires_grad or k.requires_grad or v.requires_grad or any(sflags)

@@ -1565,11 +1565,15 @@ def test_constants_reached_through_containers_helpers_and_partials_are_read_agai
     assert len(inits) == 1
 
 
-def test_a_tensor_the_functions_read_modified_before_the_backward_is_refused(tiles):
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+def test_a_tensor_the_functions_read_modified_before_the_backward_is_refused(tiles, monkeypatch, path):
     """The backward re-reads what the functions read: a captured tensor (or the sinks)
     modified in place between the forward and the backward stops autograd with its
     version error, as for q, k and v, instead of giving gradients of another
-    function."""
+    function.  On the CPU's reference path too (its graph held float32 copies and
+    indexed values, so no change was seen), for k as well."""
+    if path == "reference":
+        monkeypatch.setattr(flashgen.library, "use_kernels", lambda q: False)
     q, k, v = _qkv(b=1, sq=20, sk=24)
     q.requires_grad_()
     table = torch.randn(4)
@@ -1587,6 +1591,10 @@ def test_a_tensor_the_functions_read_modified_before_the_backward_is_refused(til
     o = flashgen.attention(q, k, v, sinks=sinks)
     with torch.no_grad():
         sinks.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.float().sum().backward()
+    o = flashgen.attention(q, k, v, sinks=torch.zeros(4))
+    k.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         o.float().sum().backward()
 
