@@ -21,6 +21,7 @@ import itertools
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -884,7 +885,8 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         trial.set_constraint("rules_violated", constraint[0])
         trial.set_constraint("smem_excess_bytes", constraint[1])
         for name, val in (("variant_id", v.id), ("status", row["status"]), ("row_id", row["id"]),
-                          ("created_at", row.get("created_at")), ("constraint", constraint)):
+                          ("created_at", row.get("created_at")), ("constraint", constraint),
+                          ("db", db_place(db))):
             trial.set_user_attr(name, val)
         done += row["status"] not in REJECTED
         if on_trial is not None:
@@ -912,21 +914,31 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         wall_s=time.perf_counter() - t0)
 
 
+def db_place(db: TuningDB) -> str:
+    """Where ``db`` lies: this host's name and the file's real path (each trial records
+    the database its row went to, :func:`_check_study_rows`)."""
+    return f"{socket.gethostname()}:{os.path.realpath(db.path)}"
+
+
 def _check_study_rows(study: optuna.Study, db: TuningDB, key: ProblemKey) -> None:
-    """Raise InputError when any of ``study``'s finished trials names no row of ``key``
-    in ``db`` (a row is named by its id, key, variant and measurement time; row ids
-    restart at 1 in a new or another file): it was tuned into another database, or
-    ``import --replace`` replaced some of its rows, and those trials would count here
-    while their configs are never measured again."""
+    """Raise InputError when any of ``study``'s finished trials that wrote their row to
+    ``db``'s place (:func:`db_place`; a trial that records none is taken as this
+    database's) names no row of ``key`` in ``db`` (a row is named by its id, key,
+    variant and measurement time; row ids restart at 1 in a new or another file): the
+    database was replaced or deleted, or ``import --replace`` replaced some of its rows,
+    and those trials would count here while their configs are never measured again.
+    Trials of workers that write another database (another machine, another ``--db``,
+    sharing the storage) keep their rows there and are not checked."""
     finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    missing = [t for t in finished if not db.has_row(t.user_attrs.get("row_id"), key=key.id,
-                                                      variant_id=t.user_attrs.get("variant_id"),
-                                                      created_at=t.user_attrs.get("created_at"))]
+    place = db_place(db)
+    missing = [t for t in finished if t.user_attrs.get("db", place) == place
+               and not db.has_row(t.user_attrs.get("row_id"), key=key.id, variant_id=t.user_attrs.get("variant_id"),
+                                  created_at=t.user_attrs.get("created_at"))]
     if missing:
         raise InputError(
             f"the Optuna storage holds finished trials of study {study.study_name!r}, but "
-            f"{len(missing)} of their {len(finished)} measurements are not in {db.path} (was the DB "
-            "replaced?); delete the storage (by default <db>.optuna.journal) or pass another --storage")
+            f"{len(missing)} of their measurements in {db.path} are not there (was the DB replaced?); delete the "
+            "storage (by default <db>.optuna.journal) or pass another --storage")
 
 
 def tune(items: Iterable[tuple[ProblemKey, Shape]], *, benchmarker: Benchmarker, db: TuningDB,

@@ -159,6 +159,25 @@ def test_simulated_archs_in_one_db_search_their_own_studies(tmp_path):
     assert {cc for cc, _, _ in rows} == {"8.0", "8.6"} and all(n >= 3 for _, _, n in rows), rows
 
 
+def test_a_worker_with_its_own_database_joins_a_shared_storage_after_another_measured(tmp_path):
+    """Workers on several machines share the studies through one storage, each writing
+    its own database: a worker that starts after another measured a key's trials finds
+    their rows in the other's database, not its own, and tunes (it stopped with "was
+    the DB replaced?"); its own database's place is what the check reads."""
+    journal = tmp_path / "shared.journal"
+    for name in ("a", "b"):
+        r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake-model", "--db", tmp_path / f"{name}.sqlite",
+                   "--storage", journal, "--trials", 3)
+        assert r.exit_code == 0, r.output
+    rows = {n: sqlite3.connect(tmp_path / f"{n}.sqlite").execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+            for n in "ab"}
+    assert rows["a"] >= 3 * 2 and rows["b"] >= 2, rows  # b measured each key's default at least
+    (tmp_path / "a.sqlite").unlink()  # and a's own database deleted is still refused at its place
+    r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake-model", "--db", tmp_path / "a.sqlite",
+               "--storage", journal, "--trials", 3)
+    assert r.exit_code == 2 and "was the DB replaced?" in r.output, r.output
+
+
 @pytest.mark.parametrize("how", ["another", "deleted", "import-replace", "import-replace-aligned", "import-replace-own"])
 def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how):
     """The Optuna journal kept beside a database that was replaced (another database's

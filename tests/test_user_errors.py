@@ -133,7 +133,7 @@ def test_a_stale_journal_is_reported_not_silently_reused(tmp_path):
     assert CliRunner().invoke(app, args).exit_code == 0
     db.unlink()
     res = CliRunner().invoke(app, args)
-    assert res.exit_code == 2 and "measurements are not in" in res.output and "optuna.journal" in res.output
+    assert res.exit_code == 2 and "are not there (was the DB replaced?)" in res.output and "optuna.journal" in res.output
 
 
 def test_show_defaults_to_the_shipped_db(tmp_path, monkeypatch):
