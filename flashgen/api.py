@@ -1217,7 +1217,9 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     With ``sdpa=True`` it explains ``scaled_dot_product_attention(q, k, v,
     attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
     enable_gqa=enable_gqa)`` instead (top-left causal), including why a call goes to
-    torch's SDPA.  Meta tensors explain by sizes alone (no device needed).  Reads the
+    torch's SDPA.  Meta tensors explain by their sizes and strides (no device
+    needed; an expanded or sliced meta tensor gives the "strided" key its real
+    counterpart gets, a meta tensor's base taken as 16-byte aligned).  Reads the
     tuning databases of ``dispatcher`` (default: the process-wide one).  User functions
     (``score_mod``, ``mask_mod``, ``sinks``; ``sdpa=False``) are traced as the call
     traces them, with gradients enabled: their kernels' keys carry the lowerings' names
@@ -1291,7 +1293,8 @@ def explain(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
         disp = dispatcher or dispatch.default_dispatcher()
         dtype = ops.dtype_name(q.dtype)
         # (of the tensors the call launches on: a last dim with stride != 1 is copied first)
-        layout = "" if q.is_meta else library.layout_signature(*(_last_dim_contiguous(t) for t in (q, k, v)))
+        # (meta tensors: by their strides, their bases taken as 16-byte aligned)
+        layout = library.layout_signature(*(_last_dim_contiguous(t) for t in (q, k, v)))
         if sdpa:
             mods = bwd_mods = _sdpa_mods(attn_mask, dropout_p)
         elif user:

@@ -366,3 +366,20 @@ def test_explain_takes_the_path_and_layout_the_call_takes(monkeypatch):
     assert all(not c.key.endswith("_strided") for c in flashgen.explain(qt, qt, qt).kernels)
     assert flashgen.explain(qt, qt, qt).kernels[0].key == flashgen.explain(qt.contiguous(), qt.contiguous(),
                                                                             qt.contiguous()).kernels[0].key
+
+
+def test_meta_tensors_explain_the_layout_their_strides_give(tuned_db):
+    """An expanded (GQA heads broadcast) or sliced meta tensor gives the "strided" key its
+    real counterpart gets (the explanation read the plain key for every meta tensor);
+    contiguous meta tensors the plain key."""
+    disp = Dispatcher([tuned_db], env=Environment.current(), arch=arch.current())
+    for dev in ("meta", "cpu"):
+        q = torch.empty(1, 2, 256, 64, device=dev, dtype=torch.float16)
+        k = torch.empty(1, 1, 256, 64, device=dev, dtype=torch.float16).expand(1, 2, 256, 64)
+        keys = [c.key for c in flashgen.explain(q, k, k, dispatcher=disp).kernels]
+        assert keys and all(key.endswith("_strided") for key in keys), (dev, keys)
+        wide = torch.empty(1, 2, 256, 68, device=dev, dtype=torch.float16)[..., :64]  # rows of 136 B
+        keys = [c.key for c in flashgen.explain(q, wide, wide, dispatcher=disp).kernels]
+        assert keys and all(key.endswith("_strided") for key in keys), (dev, keys)
+        keys = [c.key for c in flashgen.explain(q, q, q, dispatcher=disp).kernels]
+        assert keys and not any(key.endswith("_strided") for key in keys), (dev, keys)
