@@ -821,11 +821,13 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
     if not space:
         raise InputError(f"no kernel family of {sorted(family_names or families.FAMILIES)} serves {key.id} on "
                          f"{arch.sm}: " + "; ".join(f"{n}: {why}" for n, why in families.reasons(key, arch)))
-    kw = dict(benchmarker=benchmarker, db=db, env=env, arch=arch)
-    study = optuna.create_study(storage=open_storage(storage, db),
-                                sampler=_sampler(sampler, space, seed),
-                                study_name=study_name(env, key, space), direction="minimize",
-                                load_if_exists=True)
+    held = _HeldSignals(benchmarker)
+    kw = dict(benchmarker=held, db=db, env=env, arch=arch)
+    with held.section():
+        study = optuna.create_study(storage=open_storage(storage, db),
+                                    sampler=_sampler(sampler, space, seed),
+                                    study_name=study_name(env, key, space), direction="minimize",
+                                    load_if_exists=True)
     # Before any measurement is written: a study whose finished trials name no row of
     # this key and variant in db (row ids restart at 1 in a new or another file) was
     # tuned into another database; its trials would count here and nothing be searched.
@@ -860,7 +862,8 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
             # the same params: enqueue them once
             if params is not None and tuple(sorted(params.items())) not in seen:
                 seen.add(tuple(sorted(params.items())))
-                study.enqueue_trial(params)
+                with held.section():
+                    study.enqueue_trial(params)
 
     def n_complete() -> int:
         return measured_trials(study)
@@ -897,8 +900,9 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         # Other workers may be filling the same study: stop when it holds n_trials
         # measured trials, whoever ran them.  A trial the rules reject is not counted
         # (it compiles nothing), but at most REJECTED_PER_TRIAL of them per trial are run.
-        study.optimize(objective, n_trials=(n_trials - done) * (1 + REJECTED_PER_TRIAL), timeout=timeout_s,
-                       callbacks=[_MaxMeasured(n_trials)])
+        with held.section():
+            study.optimize(objective, n_trials=(n_trials - done) * (1 + REJECTED_PER_TRIAL), timeout=timeout_s,
+                           callbacks=[_MaxMeasured(n_trials)])
 
     best = db.best(key, env)
     best_ms = best["median_ms"] if best else None
@@ -1251,6 +1255,63 @@ class _StopAtMeasurement:
     def __call__(self, variant: Variant, shape: Shape) -> Measurement:
         if self.signum is not None:
             raise Interrupted(self.signum)
+        self.inside = True
+        try:
+            return self.benchmarker(variant, shape)
+        finally:
+            self.inside = False
+
+    def __getattr__(self, name):
+        return getattr(self.benchmarker, name)
+
+
+class _HeldSignals:
+    """A single-process tune's stop signals (SIGINT, SIGTERM, SIGHUP) while Optuna runs
+    (:meth:`section`: the study's creation, its enqueued trials, ``optimize``): one that
+    arrives inside a measurement (the wrapped benchmarker) raises :class:`Interrupted`
+    at once, and Optuna marks that trial FAIL; one that arrives in Optuna's own
+    bookkeeping is held and raised as the next measurement starts or as the section
+    ends, so a storage write is never cut in half (a KeyboardInterrupt inside Optuna's
+    journal write once left its trial RUNNING and ended in Optuna's UnboundLocalError).
+    Outside the sections signals act as before.  In a worker (its benchmarker is a
+    :class:`_StopAtMeasurement`, whose handlers hold signals the same way) and outside
+    the main thread the sections change nothing."""
+
+    def __init__(self, benchmarker: Benchmarker):
+        self.benchmarker = benchmarker
+        self.signum: int | None = None
+        self.inside = False
+        self.holding = False
+        self.active = (not isinstance(benchmarker, _StopAtMeasurement)
+                       and threading.current_thread() is threading.main_thread())
+
+    def handler(self, signum, frame) -> None:
+        if self.inside or not self.holding:
+            raise Interrupted(signum)
+        if self.signum is None:
+            self.signum = signum
+
+    @contextlib.contextmanager
+    def section(self):
+        if not self.active or self.holding:
+            yield
+            return
+        before = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, *_STOP_SIGNALS)}
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+            for s, h in before.items():
+                signal.signal(s, h)
+        if self.signum is not None:
+            signum, self.signum = self.signum, None
+            raise Interrupted(signum)
+
+    def __call__(self, variant: Variant, shape: Shape) -> Measurement:
+        if self.signum is not None:
+            signum, self.signum = self.signum, None
+            raise Interrupted(signum)
         self.inside = True
         try:
             return self.benchmarker(variant, shape)

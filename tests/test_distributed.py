@@ -420,3 +420,38 @@ def test_a_worker_signalled_from_its_start_to_its_exit_keeps_its_exit_code(tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     codes = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("EXIT ")]
     assert len(codes) == 3 and set(codes) <= {0, 128 + signal.SIGTERM}, (codes, r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_inside_a_storage_write_waits_for_a_safe_point(tmp_path, monkeypatch, signum):
+    """A single-process tune stopped while Optuna writes its journal: the signal is held
+    until the next measurement starts (that trial is marked FAIL) or Optuna's call
+    ends, so the write completes, no trial is left RUNNING and the run stops with
+    Interrupted.  Ctrl-C inside one of these writes (the 17th with Optuna 5.1) raised
+    KeyboardInterrupt there, which left its trial RUNNING and ended in Optuna's
+    UnboundLocalError.  SIGINT inside each of the first writes; SIGTERM (whose default
+    action outside flashgen's handlers would end this test process) inside a few."""
+    from optuna.storages.journal import JournalFileBackend
+
+    real = JournalFileBackend.append_logs
+    for n in range(2, 30) if signum == signal.SIGINT else (6, 17):
+        writes = []
+
+        def append_logs(self, logs, n=n, writes=writes):
+            writes.append(1)
+            if len(writes) == n:
+                os.kill(os.getpid(), signum)  # delivered at the next bytecode, inside this write
+                time.sleep(0.01)
+            return real(self, logs)
+
+        monkeypatch.setattr(JournalFileBackend, "append_logs", append_logs)
+        storage = str(tmp_path / f"s{n}.journal")
+        with TuningDB(tmp_path / f"db{n}.sqlite") as db, pytest.raises(KeyboardInterrupt) as info:
+            tuner.tune(ITEMS, benchmarker=tuner.ModelBenchmarker(ARCH), db=db, env=ENV, arch=ARCH, n_trials=20,
+                       storage=storage)
+        monkeypatch.setattr(JournalFileBackend, "append_logs", real)
+        assert tuner.stop_signal(info.value) == signum and len(writes) >= n, n
+        st = tuner.open_storage(storage, None)
+        states = [t.state for s in st.get_all_studies()
+                  for t in optuna.load_study(study_name=s.study_name, storage=st).trials]
+        assert TrialState.RUNNING not in states, (n, states)
