@@ -1265,7 +1265,7 @@ class _StopAtMeasurement:
         return getattr(self.benchmarker, name)
 
 
-class _HeldSignals:
+class _HeldSignals(_StopAtMeasurement):
     """A single-process tune's stop signals (SIGINT, SIGTERM, SIGHUP) while Optuna runs
     (:meth:`section`: the study's creation, its enqueued trials, ``optimize``): one that
     arrives inside a measurement (the wrapped benchmarker) raises :class:`Interrupted`
@@ -1278,9 +1278,7 @@ class _HeldSignals:
     the main thread the sections change nothing."""
 
     def __init__(self, benchmarker: Benchmarker):
-        self.benchmarker = benchmarker
-        self.signum: int | None = None
-        self.inside = False
+        super().__init__(benchmarker)
         self.holding = False
         self.active = (not isinstance(benchmarker, _StopAtMeasurement)
                        and threading.current_thread() is threading.main_thread())
@@ -1305,21 +1303,7 @@ class _HeldSignals:
             for s, h in before.items():
                 signal.signal(s, h)
         if self.signum is not None:
-            signum, self.signum = self.signum, None
-            raise Interrupted(signum)
-
-    def __call__(self, variant: Variant, shape: Shape) -> Measurement:
-        if self.signum is not None:
-            signum, self.signum = self.signum, None
-            raise Interrupted(signum)
-        self.inside = True
-        try:
-            return self.benchmarker(variant, shape)
-        finally:
-            self.inside = False
-
-    def __getattr__(self, name):
-        return getattr(self.benchmarker, name)
+            raise Interrupted(self.signum)
 
 
 def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> None:
