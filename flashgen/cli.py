@@ -215,11 +215,15 @@ def tune(
             "bwd_dkdv and their varlen forms)", param_hint="'--kernels'")
     if key is not None:
         wanted = [s for s in key.split(",") if s]
+        if not wanted:
+            raise typer.BadParameter(f"{key!r} names no substring: comma-separated substrings of problem key ids "
+                                     f"(e.g. {items[0][0].id.split('_g')[0].removeprefix('attn_')})",
+                                     param_hint="'--key'")
         kept = [(k, s) for k, s in items if any(w in k.id for w in wanted)]
         if not kept:
             raise typer.BadParameter(
                 f"no problem key of preset(s) {', '.join(preset)} and kernels {kernels} contains "
-                f"{' or '.join(map(repr, wanted)) or 'a substring'}; their keys look like {items[0][0].id}",
+                f"{' or '.join(map(repr, wanted))}; their keys look like {items[0][0].id}",
                 param_hint="'--key'")
         items = kept
     env = Environment.current()

@@ -81,6 +81,8 @@ def test_tune_only_the_keys_named_by_substring(tmp_path, timings):
     assert keys == set(want)
     r = invoke("tune", "--preset", "small", "--fake", timings, "--db", db, "--key", "no_such_key")
     assert r.exit_code != 0 and "--key" in r.output and "no_such_key" in r.output
+    r = invoke("tune", "--preset", "small", "--fake", timings, "--db", db, "--key", ",")
+    assert r.exit_code == 2 and "names no substring" in r.output, r.output
     assert n_rows(db) > 0 and {k for (k,) in sqlite3.connect(db).execute("SELECT DISTINCT key FROM measurements")} \
         == set(want)
 
