@@ -217,8 +217,7 @@ def tune(
         wanted = [s for s in key.split(",") if s]
         if not wanted:
             raise typer.BadParameter(f"{key!r} names no substring: comma-separated substrings of problem key ids "
-                                     f"(e.g. {items[0][0].id.split('_g')[0].removeprefix('attn_')})",
-                                     param_hint="'--key'")
+                                     f"(they look like {items[0][0].id})", param_hint="'--key'")
         kept = [(k, s) for k, s in items if any(w in k.id for w in wanted)]
         if not kept:
             raise typer.BadParameter(

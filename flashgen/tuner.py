@@ -823,6 +823,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
                          f"{arch.sm}: " + "; ".join(f"{n}: {why}" for n, why in families.reasons(key, arch)))
     held = _HeldSignals(benchmarker)
     kw = dict(benchmarker=held, db=db, env=env, arch=arch)
+    place = db_place(db)  # what each trial records of where its row went
     with held.section():
         study = optuna.create_study(storage=open_storage(storage, db),
                                     sampler=_sampler(sampler, space, seed),
@@ -857,12 +858,12 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
                   *(c for c in prior if _suggestable(c, space)),
                   *(c for c in transfer_configs(key, db, env, arch) if c.family in space)]
         seen = set()
-        for params in (_params(c, space) for c in firsts):
-            # configs that differ only in knobs outside the search (a refined row's) give
-            # the same params: enqueue them once
-            if params is not None and tuple(sorted(params.items())) not in seen:
-                seen.add(tuple(sorted(params.items())))
-                with held.section():
+        with held.section():
+            for params in (_params(c, space) for c in firsts):
+                # configs that differ only in knobs outside the search (a refined row's)
+                # give the same params: enqueue them once
+                if params is not None and tuple(sorted(params.items())) not in seen:
+                    seen.add(tuple(sorted(params.items())))
                     study.enqueue_trial(params)
 
     def n_complete() -> int:
@@ -889,7 +890,7 @@ def tune_key(key: ProblemKey, shape: Shape, *, benchmarker: Benchmarker, db: Tun
         trial.set_constraint("smem_excess_bytes", constraint[1])
         for name, val in (("variant_id", v.id), ("status", row["status"]), ("row_id", row["id"]),
                           ("created_at", row.get("created_at")), ("constraint", constraint),
-                          ("db", db_place(db))):
+                          ("db", place)):
             trial.set_user_attr(name, val)
         done += row["status"] not in REJECTED
         if on_trial is not None:
@@ -1280,8 +1281,8 @@ class _HeldSignals(_StopAtMeasurement):
     def __init__(self, benchmarker: Benchmarker):
         super().__init__(benchmarker)
         self.holding = False
-        self.active = (not isinstance(benchmarker, _StopAtMeasurement)
-                       and threading.current_thread() is threading.main_thread())
+        # (outside the main thread _signals_handled installs nothing)
+        self.active = not isinstance(benchmarker, _StopAtMeasurement)
 
     def handler(self, signum, frame) -> None:
         if self.inside or not self.holding:
@@ -1294,14 +1295,12 @@ class _HeldSignals(_StopAtMeasurement):
         if not self.active or self.holding:
             yield
             return
-        before = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, *_STOP_SIGNALS)}
-        self.holding = True
-        try:
-            yield
-        finally:
-            self.holding = False
-            for s, h in before.items():
-                signal.signal(s, h)
+        with _signals_handled((signal.SIGINT, *_STOP_SIGNALS), self.handler):
+            self.holding = True
+            try:
+                yield
+            finally:
+                self.holding = False
         if self.signum is not None:
             raise Interrupted(self.signum)
 

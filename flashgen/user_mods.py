@@ -1532,14 +1532,14 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
     st, mt = _traced(q, k, score_mod, mask_mod, sinks)
-    library.no_forward_ad("flashgen.attention", *(t for tr in (st, mt) if tr is not None for t in tr.captured))
+    reads = tuple(t for tr in (st, mt) if tr is not None for t in tr.captured)
+    library.no_forward_ad("flashgen.attention", *reads)
     if not library.use_kernels(q):
         # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)
         o = o.to(q.dtype)
         if o.requires_grad:
-            o = _ReadGuard.apply(o, *library.versioned(
-                (q, k, v, sinks, *(t for tr in (st, mt) if tr is not None for t in tr.captured))))
+            o = _ReadGuard.apply(o, *library.versioned((q, k, v, sinks, *reads)))
         return o, lse.detach()
     grad_on = torch.is_grad_enabled()
     sflags = [grad_on and f for f in score_grad_flags(st)]
@@ -1548,7 +1548,6 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     fwd, bwd = kernel_args(st, mt, sflags, sinks, (b, h, hk, sq, sk, lo, hi), q.device, needs_grad)
     grad_shapes = [(n, t) for n, (t, f) in enumerate(zip(st.captured if st else (), sflags))
                    if f and bwd is not None]
-    reads = tuple(t for tr in (st, mt) if tr is not None for t in tr.captured)
     call = _Call(scale, mask, lo, hi, fwd, bwd, sinks.detach() if sinks is not None else None, grad_shapes, reads,
                  deterministic)
     if not needs_grad:
