@@ -365,7 +365,7 @@ def variant_set(name: str) -> list[GluonFwdVariant]:
         # programs per SM) with three-deep K and V rings, one program per tile: 115052 B
         # compiled (Triton 3.6) against the 115712 B a program may take, 115824 B by the
         # model, whose 1024 B slack exceeds what Triton adds to the named buffers and
-        # barriers (220-292 B over the compile tests' variants); beside the shipped walk
+        # barriers (212-252 B in this set's variants); beside the shipped walk
         # and the two-deep tile it would replace
         one = dict(nc=1, bn=64, ctas=2)
         probe = [_cfg(stages=3, **one), _cfg(stages=3, mf=True, **one)]
