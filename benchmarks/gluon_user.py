@@ -15,9 +15,9 @@ served forward's ms.
 
 ``--walks``: beside those, the persistent walks (``persistent`` 2 and 3: one program per SM
 slot taking its (query block, z * h) tiles longest first) of the one-consumer tile (BLOCK_N
-64, two programs per SM) and of the two-consumer default, for mask functions too, which
-``config.check`` refuses until this run has checked their block-mask reads per tile of
-the walk: in this run's children the rule is lifted for them alone.
+64, two programs per SM) and of the two-consumer default.  ``user_tune.check`` checks a
+walk at a seqlen that gives each program three tiles (``check_sizes``), so a mask
+function's block-mask reads per tile of the walk run in the check.
 """
 
 from __future__ import annotations
@@ -37,19 +37,6 @@ CONFIGS = [(64, 2, 3, False), (64, 2, 2, True), (128, 2, 2, False)]
 #: O staged in the Q buffers), and the one-consumer tile's program per tile beside them.
 WALKS = [(64, 1, 2, 2, 2, False), (64, 1, 2, 2, 3, True), (64, 1, 2, 2, 0, False), (128, 2, 2, 1, 2, False),
          (128, 2, 2, 1, 3, False)]
-def _lift_mask_walk_rule() -> None:
-    """Admit the walks with user mask functions in this process (and nothing else)."""
-    from flashgen.families.gluon import config as C
-    from flashgen.families.gluon import launch, render
-
-    rule = C.check
-
-    def check(v):
-        return [w for w in rule(v) if C.MASK_WALK_RULE not in w]
-
-    C.check = render.check = launch.check = check
-
-
 def _run_example(name: str, walks: bool = False) -> list[dict]:
     import torch
 
@@ -76,7 +63,6 @@ def _run_example(name: str, walks: bool = False) -> list[dict]:
         if c not in cfgs and C.valid(C.GluonFwdVariant(gs, c)):
             cfgs.append(c)
     if walks:
-        _lift_mask_walk_rule()
         for bn, nc, st, ctas, pers, oq in WALKS:
             cr, pr = C.default_regs(nc, ctas)
             c = C.GluonFwdConfig(BLOCK_N=bn, num_consumers=nc, num_stages=st, consumer_regs=cr, producer_regs=pr,

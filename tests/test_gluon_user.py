@@ -133,17 +133,26 @@ CALIBRATION = [
 ]
 
 
-def test_the_walks_take_score_functions_not_mask_functions():
+def test_the_walks_take_score_and_mask_functions():
     """``persistent`` 2 and 3 (the walks that load the next tile's Q early) take a score
     function, whose setup runs per tile (checked against float64 on the GPU,
-    benchmarks/gluon_mods_fwd_tiles.py); with a mask function they stay refused until
-    their block-mask reads per tile of the walk are checked there."""
+    benchmarks/gluon_mods_fwd_tiles.py), and a mask function, whose block mask is read
+    per tile of the walk (checked at three tiles per program, benchmarks/gluon_user.py
+    --walks); a mask function's walk renders its block-mask read inside the walk's loop."""
     score, mask = _spec("softcap", 64), _spec("document-causal", 64)
     for persistent in (2, 3):
-        cfg = C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=3, consumer_regs=136, producer_regs=24,
-                               persistent=persistent, ctas_per_sm=3)
+        cfg = C.GluonFwdConfig(num_consumers=1, BLOCK_N=64, num_stages=2, consumer_regs=232, producer_regs=24,
+                               persistent=persistent, ctas_per_sm=2)
         assert C.check(C.GluonFwdVariant(score, cfg)) == []
-        assert any("user mask function" in w for w in C.check(C.GluonFwdVariant(mask, cfg)))
+        assert C.check(C.GluonFwdVariant(mask, cfg)) == []
+        lines = R.render(C.GluonFwdVariant(mask, cfg)).splitlines()
+        reads = [i for i, line in enumerate(lines) if "u_bm = UBM +" in line]
+        assert len(reads) == 2, reads  # the producer's and the consumer's
+        for i in reads:
+            loop = max(j for j in range(i) if "for tile in range(gl.program_id(0), num_tiles" in lines[j])
+            assert not any(lines[j].startswith("def ") for j in range(loop, i))
+            indent = len(lines[i]) - len(lines[i].lstrip())
+            assert indent > len(lines[loop]) - len(lines[loop].lstrip())
 
 
 def test_the_register_model_refuses_what_spilled_and_admits_what_did_not():

@@ -477,11 +477,6 @@ def smem_bytes(s: GluonFwdSpec, c: GluonFwdConfig) -> int:
     return sum(smem_terms(s, c).values())
 
 
-#: The words of the rule that refuses the persistent walks with a user mask function
-#: (:func:`check`; ``benchmarks/gluon_user.py --walks`` lifts it by them).
-MASK_WALK_RULE = "with a user mask function: not built"
-
-
 def check(v: GluonFwdVariant) -> list[str]:
     """Why ``v`` cannot be built (an empty list when it can).  Each rule mirrors what
     the kernel, wgmma, TMA or setmaxnreg requires."""
@@ -582,11 +577,6 @@ def check(v: GluonFwdVariant) -> list[str]:
     if total > smem_limit(c):
         terms = ", ".join(f"{k} {b}" for k, b in smem_terms(s, c).items())
         why.append(f"shared memory {total} B > {smem_limit(c)} B for {c.ctas_per_sm} program(s) per SM ({terms})")
-    # last, after the resources: a policy, not a resource (benchmarks/gluon_user.py --walks
-    # lifts it alone and keeps the resource rules)
-    if c.persistent >= 2 and s.user and s.user.endswith("m"):
-        why.append(f"persistent={c.persistent} {MASK_WALK_RULE} (not checked on the GPU with the block mask read "
-                   "per tile of the walk)")
     return why
 
 
