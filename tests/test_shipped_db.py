@@ -103,3 +103,46 @@ def test_shipped_tflops_are_the_derived_ones(path):
         dense = shape_flops(r["kernel"], Shape(r["batch"], r["num_heads"], r["num_kv_heads"], r["seqlen_q"],
                                                r["seqlen_k"]), r["head_dim"], r["head_dim_v"])
         assert r["tflops"] < 0.5 * dense / (r["median_ms"] * 1e-3) / 1e12, (r["id"], r["key"])
+
+
+def _keys_without_current_rows(path: Path) -> list[tuple[str, str, str]]:
+    """(GPU, family, key) of every key of ``path`` whose ok rows were all measured on
+    code other than today's (their ``template_hash`` is not the family's current code
+    hash for the row's kernel and mods, so the dispatcher never serves them)."""
+    from flashgen import families
+
+    current: dict = {}
+    seen, fresh = set(), set()
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as c:
+        c.row_factory = sqlite3.Row
+        for r in c.execute("SELECT key, kernel, mods, family, gpu_name, template_hash FROM measurements "
+                           "WHERE status = 'ok'"):
+            fam = r["family"] or "triton"
+            code = (fam, r["kernel"], r["mods"] or "")
+            if code not in current:
+                current[code] = families.get(fam).template_hash(r["kernel"], r["mods"] or "")
+            k = (r["gpu_name"], fam, r["key"])
+            seen.add(k)
+            if r["template_hash"] == current[code]:
+                fresh.add(k)
+    return sorted(seen - fresh)
+
+
+@pytest.mark.parametrize("path", REPO_DBS, ids=lambda p: p.name)
+def test_every_shipped_key_keeps_a_row_of_the_current_code(path):
+    """A template edit that changes a family's generated code leaves that code's rows
+    unserved (the dispatcher compares code hashes).  Every tuned key of a shipped
+    database must keep at least one ok row of today's code per GPU and family: re-tune
+    the keys this lists on their GPU (``flashgen tune --key``), or delete their rows
+    deliberately, rather than let a shipped key fall back to a default unnoticed."""
+    assert _keys_without_current_rows(path) == []
+
+
+def test_a_key_whose_rows_are_all_of_older_code_is_listed(tmp_path):
+    p = tmp_path / "ship.sqlite"
+    shutil.copy(REPO_DBS[0], p)
+    with sqlite3.connect(p) as c:
+        key, fam, gpu = c.execute("SELECT key, family, gpu_name FROM measurements WHERE status = 'ok' "
+                                  "ORDER BY id LIMIT 1").fetchone()
+        c.execute("UPDATE measurements SET template_hash = 'g0000000000000000' WHERE key = ?", (key,))
+    assert _keys_without_current_rows(p) == [(gpu, fam or "triton", key)]
