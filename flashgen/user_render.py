@@ -168,6 +168,9 @@ class Graph:
             if self.dtype(a) == "float":
                 raise UnsupportedError("a captured tensor is indexed by a float value: convert the index with "
                                        ".long() / .to(torch.int64) (or torch.floor first)")
+            if self.dtype(a) == "bool":
+                raise UnsupportedError("a captured tensor is indexed by a bool value: torch reads a bool index as "
+                                       "a mask, not as 0 / 1; convert it with .long() / .to(torch.int64)")
         dt = "bool" if bufinfo.dtype == "bool" else bufinfo.category
         return self._add("load", (buf, *index), dt)
 

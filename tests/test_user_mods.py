@@ -670,6 +670,10 @@ def test_other_bad_functions():
     table = torch.randn(8)
     with pytest.raises(UnsupportedError, match="float value"):
         _call(score_mod=lambda s, b, h, q, k: s + table[(q - k).float()])
+    # torch reads a bool index as a mask (t[q > k] is not t[(q > k).long()])
+    with pytest.raises(UnsupportedError, match="indexed by a bool value.*long"):
+        _call(score_mod=lambda s, b, h, q, k: s + table[q > k])
+    assert _call(score_mod=lambda s, b, h, q, k: s + table[(q > k).long()]) is not None
     with pytest.raises(UnsupportedError, match="used whole"):
         _call(score_mod=lambda s, b, h, q, k: s + table)
     with pytest.raises(UnsupportedError, match="indexing a traced value"):
@@ -2209,3 +2213,26 @@ def test_the_user_examples_names_are_the_shipped_rows_names():
         q = torch.empty(1, 16, 2048, 64, dtype=torch.bfloat16)
         names |= {n for n in user_mods.variant_names(q, q, score_mod=sm, mask_mod=mm, sinks=ex.sinks) if n}
     assert len(names) == 13 and names <= shipped, sorted(names - shipped)
+
+
+def test_a_write_that_bypasses_the_version_counter_is_seen_after_an_in_place_op():
+    """The block mask is cached per captured tensors' versions (README): a NumPy write
+    into a captured tensor's memory leaves it stale, as documented, and any in-place
+    torch op on the tensor (the README's ``t.add_(0)``) makes the next call see it."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    n = 150
+    q, k, v = (torch.randn(1, 1, n, 16) for _ in range(3))
+    ids = np.zeros(n, dtype=np.int64)
+    doc = torch.from_numpy(ids)
+
+    def mask(b, h, i, j):
+        return doc[i] == doc[j]
+
+    flashgen.attention(q, k, v, mask_mod=mask)
+    ids[:] = np.arange(n) // 8
+    s = ((q @ k.transpose(-1, -2)).double() / 4).masked_fill(doc[:, None] != doc[None, :], float("-inf"))
+    ref = (torch.softmax(s, -1) @ v.double()).float()
+    doc.add_(0)
+    assert (flashgen.attention(q, k, v, mask_mod=mask) - ref).abs().max() < 1e-4
