@@ -105,11 +105,13 @@ def _read_timings(path: Path) -> dict[str, float]:
         if not isinstance(data, dict):
             raise ValueError("expected a JSON object {variant_id: median_ms}")
         # numbers only: a string "0.5" or true is a mistake in the file, not a timing
-        bad = [k for k, v in data.items()
-               if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0)]
+        from .db import MIN_MEDIAN_MS
+
+        bad = [k for k, v in data.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+               or not (math.isfinite(v) and v >= MIN_MEDIAN_MS)]
         out = {str(k): float(v) for k, v in data.items() if k not in bad}
         if bad:
-            raise ValueError(f"timings must be positive, finite milliseconds; {bad[0]!r} has "
+            raise ValueError(f"timings must be finite milliseconds >= {MIN_MEDIAN_MS} (1 ns); {bad[0]!r} has "
                              f"{data[bad[0]]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
         return out
     except (ValueError, TypeError) as e:

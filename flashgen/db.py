@@ -30,8 +30,8 @@ from . import families
 from .env import (INTERPRETER_GPU, MATCH_COLUMNS, SIBLING_COLUMNS, SYNTHETIC_GPU_SUFFIXES, VERSION_COLUMNS,
                   Environment, real_gpu)
 from .errors import InputError
-from .spec import (ALL_KERNELS, KERNELS, STATUSES, TIMING_WINDOW, Measurement, kernel_mods, is_decode, ProblemKey,
-                   Shape, TileConfig, Variant, shape_flops)
+from .spec import (ALL_KERNELS, KERNELS, STATUSES, TIMING_WINDOW, Measurement, kernel_mods, is_decode, is_varlen,
+                   ProblemKey, Shape, TileConfig, Variant, shape_flops)
 
 TABLE = "measurements"
 #: TileConfig knobs of the Gluon family (:class:`flashgen.spec.TileConfig`): a row stores
@@ -319,6 +319,30 @@ def rules_admit(r: dict) -> bool:
         return False
 
 
+#: The least ``median_ms`` an ok row may hold (1 ns): no GPU call is faster, and a
+#: smaller time overflows the derived TFLOP/s to infinity, which no export can carry.
+MIN_MEDIAN_MS = 1e-6
+
+
+def _size_problem(r: dict, key: ProblemKey) -> str | None:
+    """Why the shape columns of the row ``r`` (where it has them all) fall outside the
+    buckets of its ``key`` (the TFLOP/s is derived from them), or None."""
+    cols = ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k")
+    if any(r.get(c) is None for c in cols):
+        return None
+    b, h, hk, sq, sk = (r[c] for c in cols)
+    if hk < 1 or h % hk:
+        return f"num_heads {h} is not a multiple of num_kv_heads {hk}"
+    if is_varlen(key.spec.kernel):
+        return None  # its sizes are the batch's totals and longest sequences, not one shape
+    got = ProblemKey.from_sizes(key.spec, batch=b, num_heads=h, num_kv_heads=hk, seqlen_q=sq, seqlen_k=sk)
+    if (got.group, got.seqlen_q, got.seqlen_k, got.batch_heads) != (key.group, key.seqlen_q, key.seqlen_k,
+                                                                   key.batch_heads):
+        return (f"its sizes (batch {b}, heads {h}/{hk}, seqlen_q {sq}, seqlen_k {sk}) fall in the buckets of "
+                f"{got.id}, not of its key")
+    return None
+
+
 def _bucket_problem(r: dict, key: ProblemKey) -> str | None:
     """Why the size columns of the row ``r`` (of ``key``) are no bucket of flashgen's
     (the dispatcher and the tuner take their log2: nearest buckets, transfers), or None."""
@@ -383,9 +407,14 @@ def _row_problem(r) -> str | None:
     for col in ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k", "sm_count"):
         if col in r and r[col] is not None and not (type(r[col]) is int and r[col] >= 0):
             return f"{col} must be a whole number >= 0, got {r[col]!r}"
+    bad = _size_problem(r, key)
+    if bad:
+        return bad
     ms = r["median_ms"]
     if r["status"] == "ok" and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
         return f"an ok row needs a finite positive median_ms, got {ms!r}"
+    if r["status"] == "ok" and ms < MIN_MEDIAN_MS:
+        return f"an ok row's median_ms must be >= {MIN_MEDIAN_MS} (1 ns), got {ms!r}"
     if ms is not None and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
         return f"median_ms must be a finite number of ms or null, got {ms!r}"
     tf = r.get("tflops")

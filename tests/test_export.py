@@ -141,6 +141,27 @@ def test_import_refuses_sizes_that_are_no_bucket_and_the_dispatcher_skips_them(t
     assert d.choose(other).source == "default"
 
 
+@pytest.mark.parametrize("col, val, rule", [
+    ("seqlen_q", 100000, "fall in the buckets of attn_fwd_d128_bf16_causal_g1_q131072_k1024"),
+    ("num_kv_heads", 3, "num_heads 16 is not a multiple of num_kv_heads 3"),
+    ("median_ms", 1e-300, "median_ms must be >= 1e-06 (1 ns)"),
+])
+def test_import_refuses_sizes_off_the_key_and_times_below_a_nanosecond(tmp_path, col, val, rule):
+    """A row whose shape columns fall outside its key's buckets (its TFLOP/s, derived from
+    them, was off by 1000x), or whose median_ms is so small that the derived TFLOP/s is
+    infinite (an export then wrote Infinity, which no import reads): import names the
+    column and the rule and writes nothing."""
+    src = tmp_path / "src.sqlite"
+    _fill(src, ENV_A, {(64, 64): 2.0})
+    exp = tmp_path / "src.json"
+    assert run("export", exp, src).exit_code == 0
+    data = json.loads(exp.read_text())
+    data["rows"] = [dict(data["rows"][0], **{col: val})]
+    exp.write_text(json.dumps(data))
+    res = run("import", exp, "--db", tmp_path / "mine.sqlite")
+    assert res.exit_code == 2 and rule in res.output and not (tmp_path / "mine.sqlite").exists(), res.output
+
+
 @pytest.mark.parametrize("kind", ["corrupt", "damaged", "foreign", "bad_json"])
 def test_foreign_or_corrupt_files_get_a_clear_error_and_stay_untouched(tmp_path, kind):
     """Not SQLite, SQLite with damaged data pages behind a sound schema page (read as a
