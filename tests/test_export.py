@@ -109,6 +109,27 @@ def test_import_json_and_sqlite_never_lose_user_rows(tmp_path):
 
 
 
+def _import_one_edited_row(tmp_path, col, val, rule, rekey=False):
+    """Export a one-row database, set the row's ``col`` to ``val`` in the file (``rekey``:
+    its key made to agree), import it: exit 2 naming ``rule``, no database made.
+    Returns (the source database, the edited row)."""
+    from flashgen.spec import ProblemKey
+
+    src = tmp_path / "src.sqlite"
+    _fill(src, ENV_A, {(64, 64): 2.0})
+    exp = tmp_path / "src.json"
+    assert run("export", exp, src).exit_code == 0
+    data = json.loads(exp.read_text())
+    row = dict(data["rows"][0], **{col: val})
+    if rekey:
+        row["key"] = ProblemKey.from_row(row).id
+    data["rows"] = [row]
+    exp.write_text(json.dumps(data))
+    res = run("import", exp, "--db", tmp_path / "mine.sqlite")
+    assert res.exit_code == 2 and rule in res.output and not (tmp_path / "mine.sqlite").exists(), res.output
+    return src, row
+
+
 @pytest.mark.parametrize("col, val, rule", [
     ("seqlen_q_bucket", 0, "seqlen_q_bucket must be a power of two >= 16"),
     ("seqlen_k_bucket", 100, "seqlen_k_bucket must be a power of two >= 16"),
@@ -121,19 +142,8 @@ def test_import_refuses_sizes_that_are_no_bucket_and_the_dispatcher_skips_them(t
     of the spec raised a math domain error from the nearest-bucket search); a row edited
     so in the file is not served."""
     from flashgen import dispatch
-    from flashgen.spec import ProblemKey
 
-    src = tmp_path / "src.sqlite"
-    _fill(src, ENV_A, {(64, 64): 2.0})
-    exp = tmp_path / "src.json"
-    assert run("export", exp, src).exit_code == 0
-    data = json.loads(exp.read_text())
-    row = dict(data["rows"][0], **{col: val})
-    row["key"] = ProblemKey.from_row(row).id
-    data["rows"] = [row]
-    exp.write_text(json.dumps(data))
-    res = run("import", exp, "--db", tmp_path / "mine.sqlite")
-    assert res.exit_code == 2 and rule in res.output and not (tmp_path / "mine.sqlite").exists(), res.output
+    src, row = _import_one_edited_row(tmp_path, col, val, rule, rekey=True)
     with sqlite3.connect(src) as c:
         c.execute(f"UPDATE measurements SET [{col}] = ?, key = ?", (val, row["key"]))
     d = dispatch.Dispatcher([src], env=ENV_A)
@@ -151,15 +161,7 @@ def test_import_refuses_sizes_off_the_key_and_times_below_a_nanosecond(tmp_path,
     them, was off by 1000x), or whose median_ms is so small that the derived TFLOP/s is
     infinite (an export then wrote Infinity, which no import reads): import names the
     column and the rule and writes nothing."""
-    src = tmp_path / "src.sqlite"
-    _fill(src, ENV_A, {(64, 64): 2.0})
-    exp = tmp_path / "src.json"
-    assert run("export", exp, src).exit_code == 0
-    data = json.loads(exp.read_text())
-    data["rows"] = [dict(data["rows"][0], **{col: val})]
-    exp.write_text(json.dumps(data))
-    res = run("import", exp, "--db", tmp_path / "mine.sqlite")
-    assert res.exit_code == 2 and rule in res.output and not (tmp_path / "mine.sqlite").exists(), res.output
+    _import_one_edited_row(tmp_path, col, val, rule)
 
 
 @pytest.mark.parametrize("kind", ["corrupt", "damaged", "foreign", "bad_json"])
