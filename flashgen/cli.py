@@ -99,6 +99,16 @@ def _check_family(family: str) -> str:
     return ",".join(names)
 
 
+def _db_not_json(db: Path) -> Path:
+    """--db of a command that writes a tuning database: a *.json name is refused (import,
+    merge and export read and write *.json as exports, so such a database could never be
+    imported or merged by its name)."""
+    if db is not None and db.suffix == ".json":
+        raise typer.BadParameter(f"{db.name!r}: a tuning database is SQLite; *.json names an export (`flashgen "
+                                 "export`), so give --db another name (e.g. *.sqlite)")
+    return db
+
+
 def _read_timings(path: Path) -> dict[str, float]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -126,7 +136,8 @@ def tune(
                                                    "mods-dropout; user-examples, user-small (the user score/mask "
                                                    "functions and sinks of flashgen.user_examples: their "
                                                    "variants' fwd, bwd_dq, bwd_dkdv).")] = ["fa-grid"],
-    db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
+    db: Annotated[Path, typer.Option(dir_okay=False, callback=_db_not_json,
+                                     help="Tuning DB to append to.")] = DEFAULT_DB,
     dtype: Annotated[DtypeName, typer.Option(help="Element type of q, k, v.")] = "bfloat16",
     kernels: Annotated[str, typer.Option(callback=_check_kernels,
                                          help="Comma-separated kernels to tune (default: all; a preset "
@@ -761,7 +772,8 @@ def _check_export_gpus(dbs: list[Path], gpu: list[str]) -> None:
 def import_(
     source: Annotated[Path, typer.Argument(metavar="SOURCE", exists=True, dir_okay=False,
                                            help="An export (*.json) or a tuning DB (*.sqlite).")],
-    db: Annotated[Path, typer.Option(dir_okay=False, help="Tuning DB to append to.")] = DEFAULT_DB,
+    db: Annotated[Path, typer.Option(dir_okay=False, callback=_db_not_json,
+                                     help="Tuning DB to append to.")] = DEFAULT_DB,
     replace: Annotated[bool, typer.Option(
         "--replace", help="SOURCE's rows replace --db's rows of each problem key and environment (GPU, compute "
                           "capability, Triton version, generated code) in which SOURCE has an ok row, e.g. after "

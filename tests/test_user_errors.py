@@ -12,6 +12,7 @@ import flashgen
 from flashgen import InputError, UnsupportedError, dispatch, reference
 from flashgen.arch import TABLE
 from flashgen.cli import app
+from flashgen.db import TuningDB
 from flashgen.dispatch import Dispatcher
 from flashgen.env import Environment
 from flashgen.spec import KernelSpec, ProblemKey
@@ -267,3 +268,17 @@ def test_a_mask_mod_must_return_bool(mask_mod, kind):
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(UnsupportedError, match=f"returns {kind} value: it must return a bool tensor"):
         flashgen.attention(q, q, q, mask_mod=mask_mod)
+
+
+@pytest.mark.parametrize("command", [["tune", "--preset", "small", "--fake-model", "--arch", "sm_90", "--trials", "1"],
+                                     ["import", "SOURCE"]])
+def test_a_database_named_like_an_export_is_refused(tmp_path, command):
+    """``--db out.json`` made a SQLite file that import and merge then read as an export
+    (not UTF-8 text) by its name: tune and import refuse the name, and write nothing."""
+    src = tmp_path / "src.sqlite"
+    with TuningDB(src):
+        pass
+    args = [str(src) if a == "SOURCE" else a for a in command]
+    r = CliRunner().invoke(app, [*args, "--db", str(tmp_path / "out.json")])
+    assert r.exit_code == 2 and "a tuning database is SQLite; *.json names an export" in r.output, r.output
+    assert not (tmp_path / "out.json").exists()
