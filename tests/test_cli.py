@@ -102,6 +102,7 @@ def test_merge(tmp_path, timings):
     (["tune", "--kernels", "fwd,backward"], "--kernels"),  # (bwd is the whole backward: a kernel name)
     (["tune", "--family", "cuda"], "--family"),
     (["tune", "--preset", "mods-dropout", "--kernels", "decode"], "--kernels"),  # no keys: not a silent no-op
+    (["tune", "--preset", "decode-small", "--kernels", "fwd"], "--kernels"),  # nor the decode keys --kernels left out
     (["tune", "--dtype", "int8"], "--dtype"),
     (["tune", "--trials", "0"], "--trials"),
     (["tune", "--fake", "missing.json"], "--fake"),
