@@ -1015,6 +1015,14 @@ def refine_configs(key: ProblemKey, db: TuningDB, env: Environment, arch: Arch, 
     return out
 
 
+def _best_of_families(db: TuningDB, key: ProblemKey, env: Environment, fams: set) -> dict | None:
+    """The fastest ok row of ``key`` in ``env`` among the kernel families ``fams``."""
+    portable = families.portable().name
+    rows = [r for r in db.best_rows(env, key_contains=key.id)
+            if r["key"] == key.id and (r.get("family") or portable) in fams]
+    return min(rows, key=lambda r: (r["median_ms"], r["id"]), default=None)
+
+
 def refine(items: Iterable[tuple[ProblemKey, Shape]], *, knobs: Iterable[str], benchmarker: Benchmarker,
            db: TuningDB, env: Environment, arch: Arch, family_names: Iterable[str] | None = None,
            on_key: Callable[[int, int, ProblemKey], None] | None = None,
@@ -1025,7 +1033,8 @@ def refine(items: Iterable[tuple[ProblemKey, Shape]], *, knobs: Iterable[str], b
     knob added to a family after its keys were tuned: the tuned winners with each value
     of the new knob, instead of a new search.  A key without an ok row of a family to
     start from is left out.  Each result's ``default_*`` fields hold the starting
-    config (the best before), so ``speedup`` is what the refinement gained."""
+    config (the best before among the refined families' rows), and its ``best_*`` fields
+    the best of those families after, so ``speedup`` is what the refinement gained."""
     kw = dict(benchmarker=benchmarker, db=db, env=env, arch=arch)
     by_family = db.best_configs_by_family(env)
     results = []
@@ -1037,13 +1046,16 @@ def refine(items: Iterable[tuple[ProblemKey, Shape]], *, knobs: Iterable[str], b
             continue
         if on_key is not None:
             on_key(i, len(items), key)
-        before = db.best(key, env)
+        # the refined families' rows alone: another family's faster row is not what
+        # this refinement started from or gained
+        fams = {b.family for b, _ in starts}
+        before = _best_of_families(db, key, env, fams)
         cands = [c for _, cs in starts for c in cs]
         for n, cfg in enumerate(cands, 1):
             row = _measure(key, shape, cfg, **kw)
             if on_trial is not None:
                 on_trial(key, n, len(cands), row)
-        best = db.best(key, env)
+        best = _best_of_families(db, key, env, fams)
         before_ms = before["median_ms"] if before else None
         results.append(TuneResult(
             key=key, best_config=TileConfig.from_dict(best) if best else None,

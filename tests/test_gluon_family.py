@@ -1356,3 +1356,19 @@ def test_model_benchmarker_counts_the_column_split_programs_key_rows():
     rows128 = dataclasses.replace(wide.config, dq_chunks=0)
     big = Shape(4, 8, 4, 4096, 4096)
     assert model.median_ms(wide, big) > model.median_ms(Variant(wide.spec, rows128), big)
+
+
+def test_refine_of_one_family_reports_that_familys_rows(tmp_path):
+    """``tune --family triton --refine num_warps`` at a key whose Gluon row is faster: the
+    summary's starting and best configs are the Triton family's, so its speedup is what
+    refining that family gained (it showed the Gluon row for both, 1.00x)."""
+    k = key("fwd", "float16", 64)
+    tri = TileConfig(64, 64, 4, 2)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        _record(db, k, F.tile_config(C.default_config(F.fwd_spec(k))), 0.3)
+        _record(db, k, tri, 0.5)
+        (res,) = tuner.refine([(k, SHAPE)], knobs=["num_warps"], benchmarker=tuner.FakeBenchmarker({}, default=0.4),
+                              db=db, env=H200, arch=SM90, family_names=["triton"])
+    assert res.default_config == tri and res.default_median_ms == 0.5
+    assert res.best_config.family == tri.family and res.best_config.num_warps != 4
+    assert res.best_median_ms == 0.4 and res.speedup == pytest.approx(1.25)
