@@ -633,6 +633,8 @@ def show(
     for db in dbs:
         if not db.exists():
             raise typer.BadParameter(f"{db} does not exist", param_hint="'--db'")
+        if db.is_dir():  # the default name, taken by a directory
+            raise typer.BadParameter(f"{db} is a directory, not a tuning database", param_hint="'--db'")
         with _user_errors(db):
             TuningDB(db, readonly=True).close()
         with TuningDB(db, readonly=True) as tdb:
@@ -646,9 +648,11 @@ def show(
             else:
                 # what the dispatcher can load: a row its family's rules refuse is left out
                 rows = tdb.best_rows(key_contains=key, admit=rules_admit)
-                cols = ("key", "config", "median ms", "TFLOP/s", "gpu", "triton", "template")
+                # rows of one GPU name tuned for two architectures (--arch) differ in cc alone
+                cols = ("key", "config", "median ms", "TFLOP/s", "gpu", "cc", "triton", "template")
                 cells = [(r["key"], _config_id(r), _fmt(r["median_ms"]), _fmt(r["tflops"], ".4g"),
-                          r["gpu_name"], r["triton_version"], r["template_hash"]) for r in rows]
+                          r["gpu_name"], r["compute_capability"], r["triton_version"], r["template_hash"])
+                         for r in rows]
             counts = tdb.status_counts(key_contains=key)
         table = Table(title=Text(f"{db}: {'all rows' if all_ else 'best per key'}"))
         for c in cols:

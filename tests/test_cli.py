@@ -490,3 +490,21 @@ def test_a_log_gets_a_line_per_key_and_per_twentieth_of_the_precompile(tmp_path)
         log.step()
     lines = out.getvalue().splitlines()
     assert len(lines) == 23 and lines[0].startswith("precompiled 2/45 in ") and lines[-1].startswith("precompiled 45/45")
+
+
+def test_show_tells_architectures_apart_and_names_a_directory(tmp_path, monkeypatch):
+    """One GPU name tuned for sm_80 and sm_90 (``--arch``): show's best rows differ in
+    their cc column, not only in ids; a directory at the default database's name is
+    named as one (it was called missing)."""
+    db = tmp_path / "two.sqlite"
+    for sm in ("sm_80", "sm_90"):
+        r = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake-model", "--arch", sm, "--trials", 1,
+                   "--key", "d64_bf16_causal", "--family", "triton", "--db", db)
+        assert r.exit_code == 0, r.output
+    out = invoke("show", "--db", db).output
+    rows = [line for line in out.splitlines() if "attn_fwd_d64_bf16_causal" in line]
+    assert len(rows) == 2 and sorted(line.split("│")[6].strip() for line in rows) == ["8.0", "9.0"], out
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "flashgen_tuning.sqlite").mkdir()
+    r = invoke("show")
+    assert r.exit_code == 2 and "is a directory, not a tuning database" in r.output, r.output
