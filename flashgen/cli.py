@@ -825,6 +825,10 @@ def import_(
                     note = f"; {len(gone)} rows of the same keys and environments replaced (kept in {keep})"
             else:
                 n = tdb.import_rows(rows) if source.suffix == ".json" else tdb.merge_from(source)
+                if tdb.last_conflicts:
+                    note = (f"; {tdb.last_conflicts} rows left out that have the identity of a row already held (key, "
+                            "config, environment, measurement time) but another status or median_ms: the held row "
+                            "stays (--replace takes SOURCE's rows of their keys)")
     typer.echo(f"{source}: {n} rows added to {db}{note}")
 
 

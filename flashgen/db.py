@@ -514,6 +514,7 @@ class TuningDB:
 
     def __init__(self, path: str | Path, readonly: bool | None = None, immutable: bool = False):
         self.path = Path(path)
+        self.last_conflicts = 0  # of the last import or merge (_insert_new)
         # A read-only connection to a WAL-mode file (validate()'s too) creates its -wal and
         # -shm files and, unable to checkpoint, leaves them at close (see close()).
         tidy = not immutable and not _wal_files(self.path)
@@ -728,21 +729,27 @@ class TuningDB:
         """Insert the rows this DB lacks (identity: :data:`IDENTITY`, among the rows that
         stay: ``drop`` is deleted in the same transaction), ``tflops`` derived again;
         those are checked (:func:`check_rows`) unless the caller ``checked`` all of
-        ``rows``."""
+        ``rows``.  ``last_conflicts`` counts the rows left out that have a held row's
+        identity but another status or median_ms (the held row, or the first such row of
+        ``rows``, stays)."""
         cols = [c for c in COLUMNS if c != "id"]
         dropped = {r["id"] for r in drop}
         self._add_missing_columns()
         # what this DB has is read in the writing transaction: two merges of one source
         # at once each found every row missing and added it
         with self._immediate():
-            have = {tuple(r[1:]) for r in self._conn.execute(
-                f"SELECT id, {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}") if r[0] not in dropped}
+            have = {tuple(r[3:]): (r[1], r[2]) for r in self._conn.execute(
+                f"SELECT id, status, median_ms, {', '.join(f'[{c}]' for c in IDENTITY)} FROM {TABLE}")
+                if r[0] not in dropped}
             new = []
+            self.last_conflicts = 0
             for r in rows:
                 ident = tuple(r.get(c) for c in IDENTITY)
                 if ident not in have:
-                    have.add(ident)
+                    have[ident] = (r.get("status"), r.get("median_ms"))
                     new.append({c: r.get(c) for c in cols})
+                elif have[ident] != (r.get("status"), r.get("median_ms")):
+                    self.last_conflicts += 1  # an edited copy of a row held: the held one stays
             if not checked:
                 check_rows(new, source)
             for r in new:  # derived: counted as this version counts it

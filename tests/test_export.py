@@ -100,7 +100,8 @@ def test_import_json_and_sqlite_never_lose_user_rows(tmp_path):
     assert run("export", exp, theirs).exit_code == 0
     res = run("import", exp, "--db", mine)
     assert res.exit_code == 0 and "1 rows added" in res.output
-    assert run("import", exp, "--db", mine).output.count("0 rows added") == 1  # idempotent
+    again = run("import", exp, "--db", mine).output
+    assert again.count("0 rows added") == 1 and "left out" not in again  # idempotent
     res = run("import", theirs, "--db", mine)
     assert res.exit_code == 0 and "1 rows added" in res.output  # the other, slower row
     with TuningDB(mine) as db:
@@ -162,6 +163,25 @@ def test_import_refuses_sizes_off_the_key_and_times_below_a_nanosecond(tmp_path,
     infinite (an export then wrote Infinity, which no import reads): import names the
     column and the rule and writes nothing."""
     _import_one_edited_row(tmp_path, col, val, rule)
+
+
+def test_import_of_an_edited_copy_of_held_rows_says_what_it_left_out(tmp_path):
+    """An export whose row was edited (another median_ms, the same key, config,
+    environment and measurement time) imported into the database it came from: nothing is
+    overwritten, and the output says how many such rows were left out (it said "0 rows
+    added" alone)."""
+    src = tmp_path / "src.sqlite"
+    _fill(src, ENV_A, {(64, 64): 2.0, (128, 64): 3.0})
+    exp = tmp_path / "src.json"
+    assert run("export", exp, src).exit_code == 0
+    data = json.loads(exp.read_text())
+    data["rows"][0]["median_ms"] = 0.5
+    exp.write_text(json.dumps(data))
+    res = run("import", exp, "--db", src)
+    assert res.exit_code == 0 and "0 rows added" in res.output, res.output
+    assert "1 rows left out that have the identity of a row already held" in res.output, res.output
+    with TuningDB(src) as db:
+        assert sorted(r["median_ms"] for r in db.rows()) == [2.0, 3.0]
 
 
 @pytest.mark.parametrize("kind", ["corrupt", "damaged", "foreign", "bad_json"])
