@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from .spec import ALL_KERNELS, DENSE_KERNELS, DTYPES, KERNELS, TileConfig, Variant, is_decode
+from .spec import ALL_KERNELS, DENSE_KERNELS, DTYPES, KERNELS, TileConfig, Variant
 
 #: The user's tuning DB.  The shipped one (tuning_db/h200.sqlite) is written only when
 #: --db names it.
@@ -207,10 +207,6 @@ def tune(
     console = _console()
     user_presets = [p for p in preset if p in presets.USER_PRESETS]
     items = presets.expand([p for p in preset if p not in presets.USER_PRESETS], dtype, kernels.split(","))
-    if not any(is_decode(k) for k in kernels.split(",")):
-        # a decode preset yields every decode key where no decode kernel is named
-        # (presets.expand, for library callers); --kernels names kernels to tune
-        items = [(k, s) for k, s in items if not is_decode(k.spec.kernel)]
     problems = []
     if user_presets:
         # traced here: their keys are the lowered functions' names (one process: --workers 1)

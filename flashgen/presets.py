@@ -164,18 +164,22 @@ MODS_PRESETS = {"mods-bench", "mods-d64", "mods-small", "mods-softcap", "mods-al
 
 
 def expand(names: Iterable[str], dtype: str = "bfloat16",
-           kernels: Iterable[str] = DENSE_KERNELS) -> list[tuple[ProblemKey, Shape]]:
+           kernels: Iterable[str] | None = None) -> list[tuple[ProblemKey, Shape]]:
     """(ProblemKey, Shape) for every entry of the named presets and every kernel, in
     preset order; a key already produced keeps its first shape.  Dense presets tune
     the dense kernels and varlen presets the varlen ones, whichever of the two names
     of a kernel ``kernels`` gives (``bwd``, the whole backward, only in presets without
-    bias or dropout; ``bwd_varlen`` in varlen presets); decode presets tune each entry's own kernel (only
-    those ``kernels`` names when it names a decode kernel).  Raises KeyError naming
-    the known presets for an unknown name."""
-    kernels = tuple(kernels)
+    bias or dropout; ``bwd_varlen`` in varlen presets); decode presets tune each entry's
+    own kernel among the decode kernels ``kernels`` names.  ``kernels`` None: each
+    preset's own (the dense kernels of :data:`DENSE_KERNELS`, every decode entry).
+    Raises KeyError naming the known presets for an unknown name."""
     out: dict[ProblemKey, Shape] = {}
-    training = tuple(k for k in kernels if not is_decode(k))
-    decode = tuple(k for k in kernels if is_decode(k))
+    if kernels is None:
+        training, decode = DENSE_KERNELS, None
+    else:
+        kernels = tuple(kernels)
+        training = tuple(k for k in kernels if not is_decode(k))
+        decode = tuple(k for k in kernels if is_decode(k))
     for name in names:
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
@@ -184,7 +188,7 @@ def expand(names: Iterable[str], dtype: str = "bfloat16",
                            "keys (flashgen tune --preset does)")
         if name in DECODE_PRESETS:
             for d, mask, shape, k in PRESETS[name]():
-                if not decode or k in decode:
+                if decode is None or k in decode:
                     out.setdefault(shape.key(KernelSpec(k, dtype, d, d, mask)), shape)
             continue
         varlen = name in VARLEN_PRESETS

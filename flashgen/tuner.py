@@ -1049,7 +1049,8 @@ def refine(items: Iterable[tuple[ProblemKey, Shape]], *, knobs: Iterable[str], b
         # the refined families' rows alone: another family's faster row is not what
         # this refinement started from or gained
         fams = {b.family for b, _ in starts}
-        before = _best_of_families(db, key, env, fams)
+        before = min((r for c, r in by_family.get(key.id, ()) if c.family in fams),
+                     key=lambda r: (r["median_ms"], r["id"]), default=None)
         cands = [c for _, cs in starts for c in cs]
         for n, cfg in enumerate(cands, 1):
             row = _measure(key, shape, cfg, **kw)
