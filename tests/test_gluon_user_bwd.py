@@ -315,6 +315,26 @@ def test_the_steps_add_the_captured_tensors_gradients(name, d):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+def test_the_per_key_row_sums_probe_adds_the_tables_gradient(d, monkeypatch):
+    """``benchmarks/probe_t5_rowsum.py``'s edit (T5's table gradient summed per key row,
+    one masked atomic per key row and value) adds what float64 autograd gives, as the
+    per-tile sums do, and leaves no per-tile sum in the step."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import probe_t5_rowsum
+
+    loops = U._value_loops
+    monkeypatch.setattr(U, "_value_loops", lambda code: probe_t5_rowsum.row_sums(loops(code)))
+    _, table, _, _ = _grad_cases()["relpos-learned"]
+    ua = _user_args(lambda s, b_, h_, q, kv: s + table[user_examples.t5_bucket(kv - q), h_], None, 2, 4, 2, 500, 700,
+                    -700, 700)
+    code = U.bwd_template_vars(ua.name)["USER_GRADS"]
+    assert "u_rs = gl.sum(" in code and "gl.sum(gl.sum(" not in code, code
+    test_the_steps_add_the_captured_tensors_gradients("relpos-learned", d)
+    with pytest.raises(ValueError, match="no per-tile sum"):
+        probe_t5_rowsum.row_sums("gl.atomic_add(p, v)")
+
+
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("name", list(_score_cases()))
 def test_the_steps_compute_the_score_functions_p_and_ds(name, d):
     """The rendered kernel's own statements of an unmasked step (the score function, its
