@@ -262,27 +262,55 @@ class Graph:
         return f(a)
 
     def pow(self, a, b):
+        """torch's ``a ** b``: a constant integral exponent by repeated multiplication (so
+        negative bases keep their sign, and integers stay integers, wrapping in int64 as
+        torch's do); other constant exponents and float tensor exponents through
+        exp2(b log2|a|) with torch's signs (a negative base to an integral power: the
+        sign of its parity; to another power: NaN; anything to the power 0: 1).  Raises
+        UnsupportedError for what the kernels would not compute as torch does: an
+        integer to a negative constant power (torch refuses it) or to an integer tensor
+        power."""
+        fa = self.dtype(a) == "float" or isinstance(b, float) or self.dtype(b) == "float"
+        if not isinstance(a, Ref) and not isinstance(b, Ref):
+            return _fold_pow(a, b)
         if not isinstance(b, Ref):
-            if b == 1:
-                return a
-            if b == 0:
-                return 1.0 if self.dtype(a) == "float" or isinstance(b, float) else 1
+            if float(b).is_integer() and abs(b) <= 1 << 16:
+                n = int(b)
+                if n == 0:
+                    return 1.0 if fa else 1
+                if n < 0 and not fa:
+                    raise UnsupportedError("an integer raised to a negative integer power (torch refuses it: "
+                                           "'Integers to negative integer powers are not allowed'); write the base "
+                                           "as a float")
+                base = a if self.dtype(a) == "float" or not fa else self.cast(a, "float32")
+                out = self._ipow(base, abs(n))
+                return out if n > 0 else self.binary("truediv", 1.0, out)
             if b == 0.5:
                 return self.unary("sqrt", a)
             if b == -0.5:
                 return self.unary("rsqrt", a)
-            if b == -1:
-                return self.binary("truediv", 1.0, a)
-            if isinstance(b, int) and 2 <= b <= 4:
-                out = a
-                for _ in range(b - 1):
-                    out = self.binary("mul", out, a)
-                return out
-            if isinstance(b, int) and b < 0:
-                return self.binary("truediv", 1.0, self.pow(a, -b))
-        if not isinstance(a, Ref) and not isinstance(b, Ref):
-            return a ** b
+        elif not fa:
+            raise UnsupportedError("an integer raised to an integer tensor power (torch computes it in integers, "
+                                   "the kernels would not): write the base or the exponent as a float (e.g. "
+                                   "2.0 ** kv_idx), or use a constant exponent")
         return self._add("pow", (a, b), "float")
+
+    def _ipow(self, x, n: int):
+        """x ** n for a constant n >= 1 by multiplications: x * x * ... for n <= 4, else
+        by squaring."""
+        if n <= 4:
+            out = x
+            for _ in range(n - 1):
+                out = self.binary("mul", out, x)
+            return out
+        out = None
+        while n:
+            if n & 1:
+                out = x if out is None else self.binary("mul", out, x)
+            n >>= 1
+            if n:
+                x = self.binary("mul", x, x)
+        return out
 
     def where(self, c, a, b):
         if isinstance(c, bool):
@@ -612,7 +640,17 @@ class _Code:
                 return f"{self.f(a)} - {self.f(b)} * tl.floor({self.f(a)} / {self.f(b)})"
             return f"{self.i(a)} - {self.i(b)} * ({self._floordiv_int(a, b)})"
         if op == "pow":
-            return f"tl.math.exp2({self.f(args[1])} * tl.math.log2({self.f(args[0])}))"
+            A, B = self.f(args[0]), self.f(args[1])
+            if not isinstance(args[1], Ref):
+                # a constant exponent that is not an integer: NaN for a negative base
+                # (log2), 0 or inf at 0, as torch
+                return f"tl.math.exp2({B} * tl.math.log2({A}))"
+            # a tensor exponent: |a|^b with torch's sign for a negative base (the
+            # parity's for an integral b, else NaN: the sqrt of the negative base), and 1
+            # at b = 0 whatever a is
+            m = f"tl.math.exp2({B} * tl.math.log2(tl.abs({A})))"
+            return (f"tl.where({B} == 0.0, 1.0, tl.where({A} < 0.0, tl.where(tl.floor({B}) == {B}, "
+                    f"tl.where(tl.floor({B} * 0.5) * 2.0 == {B}, {m}, -{m}), tl.sqrt({A})), {m}))")
         if op == "neg":
             return f"-{self.name(args[0])}"
         if op == "abs":
@@ -1101,6 +1139,29 @@ def smem_buffers(low: Lowered, kernel: str, block_m: int, block_n: int, num_stag
     if grads:
         out["user_grad_cvt"] = grads
     return out
+
+
+def _fold_pow(a, b):
+    """``a ** b`` of two constants as torch computes it for tensors of their types:
+    NaN (not a complex number) for a negative float base to a non-integral power, inf
+    (not an error) for 0.0 to a negative power; an integer to a negative integer power
+    is refused as torch refuses it."""
+    if isinstance(a, float) or isinstance(b, float):
+        a, b = float(a), float(b)
+        if b == 0:
+            return 1.0
+        if a == 0 and b < 0:
+            return math.inf
+        if a < 0 and not b.is_integer():
+            return math.nan
+        try:
+            return a ** b
+        except OverflowError:
+            return math.copysign(math.inf, a) if a < 0 and b % 2 == 1 else math.inf
+    if b < 0:
+        raise UnsupportedError("an integer raised to a negative integer power (torch refuses it: 'Integers to "
+                               "negative integer powers are not allowed'); write the base as a float")
+    return a ** b
 
 
 def _nonunit(d) -> bool:

@@ -894,6 +894,40 @@ def test_integer_arithmetic_gives_torchs_values(tiles):
          b=1, h=1, hk=1, sq=8, sk=8, dtype=F32)
 
 
+@pytest.mark.parametrize("name", ["float-int", "int5", "neg-int", "half", "tensor-exp", "neg-tensor-exp", "int12"])
+def test_powers_give_torchs_values(tiles, name):
+    """a ** b as torch computes it, forward and gradients against float64: negative
+    scores to integral powers keep their sign (exp2(b log2 a) gave NaN), integers to a
+    constant power stay integers (a float power lost the int64 products before the
+    remainder), a float tensor exponent takes the parity's sign of a negative base and
+    gives 1 at exponent 0."""
+    fns = {
+        "float-int": lambda s, b, h, q, k: s ** 2.0 * 0.5,
+        "int5": lambda s, b, h, q, k: torch.pow(s, 5) * 0.1,
+        "neg-int": lambda s, b, h, q, k: (s + 4.0) ** -3 + s,
+        "half": lambda s, b, h, q, k: (s.abs() + 0.5) ** 2.5 * 0.2,
+        "tensor-exp": lambda s, b, h, q, k: s + 0.2 * s ** (k % 4).float(),
+        "neg-tensor-exp": lambda s, b, h, q, k: s + (-1.0) ** (k - q) + 2.0 ** (-q.float()),
+        "int12": lambda s, b, h, q, k: s + ((q + 2) ** 12 % 101).float() * 0.05,
+    }
+    _run(lambda: (fns[name], None), b=1, h=2, hk=1, sq=17, sk=23, dtype=F32)
+
+
+def test_powers_the_kernels_would_not_compute_as_torch_are_refused():
+    """An integer to an integer tensor power (torch's integer pow; the kernels' would be
+    a float's) and an integer to a negative constant power (torch refuses it) raise
+    UnsupportedError naming the rule; so do the same constants folded."""
+    q, k, v = _qkv(b=1, h=1, hk=1, sq=8, sk=8, dtype=F32)
+    for fn, match in ((lambda s, b, h, qi, ki: s + 0 ** ki, "integer tensor power"),
+                      (lambda s, b, h, qi, ki: s + (qi + 1) ** -2, "negative integer power")):
+        with pytest.raises(UnsupportedError, match=match):
+            flashgen.attention(q, k, v, score_mod=fn)
+    assert user_render._fold_pow(-8.0, 1 / 3) != user_render._fold_pow(-8.0, 1 / 3)  # NaN, as torch; not complex
+    assert user_render._fold_pow(0.0, -1) == math.inf and user_render._fold_pow(-2, 3) == -8
+    with pytest.raises(UnsupportedError, match="negative integer power"):
+        user_render._fold_pow(2, -1)
+
+
 def test_widened_functions_keep_their_table_gradients_and_torchs_int32(tiles):
     """A widened graph whose casts make two loads one node sums their derivatives (the
     second one's replaced the first's: d tab off by 6/5); a bool added to an int32
