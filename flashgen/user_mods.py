@@ -1502,12 +1502,12 @@ def variant_names(q, k, *, score_mod=None, mask_mod=None, sinks=None) -> tuple[s
     return fwd.name, bwd.name if bwd is not None else ""
 
 
-def _traced(q, k, score_mod, mask_mod, sinks):
+def _traced(q, k, score_mod, mask_mod, sinks, sizes_only: bool = False):
     """(score, mask) functions traced (None where not given), after the checks
     :func:`attention` makes on every path, before anything reads them: the sinks, the
-    captured tensors on q's device, and (q not on the meta device: sizes only) every
-    index the functions compute within its tensor's extent (InputError; the reference
-    would wrap a negative index as torch does)."""
+    captured tensors on q's device, and (q not on the meta device and not
+    ``sizes_only``) every index the functions compute within its tensor's extent
+    (InputError; the reference would wrap a negative index as torch does)."""
     b, h, sq, _ = q.shape
     if sinks is not None:
         _check_sinks(sinks, h, q.device)
@@ -1516,7 +1516,7 @@ def _traced(q, k, score_mod, mask_mod, sinks):
     for tr, name in ((st, "score_mod"), (mt, "mask_mod")):
         for t in (tr.captured if tr is not None else ()):
             _check_device(t, name, q.device)
-    if not q.is_meta:
+    if not (q.is_meta or sizes_only):
         check_reads(st, b, h, sq, k.shape[2], q.device)
         check_reads(mt, b, h, sq, k.shape[2], q.device)
     return st, mt
@@ -1529,12 +1529,18 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     q, k, v and turned causal/window into ``mask``, ``lo``, ``hi``).  See the module
     docstring and :func:`flashgen.attention` (``deterministic``: its argument, which
     the backward passes to :func:`flashgen.library.backward`)."""
+    from .api import _values_unreadable
+
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    st, mt = _traced(q, k, score_mod, mask_mod, sinks)
+    # vmap's batched tensors, fake tensors and dispatch modes: no storage for the kernels'
+    # launches or the index checks, and no op to fall back on per sample (the functions
+    # are not an op's arguments): the reference, whose torch ops each of them handles
+    unreadable = _values_unreadable(q, k, v, sinks)
+    st, mt = _traced(q, k, score_mod, mask_mod, sinks, sizes_only=unreadable)
     reads = tuple(t for tr in (st, mt) if tr is not None for t in tr.captured)
     library.no_forward_ad("flashgen.attention", *reads)
-    if not library.use_kernels(q):
+    if unreadable or not library.use_kernels(q):
         # CPU without the interpreter (or bfloat16 in it): float32 math, materialized.
         o, lse = reference(q, k, v, scale, lo, hi, score_mod, mask_mod, sinks, torch.float32)
         o = o.to(q.dtype)

@@ -913,6 +913,27 @@ def test_powers_give_torchs_values(tiles, name):
     _run(lambda: (fns[name], None), b=1, h=2, hk=1, sq=17, sk=23, dtype=F32)
 
 
+def test_user_functions_and_sinks_under_vmap_and_fake_tensors():
+    """vmap's batched tensors and FakeTensorMode's tensors have no storage: a call with
+    a score function, a mask function or sinks read q.data_ptr() and raised a
+    RuntimeError; it now runs the reference's torch ops, which both handle (vmap equal to
+    a loop over the batch, fake tensors of O's shape)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = (torch.randn(3, 1, 2, n, 16, generator=torch.Generator().manual_seed(n)) for n in (9, 11, 11))
+    calls = {
+        "score_mod": lambda a, b, c: flashgen.attention(a, b, c, score_mod=lambda s, B, H, i, j: s * 2),
+        "mask_mod": lambda a, b, c: flashgen.attention(a, b, c, mask_mod=lambda B, H, i, j: j <= i + 2),
+        "sinks": lambda a, b, c: flashgen.attention(a, b, c, sinks=torch.linspace(-1.0, 1.0, 2)),
+    }
+    for name, fn in calls.items():
+        want = torch.stack([fn(q[i], k[i], v[i]) for i in range(3)])
+        torch.testing.assert_close(torch.func.vmap(fn)(q, k, v), want, atol=2e-6, rtol=0, msg=name)
+        with FakeTensorMode():
+            o = fn(torch.empty(1, 2, 9, 16), torch.empty(1, 2, 11, 16), torch.empty(1, 2, 11, 16))
+        assert tuple(o.shape) == (1, 2, 9, 16), name
+
+
 def test_powers_the_kernels_would_not_compute_as_torch_are_refused():
     """An integer to an integer tensor power (torch's integer pow; the kernels' would be
     a float's) and an integer to a negative constant power (torch refuses it) raise
