@@ -1522,6 +1522,10 @@ def _traced(q, k, score_mod, mask_mod, sinks, sizes_only: bool = False):
     return st, mt
 
 
+#: Tensor types whose storage the kernels read (sinks are usually a Parameter).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 @torch.compiler.disable
 def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=None, mask_mod=None, sinks=None,
               deterministic: bool | None = None):
@@ -1529,14 +1533,17 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     q, k, v and turned causal/window into ``mask``, ``lo``, ``hi``).  See the module
     docstring and :func:`flashgen.attention` (``deterministic``: its argument, which
     the backward passes to :func:`flashgen.library.backward`)."""
-    from .api import _values_unreadable
+    from .api import _functorch_active
 
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    # vmap's batched tensors, fake tensors and dispatch modes: no storage for the kernels'
+    # vmap's batched tensors, fake and other subclass tensors: no storage for the kernels'
     # launches or the index checks, and no op to fall back on per sample (the functions
-    # are not an op's arguments): the reference, whose torch ops each of them handles
-    unreadable = _values_unreadable(q, k, v, sinks)
+    # are not an op's arguments): the reference, whose torch ops each of them handles.
+    # (A dispatch mode over plain tensors, a FLOP counter or a checkpointing policy,
+    # still runs the kernels.)
+    unreadable = _functorch_active() or any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN
+                                            for t in (q, k, v, sinks))
     st, mt = _traced(q, k, score_mod, mask_mod, sinks, sizes_only=unreadable)
     reads = tuple(t for tr in (st, mt) if tr is not None for t in tr.captured)
     library.no_forward_ad("flashgen.attention", *reads)

@@ -932,6 +932,19 @@ def test_user_functions_and_sinks_under_vmap_and_fake_tensors():
         with FakeTensorMode():
             o = fn(torch.empty(1, 2, 9, 16), torch.empty(1, 2, 11, 16), torch.empty(1, 2, 11, 16))
         assert tuple(o.shape) == (1, 2, 9, 16), name
+    # a Parameter (sinks usually are) and a dispatch mode over plain tensors keep the kernels
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ran = []
+    real = user_mods.reference
+    try:
+        user_mods.reference = lambda *a, **kw: ran.append(1) or real(*a, **kw)
+        sinks = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 2))
+        with FlopCounterMode(display=False):
+            flashgen.attention(q[0], k[0], v[0], sinks=sinks).sum().backward()
+    finally:
+        user_mods.reference = real
+    assert not ran and sinks.grad is not None
 
 
 def test_powers_the_kernels_would_not_compute_as_torch_are_refused():
