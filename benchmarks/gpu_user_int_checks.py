@@ -1,4 +1,4 @@
-"""Integer arithmetic in user score/mask functions and dropout's default draw, checked
+"""Integer arithmetic and powers in user score/mask functions and dropout's default draw, checked
 on the GPU (about three minutes on an H100, most of it compiling):
 
 * functions whose integer values leave int32 at the call's sizes (``q_idx * kv_idx *
@@ -8,6 +8,9 @@ on the GPU (about three minutes on an H100, most of it compiling):
   ``u8 + 300`` and ``u8 > 300`` converted as torch converts them, uint8 * int8 in int16,
   uint8 with a bool, int16 + 40000) and the integer floor remainder near the int32 minimum
   (``user_render._Code._floordiv_int``), at 1x2x17x23 float16 and 2x4x1000x1500 bf16;
+* powers (``user_render.Graph.pow``: negative scores to integral constant and float tensor
+  powers, a non-integral constant power, integers to a constant power) at 1x2x17x23
+  float16 and 2x4x1000x1500 bf16;
 
 each forward (O, LSE) and backward (dQ, dK, dV) against float64 (``bench._ratios``: the
 error over torch's own at the input dtype plus a floor; ratio <= 1 passes); and
@@ -19,7 +22,7 @@ error over torch's own at the input dtype plus a floor; ratio <= 1 passes); and
 
 Prints one line per case; exit status 1 if any failed.
 
-    PYTHONPATH=. python3 benchmarks/gpu_user_int_checks.py [--only wide,narrow,dropout]
+    PYTHONPATH=. python3 benchmarks/gpu_user_int_checks.py [--only wide,narrow,pow,dropout]
 """
 
 from __future__ import annotations
@@ -89,6 +92,22 @@ def check_narrow() -> list[bool]:
     return [x for name, sm in cases.items() for x in _check(name, shapes, sm)]
 
 
+def check_pow() -> list[bool]:
+    """a ** b as torch computes it: negative scores to integral powers (constant and float
+    tensor exponents), a non-integral constant power, integers to a constant power."""
+    cases = {
+        "s**2.0": lambda s, bb, hh, qi, ki: s ** 2.0 * 0.5,
+        "pow(s,5)": lambda s, bb, hh, qi, ki: torch.pow(s, 5) * 0.1,
+        "(s*s+1)**-3": lambda s, bb, hh, qi, ki: (s * s + 1.0) ** -3 + s,
+        "|s|**2.5": lambda s, bb, hh, qi, ki: (s.abs() + 0.5) ** 2.5 * 0.2,
+        "s**(k%4)": lambda s, bb, hh, qi, ki: s + 0.2 * s ** (ki % 4).float(),
+        "(-1.)**(k-q)": lambda s, bb, hh, qi, ki: s + (-1.0) ** (ki - qi) + 2.0 ** (-(qi % 8).float()),
+        "(q+2)**12%101": lambda s, bb, hh, qi, ki: s + ((qi + 2) ** 12 % 101).float() * 0.05,
+    }
+    shapes = [(1, 2, 17, 23, torch.float16), (2, 4, 1000, 1500, torch.bfloat16)]
+    return [x for name, sm in cases.items() for x in _check(name, shapes, sm)]
+
+
 def check_dropout() -> list[bool]:
     from torch.utils.checkpoint import checkpoint
 
@@ -119,7 +138,7 @@ def check_dropout() -> list[bool]:
     return [same, other, compiled]
 
 
-CHECKS = {"wide": check_wide, "narrow": check_narrow, "dropout": check_dropout}
+CHECKS = {"wide": check_wide, "narrow": check_narrow, "pow": check_pow, "dropout": check_dropout}
 
 
 def main(argv=None) -> int:
