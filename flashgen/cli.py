@@ -60,11 +60,18 @@ def _console() -> Console:
 
 
 def _fmt(x: float | None, spec: str = ".4f") -> str:
-    return "-" if x is None else format(x, spec)
+    """A number for a table; a stored value that is not one (a hand-edited row) as it is."""
+    if x is None:
+        return "-"
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else repr(x)
 
 
 def _config_id(row: dict) -> str:
-    return TileConfig.from_dict(row).id
+    """The row's config id; "?" where its columns are not a config (a hand-edited row)."""
+    try:
+        return TileConfig.from_dict(row).id
+    except (KeyError, TypeError, ValueError):
+        return "?"
 
 
 def _check_presets(names: list[str]) -> list[str]:
@@ -115,14 +122,13 @@ def _read_timings(path: Path) -> dict[str, float]:
         if not isinstance(data, dict):
             raise ValueError("expected a JSON object {variant_id: median_ms}")
         # numbers only: a string "0.5" or true is a mistake in the file, not a timing
-        from .db import MIN_MEDIAN_MS
+        from .db import MIN_MEDIAN_MS, _finite_real
 
-        bad = [k for k, v in data.items() if isinstance(v, bool) or not isinstance(v, (int, float))
-               or not (math.isfinite(v) and v >= MIN_MEDIAN_MS)]
+        bad = [k for k, v in data.items() if not (_finite_real(v) and v >= MIN_MEDIAN_MS)]
         out = {str(k): float(v) for k, v in data.items() if k not in bad}
         if bad:
             raise ValueError(f"timings must be finite milliseconds >= {MIN_MEDIAN_MS} (1 ns); {bad[0]!r} has "
-                             f"{data[bad[0]]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+                             f"{data[bad[0]]!r:.60}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
         return out
     except (ValueError, TypeError) as e:
         raise typer.BadParameter(f"{path}: {e}", param_hint="'--fake'") from None
@@ -617,7 +623,7 @@ def show(
     """Show the best ok row per key and environment that its kernel family's rules admit
     (what a dispatcher can load; or every row) and the row count per status, of one
     database (each shipped one in turn by default)."""
-    from .db import TuningDB, rules_admit
+    from .db import TuningDB, shown
 
     console = _console()
     dbs = [db]
@@ -638,12 +644,13 @@ def show(
                 rows = tdb.rows(key_contains=key)
                 cols = ("id", "key", "config", "status", "median ms", "TFLOP/s", "smem model B", "gpu",
                         "error")
-                cells = [(str(r["id"]), r["key"], _config_id(r), r["status"], _fmt(r["median_ms"]),
-                          _fmt(r["tflops"], ".4g"), str(r["smem_bytes_model"]), r["gpu_name"],
-                          (r["error"] or "")[:60]) for r in rows]
+                cells = [(str(r["id"]), str(r["key"]), _config_id(r), str(r["status"]), _fmt(r["median_ms"]),
+                          _fmt(r["tflops"], ".4g"), str(r["smem_bytes_model"]), str(r["gpu_name"]),
+                          str(r["error"] or "")[:60]) for r in rows]
             else:
-                # what the dispatcher can load: a row its family's rules refuse is left out
-                rows = tdb.best_rows(key_contains=key, admit=rules_admit)
+                # what the dispatcher can load: a row its family's rules refuse, or one that
+                # does not read as a measurement (a hand-edited NULL key or GPU), is left out
+                rows = tdb.best_rows(key_contains=key, admit=shown)
                 # rows of one GPU name tuned for two architectures (--arch) differ in cc alone
                 cols = ("key", "config", "median ms", "TFLOP/s", "gpu", "cc", "triton", "template")
                 cells = [(r["key"], _config_id(r), _fmt(r["median_ms"]), _fmt(r["tflops"], ".4g"),
@@ -805,7 +812,8 @@ def import_(
                                    "tuning database is imported by its *.sqlite name)") from None
             except json.JSONDecodeError as e:
                 raise NotATuningDB(f"{source} is not a flashgen export (invalid JSON: {e})") from None
-            if not isinstance(data, dict) or data.get("flashgen_export") != 1 or not isinstance(data.get("rows"), list):
+            if (not isinstance(data, dict) or type(data.get("flashgen_export")) is not int
+                    or data["flashgen_export"] != 1 or not isinstance(data.get("rows"), list)):
                 raise NotATuningDB(f"{source} is not a flashgen export (expected {{\"flashgen_export\": 1, "
                                    "\"rows\": [...]})")
             rows = data["rows"]
@@ -1060,7 +1068,8 @@ def iomodel(
     batch: Annotated[int, typer.Option(min=1)] = 1,
     heads: Annotated[int, typer.Option(min=1)] = 1,
     causal: bool = False,
-    tradeoff_n: Annotated[int | None, typer.Option(min=1, help="N of the tile-size table (default: the largest N).")] = None,
+    tradeoff_n: Annotated[int | None, typer.Option(min=1, max=IOMODEL_MAX,
+                                                   help="N of the tile-size table (default: the largest N).")] = None,
     tradeoff_block_m: Annotated[str, typer.Option(help="BLOCK_M values of the tile-size table.")] = "16,32,64,128,256",
 ) -> None:
     """HBM bytes moved by naive vs tiled (FlashAttention) attention, forward and backward,

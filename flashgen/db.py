@@ -319,6 +319,20 @@ def rules_admit(r: dict) -> bool:
         return False
 
 
+def readable(r: dict) -> bool:
+    """Whether the stored row ``r`` reads as one of flashgen's measurements (what
+    ``flashgen import`` checks, :func:`_row_problem`): a hand-edited database may hold a
+    NULL key or GPU name or a text time, which the dispatcher never matches but
+    ``flashgen show`` and ``flashgen export`` would print or write."""
+    return _row_problem({c: v for c, v in r.items() if c != "_rank"}) is None
+
+
+def shown(r: dict) -> bool:
+    """What ``flashgen show`` and ``flashgen export`` take of the best rows: admitted by
+    its family's rules (:func:`rules_admit`) and :func:`readable`."""
+    return rules_admit(r) and readable(r)
+
+
 #: The least ``median_ms`` an ok row may hold (1 ns): no GPU call is faster, and a
 #: smaller time overflows the derived TFLOP/s to infinity, which no export can carry.
 MIN_MEDIAN_MS = 1e-6
@@ -354,6 +368,19 @@ def _bucket_problem(r: dict, key: ProblemKey) -> str | None:
     if not (type(r["group_size"]) is int and r["group_size"] >= 1):
         return f"group_size must be a whole number >= 1, got {r['group_size']!r}"
     return None
+
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _finite_real(v) -> bool:
+    """A JSON number that is a finite float64: not a bool, not an integer past float64."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def _row_problem(r) -> str | None:
@@ -411,16 +438,25 @@ def _row_problem(r) -> str | None:
     if bad:
         return bad
     ms = r["median_ms"]
-    if r["status"] == "ok" and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
-        return f"an ok row needs a finite positive median_ms, got {ms!r}"
+    if r["status"] == "ok" and not (_finite_real(ms) and ms > 0):
+        return f"an ok row needs a finite positive median_ms, got {ms!r:.60}"
     if r["status"] == "ok" and ms < MIN_MEDIAN_MS:
         return f"an ok row's median_ms must be >= {MIN_MEDIAN_MS} (1 ns), got {ms!r}"
-    if ms is not None and not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
-        return f"median_ms must be a finite number of ms or null, got {ms!r}"
+    if ms is not None and not (_finite_real(ms) and ms >= 0):
+        return f"median_ms must be a finite number of ms or null, got {ms!r:.60}"
     tf = r.get("tflops")
-    if tf is not None and not (isinstance(tf, (int, float)) and not isinstance(tf, bool) and math.isfinite(tf)
-                               and tf >= 0):
-        return f"tflops must be a finite number >= 0 or null, got {tf!r}"
+    if tf is not None and not (_finite_real(tf) and tf >= 0):
+        return f"tflops must be a finite number >= 0 or null, got {tf!r:.60}"
+    for col, typ in COLUMNS.items():  # what SQLite and the tools can hold: int64, a finite float64, text
+        val = r.get(col)
+        if val is None or col == "id":
+            continue
+        if typ is int and not (type(val) is int and INT64_MIN <= val <= INT64_MAX):
+            return f"{col} must be a whole number within int64 or null, got {val!r:.60}"
+        if typ is float and not _finite_real(val):
+            return f"{col} must be a finite number or null, got {val!r:.60}"
+        if typ is str and not isinstance(val, str):
+            return f"{col} must be text or null, got {val!r:.60}"
     return None
 
 
@@ -803,12 +839,12 @@ class TuningDB:
             raise
 
     def export_best(self, gpu_names: list[str] | None = None) -> list[dict]:
-        """The best ok row per (key, environment) that its family's rules admit
-        (:func:`rules_admit`) -- what a dispatcher can use --
+        """The best ok row per (key, environment) that its family's rules admit and that
+        reads as a measurement (:func:`shown`) -- what a dispatcher can use --
         optionally only for the named GPUs, sorted by GPU then key, each with its
         provenance (``source_db``, ``source_row_id``) and without ``id``."""
         out = []
-        for r in self.best_rows(admit=rules_admit):
+        for r in self.best_rows(admit=shown):
             if gpu_names and r["gpu_name"] not in gpu_names:
                 continue
             r = dict(r)

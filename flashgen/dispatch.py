@@ -425,7 +425,10 @@ class Dispatcher:
                     continue
                 d += (abs(math.log2(other.seqlen_q / key.seqlen_q)) + abs(math.log2(other.seqlen_k / key.seqlen_k))
                       + 0.5 * abs(math.log2(other.batch_heads / key.batch_heads)) + (other.layout != key.layout))
-                if d >= best[o == s][1]:
+                cur, cur_d = best[o == s]
+                # a nearer bucket wins; at the same distance the first one found stays, but
+                # the same bucket's faster row (another database's) replaces it, as in _exact
+                if d > cur_d or (d == cur_d and (cur.tuned_key != key_id or row["median_ms"] >= cur.median_ms)):
                     continue
                 fam = self._family(cfg, key)
                 if fam is None or not self._serves(cfg, serve, where):

@@ -159,6 +159,14 @@ def _export(tmp_path):
     ("sm_count", -1, "sm_count must be a whole number >= 0"),
     ("tflops", -5.0, "tflops must be a finite number >= 0 or null"),
     ("tflops", float("inf"), "tflops must be a finite number >= 0 or null"),
+    ("median_ms", 10 ** 400, "finite positive median_ms"),
+    ("median_ms", True, "finite positive median_ms"),
+    ("tflops", 10 ** 400, "tflops must be a finite number >= 0 or null"),
+    ("sm_count", 10 ** 30, "sm_count must be a whole number within int64"),
+    ("smem_bytes_model", 2 ** 63, "smem_bytes_model must be a whole number within int64"),
+    ("n_regs", "lots", "n_regs must be a whole number within int64"),
+    ("max_abs_err", "x", "max_abs_err must be a finite number or null"),
+    ("error", 7, "error must be text or null"),
 ])
 def test_import_refuses_rows_that_are_not_measurements_and_writes_nothing(tmp_path, field, value, rule):
     data = _export(tmp_path)
@@ -175,6 +183,53 @@ def test_import_refuses_rows_that_are_not_measurements_and_writes_nothing(tmp_pa
     n = len(TuningDB(good, readonly=True).rows())
     one_error_line(invoke("import", bad, "--db", good), rule)
     assert len(TuningDB(good, readonly=True).rows()) == n
+
+
+def test_an_export_whose_version_is_true_is_refused(tmp_path):
+    data = _export(tmp_path)
+    data["flashgen_export"] = True
+    bad = tmp_path / "edited.json"
+    bad.write_text(json.dumps(data))
+    one_error_line(invoke("import", bad, "--db", tmp_path / "mine.sqlite"), "is not a flashgen export")
+    assert not (tmp_path / "mine.sqlite").exists()
+
+
+def test_a_fake_timing_past_float_range_is_one_line(tmp_path, timings):
+    data = json.loads(timings.read_text())
+    bad = tmp_path / "big.json"
+    bad.write_text(json.dumps(data)[:-1] + ', "x": 1' + "0" * 400 + "}")
+    res = invoke("tune", "--preset", "small", "--kernels", "fwd", "--fake", bad, "--db", tmp_path / "t.sqlite")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "Invalid value for '--fake'" in res.output and "finite milliseconds" in res.output
+    assert not (tmp_path / "t.sqlite").exists()
+
+
+@pytest.mark.parametrize("edit", ["UPDATE measurements SET key = NULL WHERE id = 1",
+                                  "UPDATE measurements SET gpu_name = NULL",
+                                  "UPDATE measurements SET median_ms = 'fast' WHERE status = 'ok'"])
+def test_show_and_export_leave_out_rows_edited_past_reading(tmp_path, edit):
+    """A database edited by hand (a NULL key or GPU name, a text time): show prints the
+    rest and every row under --all, export writes only rows import takes back."""
+    _export(tmp_path)
+    src = tmp_path / "src.sqlite"
+    with sqlite3.connect(src) as c:
+        c.execute(edit)
+    c.close()
+    for args in (("show", "--db", src), ("show", "--db", src, "--all")):
+        res = invoke(*args)
+        assert res.exit_code == 0 and res.exception is None, res.output
+    out = tmp_path / "e2.json"
+    res = invoke("export", out, src)
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["key"] and r["gpu_name"] and isinstance(r["median_ms"], float) for r in rows)
+    if rows:
+        assert invoke("import", out, "--db", tmp_path / "back.sqlite").exit_code == 0
+
+
+def test_iomodel_tradeoff_n_is_bounded():
+    res = invoke("iomodel", "--tradeoff-n", 99999999999)
+    assert res.exit_code == 2 and "tradeoff-n" in res.output and "Traceback" not in res.output
 
 
 def test_a_familys_config_reasons_refuse_its_rows_at_import(tmp_path, monkeypatch):

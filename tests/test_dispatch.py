@@ -114,6 +114,21 @@ def test_nearest_bucket_of_the_same_spec(db_path):
     assert ch.source == "default" and ch.config == DEFAULT
 
 
+def test_the_nearest_buckets_fastest_row_wins_across_databases(tmp_path):
+    """Two databases with rows of the same nearest bucket: the faster row serves whichever
+    database comes first (the first database's slower row won at equal distance), and
+    for the bucket itself (the exact row) too."""
+    slow, fast = tmp_path / "slow.sqlite", tmp_path / "fast.sqlite"
+    with TuningDB(slow) as db:
+        rec(db, C1, 2.0, key=OTHER_BUCKET)
+    with TuningDB(fast) as db:
+        rec(db, C2, 1.0, key=OTHER_BUCKET)
+    for order in ((slow, fast), (fast, slow)):
+        ch = disp(*order).choose(KEY)
+        assert (ch.source, ch.config, ch.median_ms) == ("nearest", C2, 1.0), order
+        assert disp(*order).choose(OTHER_BUCKET).config == C2
+
+
 @pytest.mark.parametrize("fields", [{"gpu_name": "NVIDIA H100 PCIe", "sm_count": 114},
                                     {"gpu_name": "NVIDIA A100", "compute_capability": "8.0"},
                                     {"compute_capability": "8.0"}])
