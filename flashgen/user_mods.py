@@ -184,6 +184,11 @@ def _continuous_use(node, arg_index: int) -> bool:
     return node.op in _CONTINUOUS
 
 
+#: The least normal float32 and the largest float32: a divisor outside has no finite
+#: float32 reciprocal (1 / 1e-39 is inf in float32) or is no float32 itself.
+_F32_TINY, _F32_MAX = 2.0 ** -126, 3.4028234663852886e38
+
+
 def reciprocal_divisions(g: Graph, out) -> int:
     """Rewrite, in place, each division by a finite nonzero constant among the nodes
     ``out`` needs into a multiplication by the constant's reciprocal (rounded once to
@@ -221,6 +226,8 @@ def reciprocal_divisions(g: Graph, out) -> int:
         c = n.args[1]
         if isinstance(c, bool) or not isinstance(c, (int, float)) or c == 0 or not math.isfinite(c):
             continue
+        if not _F32_TINY <= abs(float(c)) <= _F32_MAX:
+            continue  # its float32 reciprocal overflows (a subnormal) or the constant does
         exact = math.frexp(float(c))[0] == 0.5
         if exact or continuous(i):
             g.nodes[i] = dataclasses.replace(n, op="mul", args=(n.args[0], 1.0 / float(c)))
@@ -502,6 +509,11 @@ class Traced:
             if fill is None:
                 fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
             dt = kwargs.get("dtype")
+            if dt is not None and _dtype_name(dt) not in ("float32", "float64", "int64", "bool"):
+                # the constant would be a Python number here, whose arithmetic neither
+                # wraps nor rounds in that dtype as torch's tensor does
+                raise UnsupportedError(f"{op}(..., dtype={dt}): write the value as a Python number, or as a "
+                                       "float32 / int64 / bool tensor")
             cat = user_render.CASTS[_dtype_name(dt)] if dt is not None else g.dtype(x)
             if not isinstance(fill, (bool, int, float)):
                 raise UnsupportedError(f"{op} with a fill value of type {type(fill).__name__}")

@@ -247,6 +247,8 @@ class Graph:
         if op == "not":
             return self._add("not", (a,), dt)
         if op == "sign":
+            if dt == "bool":
+                return a  # torch: sign(True) is True, sign(False) False
             zero = 0.0 if dt == "float" else 0
             one = 1.0 if dt == "float" else 1
             return self.where(self.binary("gt", a, zero), one,
@@ -471,7 +473,12 @@ def _affine(g: Graph, v):
     if n.op == "input":
         return {"q": (1, 0, 0), "k": (0, 1, 0)}.get(n.args[0])
     if n.op == "cast":
-        return _affine(g, n.args[0]) if n.args[1] in ("int32", "int64") and g.dtype(n.args[0]) == "int" else None
+        x = _affine(g, n.args[0]) if n.args[1] in ("int32", "int64") and g.dtype(n.args[0]) == "int" else None
+        # an int32 cast is the identity only where the value cannot wrap: kv - q and
+        # offsets far inside int32 (q and k below 2**30)
+        if x is not None and n.args[1] == "int32" and not (abs(x[0]) <= 1 and abs(x[1]) <= 1 and abs(x[2]) < 1 << 29):
+            return None
+        return x
     if n.op == "neg":
         x = _affine(g, n.args[0])
         return None if x is None else tuple(-t for t in x)
@@ -512,6 +519,10 @@ def band(g: Graph, out):
         return None
     x, y = _affine(g, n.args[0]), _affine(g, n.args[1])
     if x is None or y is None:
+        return None
+    # coefficients whose products with q and k (below 2**31) could wrap int64, as torch's
+    # would: not a band
+    if any(abs(t[0]) >= 1 << 31 or abs(t[1]) >= 1 << 31 or abs(t[2]) >= 1 << 61 for t in (x, y)):
         return None
     a, c, e = (u - v for u, v in zip(x, y))  # a q + c k + e  <op>  0
     if c == 0 or a != -c:
@@ -670,20 +681,22 @@ class _Code:
         if op == "trunc":
             x = self.f(args[0])
             return f"tl.where({x} >= 0, tl.floor({x}), tl.ceil({x}))"
-        if op == "minimum":
+        if op in ("minimum", "maximum"):
             a, b = self.num(args[0], dt), self.num(args[1], dt)
-            return f"tl.where({a} < {b}, {a}, {b})"
-        if op == "maximum":
-            a, b = self.num(args[0], dt), self.num(args[1], dt)
-            return f"tl.where({a} > {b}, {a}, {b})"
+            cmp = "<" if op == "minimum" else ">"
+            # a NaN in either argument is the result, as torch's (a NaN a: a != a)
+            if dt == "float" and isinstance(args[0], Ref):
+                return f"tl.where(({a} {cmp} {b}) | ({a} != {a}), {a}, {b})"
+            return f"tl.where({a} {cmp} {b}, {a}, {b})"
         if op == "clamp":
             x, lo, hi = self.num(args[0], dt), args[1], args[2]
-            if lo is not None:
-                L = _lit(float(lo) if dt == "float" else lo)
-                x = f"tl.where({x} < {L}, {L}, {x})"
-            if hi is not None:
-                H = _lit(float(hi) if dt == "float" else hi)
-                x = f"tl.where({x} > {H}, {H}, {x})"
+            for bound, cmp in ((lo, "<"), (hi, ">")):
+                if bound is None:
+                    continue
+                if dt == "float" and math.isnan(bound):
+                    return f"{x} * {_lit(math.nan)}"  # a NaN bound: NaN everywhere, as torch
+                B = _lit(float(bound) if dt == "float" else bound)
+                x = f"tl.where({x} {cmp} {B}, {B}, {x})"
             return x
         if op == "where":
             c, a, b = args

@@ -913,6 +913,62 @@ def test_powers_give_torchs_values(tiles, name):
     _run(lambda: (fns[name], None), b=1, h=2, hk=1, sq=17, sk=23, dtype=F32)
 
 
+def _lse_kernel_and_torch(fn, sq=6, sk=6):
+    """LSE of flashgen.attention with score function ``fn`` on the kernel path, and
+    torch's logsumexp of fn over the scores (float64), per query row."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 16, generator=g) for n in (sq, sk, sk))
+    i, j = torch.arange(sq).view(1, 1, -1, 1), torch.arange(sk).view(1, 1, 1, -1)
+    z = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    s = (q @ k.transpose(-1, -2)) * 0.25
+    want = torch.logsumexp((fn(s, z, z, i, j) + torch.zeros_like(s)).double(), -1).flatten()
+    return flashgen.attention(q, k, v, score_mod=fn, return_lse=True)[1].flatten().double(), want
+
+
+@pytest.mark.parametrize("name", ["max-nan-first", "min-nan-first", "max-nan-second", "clamp-nan-bound",
+                                  "sign-bool", "divide-tiny"])
+def test_operations_give_torchs_values_at_their_edges(name):
+    """NaN in either argument of maximum / minimum is the result (where(a > b, a, b) lost
+    a NaN a), a NaN clamp bound gives NaN; sign of a bool is the bool (it was an int, so
+    bool + bool added to 2); a division by a constant whose float32 reciprocal overflows
+    stays a division."""
+    fns = {
+        "max-nan-first": lambda s, b, h, q, k: torch.maximum(torch.log(s), s),
+        "min-nan-first": lambda s, b, h, q, k: torch.minimum(torch.log(s), s),
+        "max-nan-second": lambda s, b, h, q, k: torch.maximum(s, torch.log(s)),
+        "clamp-nan-bound": lambda s, b, h, q, k: s.clamp(min=float("nan")),
+        "sign-bool": lambda s, b, h, q, k: s + (torch.sign(q > 2) + torch.sign(k > 2)).float(),
+        "divide-tiny": lambda s, b, h, q, k: (s * 1e-36 / 1e-45) * 1e-9,
+    }
+    got, want = _lse_kernel_and_torch(fns[name])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("mask", ["int32-wrap", "int64-wrap"])
+def test_a_mask_that_wraps_is_not_read_as_a_band(mask):
+    """((kv - q) * 2**32).int() == 0 wraps to 0 in torch (every key visible) and
+    (kv - q) * 2**62 <= 0 wraps in int64: neither is the band kv - q == 0 or <= 0."""
+    fn = {"int32-wrap": lambda b, h, q, k: ((k - q) * 2 ** 32).int() == 0,
+          "int64-wrap": lambda b, h, q, k: (k - q) * 2 ** 62 <= 0}[mask]
+    t = user_mods.trace(fn, "mask")
+    assert user_render.band(t.graph, t.out) is None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 6, 16, generator=g) for _ in range(3))
+    vis = fn(0, 0, torch.arange(6).view(-1, 1), torch.arange(6).view(1, -1))
+    s = (q @ k.transpose(-1, -2)) * 0.25
+    want = torch.softmax(s.masked_fill(~vis, float("-inf")), -1) @ v
+    torch.testing.assert_close(flashgen.attention(q, k, v, mask_mod=fn), want, rtol=1e-5, atol=1e-5)
+
+
+def test_full_like_of_a_narrow_dtype_is_refused():
+    """torch.zeros_like(q_idx, dtype=torch.int8) + 300 wraps in int8; the kernels' constant
+    would not: refused, naming the dtype."""
+    q, k, v = _qkv(b=1, h=1, hk=1, sq=8, sk=8, dtype=F32)
+    for dt in (torch.int8, torch.int32, torch.float16):
+        with pytest.raises(UnsupportedError, match="dtype"):
+            flashgen.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + (torch.zeros_like(qi, dtype=dt) + 300))
+
+
 def test_user_functions_and_sinks_under_vmap_and_fake_tensors():
     """vmap's batched tensors and FakeTensorMode's tensors have no storage: a call with
     a score function, a mask function or sinks read q.data_ptr() and raised a
