@@ -1536,6 +1536,8 @@ def _traced(q, k, score_mod, mask_mod, sinks, sizes_only: bool = False):
 
 #: Tensor types whose storage the kernels read (sinks are usually a Parameter).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: Whether a functorch transform (vmap) is active, as flashgen.api asks.
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 @torch.compiler.disable
@@ -1545,8 +1547,6 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     q, k, v and turned causal/window into ``mask``, ``lo``, ``hi``).  See the module
     docstring and :func:`flashgen.attention` (``deterministic``: its argument, which
     the backward passes to :func:`flashgen.library.backward`)."""
-    from .api import _functorch_active
-
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
     # vmap's batched tensors, fake and other subclass tensors: no storage for the kernels'
