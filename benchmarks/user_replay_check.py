@@ -47,7 +47,7 @@ def main() -> int:
             errors = [float((a.double() - r).norm() / r.norm()) for a, r in zip((o, *grads), (ref, *ref_grads))]
             worst = max(worst, *errors)
             why = flashgen.explain(q, k, v, causal=causal, mask_mod=mask_mod).backward
-            print((b, h, hk, s, d, "causal" if causal else "none"), "call", it, "O, dQ, dK, dV rel. L2",
+            print((b, h, hk, s, d, "causal" if causal else "none"), "repetition", it, "O, dQ, dK, dV rel. L2",
                   " ".join(f"{e:.1e}" for e in errors), "|", why[:40], flush=True)
     print(f"worst {worst:.2e}: {'ok' if worst < 1.5e-2 else 'FAIL'}")
     return 0 if worst < 1.5e-2 else 1
