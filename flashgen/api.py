@@ -141,7 +141,7 @@ def _last_dim_contiguous(t):
 
 _Tensor = torch.Tensor
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+_functorch_active = library.functorch_active
 
 
 def _values_unreadable(*tensors) -> bool:

@@ -122,9 +122,9 @@ def _read_timings(path: Path) -> dict[str, float]:
         if not isinstance(data, dict):
             raise ValueError("expected a JSON object {variant_id: median_ms}")
         # numbers only: a string "0.5" or true is a mistake in the file, not a timing
-        from .db import MIN_MEDIAN_MS, _finite_real
+        from .db import MIN_MEDIAN_MS, finite_real
 
-        bad = [k for k, v in data.items() if not (_finite_real(v) and v >= MIN_MEDIAN_MS)]
+        bad = [k for k, v in data.items() if not (finite_real(v) and v >= MIN_MEDIAN_MS)]
         out = {str(k): float(v) for k, v in data.items() if k not in bad}
         if bad:
             raise ValueError(f"timings must be finite milliseconds >= {MIN_MEDIAN_MS} (1 ns); {bad[0]!r} has "

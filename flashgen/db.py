@@ -319,18 +319,13 @@ def rules_admit(r: dict) -> bool:
         return False
 
 
-def readable(r: dict) -> bool:
-    """Whether the stored row ``r`` reads as one of flashgen's measurements (what
-    ``flashgen import`` checks, :func:`_row_problem`): a hand-edited database may hold a
-    NULL key or GPU name or a text time, which the dispatcher never matches but
-    ``flashgen show`` and ``flashgen export`` would print or write."""
-    return _row_problem({c: v for c, v in r.items() if c != "_rank"}) is None
-
-
 def shown(r: dict) -> bool:
     """What ``flashgen show`` and ``flashgen export`` take of the best rows: admitted by
-    its family's rules (:func:`rules_admit`) and :func:`readable`."""
-    return rules_admit(r) and readable(r)
+    its family's rules (:func:`rules_admit`) and read as one of flashgen's measurements
+    (what ``flashgen import`` checks, :func:`_row_problem`): a hand-edited database may
+    hold a NULL key or GPU name or a text time, which the dispatcher never matches but
+    show and export would print or write."""
+    return rules_admit(r) and _row_problem(r) is None
 
 
 #: The least ``median_ms`` an ok row may hold (1 ns): no GPU call is faster, and a
@@ -373,7 +368,7 @@ def _bucket_problem(r: dict, key: ProblemKey) -> str | None:
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-def _finite_real(v) -> bool:
+def finite_real(v) -> bool:
     """A JSON number that is a finite float64: not a bool, not an integer past float64."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
@@ -438,14 +433,14 @@ def _row_problem(r) -> str | None:
     if bad:
         return bad
     ms = r["median_ms"]
-    if r["status"] == "ok" and not (_finite_real(ms) and ms > 0):
+    if r["status"] == "ok" and not (finite_real(ms) and ms > 0):
         return f"an ok row needs a finite positive median_ms, got {ms!r:.60}"
     if r["status"] == "ok" and ms < MIN_MEDIAN_MS:
         return f"an ok row's median_ms must be >= {MIN_MEDIAN_MS} (1 ns), got {ms!r}"
-    if ms is not None and not (_finite_real(ms) and ms >= 0):
+    if ms is not None and not (finite_real(ms) and ms >= 0):
         return f"median_ms must be a finite number of ms or null, got {ms!r:.60}"
     tf = r.get("tflops")
-    if tf is not None and not (_finite_real(tf) and tf >= 0):
+    if tf is not None and not (finite_real(tf) and tf >= 0):
         return f"tflops must be a finite number >= 0 or null, got {tf!r:.60}"
     for col, typ in COLUMNS.items():  # what SQLite and the tools can hold: int64, a finite float64, text
         val = r.get(col)
@@ -453,7 +448,7 @@ def _row_problem(r) -> str | None:
             continue
         if typ is int and not (type(val) is int and INT64_MIN <= val <= INT64_MAX):
             return f"{col} must be a whole number within int64 or null, got {val!r:.60}"
-        if typ is float and not _finite_real(val):
+        if typ is float and not finite_real(val):
             return f"{col} must be a finite number or null, got {val!r:.60}"
         if typ is str and not isinstance(val, str):
             return f"{col} must be text or null, got {val!r:.60}"

@@ -58,6 +58,10 @@ def interpreting() -> bool:
     return fastlaunch.interpreting()
 
 
+#: Whether a functorch transform (vmap's batched tensors) is active.
+functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+
+
 def use_kernels(q: Tensor) -> bool:
     """Whether the Triton kernels run for ``q``'s device and dtype: always on CUDA; on
     the CPU only in Triton's interpreter, and not for bfloat16 there (the interpreter

@@ -1536,8 +1536,6 @@ def _traced(q, k, score_mod, mask_mod, sinks, sizes_only: bool = False):
 
 #: Tensor types whose storage the kernels read (sinks are usually a Parameter).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-#: Whether a functorch transform (vmap) is active, as flashgen.api asks.
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 @torch.compiler.disable
@@ -1554,7 +1552,7 @@ def attention(q, k, v, scale: float, mask: str, lo: int, hi: int, *, score_mod=N
     # are not an op's arguments): the reference, whose torch ops each of them handles.
     # (A dispatch mode over plain tensors, a FLOP counter or a checkpointing policy,
     # still runs the kernels.)
-    unreadable = _functorch_active() or any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN
+    unreadable = library.functorch_active() or any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN
                                             for t in (q, k, v, sinks))
     st, mt = _traced(q, k, score_mod, mask_mod, sinks, sizes_only=unreadable)
     reads = tuple(t for tr in (st, mt) if tr is not None for t in tr.captured)
