@@ -11,6 +11,9 @@ on the GPU (about three minutes on an H100, most of it compiling):
 * powers (``user_render.Graph.pow``: negative scores to integral constant and float tensor
   powers, a non-integral constant power, integers to a constant power) at 1x2x17x23
   float16 and 2x4x1000x1500 bf16;
+* operations at their edges (``check_edges``: NaN through maximum and minimum,
+  sign of a bool, a division by a float32-subnormal constant, masks whose integer
+  arithmetic wraps) at the same two shapes;
 
 each forward (O, LSE) and backward (dQ, dK, dV) against float64 (``bench._ratios``: the
 error over torch's own at the input dtype plus a floor; ratio <= 1 passes); and
@@ -22,7 +25,7 @@ error over torch's own at the input dtype plus a floor; ratio <= 1 passes); and
 
 Prints one line per case; exit status 1 if any failed.
 
-    PYTHONPATH=. python3 benchmarks/gpu_user_int_checks.py [--only wide,narrow,pow,dropout]
+    PYTHONPATH=. python3 benchmarks/gpu_user_int_checks.py [--only wide,narrow,pow,edges,dropout]
 """
 
 from __future__ import annotations
@@ -108,6 +111,30 @@ def check_pow() -> list[bool]:
     return [x for name, sm in cases.items() for x in _check(name, shapes, sm)]
 
 
+def _nan_or(x, a, b):
+    """a where x is NaN (x != x), else b."""
+    return torch.where(x != x, a, b)
+
+
+def check_edges() -> list[bool]:
+    """Operations at their edges as torch computes them (``user_render``): a NaN first or
+    second argument of maximum/minimum gives NaN (read back through x != x, so the
+    output stays finite), sign of a bool is the bool, a division by a
+    constant whose float32 reciprocal overflows stays a division, and masks whose integer
+    arithmetic wraps (an int32 cast, an int64 product) are not read as a band."""
+    cases = {
+        "max(log s,s)": (lambda s, bb, hh, qi, ki: _nan_or(torch.maximum(torch.log(s), s), -s, s), None),
+        "min(log s,s)": (lambda s, bb, hh, qi, ki: _nan_or(torch.minimum(torch.log(s), s), -s, s), None),
+        "max(s,log s)": (lambda s, bb, hh, qi, ki: _nan_or(torch.maximum(s, torch.log(s)), -s, s), None),
+        "sign(bool)": (lambda s, bb, hh, qi, ki: s + (torch.sign(qi > 2) + torch.sign(ki > 2)).float(), None),
+        "/2**-149": (lambda s, bb, hh, qi, ki: s * 2.0 ** -120 / 2.0 ** -149 * 2.0 ** -29, None),
+        "int32-wrap": (None, lambda bb, hh, qi, ki: ((ki - qi) * 2 ** 32).int() == 0),
+        "int64-wrap": (None, lambda bb, hh, qi, ki: (ki - qi) * 2 ** 62 <= 0),
+    }
+    shapes = [(1, 2, 17, 23, torch.float16), (2, 4, 1000, 1500, torch.bfloat16)]
+    return [x for name, (sm, mm) in cases.items() for x in _check(name, shapes, sm, mm)]
+
+
 def check_dropout() -> list[bool]:
     from torch.utils.checkpoint import checkpoint
 
@@ -138,7 +165,8 @@ def check_dropout() -> list[bool]:
     return [same, other, compiled]
 
 
-CHECKS = {"wide": check_wide, "narrow": check_narrow, "pow": check_pow, "dropout": check_dropout}
+CHECKS = {"wide": check_wide, "narrow": check_narrow, "pow": check_pow, "edges": check_edges,
+          "dropout": check_dropout}
 
 
 def main(argv=None) -> int:

@@ -327,6 +327,12 @@ class Graph:
                                             _cat(hi) if hi is not None else "bool"))
         if lo is None and hi is None:
             raise UnsupportedError("torch.clamp with neither min nor max")
+        for name, bound in (("min", lo), ("max", hi)):
+            if isinstance(bound, float) and math.isnan(bound):
+                # torch's CPU kernel gives NaN; its CUDA kernel for a single bound gives
+                # the input ((x < nan) ? nan : x): no one answer to compile
+                raise UnsupportedError(f"torch.clamp with {name}=nan: torch's CPU and CUDA kernels "
+                                       f"disagree (NaN on the CPU, the input on CUDA)")
         return self._add("clamp", (x, lo, hi), dt)
 
     def cast(self, a, target: str):
@@ -693,8 +699,6 @@ class _Code:
             for bound, cmp in ((lo, "<"), (hi, ">")):
                 if bound is None:
                     continue
-                if dt == "float" and math.isnan(bound):
-                    return f"{x} * {_lit(math.nan)}"  # a NaN bound: NaN everywhere, as torch
                 B = _lit(float(bound) if dt == "float" else bound)
                 x = f"tl.where({x} {cmp} {B}, {B}, {x})"
             return x
