@@ -13,7 +13,8 @@ on the GPU (about three minutes on an H100, most of it compiling):
   float16 and 2x4x1000x1500 bf16;
 * operations at their edges (``check_edges``: NaN through maximum and minimum,
   sign of a bool, a division by a float32-subnormal constant, masks whose integer
-  arithmetic wraps) at the same two shapes;
+  arithmetic wraps, float to integer casts of NaN, infinities and values past the
+  targets' ranges) at the same two shapes;
 
 each forward (O, LSE) and backward (dQ, dK, dV) against float64 (``bench._ratios``: the
 error over torch's own at the input dtype plus a floor; ratio <= 1 passes); and
@@ -31,6 +32,7 @@ Prints one line per case; exit status 1 if any failed.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -120,8 +122,10 @@ def check_edges() -> list[bool]:
     """Operations at their edges as torch computes them (``user_render``): a NaN first or
     second argument of maximum/minimum gives NaN (read back through x != x, so the
     output stays finite), sign of a bool is the bool, a division by a
-    constant whose float32 reciprocal overflows stays a division, and masks whose integer
-    arithmetic wraps (an int32 cast, an int64 product) are not read as a band."""
+    constant whose float32 reciprocal overflows stays a division, masks whose integer
+    arithmetic wraps (an int32 cast, an int64 product) are not read as a band, and float
+    to integer casts give torch's values on the device (``user_render``: through int32
+    for int16, int8 and uint8)."""
     cases = {
         "max(log s,s)": (lambda s, bb, hh, qi, ki: _nan_or(torch.maximum(torch.log(s), s), -s, s), None),
         "min(log s,s)": (lambda s, bb, hh, qi, ki: _nan_or(torch.minimum(torch.log(s), s), -s, s), None),
@@ -131,6 +135,13 @@ def check_edges() -> list[bool]:
         "int32-wrap": (None, lambda bb, hh, qi, ki: ((ki - qi) * 2 ** 32).int() == 0),
         "int64-wrap": (None, lambda bb, hh, qi, ki: (ki - qi) * 2 ** 62 <= 0),
     }
+    # float to integer casts past the targets' ranges, NaN and infinities (torch: through
+    # int32 for the narrow targets, the GPU's conversion saturating)
+    edge = torch.tensor([math.nan, math.inf, -math.inf, 1e20, -1e20, 3e9, -3e9, 2.0 ** 31, 40000.0, -40000.0,
+                         300.0, -300.0, 255.5, -1.5, 128.0, -129.0], device=DEV)
+    for dt in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        cases[f"cast {str(dt)[6:]}"] = (lambda s, bb, hh, qi, ki, dt=dt: s + 0.01 * (edge[ki % 16].to(dt) % 97).float(),
+                                        None)
     shapes = [(1, 2, 17, 23, torch.float16), (2, 4, 1000, 1500, torch.bfloat16)]
     return [x for name, (sm, mm) in cases.items() for x in _check(name, shapes, sm, mm)]
 

@@ -716,7 +716,14 @@ class _Code:
                 return f"{self.f(a)}.to({_TL[target]}).to(tl.float32)"
             if CASTS[target] == "float":
                 return self.f(a)
-            x = f"{self.name(a)}.to(tl.int32)" if src == "bool" else self.name(a)
+            # a bool, and a float to a narrow integer, pass through a wider integer as torch's
+            # casts do: int32 for int16 and int8, int64 for uint8 (c10's conversion); the
+            # float's conversion to it is the device's (saturating on the GPU)
+            x = self.name(a)
+            if src == "bool" or (src == "float" and target in ("int16", "int8")):
+                x = f"{x}.to(tl.int32)"
+            elif src == "float" and target == "uint8":
+                x = f"{x}.to(tl.int64)"
             return f"{x}.to({_TL[target]})"
         raise UnsupportedError(f"operation '{op}'")
 

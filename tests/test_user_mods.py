@@ -942,6 +942,23 @@ def test_operations_give_torchs_values_at_their_edges(name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("target", ["int16", "int8", "uint8"])
+def test_a_float_to_a_narrow_integer_passes_through_a_wider_one_as_torch(target):
+    """torch converts a float to int16 and int8 through int32 and to uint8 through int64
+    (40000.0 -> -25536 as int16, -1.5 -> 255 as uint8; on the GPU 3e9 -> -1 as int8, 0 as
+    uint8); a direct conversion saturates on the GPU (32767, 0), so the kernels convert
+    through the same wider integer (the interpreter's conversion is numpy's and agrees
+    either way: the rendered code is checked besides the values)."""
+    dt = getattr(torch, target)
+    tab = torch.tensor([40000.0, -40000.0, 300.0, -300.0, 255.5, -1.5, 128.0, -129.0])
+    fn = lambda s, b, h, qi, ki: s + 0.01 * tab[ki % 8].to(dt).float()  # noqa: E731
+    low = user_mods._lowered("fwd", user_mods.trace(fn, "score"), None, [], False)
+    wider = "int64" if target == "uint8" else "int32"
+    assert f".to(tl.{wider}).to(tl.{target})" in user_render.Context(low, "fwd").score_block("s", "offs_m", "offs_n", False)
+    got, want = _lse_kernel_and_torch(fn, sq=7, sk=19)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bounds", [dict(min=float("nan")), dict(max=float("nan")), dict(min=-1.0, max=float("nan"))])
 def test_a_nan_clamp_bound_is_refused(bounds):
     """torch.clamp(s, min=nan) is NaN in torch's CPU kernel and s in its CUDA kernel
