@@ -457,10 +457,17 @@ class Traced:
             if t.dim() != 0:
                 raise UnsupportedError(f"a captured tensor of shape {tuple(t.shape)} is used whole: index it with "
                                        "b, h, q_idx, kv_idx expressions (e.g. table[bucket, h])")
-            return g.load(v.n, self.bufs[v.n], ())
+            return self._read(v.n, ())
         if isinstance(v, (bool, int, float)) or isinstance(v, Ref):
             return v
         raise UnsupportedError(f"a value of type {type(v).__name__} ({v!r})")
+
+    def _read(self, n: int, index: tuple):
+        """Captured tensor ``n`` at ``index`` (() for a 0-dim one) as a graph value.  A
+        bool tensor's bytes are read as int8 (0 or 1): != 0 makes the value a bool of the
+        graph, so ~, casts and arithmetic follow torch's bool semantics."""
+        ref = self.graph.load(n, self.bufs[n], index)
+        return self.graph.binary("ne", ref, 0) if self.captured[n].dtype == torch.bool else ref
 
     def _cast(self, x, target: str):
         """A cast to ``target``; an integer's cast to int32 or int64 is kept as a node (the
@@ -499,10 +506,7 @@ class Traced:
                 if isinstance(a, (slice, type(None), type(Ellipsis), _Captured)) or isinstance(a, float):
                     raise UnsupportedError(f"index {a!r} (each index must be an integer expression)")
                 idx.append(self._value(a))
-            ref = g.load(base.n, self.bufs[base.n], tuple(idx))
-            # a bool tensor's bytes are read as int8 (0 or 1): != 0 makes the value a bool
-            # of the graph, so ~, casts and arithmetic follow torch's bool semantics
-            return g.binary("ne", ref, 0) if t.dtype == torch.bool else ref
+            return self._read(base.n, tuple(idx))
         if op in ("full_like", "zeros_like", "ones_like"):
             x = self._value(args[0])
             fill = {"zeros_like": 0, "ones_like": 1}.get(op)

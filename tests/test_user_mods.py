@@ -942,6 +942,25 @@ def test_operations_give_torchs_values_at_their_edges(name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+def test_a_captured_zero_dim_bool_tensor_is_a_bool():
+    """torch.tensor(True) captured whole is a bool as an indexed bool table is: bool + bool
+    is a logical or and ~ a logical not in the score function (they were int arithmetic:
+    1 + 1 = 2, ~1 = -2), and a mask function that returns it is a bool mask (it was refused
+    as returning an int)."""
+    T, F = torch.tensor(True), torch.tensor(False)
+    fns = [lambda s, b, h, q, k: s + (torch.where(k > q, T, F) + torch.where(k > q + 2, T, F)).float(),
+           lambda s, b, h, q, k: s + (~torch.where(k > q, T, F)).float()]
+    for fn in fns:
+        got, want = _lse_kernel_and_torch(fn, sq=8, sk=8)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 8, 16, generator=g) for _ in range(3))
+    for mm in (lambda b, h, qi, ki: torch.where(qi > 3, T, ki <= qi), lambda b, h, qi, ki: (ki <= qi) | F):
+        vis = mm(0, 0, torch.arange(8).view(-1, 1), torch.arange(8).view(1, -1))
+        want = torch.softmax(((q @ k.transpose(-1, -2)) * 0.25).masked_fill(~vis, float("-inf")), -1) @ v
+        torch.testing.assert_close(flashgen.attention(q, k, v, mask_mod=mm), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("target", ["int16", "int8", "uint8"])
 def test_a_float_to_a_narrow_integer_passes_through_a_wider_one_as_torch(target):
     """torch converts a float to int16 and int8 through int32 and to uint8 through int64
