@@ -197,8 +197,10 @@ def widen(g: Graph, refs: list) -> tuple[Graph, list]:
 
 # -- 8- and 16-bit integers ---------------------------------------------------------------
 
-#: The captured tensors' integer dtypes narrower than the kernels' int32: (bits, signed).
-NARROW = {"uint8": (8, False), "int8": (8, True), "int16": (16, True)}
+#: The captured tensors' integer dtypes narrower than torch's int64 for the index inputs:
+#: (bits, signed).  torch keeps an operation of such a tensor with Python integers (and
+#: 0-dim tensors) in its dtype, the constants converted modulo 2**bits.
+NARROW = {"uint8": (8, False), "int8": (8, True), "int16": (16, True), "int32": (32, True)}
 
 #: Integer operations whose operands torch brings to one dtype (and Python integers
 #: to it, modulo 2**bits), the comparisons included.
@@ -243,11 +245,12 @@ def _narrow_of(g: Graph, bufs: tuple, operands, memo: dict) -> str | None:
 
 
 def _promote_narrow(ds) -> str:
-    """torch's promotion of 8- and 16-bit integer dtypes (uint8 with int8 is int16)."""
+    """torch's promotion of the :data:`NARROW` dtypes (uint8 with int8 is int16, any of
+    them with int32 int32)."""
     ds = set(ds)
     if len(ds) == 1:
         return ds.pop()
-    return "int16"
+    return "int32" if "int32" in ds else "int16"
 
 
 def wrap(c: int, dtype: str) -> int:
@@ -290,14 +293,16 @@ def narrow_operands(g: Graph, bufs: tuple, op: str, vals: list, memo: dict) -> l
         return vals
     shift = op in ("lshift", "rshift")
     if shift and not isinstance(ops[1], Ref) and not 0 <= int(ops[1]) < NARROW[t][0]:
-        raise UnsupportedError(f"a shift of a {t} value by {int(ops[1])} (flashgen: a constant shift of an "
-                               f"8- or 16-bit integer lies in [0, {NARROW[t][0]}))")
+        raise UnsupportedError(f"a shift of a {t} value by {int(ops[1])} (flashgen: a constant shift of a "
+                               f"{t} value lies in [0, {NARROW[t][0]}))")
     out = list(vals[:first])
     for n, a in enumerate(ops):
         if isinstance(a, Ref):
             # a bool, a narrow value of another dtype, a 0-dim value beside varying ones
             if g.dtype(a) == "bool" or narrow_dtype(g, bufs, a, memo) != t:
-                a = g.cast(a, t)
+                # (an integer's cast to int32 is a node of its own: Graph.cast keeps an
+                # integer as it is for int32 and int64)
+                a = g._add("cast", (a, t), "int") if t == "int32" and g.dtype(a) == "int" else g.cast(a, t)
         elif isinstance(a, int) and not isinstance(a, bool) and not (shift and n == 1):
             a = _checked(a, t, "torch.where") if op == "where" else wrap(a, t)
         out.append(a)

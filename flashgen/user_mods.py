@@ -134,6 +134,8 @@ class _Tracer(fx.Tracer):
                 name = self._names[id(a)] = f"_captured{len(self.captured)}"
                 self.captured.append(a)
             return self.create_node("get_attr", name, (), {})
+        if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0 and hasattr(a, "item"):
+            return super().create_arg(a.item())  # a NumPy scalar: torch takes it as a Python scalar
         return super().create_arg(a)
 
 
@@ -585,6 +587,10 @@ class Traced:
         if op == "lnot":
             return g.unary("not", g.cast(vals[0], "bool"))
         if len(vals) == 1:
+            if op == "not" and user_ints.narrow_dtype(g, self.bufs, vals[0], self._narrow) == "uint8":
+                # torch: ~x of a uint8 is 255 - x (Triton's interpreter inverts through -1,
+                # which a uint8 cannot hold)
+                return g.binary("xor", vals[0], 255)
             return g.unary(op, vals[0])
         if len(vals) == 2:
             if op in ("add", "mul") and g.dtype(vals[0]) == g.dtype(vals[1]) == "bool":

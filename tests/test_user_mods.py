@@ -1159,6 +1159,27 @@ def test_8_and_16_bit_integer_arithmetic_gives_torchs_values(tiles):
     _run(make, [torch.tensor([1.0, 0.5, -0.5, 2.0])], b=1, h=4, hk=2, sq=17, sk=24, dtype=F32)
 
 
+def test_int32_tables_with_python_integers_and_inverted_uint8_give_torchs_values():
+    """An int32 tensor beside a Python integer or a 0-dim int64 tensor stays int32 in
+    torch, the constant wrapped (2**32 + 1 -> 1, 2**31 -> -2**31) and products wrapping
+    (the kernels computed them in int64); ~ of a uint8 is 255 - x (an InterpreterError:
+    -1 out of bounds for uint8); a NumPy scalar is a Python scalar (it was refused)."""
+    import numpy as np
+
+    i32 = torch.arange(24, dtype=torch.int32) * 100_003
+    z64 = torch.tensor(2 ** 32 + 1)
+    u8 = torch.arange(24, dtype=torch.uint8) * 17
+    fns = [lambda s, b, h, q, k: s + ((i32[k] + 2 ** 32 + 1) % 7).float() + ((i32[k] + z64) % 5).float(),
+           lambda s, b, h, q, k: s + ((i32[k] * 100_000) % 11).float() + (i32[k] < 2 ** 31).float(),
+           lambda s, b, h, q, k: s + 0.01 * (~u8[k]).float() + 0.01 * torch.bitwise_not(u8[q]).float(),
+           lambda s, b, h, q, k: s * np.float32(0.5) + (k % np.int64(3)) * np.float64(0.25)]
+    for fn in fns:
+        got, want = _lse_kernel_and_torch(fn, sq=7, sk=24)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(UnsupportedError, match="8589934592 cannot be converted to int32"):
+        user_mods.trace(lambda s, b, h, q, k: s + torch.where(k > 3, i32[k], 2 ** 33).float(), "score")
+
+
 @pytest.mark.parametrize("fn, match", [
     (lambda s, b, h, q_idx, kv_idx: s + torch.where(q_idx > kv_idx, _U8[kv_idx], 300).float(),
      "300 cannot be converted to uint8 without overflow"),
