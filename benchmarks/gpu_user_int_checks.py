@@ -14,7 +14,8 @@ on the GPU (about three minutes on an H100, most of it compiling):
 * operations at their edges (``check_edges``: NaN through maximum and minimum,
   sign of a bool, a division by a float32-subnormal constant, masks whose integer
   arithmetic wraps, float to integer casts of NaN, infinities and values past the
-  targets' ranges) at the same two shapes;
+  targets' ranges, int32 tables beside Python integers, ~ of a uint8, captured 0-dim
+  bools) at the same two shapes;
 
 each forward (O, LSE) and backward (dQ, dK, dV) against float64 (``bench._ratios``: the
 error over torch's own at the input dtype plus a floor; ratio <= 1 passes); and
@@ -142,6 +143,17 @@ def check_edges() -> list[bool]:
     for dt in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         cases[f"cast {str(dt)[6:]}"] = (lambda s, bb, hh, qi, ki, dt=dt: s + 0.01 * (edge[ki % 16].to(dt) % 97).float(),
                                         None)
+    # int32 tables beside Python integers and 0-dim int64 tensors stay int32 (wrapping);
+    # ~ of a uint8 is 255 - x; a captured 0-dim bool is a bool
+    i32 = torch.arange(4096, device=DEV, dtype=torch.int32) * 100_003
+    z64 = torch.tensor(2 ** 32 + 1, device=DEV)
+    u8 = (torch.arange(4096, device=DEV) * 17 % 256).to(torch.uint8)
+    t, f = torch.tensor(True, device=DEV), torch.tensor(False, device=DEV)
+    cases["int32 wrap"] = (lambda s, bb, hh, qi, ki: s + 0.1 * ((i32[ki] + 2 ** 32 + 1) % 7).float()
+                           + 0.1 * ((i32[ki] * 100_000 + z64) % 11).float(), None)
+    cases["~uint8"] = (lambda s, bb, hh, qi, ki: s + 0.01 * (~u8[ki]).float(), None)
+    cases["0-dim bool"] = (lambda s, bb, hh, qi, ki: s + (torch.where(ki > qi, t, f) + torch.where(ki > qi + 2, t, f)).float(),
+                           lambda bb, hh, qi, ki: torch.where(qi > 3, t, ki <= qi + 5))
     shapes = [(1, 2, 17, 23, torch.float16), (2, 4, 1000, 1500, torch.bfloat16)]
     return [x for name, (sm, mm) in cases.items() for x in _check(name, shapes, sm, mm)]
 
