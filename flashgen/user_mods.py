@@ -91,6 +91,8 @@ def _canon():
                "trunc", "sign", "minimum", "maximum", "clamp", "where", "full_like", "zeros_like", "ones_like"):
         add(op, g(op))
     add("clamp", g("clip"))
+    add("clamp_min", g("clamp_min"))
+    add("clamp_max", g("clamp_max"))
     add("min2", g("min"))
     add("max2", g("max"))
     add("sigmoid", torch.nn.functional.sigmoid)
@@ -553,6 +555,14 @@ class Traced:
             hi = bound("max", 1 if op == "clamp" else 0) if op in ("clamp", "clamp_max") else None
             if isinstance(lo, Ref) or isinstance(hi, Ref):
                 lo, hi = user_ints.narrow_bounds(g, self.bufs, x, lo, hi, self._narrow)
+                if "float" in (g.dtype(x), *(g.dtype(v) for v in (lo, hi) if v is not None)):
+                    # as torch.clamp: a NaN bound gives NaN, and its backward passes the
+                    # input's gradient where lo <= x <= hi and a bound's where it is strictly
+                    # active (maximum/minimum would split ties 0.5 / 0.5)
+                    for cmp, bnd in (("lt", lo), ("gt", hi)):
+                        if bnd is not None:
+                            x = g.where(g.binary("or", g.binary(cmp, x, bnd), g.binary("ne", bnd, bnd)), bnd, x)
+                    return x
                 for m, bnd in (("maximum", lo), ("minimum", hi)):
                     if bnd is not None:
                         x = g.binary(m, *user_ints.narrow_operands(g, self.bufs, m, [x, bnd], self._narrow))

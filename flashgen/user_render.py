@@ -375,6 +375,17 @@ def derivative(g: Graph, out, wrt: Ref):
             return x
         return g.binary("mul", x, y)
 
+    def smul(x, slope):
+        """x * slope for a slope that can be infinite (log, sqrt and the like at 0): 0
+        where x is 0, as torch's backward gives where a clamp, a where or a maximum
+        before the operation has cut the gradient off (it selects, so 0 * inf never
+        forms a NaN)."""
+        if x is None:
+            return None
+        if not isinstance(x, Ref):
+            return mul(x, slope)
+        return g.where(g.binary("eq", x, 0.0), 0.0, g.binary("mul", x, slope))
+
     def neg(x):
         return None if x is None else g.unary("neg", x)
 
@@ -402,14 +413,25 @@ def derivative(g: Graph, out, wrt: Ref):
         elif op == "mul":
             d = add(mul(ta, b), mul(a, tb))
         elif op == "truediv":
-            # d(a / b) = (da - (a / b) db) / b
-            num = add(ta, neg(mul(r, tb)))
-            d = None if num is None else g.binary("truediv", num, b)
+            # d(a / b) = da / b - (a / b) db / b
+            inv = g.binary("truediv", 1.0, b)
+            d = add(smul(ta, inv), neg(smul(tb, g.binary("mul", r, inv))))
         elif op == "pow":
-            if tb is None:
-                d = mul(ta, g.binary("mul", b, g.pow(a, g.binary("sub", b, 1))))
+            # torch's pow backward: no gradient to the base where the exponent is 0, none
+            # to the exponent where the base is 0 and the exponent >= 0
+            if not isinstance(b, Ref) and b == 0:
+                da = None
             else:
-                d = mul(r, add(mul(tb, g.unary("log", a)), mul(ta, g.binary("truediv", b, a))))
+                da = smul(ta, g.binary("mul", b, g.pow(a, g.binary("sub", b, 1))))
+                if isinstance(b, Ref) and da is not None:
+                    da = g.where(g.binary("eq", b, 0.0), 0.0, da)
+            if tb is None:
+                d = da
+            else:
+                db = smul(tb, g.binary("mul", r, g.unary("log", a)))
+                if db is not None:
+                    db = g.where(g.binary("and", g.binary("eq", a, 0.0), g.binary("ge", b, 0.0)), 0.0, db)
+                d = add(da, db)
         elif op == "tanh":
             d = mul(ta, g.binary("sub", 1.0, g.binary("mul", r, r)))
         elif op == "exp":
@@ -417,13 +439,13 @@ def derivative(g: Graph, out, wrt: Ref):
         elif op == "exp2":
             d = mul(ta, g.binary("mul", r, LN2))
         elif op == "log":
-            d = mul(ta, g.binary("truediv", 1.0, a))
+            d = smul(ta, g.binary("truediv", 1.0, a))
         elif op == "log2":
-            d = mul(ta, g.binary("truediv", 1.0 / LN2, a))
+            d = smul(ta, g.binary("truediv", 1.0 / LN2, a))
         elif op == "sqrt":
-            d = mul(ta, g.binary("truediv", 0.5, r))
+            d = smul(ta, g.binary("truediv", 0.5, r))
         elif op == "rsqrt":
-            d = mul(ta, g.binary("mul", -0.5, g.binary("truediv", r, a)))
+            d = smul(ta, g.binary("mul", -0.5, g.binary("truediv", r, a)))
         elif op == "sigmoid":
             d = mul(ta, g.binary("mul", r, g.binary("sub", 1.0, r)))
         elif op == "sin":
@@ -930,6 +952,9 @@ class Context:
                 code = _Code(g, {"b": z, "h": h}, prefix, self.low.bufs, {}, base=base)
                 code.emit([Ref(i) for i in nodes])
                 lines += code.lines
+                # a scalar bool of a float comparison (t[h] != t[h]) is a NumPy value in
+                # Triton's interpreter that | and & then refuse; != 0 makes it a plain bool
+                lines += [f"{prefix}{i} = {prefix}{i} != 0" for i in nodes if g.nodes[i].dtype == "bool"]
         if not lines:
             return ""
         return "".join(f"{indent}{x}\n" for x in ["# user functions' per-(batch, head) values", *lines])

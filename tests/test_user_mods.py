@@ -961,6 +961,67 @@ def test_a_captured_zero_dim_bool_tensor_is_a_bool():
         torch.testing.assert_close(flashgen.attention(q, k, v, mask_mod=mm), want, rtol=1e-5, atol=1e-5)
 
 
+def _grads_against_torch(fn, table, q, k, v, do, scale):
+    """(flashgen, torch float64 autograd) of (dQ, dK, dV, the table's gradient) for score
+    function ``fn(s, b, h, i, j, table)`` on the full score matrix."""
+    def run(dtype, attention):
+        t = table.detach().to(dtype).requires_grad_()
+        x = [a.detach().to(dtype).requires_grad_() for a in (q, k, v)]
+        attention(*x, lambda s, b, h, i, j: fn(s, b, h, i, j, t)).backward(do.to(dtype))
+        return [a.grad for a in x] + [t.grad]
+
+    def torch_attention(q, k, v, f):
+        i, j = torch.arange(q.shape[2]).view(1, 1, -1, 1), torch.arange(k.shape[2]).view(1, 1, 1, -1)
+        h = torch.arange(q.shape[1]).view(1, -1, 1, 1)
+        return torch.softmax(f((q @ k.transpose(-1, -2)) * scale, 0, h, i, j), -1) @ v
+
+    got = run(torch.float32, lambda q, k, v, f: flashgen.attention(q, k, v, softmax_scale=scale, score_mod=f))
+    return got, run(torch.float64, torch_attention)
+
+
+@pytest.mark.parametrize("name", ["sqrt-relu", "log-maximum", "pow-relu", "reciprocal-relu", "pow-learned",
+                                  "pow-zero-base", "clamp-tensor-tie", "clamp-min-function", "hoisted-bool-or"])
+def test_gradients_at_cut_offs_and_ties_are_torchs(name):
+    """Where a clamp, maximum or where cuts the gradient off before an operation whose
+    slope is infinite at 0 (sqrt, log, a power below 1, a reciprocal), torch's backward
+    selects 0 and flashgen's forward-mode derivative formed 0 * inf = NaN in every row;
+    pow's gradient is torch's at base 0 (none to the base where the exponent is 0, none
+    to the exponent where the base is 0 and the exponent >= 0); torch.clamp with a tensor
+    bound passes the whole gradient to the input at a tie (maximum's 0.5 / 0.5 split
+    before); a per-head bool from a float comparison combined with | ran into Triton's
+    interpreter refusing the NumPy bool.  The clamps' scores are exact integers (integer
+    q and k, scale 1), so ties occur; the powers' have a row of zeros."""
+    fns = {
+        "sqrt-relu": lambda s, b, h, i, j, t: torch.sqrt((s + t[h]).clamp(min=0)),
+        "log-maximum": lambda s, b, h, i, j, t: torch.log(torch.maximum(s, torch.zeros_like(s))) + t[h],
+        "pow-relu": lambda s, b, h, i, j, t: s.clamp(min=0) ** 0.3 + t[h],
+        "reciprocal-relu": lambda s, b, h, i, j, t: s - 1 / (1 + 1 / s.clamp(min=0)) + t[h],
+        "pow-learned": lambda s, b, h, i, j, t: s.clamp(min=0) ** t[h],
+        "pow-zero-base": lambda s, b, h, i, j, t: s.abs() ** (s.abs() + t[h]),
+        "clamp-tensor-tie": lambda s, b, h, i, j, t: torch.clamp(s, min=t[h]),
+        "clamp-min-function": lambda s, b, h, i, j, t: torch.clamp_min(s, t[h]) + torch.clamp_max(s, (j - i).float()),
+        "hoisted-bool-or": lambda s, b, h, i, j, t: torch.where((t[h] != t[h]) | (s < 0), s * t[h], 2 * s),
+    }
+    g = torch.Generator().manual_seed(0)
+    if not name.startswith(("clamp", "hoisted")):
+        # continuous scores: the slopes are infinite only where the cut-off holds (no
+        # score is exactly 0, where torch's gradient is infinite too), but for a row of
+        # zero scores at the powers
+        q, k = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(2))
+        if name in ("pow-learned", "pow-zero-base"):
+            q[:, :, 3] = 0
+    else:
+        q, k = (torch.randint(-1, 2, (1, 2, 16, 16), generator=g).float() for _ in range(2))
+        q[:, :, 3] = 0  # a row of zero scores
+    v, do = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(2))
+    table = torch.tensor([0.0, 1.5]) if name != "pow-learned" else torch.tensor([2.0, 1.5])
+    scale = 1.0 if name.startswith(("clamp", "hoisted")) else 0.1 if name == "pow-zero-base" else 0.25
+    got, want = _grads_against_torch(fns[name], table, q, k, v, do, scale)
+    for gr, w, what in zip(got, want, ("dQ", "dK", "dV", "table")):
+        assert torch.isfinite(w).all() and w.abs().max() > 0, what
+        torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4, msg=what)
+
+
 @pytest.mark.parametrize("target", ["int16", "int8", "uint8"])
 def test_a_float_to_a_narrow_integer_passes_through_a_wider_one_as_torch(target):
     """torch converts a float to int16 and int8 through int32 and to uint8 through int64
