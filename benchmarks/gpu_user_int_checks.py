@@ -15,7 +15,8 @@ on the GPU (about three minutes on an H100, most of it compiling):
   sign of a bool, a division by a float32-subnormal constant, masks whose integer
   arithmetic wraps, float to integer casts of NaN, infinities and values past the
   targets' ranges, int32 tables beside Python integers, ~ of a uint8, captured 0-dim
-  bools) at the same two shapes;
+  bools, gradients cut off before an infinite slope, pow at base 0 and clamp with a
+  tensor bound) at the same two shapes;
 
 each forward (O, LSE) and backward (dQ, dK, dV) against float64 (``bench._ratios``: the
 error over torch's own at the input dtype plus a floor; ratio <= 1 passes); and
@@ -154,6 +155,11 @@ def check_edges() -> list[bool]:
     cases["~uint8"] = (lambda s, bb, hh, qi, ki: s + 0.01 * (~u8[ki]).float(), None)
     cases["0-dim bool"] = (lambda s, bb, hh, qi, ki: s + (torch.where(ki > qi, t, f) + torch.where(ki > qi + 2, t, f)).float(),
                            lambda bb, hh, qi, ki: torch.where(qi > 3, t, ki <= qi + 5))
+    # gradients cut off before an infinite slope, pow at base 0, clamp with a tensor bound
+    tb = torch.tensor([0.0, 0.5, -0.25, 1.0], device=DEV)
+    cases["grad sqrt(relu)"] = (lambda s, bb, hh, qi, ki: torch.sqrt((s + tb[hh]).clamp(min=0)), None)
+    cases["grad relu**1.5"] = (lambda s, bb, hh, qi, ki: s.clamp(min=0) ** (tb[hh] + 1.5), None)
+    cases["grad clamp(s,t)"] = (lambda s, bb, hh, qi, ki: torch.clamp(s, min=tb[hh], max=(ki - qi).float()), None)
     shapes = [(1, 2, 17, 23, torch.float16), (2, 4, 1000, 1500, torch.bfloat16)]
     return [x for name, (sm, mm) in cases.items() for x in _check(name, shapes, sm, mm)]
 
