@@ -1003,11 +1003,14 @@ def _constant_versions(objs: list, tr: "Traced") -> tuple:
     as buffers, or also computed with outside the trace (``tr.eager_reads``: a buffer
     ``doc`` of ``doc[q_idx]`` whose ``int(doc.max())`` the trace holds): a trace can
     have taken them as constants (``t.item()``, ``float(t)``), so an in-place change
-    traces again.  Inference tensors (no version counter) are left out."""
+    traces again.  None where one of them is an inference tensor (no version counter):
+    such a trace is not cached, the next call traces again."""
     bufs = {id(t) for t in tr.captured} - tr.eager_reads
     out, seen = [], set()
     for t in objs:
-        if isinstance(t, torch.Tensor) and id(t) not in bufs and id(t) not in seen and not t.is_inference():
+        if isinstance(t, torch.Tensor) and id(t) not in bufs and id(t) not in seen:
+            if t.is_inference():
+                return None
             seen.add(id(t))
             out.append((_ref(t), t._version))
     return tuple(out)
@@ -1038,7 +1041,11 @@ def trace(fn, kind: str) -> Traced:
         return hit[0]
     tr = Traced(fn, kind, frozenset(map(id, reads)))
     tr.seen(held)
-    _traces[key] = (tr, [_ref(r) for r in reads], state, _constant_versions(reads, tr))
+    versions = _constant_versions(reads, tr)
+    if versions is None:  # a constant from an inference tensor: an in-place change is not seen
+        _traces.pop(key, None)
+        return tr
+    _traces[key] = (tr, [_ref(r) for r in reads], state, versions)
     _traces.move_to_end(key)
     if len(_traces) > _TRACES_MAX:
         _traces.popitem(last=False)
@@ -1115,6 +1122,12 @@ def _ranges(any_, full, block: int, extent: int):
     return torch.where((last >= 0)[..., None], out, 0).to(torch.int32).contiguous()
 
 
+def _divides_by_a_variable(g: Graph) -> bool:
+    """Whether integer arithmetic of ``g`` divides (//, %) by a value that is not a
+    constant (:meth:`Traced._safe_divisor`: the kernels divide by 1 where it is 0)."""
+    return any(n.op in ("floordiv", "mod") and n.dtype == "int" and isinstance(n.args[1], Ref) for n in g.nodes)
+
+
 def block_ranges(traced: Traced, kind: str, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int,
                  lo: int, hi: int, block_m: int, block_n: int, device, fn=None) -> torch.Tensor:
     """The block mask of ``traced`` (a mask function) with the built-in bounds lo <= j - i
@@ -1131,8 +1144,16 @@ def block_ranges(traced: Traced, kind: str, batch: int, heads: int, kv_heads: in
         _block_cache.move_to_end(key)
         return hit[1]
     with torch.no_grad():
-        any_, all_ = _tiles(fn if fn is not None else traced.fn, batch, heads, seqlen_q, seqlen_k, lo, hi, block_m,
-                            block_n, device)
+        if _divides_by_a_variable(traced.graph):
+            # torch's integer division by 0 raises on the CPU and gives its own value on
+            # CUDA, where the kernels divide by 1: every tile the bounds leave is partial,
+            # so the kernels' predicate alone decides
+            any_, all_ = _tiles(lambda b, h, i, j: torch.ones((), dtype=torch.bool, device=device), batch, heads,
+                                seqlen_q, seqlen_k, lo, hi, block_m, block_n, device)
+            all_ = torch.zeros_like(all_)
+        else:
+            any_, all_ = _tiles(fn if fn is not None else traced.fn, batch, heads, seqlen_q, seqlen_k, lo, hi,
+                                block_m, block_n, device)
         nm, nn = any_.shape[2], any_.shape[3]
         full = all_.clone()
         if seqlen_k % block_n:

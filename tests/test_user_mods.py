@@ -1022,6 +1022,36 @@ def test_gradients_at_cut_offs_and_ties_are_torchs(name):
         torch.testing.assert_close(gr.double(), w, rtol=1e-4, atol=1e-4, msg=what)
 
 
+def test_a_mask_function_dividing_by_a_variable_that_is_0_somewhere():
+    """j // (i - 5) in a mask function: the kernels divide by 1 where the divisor is 0
+    (as in a score function), but the block mask ran the function in torch, which raised
+    ZeroDivisionError on the CPU (and computes its own quotient on CUDA): the tiles are
+    now all partial, so the kernels' predicate decides."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 64, 16, generator=g) for _ in range(3))
+    i, j = torch.arange(64).view(-1, 1), torch.arange(64).view(1, -1)
+    d = torch.where(i - 5 == 0, 1, i - 5)
+    for mm, vis, causal in ((lambda b, h, qi, ki: (ki // (qi - 5)) >= 0, (j // d) >= 0, False),
+                            (lambda b, h, qi, ki: (ki % (qi - 5)) != 1, ((j % d) != 1) & (j <= i), True)):
+        want = torch.softmax(((q @ k.transpose(-1, -2)) * 0.25).masked_fill(~vis, float("-inf")), -1) @ v
+        torch.testing.assert_close(flashgen.attention(q, k, v, mask_mod=mm, causal=causal), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_constant_from_an_inference_tensor_is_read_again():
+    """Under inference_mode a tensor has no version counter: a trace that took int(n.max())
+    as a constant was cached and an in-place n[0] = 8 went unseen (the old mask ran)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        q, k, v = (torch.randn(1, 1, 64, 16, generator=g) for _ in range(3))
+        n = torch.tensor([48])
+        mm = lambda b, h, qi, ki: ki < int(n.max())  # noqa: E731
+        for limit in (48, 8):
+            n[0] = limit
+            want = torch.softmax(((q @ k.transpose(-1, -2)) * 0.25).masked_fill(torch.arange(64) >= limit,
+                                                                                   float("-inf")), -1) @ v
+            torch.testing.assert_close(flashgen.attention(q, k, v, mask_mod=mm), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("target", ["int16", "int8", "uint8"])
 def test_a_float_to_a_narrow_integer_passes_through_a_wider_one_as_torch(target):
     """torch converts a float to int16 and int8 through int32 and to uint8 through int64
