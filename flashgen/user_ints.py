@@ -300,9 +300,7 @@ def narrow_operands(g: Graph, bufs: tuple, op: str, vals: list, memo: dict) -> l
         if isinstance(a, Ref):
             # a bool, a narrow value of another dtype, a 0-dim value beside varying ones
             if g.dtype(a) == "bool" or narrow_dtype(g, bufs, a, memo) != t:
-                # (an integer's cast to int32 is a node of its own: Graph.cast keeps an
-                # integer as it is for int32 and int64)
-                a = g._add("cast", (a, t), "int") if t == "int32" and g.dtype(a) == "int" else g.cast(a, t)
+                a = g.cast(a, t, keep_width=True)
         elif isinstance(a, int) and not isinstance(a, bool) and not (shift and n == 1):
             a = _checked(a, t, "torch.where") if op == "where" else wrap(a, t)
         out.append(a)

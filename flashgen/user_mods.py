@@ -473,14 +473,6 @@ class Traced:
         ref = self.graph.load(n, self.bufs[n], index)
         return self.graph.binary("ne", ref, 0) if self.captured[n].dtype == torch.bool else ref
 
-    def _cast(self, x, target: str):
-        """A cast to ``target``; an integer's cast to int32 or int64 is kept as a node (the
-        kernels' integer width is not torch's: :mod:`flashgen.user_ints`)."""
-        g = self.graph
-        if isinstance(x, Ref) and g.dtype(x) == "int" and target in ("int32", "int64"):
-            return g._add("cast", (x, target), "int")
-        return g.cast(x, target)
-
     def _safe_divisor(self, a, b):
         """An integer divisor as the kernels divide by it: 1 where it is 0 (torch raises on
         the CPU and leaves the quotient undefined on CUDA; the kernels' would be
@@ -529,12 +521,12 @@ class Traced:
                 raise UnsupportedError(f"{op}: {fill} in an integer tensor")
             return {"float": float, "int": int, "bool": bool}[cat](fill)
         if op in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "bool"):
-            return self._cast(self._value(args[0]), op)
+            return g.cast(self._value(args[0]), op, keep_width=True)
         if op == "to":
             x = self._value(args[0])
             dt = kwargs.get("dtype", args[1] if len(args) > 1 else None)
             if isinstance(dt, torch.dtype):
-                return self._cast(x, _dtype_name(dt))
+                return g.cast(x, _dtype_name(dt), keep_width=True)
             if dt is None or isinstance(dt, (torch.device, str)):
                 return x
             raise UnsupportedError(f".to({dt!r})")

@@ -335,12 +335,17 @@ class Graph:
                                        f"disagree (NaN on the CPU, the input on CUDA)")
         return self._add("clamp", (x, lo, hi), dt)
 
-    def cast(self, a, target: str):
+    def cast(self, a, target: str, keep_width: bool = False):
+        """``a`` converted to ``target``.  ``keep_width``: an integer's cast to int32 or
+        int64 is a node of its own (the kernels' integer width is not torch's:
+        :mod:`flashgen.user_ints`), else the value as it is."""
         if target not in CASTS:
             raise UnsupportedError(f"conversion to {target}")
         cat = CASTS[target]
         if not isinstance(a, Ref):
             return {"float": float, "int": int, "bool": bool}[cat](a)
+        if keep_width and cat == "int" and self.dtype(a) == "int" and target in ("int32", "int64"):
+            return self._add("cast", (a, target), "int")
         if self.dtype(a) == cat and target in ("float32", "float64", "int64", "int32", "bool"):
             return a
         return self._add("cast", (a, target), cat)
