@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -892,3 +893,47 @@ def test_an_edited_package_template_warns_once_before_its_code_id_is_recomputed(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cid.code_id(str(R.gluon_templates_dir().parent))
+
+
+_MC_SCRIPT = r'''
+import json, re, sys
+sys.path.insert(0, "benchmarks")
+import probe_multicast_fwd as P
+from flashgen.families.gluon.sm90 import report
+for d, causal, stages, ctas in CASES:
+    mod, off = P.build(d, causal, True, stages, ctas)
+    rep = report(P.compile_sm90(mod, d))
+    tw, _ = P.build(d, causal, False, stages, ctas)
+    trep = report(P.compile_sm90(tw, d))
+    src = open(mod.__file__).read()
+    print("OK " + json.dumps(dict(d=d, causal=causal, off=off, spill=rep.spill_bytes, shared=rep.shared_bytes,
+                                  twin_shared=trep.shared_bytes, hgmma=rep.hgmma, twin_hgmma=trep.hgmma,
+                                  multicast=len(re.findall(r"UTMALDG[^;]*MULTICAST", rep.sass)),
+                                  twin_multicast=len(re.findall(r"UTMALDG[^;]*MULTICAST", trep.sass)),
+                                  cluster_bars=rep.sass.count("UCGABAR_ARV"), src=src)))
+'''
+
+
+def test_multicast_probe_compiles_for_sm90_with_the_allocators_offsets(tmp_path):
+    """benchmarks/probe_multicast_fwd.py: the multicast kernel, rendered with the shared
+    memory offsets its first compile's allocator gave (global_smem + offset in its inline
+    PTX), compiles for sm_90 with each K and V copy a multicast per 64-column box, the
+    twin's shared memory and wgmmas, no spills, and a cluster barrier in each partition
+    at its start and end; its twin has no multicast."""
+    from sm90 import json_rows
+
+    os.environ["FLASHGEN_PROBE_MC_DIR"] = str(tmp_path)
+    try:
+        rows = json_rows(_MC_SCRIPT, [(128, True, 2, 2), (64, False, 2, 3)])
+    finally:
+        del os.environ["FLASHGEN_PROBE_MC_DIR"]
+    for row in rows:
+        # two multicast copies (K by one program, V by the other) of d / 64 boxes each
+        assert row["multicast"] == 2 * row["d"] // 64 and row["twin_multicast"] == 0, row
+        assert row["spill"] == 0 and row["hgmma"] == row["twin_hgmma"] > 0, row
+        assert row["shared"] == row["twin_shared"], row
+        assert row["cluster_bars"] == 4, row
+        off = row["off"]
+        assert f"K_READY_OFF = gl.constexpr({off['k_ready']})" in row["src"], row["off"]
+        assert f"V_OFF = gl.constexpr({off['v_smem']})" in row["src"]
+        assert re.search(r"mov\.b64 d, attn_fwd_param_\d+;", row["src"])
