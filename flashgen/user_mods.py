@@ -563,6 +563,9 @@ class Traced:
         if op in ("min2", "max2"):
             op = "minimum" if op == "min2" else "maximum"
             return g.binary(op, *user_ints.narrow_operands(g, self.bufs, op, vals, self._narrow))
+        _refuse_bool_arithmetic(g, op, vals, kwargs)
+        if op == "pow" and len(vals) == 2:
+            _refuse_narrow_exponent(g, user_ints.narrow_dtype(g, self.bufs, vals[0], self._narrow), vals[1])
         if op in ("add", "sub") and kwargs.get("alpha", 1) != 1:
             vals[1] = g.binary("mul", vals[1], kwargs.pop("alpha"))
         kwargs.pop("alpha", None)
@@ -603,6 +606,43 @@ class Traced:
                 vals[1] = self._safe_divisor(*vals)
             return g.binary(op, *vals)
         raise UnsupportedError(f"{len(vals)} arguments")
+
+
+def _is_bool(g: Graph, v) -> bool:
+    return isinstance(v, bool) or (isinstance(v, Ref) and g.dtype(v) == "bool")
+
+
+def _refuse_bool_arithmetic(g: Graph, op: str, vals: list, kwargs: dict) -> None:
+    """Raise UnsupportedError for the arithmetic on bools that torch refuses (a bool
+    Python constant counts as a bool tensor beside a tensor, as in torch): subtraction
+    with a bool (RuntimeError), abs of a bool, and //, %, a rounded division or ** of two
+    bools (NotImplementedError: no bool kernel)."""
+    if not any(isinstance(v, Ref) for v in vals):
+        return
+    if op == "sub" and any(_is_bool(g, v) for v in vals):
+        raise UnsupportedError("subtraction with a bool value (torch refuses it: 'Subtraction, the `-` operator, "
+                               "with a bool tensor is not supported'): use ^ / torch.logical_xor, or ~ / "
+                               "torch.logical_not, or convert the bool with .int() first")
+    if op == "abs" and _is_bool(g, vals[0]):
+        raise UnsupportedError("abs of a bool value (torch has no abs for bool tensors)")
+    rounded = op == "div" and kwargs.get("rounding_mode") is not None
+    if (op in ("floordiv", "mod", "pow") or rounded) and len(vals) == 2 and all(_is_bool(g, v) for v in vals):
+        what = {"floordiv": "//", "mod": "%", "pow": "**"}.get(op, f"div(rounding_mode={kwargs.get('rounding_mode')!r})")
+        raise UnsupportedError(f"{what} of two bool values (torch has no bool kernel for it): convert one with "
+                               ".int() first")
+
+
+def _refuse_narrow_exponent(g: Graph, narrow: str | None, exponent) -> None:
+    """Raise UnsupportedError for an 8-, 16- or 32-bit integer tensor raised to a Python
+    integer its dtype cannot hold: torch converts the exponent to the tensor's dtype first
+    and raises ('value cannot be converted to type uint8_t without overflow')."""
+    if narrow is None or isinstance(exponent, bool) or not isinstance(exponent, int):
+        return
+    bits, signed = user_ints.NARROW[narrow]
+    lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+    if not lo <= exponent <= hi:
+        raise UnsupportedError(f"a {narrow} value raised to {exponent}, which {narrow} cannot hold (torch raises: "
+                               f"'value cannot be converted to type {narrow} without overflow')")
 
 
 def _sum(g: Graph, a, b):

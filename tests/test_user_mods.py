@@ -1153,6 +1153,43 @@ def test_powers_the_kernels_would_not_compute_as_torch_are_refused():
         user_render._fold_pow(2, -1)
 
 
+def test_bool_arithmetic_and_exponents_torch_refuses_are_refused():
+    """What torch raises for, the tracer refuses with the rule named: subtraction with a
+    bool (a Python bool beside a tensor included, and torch.sub with alpha), abs of a
+    bool, //, %, a rounded division and ** of two bools, and an 8-bit tensor raised to a
+    constant its dtype cannot hold; the neighbours torch computes stay accepted and
+    exact (bool ** 2, bool % 2, bool / bool, uint8 ** 255)."""
+    q, k, v = _qkv(b=1, h=1, hk=1, sq=8, sk=8, dtype=F32)
+    tab = torch.tensor([2, 3, 1, 0], dtype=torch.uint8)
+    t0 = torch.tensor(True)
+    refused = (
+        (lambda s, b, h, qi, ki: s + ((qi >= ki) - (ki > 3)), "subtraction with a bool"),
+        (lambda s, b, h, qi, ki: s + (1 - (qi >= ki)), "subtraction with a bool"),
+        (lambda s, b, h, qi, ki: s - True, "subtraction with a bool"),
+        (lambda s, b, h, qi, ki: s - t0, "subtraction with a bool"),
+        (lambda s, b, h, qi, ki: torch.sub(s, qi >= ki, alpha=2), "subtraction with a bool"),
+        (lambda s, b, h, qi, ki: s + torch.abs(qi >= ki), "abs of a bool"),
+        (lambda s, b, h, qi, ki: s + (qi >= ki) // (ki >= 0), "// of two bool"),
+        (lambda s, b, h, qi, ki: s + (qi >= ki) % (ki >= 0), "% of two bool"),
+        (lambda s, b, h, qi, ki: s + (qi >= ki) ** (ki >= 2), r"\*\* of two bool"),
+        (lambda s, b, h, qi, ki: s + torch.div(qi >= ki, ki >= 0, rounding_mode="trunc"), "two bool"),
+        (lambda s, b, h, qi, ki: s + tab[ki % 4] ** 300, "uint8 value raised to 300"),
+    )
+    ii, jj = torch.arange(8).view(-1, 1), torch.arange(8).view(1, -1)
+    for fn, match in refused:
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            fn(torch.zeros(8, 8), 0, 0, ii, jj)  # torch refuses it too
+        with pytest.raises(UnsupportedError, match=match):
+            flashgen.attention(q, k, v, score_mod=fn)
+    for fn in ((lambda s, b, h, qi, ki: s + (qi >= ki) ** 2), (lambda s, b, h, qi, ki: s + (qi >= ki) % 2),
+               (lambda s, b, h, qi, ki: s + (qi >= ki) / (ki >= 0)),
+               (lambda s, b, h, qi, ki: s + tab[ki % 4] ** 255 * 0.01)):
+        scores = (q[0, 0].double() @ k[0, 0].double().T) * 16 ** -0.5
+        ref = torch.softmax(fn(scores, 0, 0, ii, jj), -1) @ v[0, 0].double()
+        got = flashgen.attention(q, k, v, score_mod=fn)[0, 0].double()
+        assert (got - ref).abs().max().item() < 1e-5
+
+
 def test_widened_functions_keep_their_table_gradients_and_torchs_int32(tiles):
     """A widened graph whose casts make two loads one node sums their derivatives (the
     second one's replaced the first's: d tab off by 6/5); a bool added to an int32
