@@ -357,9 +357,11 @@ def render(d: int, causal: bool, mc: bool, stages: int, ctas: int, off=None, par
            arrive: str = "plain") -> str:
     """The probe kernel's source.  ``ctas`` programs per SM set the launch register cap
     (two warpgroups a program) and the consumer's setmaxnreg budget."""
-    maxnreg = min(255, 65536 // (ctas * 2 * 128)) // 8 * 8
+    from flashgen.families.gluon.config import GluonFwdConfig, maxnreg
+
     off = off or {n: 0 for n in _BUFFERS}
-    return _SOURCE.render(d=d, causal=causal, mc=mc, stages=stages, maxnreg=maxnreg, producer_regs=24,
+    return _SOURCE.render(d=d, causal=causal, mc=mc, stages=stages, producer_regs=24,
+                          maxnreg=maxnreg(GluonFwdConfig(num_consumers=1, ctas_per_sm=ctas)),
                           off=off, k_param=params[0] or "0", v_param=params[1] or "0", arrive=ARRIVES[arrive])
 
 
@@ -372,10 +374,14 @@ def _module(src: str, tag: str):
     d = _TMP[0]
     path = d / f"probe_mc_{tag}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"probe_mc_{tag}", path)
+    return _import(path, f"probe_mc_{tag}"), path
+
+
+def _import(path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod, path
+    return mod
 
 
 def compile_sm90(mod, d: int):
@@ -402,10 +408,7 @@ def compile_sm90(mod, d: int):
 
 
 def _offsets_child(path: str, d: int) -> int:
-    spec = importlib.util.spec_from_file_location("probe_mc_child", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    k = compile_sm90(mod, d)
+    k = compile_sm90(_import(path, "probe_mc_child"), d)
     params = re.findall(r"\.param \.align 64 \.b8 (attn_fwd_param_\d+)\[128\]", k.asm["ptx"])
     print("PARAMS " + json.dumps(params), flush=True)
     return 0
@@ -582,9 +585,12 @@ def _jobs(arrive: str = "plain"):
 
 
 def _smem_ok(job) -> bool:
-    tile = 64 * job["d"] * 2
-    need = tile * (1 + 2 * job["stages"]) + 1024
-    return need <= 233472 // job["ctas"] - 1024
+    """Q and the K and V rings fit one program's share of shared memory (with 1 KB for
+    the barriers and Triton's own)."""
+    from flashgen.families.gluon.config import GluonFwdConfig, smem_limit
+
+    need = 64 * job["d"] * 2 * (1 + 2 * job["stages"]) + 1024
+    return need <= smem_limit(GluonFwdConfig(ctas_per_sm=job["ctas"]))
 
 
 def _compile_report() -> int:

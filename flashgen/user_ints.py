@@ -261,8 +261,8 @@ def wrap(c: int, dtype: str) -> int:
     return m - (1 << bits) if signed and m >= 1 << (bits - 1) else m
 
 
-def _checked(c: int, dtype: str, what: str) -> int:
-    """``c`` converted to ``dtype`` as torch.where and torch.clamp convert it: wrapped
+def checked(c: int, dtype: str, what: str) -> int:
+    """``c`` converted to ``dtype`` as torch.where, torch.clamp and ** convert it: wrapped
     where torch allows (a negative value down to -max for an unsigned dtype), else
     UnsupportedError, as torch raises."""
     bits, signed = NARROW[dtype]
@@ -302,7 +302,7 @@ def narrow_operands(g: Graph, bufs: tuple, op: str, vals: list, memo: dict) -> l
             if g.dtype(a) == "bool" or narrow_dtype(g, bufs, a, memo) != t:
                 a = g.cast(a, t, keep_width=True)
         elif isinstance(a, int) and not isinstance(a, bool) and not (shift and n == 1):
-            a = _checked(a, t, "torch.where") if op == "where" else wrap(a, t)
+            a = checked(a, t, "torch.where") if op == "where" else wrap(a, t)
         out.append(a)
     return out
 
@@ -314,5 +314,5 @@ def narrow_bounds(g: Graph, bufs: tuple, x, lo, hi, memo: dict) -> tuple:
     d = narrow_dtype(g, bufs, x, memo)
     if d is None:
         return lo, hi
-    return tuple(_checked(b, d, "torch.clamp") if isinstance(b, int) and not isinstance(b, bool) else b
+    return tuple(checked(b, d, "torch.clamp") if isinstance(b, int) and not isinstance(b, bool) else b
                  for b in (lo, hi))

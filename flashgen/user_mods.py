@@ -564,8 +564,10 @@ class Traced:
             op = "minimum" if op == "min2" else "maximum"
             return g.binary(op, *user_ints.narrow_operands(g, self.bufs, op, vals, self._narrow))
         _refuse_bool_arithmetic(g, op, vals, kwargs)
-        if op == "pow" and len(vals) == 2:
-            _refuse_narrow_exponent(g, user_ints.narrow_dtype(g, self.bufs, vals[0], self._narrow), vals[1])
+        if op == "pow" and len(vals) == 2 and isinstance(vals[1], int) and not isinstance(vals[1], bool):
+            narrow = user_ints.narrow_dtype(g, self.bufs, vals[0], self._narrow)
+            if narrow is not None:  # torch converts the exponent to the base's dtype first
+                user_ints.checked(vals[1], narrow, "pow")
         if op in ("add", "sub") and kwargs.get("alpha", 1) != 1:
             vals[1] = g.binary("mul", vals[1], kwargs.pop("alpha"))
         kwargs.pop("alpha", None)
@@ -630,19 +632,6 @@ def _refuse_bool_arithmetic(g: Graph, op: str, vals: list, kwargs: dict) -> None
         what = {"floordiv": "//", "mod": "%", "pow": "**"}.get(op, f"div(rounding_mode={kwargs.get('rounding_mode')!r})")
         raise UnsupportedError(f"{what} of two bool values (torch has no bool kernel for it): convert one with "
                                ".int() first")
-
-
-def _refuse_narrow_exponent(g: Graph, narrow: str | None, exponent) -> None:
-    """Raise UnsupportedError for an 8-, 16- or 32-bit integer tensor raised to a Python
-    integer its dtype cannot hold: torch converts the exponent to the tensor's dtype first
-    and raises ('value cannot be converted to type uint8_t without overflow')."""
-    if narrow is None or isinstance(exponent, bool) or not isinstance(exponent, int):
-        return
-    bits, signed = user_ints.NARROW[narrow]
-    lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
-    if not lo <= exponent <= hi:
-        raise UnsupportedError(f"a {narrow} value raised to {exponent}, which {narrow} cannot hold (torch raises: "
-                               f"'value cannot be converted to type {narrow} without overflow')")
 
 
 def _sum(g: Graph, a, b):
