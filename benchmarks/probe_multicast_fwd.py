@@ -593,20 +593,21 @@ def _smem_ok(job) -> bool:
     return need <= smem_limit(GluonFwdConfig(ctas_per_sm=job["ctas"]))
 
 
-def _compile_report() -> int:
-    """Compile every multicast kernel for sm_90 here and print registers, spills and the
-    multicast copies in its SASS."""
+def _compile_report(arrive: str, only: str) -> int:
+    """Compile every multicast kernel for sm_90 here and print registers, spills, the
+    multicast copies and the GPU-scope memory barriers in its SASS."""
     from flashgen.families.gluon.sm90 import report
 
     for job in _jobs():
-        if job["name"].startswith("mc") and _smem_ok(job):
-            mod, off = build(job["d"], job["causal"], True, job["stages"], job["ctas"])
+        if job["name"].startswith("mc") and _smem_ok(job) and (not only or job["name"] in only.split(",")):
+            mod, off = build(job["d"], job["causal"], True, job["stages"], job["ctas"], arrive)
             rep = report(compile_sm90(mod, job["d"]))
             sass = rep.sass
             print(f"d{job['d']} {'causal' if job['causal'] else 'none'} {job['name']}: regs {rep.registers} "
                   f"spills {rep.spill_bytes} smem {rep.shared_bytes} hgmma {rep.hgmma} "
                   f"UTMALDG.MULTICAST {len(re.findall(r'UTMALDG[^;]*MULTICAST', sass))} "
-                  f"UTMALDG {len(re.findall(r'UTMALDG', sass))} offsets {off}")
+                  f"UTMALDG {len(re.findall(r'UTMALDG', sass))} MEMBAR.ALL.GPU {sass.count('MEMBAR.ALL.GPU')} "
+                  f"offsets {off}")
     return 0
 
 
@@ -644,7 +645,7 @@ def main(argv=None) -> int:
                    help="only launch the multicast kernel and its twin twice each (for a profiler)")
     a = p.parse_args(argv)
     if a.compile:
-        return _compile_report()
+        return _compile_report(a.arrive, a.only)
     if a.launch:
         return _launch_once(a.launch)
     jobs = [j for j in _jobs(a.arrive) if _smem_ok(j) and (not a.only or j["name"] in a.only.split(","))]
