@@ -326,11 +326,14 @@ def _sass() -> int:
     return 0
 
 
-def probe_args(doc: str, *, out: str, rep: int, workers: int, sass_help: str, child, sass):
+def probe_args(doc: str, *, out: str, rep: int, workers: int, sass_help: str, child, sass, extra=None):
     """A probe's command line (``--out``, ``--rep``, ``--timeout``, ``--workers``,
-    ``--sass`` and the hidden ``--child``): (args, None) to go on with the GPU run, or
-    (None, exit status) after running ``child(job)`` or ``sass()``, or without a GPU."""
+    ``--sass``, the hidden ``--child`` and whatever ``extra(parser)`` adds): (args, None)
+    to go on with the GPU run, or (None, exit status) after running ``child(job)`` or
+    ``sass()``, or without a GPU."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--out", default=out, help=f"JSON of every timing and check (default: {out})")
     ap.add_argument("--rep", type=int, default=rep, help="do_bench rep (ms)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per check child")

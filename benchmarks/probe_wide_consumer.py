@@ -37,6 +37,8 @@ config that passed timed by ``do_bench`` (median, L2 flushed), twice, alternatin
 
     PYTHONPATH=. python3 benchmarks/probe_wide_consumer.py --out wide.json
 
+``--edits wide-nb`` builds one edit only, ``--head-dim 128`` one head dim's shapes.
+
 ``--sass``: compile the edited variants and their twins for sm_90 on this machine (no
 GPU) and print registers, spills, SASS instructions and barriers.
 
@@ -353,20 +355,32 @@ def _print_report(role, v, rep) -> None:
 def main() -> int:
     from probe_pingpong import probe_args
 
+    def extra(ap):
+        ap.add_argument("--edits", default=",".join(EDITS),
+                        help=f"comma-separated edits to build, check and time (default: {','.join(EDITS)})")
+        ap.add_argument("--head-dim", type=int, choices=(64, 128), help="only the shapes of this head_dim")
+
     a, rc = probe_args(__doc__, out="wide.json", rep=40, workers=3,
                        sass_help="compile for sm_90 here and print what the binaries are", child=_check_child,
-                       sass=_sass)
+                       sass=_sass, extra=extra)
     if a is None:
         return rc
+    edits = [e for e in a.edits.split(",") if e]
+    unknown = [e for e in edits if e not in EDITS]
+    if unknown or not edits:
+        print(f"--edits: {unknown or 'nothing'} not among {', '.join(EDITS)}", file=sys.stderr)
+        return 2
     jobs, checks = [], {}
     for shape in SHAPES:
         d, causal = shape[4], shape[5]
+        if a.head_dim is not None and d != a.head_dim:
+            continue
         configs = []
         g = shipped(shape)
         if g is not None:
             configs.append({"role": "shipped", "config": dataclasses.asdict(g)})
         for c in wide_configs(d, causal):
-            for role in EDITS:
+            for role in edits:
                 configs.append({"role": role, "config": dataclasses.asdict(c)})
                 checks[(d, causal, json.dumps(dataclasses.asdict(c), sort_keys=True), role)] = None
             configs.append({"role": "twin", "config": dataclasses.asdict(twin(c))})
@@ -386,7 +400,7 @@ def main() -> int:
     _time(jobs, a.rep)
     Path(a.out).write_text(json.dumps(jobs, indent=1))
     print("\nshape (b, h, hk, s, d, causal) | shipped TFLOP/s | edit TFLOP/s / two-partition twin (config)")
-    ratios = {role: [] for role in EDITS}
+    ratios = {role: [] for role in edits}
     for job in jobs:
         es = job["configs"]
         ship = next((e for e in es if e["role"] == "shipped" and "tflops" in e), None)
