@@ -1337,8 +1337,9 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, stop.handler)
     if hasattr(signal, "pthread_sigmask"):
-        # started with SIGTERM blocked (tune_parallel): one sent meanwhile is handled now
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        # started with SIGINT and SIGTERM blocked (_start_worker): one sent meanwhile is
+        # handled now, and stops this worker at its first measurement
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     _stop_when_parent_dies(cfg.name)
     try:
         with interrupts_on_one_line(), TuningDB(cfg.db_path) as db:
@@ -1375,23 +1376,30 @@ def fail_trials_of(storage: str | optuna.storages.BaseStorage, worker: str) -> i
     return n
 
 
-def _start_worker(p) -> None:
-    """Start the spawned worker process ``p`` with SIGINT ignored and SIGTERM blocked.
+def _start_worker(p, started: Callable[[], None] | None = None) -> None:
+    """Start the spawned worker process ``p`` with SIGINT and SIGTERM blocked, then call
+    ``started()`` (if given) while they still are.
 
-    SIGINT ignored (POSIX keeps an ignored signal across exec) until _worker_main
-    handles it: a Ctrl-C while it imports torch stops it through its parent (the
-    SIGTERM tune_parallel sends), not with a traceback.  SIGTERM blocked (the mask, too,
-    survives exec): one that reaches it before its handler is set waits for the handler
-    instead of killing it outright.  multiprocessing's resource tracker is started first:
-    its own start unblocks SIGINT and SIGTERM in the calling thread once it has spawned
-    the tracker (CPython's bpo-33613 fix), which inside the block below would start the
-    first worker unprotected."""
+    The signal mask survives exec, so either signal that reaches the worker before
+    _worker_main has set its handlers (it imports torch first: seconds) stays pending
+    until then, instead of killing it outright (SIGTERM) or raising KeyboardInterrupt
+    with a traceback in the middle of an import (SIGINT); the handler then stops the
+    worker at its first measurement.  (SIGINT was once ignored there instead: a Ctrl-C
+    that reached a starting worker and not the tuning process was lost, and the run
+    went on.)  In this process a stop signal that comes while ``p`` starts is held too
+    and raised once ``started`` has run: the caller records the new worker there, so
+    that stopping stops it with the others.  multiprocessing's resource tracker is
+    started first: its own start unblocks SIGINT and SIGTERM in the calling thread once
+    it has spawned the tracker (CPython's bpo-33613 fix), which inside the block below
+    would start the first worker unprotected."""
     if os.name == "posix":
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
-    with _signals_ignored((signal.SIGINT,)), _signals_blocked((signal.SIGTERM,)):
+    with _signals_blocked((signal.SIGINT, signal.SIGTERM)):
         p.start()
+        if started is not None:
+            started()
 
 
 def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[WorkerConfig],
@@ -1440,8 +1448,10 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
     try:
         with stop_signals_raise():
             for name, (p, c) in procs.items():
-                _start_worker(p)
-                running[p.sentinel] = (name, p, c)
+                def track(name=name, p=p, c=c):
+                    running[p.sentinel] = (name, p, c)
+
+                _start_worker(p, track)
             if on_start is not None:
                 on_start({name: p.pid for name, (p, _) in procs.items()})
             while running:
