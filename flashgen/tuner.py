@@ -1350,6 +1350,10 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
             tune(order, benchmarker=stop, db=db, env=cfg.env, arch=cfg.arch, n_trials=cfg.n_trials,
                  timeout_per_key_s=cfg.timeout_per_key_s, storage=cfg.storage, seed=cfg.seed + k,
                  sampler=cfg.sampler, worker=cfg.name, family_names=cfg.family_names)
+        if stop.signum is not None:
+            # a stop signal that no measurement met (what was left was already recorded
+            # or refused): the run was still asked to stop, and says so
+            sys.exit(128 + stop.signum)
     except KeyboardInterrupt as e:
         sys.exit(128 + stop_signal(e))
     finally:

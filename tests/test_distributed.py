@@ -316,6 +316,24 @@ def test_a_stop_signal_that_reaches_only_the_workers_stops_the_run(tmp_path, wor
         _check_rows_kept(tmp_path, rows)
 
 
+def test_a_stop_signal_no_measurement_meets_still_stops_the_worker(tmp_path, monkeypatch):
+    """A worker signalled where no measurement is left to start (its remaining trials
+    already recorded or refused) exits with 128 + the signal, not 0, so the run reports
+    itself stopped."""
+    def tune_without_measuring(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # held by the worker's handler: no measurement runs
+
+    monkeypatch.setattr(tuner, "tune", tune_without_measuring)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            tuner._worker_main([], _configs(tmp_path, 1, str(tmp_path / "journal"))[0])
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert e.value.code == 128 + signal.SIGINT
+
+
 def test_workers_stop_by_themselves_when_the_run_is_killed(tmp_path, workers_run):
     p, pids, rows, lines = workers_run()
     p.kill()  # SIGKILL: nothing of the parent runs, its workers are orphaned
