@@ -6,10 +6,12 @@ inputs, warmed up), and the same through SDPA's cuDNN backend.  Prints, per shap
 backend, the wall time per call (host clock, synchronized, best of several loops), the
 GPU time per call (CUDA events, ``triton.testing.do_bench`` median) and the kernels the
 profiler saw in one call with their GPU time, so host-bound calls (wall >> GPU) and
-extra kernels (copies, memsets, conversions) show.
+extra kernels (copies, memsets, conversions) show.  ``--deterministic`` adds flashgen
+with ``deterministic=True``.
 
 Usage (repository root, on a CUDA GPU):
-    python3 benchmarks/profile_call.py [--shape B,H,HKV,S,D[,causal][,window=L][,sinks]]... [--out FILE.json]
+    python3 benchmarks/profile_call.py [--shape B,H,HKV,S,D[,causal][,window=L][,sinks]]... [--deterministic]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def main() -> int:
                          "to the left (with causal: to the diagonal); sinks: also flashgen with learnable "
                          "sinks (backend flashgen-sinks); a window has no SDPA cuDNN row")
     ap.add_argument("--out", help="JSON file for every number")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also flashgen with deterministic=True (backend flashgen-deterministic)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also run N flashgen forward+backward calls of each shape under cProfile and "
                          "print the functions with the most own host time")
@@ -106,7 +110,11 @@ def main() -> int:
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                         enable_gqa=hk != h)
 
-        backends = [("flashgen", fg)] + ([("flashgen-sinks", fg_sinks)] if with_sinks else []) + (
+        def fg_det():
+            return flashgen.attention(q, k, v, causal=causal, window=window, deterministic=True)
+
+        backends = [("flashgen", fg)] + ([("flashgen-deterministic", fg_det)] if args.deterministic else []) + (
+            [("flashgen-sinks", fg_sinks)] if with_sinks else []) + (
             [("sdpa-cudnn", cudnn)] if left < 0 else [])
         for name, f in backends:
             o = f()
@@ -128,8 +136,9 @@ def main() -> int:
                 row[f"{what}_gpu_us"] = round(triton.testing.do_bench(fn, warmup=25, rep=100,
                                                                       return_mode="median") * 1e3, 1)
                 row[f"{what}_kernels"] = kernels_of(fn)
-            if name == "flashgen":
-                row["explain"] = str(flashgen.explain(q, k, v, causal=causal, window=window))
+            if name in ("flashgen", "flashgen-deterministic"):
+                row["explain"] = str(flashgen.explain(q, k, v, causal=causal, window=window,
+                                                      deterministic=name == "flashgen-deterministic"))
             results.append(row)
             if name.startswith("flashgen") and args.cprofile:
                 import cProfile
