@@ -1318,9 +1318,13 @@ class _HeldSignals(_StopAtMeasurement):
             raise Interrupted(self.signum)
 
 
+#: The signals that stop a tuning worker: Ctrl-C, SIGTERM and a terminal's hang-up.
+_WORKER_STOPS = (signal.SIGINT, *_STOP_SIGNALS)
+
+
 def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> None:
-    """One tuning worker (the target of the spawned process).  SIGINT and SIGTERM stop
-    it (:class:`_StopAtMeasurement`): its running trial is marked FAIL, the rows
+    """One tuning worker (the target of the spawned process).  SIGINT, SIGTERM and
+    SIGHUP stop it (:class:`_StopAtMeasurement`): its running trial is marked FAIL, the rows
     already recorded stay, and it exits with 128 + the signal's number, without a
     traceback.  It stops by itself when its parent exits (:func:`_stop_when_parent_dies`)."""
     if cfg.gpu is not None:
@@ -1334,12 +1338,12 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
 
         bench = KernelBenchmarker(workers=1)
     stop = _StopAtMeasurement(bench)
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in _WORKER_STOPS:
         signal.signal(s, stop.handler)
     if hasattr(signal, "pthread_sigmask"):
-        # started with SIGINT and SIGTERM blocked (_start_worker): one sent meanwhile is
+        # started with the stop signals blocked (_start_worker): one sent meanwhile is
         # handled now, and stops this worker at its first measurement
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_WORKER_STOPS))
     _stop_when_parent_dies(cfg.name)
     try:
         with interrupts_on_one_line(), TuningDB(cfg.db_path) as db:
@@ -1362,7 +1366,7 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
         # shutdown puts a Python handler back to the default action, which would kill
         # the exiting worker (exit code -15) instead of letting it exit with its own
         # code; an ignored signal stays ignored through shutdown.
-        for s in (signal.SIGINT, signal.SIGTERM):
+        for s in _WORKER_STOPS:
             signal.signal(s, signal.SIG_IGN)
 
 
@@ -1381,29 +1385,44 @@ def fail_trials_of(storage: str | optuna.storages.BaseStorage, worker: str) -> i
 
 
 def _start_worker(p, started: Callable[[], None] | None = None) -> None:
-    """Start the spawned worker process ``p`` with SIGINT and SIGTERM blocked, then call
-    ``started()`` (if given) while they still are.
+    """Start the spawned worker process ``p`` with its stop signals (SIGINT, SIGTERM,
+    SIGHUP) blocked, then call ``started()`` (if given); a stop signal this process gets
+    meanwhile is held and raised once ``started`` has run.
 
-    The signal mask survives exec, so either signal that reaches the worker before
+    The signal mask survives exec, so a stop signal that reaches the worker before
     _worker_main has set its handlers (it imports torch first: seconds) stays pending
-    until then, instead of killing it outright (SIGTERM) or raising KeyboardInterrupt
-    with a traceback in the middle of an import (SIGINT); the handler then stops the
-    worker at its first measurement.  (SIGINT was once ignored there instead: a Ctrl-C
-    that reached a starting worker and not the tuning process was lost, and the run
-    went on.)  In this process a stop signal that comes while ``p`` starts is held too
-    and raised once ``started`` has run: the caller records the new worker there, so
-    that stopping stops it with the others.  multiprocessing's resource tracker is
-    started first: its own start unblocks SIGINT and SIGTERM in the calling thread once
-    it has spawned the tracker (CPython's bpo-33613 fix), which inside the block below
-    would start the first worker unprotected."""
+    until then, instead of killing it outright (SIGTERM, SIGHUP) or raising
+    KeyboardInterrupt with a traceback in the middle of an import (SIGINT); the handler
+    then stops the worker at its first measurement.  (SIGINT was once ignored there
+    instead: a Ctrl-C that reached a starting worker and not the tuning process was
+    lost, and the run went on.  Where ``signal.pthread_sigmask`` is missing it still is.)
+    In this process the mask holds the calling thread's signals only, and a signal sent
+    to the process goes to any thread that does not block it (``import torch`` starts
+    one), whose delivery Python then raises in the main thread; so Python-level handlers
+    hold them too: the caller records the new worker in ``started``, and stopping stops
+    it with the others.  multiprocessing's resource tracker is started first: its own
+    start unblocks SIGINT and SIGTERM in the calling thread once it has spawned the
+    tracker (CPython's bpo-33613 fix), which inside the block below would start the
+    first worker unprotected."""
     if os.name == "posix":
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
-    with _signals_blocked((signal.SIGINT, signal.SIGTERM)):
+    held: list[int] = []
+
+    def hold(signum, frame):
+        if not held:
+            held.append(signum)
+
+    child = _signals_blocked(_WORKER_STOPS) if hasattr(signal, "pthread_sigmask") \
+        else _signals_ignored((signal.SIGINT,))
+    with _signals_handled(_WORKER_STOPS, hold), child:
         p.start()
         if started is not None:
             started()
+    if held:
+        # back under the caller's handlers: raised there as if it came now
+        signal.raise_signal(held[0])
 
 
 def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[WorkerConfig],

@@ -316,22 +316,55 @@ def test_a_stop_signal_that_reaches_only_the_workers_stops_the_run(tmp_path, wor
         _check_rows_kept(tmp_path, rows)
 
 
-def test_a_stop_signal_no_measurement_meets_still_stops_the_worker(tmp_path, monkeypatch):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_a_stop_signal_no_measurement_meets_still_stops_the_worker(tmp_path, monkeypatch, signum):
     """A worker signalled where no measurement is left to start (its remaining trials
     already recorded or refused) exits with 128 + the signal, not 0, so the run reports
-    itself stopped."""
+    itself stopped; a terminal's hang-up stops it the same way (it once killed it)."""
     def tune_without_measuring(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)  # held by the worker's handler: no measurement runs
+        os.kill(os.getpid(), signum)  # held by the worker's handler: no measurement runs
 
     monkeypatch.setattr(tuner, "tune", tune_without_measuring)
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved = {s: signal.getsignal(s) for s in tuner._WORKER_STOPS}
     try:
         with pytest.raises(SystemExit) as e:
             tuner._worker_main([], _configs(tmp_path, 1, str(tmp_path / "journal"))[0])
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
-    assert e.value.code == 128 + signal.SIGINT
+    assert e.value.code == 128 + signum
+
+
+def test_a_stop_signal_while_a_worker_starts_is_raised_once_the_worker_is_recorded():
+    """The tuning process holds a stop signal that comes while it starts a worker, even
+    one delivered to another of its threads (the mask holds the calling thread's only),
+    and raises it once ``started`` has recorded the worker: else the run stopped without
+    stopping that worker, which tuned on."""
+    go = threading.Event()
+
+    def send():
+        go.wait(10)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    # started before the block: it does not block SIGINT, so the kernel may deliver there
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+
+    class Starting:
+        def start(self):
+            go.set()
+            sender.join(10)
+            for _ in range(200):  # Python runs a signal's handler between bytecodes
+                time.sleep(0.001)
+
+    recorded = []
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tuner._start_worker(Starting(), lambda: recorded.append("w0"))
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert recorded == ["w0"]
 
 
 def test_workers_stop_by_themselves_when_the_run_is_killed(tmp_path, workers_run):
