@@ -47,6 +47,7 @@ Prints a table last: TFLOP/s of the shipped row, each edited variant and its twi
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -355,21 +356,26 @@ def _print_report(role, v, rep) -> None:
 def main() -> int:
     from probe_pingpong import probe_args
 
+    def edit_list(text: str) -> list[str]:
+        edits = [e for e in text.split(",") if e]
+        unknown = [e for e in edits if e not in EDITS]
+        if unknown or not edits:
+            raise argparse.ArgumentTypeError(f"{unknown or 'nothing'} not among {', '.join(EDITS)}")
+        return edits
+
     def extra(ap):
-        ap.add_argument("--edits", default=",".join(EDITS),
-                        help=f"comma-separated edits to build, check and time (default: {','.join(EDITS)})")
-        ap.add_argument("--head-dim", type=int, choices=(64, 128), help="only the shapes of this head_dim")
+        ap.add_argument("--edits", type=edit_list, default=list(EDITS),
+                        help=f"comma-separated edits to build, check and time on the GPU (default: "
+                             f"{','.join(EDITS)}; --sass compiles both)")
+        ap.add_argument("--head-dim", type=int, choices=(64, 128),
+                        help="only the shapes of this head_dim (the GPU run; --sass compiles every shape's tiles)")
 
     a, rc = probe_args(__doc__, out="wide.json", rep=40, workers=3,
                        sass_help="compile for sm_90 here and print what the binaries are", child=_check_child,
                        sass=_sass, extra=extra)
     if a is None:
         return rc
-    edits = [e for e in a.edits.split(",") if e]
-    unknown = [e for e in edits if e not in EDITS]
-    if unknown or not edits:
-        print(f"--edits: {unknown or 'nothing'} not among {', '.join(EDITS)}", file=sys.stderr)
-        return 2
+    edits = a.edits
     jobs, checks = [], {}
     for shape in SHAPES:
         d, causal = shape[4], shape[5]
