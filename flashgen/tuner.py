@@ -1140,6 +1140,8 @@ def _raise_interrupted(signum, frame):
 
 #: What stops a tuning process: SIGINT raises KeyboardInterrupt, these raise Interrupted.
 _STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+#: Every signal that stops a tune or a tuning worker: Ctrl-C, SIGTERM and a terminal's hang-up.
+_ALL_STOP_SIGNALS = (signal.SIGINT, *_STOP_SIGNALS)
 
 
 @contextlib.contextmanager
@@ -1162,7 +1164,7 @@ def stop_signals_raise():
     return _signals_handled(_STOP_SIGNALS, _raise_interrupted)
 
 
-def _signals_ignored(signals: tuple[int, ...] = (signal.SIGINT, *_STOP_SIGNALS)):
+def _signals_ignored(signals: tuple[int, ...] = _ALL_STOP_SIGNALS):
     """While inside (main thread only): ``signals`` are ignored."""
     return _signals_handled(signals, signal.SIG_IGN)
 
@@ -1308,7 +1310,7 @@ class _HeldSignals(_StopAtMeasurement):
         if not self.active or self.holding:
             yield
             return
-        with _signals_handled((signal.SIGINT, *_STOP_SIGNALS), self.handler):
+        with _signals_handled(_ALL_STOP_SIGNALS, self.handler):
             self.holding = True
             try:
                 yield
@@ -1316,10 +1318,6 @@ class _HeldSignals(_StopAtMeasurement):
                 self.holding = False
         if self.signum is not None:
             raise Interrupted(self.signum)
-
-
-#: The signals that stop a tuning worker: Ctrl-C, SIGTERM and a terminal's hang-up.
-_WORKER_STOPS = (signal.SIGINT, *_STOP_SIGNALS)
 
 
 def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> None:
@@ -1338,12 +1336,12 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
 
         bench = KernelBenchmarker(workers=1)
     stop = _StopAtMeasurement(bench)
-    for s in _WORKER_STOPS:
+    for s in _ALL_STOP_SIGNALS:
         signal.signal(s, stop.handler)
     if hasattr(signal, "pthread_sigmask"):
         # started with the stop signals blocked (_start_worker): one sent meanwhile is
         # handled now, and stops this worker at its first measurement
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_WORKER_STOPS))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_ALL_STOP_SIGNALS))
     _stop_when_parent_dies(cfg.name)
     try:
         with interrupts_on_one_line(), TuningDB(cfg.db_path) as db:
@@ -1366,7 +1364,7 @@ def _worker_main(items: list[tuple[ProblemKey, Shape]], cfg: WorkerConfig) -> No
         # shutdown puts a Python handler back to the default action, which would kill
         # the exiting worker (exit code -15) instead of letting it exit with its own
         # code; an ignored signal stays ignored through shutdown.
-        for s in _WORKER_STOPS:
+        for s in _ALL_STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
 
 
@@ -1414,9 +1412,9 @@ def _start_worker(p, started: Callable[[], None] | None = None) -> None:
         if not held:
             held.append(signum)
 
-    child = _signals_blocked(_WORKER_STOPS) if hasattr(signal, "pthread_sigmask") \
+    child = _signals_blocked(_ALL_STOP_SIGNALS) if hasattr(signal, "pthread_sigmask") \
         else _signals_ignored((signal.SIGINT,))
-    with _signals_handled(_WORKER_STOPS, hold), child:
+    with _signals_handled(_ALL_STOP_SIGNALS, hold), child:
         p.start()
         if started is not None:
             started()
@@ -1483,7 +1481,7 @@ def tune_parallel(items: Iterable[tuple[ProblemKey, Shape]], configs: list[Worke
                 for sentinel in wait(list(running)):
                     ended(*running[sentinel])
                     del running[sentinel]  # only now: a stop inside ended() sees it again
-        stops = [code - 128 for code in codes.values() if code - 128 in (signal.SIGINT, *_STOP_SIGNALS)]
+        stops = [code - 128 for code in codes.values() if code - 128 in _ALL_STOP_SIGNALS]
         if stops and len(stops) == len(codes):
             raise Interrupted(stops[0])
     except BaseException:

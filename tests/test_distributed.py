@@ -220,7 +220,7 @@ def _start_workers_run(tmp_path, n_rows=20, **popen):
     from flashgen.db import row_count
 
     db = tmp_path / "w.sqlite"
-    journal = tmp_path / "w.sqlite.optuna.journal"
+    journal = tuner.default_journal(db)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "flashgen", "tune", "--preset", "fa-grid", "--fake-model", "--db",
                           str(db), "--trials", "30", "--workers", "2"], cwd=tmp_path, env=env, text=True,
@@ -239,7 +239,7 @@ def _start_workers_run(tmp_path, n_rows=20, **popen):
         if n_rows is None:
             return True
         if not tuning >= set(pids):
-            storage = storage or tuner.open_storage(str(journal), None)
+            storage = storage or tuner.open_storage(journal, None)
             tuning.update(t.user_attrs.get("worker") for s in storage.get_all_studies()
                           for t in storage.get_all_trials(s._study_id, deepcopy=False))
         return tuning >= set(pids) and row_count(db) >= n_rows
@@ -325,7 +325,7 @@ def test_a_stop_signal_no_measurement_meets_still_stops_the_worker(tmp_path, mon
         os.kill(os.getpid(), signum)  # held by the worker's handler: no measurement runs
 
     monkeypatch.setattr(tuner, "tune", tune_without_measuring)
-    saved = {s: signal.getsignal(s) for s in tuner._WORKER_STOPS}
+    saved = {s: signal.getsignal(s) for s in tuner._ALL_STOP_SIGNALS}
     try:
         with pytest.raises(SystemExit) as e:
             tuner._worker_main([], _configs(tmp_path, 1, str(tmp_path / "journal"))[0])
