@@ -702,23 +702,29 @@ def _writing(db: Path, what: str = "--db"):
     it can be written there (:func:`flashgen.db.check_writable`: an existing, writable
     directory, a writable file), then the command; if it fails, the files it created
     beside ``db`` (-wal, -shm, -journal, .optuna.journal) and a ``db`` it created that
-    holds no rows are removed.  Errors are one line, exit 2 (:func:`_user_errors`)."""
+    holds no rows are removed, and an empty ``db`` that still holds no rows is left empty
+    (without the schema the command wrote).  Errors are one line, exit 2 (:func:`_user_errors`)."""
     from .db import SIDE_FILES, check_writable, row_count, tidy_side_files
 
     with _user_errors(db):
         check_writable(db, what)
     side = [Path(f"{db}{sfx}") for sfx in SIDE_FILES]
     existed = {p for p in (db, *side) if p.exists()}
+    was_empty = db in existed and db.is_file() and db.stat().st_size == 0
     try:
         with _user_errors(db):
             yield
     except BaseException:
-        if db in existed:  # never removed; the -wal / -shm files a read made, tidied
-            tidy_side_files(db)
+        if db in existed and not (was_empty and row_count(db) == 0):
+            tidy_side_files(db)  # never removed; the -wal / -shm files a read made, tidied
         elif row_count(db) == 0:  # nothing was measured or imported: leave nothing behind
-            for p in (db, *side):
+            for p in side:
                 if p not in existed and p.exists():
                     p.unlink()
+            if was_empty:  # the user's empty file as it was, without the schema the run wrote
+                db.write_bytes(b"")
+            elif db.exists():
+                db.unlink()
         raise
 
 

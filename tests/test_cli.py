@@ -181,14 +181,17 @@ def test_a_worker_with_its_own_database_joins_a_shared_storage_after_another_mea
     assert r.exit_code == 2 and "was the DB replaced?" in r.output, r.output
 
 
-@pytest.mark.parametrize("how", ["another", "deleted", "import-replace", "import-replace-aligned", "import-replace-own"])
+@pytest.mark.parametrize("how", ["another", "deleted", "emptied", "import-replace", "import-replace-aligned",
+                                 "import-replace-own"])
 def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how):
     """The Optuna journal kept beside a database that was replaced (another database's
     rows, whose ids restart at 1 too), deleted, or whose rows ``import --replace``
     replaced at some keys: the resumed tune stops before its first key, naming the
     storage, before any row is written (every key's study is checked first: a key whose
     trials still name rows would otherwise be tuned and written before the stale one),
-    instead of counting the old trials and searching nothing.  "import-replace-aligned":
+    instead of counting the old trials and searching nothing.  "emptied": the user's
+    database left as an empty file, which the stopped run leaves empty (it once kept the
+    schema it wrote, in WAL mode).  "import-replace-aligned":
     both tunes of the same kernels and trial counts, so every replaced row's id, key and
     variant (the default's, each key's first) recur in the new rows: the measurement
     time tells them apart.  "import-replace-own": the database's own best rows exported
@@ -215,15 +218,19 @@ def test_a_resumed_tune_whose_db_was_replaced_stops_before_writing(tmp_path, how
     if how.startswith("import-replace"):
         r = invoke("import", other, "--db", db, "--replace")
         assert r.exit_code == 0, r.output
+    elif how == "emptied":
+        db.write_bytes(b"")
     else:
         db.unlink()
     if how == "another":
         shutil.copy(other, db)
-    before = sqlite3.connect(db).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] if db.exists() else 0
+    before = sqlite3.connect(db).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] if db.exists() and db.stat().st_size else 0
     r = invoke("tune", "--preset", "small", "--fake-model", "--db", db, "--trials", 3 + 2 * bool(kernels), *kernels)
     assert r.exit_code == 2 and "was the DB replaced?" in r.output, r.output
     if how == "deleted":
         assert not db.exists() and not list(tmp_path.glob("p.sqlite-*"))  # nothing written, no side files
+    elif how == "emptied":
+        assert db.stat().st_size == 0 and not list(tmp_path.glob("p.sqlite-*"))
     else:
         assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == before
 
