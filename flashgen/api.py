@@ -521,12 +521,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         FlashAttention's interface): a loss that uses it gets no gradient from that
         term.  No double backward: gradients taken with ``create_graph=True`` raise
         RuntimeError when differentiated again.  Of torch.func's transforms ``vmap``
-        runs (torch's per-sample fallback, slow); ``grad`` and ``jacrev`` raise (the
-        op's autograd, registered with ``torch.library.register_autograd``, does not
-        take them), and so do forward-mode derivatives (``jvp``, ``jacfwd``, dual
-        tensors of ``torch.autograd.forward_ad``: UnsupportedError; the op's tangent
-        would be zero); :func:`scaled_dot_product_attention` hands the forward-mode
-        ones to torch (``grad`` and ``jacrev`` raise there too).  The backward re-reads q, k, v, the
+        runs (torch's per-sample fallback, slow); ``grad``, ``vjp`` and ``jacrev``
+        raise UnsupportedError (the op's autograd, registered with
+        ``torch.library.register_autograd``, does not take them), and so do
+        forward-mode derivatives (``jvp``, ``jacfwd``, dual tensors of
+        ``torch.autograd.forward_ad``; the op's tangent would be zero);
+        :func:`scaled_dot_product_attention` hands all of these to torch's own.  The backward re-reads q, k, v, the
         bias, the ALiBi slopes, the sinks and the tensors the user functions read:
         modifying one in place before it runs raises autograd's RuntimeError
         ("modified by an inplace operation").
@@ -1000,6 +1000,8 @@ def sdpa_fallback_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         return f"is_causal of type {type_name(is_causal)}"
     if _forward_ad(query, key, value, attn_mask):
         return "a forward-mode derivative (jvp, jacfwd, forward_ad): flashgen's ops have none"
+    if library.grad_transform(query, key, value, attn_mask):
+        return "torch.func's grad, vjp or jacrev: flashgen's ops' autograd does not take functorch transforms"
     if torch.compiler.is_compiling() or not (type(query) is _Tensor and type(key) is _Tensor
                                              and type(value) is _Tensor):
         reason = _sdpa_shape_reason(query, key, value, enable_gqa)

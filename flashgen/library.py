@@ -480,13 +480,37 @@ def forward_ad(*tensors) -> bool:
     return any(isinstance(t, torch.Tensor) and _fwad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+_GRAD_TRANSFORM = getattr(getattr(torch._C._functorch, "TransformType", None), "Grad", None)
+
+
+def grad_transform(*tensors) -> bool:
+    """Whether a reverse-mode transform of ``torch.func`` (``grad``, ``grad_and_value``,
+    ``vjp``, ``jacrev``) differentiates through one of ``tensors``: the ops' autograd,
+    registered with ``torch.library.register_autograd``, is an ``autograd.Function``
+    without ``setup_context``, which those transforms refuse with an internal
+    RuntimeError.  Under a ``vmap`` inside the transform the batched tensors hide which
+    are tracked; they are taken as tracked.  One C call when no transform is active."""
+    if not functorch_active() or _GRAD_TRANSFORM is None or torch.compiler.is_compiling():
+        return False
+    keys = [i.key() for i in (torch._C._functorch.get_interpreter_stack() or ())]
+    if _GRAD_TRANSFORM not in keys:
+        return False
+    return keys[-1] != _GRAD_TRANSFORM or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def no_forward_ad(name: str, *tensors) -> None:
-    """UnsupportedError when :func:`forward_ad`."""
+    """UnsupportedError when :func:`forward_ad` or :func:`grad_transform`: the
+    derivatives flashgen's ops do not take."""
     if forward_ad(*tensors):
         raise UnsupportedError(f"{name} has no forward-mode derivative (torch.func.jvp, jacfwd, "
                                "torch.autograd.forward_ad): its tangent would be taken as zero; take reverse-mode "
                                "derivatives (backward(), torch.autograd.grad) or use torch's "
                                "scaled_dot_product_attention")
+    if grad_transform(*tensors):
+        raise UnsupportedError(f"{name} cannot be differentiated by torch.func's grad, vjp or jacrev (its "
+                               "autograd, registered with torch.library.register_autograd, does not take functorch "
+                               "transforms); take derivatives with backward() or torch.autograd.grad, or use "
+                               "torch's scaled_dot_product_attention")
 
 
 # -- the ops --------------------------------------------------------------------------

@@ -282,6 +282,34 @@ def test_forward_mode_derivatives_raise_instead_of_a_zero_tangent():
     assert flashgen.attention(q, k, v).shape == q.shape  # no transform: runs
 
 
+def test_reverse_mode_transforms_raise_flashgens_error_and_sdpa_hands_them_to_torch():
+    """torch.func's grad, vjp and jacrev (and vmap over grad, grad over vmap) through
+    flashgen's ops failed inside torch ("it must override the setup_context
+    staticmethod"); they raise UnsupportedError naming the transform, the SDPA entry
+    hands them to torch's SDPA, and a grad that does not track the inputs still runs."""
+    from torch.func import grad, jacrev, vjp, vmap
+
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    qs = torch.randn(3, *q.shape)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    packed = [t[0].transpose(0, 1) for t in (k, v)]
+    fns = (lambda a: flashgen.attention(a, k, v), lambda a: flashgen.attention(a, k, v, softcap=5.0),
+           lambda a: flashgen.attention(a, k, v, score_mod=lambda s, b, h, i, j: s * 0.5),
+           lambda a: flashgen.attention_varlen(a[0].transpose(0, 1), *packed, cu, cu, 8, 8))
+    for fn in fns:
+        for how in (lambda: grad(lambda a: fn(a).sum())(q), lambda: vjp(fn, q), lambda: jacrev(fn)(q),
+                    lambda: vmap(grad(lambda a: fn(a).sum()))(qs),
+                    lambda: grad(lambda a: vmap(lambda b: fn(b).sum())(a).sum())(qs)):
+            with pytest.raises(flashgen.UnsupportedError, match="torch.func's grad, vjp or jacrev"):
+                how()
+    assert vmap(fns[0])(qs).shape == qs.shape  # vmap alone runs
+    x = torch.randn(3)
+    assert torch.equal(grad(lambda a: a.sum() + fns[0](q).sum())(x), torch.ones(3))  # untracked inputs run
+    sdpa = (flashgen.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+    ours, torchs = (grad(lambda a, f=f: f(a, k, v, is_causal=True).sum())(q) for f in sdpa)
+    torch.testing.assert_close(ours, torchs, rtol=0, atol=0)
+
+
 def test_varlen_and_kvcache_take_meta_fake_and_vmapped_inputs():
     """Shapes from the ops' fake kernels for meta tensors and under FakeTensorMode (the
     value checks read fake offsets and lengths and raised), and vmap over the decode op
