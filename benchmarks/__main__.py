@@ -7,11 +7,18 @@ draws its plots there and prints its table last.  ARGS after ``--`` go to the su
 script (e.g. ``python -m benchmarks mods -- --shapes 64:2048 --causal yes``; ``--smoke``
 runs the mods, varlen, decode, exactness and probe scripts on the CPU interpreter).
 
+With ``--smoke`` among those ARGS the steps after the first, which run on a CUDA GPU
+alone and take no ARGS (the exactness suite's op checks and determinism), are skipped,
+each with a line saying so.
+
 ``python -m benchmarks plot dense|mods|varlen|decode JSON... --out DIR [--memory]``
-redraws plots from existing results (what docs/benchmarks.md's plots come from).
+redraws plots from existing results (what docs/benchmarks.md's plots come from);
+``--memory`` (dense alone) adds the peak-memory plot.
 
 Exit status: the first failing step's (a failed float64 check fails its step), 2 for a
-suite whose script is missing.
+suite whose script is missing and for bad arguments (an ``--out`` that is not a
+directory; for ``plot``, an input that is missing, not JSON or a result of another
+kind), which get a one-line error naming the argument, and nothing is written.
 """
 
 from __future__ import annotations
@@ -44,15 +51,39 @@ def commands(suite: Suite, out: Path, extra: list[str]) -> list[list[str]]:
     return cmds
 
 
+def _error(prog: str, message: str) -> int:
+    """A bad argument: one line on stderr, exit status 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _not_a_directory(out: Path) -> str | None:
+    """What is wrong with ``--out`` as a directory to write into, None when nothing."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out}: exists and is not a directory (--out names the directory the files go into)"
+    return None
+
+
 def run_suite(suite: Suite, out: Path, extra: list[str]) -> int:
     if suite.needs and not (ROOT / suite.needs).is_file():
         print(f"suite {suite.name}: {suite.needs} is missing from this checkout, so there is nothing to run "
               f"(it comes with the transformers integration); no results written", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    prog = f"python -m benchmarks {suite.name}"
+    bad = _not_a_directory(out)
+    if bad:
+        return _error(prog, bad)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _error(prog, f"--out {out}: cannot create the directory ({e.strerror or e})")
     results = [str(out / r) for r in suite.results]
     print(f"suite {suite.name}: {suite.what}\n  results: {', '.join(results) or '(printed only)'}", flush=True)
-    for argv in commands(suite, out, extra):
+    for i, argv in enumerate(commands(suite, out, extra)):
+        if i and "--smoke" in extra:
+            print(f"  skipped: python3 {' '.join(argv[1:])} (--smoke runs the first step alone: this step takes no "
+                  f"--smoke and runs on a CUDA GPU)", flush=True)
+            continue
         print("  $ " + " ".join(["python3", *argv[1:]] if argv[0] == sys.executable else argv), flush=True)
         rc = subprocess.call(argv, cwd=ROOT, env=_env())
         if rc:
@@ -67,6 +98,8 @@ def run_suite(suite: Suite, out: Path, extra: list[str]) -> int:
                 else plots.KINDS[suite.plot](present, out)
         except ImportError as e:
             print(f"plots skipped ({e}): pip install matplotlib", file=sys.stderr)
+        except plots.InputError as e:
+            print(f"plots skipped: {e}", file=sys.stderr)
     if suite.table and present:
         import merge_bench
 
@@ -88,10 +121,26 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("inputs", nargs="+", help="result JSON files (dense: also flashgen bench logs)")
         ap.add_argument("--out", required=True, type=Path, help="directory for the PNG files")
         ap.add_argument("--title", default="")
-        ap.add_argument("--memory", action="store_true", help="dense: also the peak-memory plot")
+        ap.add_argument("--memory", action="store_true", help="dense alone: also the peak-memory plot (from bench "
+                        "JSON with peak memory)")
         a = ap.parse_args(argv[1:])
+        prog = f"{ap.prog} {a.kind}"
+        if a.memory and a.kind != "dense":
+            return _error(prog, f"--memory: only the dense kind has a peak-memory plot, not {a.kind}")
+        bad = _not_a_directory(a.out)
+        if bad:
+            return _error(prog, bad)
         kw = {"memory": a.memory} if a.kind == "dense" else {}
-        for p in plots.KINDS[a.kind](a.inputs, a.out, title=a.title, **kw):
+        try:
+            written = plots.KINDS[a.kind](a.inputs, a.out, title=a.title, **kw)
+        except plots.InputError as e:
+            return _error(prog, str(e) if str(e).startswith("--") else f"input {e}")
+        except ImportError as e:
+            print(f"{prog}: {e}: pip install matplotlib", file=sys.stderr)
+            return 1
+        except OSError as e:
+            return _error(prog, f"--out {a.out}: cannot write the plots there ({e.strerror or e})")
+        for p in written:
             print(p)
         return 0
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],

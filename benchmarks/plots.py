@@ -16,7 +16,15 @@ One function per kind of result; each returns the paths it wrote:
 * :func:`decode`: ``decode_bench.py`` JSON: achieved bandwidth as a share of a device
   copy against the cache length, one panel per (batch, seqlen_q).
 
-    python -m benchmarks plot grid docs/results/h200/fa-grid/five-backends/*/bench.json --out DIR
+    python -m benchmarks plot dense docs/results/h200/fa-grid/five-backends/*/bench.json --out DIR
+
+Every input is read and checked before anything is drawn: a file that is missing, not
+JSON (a log, for ``dense``) or a result of another kind raises :class:`InputError`,
+whose message names the file and what it lacks, and no PNG is written.  ``dense`` also
+reads the older ``flashgen bench`` JSON, a list of shapes (``head_dim``, ``causal``,
+``shape``, ``cells``: e.g. ``docs/results/h200/llama3-8b/pointer-loads/bench.json``),
+which has no forward+backward or peak-memory cells: a figure whose metric no input has
+is left out, with a line on stderr.
 """
 
 from __future__ import annotations
@@ -69,6 +77,85 @@ def _wide(values) -> bool:
     return bool(vals) and max(vals) / min(vals) > 10
 
 
+class InputError(ValueError):
+    """An input the plots cannot draw: the message names the file and the rule it breaks."""
+
+
+class _Bad(Exception):
+    """A result file's layout is not the kind's (the message says where)."""
+
+
+class _Empty(_Bad):
+    """A result file of the kind with nothing to draw (the message says what is missing)."""
+
+
+def _read_json(path: str):
+    """The JSON value in the file ``path`` (InputError when it is missing, not a file or
+    not JSON)."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{path}: no such file")
+    if not p.is_file():
+        raise InputError(f"{path}: not a file")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a JSON file (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not a JSON file ({e.msg}, line {e.lineno} column {e.colno})") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type."""
+    for typ, name in ((bool, "boolean"), (dict, "object"), (list, "array"), (str, "string"), ((int, float), "number")):
+        if isinstance(value, typ):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _get(obj, key: str, typ: type | tuple | None = None, where: str = "a row"):
+    """``obj[key]`` of a JSON object, of type ``typ`` when given (_Bad naming ``where``
+    and ``key`` otherwise)."""
+    if not isinstance(obj, dict):
+        raise _Bad(f"{where} is a JSON {_json_type(obj)}, not an object")
+    if key not in obj:
+        raise _Bad(f"{where} has no {key!r}")
+    value = obj[key]
+    if typ is not None and not isinstance(value, typ):
+        raise _Bad(f"{where}'s {key!r} is a JSON {_json_type(value)}")
+    return value
+
+
+def _load(path: str, read):
+    """``read(data)`` of the JSON in ``path``: its rows; InputError naming the file when it
+    is not of ``read``'s kind (``read.what``) or leaves nothing to draw."""
+    data = _read_json(path)
+    try:
+        return read(data)
+    except _Empty as e:
+        raise InputError(f"{path}: nothing to draw as {read.what}: {e}") from None
+    except _Bad as e:
+        raise InputError(f"{path}: not {read.what}, which is {read.layout}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InputError(f"{path}: not {read.what}, which is {read.layout} ({type(e).__name__}: {e})") from None
+
+
+def _kind(what: str, layout: str):
+    """Marks a reader of one kind of result file: ``what`` names the kind in errors,
+    ``layout`` says what a file of it holds."""
+    def mark(read):
+        read.what, read.layout = what, layout
+        return read
+    return mark
+
+
+def _number(x) -> float | None:
+    """A JSON number (bools and anything else: None)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
 def _grid(plt, n: int, w: float = 4.4, h: float = 3.4, ncols: int = 4):
     ncols = min(ncols, n)
     nrows = -(-n // ncols)
@@ -78,6 +165,20 @@ def _grid(plt, n: int, w: float = 4.4, h: float = 3.4, ncols: int = 4):
     return fig, list(axes.flat)[:n]
 
 
+def _legend(fig, handles: list, labels: list[str]) -> float:
+    """The figure's legend below the panels, in as many columns (at most 8) as fit the
+    figure's width, so no entry is cut off at the edges; returns its height as a share
+    of the figure's."""
+    renderer = fig.canvas.get_renderer()
+    for ncol in range(min(8, len(labels)), 0, -1):
+        leg = fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
+        box = leg.get_window_extent(renderer)
+        if box.width <= 0.98 * fig.bbox.width or ncol == 1:
+            return box.height / fig.bbox.height
+        leg.remove()
+    return 0.0
+
+
 def _finish(plt, fig, axes, title: str, path: Path) -> Path:
     handles, labels = {}, []
     for ax in axes:
@@ -85,10 +186,11 @@ def _finish(plt, fig, axes, title: str, path: Path) -> Path:
             if lab not in handles:
                 handles[lab] = hnd
                 labels.append(lab)
+    bottom = 0.07
     if labels:
-        fig.legend([handles[x] for x in labels], labels, loc="lower center", ncol=min(8, len(labels)), fontsize=8)
+        bottom = max(bottom, _legend(fig, [handles[x] for x in labels], labels) + 0.02)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.tight_layout(rect=(0, bottom, 1, 0.95))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -116,12 +218,90 @@ def _seqlen(shape: str) -> int:
     return int(shape.rsplit("x", 1)[1])
 
 
+_CASE_KEYS = ("batch", "num_heads", "num_kv_heads", "seqlen_q", "head_dim")
+
+
+@_kind("a flashgen bench JSON", "an object whose 'rows' have a 'case' and 'cells', or the older list of "
+       "shapes with 'head_dim', 'causal', 'shape' and 'cells'")
+def _bench_rows(data) -> list[dict]:
+    """Rows ``{case, cells}`` of a ``flashgen bench`` JSON: an object whose ``rows`` have a
+    ``case`` (sizes, ``causal``, ``window``) and ``cells`` (per backend), or the older
+    top-level list whose entries have ``head_dim``, ``causal``, ``shape`` (sizes) and
+    ``cells`` (forward and backward alone)."""
+    if isinstance(data, list):
+        rows = []
+        for i, r in enumerate(data):
+            where = f"entry {i}"
+            shape = _get(r, "shape", dict, where)
+            case = {k: _get(shape, k, int, f"{where}'s shape") for k in _CASE_KEYS[:4]}
+            case.update(head_dim=_get(r, "head_dim", int, where), causal=_get(r, "causal", bool, where),
+                        window=[-1, -1])
+            rows.append(dict(case=case, cells=_get(r, "cells", dict, where)))
+    else:
+        rows = []
+        for i, r in enumerate(_get(data, "rows", list, "the file")):
+            where = f"row {i}"
+            c = _get(r, "case", dict, where)
+            case = {k: _get(c, k, int, f"{where}'s case") for k in _CASE_KEYS}
+            case.update(causal=_get(c, "causal", bool, f"{where}'s case"), window=list(c.get("window", (-1, -1))))
+            rows.append(dict(case=case, cells=_get(r, "cells", dict, where)))
+    if not rows:
+        raise _Empty("no rows")
+    for i, r in enumerate(rows):
+        for name, cell in r["cells"].items():
+            if not isinstance(cell, dict):
+                raise _Bad(f"row {i}'s cell {name!r} is a JSON {_json_type(cell)}, not an object")
+    return rows
+
+
+def _tflops_rows(rows: list[dict]) -> list[dict]:
+    """:func:`merge_bench.from_json`'s rows ``{d, mask, shape, backends}`` of
+    :func:`_bench_rows`' rows."""
+    out = []
+    for r in rows:
+        c = r["case"]
+        mask = "causal" if c["causal"] else "none" if tuple(c["window"]) == (-1, -1) else f"window{c['window']}"
+        cells = {name: {m: _number(cell.get(f"{m}_tflops")) for m in merge_bench.METRICS}
+                 for name, cell in r["cells"].items() if not cell.get("error")}
+        out.append(dict(d=c["head_dim"], mask=mask,
+                        shape=f"{c['batch']}x{c['num_heads']}/{c['num_kv_heads']}x{c['seqlen_q']}", backends=cells))
+    return out
+
+
+def _log_rows(path: str) -> list[dict]:
+    """:func:`merge_bench.from_log` of ``path``, InputError when it has no table."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{path}: {'no such file' if not p.exists() else 'not a file'}")
+    try:
+        return merge_bench.from_log(path)
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a flashgen bench log (not UTF-8 text)") from None
+    except ValueError as e:  # no TFLOP/s table, or no rows in it
+        raise InputError(f"{e}: not a flashgen bench log (its inputs ending in .json are read as JSON)") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
 def dense(paths: list[str], out_dir: str | Path, title: str = "", memory: bool = False) -> list[Path]:
     """TFLOP/s plots (and, with ``memory``, the peak-memory plot) of ``flashgen bench`` runs."""
-    plt = _plt()
-    rows = []
+    rows, bench = [], []
     for p in paths:
-        rows += merge_bench.from_json(p) if p.endswith(".json") else merge_bench.from_log(p)
+        if p.endswith(".json"):
+            bench += _load(p, _bench_rows)
+        else:
+            rows += _log_rows(p)
+    rows += _tflops_rows(bench)
+    metrics = [(m, label) for m, label in (("fwd", "forward"), ("bwd", "backward"), ("fwdbwd", "forward+backward"))
+               if any(cell.get(m) for r in rows for cell in r["backends"].values())]
+    if not metrics:
+        raise InputError(f"{', '.join(paths)}: no TFLOP/s in any cell (every backend failed or was skipped)")
+    if memory:
+        mem = _memory_groups(bench)
+        if not mem:
+            raise InputError("--memory: no input has a peak memory (peak_mem_bytes in a flashgen bench JSON's "
+                             "cells; logs and the older list-of-shapes JSON have none)")
+    plt = _plt()
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         heads = r["shape"].split("x")[1]
@@ -129,6 +309,9 @@ def dense(paths: list[str], out_dir: str | Path, title: str = "", memory: bool =
     backends = list(dict.fromkeys(b for r in rows for b in r["backends"]))
     out = []
     for metric, label in (("fwd", "forward"), ("bwd", "backward"), ("fwdbwd", "forward+backward")):
+        if (metric, label) not in metrics:
+            print(f"tflops_{metric}.png not drawn: no input has {label} TFLOP/s", file=sys.stderr)
+            continue
         fig, axes = _grid(plt, len(groups))
         for ax, ((d, mask, heads), rs) in zip(axes, sorted(groups.items())):
             rs = sorted(rs, key=lambda r: _seqlen(r["shape"]))
@@ -146,22 +329,36 @@ def dense(paths: list[str], out_dir: str | Path, title: str = "", memory: bool =
         out.append(_finish(plt, fig, axes, f"TFLOP/s, {label}{' - ' + title if title else ''}",
                            Path(out_dir) / f"tflops_{metric}.png"))
     if memory:
-        out.append(_memory([p for p in paths if p.endswith(".json")], out_dir, title))
+        out.append(_draw_memory(mem, out_dir, title))
     return out
 
 
-def _memory(paths: list[str], out_dir: str | Path, title: str) -> Path:
-    plt = _plt()
+def _memory_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """:func:`_bench_rows`' rows by (head_dim, mask), those groups alone where a cell has
+    a peak memory."""
     groups: dict[tuple, list[dict]] = {}
-    for p in paths:
-        for r in json.load(open(p))["rows"]:
-            c = r["case"]
-            groups.setdefault((c["head_dim"], "causal" if c["causal"] else "none"), []).append(r)
+    for r in rows:
+        c = r["case"]
+        groups.setdefault((c["head_dim"], "causal" if c["causal"] else "none"), []).append(r)
+    return {g: rs for g, rs in groups.items()
+            if any(_number(cell.get("peak_mem_bytes")) for r in rs for cell in r["cells"].values())}
+
+
+def _memory(paths: list[str], out_dir: str | Path, title: str) -> Path:
+    """The peak-memory plot of ``flashgen bench`` JSON files."""
+    groups = _memory_groups([r for p in paths for r in _load(p, _bench_rows)])
+    if not groups:
+        raise InputError(f"{', '.join(paths)}: no peak memory (peak_mem_bytes) in any cell")
+    return _draw_memory(groups, out_dir, title)
+
+
+def _draw_memory(groups: dict[tuple, list[dict]], out_dir: str | Path, title: str) -> Path:
+    plt = _plt()
     fig, axes = _grid(plt, len(groups), w=5.2)
     for ax, ((d, mask), rs) in zip(axes, sorted(groups.items())):
         rs = sorted(rs, key=lambda r: r["case"]["seqlen_q"])
         backends = list(dict.fromkeys(b for r in rs for b in r["cells"]))
-        series = {b: [(r["cells"].get(b) or {}).get("peak_mem_bytes") for r in rs] for b in backends}
+        series = {b: [_number((r["cells"].get(b) or {}).get("peak_mem_bytes")) for r in rs] for b in backends}
         series = {b: [y / 2**20 if y else None for y in ys] for b, ys in series.items()}
         _bars(ax, [str(r["case"]["seqlen_q"]) for r in rs], series, "MiB beyond the inputs")
         ax.set_title(f"head_dim {d}, {mask}: peak memory of one fwd+bwd", fontsize=9)
@@ -169,38 +366,93 @@ def _memory(paths: list[str], out_dir: str | Path, title: str) -> Path:
     return _finish(plt, fig, axes, f"peak memory{' - ' + title if title else ''}", Path(out_dir) / "memory.png")
 
 
+def _ran(rows: list, key: str, what: str) -> list[dict]:
+    """The entries of ``rows`` (objects, each with ``label``, ``causal`` and ``results``:
+    backend -> object) where some backend has a forward TFLOP/s (``fwd_tflops``); the
+    others were not reached and are left out.  _Empty when none is left."""
+    out = []
+    for i, r in enumerate(rows):
+        where = f"{key} {i}"
+        results = _get(r, "results", dict, where)
+        _get(r, "label", str, where)
+        _get(r, "causal", bool, where)
+        for name, x in results.items():
+            if not isinstance(x, dict):
+                raise _Bad(f"{where}'s result {name!r} is a JSON {_json_type(x)}, not an object")
+        if any(_number(x.get("fwd_tflops")) for x in results.values()):
+            out.append(r)
+    if not rows:
+        raise _Empty(f"no {key}s")
+    if not out:
+        raise _Empty(f"none of its {len(rows)} {what}s has a forward TFLOP/s (fwd_tflops) in its results "
+                     f"(none ran)")
+    return out
+
+
+@_kind("a mods_bench.py result", "an object whose 'cases' have a 'label', 'causal' and 'results'")
+def _mods_cases(data) -> list[dict]:
+    return _ran(_get(data, "cases", list, "the file"), "case", "case")
+
+
+@_kind("a varlen_bench.py result", "an object whose 'rows' (ragged batches) have a 'label', 'causal' and "
+       "'results'")
+def _varlen_rows(data) -> list[dict]:
+    return _ran(_get(data, "rows", list, "the file"), "row", "problem")
+
+
+def _labels(rows: list[dict]) -> list[str]:
+    return [r["label"] + (" causal" if r["causal"] and "causal" not in r["label"] else "") for r in rows]
+
+
 def mods(paths: list[str], out_dir: str | Path, title: str = "") -> list[Path]:
     """Forward and forward+backward TFLOP/s per score-mod case, every backend that ran."""
+    cases = [c for p in paths for c in _load(p, _mods_cases)]
     plt = _plt()
-    cases = [c for p in paths for c in json.load(open(p))["cases"]
-             if any(r.get("fwd_tflops") for r in c.get("results", {}).values())]  # not reached: left out
     backends = list(dict.fromkeys(b for c in cases for b, r in c["results"].items() if r.get("fwd_tflops")))
     fig, axes = _grid(plt, 2, w=max(6.0, 0.45 * len(cases)), h=4.0, ncols=1)
-    labels = [c["label"] + (" causal" if c["causal"] and "causal" not in c["label"] else "") for c in cases]
+    labels = _labels(cases)
     for ax, metric in zip(axes, ("fwd", "fwdbwd")):
-        series = {b: [c["results"].get(b, {}).get(f"{metric}_tflops") for c in cases] for b in backends}
+        series = {b: [_number(c["results"].get(b, {}).get(f"{metric}_tflops")) for c in cases] for b in backends}
         _bars(ax, labels, series, f"TFLOP/s, {'forward' if metric == 'fwd' else 'forward+backward'}")
     return [_finish(plt, fig, axes, f"score mods{' - ' + title if title else ''}", Path(out_dir) / "mods.png")]
 
 
 def varlen(paths: list[str], out_dir: str | Path, title: str = "") -> list[Path]:
     """Forward and forward+backward TFLOP/s (useful FLOPs) per ragged-batch problem."""
+    rows = [r for p in paths for r in _load(p, _varlen_rows)]
     plt = _plt()
-    rows = [r for p in paths for r in json.load(open(p))["rows"]
-            if any(x.get("fwd_tflops") for x in r.get("results", {}).values())]
     backends = list(dict.fromkeys(b for r in rows for b, x in r["results"].items() if x.get("fwd_tflops")))
     fig, axes = _grid(plt, 2, w=max(6.0, 0.6 * len(rows)), h=4.0, ncols=1)
-    labels = [r["label"] + (" causal" if r["causal"] and "causal" not in r["label"] else "") for r in rows]
+    labels = _labels(rows)
     for ax, (metric, name) in zip(axes, (("fwd", "forward"), ("fwd_bwd", "forward+backward"))):
-        series = {b: [r["results"].get(b, {}).get(f"{metric}_tflops") for r in rows] for b in backends}
+        series = {b: [_number(r["results"].get(b, {}).get(f"{metric}_tflops")) for r in rows] for b in backends}
         _bars(ax, labels, series, f"TFLOP/s (useful FLOPs), {name}")
     return [_finish(plt, fig, axes, f"ragged batches{' - ' + title if title else ''}", Path(out_dir) / "varlen.png")]
 
 
+@_kind("a decode_bench.py result", "an object whose 'rows' have a 'batch', 'seqlen_q', 'cache_len', 'causal' "
+       "and 'results'")
+def _decode_rows(data) -> list[dict]:
+    rows = _get(data, "rows", list, "the file")
+    for i, r in enumerate(rows):
+        where = f"row {i}"
+        for k in ("batch", "seqlen_q", "cache_len"):
+            _get(r, k, int, where)
+        _get(r, "causal", bool, where)
+        for name, x in _get(r, "results", dict, where).items():
+            if not isinstance(x, dict):
+                raise _Bad(f"{where}'s result {name!r} is a JSON {_json_type(x)}, not an object")
+    if not rows:
+        raise _Empty("no rows")
+    if not any(_number(x.get("pct_of_copy")) for r in rows for n, x in r["results"].items() if n != "copy"):
+        raise _Empty("no result has a share of the copy's bandwidth (pct_of_copy)")
+    return rows
+
+
 def decode(paths: list[str], out_dir: str | Path, title: str = "") -> list[Path]:
     """Achieved bandwidth as % of a device copy against cache length, per (batch, seqlen_q)."""
+    rows = [r for p in paths for r in _load(p, _decode_rows)]
     plt = _plt()
-    rows = [r for p in paths for r in json.load(open(p))["rows"]]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["batch"], r["seqlen_q"], r["causal"]), []).append(r)
@@ -209,8 +461,8 @@ def decode(paths: list[str], out_dir: str | Path, title: str = "") -> list[Path]
         rs = sorted(rs, key=lambda r: r["cache_len"])
         names = list(dict.fromkeys(n for r in rs for n in r["results"] if n != "copy"))
         for n in names:
-            pts = [(r["cache_len"], r["results"][n].get("pct_of_copy")) for r in rs
-                   if n in r["results"] and r["results"][n].get("pct_of_copy")]
+            pts = [(r["cache_len"], _number(r["results"][n].get("pct_of_copy"))) for r in rs
+                   if n in r["results"] and _number(r["results"][n].get("pct_of_copy"))]
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, ms=5, mfc="none", lw=1.3, label=n, **style(n))

@@ -14,7 +14,7 @@ Before any compile, each config's shared memory is checked against the device li
 
     PYTHONPATH=$PWD python3 benchmarks/probe_fwd_configs.py --out fwd_probe.json          # GPU
     PYTHONPATH=$PWD python3 benchmarks/probe_fwd_configs.py --configs "" --pipe-qk tuned,64:128:4:2:1 --out p.json
-    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 benchmarks/probe_fwd_configs.py --smoke --out /tmp/f.json
+    PYTHONPATH=$PWD python3 benchmarks/probe_fwd_configs.py --smoke --out /tmp/f.json      # CPU interpreter
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -43,7 +44,12 @@ def main(argv=None) -> int:
                     "j's softmax), comma-separated; 'tuned' is the dispatcher's config")
     ap.add_argument("--budget-s", type=float, default=240.0, help="no shape starts after this many seconds")
     args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: the kernels run in its interpreter
     import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        ap.error("no CUDA GPU: --smoke runs Triton's CPU interpreter (tiny shapes)")
 
     from flashgen import compile as _compile
     from flashgen import ops, resources
