@@ -25,18 +25,29 @@ import sys
 METRICS = ("fwd", "bwd", "fwdbwd")
 
 
-def from_json(path: str) -> list[dict]:
-    """Rows {d, mask, shape, backends: {name: {fwd, bwd, fwdbwd}}} of a bench.json."""
-    data = json.load(open(path))
+def number(x) -> float | None:
+    """A JSON number (bools and anything else: None)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def tflops_rows(rows: list[dict]) -> list[dict]:
+    """Rows {d, mask, shape, backends: {name: {fwd, bwd, fwdbwd}}} of a bench.json's
+    ``rows`` (each a ``case``: sizes, ``causal``, ``window``; and ``cells`` per backend)."""
     out = []
-    for r in data["rows"]:
+    for r in rows:
         c = r["case"]
         mask = "causal" if c["causal"] else "none" if tuple(c["window"]) == (-1, -1) else f"window{c['window']}"
-        cells = {name: {m: cell.get(f"{m}_tflops") for m in METRICS} for name, cell in r["cells"].items()
+        cells = {name: {m: number(cell.get(f"{m}_tflops")) for m in METRICS} for name, cell in r["cells"].items()
                  if not cell.get("error")}
         out.append(dict(d=c["head_dim"], mask=mask,
                         shape=f"{c['batch']}x{c['num_heads']}/{c['num_kv_heads']}x{c['seqlen_q']}", backends=cells))
     return out
+
+
+def from_json(path: str) -> list[dict]:
+    """:func:`tflops_rows` of the bench.json ``path``."""
+    with open(path, encoding="utf-8") as f:
+        return tflops_rows(json.load(f)["rows"])
 
 
 def from_log(path: str) -> list[dict]:

@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import merge_bench  # noqa: E402  (a sibling script: imported by name, as the tests do)
 
+_number = merge_bench.number  # a JSON number, else None
+
 #: One style per backend, fixed across plots so a backend looks the same everywhere.
 STYLE = {
     "flashgen": dict(color="#d62728", marker="o", ls="-"),
@@ -151,11 +153,6 @@ def _kind(what: str, layout: str):
     return mark
 
 
-def _number(x) -> float | None:
-    """A JSON number (bools and anything else: None)."""
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
 def _grid(plt, n: int, w: float = 4.4, h: float = 3.4, ncols: int = 4):
     ncols = min(ncols, n)
     nrows = -(-n // ncols)
@@ -254,20 +251,6 @@ def _bench_rows(data) -> list[dict]:
     return rows
 
 
-def _tflops_rows(rows: list[dict]) -> list[dict]:
-    """:func:`merge_bench.from_json`'s rows ``{d, mask, shape, backends}`` of
-    :func:`_bench_rows`' rows."""
-    out = []
-    for r in rows:
-        c = r["case"]
-        mask = "causal" if c["causal"] else "none" if tuple(c["window"]) == (-1, -1) else f"window{c['window']}"
-        cells = {name: {m: _number(cell.get(f"{m}_tflops")) for m in merge_bench.METRICS}
-                 for name, cell in r["cells"].items() if not cell.get("error")}
-        out.append(dict(d=c["head_dim"], mask=mask,
-                        shape=f"{c['batch']}x{c['num_heads']}/{c['num_kv_heads']}x{c['seqlen_q']}", backends=cells))
-    return out
-
-
 def _log_rows(path: str) -> list[dict]:
     """:func:`merge_bench.from_log` of ``path``, InputError when it has no table."""
     p = Path(path)
@@ -291,7 +274,7 @@ def dense(paths: list[str], out_dir: str | Path, title: str = "", memory: bool =
             bench += _load(p, _bench_rows)
         else:
             rows += _log_rows(p)
-    rows += _tflops_rows(bench)
+    rows += merge_bench.tflops_rows(bench)
     metrics = [(m, label) for m, label in (("fwd", "forward"), ("bwd", "backward"), ("fwdbwd", "forward+backward"))
                if any(cell.get(m) for r in rows for cell in r["backends"].values())]
     if not metrics:
@@ -329,7 +312,7 @@ def dense(paths: list[str], out_dir: str | Path, title: str = "", memory: bool =
         out.append(_finish(plt, fig, axes, f"TFLOP/s, {label}{' - ' + title if title else ''}",
                            Path(out_dir) / f"tflops_{metric}.png"))
     if memory:
-        out.append(_draw_memory(mem, out_dir, title))
+        out.append(_memory(mem, out_dir, title))
     return out
 
 
@@ -344,15 +327,7 @@ def _memory_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
             if any(_number(cell.get("peak_mem_bytes")) for r in rs for cell in r["cells"].values())}
 
 
-def _memory(paths: list[str], out_dir: str | Path, title: str) -> Path:
-    """The peak-memory plot of ``flashgen bench`` JSON files."""
-    groups = _memory_groups([r for p in paths for r in _load(p, _bench_rows)])
-    if not groups:
-        raise InputError(f"{', '.join(paths)}: no peak memory (peak_mem_bytes) in any cell")
-    return _draw_memory(groups, out_dir, title)
-
-
-def _draw_memory(groups: dict[tuple, list[dict]], out_dir: str | Path, title: str) -> Path:
+def _memory(groups: dict[tuple, list[dict]], out_dir: str | Path, title: str) -> Path:
     plt = _plt()
     fig, axes = _grid(plt, len(groups), w=5.2)
     for ax, ((d, mask), rs) in zip(axes, sorted(groups.items())):

@@ -715,16 +715,18 @@ def _writing(db: Path, what: str = "--db"):
         with _user_errors(db):
             yield
     except BaseException:
-        if db in existed and not (was_empty and row_count(db) == 0):
-            tidy_side_files(db)  # never removed; the -wal / -shm files a read made, tidied
-        elif row_count(db) == 0:  # nothing was measured or imported: leave nothing behind
+        if (db not in existed or was_empty) and row_count(db) == 0:
+            # nothing was measured or imported: leave nothing behind (the user's empty
+            # file as it was, without the schema the run wrote)
             for p in side:
                 if p not in existed and p.exists():
                     p.unlink()
-            if was_empty:  # the user's empty file as it was, without the schema the run wrote
+            if was_empty:
                 db.write_bytes(b"")
             elif db.exists():
                 db.unlink()
+        elif db in existed:
+            tidy_side_files(db)  # never removed; the -wal / -shm files a read made, tidied
         raise
 
 

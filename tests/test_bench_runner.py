@@ -165,7 +165,7 @@ def test_dense_reads_the_older_list_of_shapes(tmp_path, capsys):
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
     assert Path(OLD_BENCH).read_bytes() == before
-    rows = plots._tflops_rows(plots._load(OLD_BENCH, plots._bench_rows))
+    rows = plots.merge_bench.tflops_rows(plots._load(OLD_BENCH, plots._bench_rows))
     assert len(rows) == 40
     first = rows[0]
     assert (first["d"], first["mask"], first["shape"]) == (64, "none", "32x32/32x512")

@@ -105,7 +105,7 @@ def test_every_backend_of_the_memory_plot_is_drawn(tmp_path):
 
     plt.Figure.savefig = spy
     try:
-        plots._memory([str(src)], tmp_path, "")
+        plots.dense([str(src)], tmp_path, memory=True)  # TFLOP/s lines, memory bars
     finally:
         plt.Figure.savefig = real
     backends = json.loads(src.read_text())["meta"]["backends"]
