@@ -10,9 +10,9 @@ median, L2 flushed).  The order of the adds into each dQ tile does not depend on
 interleave, so the gradients of every value are compared bitwise with the first one's.
 Random inputs: timing and that comparison only.
 
-    PYTHONPATH=. python3 benchmarks/probe_head_group.py --out hg_probe.json
+    PYTHONPATH=. python3 benchmarks/probe_head_group.py --out hg_probe.json [--shape B,H,HKV,S,D[,causal]]...
 
-Prints per shape the pairs, both rules' values and times, and the best value last.
+``--shape`` (repeatable) replaces the default shapes.  Prints per shape the pairs, both rules' values and times, and the best value last.
 """
 
 from __future__ import annotations
@@ -34,6 +34,20 @@ SHAPES = ([(b, 16, 16, s, 128, c) for c in (True, False)
              for b, s in ((1, 2048), (8, 2048), (2, 4096), (4, 4096), (1, 8192), (4, 8192), (8, 8192), (4, 1024))])
 
 
+def parse_shape(spec: str) -> tuple:
+    """(batch, num_heads, num_kv_heads, seqlen, head_dim, causal) from "B,H,HKV,S,D[,causal]"."""
+    parts = spec.split(",")
+    if len(parts) not in (5, 6) or (len(parts) == 6 and parts[5] != "causal"):
+        raise argparse.ArgumentTypeError(f"--shape {spec!r}: B,H,HKV,S,D or B,H,HKV,S,D,causal")
+    try:
+        b, h, hk, s, d = (int(x) for x in parts[:5])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {spec!r}: B, H, HKV, S and D are integers") from None
+    if min(b, h, hk, s, d) < 1 or h % hk:
+        raise argparse.ArgumentTypeError(f"--shape {spec!r}: positive sizes, H a multiple of HKV")
+    return b, h, hk, s, d, len(parts) == 6
+
+
 def earlier_rule(config, pairs: int, seqlen_q: int, group: int, *, mask: bool, sm_count: int) -> int:
     """HEAD_GROUP as the launcher chose it before: 2 * parts * SMs / steps, rounded up,
     at most the pairs (not a divisor of them in general)."""
@@ -46,6 +60,8 @@ def earlier_rule(config, pairs: int, seqlen_q: int, group: int, *, mask: bool, s
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="hg_probe.json")
+    ap.add_argument("--shape", action="append", type=parse_shape, default=None,
+                    help="B,H,HKV,S,D[,causal] (repeatable; replaces the default shapes)")
     a = ap.parse_args()
     import torch
     import triton.testing
@@ -58,7 +74,7 @@ def main() -> int:
     rule = B.ordered_head_group
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for (b, h, hk, s, d, causal) in SHAPES:
+    for (b, h, hk, s, d, causal) in a.shape or SHAPES:
         q, do, o = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         lse = torch.randn(b, h, s, device="cuda", dtype=torch.float32).abs() + 5.0

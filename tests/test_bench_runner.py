@@ -257,3 +257,18 @@ def test_fwd_config_probe_without_a_gpu_asks_for_smoke(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--smoke runs Triton's CPU interpreter" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "f.json").exists()
+
+
+def test_probe_head_group_shape_argument():
+    """benchmarks/probe_head_group.py --shape: B,H,HKV,S,D[,causal], checked before any GPU work."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("probe_head_group", ROOT / "benchmarks" / "probe_head_group.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_shape("1,32,8,1024,128,causal") == (1, 32, 8, 1024, 128, True)
+    assert mod.parse_shape("4,16,16,4096,64") == (4, 16, 16, 4096, 64, False)
+    for bad in ("1,32,8", "1,32,8,1024,128,window", "1,32,6,1024,128", "0,32,8,1024,128", "a,32,8,1024,128"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--shape"):
+            mod.parse_shape(bad)
