@@ -85,7 +85,7 @@ def main() -> int:
             continue
         g = bwd_config(cfg)
         pairs, group = b * hk * g.group_split, h // hk // g.group_split
-        now = rule(g, pairs, s, group, mask=causal, sm_count=sms)
+        now = rule(g, pairs, s, group, mask=causal, sm_count=sms, seqlen_k=s)
         before = earlier_rule(g, pairs, s, group, mask=causal, sm_count=sms)
         times, ref = {}, None
         try:

@@ -272,3 +272,16 @@ def test_probe_head_group_shape_argument():
     for bad in ("1,32,8", "1,32,8,1024,128,window", "1,32,6,1024,128", "0,32,8,1024,128", "a,32,8,1024,128"):
         with pytest.raises(argparse.ArgumentTypeError, match="--shape"):
             mod.parse_shape(bad)
+
+
+def test_ordered_schedule_model_runs_on_the_cpu():
+    """benchmarks/ordered_schedule_model.py: the model's table for one shape of two waves,
+    where the launcher's rule interleaves every pair and the model finds that best."""
+    r = subprocess.run([sys.executable, "benchmarks/ordered_schedule_model.py", "--shape", "1,32,8,2048,2"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = r.stdout.strip().splitlines()[-1]
+    assert row.startswith("1,32,8,2048,2 | 16 | 256 |") and row.endswith("16*:1.00"), row
+    bad = subprocess.run([sys.executable, "benchmarks/ordered_schedule_model.py", "--shape", "1,32,8,2000,2"], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "a multiple of 128" in bad.stderr

@@ -993,6 +993,34 @@ def test_ordered_grid_interleaves_pairs_and_waits_only_on_earlier_programs():
                 assert pairs % hg == 0 or pairs - (groups - 1) * hg >= hg - groups, (pairs, sq, sms, hg)
     split = dataclasses.replace(B.default_config(64), dq_mode="ordered", split=True, stages=4)
     assert B.ordered_head_group(split, 256, 2048, 1, mask=False, sm_count=132) == 8  # two partitions: 2 * 132 / 32
+    # a grid of at most two waves (pairs x key blocks of 128 rows <= 2 x SMs) interleaves every pair
+    assert cfg.block_nt == 128
+    assert B.ordered_head_group(cfg, 16, 2048, 2, mask=True, sm_count=132) == 4  # without seqlen_k: the cap
+    assert B.ordered_head_group(cfg, 16, 2048, 2, mask=True, sm_count=132, seqlen_k=2048) == 16  # 256 programs
+    assert B.ordered_head_group(cfg, 32, 1024, 1, mask=True, sm_count=132, seqlen_k=1024) == 32  # 256
+    assert B.ordered_head_group(cfg, 33, 1024, 1, mask=True, sm_count=132, seqlen_k=1024) == 33  # 264: two waves
+    assert B.ordered_head_group(cfg, 34, 1024, 1, mask=True, sm_count=132, seqlen_k=1024) == \
+        B.ordered_head_group(cfg, 34, 1024, 1, mask=True, sm_count=132) == 12  # 272 programs: the cap's rule
+    assert B.ordered_head_group(cfg, 16, 2048, 2, mask=True, sm_count=114, seqlen_k=2048) == 2  # 256 > 228: the cap's
+    assert B.ordered_head_group(cfg, 3, 2048, 1, mask=True, sm_count=132, seqlen_k=100) == 3  # a partial key block
+    assert B.ordered_head_group(cfg, 128, 1024, 1, mask=True, sm_count=132, seqlen_k=1024) == 16  # 1024 programs
+
+
+def test_the_launcher_gives_the_rule_seqlen_k(monkeypatch):
+    """launch_args passes seqlen_k to ordered_head_group (the two-wave case needs it)."""
+    seen = {}
+
+    def rule(*args, **kw):
+        seen.update(kw)
+        return 1
+
+    monkeypatch.setattr(B, "ordered_head_group", rule)
+    cfg = dataclasses.replace(B.default_config(128), dq_mode="ordered")
+    q = torch.empty(1, 4, 300, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 500, 128, dtype=torch.bfloat16)
+    lse = torch.empty(1, 4, 300, dtype=torch.float32)
+    a = B.launch_args(q, q, k, k, q, lse, softmax_scale=0.1, diag_lo=-500, diag_hi=200, config=cfg)
+    assert seen["seqlen_k"] == 500 and a["head_group"] == 1
 
 
 def test_head_group_probe_keeps_the_earlier_rule():

@@ -1066,7 +1066,7 @@ def launch_args(do, q, k, v, o, lse, *, softmax_scale: float, diag_lo: int, diag
         # kernel needs them zero again
         out["sem"] = torch.zeros((b * h, m_pad // c.block_m), dtype=torch.int32, device=dev)
         out["head_group"] = ordered_head_group(c, b * hk * gs, sq, h // hk // gs, mask=diag_lo > -sq or diag_hi < sk,
-                                               sm_count=_sm_count(dev))
+                                               sm_count=_sm_count(dev), seqlen_k=sk)
     if gs == 1 and not (dk.is_contiguous() and dv.is_contiguous()):
         # the main kernel stores contiguous dK, dV: into these, then copied ("copy")
         main_dk, main_dv = torch.empty((b, hk, sk, d), dtype=k.dtype, device=dev), \
@@ -1138,7 +1138,7 @@ def _sm_count(device) -> int:
 
 
 def ordered_head_group(config: GluonBwdConfig, pairs: int, seqlen_q: int, group: int, *, mask: bool,
-                       sm_count: int) -> int:
+                       sm_count: int, seqlen_k: int | None = None) -> int:
     """How many (batch, kv head) pairs the ordered backward's 1-D grid interleaves
     (HEAD_GROUP).  The adds into one dQ tile are a chain, so one pair starts at most one
     program per step of its chain (a step: one (query head, query block) tile; a program
@@ -1154,9 +1154,22 @@ def ordered_head_group(config: GluonBwdConfig, pairs: int, seqlen_q: int, group:
     docs/design.md, the ordered dQ).  Where that divisor is at most half the cap (a pair
     count with few divisors, e.g. a prime), the pairs are split into the fewest groups
     of at most ``cap`` instead, as equal as they come (the last smaller by at most one
-    pair per group): not measured."""
+    pair per group): not measured.
+
+    With ``seqlen_k`` given, a grid of at most two waves (pairs x key blocks <= 2 x
+    ``sm_count`` programs) interleaves all the pairs: with so few programs every chain
+    should start at once, and a later group's chains, whose longest programs come last,
+    end the kernel.  Measured on the H200 at the one such shape of the probe above
+    (1x32/8x2048 causal, group split 2: 16 pairs, 256 programs): 0.2939 ms with all 16
+    pairs against 0.3157 at the cap's 4 (docs/results/h200/gluon_bwd/head-group/
+    hg_probe.json); the list-schedule model (benchmarks/ordered_schedule_model.py, no
+    memory effects) predicts 1.15x at 1x32/8x1024 (group split 4), not measured.  Past
+    two waves the model, which favours the most pairs everywhere, disagrees with the
+    measurements (the caches, suspected), so the cap stays."""
     if pairs <= 1:
         return 1
+    if seqlen_k is not None and pairs * -(-seqlen_k // config.block_nt) <= 2 * sm_count:
+        return pairs
     steps = ordered_steps(config, seqlen_q, group, mask=mask)
     cap = max(1, min(pairs, int(config.parts * sm_count / steps)))
     whole = largest_divisor(pairs, cap)
