@@ -29,10 +29,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-#: (batch, num_heads, num_kv_heads, seqlen, group_split): the Llama-3-8B keys whose
-#: deterministic backward was profiled (design.md, the ordered dQ) and two of the grid's
+from flashgen.families.gluon import bwd as B  # noqa: E402
+
+#: (batch, num_heads, num_kv_heads, seqlen, group_split): the three Llama-3-8B keys whose
+#: deterministic backward was profiled (design.md, the ordered dQ), two more Llama-3-8B
+#: keys and one of the dense grid's
 SHAPES = ("1,32,8,1024,4", "2,32,8,1024,4", "8,32,8,1024,1", "1,32,8,2048,2", "4,32,8,2048,2", "16,16,16,1024,1")
-BLOCK_NT, BLOCK_M, SLOTS = 128, 64, 2
+#: The tile modelled: the lock-step ordered writer tile; its key rows per program and
+#: query rows per block; the writer's staging buffers.
+CONFIG = B.GluonBwdConfig(block_m=64, block_n=64, consumers=2, stages=2, dq_mode="ordered", dq_writer=True)
+BLOCK_NT, BLOCK_M, SLOTS = CONFIG.block_nt, CONFIG.block_m, 2
 
 
 def programs(pairs: int, seqlen: int, heads: int) -> dict:
@@ -87,9 +93,6 @@ def main() -> int:
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--add", type=float, default=0.3, help="an add's time, in steps")
     a = ap.parse_args()
-    from flashgen.families.gluon import bwd as B
-
-    cfg = B.GluonBwdConfig(block_m=BLOCK_M, block_n=64, consumers=2, stages=2, dq_mode="ordered", dq_writer=True)
     print("shape (B,H,HKV,S,GS) | pairs | programs | ideal / best | longest-first unordered / best | "
           "ordered by HEAD_GROUP / best (* the rule's)")
     for b, h, hk, s, gs in a.shape or [parse_shape(x) for x in SHAPES]:
@@ -98,7 +101,7 @@ def main() -> int:
         n_kb = s // BLOCK_NT
         total = sum(len(t) for t in progs.values())
         lpt = makespan(sorted(progs, key=lambda k: -len(progs[k])), progs, a.sms, a.add, False, s)
-        rule = B.ordered_head_group(cfg, pairs, s, heads, mask=True, sm_count=a.sms, seqlen_k=s)
+        rule = B.ordered_head_group(CONFIG, pairs, s, heads, mask=True, sm_count=a.sms, seqlen_k=s)
         times = {}
         for hg in sorted({rule} | {1 << i for i in range(16) if (1 << i) <= pairs and pairs % (1 << i) == 0}):
             order = []
